@@ -1,0 +1,3 @@
+from sparkwatch.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,308 @@
+"""The only module that sends signals.
+
+A kill, in the guard's thread and with no fork, no disk sync and no waiting:
+1. pin every member of every tree with a pidfd, and check its start time, so a reused PID is never hit;
+2. SIGSTOP them all, then sweep each stopped member's children for anything forked meanwhile (a ninja spawning nvcc)
+   until the tree stops growing;
+3. where a tree is alone in its own cgroup v2 (an engine under `systemd-run --scope`), write cgroup.kill, which is
+   atomic against forks; never on a cgroup that holds anything else;
+4. SIGKILL every member through its pidfd (vLLM mid-allocation ignores SIGTERM: the field lost 10 s waiting).
+
+Then the Reaper thread, started before the first poll, takes over: process_mrelease on each victim (largest first)
+so the pool comes back before the last thread exits, waits on the pidfds, measures, and writes the record.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import queue
+import select
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from sparkwatch import syscalls
+from sparkwatch.core.engines import EngineRules, Scope, is_protected
+from sparkwatch.core.killrecord import KillFacts
+from sparkwatch.model import EngineTree, Proc
+from sparkwatch.sources.meminfo import MeminfoError, MeminfoReader
+from sparkwatch.sources.procs import ProcParseError, ProcScanner, read_children, read_start_ticks
+
+MAX_SWEEPS = 16  # fork sweeps after the stop; a tree that still grows after this many is caught by cgroup or SIGKILL
+
+
+@dataclass
+class Victim:
+    proc: Proc
+    engine: str
+    pidfd: int
+    tree_root: int
+
+
+@dataclass
+class KillJob:
+    """Handed from the guard thread to the reaper: what was signalled and when."""
+
+    facts: KillFacts
+    victims: list[Victim]
+    detected_at: float
+    signaled_at: float | None
+    available_at_signal: int
+    notes: list[str] = field(default_factory=list)
+
+
+def find_cgroup2_mount(proc_root: Path) -> Path | None:
+    """Where the unified hierarchy is mounted (/sys/fs/cgroup, or /sys/fs/cgroup/unified on hybrid boxes)."""
+    try:
+        with open(proc_root / "self" / "mountinfo", encoding="utf-8", errors="replace") as fh:
+            for line in fh:
+                pre, _, post = line.partition(" - ")
+                if post.split(" ", 1)[0] == "cgroup2":
+                    return Path(pre.split()[4])
+    except OSError:
+        pass
+    return None
+
+
+def _cgroup2_path(proc_root: Path, pid: int) -> str | None:
+    try:
+        with open(proc_root / str(pid) / "cgroup", encoding="utf-8", errors="replace") as fh:
+            for line in fh:
+                if line.startswith("0::"):
+                    return line[3:].strip()
+    except OSError:
+        pass
+    return None
+
+
+def _cgroup_members(cgroup_dir: Path) -> set[int] | None:
+    """Every pid in the cgroup and its descendants, None if unreadable."""
+    pids: set[int] = set()
+    try:
+        for dirpath, _dirs, files in os.walk(cgroup_dir):
+            if "cgroup.procs" in files:
+                with open(os.path.join(dirpath, "cgroup.procs"), encoding="ascii") as fh:
+                    pids.update(int(x) for x in fh.read().split())
+    except (OSError, ValueError):
+        return None
+    return pids
+
+
+class Killer:
+    def __init__(
+        self, proc_root: Path, rules: EngineRules, scope: Scope, dry_run: bool = False, cgroup_root: Path | None = None
+    ) -> None:
+        self.proc_root = proc_root
+        self.rules = rules
+        self.scope = scope
+        self.dry_run = dry_run
+        # Resolved once at start-up, not on the kill path.
+        self.cgroup_root = cgroup_root if cgroup_root is not None else find_cgroup2_mount(proc_root)
+        self._own_cgroup = _cgroup2_path(proc_root, os.getpid())
+        self._scanner = ProcScanner(proc_root)  # this thread's own scanner for swept children
+
+    def kill(self, trees: Iterable[EngineTree]) -> tuple[list[Victim], float | None, list[str], str]:
+        """Stop and SIGKILL every tree. Returns (victims, monotonic time of the last SIGKILL, notes, method)."""
+        notes: list[str] = []
+        victims: dict[int, Victim] = {}
+        trees = list(trees)
+        for tree in trees:
+            for proc in tree.members:
+                victim = self._pin(proc, tree.kind, tree.root.pid)
+                if victim is not None:
+                    victims[proc.pid] = victim
+        if self.dry_run:
+            for v in victims.values():
+                os.close(v.pidfd)
+            return list(victims.values()), None, notes, "dry-run"
+
+        for v in list(victims.values()):
+            self._signal(v, signal.SIGSTOP)
+        self._sweep_children(victims, notes)
+
+        method = "pidfd"
+        for tree in trees:
+            if self._cgroup_kill(tree, victims, notes):
+                method = "cgroup.kill+pidfd"
+        for v in victims.values():
+            self._signal(v, signal.SIGKILL)
+        return list(victims.values()), time.monotonic(), notes, method
+
+    def _pin(self, proc: Proc, engine: str, root: int) -> Victim | None:
+        try:
+            fd = syscalls.pidfd_open(proc.pid)
+        except ProcessLookupError:
+            return None
+        except OSError:
+            return None
+        # The pidfd now pins whatever holds this pid. If its start time differs from the scan's, the pid was reused.
+        if read_start_ticks(self.proc_root, proc.pid) != proc.start_ticks:
+            os.close(fd)
+            return None
+        return Victim(proc=proc, engine=engine, pidfd=fd, tree_root=root)
+
+    def _signal(self, victim: Victim, sig: int) -> None:
+        try:
+            syscalls.pidfd_send_signal(victim.pidfd, sig)
+        except ProcessLookupError:
+            pass  # already exited
+        except OSError as exc:
+            print(f"sparkwatch: signal {sig} to pid {victim.proc.pid} failed: {exc}", file=sys.stderr)
+
+    def _sweep_children(self, victims: dict[int, Victim], notes: list[str]) -> None:
+        """Catch what the tree forked between the scan and the stop; stop it too, until nothing new appears."""
+        frontier = list(victims.values())
+        for _ in range(MAX_SWEEPS):
+            found: list[Victim] = []
+            for parent in frontier:
+                children = read_children(self.proc_root, parent.proc.pid)
+                if children is None:
+                    children = [p.pid for p in self._scanner.scan().procs if p.ppid == parent.proc.pid]
+                for pid in children:
+                    if pid in victims:
+                        continue
+                    try:
+                        proc = self._scanner.read_proc(pid)
+                    except (ProcParseError, ValueError):
+                        continue
+                    if proc is None or proc.ppid != parent.proc.pid or not self._may_touch(proc):
+                        continue
+                    victim = self._pin(proc, parent.engine, parent.tree_root)
+                    if victim is None:
+                        continue
+                    victims[pid] = victim
+                    self._signal(victim, signal.SIGSTOP)
+                    found.append(victim)
+            if not found:
+                return
+            frontier = found
+        notes.append(f"tree still growing after {MAX_SWEEPS} sweeps")
+
+    def _may_touch(self, proc: Proc) -> bool:
+        return (
+            not proc.is_kernel_thread
+            and proc.pid not in (1, 2, self.scope.self_pid)
+            and (self.scope.own_uid == 0 or proc.uid == self.scope.own_uid)
+            and not is_protected(proc, self.rules)
+        )
+
+    def _cgroup_kill(self, tree: EngineTree, victims: dict[int, Victim], notes: list[str]) -> bool:
+        if self.cgroup_root is None:
+            return False
+        path = _cgroup2_path(self.proc_root, tree.root.pid)
+        if not path or path == "/" or path == self._own_cgroup:
+            return False
+        if self._own_cgroup and (self._own_cgroup + "/").startswith(path.rstrip("/") + "/"):
+            return False  # our own cgroup lies inside: never
+        cgroup_dir = self.cgroup_root / path.lstrip("/")
+        members = _cgroup_members(cgroup_dir)
+        tree_pids = {pid for pid, v in victims.items() if v.tree_root == tree.root.pid}
+        if not members or not members <= tree_pids:
+            return False  # the cgroup holds something that is not this tree: signal processes instead
+        try:
+            (cgroup_dir / "cgroup.kill").write_text("1")
+        except OSError as exc:
+            notes.append(f"cgroup.kill on {path} failed: {exc.strerror}")
+            return False
+        notes.append(f"cgroup.kill {path}")
+        return True
+
+
+class Reaper:
+    """Finishes each kill off the guard's thread: mrelease, wait for exit, measure, record."""
+
+    def __init__(
+        self,
+        proc_root: Path,
+        announce: Callable[[KillJob], None],
+        finish: Callable[[KillJob, KillFacts], None],
+        wait_s: float = 10.0,
+        settle_s: float = 0.5,
+    ) -> None:
+        self._queue: queue.SimpleQueue[KillJob | None] = queue.SimpleQueue()
+        self._announce = announce
+        self._finish = finish
+        self.wait_s = wait_s
+        self._settle_s = settle_s
+        self._meminfo = MeminfoReader(proc_root)
+        self._thread = threading.Thread(target=self._run, name="sparkwatch-reaper", daemon=True)
+        self.mrelease_supported: bool | None = None
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit(self, job: KillJob) -> None:
+        self._queue.put(job)
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout)
+
+    def _run(self) -> None:
+        while True:
+            job = self._queue.get()
+            if job is None:
+                return
+            try:
+                self._announce(job)
+                self._finish(job, self.reap(job))
+            except Exception as exc:  # the reaper must outlive any one bad job
+                print(f"sparkwatch: reaper error: {exc!r}", file=sys.stderr)
+
+    def reap(self, job: KillJob) -> KillFacts:
+        if job.signaled_at is None:  # dry run: nothing to wait for
+            return job.facts
+        for v in sorted(job.victims, key=lambda v: -v.proc.rss_bytes):
+            err = syscalls.process_mrelease(v.pidfd)
+            if err == errno.ENOSYS:
+                self.mrelease_supported = False
+                break
+            self.mrelease_supported = True
+        survivors = self._wait_exit(job.victims, job.signaled_at + self.wait_s)
+        reaped_at = time.monotonic()
+        reclaimed = self._reclaimed(job.available_at_signal)
+        for v in job.victims:
+            os.close(v.pidfd)
+        return replace(
+            job.facts,
+            detect_to_signal_ms=(job.signaled_at - job.detected_at) * 1000,
+            signal_to_reaped_ms=None if survivors else (reaped_at - job.signaled_at) * 1000,
+            reclaimed_bytes=reclaimed,
+            survivors=tuple(v.proc.pid for v in survivors),
+        )
+
+    @staticmethod
+    def _wait_exit(victims: list[Victim], deadline: float) -> list[Victim]:
+        """Wait until every pidfd reports exit (POLLIN) or the deadline passes; returns those still alive."""
+        poller = select.poll()
+        pending = {v.pidfd: v for v in victims}
+        for fd in pending:
+            poller.register(fd, select.POLLIN)
+        while pending:
+            remaining_ms = int((deadline - time.monotonic()) * 1000)
+            if remaining_ms <= 0:
+                break
+            for fd, _ in poller.poll(remaining_ms):
+                pending.pop(fd, None)
+                poller.unregister(fd)
+        return list(pending.values())
+
+    def _reclaimed(self, available_at_signal: int) -> int | None:
+        """MemAvailable gained since the signal, best of a few looks over settle_s: the pool returns with a lag."""
+        best: int | None = None
+        deadline = time.monotonic() + self._settle_s
+        while True:
+            try:
+                avail = self._meminfo.read().available_bytes
+                best = avail if best is None else max(best, avail)
+            except MeminfoError:
+                pass
+            if time.monotonic() >= deadline:
+                break
+            time.sleep(0.05)
+        return None if best is None else best - available_at_signal

@@ -1,0 +1,66 @@
+"""The `sparkwatch` command. Each subcommand lives in its own module with `add_parser` and `run`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+from sparkwatch import __version__
+from sparkwatch.config import ConfigError, Settings, load_settings
+
+from . import check_config, engines, events, run
+
+COMMANDS: tuple[ModuleType, ...] = (run, engines, events, check_config)
+
+
+def common_parser() -> argparse.ArgumentParser:
+    parent = argparse.ArgumentParser(add_help=False)
+    parent.add_argument(
+        "--config",
+        type=Path,
+        metavar="FILE",
+        help="TOML config file (default: $XDG_CONFIG_HOME/sparkwatch/config.toml if present)",
+    )
+    parent.add_argument("--proc-root", type=Path, metavar="DIR", help="where /proc is read from (default /proc)")
+    parent.add_argument(
+        "--root", type=Path, metavar="DIR", help="root under which every other system path is read (default /)"
+    )
+    return parent
+
+
+def settings_from(args: argparse.Namespace, **overrides: Any) -> Settings:
+    """Load settings with the command line on top. Raises ConfigError."""
+    flags = {"proc_root": args.proc_root, "root": args.root, **overrides}
+    return load_settings(args.config, flags)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="sparkwatch",
+        description="Node agent for NVIDIA DGX Spark: guards the unified memory pool, exports telemetry.",
+    )
+    parser.add_argument("--version", action="version", version=f"sparkwatch {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    parent = common_parser()
+    for module in COMMANDS:
+        module.add_parser(sub, parent)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        code: int = args.handler(args)
+    except ConfigError as exc:
+        print(f"sparkwatch: config error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:
+        return 0
+    return code

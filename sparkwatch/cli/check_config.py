@@ -1,0 +1,29 @@
+"""`sparkwatch check-config`: validate the configuration and print the effective settings."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+
+def add_parser(sub: Any, parent: argparse.ArgumentParser) -> None:
+    p = sub.add_parser("check-config", parents=[parent], help="validate config, print the effective settings")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(handler=handle)
+
+
+def handle(args: argparse.Namespace) -> int:
+    from sparkwatch.cli import settings_from
+
+    settings = settings_from(args)
+    data = settings.public_dict()
+    if args.json:
+        print(json.dumps(data, indent=2))
+        return 0
+    width = max(len(k) for k in data)
+    for key, value in data.items():
+        shown = ", ".join(map(str, value)) if isinstance(value, list) else ("-" if value is None else value)
+        print(f"{key:<{width}}  {shown}")
+    print("config ok")
+    return 0

@@ -1,0 +1,236 @@
+"""The guard loop: the most important code in sparkwatch.
+
+It reads /proc/meminfo through a kept-open fd, feeds core.guard.step, and on a trigger scans for engine trees and
+hands them to the killer, all in its own thread. It never waits on NVML, HTTP, disk sync or a webhook: the record of
+a kill is written by the Reaper thread. Between samples it sleeps in poll(2) on a PSI memory trigger (where the kernel
+lets us create one) and a wake-up pipe, so pressure or shutdown wake it early.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from sparkwatch.actuators.events import EventLog, EventLogError, make_event
+from sparkwatch.actuators.killer import Killer, KillJob, Reaper
+from sparkwatch.config import Settings
+from sparkwatch.core import guard as core
+from sparkwatch.core.engines import EngineRules, Scope, find_engine_trees
+from sparkwatch.core.killrecord import KillFacts, kill_fields, kill_line, kill_summary, victims_of
+from sparkwatch.model import MemInfo
+from sparkwatch.sources.meminfo import MeminfoError, MeminfoReader
+from sparkwatch.sources.procs import ProcScanner
+
+# Bucket edges for guard_kill_duration_seconds (detect -> last member reaped). Target: median <= 150 ms.
+KILL_DURATION_BUCKETS_S = (0.025, 0.05, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+# A PSI trigger: wake when tasks stalled on memory for 150 ms within a 2 s window (2 s is the smallest window an
+# unprivileged process may use). Without swap PSI reacts late, so this only ever shortens a sleep.
+PSI_TRIGGER = b"some 150000 2000000\0"
+
+
+@dataclass
+class GuardStats:
+    """Counters the guard and reaper update and the exporter reads (under the lock)."""
+
+    mem: MemInfo | None = None
+    fill_rate_bytes_per_s: float = 0.0
+    poll_interval_s: float = 0.0
+    armed: bool = True
+    kills_total: dict[str, int] = field(default_factory=dict)
+    killed_processes_total: int = 0
+    last_kill_timestamp_s: float | None = None
+    kill_duration_bucket_counts: list[int] = field(default_factory=lambda: [0] * (len(KILL_DURATION_BUCKETS_S) + 1))
+    kill_duration_sum_s: float = 0.0
+    kill_duration_count: int = 0
+    meminfo_errors_total: int = 0
+    last_error: str | None = None
+    last_loop_monotonic: float = 0.0
+    psi_trigger: bool = False
+
+    def observe_kill_duration(self, seconds: float) -> None:
+        for i, edge in enumerate(KILL_DURATION_BUCKETS_S):
+            if seconds <= edge:
+                self.kill_duration_bucket_counts[i] += 1
+                break
+        else:
+            self.kill_duration_bucket_counts[-1] += 1
+        self.kill_duration_sum_s += seconds
+        self.kill_duration_count += 1
+
+
+def _log(line: str) -> None:
+    try:
+        print(line, file=sys.stderr, flush=True)
+    except OSError:
+        pass  # stderr gone (journald restarting): the event log still has it
+
+
+class Guard:
+    def __init__(self, settings: Settings, events: EventLog, heartbeat: Callable[[float], None] | None = None) -> None:
+        self.settings = settings
+        self.events = events
+        self.heartbeat = heartbeat
+        self.params = core.GuardParams(
+            floor_bytes=settings.floor,
+            kill_budget_s=settings.kill_budget_s,
+            debounce_samples=settings.debounce_samples,
+            poll_min_s=settings.poll_min_s,
+            poll_max_s=settings.poll_max_s,
+            rearm_headroom_bytes=settings.rearm_headroom,
+        )
+        self.rules = EngineRules.build(settings.engine_patterns, settings.protect_patterns)
+        self.scope = Scope(self_pid=os.getpid(), own_uid=os.geteuid(), ancestor_pid=settings.ancestor_pid)
+        self.stats = GuardStats()
+        self.lock = threading.Lock()
+        self.state = core.GuardState()
+        # Everything the kill path needs exists before the first poll: fds open, threads started, code imported.
+        self.meminfo = MeminfoReader(settings.proc_root)
+        self.scanner = ProcScanner(settings.proc_root)
+        self.killer = Killer(settings.proc_root, self.rules, self.scope, dry_run=settings.dry_run)
+        self.reaper = Reaper(settings.proc_root, self._announce, self._finish)
+        self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self._poller = select.poll()
+        self._poller.register(self._wake_r, select.POLLIN)
+        self._psi_fd = self._open_psi_trigger(settings.proc_root)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._last_error_logged = 0.0
+
+    # --- lifecycle
+    def start(self) -> None:
+        self.reaper.start()
+        self._thread = threading.Thread(target=self.run, name="sparkwatch-guard", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        try:
+            os.write(self._wake_w, b"x")
+        except OSError:
+            pass
+        if self._thread is not None:
+            self._thread.join(5)
+        self.reaper.stop()
+
+    def _open_psi_trigger(self, proc_root: Path) -> int | None:
+        try:
+            fd = os.open(proc_root / "pressure" / "memory", os.O_RDWR | os.O_NONBLOCK | os.O_CLOEXEC)
+        except OSError:
+            return None
+        try:
+            os.write(fd, PSI_TRIGGER)
+        except OSError:
+            os.close(fd)
+            return None
+        self._poller.register(fd, select.POLLPRI)
+        self.stats.psi_trigger = True
+        return fd
+
+    # --- the loop
+    def run(self) -> None:
+        interval = self.params.poll_min_s
+        while not self._stop.is_set():
+            interval = self.tick()
+            self._sleep(interval)
+
+    def tick(self) -> float:
+        """One look at meminfo, and a kill if due. Returns the seconds to sleep."""
+        now = time.monotonic()
+        try:
+            mem = self.meminfo.read()
+        except MeminfoError as exc:
+            # A parse error is never a reason to kill: report it, keep the last good state, look again soon.
+            with self.lock:
+                self.stats.meminfo_errors_total += 1
+                self.stats.last_error = str(exc)
+                self.stats.last_loop_monotonic = now
+            if now - self._last_error_logged > 60:
+                self._last_error_logged = now
+                _log(f"sparkwatch: ERROR {exc}")
+            self._beat(now)
+            return self.params.poll_min_s * 4
+        self.state, decision = core.step(self.state, self.params, now, mem.available_bytes)
+        with self.lock:
+            self.stats.mem = mem
+            self.stats.fill_rate_bytes_per_s = self.state.fill_rate_bytes_per_s
+            self.stats.poll_interval_s = decision.next_interval_s
+            self.stats.armed = self.state.armed
+            self.stats.last_loop_monotonic = now
+        if decision.rearmed:
+            _log(f"sparkwatch: re-armed: MemAvailable {mem.available_bytes >> 20} MiB")
+        if decision.trigger is not None:
+            self.fire(decision.trigger, mem, now)
+        self._beat(now)
+        return decision.next_interval_s
+
+    def _beat(self, now: float) -> None:
+        if self.heartbeat is not None:
+            self.heartbeat(now)
+
+    def _sleep(self, seconds: float) -> None:
+        for fd, _ev in self._poller.poll(seconds * 1000):
+            if fd == self._wake_r:
+                try:
+                    os.read(self._wake_r, 64)
+                except BlockingIOError:
+                    pass
+
+    def fire(self, trigger: str, mem: MemInfo, detected_at: float) -> None:
+        scan = self.scanner.scan()
+        trees = find_engine_trees(scan.procs, self.rules, self.scope)
+        victims, signaled_at, notes, method = self.killer.kill(trees)
+        facts = KillFacts(
+            trigger=trigger,
+            mem=mem,
+            floor_bytes=self.params.floor_bytes,
+            fill_rate_bytes_per_s=self.state.fill_rate_bytes_per_s,
+            dry_run=self.settings.dry_run,
+            trees=tuple(trees),
+            victims=victims_of(trees) if self.settings.dry_run else tuple((v.proc, v.engine) for v in victims),
+            method=method,
+        )
+        with self.lock:
+            self.stats.kills_total[trigger] = self.stats.kills_total.get(trigger, 0) + (1 if trees else 0)
+            if not self.settings.dry_run:
+                self.stats.killed_processes_total += len(victims)
+            if trees:
+                self.stats.last_kill_timestamp_s = time.time()
+        self.reaper.submit(
+            KillJob(
+                facts=facts,
+                victims=victims,
+                detected_at=detected_at,
+                signaled_at=signaled_at,
+                available_at_signal=mem.available_bytes,
+                notes=notes,
+            )
+        )
+
+    # --- on the reaper's thread
+    def _announce(self, job: KillJob) -> None:
+        """The greppable line, right after the signals: `journalctl --user -u sparkwatch | grep KILL`."""
+        _log(kill_line(job.facts))
+        for note in job.notes:
+            _log(f"sparkwatch: kill: {note}")
+
+    def _finish(self, job: KillJob, facts: KillFacts) -> None:
+        if facts.signal_to_reaped_ms is not None and facts.detect_to_signal_ms is not None:
+            with self.lock:
+                self.stats.observe_kill_duration((facts.detect_to_signal_ms + facts.signal_to_reaped_ms) / 1000)
+        if facts.survivors:
+            _log(
+                f"sparkwatch: WARNING pids {list(facts.survivors)} not gone {self.reaper.wait_s:.0f} s after "
+                f"SIGKILL (D state?); the guard keeps running"
+            )
+        kind = "kill" if facts.trees else "no_victim"
+        event = make_event(kind, kill_summary(facts), kill_fields(facts))
+        try:
+            self.events.append(event)
+        except EventLogError as exc:
+            _log(f"sparkwatch: ERROR could not record {kind} event: {exc}")

@@ -1,0 +1,1 @@
+"""Read-only adapters. Each takes the root it reads from, so tests run the real code on fixture trees."""

@@ -1,0 +1,60 @@
+"""The few syscalls no library wraps: process_mrelease and mlockall, through ctypes; pidfds through os/signal.
+
+Syscall numbers 424 (pidfd_send_signal), 434 (pidfd_open) and 448 (process_mrelease) are the same on x86-64 and
+aarch64: they came after the kernel unified new syscall numbers across architectures.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import errno
+import os
+import signal
+
+SYS_PROCESS_MRELEASE = 448
+MCL_CURRENT = 1
+MCL_FUTURE = 2
+MCL_ONFAULT = 4
+
+_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+_libc.syscall.restype = ctypes.c_long
+_libc.mlockall.argtypes = [ctypes.c_int]
+_libc.mlockall.restype = ctypes.c_int
+
+
+def pidfd_open(pid: int) -> int:
+    """A pidfd pins one process: signals through it never reach a later process that reuses the PID."""
+    return os.pidfd_open(pid)
+
+
+def pidfd_send_signal(pidfd: int, sig: int) -> None:
+    signal.pidfd_send_signal(pidfd, sig)
+
+
+def process_mrelease(pidfd: int) -> int:
+    """Reap a dying process's memory now instead of when its last thread exits (Linux 5.15+).
+
+    Returns 0 on success or the errno: ENOSYS (old kernel), ESRCH (already gone), EINVAL (not yet dying).
+    """
+    result = _libc.syscall(SYS_PROCESS_MRELEASE, ctypes.c_int(pidfd), ctypes.c_uint(0))
+    return 0 if result == 0 else ctypes.get_errno()
+
+
+def mlockall() -> str:
+    """Lock our pages so the guard is not paged out (or its code evicted) under pressure.
+
+    MCL_ONFAULT locks pages as they are touched instead of populating every mapping up front, which would cost tens of
+    MiB for a Python process. Returns a short description of what was done, raises OSError if nothing could be.
+    """
+    for flags, label in (
+        (MCL_CURRENT | MCL_FUTURE | MCL_ONFAULT, "current+future+onfault"),
+        (MCL_CURRENT | MCL_FUTURE, "current+future"),
+        (MCL_CURRENT, "current"),
+    ):
+        if _libc.mlockall(flags) == 0:
+            return label
+        err = ctypes.get_errno()
+        if err != errno.EINVAL:  # EINVAL: flag unknown to this kernel, try the next; else a real refusal
+            raise OSError(err, f"mlockall({label}): {os.strerror(err)}")
+    raise OSError(errno.EINVAL, "mlockall: no flag combination accepted")
