@@ -93,3 +93,30 @@ class Event:
             "summary": self.summary,
             **self.fields,
         }
+
+
+# --- Telemetry. The telemetry loop (sparkwatch/telemetry.py) builds one Snapshot a cycle and publishes it by swapping
+# a reference; the exporter, `status` and sd_notify's STATUS= line only read it. Each source fills its own part and
+# owns its record type below; a part is None when its source is off or failed (see `collectors`).
+
+
+@dataclass(frozen=True, slots=True)
+class CollectorStatus:
+    """How one source did this cycle: exported as collector_success / collector_duration_seconds."""
+
+    name: str
+    success: bool
+    duration_s: float
+    error: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    ts: float  # wall-clock time the cycle finished
+    mem: MemInfo | None = None
+    engines: tuple[EngineTree, ...] = ()
+    compile: object | None = None  # CompileCensus (telemetry)
+    jit: tuple[object, ...] = ()  # JitCacheState per cache/version/arch (telemetry)
+    gpu: object | None = None  # GpuReport (sources.nvml)
+    driver: object | None = None  # DriverReport (core.drift)
+    collectors: tuple[CollectorStatus, ...] = ()
