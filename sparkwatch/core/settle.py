@@ -1,0 +1,117 @@
+"""When has a killed engine finished letting go? The decision behind `sparkwatch wait-settled`.
+
+The field: a relaunch 3 s after `pkill` failed its free-memory check, while 30 s later it started fine. Two things
+race a relaunch: engine processes still exiting (a SIGKILLed vLLM worker can take seconds to be reaped while the
+driver unmaps tens of GiB), and MemAvailable still climbing after they are gone. vLLM's start-up also asserts that
+free memory never *rises* during profiling, so a launch into a rising pool can fail even with plenty free.
+
+So the node is settled when no engine process is left AND MemAvailable has not risen by more than a tolerance for a
+quiet period. Falling memory (someone else allocating) is not a reason to wait: waiting would not make it better.
+
+Pure: the caller passes monotonic times, the count of live engine processes and MemAvailable.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from sparkwatch.units import MiB, format_size
+
+# Quiet period. MemAvailable noise on a Spark is ~100 MiB per 5 s (FIELD-NOTES), so a 5 s window is the span the
+# noise figure was measured over; a teardown returns memory in a burst of GiB per second, which a 5 s flat stretch
+# after the last process is gone reliably follows. The field's failed relaunch came 3 s after pkill, its good one 30 s.
+DEFAULT_QUIET_FOR_S = 5.0
+# 2.5x the ~100 MiB/5 s noise, and tiny next to what a teardown returns (tens of GiB). A rare >1 GiB excursion only
+# restarts the quiet period: waiting a little longer is the safe side.
+DEFAULT_TOLERANCE_BYTES = 256 * MiB
+# 4x the 30 s after which the field's relaunch succeeded.
+DEFAULT_TIMEOUT_S = 120.0
+
+
+@dataclass(frozen=True, slots=True)
+class SettleParams:
+    quiet_for_s: float = DEFAULT_QUIET_FOR_S
+    tolerance_bytes: int = DEFAULT_TOLERANCE_BYTES
+
+
+@dataclass(frozen=True, slots=True)
+class SettleState:
+    # (monotonic time, MemAvailable) since the last sample that saw an engine process, oldest first. Trimmed to the
+    # quiet window plus one anchor sample older than it, so it stays a few dozen entries long.
+    samples: tuple[tuple[float, int], ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class SettleVerdict:
+    settled: bool
+    engine_processes: int
+    steady_for_s: float  # how long MemAvailable has not risen beyond the tolerance (0 while engines remain)
+    recent_rise_bytes: int  # the largest rise inside the samples kept, for the progress line
+    available_bytes: int
+
+
+def steady_suffix(samples: tuple[tuple[float, int], ...], tolerance_bytes: int) -> tuple[float, int]:
+    """(start time, largest rise) of the longest run of samples, ending at the newest, that never rose > tolerance.
+
+    A rise is any later sample above an earlier one; walking backwards we keep the maximum seen after each point.
+    """
+    if not samples:
+        raise ValueError("no samples")
+    start_t, later_max = samples[-1]
+    rise = 0
+    for t, avail in reversed(samples[:-1]):
+        candidate = max(rise, later_max - avail)
+        if candidate > tolerance_bytes:
+            break
+        rise = candidate
+        start_t = t
+        later_max = max(later_max, avail)
+    return start_t, rise
+
+
+def max_rise(samples: tuple[tuple[float, int], ...]) -> int:
+    rise = 0
+    low: int | None = None
+    for _t, avail in samples:
+        if low is not None:
+            rise = max(rise, avail - low)
+        low = avail if low is None else min(low, avail)
+    return rise
+
+
+def settle_step(
+    state: SettleState, params: SettleParams, t: float, engine_processes: int, available_bytes: int
+) -> tuple[SettleState, SettleVerdict]:
+    """Feed one observation taken at monotonic time `t`."""
+    if engine_processes > 0:
+        # The quiet period only starts once the last engine process is gone.
+        return SettleState(), SettleVerdict(False, engine_processes, 0.0, 0, available_bytes)
+    samples = (*state.samples, (t, available_bytes))
+    # Keep the newest sample at or before the window start as an anchor, so a full window is provably covered.
+    window_start = t - params.quiet_for_s
+    first = 0
+    for i, (ts, _a) in enumerate(samples):
+        if ts <= window_start:
+            first = i
+        else:
+            break
+    samples = samples[first:]
+    start_t, _ = steady_suffix(samples, params.tolerance_bytes)
+    steady_for = t - start_t
+    settled = steady_for >= params.quiet_for_s
+    return SettleState(samples), SettleVerdict(settled, 0, steady_for, max_rise(samples), available_bytes)
+
+
+def describe(verdict: SettleVerdict, params: SettleParams) -> str:
+    """One line for the progress display: what is being waited for."""
+    avail = f"MemAvailable {format_size(verdict.available_bytes)}"
+    if verdict.engine_processes:
+        plural = "es" if verdict.engine_processes != 1 else ""
+        return f"{verdict.engine_processes} engine process{plural} left; {avail}"
+    if verdict.settled:
+        return f"settled: no engine process, {avail} steady for {verdict.steady_for_s:.1f} s"
+    rising = f", rose {format_size(verdict.recent_rise_bytes)} lately" if verdict.recent_rise_bytes else ""
+    return (
+        f"no engine process; {avail}{rising}; steady {verdict.steady_for_s:.1f}/{params.quiet_for_s:g} s "
+        f"(within {format_size(params.tolerance_bytes)})"
+    )

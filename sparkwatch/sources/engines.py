@@ -1,0 +1,46 @@
+"""The engine trees on this node now: one /proc scan through ProcScanner, judged by core.engines.
+
+Commands that look repeatedly (`wait-settled`, `status`) keep one finder so the scanner's argv cache is reused
+between scans; one-shot commands (`engines`) build one and call it once.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from sparkwatch.config import Settings
+from sparkwatch.core.engines import EngineRules, Scope, find_engine_trees
+from sparkwatch.model import EngineTree
+from sparkwatch.sources.procs import ProcScanner
+
+# Process states that hold nothing any more: a zombie has already closed its files (the GPU driver's included) and
+# dropped its memory; only its parent's wait() is missing. Counting it as "left" could wait forever on a careless
+# parent.
+GONE_STATES = frozenset({"Z", "X"})
+
+
+class EngineFinder:
+    def __init__(self, proc_root: Path, rules: EngineRules, scope: Scope) -> None:
+        self.rules = rules
+        self.scope = scope
+        self.scanner = ProcScanner(proc_root)
+
+    @classmethod
+    def from_settings(cls, settings: Settings, *, any_user: bool = False) -> EngineFinder:
+        """The guard's view (`any_user=False`: only what this user may kill), or every user's engines.
+
+        Read-only commands that ask "is the pool still held?" pass any_user=True: a root-owned engine in a Docker
+        container holds the same unified pool as one of ours.
+        """
+        rules = EngineRules.build(settings.engine_patterns, settings.protect_patterns)
+        scope = Scope(self_pid=os.getpid(), own_uid=0 if any_user else os.geteuid(), ancestor_pid=settings.ancestor_pid)
+        return cls(settings.proc_root, rules, scope)
+
+    def find(self) -> list[EngineTree]:
+        return find_engine_trees(self.scanner.scan().procs, self.rules, self.scope)
+
+
+def live_members(trees: list[EngineTree]) -> int:
+    """Engine-tree processes still alive (zombies excluded: see GONE_STATES)."""
+    return sum(1 for t in trees for p in t.members if p.state not in GONE_STATES)
