@@ -4,12 +4,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 from typing import Any
 
 from sparkwatch.core.redact import safe_cmdline
 from sparkwatch.model import EngineTree
-from sparkwatch.units import format_size
 
 
 def add_parser(sub: Any, parent: argparse.ArgumentParser) -> None:
@@ -36,27 +34,18 @@ def tree_json(tree: EngineTree) -> dict[str, object]:
     }
 
 
-def current_trees(args: argparse.Namespace) -> list[EngineTree]:
-    from sparkwatch.cli import settings_from
-    from sparkwatch.core.engines import EngineRules, Scope, find_engine_trees
-    from sparkwatch.sources.procs import ProcScanner
-
-    settings = settings_from(args)
-    rules = EngineRules.build(settings.engine_patterns, settings.protect_patterns)
-    scope = Scope(self_pid=os.getpid(), own_uid=os.geteuid(), ancestor_pid=settings.ancestor_pid)
-    return find_engine_trees(ProcScanner(settings.proc_root).scan().procs, rules, scope)
-
-
 def handle(args: argparse.Namespace) -> int:
-    trees = current_trees(args)
+    from sparkwatch.cli import settings_from
+    from sparkwatch.sources.engines import EngineFinder
+
+    # The trees the guard would kill now: this user's engines, or every user's when run as root.
+    finder = EngineFinder.from_settings(settings_from(args))
+    trees = finder.find()
     if args.json:
         print(json.dumps({"engines": [tree_json(t) for t in trees]}, indent=2))
         return 0
-    if not trees:
-        print("no engine processes")
-        return 0
-    for tree in trees:
-        print(f"{tree.kind}  root {tree.root.pid}  {len(tree.members)} processes  {format_size(tree.rss_bytes)} RSS")
-        for p in tree.members:
-            print(f"  {p.pid:>8}  {format_size(p.rss_bytes):>10}  {p.display_name}")
+    from sparkwatch.tui.console import emit
+    from sparkwatch.tui.engines_view import engines_view
+
+    emit(engines_view(trees, finder.rules))
     return 0

@@ -18,6 +18,7 @@ def add_parser(sub: Any, parent: argparse.ArgumentParser) -> None:
 def handle(args: argparse.Namespace) -> int:
     from sparkwatch.actuators.events import read_events
     from sparkwatch.cli import settings_from
+    from sparkwatch.tui.events_view import event_lines
 
     settings = settings_from(args, state_dir=args.state_dir)
     events = read_events(settings.events_path, max(args.n, 0))
@@ -28,6 +29,6 @@ def handle(args: argparse.Namespace) -> int:
     if not events:
         print(f"no events in {settings.events_path}")
         return 0
-    for event in events:
-        print(f"{event.get('ts', '?')}  {event.get('kind', '?'):<16}  {event.get('summary', '')}")
+    # Plain lines on purpose, also on a terminal: one event per line, never wrapped, so grep and less work on it.
+    print("\n".join(event_lines(events)))
     return 0

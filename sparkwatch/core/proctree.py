@@ -1,0 +1,64 @@
+"""An engine tree laid out for people: parent before child, with the drawing and a role for each process.
+
+Roles: `root` (the engine process the tree is named after), `worker` (a member that is itself an engine by identity:
+VLLM::Worker_TP0, ray::RayWorkerWrapper), `compiler` (the JIT burst: ninja, nvcc, cicc, ptxas, fatbinary, host
+compilers) and `process` for anything else (a resource tracker, a shell).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from sparkwatch.core.engines import EngineRules, engine_kind
+from sparkwatch.model import EngineTree, Proc
+
+# The processes of flashinfer's JIT burst (python -> ninja -> nvcc -> cicc / ptxas / fatbinary, c++ for host code),
+# by comm: what the kernel says each one executes.
+COMPILER_COMMS = frozenset({"ninja", "nvcc", "cicc", "ptxas", "fatbinary", "nvlink", "cudafe++", "cc1plus", "cc1"})
+_HOST_CC_RE = re.compile(r"^(?:[a-z0-9_]+-linux-gnu-)?(gcc|g\+\+|c\+\+|cc|clang|clang\+\+)(?:-\d+(?:\.\d+)*)?$")
+
+
+def is_compiler(proc: Proc) -> bool:
+    return not proc.is_kernel_thread and (proc.comm in COMPILER_COMMS or bool(_HOST_CC_RE.match(proc.comm)))
+
+
+def role_of(proc: Proc, tree: EngineTree, rules: EngineRules) -> str:
+    if proc.pid == tree.root.pid:
+        return "root"
+    if is_compiler(proc):
+        return "compiler"
+    if engine_kind(proc, rules) is not None:
+        return "worker"
+    return "process"
+
+
+@dataclass(frozen=True, slots=True)
+class TreeRow:
+    proc: Proc
+    depth: int
+    prefix: str  # box drawing before the pid: "", "├─ ", "│  └─ "
+    role: str
+
+
+def tree_rows(tree: EngineTree, rules: EngineRules) -> list[TreeRow]:
+    """Depth-first rows, children by pid. Members whose parent is not in the tree hang off the root."""
+    pids = set(tree.pids)
+    children: dict[int, list[Proc]] = {}
+    for proc in tree.members[1:]:
+        parent = proc.ppid if proc.ppid in pids and proc.ppid != proc.pid else tree.root.pid
+        children.setdefault(parent, []).append(proc)
+    rows: list[TreeRow] = []
+    seen: set[int] = set()
+
+    def walk(proc: Proc, depth: int, lead: str, last: bool) -> None:
+        seen.add(proc.pid)
+        branch = "" if depth == 0 else lead + ("└─ " if last else "├─ ")
+        rows.append(TreeRow(proc, depth, branch, role_of(proc, tree, rules)))
+        kids = [c for c in sorted(children.get(proc.pid, ()), key=lambda c: c.pid) if c.pid not in seen]
+        child_lead = "" if depth == 0 else lead + ("   " if last else "│  ")
+        for i, kid in enumerate(kids):
+            walk(kid, depth + 1, child_lead, i == len(kids) - 1)
+
+    walk(tree.root, 0, "", True)
+    return rows

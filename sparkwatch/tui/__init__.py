@@ -1,0 +1,5 @@
+"""What people read in a terminal: `engines`, `events` and `status`.
+
+Views are pure: they take records and return rich renderables or strings, so tests render them without a terminal.
+Only `console.py` knows about the output stream.
+"""
