@@ -63,8 +63,6 @@ def test_whole_vllm_tree_dies_even_ignoring_sigterm_and_forking(spawner: Spawner
     assert facts.survivors == ()
     assert facts.signal_to_reaped_ms is not None and facts.signal_to_reaped_ms < 5000
     assert facts.detect_to_signal_ms is not None and facts.detect_to_signal_ms < 1000
-    # Leaves forked after the scan were caught by the sweep, not left behind.
-    assert len(facts.victims) > len(trees[0].members) or len(recorded) == len(trees[0].members)
 
 
 def test_decoys_and_protected_processes_survive(spawner: Spawner, tmp_path: Path) -> None:
