@@ -90,8 +90,9 @@ def test_secret_never_printed(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "sparkwatch", *args], capture_output=True, text=True, env=env,
-                          timeout=60)
+    return subprocess.run(
+        [sys.executable, "-m", "sparkwatch", *args], capture_output=True, text=True, env=env, timeout=60
+    )
 
 
 def test_check_config_cli_exit_codes(tmp_path: Path) -> None:

@@ -11,8 +11,17 @@ RULES = EngineRules.build()
 
 
 def proc(pid: int, ppid: int, comm: str, *argv: str, uid: int = 1000, kthread: bool = False) -> Proc:
-    return Proc(pid=pid, ppid=ppid, uid=uid, comm=comm, state="S", start_ticks=pid * 10, rss_bytes=pid << 20,
-                argv=tuple(argv), is_kernel_thread=kthread)
+    return Proc(
+        pid=pid,
+        ppid=ppid,
+        uid=uid,
+        comm=comm,
+        state="S",
+        start_ticks=pid * 10,
+        rss_bytes=pid << 20,
+        argv=tuple(argv),
+        is_kernel_thread=kthread,
+    )
 
 
 @pytest.mark.parametrize(
@@ -65,7 +74,9 @@ def test_kernel_threads_are_never_engines() -> None:
 
 def test_entry_point_skips_interpreter_options() -> None:
     assert entry_point(("python3.12", "-O", "-W", "ignore", "-m", "vllm.entrypoints.cli.main", "serve")) == (
-        "vllm.entrypoints.cli.main", ("serve",))
+        "vllm.entrypoints.cli.main",
+        ("serve",),
+    )
     assert entry_point(("python", "/x/bin/vllm", "serve")) == ("vllm", ("serve",))
     assert entry_point(()) == ("", ())
 

@@ -21,8 +21,15 @@ from sparkwatch.sources.procs import ProcScanner, read_start_ticks
 from tests.conftest import Spawner, alive, pids_in, wait_until
 
 RULES = EngineRules.build()
-MEM = MemInfo(total_bytes=1 << 34, available_bytes=1 << 30, free_bytes=1 << 30, buffers_bytes=0, cached_bytes=0,
-              swap_total_bytes=0, swap_free_bytes=0)
+MEM = MemInfo(
+    total_bytes=1 << 34,
+    available_bytes=1 << 30,
+    free_bytes=1 << 30,
+    buffers_bytes=0,
+    cached_bytes=0,
+    swap_total_bytes=0,
+    swap_free_bytes=0,
+)
 
 
 def scope() -> Scope:
@@ -38,18 +45,41 @@ def kill_and_reap(trees: list[EngineTree], dry_run: bool = False) -> tuple[KillF
     killer = Killer(Path("/proc"), RULES, scope(), dry_run=dry_run)
     detected = time.monotonic()
     victims, signaled_at, notes, method = killer.kill(trees)
-    facts = KillFacts(trigger="floor", mem=MEM, floor_bytes=1 << 31, fill_rate_bytes_per_s=0.0, dry_run=dry_run,
-                      trees=tuple(trees), victims=tuple((v.proc, v.engine) for v in victims), method=method)
+    facts = KillFacts(
+        trigger="floor",
+        mem=MEM,
+        floor_bytes=1 << 31,
+        fill_rate_bytes_per_s=0.0,
+        dry_run=dry_run,
+        trees=tuple(trees),
+        victims=tuple((v.proc, v.engine) for v in victims),
+        method=method,
+    )
     reaper = Reaper(Path("/proc"), announce=lambda job: None, finish=lambda job, facts: None, settle_s=0.05)
-    job = KillJob(facts=facts, victims=victims, detected_at=detected, signaled_at=signaled_at,
-                  available_at_signal=MEM.available_bytes, notes=notes)
+    job = KillJob(
+        facts=facts,
+        victims=victims,
+        detected_at=detected,
+        signaled_at=signaled_at,
+        available_at_signal=MEM.available_bytes,
+        notes=notes,
+    )
     return reaper.reap(job), notes, method
 
 
 def test_whole_vllm_tree_dies_even_ignoring_sigterm_and_forking(spawner: Spawner, tmp_path: Path) -> None:
     pidfile = tmp_path / "tree.pids"
-    root = spawner.engine("--worker", "VLLM::Worker_TP0", "--worker", "VLLM::Worker_TP1", "--compiler",
-                          "--forker", "--ignore-term", pidfile=pidfile, wait_for=9)
+    root = spawner.engine(
+        "--worker",
+        "VLLM::Worker_TP0",
+        "--worker",
+        "VLLM::Worker_TP1",
+        "--compiler",
+        "--forker",
+        "--ignore-term",
+        pidfile=pidfile,
+        wait_for=9,
+    )
     assert wait_until(lambda: sum(r == "leaf" for _, r in pids_in(pidfile).values()) >= 5)
     trees = trees_now()
     assert [t.root.pid for t in trees] == [root.pid]
@@ -78,8 +108,9 @@ def test_decoys_and_protected_processes_survive(spawner: Spawner, tmp_path: Path
         spawner.popen(["grep", "-q", "vllm", "/dev/stdin"], stdin=subprocess.PIPE),
         spawner.popen([sys.executable, "-c", "import time; time.sleep(600)", "vllm", "serve"]),
         spawner.popen(["sh", "-c", "sleep 600; true", "VLLM::EngineCore"]),
-        spawner.popen(["vim", "-u", "NONE", str(script)]) if shutil.which("vim") else spawner.popen(
-            ["less", str(script)], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL),
+        spawner.popen(["vim", "-u", "NONE", str(script)])
+        if shutil.which("vim")
+        else spawner.popen(["less", str(script)], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL),
     ]
     pidfile = tmp_path / "tree.pids"
     spawner.engine("--worker", "VLLM::Worker_TP0", pidfile=pidfile, wait_for=2)
@@ -101,11 +132,16 @@ def test_protected_process_inside_an_engine_tree_is_left_alone(spawner: Spawner,
     tmux = tmp_path / "tmux"
     shutil.copy("/bin/sleep", tmux)
     # An engine that started a tmux server (a human's session must survive the kill).
-    engine = spawner.popen([sys.executable, "-c",
-                            "import setproctitle, subprocess, sys, time;"
-                            "setproctitle.setproctitle('VLLM::EngineCore');"
-                            f"subprocess.Popen([{str(tmux)!r}, '600']); subprocess.Popen(['sleep', '600']);"
-                            "time.sleep(600)"])
+    engine = spawner.popen(
+        [
+            sys.executable,
+            "-c",
+            "import setproctitle, subprocess, sys, time;"
+            "setproctitle.setproctitle('VLLM::EngineCore');"
+            f"subprocess.Popen([{str(tmux)!r}, '600']); subprocess.Popen(['sleep', '600']);"
+            "time.sleep(600)",
+        ]
+    )
     assert wait_until(lambda: any(t.root.pid == engine.pid and len(t.members) == 2 for t in trees_now()))
     tree = next(t for t in trees_now() if t.root.pid == engine.pid)
     names = {p.comm for p in tree.members}
@@ -123,8 +159,13 @@ def test_reused_pid_is_never_signalled(spawner: Spawner) -> None:
     time.sleep(0.05)
     ticks = read_start_ticks("/proc", bystander.pid)
     assert ticks is not None
-    engine = spawner.popen([sys.executable, "-c", "import setproctitle, time;"
-                            "setproctitle.setproctitle('VLLM::EngineCore'); time.sleep(600)"])
+    engine = spawner.popen(
+        [
+            sys.executable,
+            "-c",
+            "import setproctitle, time;setproctitle.setproctitle('VLLM::EngineCore'); time.sleep(600)",
+        ]
+    )
     assert wait_until(lambda: any(t.root.pid == engine.pid for t in trees_now()))
     tree = next(t for t in trees_now() if t.root.pid == engine.pid)
     stale = replace(tree.root, pid=bystander.pid, start_ticks=ticks - 1)  # what an old scan would have said
@@ -170,13 +211,25 @@ def test_cgroup_kill_when_the_tree_owns_its_cgroup(spawner: Spawner, tmp_path: P
     try:
         # Like `systemd-run --user --scope vllm serve`: the engine starts inside its own cgroup.
         pidfile = tmp_path / "tree.pids"
-        starter = spawner.popen(["sh", "-c", f'echo $$ > {cg}/cgroup.procs && exec "$@"', "sh", sys.executable,
-                                 str(Path(__file__).parent / "helpers" / "fake_engine.py"), "--worker",
-                                 "VLLM::Worker_TP0", "--compiler", "--pidfile", str(pidfile)])
+        starter = spawner.popen(
+            [
+                "sh",
+                "-c",
+                f'echo $$ > {cg}/cgroup.procs && exec "$@"',
+                "sh",
+                sys.executable,
+                str(Path(__file__).parent / "helpers" / "fake_engine.py"),
+                "--worker",
+                "VLLM::Worker_TP0",
+                "--compiler",
+                "--pidfile",
+                str(pidfile),
+            ]
+        )
         assert wait_until(lambda: pidfile.exists() and len(pids_in(pidfile)) >= 5)
         trees = [t for t in trees_now() if t.root.pid == starter.pid]
         assert trees
-        facts, notes, method = kill_and_reap(trees)
+        _facts, notes, method = kill_and_reap(trees)
         assert method == "cgroup.kill+pidfd", notes
         assert all(not alive(pid, t) for pid, (t, _) in pids_in(pidfile).items())
     finally:
@@ -187,10 +240,20 @@ def test_cgroup_kill_when_the_tree_owns_its_cgroup(spawner: Spawner, tmp_path: P
 def test_no_cgroup_kill_when_the_cgroup_holds_anything_else(spawner: Spawner, tmp_path: Path) -> None:
     cg = _cgroup_dir(f"sparkwatch-test-{os.getpid()}-shared")
     try:
-        bystander = spawner.popen(["sh", "-c", f'echo $$ > {cg}/cgroup.procs && exec sleep 600'])
+        bystander = spawner.popen(["sh", "-c", f"echo $$ > {cg}/cgroup.procs && exec sleep 600"])
         pidfile = tmp_path / "tree.pids"
-        spawner.popen(["sh", "-c", f'echo $$ > {cg}/cgroup.procs && exec "$@"', "sh", sys.executable,
-                       str(Path(__file__).parent / "helpers" / "fake_engine.py"), "--pidfile", str(pidfile)])
+        spawner.popen(
+            [
+                "sh",
+                "-c",
+                f'echo $$ > {cg}/cgroup.procs && exec "$@"',
+                "sh",
+                sys.executable,
+                str(Path(__file__).parent / "helpers" / "fake_engine.py"),
+                "--pidfile",
+                str(pidfile),
+            ]
+        )
         assert wait_until(lambda: pidfile.exists() and len(pids_in(pidfile)) >= 1)
         trees = trees_now()
         assert trees

@@ -19,8 +19,20 @@ from sparkwatch.units import MiB
 
 
 def test_secrets_are_stripped_from_cmdlines() -> None:
-    argv = ["vllm", "serve", "m", "--api-key", "abc123", "--hf-token=hf_abcdefghijklmnopqrstuvwxyz",
-            "sk-abcdefghijklmnopqrstuvwx", "--url", "https://user:pw@host/x", "HF_TOKEN=zzz", "--port", "8000"]
+    argv = [
+        "vllm",
+        "serve",
+        "m",
+        "--api-key",
+        "abc123",
+        "--hf-token=hf_abcdefghijklmnopqrstuvwxyz",
+        "sk-abcdefghijklmnopqrstuvwx",
+        "--url",
+        "https://user:pw@host/x",
+        "HF_TOKEN=zzz",
+        "--port",
+        "8000",
+    ]
     text = safe_cmdline(argv)
     for secret in ("abc123", "hf_abcdefghij", "sk-abcdef", "pw@", "zzz"):
         assert secret not in text
@@ -30,19 +42,44 @@ def test_secrets_are_stripped_from_cmdlines() -> None:
 
 
 def facts(dry_run: bool = False) -> KillFacts:
-    root = Proc(pid=1234, ppid=1, uid=1000, comm="VLLM::EngineCor", state="S", start_ticks=1, rss_bytes=2 << 30,
-                argv=("VLLM::EngineCore",))
+    root = Proc(
+        pid=1234,
+        ppid=1,
+        uid=1000,
+        comm="VLLM::EngineCor",
+        state="S",
+        start_ticks=1,
+        rss_bytes=2 << 30,
+        argv=("VLLM::EngineCore",),
+    )
     tree = EngineTree(kind="vllm", root=root, members=(root,) * 9)
-    mem = MemInfo(total_bytes=127600748 * 1024, available_bytes=4726 * MiB, free_bytes=0, buffers_bytes=0,
-                  cached_bytes=0, swap_total_bytes=0, swap_free_bytes=0)
-    return KillFacts(trigger="floor", mem=mem, floor_bytes=8192 * MiB, fill_rate_bytes_per_s=1e9, dry_run=dry_run,
-                     trees=(tree,), victims=((root, "vllm"),), detect_to_signal_ms=1.234, signal_to_reaped_ms=40.0,
-                     reclaimed_bytes=3 << 30)
+    mem = MemInfo(
+        total_bytes=127600748 * 1024,
+        available_bytes=4726 * MiB,
+        free_bytes=0,
+        buffers_bytes=0,
+        cached_bytes=0,
+        swap_total_bytes=0,
+        swap_free_bytes=0,
+    )
+    return KillFacts(
+        trigger="floor",
+        mem=mem,
+        floor_bytes=8192 * MiB,
+        fill_rate_bytes_per_s=1e9,
+        dry_run=dry_run,
+        trees=(tree,),
+        victims=((root, "vllm"),),
+        detect_to_signal_ms=1.234,
+        signal_to_reaped_ms=40.0,
+        reclaimed_bytes=3 << 30,
+    )
 
 
 def test_kill_line_matches_the_field_grep() -> None:
     assert kill_line(facts()) == (
-        "sparkwatch: KILL vllm tree root=1234 (9 processes): MemAvailable 4726 MiB <= floor 8192 MiB")
+        "sparkwatch: KILL vllm tree root=1234 (9 processes): MemAvailable 4726 MiB <= floor 8192 MiB"
+    )
     assert kill_line(facts(dry_run=True)).startswith("sparkwatch: DRY-RUN would KILL vllm tree")
 
 
@@ -54,12 +91,30 @@ def test_kill_event_has_the_contract_fields(tmp_path: Path) -> None:
     log.append(event)
     (line,) = (tmp_path / "state" / "events.jsonl").read_text().splitlines()
     data = json.loads(line)
-    for key in ("id", "ts", "kind", "node", "summary", "trigger", "mem_available_bytes", "floor_bytes",
-                "fill_rate_bytes_per_second", "dry_run", "victims", "detect_to_signal_ms", "signal_to_reaped_ms",
-                "reclaimed_bytes"):
+    for key in (
+        "id",
+        "ts",
+        "kind",
+        "node",
+        "summary",
+        "trigger",
+        "mem_available_bytes",
+        "floor_bytes",
+        "fill_rate_bytes_per_second",
+        "dry_run",
+        "victims",
+        "detect_to_signal_ms",
+        "signal_to_reaped_ms",
+        "reclaimed_bytes",
+    ):
         assert key in data, key
-    assert data["victims"][0] == {"pid": 1234, "name": "VLLM::EngineCore", "engine": "vllm",
-                                  "rss_bytes": 2 << 30, "cmdline": "VLLM::EngineCore"}
+    assert data["victims"][0] == {
+        "pid": 1234,
+        "name": "VLLM::EngineCore",
+        "engine": "vllm",
+        "rss_bytes": 2 << 30,
+        "cmdline": "VLLM::EngineCore",
+    }
     assert data["ts"].endswith("Z")
     assert seen == [event]
     assert stat.S_IMODE(os.stat(tmp_path / "state" / "events.jsonl").st_mode) == 0o600
@@ -92,10 +147,12 @@ def test_events_cli(tmp_path: Path) -> None:
     log = EventLog(tmp_path / "events.jsonl")
     log.append(make_event("kill", "Killed vllm (root pid 1234, 9 processes)."))
     env = {**os.environ, "SPARKWATCH_STATE_DIR": str(tmp_path)}
-    out = subprocess.run([sys.executable, "-m", "sparkwatch", "events", "-n", "5"], capture_output=True, text=True,
-                         env=env, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-m", "sparkwatch", "events", "-n", "5"], capture_output=True, text=True, env=env, timeout=60
+    )
     assert out.returncode == 0
     assert "kill" in out.stdout and "root pid 1234" in out.stdout
-    js = subprocess.run([sys.executable, "-m", "sparkwatch", "events", "--json"], capture_output=True, text=True,
-                        env=env, timeout=60)
+    js = subprocess.run(
+        [sys.executable, "-m", "sparkwatch", "events", "--json"], capture_output=True, text=True, env=env, timeout=60
+    )
     assert json.loads(js.stdout.splitlines()[0])["kind"] == "kill"

@@ -68,7 +68,10 @@ def test_stat_with_hostile_comm() -> None:
 
 def test_cmdline() -> None:
     assert parse_cmdline(b"python3\x00-m\x00vllm.entrypoints.openai.api_server\x00") == (
-        "python3", "-m", "vllm.entrypoints.openai.api_server")
+        "python3",
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+    )
     assert parse_cmdline(b"") == ()
     assert parse_cmdline(b"VLLM::EngineCore   ") == ("VLLM::EngineCore   ",)
 

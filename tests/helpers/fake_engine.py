@@ -95,11 +95,18 @@ def main() -> None:
         if args.forker:
             spawn(["forker", *term], "ninja", args.pidfile)
         if args.hog_limit_mib:
-            spawn(["hog", "--hog-rate-mib", str(args.hog_rate_mib), "--hog-limit-mib", str(args.hog_limit_mib)],
-                  "sw-hog", args.pidfile)
+            spawn(
+                ["hog", "--hog-rate-mib", str(args.hog_rate_mib), "--hog-limit-mib", str(args.hog_limit_mib)],
+                "sw-hog",
+                args.pidfile,
+            )
     elif args.role == "ninja":
-        spawn(["nvcc", *term], "nvcc", args.pidfile,
-              ["--", "-gencode", "arch=compute_121a,code=sm_121a", "-c", "flash_attn.cu"])
+        spawn(
+            ["nvcc", *term],
+            "nvcc",
+            args.pidfile,
+            ["--", "-gencode", "arch=compute_121a,code=sm_121a", "-c", "flash_attn.cu"],
+        )
     elif args.role == "nvcc":
         spawn(["cicc", *term], "cicc", args.pidfile)
     elif args.role == "forker":
