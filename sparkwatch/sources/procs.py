@@ -55,8 +55,8 @@ def parse_cmdline(data: bytes) -> tuple[str, ...]:
     if not data:
         return ()
     parts = data.split(b"\0")
-    if parts and parts[-1] == b"":
-        parts.pop()
+    while parts and parts[-1] == b"":
+        parts.pop()  # the terminating NUL, and the NUL padding setproctitle leaves in the old argv area
     return tuple(p.decode(errors="replace") for p in parts)
 
 
