@@ -9,8 +9,8 @@ import sys
 import time
 from pathlib import Path
 
-from engine_trees import fake_engine
-from tools import require_tool
+from conftest import require_tool
+from helpers.engine_tree import staged_engine
 
 from sparkwatch.actuators.events import EventLog, make_event
 from sparkwatch.core.engines import EngineRules
@@ -52,7 +52,7 @@ def test_engines_draws_root_workers_and_compilers(tmp_path: Path) -> None:
     require_tool("ninja")
     # A real ninja whose one job sleeps: the engine -> ninja -> job shape of a JIT build, without the GiBs.
     (tmp_path / "build.ninja").write_text("rule slow\n  command = sleep 60\nbuild out.o: slow\n")
-    with fake_engine(
+    with staged_engine(
         children=("VLLM::Worker_TP0", "VLLM::Worker_TP1"),
         extra=["--hold-mib", "8", "--spawn-cwd", str(tmp_path)],
         command=["ninja", "-j1"],

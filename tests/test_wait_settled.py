@@ -1,9 +1,9 @@
 """`sparkwatch wait-settled` as a real subprocess against real process trees being torn down.
 
-Engine processes are real (tests/fake_engine.py, titled like vLLM); SPARKWATCH_ANCESTOR_PID confines the command
-to engines under this pytest process, because other people's tests run engines on the same machine. MemAvailable is
-the real machine's for the process tests, with a generous tolerance (the machine is shared); the memory-phase test
-uses a fixture proc root holding only a meminfo file this test rewrites.
+Engine processes are real (tests/helpers/staged_engine.py, titled like vLLM); SPARKWATCH_ANCESTOR_PID confines the
+command to engines under this pytest process, because other people's tests run engines on the same machine.
+MemAvailable is the real machine's for the process tests, with a generous tolerance (the machine is shared); the
+memory-phase test uses a fixture proc root holding only a meminfo file this test rewrites.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import threading
 import time
 from pathlib import Path
 
-from engine_trees import fake_engine
+from helpers.engine_tree import staged_engine
 
 from sparkwatch.units import GiB
 
@@ -59,7 +59,7 @@ def read_line_containing(stream: object, needle: str, timeout_s: float) -> str:
 
 def test_returns_0_after_a_staged_teardown_and_steady_memory() -> None:
     quiet_for = 1.0
-    with fake_engine(children=("VLLM::Worker_TP0", "VLLM::Worker_TP1"), extra=["--teardown-step-s", "0.6"]) as engine:
+    with staged_engine(children=("VLLM::Worker_TP0", "VLLM::Worker_TP1"), extra=["--teardown-step-s", "0.6"]) as engine:
         waiter = start(
             ["--timeout", "60", "--quiet-for", str(quiet_for), "--interval", "0.1", "--tolerance", SHARED_TOLERANCE]
         )
@@ -89,7 +89,7 @@ def test_returns_0_after_a_staged_teardown_and_steady_memory() -> None:
 
 def test_returns_1_on_timeout_while_a_process_lingers() -> None:
     # A vLLM mid-allocation shrugs off SIGTERM (FIELD-NOTES); the tree stays and the wait must give up.
-    with fake_engine(extra=["--ignore-term"]) as engine:
+    with staged_engine(extra=["--ignore-term"]) as engine:
         engine.popen.send_signal(signal.SIGTERM)
         t0 = time.monotonic()
         result = subprocess.run(
@@ -110,7 +110,7 @@ def test_returns_1_on_timeout_while_a_process_lingers() -> None:
 
 def test_a_zombie_engine_holds_nothing_and_does_not_block() -> None:
     # An engine killed but not yet wait()ed by its parent is a zombie: its memory and driver files are already gone.
-    with fake_engine(children=()) as engine:
+    with staged_engine(children=()) as engine:
         os.kill(engine.root_pid, signal.SIGKILL)
         deadline = time.monotonic() + 5
         while Path(f"/proc/{engine.root_pid}/stat").read_text().split(") ")[1][0] != "Z":

@@ -1,4 +1,4 @@
-"""Start real fake-engine process trees (tests/fake_engine.py) and always tear them down."""
+"""Start real fake-engine process trees (tests/helpers/staged_engine.py) and always tear them down."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-FAKE_ENGINE = Path(__file__).with_name("fake_engine.py")
+STAGED_ENGINE = Path(__file__).with_name("staged_engine.py")
 
 
 @dataclass
@@ -25,14 +25,14 @@ class EngineTreeProc:
 
 
 @contextmanager
-def fake_engine(
+def staged_engine(
     title: str = "VLLM::EngineCore",
     children: Sequence[str] = ("VLLM::Worker_TP0",),
     extra: Sequence[str] = (),
     command: Sequence[str] = (),
     env: dict[str, str] | None = None,
 ) -> Iterator[EngineTreeProc]:
-    argv = [sys.executable, str(FAKE_ENGINE), "--title", title]
+    argv = [sys.executable, str(STAGED_ENGINE), "--title", title]
     for child in children:
         argv += ["--child", child]
     argv += list(extra)

@@ -1,6 +1,6 @@
 """A real process tree shaped like an LLM engine, for tests: titles set with setproctitle as vLLM does.
 
-    python fake_engine.py --title VLLM::EngineCore --child VLLM::Worker_TP0 --child VLLM::Worker_TP1 \
+    python staged_engine.py --title VLLM::EngineCore --child VLLM::Worker_TP0 --child VLLM::Worker_TP1 \
         [--hold-mib 64] [--spawn-cwd DIR -- ninja -j2]
 
 Prints the pids of the tree (root first) on one line once every child is up, then sleeps until killed.
