@@ -259,7 +259,7 @@ def test_a_hung_call_returns_within_the_timeout_and_piles_up_no_threads(release:
     for _ in range(3):
         t0 = time.monotonic()
         report = src.collect()
-        assert time.monotonic() - t0 < 0.05
+        assert time.monotonic() - t0 < 0.1  # at once: well under the 0.2 s timeout
         assert not report.up and report.error is not None and "stuck" in report.error
     assert sum(fake.calls.values()) == calls
     assert set(nvml_threads()) <= threads_before  # no new thread started

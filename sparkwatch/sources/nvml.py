@@ -90,10 +90,13 @@ class _Worker:
         self._wake = threading.Condition(self._lock)
         self._thread: threading.Thread | None = None
         self._stopping = False
+        self._running = False  # under the lock: a thread is serving (is_alive() lags a thread that decided to end)
         self.stuck: _Call | None = None  # a call that outlived its timeout and has not returned yet
 
     def _ensure_thread(self) -> None:
-        if self._thread is None or not self._thread.is_alive():
+        # Called with the lock held.
+        if not self._running:
+            self._running = True
             self._thread = threading.Thread(target=self._loop, name="sparkwatch-nvml", daemon=True)
             self._thread.start()
 
@@ -102,6 +105,7 @@ class _Worker:
             with self._wake:
                 while self._pending is None:
                     if self._stopping:
+                        self._running = False
                         return
                     self._wake.wait()
                 call = self._pending
