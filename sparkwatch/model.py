@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,6 +111,70 @@ class CollectorStatus:
     error: str | None = None
 
 
+class GpuProcess(NamedTuple):
+    """A process holding GPU memory, as NVML lists it (compute and graphics lists merged, one entry per pid).
+
+    A tuple so that `for pid, used, gpu in report.processes` works. `used_gpu_memory_bytes` is None where NVML
+    answers NVML_VALUE_NOT_AVAILABLE (WDDM, some containers): the process is on the GPU, its share unknown.
+    """
+
+    pid: int
+    used_gpu_memory_bytes: int | None
+    gpu_index: int
+
+
+@dataclass(frozen=True, slots=True)
+class GpuDevice:
+    """One GPU as NVML saw it in one cycle, in base units.
+
+    A field NVML answers NOT_SUPPORTED for is None, never 0 (GB10: memory info, memory clock, power limit);
+    `supported` says so per field, and `field_errors` holds the NVML return code of any other failure.
+    `unified` is True where the GPU has no memory of its own (GB10): memory info NOT_SUPPORTED, zero, or about
+    MemTotal. Then `memory_total_bytes`/`memory_used_bytes` are None: the pool is /proc/meminfo's, not VRAM.
+    """
+
+    index: int
+    uuid: str
+    name: str
+    bus_id: str
+    unified: bool
+    power_watts: float | None = None
+    power_limit_watts: float | None = None
+    utilization_ratio: float | None = None
+    temperature_celsius: float | None = None
+    sm_clock_hertz: float | None = None
+    sm_clock_max_hertz: float | None = None
+    memory_clock_max_hertz: float | None = None
+    energy_joules: float | None = None  # since the driver loaded: a counter
+    memory_total_bytes: int | None = None
+    memory_used_bytes: int | None = None
+    processes: tuple[GpuProcess, ...] = ()
+    supported: Mapping[str, bool] = field(default_factory=dict)
+    field_errors: Mapping[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class GpuReport:
+    """What sources.nvml.NvmlSource saw this cycle.
+
+    `up` is False when NVML could not be initialised or stopped answering; `nvml_return_code` then holds NVML's code
+    (9 driver not loaded, 12 library not found, 18 driver/library version mismatch), or None when a call hung
+    (`error` says which). When up, the code is 0 (NVML_SUCCESS).
+    """
+
+    up: bool
+    nvml_return_code: int | None
+    error: str | None = None
+    driver_version: str | None = None
+    nvml_version: str | None = None
+    devices: tuple[GpuDevice, ...] = ()
+    call_timeouts_total: int = 0  # NVML calls that outlived the timeout since the source started
+
+    @property
+    def processes(self) -> tuple[GpuProcess, ...]:
+        return tuple(p for d in self.devices for p in d.processes)
+
+
 @dataclass(frozen=True, slots=True)
 class Snapshot:
     ts: float  # wall-clock time the cycle finished
@@ -117,6 +182,6 @@ class Snapshot:
     engines: tuple[EngineTree, ...] = ()
     compile: object | None = None  # CompileCensus (telemetry)
     jit: tuple[object, ...] = ()  # JitCacheState per cache/version/arch (telemetry)
-    gpu: object | None = None  # GpuReport (sources.nvml)
+    gpu: GpuReport | None = None  # sources.nvml
     driver: object | None = None  # DriverReport (core.drift)
     collectors: tuple[CollectorStatus, ...] = ()

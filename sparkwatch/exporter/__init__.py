@@ -1,0 +1,1 @@
+"""Prometheus exposition of the latest Snapshot. Builds metric families from records; does no I/O at scrape time."""
