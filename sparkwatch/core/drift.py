@@ -356,6 +356,14 @@ def _loaded_check(report: DriverReport, facts: DriverFacts, inv: _Inventory, nvm
         return Check(
             "driver-loaded", "skip", "no evidence either way (device nodes but no /proc/driver/nvidia)", detail=detail
         )
+    if report.verdict == "unknown":
+        # Too little to go on (a root missing half its files): say what is missing, do not fail on a guess.
+        return Check(
+            "driver-loaded",
+            "warn",
+            "no sign of a loaded NVIDIA driver, and the running kernel could not be read",
+            detail=detail,
+        )
     if report.stranded:
         fix = _stranded_fix(report, inv)
     else:
