@@ -113,6 +113,9 @@ def driver_step(open_problems: frozenset[str], report: DriverReport) -> tuple[fr
     if report.verdict in ("unknown", "absent"):
         return open_problems, ()
     now = driver_problems(report)
+    if report.running_kernel is None:
+        # Without the running kernel "stranded" cannot be judged either way: an open episode stays open.
+        now |= open_problems & {"stranded", "not_loaded"}
     alerts: list[DriverAlert] = []
     fields = driver_fields(report)
     for problem, kind in DRIVER_PROBLEM_KINDS.items():
