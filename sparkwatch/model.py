@@ -133,6 +133,7 @@ class DriverFacts:
     dpkg_error: str | None = None  # corrupt/truncated/missing status file, in words
     # kernel -> module files found (paths relative to lib/modules/<kernel>), for the running and the boot kernels
     module_files: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    module_dirs: tuple[str, ...] = ()  # kernels whose lib/modules/<kernel>/ exists at all (containers often lack it)
     boot_kernels: tuple[str, ...] = ()  # from <root>/boot/vmlinuz-*
     grub_entry: str | None = None  # grubenv next_entry, else saved_entry
     loaded_version: str | None = None  # from /proc/driver/nvidia/version

@@ -125,6 +125,12 @@ class DriverRoot:
             _put_bytes(p / "var/lib/dpkg/status", self.dpkg_raw)
         else:
             _put(p / "var/lib/dpkg/status", self.dpkg_status())
+        for kernel in {*self.boot, *([self.running] if self.running else [])}:
+            # every installed kernel has its own modules tree (linux-modules-<kernel>), nvidia or not
+            _put(
+                p / "lib/modules" / kernel / "modules.dep",
+                "kernel/drivers/net/ethernet/mellanox/mlx5/core/mlx5_core.ko.zst:\n",
+            )
         for kernel, rels in self.modules.items():
             (p / "lib/modules" / kernel).mkdir(parents=True, exist_ok=True)
             for rel in rels:

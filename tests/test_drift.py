@@ -255,3 +255,23 @@ def test_fixture_uses_a_realistic_status_file(tmp_path: Path) -> None:
     names = {p.name for p in facts.packages}
     assert "bash" not in names  # non-nvidia stanzas are skipped
     assert f"linux-signatures-nvidia-{NEW_KERNEL}" in names and facts.dpkg_error is None
+
+
+def test_container_without_lib_modules_is_not_stranded(tmp_path: Path) -> None:
+    """Docker with the GPU passed through: /proc/driver/nvidia and /dev/nvidia* but no host /lib/modules or /boot."""
+    root = fx.healthy(tmp_path / "r")
+    root.boot = []
+    path = root.write()
+    import shutil
+
+    shutil.rmtree(path / "lib/modules")
+    facts = read_driver_facts(path)
+    report = drift.judge(facts)
+    assert not report.stranded and report.verdict == "ok", report.findings
+    checks = {c.id: c for c in drift.driver_checks(report, facts, nvml_asked=False)}
+    assert checks["driver-modules"].status == "skip" and "not visible" in checks["driver-modules"].summary
+    # but the same root with the driver gone is stranded: nothing could load it
+    (path / "proc/driver/nvidia/version").unlink()
+    for node in (path / "dev").iterdir():
+        node.unlink()
+    assert drift.judge(read_driver_facts(path)).verdict == "stranded"

@@ -172,7 +172,12 @@ def judge(facts: DriverFacts) -> DriverReport:
         or (loaded_version and library_version and loaded_version != library_version)
     )
 
-    stranded = bool(running) and not running_modules and anything_nvidia
+    # No lib/modules/<running>/ at all while the driver is loaded: we are in a container that cannot see the host's
+    # modules, not on a stranded host (an apt upgrade removes the nvidia package, never the running kernel's tree).
+    modules_invisible = bool(running) and running not in facts.module_dirs and loaded is True
+    if modules_invisible:
+        findings.append(f"/lib/modules/{running} is not visible (a container?): module files not checked")
+    stranded = bool(running) and not running_modules and anything_nvidia and not modules_invisible
     if running and stranded:
         claimed = [p.name for p in inv.per_kernel.get(running, [])]
         if claimed:
@@ -311,6 +316,13 @@ def _modules_check(report: DriverReport, inv: _Inventory, detail: str | None) ->
             "fail",
             f"driver stranded: running kernel {running} has no NVIDIA modules{have}",
             fix=_stranded_fix(report, inv),
+            detail=detail,
+        )
+    if not report.running_modules:
+        return Check(
+            "driver-modules",
+            "skip",
+            f"/lib/modules/{running} is not visible here; the loaded driver works",
             detail=detail,
         )
     source = "DKMS" if any(f.startswith("updates/dkms") for f in report.running_modules) else "package"

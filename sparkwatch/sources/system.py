@@ -207,6 +207,7 @@ def read_driver_facts(root: Path, nvml_probe: Callable[[], NvmlFacts] | None = N
 
     kernels = {k for k in (running, *boot) if k}
     modules = {k: module_files(root, k) for k in sorted(kernels)}
+    module_dirs = tuple(k for k in sorted(kernels) if any((base / k).is_dir() for base in _module_dirs(root)))
 
     nvrm = _read_text(root / "proc/driver/nvidia/version", _SMALL_MAX_BYTES, errors, required=False)
     loaded_version, loaded_open = parse_nvrm_version(nvrm) if nvrm else (None, None)
@@ -222,6 +223,7 @@ def read_driver_facts(root: Path, nvml_probe: Callable[[], NvmlFacts] | None = N
         packages=packages,
         dpkg_error=dpkg_error,
         module_files=modules,
+        module_dirs=module_dirs,
         boot_kernels=boot,
         grub_entry=grub_entry,
         loaded_version=loaded_version,
