@@ -83,15 +83,19 @@ class DriverWatcher:
         """One look. Never raises: a failure is counted and logged, and the next minute tries again."""
         started = time.monotonic()
         try:
+            return self._check()
+        finally:
+            self.last_duration_s = time.monotonic() - started
+            self.checks_total += 1  # counted once the check, its events and its state are done
+
+    def _check(self) -> DriverReport | None:
+        try:
             report = judge(read_driver_facts(self.root, self.nvml_probe))
         except Exception as exc:
             self.errors_total += 1
             self.last_error = f"{type(exc).__name__}: {exc}"
             _log(f"sparkwatch: ERROR driver check: {self.last_error}")
             return None
-        finally:
-            self.last_duration_s = time.monotonic() - started
-            self.checks_total += 1
         previous = self.report
         self.report = report
         if previous is None or previous.verdict != report.verdict:
@@ -101,8 +105,10 @@ class DriverWatcher:
             try:
                 self.events.append(make_event(alert.kind, alert.summary, alert.fields))
             except EventLogError as exc:
+                # Keep the old episode state so the next check records it again (at least once, as the outbox).
+                self.errors_total += 1
                 _log(f"sparkwatch: ERROR could not record {alert.kind} event: {exc}")
-                return report  # keep the old episode state: the event is retried on the next check
+                return report
         if new_open != self._open:
             self._open = new_open
             self._save_state()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 from dataclasses import replace
 from pathlib import Path
 
@@ -236,6 +237,9 @@ def test_version_sort_and_parsers() -> None:
     assert drift.upstream_version("1:610.43.02-1") == "610.43.02"
     assert parse_nvrm_version(fx.NVRM_OPEN.format(v="610.43.02")) == ("610.43.02", True)
     assert parse_nvrm_version(fx.NVRM_PROPRIETARY.format(v="580.142")) == ("580.142", False)
+    # verbatim from an H200 host running a Nix-built open module
+    real = "NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  580.159.04  Release Build  (nixbld@)  \n"
+    assert parse_nvrm_version(real) == ("580.159.04", True)
     assert parse_grubenv("# GRUB\nsaved_entry=a\nnext_entry=\n####") == "a"
 
 
@@ -262,8 +266,6 @@ def test_container_without_lib_modules_is_not_stranded(tmp_path: Path) -> None:
     root = fx.healthy(tmp_path / "r")
     root.boot = []
     path = root.write()
-    import shutil
-
     shutil.rmtree(path / "lib/modules")
     facts = read_driver_facts(path)
     report = drift.judge(facts)

@@ -179,9 +179,10 @@ class Outbox:
         raw_id = str(payload.get("id") or "")
         event_id = raw_id if _SAFE_ID.match(raw_id) else hashlib.sha256(raw_id.encode()).hexdigest()[:32]
         body = json.dumps(payload, separators=(",", ":"), default=str).encode()
-        path: Path | None = self.spool_dir / f"{event_id}.json"
+        spool_path = self.spool_dir / f"{event_id}.json"
+        path: Path | None = spool_path
         try:
-            self._write_durably(path, body)  # type: ignore[arg-type]
+            self._write_durably(spool_path, body)
         except OSError as exc:
             path = None
             self._spool_error(
@@ -354,8 +355,17 @@ class AlertRouter:
         self._lock = threading.Lock()
         self._state = RateState()
         self.suppressed_total = 0
+        self.errors_total = 0
 
     def __call__(self, event: Event) -> None:
+        # Runs on whichever thread appended the event (the guard's reaper for a kill): it must never raise into it.
+        try:
+            self._route(event)
+        except Exception as exc:
+            self.errors_total += 1
+            self.outbox._spool_error(f"outbox: could not route {event.kind} event {event.id}: {exc}")
+
+    def _route(self, event: Event) -> None:
         if not is_alerting(event.kind):
             return
         key = dedup_key(event.kind, {"id": event.id, **event.fields})

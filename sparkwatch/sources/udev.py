@@ -12,6 +12,7 @@ import os
 import select
 import threading
 from collections.abc import Callable
+from typing import Any
 
 DRIVER_ACTIONS = frozenset({"add", "remove", "bind", "unbind", "change"})
 
@@ -83,8 +84,8 @@ class UdevWatcher:
             self._log(f"sparkwatch: ERROR uevent handler: {exc}")
         return True
 
-    def _run(self, monitor: object) -> None:
-        fileno = monitor.fileno()  # type: ignore[attr-defined]
+    def _run(self, monitor: Any) -> None:  # a pyudev.Monitor (pyudev has no type hints)
+        fileno = monitor.fileno()
         poller = select.poll()
         poller.register(fileno, select.POLLIN)
         poller.register(self._wake_r, select.POLLIN)
@@ -94,7 +95,7 @@ class UdevWatcher:
                 continue
             while True:
                 try:
-                    device = monitor.poll(timeout=0)  # type: ignore[attr-defined]
+                    device = monitor.poll(timeout=0)
                 except Exception as exc:  # a torn netlink message must not end the thread
                     self.errors_total += 1
                     self._log(f"sparkwatch: WARNING reading uevent: {exc}")
