@@ -46,3 +46,36 @@ def test_probe_on_a_real_driver() -> None:
     assert checks["driver-loaded"]["status"] == "ok"
     assert "NVML: ok" in checks["driver-loaded"]["detail"]
     assert checks["driver-version-match"]["status"] == "ok"
+
+
+def test_a_hung_probe_is_not_piled_up(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A driver call that never returns (a wedged GPU) costs one thread, not one a minute."""
+    import threading
+
+    from sparkwatch.sources import system
+
+    release = threading.Event()
+
+    def hang() -> system.NvmlFacts:
+        release.wait(10)
+        return system.NvmlFacts(library_version="12.580.95.05")
+
+    monkeypatch.setattr(system, "_ask_nvml", hang)
+    try:
+        first = probe_nvml(timeout_s=0.1)
+        assert first.error is not None and "did not answer" in first.error
+        second = probe_nvml(timeout_s=0.1)
+        assert second.error is not None and "still hung" in second.error
+    finally:
+        release.set()
+    assert wait_for_thread_exit()
+    assert probe_nvml(timeout_s=2).library_version == "12.580.95.05"
+
+
+def wait_for_thread_exit() -> bool:
+    from sparkwatch.sources import system
+
+    thread = system._last_probe.get("thread")
+    if thread is not None:
+        thread.join(5)
+    return thread is None or not thread.is_alive()

@@ -237,6 +237,9 @@ def read_driver_facts(root: Path, nvml_probe: Callable[[], NvmlFacts] | None = N
     )
 
 
+_last_probe: dict[str, threading.Thread] = {}  # the last probe thread, to see whether it is still stuck
+
+
 def probe_nvml(timeout_s: float = 5.0) -> NvmlFacts:
     """Ask NVML for its library and driver versions, on a worker thread bounded by `timeout_s`.
 
@@ -244,6 +247,10 @@ def probe_nvml(timeout_s: float = 5.0) -> NvmlFacts:
     NVML's own error codes are kept: 9 is DRIVER_NOT_LOADED (a stranded driver), 18 is LIB_RM_VERSION_MISMATCH.
     sources.nvml owns NVML for telemetry; this is the one-shot probe the drift check and doctor need.
     """
+    previous = _last_probe.get("thread")
+    if previous is not None and previous.is_alive():
+        # One thread stuck in the driver is enough: do not add another every minute.
+        return NvmlFacts(error="an earlier NVML call is still hung in the driver")
     answer: queue.Queue[NvmlFacts] = queue.Queue(maxsize=1)
 
     def ask() -> None:
@@ -251,6 +258,7 @@ def probe_nvml(timeout_s: float = 5.0) -> NvmlFacts:
 
     thread = threading.Thread(target=ask, name="sparkwatch-nvml-probe", daemon=True)
     thread.start()
+    _last_probe["thread"] = thread
     try:
         return answer.get(timeout=timeout_s)
     except queue.Empty:
