@@ -145,7 +145,7 @@ def test_every_alert_arrives_across_500s_outage_and_restart(
     set_stranded(root, False)
     assert wait_until(lambda: len(alert_events(state, "driver_recovered")) == 2)
     expected = {str(e["id"]) for e in alert_events(state)}
-    assert len(expected) == 4
+    assert len(expected) == len(alert_events(state)) == 4  # ids unique: stranded, recovered, stranded, recovered
     assert wait_until(lambda: expected <= set(receiver.ids()), timeout_s=15), (expected, receiver.ids())
     assert daemon.stop() == 0
     # every delivery signed with the secret, payload = the event plus a Slack `text`
