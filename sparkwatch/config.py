@@ -99,6 +99,14 @@ class Settings(BaseSettings):
     state_dir: Path = Field(default_factory=default_state_dir)
     webhook_url: AnyHttpUrl | None = None
     webhook_secret: SecretStr | None = None
+    webhook_timeout_s: float = Field(10.0, gt=0, le=120, description="one delivery attempt gives up after this")
+    webhook_backoff_min_s: float = Field(1.0, gt=0, le=3600, description="first retry delay; doubles per failure")
+    webhook_backoff_max_s: float = Field(
+        300.0, gt=0, le=86400, description="retry delay cap: a receiver down for hours is retried every 5 min"
+    )
+    driver_check_interval_s: float = Field(
+        60.0, gt=0, le=3600, description="driver drift check period (a udev event on nvidia runs it at once)"
+    )
 
     # --- where the system is read from (tests point these at fixture trees)
     proc_root: Path = Path("/proc")
@@ -145,6 +153,10 @@ class Settings(BaseSettings):
     @property
     def events_path(self) -> Path:
         return self.state_dir / "events.jsonl"
+
+    @property
+    def outbox_dir(self) -> Path:
+        return self.state_dir / "outbox"
 
     def public_dict(self) -> dict[str, Any]:
         """The effective settings, secrets masked, as check-config prints them."""

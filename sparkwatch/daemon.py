@@ -14,8 +14,12 @@ from typing import Protocol
 
 from sparkwatch import syscalls
 from sparkwatch.actuators.events import EventLog
+from sparkwatch.actuators.outbox import AlertRouter, Outbox
 from sparkwatch.config import Settings
+from sparkwatch.driverwatch import DriverWatcher
 from sparkwatch.guard import Guard
+from sparkwatch.headroom import HeadroomWatcher
+from sparkwatch.sources.udev import UdevWatcher
 
 
 class Component(Protocol):
@@ -34,6 +38,31 @@ class Daemon:
         self.guard = Guard(settings, self.events)
         self.components: list[tuple[str, Component]] = [("guard", self.guard)]
         self._stop = threading.Event()
+        self._add_alerting()
+
+    def _add_alerting(self) -> None:
+        """The alert outbox (when a webhook is set), the driver drift watcher, its udev trigger, low headroom."""
+        s = self.settings
+        self.outbox: Outbox | None = None
+        if s.webhook_url is not None:
+            self.outbox = Outbox(
+                s.outbox_dir,
+                str(s.webhook_url),
+                s.webhook_secret.get_secret_value() if s.webhook_secret is not None else None,
+                timeout_s=s.webhook_timeout_s,
+                backoff_min_s=s.webhook_backoff_min_s,
+                backoff_max_s=s.webhook_backoff_max_s,
+                log=lambda line: print(line, file=sys.stderr, flush=True),
+            )
+            self.events.subscribe(AlertRouter(self.outbox))
+            self.add("outbox", self.outbox)
+        self.driver = DriverWatcher(s, self.events)
+        self.add("driver", self.driver)
+        # uevents describe this machine: with a fixture --root only the timer runs the drift check.
+        if str(s.root) == "/":
+            self.add("udev", UdevWatcher(self.driver.poke, log=log))
+        self.headroom = HeadroomWatcher(s, self.guard, self.events)
+        self.add("headroom", self.headroom)
 
     def add(self, name: str, component: Component) -> None:
         self.components.append((name, component))

@@ -14,7 +14,6 @@ from pathlib import Path
 
 import pynvml
 import pytest
-from helpers.fake_nvml import Err, FakeNvml, gb10, h200_like
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import Metric
 from prometheus_client.parser import text_string_to_metric_families
@@ -23,6 +22,7 @@ from sparkwatch.exporter.gpu import gpu_families
 from sparkwatch.model import GpuReport
 from sparkwatch.sources.nvml import NvmlSource
 from tests.conftest import require_tool
+from tests.helpers.fake_nvml import Err, FakeNvml, gb10, h200_like
 
 FIXTURES = Path(__file__).parent / "fixtures" / "gpu"
 GB10_PROC = FIXTURES / "gb10-proc"
