@@ -59,9 +59,12 @@ def add_parser(sub: Any, parent: argparse.ArgumentParser) -> None:
     p.set_defaults(handler=handle)
 
 
-def _systemd_quote(word: str) -> str:
-    # In ExecStart, '%' starts a specifier and '$' a variable; a word with spaces needs double quotes.
-    word = word.replace("%", "%%").replace("$", "$$")
+def _systemd_quote(word: str, command: bool = False) -> str:
+    # In ExecStart, '%' starts a specifier everywhere and '$' a variable in the arguments (not in the command
+    # itself: systemd-analyze verify reads `$$` there literally); a word with spaces needs double quotes.
+    word = word.replace("%", "%%")
+    if not command:
+        word = word.replace("$", "$$")
     if any(c.isspace() for c in word) or '"' in word or "\\" in word:
         return '"' + word.replace("\\", "\\\\").replace('"', '\\"') + '"'
     return word
@@ -77,7 +80,7 @@ def exec_start(executable: str | None = None, config: Path | None = None) -> str
     argv.append("run")
     if config is not None:
         argv += ["--config", os.path.abspath(config)]
-    return " ".join(_systemd_quote(a) for a in argv)
+    return " ".join(_systemd_quote(a, command=i == 0) for i, a in enumerate(argv))
 
 
 def template(system: bool) -> str:
