@@ -121,12 +121,12 @@ def daemons_fixture(tmp_path: Path) -> Iterator[Callable[..., Daemon]]:
     """Start real `python -m sparkwatch run` processes; every one is killed and reaped at the end."""
     started: list[subprocess.Popen[bytes]] = []
 
-    def start(args: list[str], env: dict[str, str]) -> Daemon:
+    def start(args: list[str], env: dict[str, str], wrapper: list[str] | None = None) -> Daemon:
         n = len(started)
         err = tmp_path / f"daemon{n}.stderr"
         with err.open("wb") as fh:
             proc = subprocess.Popen(
-                [sys.executable, "-m", "sparkwatch", "run", *args],
+                [*(wrapper or []), sys.executable, "-m", "sparkwatch", "run", *args],
                 env=env,
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.DEVNULL,

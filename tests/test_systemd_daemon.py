@@ -21,7 +21,7 @@ from sdtools import (
     has_systemd_python,
     make_no_systemd_python,
 )
-from tools import require
+from tools import require, require_tool
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -213,3 +213,26 @@ def test_sigterm_without_systemd_exits_zero(tmp_path: Path, daemons: Callable[..
     d.proc.send_signal(signal.SIGTERM)
     assert d.proc.wait(10) == 0
     assert "stopping" in d.stderr
+
+
+def test_small_memlock_limit_runs_unlocked(tmp_path: Path, daemons: Callable[..., Daemon]) -> None:
+    """A user unit's LimitMEMLOCK is clamped to the user manager's (often 8 MiB): the daemon must not mlockall
+    under it (MCL_FUTURE would make later thread stacks fail), say so, and run. Real limits: prlimit and setpriv
+    drop the limit and CAP_IPC_LOCK for the daemon."""
+    prlimit = require_tool("prlimit")
+    setpriv = require_tool("setpriv")
+    env = clean_env(tmp_path)
+    env["SPARKWATCH_MLOCK"] = "true"
+    rx = NotifyReceiver.bind(tmp_path / "notify")
+    env["NOTIFY_SOCKET"] = str(rx.path)
+    wrapper = [setpriv, "--bounding-set=-ipc_lock", "--inh-caps=-ipc_lock", prlimit, "--memlock=8388608", "--"]
+    args = ["--floor", "1MiB", "--listen", f"127.0.0.1:{free_port()}", "--state-dir", str(tmp_path / "s")]
+    d = daemons(args, env, wrapper=wrapper)
+    try:
+        log = d.wait_stderr("running:")
+        assert "not locking memory: RLIMIT_MEMLOCK is 8 MiB" in log
+        assert "mlockall:" not in log
+        rx.wait_for(lambda m: "READY=1" in m.split("\n"), 15)
+        assert "VmLck:\t       0 kB" in Path(f"/proc/{d.proc.pid}/status").read_text()
+    finally:
+        rx.close()
