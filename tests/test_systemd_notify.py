@@ -24,6 +24,14 @@ GiB = 1 << 30
 MiB = 1 << 20
 
 
+@pytest.fixture(name="no_sparkwatch_env")
+def no_sparkwatch_env_fixture(monkeypatch: pytest.MonkeyPatch) -> None:
+    # load_settings reads SPARKWATCH_* and rejects unknown keys, and CI sets SPARKWATCH_REQUIRE_TOOLS.
+    for name in list(os.environ):
+        if name.startswith("SPARKWATCH_"):
+            monkeypatch.delenv(name)
+
+
 def test_notify_address_forms() -> None:
     assert notify_address({"NOTIFY_SOCKET": "/run/user/1000/systemd/notify"}) == "/run/user/1000/systemd/notify"
     assert notify_address({"NOTIFY_SOCKET": "@/org/freedesktop/systemd1/notify/123"}) == (
@@ -161,6 +169,7 @@ def test_status_line() -> None:
     assert len(status_line(GiB, GiB, error="x" * 500)) == 200
 
 
+@pytest.mark.usefixtures("no_sparkwatch_env")
 def test_guard_reconfigure_applies_live(tmp_path: Path) -> None:
     settings = load_settings(None, {"state_dir": tmp_path, "floor": "8GiB", "dry_run": True, "mlock": False})
     guard = Guard(settings, EventLog(settings.events_path))
@@ -179,6 +188,7 @@ def test_guard_reconfigure_applies_live(tmp_path: Path) -> None:
         guard.meminfo.close()  # never started: nothing else to stop
 
 
+@pytest.mark.usefixtures("no_sparkwatch_env")
 def test_describe_changes_masks_secrets(tmp_path: Path) -> None:
     old = load_settings(None, {"state_dir": tmp_path, "webhook_secret": "hunter2", "floor": "8GiB"})
     new = load_settings(
