@@ -208,3 +208,42 @@ def test_describe_changes_masks_secrets(tmp_path: Path) -> None:
     text = " ".join(changes.values())
     assert "hunter2" not in text and "correct-horse" not in text and "XXXX" not in text
     assert describe_changes(old, old) == []
+
+
+@pytest.mark.usefixtures("no_sparkwatch_env")
+def test_daemon_status_line_takes_telemetry_parts_when_present(tmp_path: Path) -> None:
+    """STATUS= uses the guard's MemAvailable and floor, and engines and compile jobs from TelemetryLoop.latest."""
+    from types import SimpleNamespace
+
+    from sparkwatch.daemon import Daemon
+    from sparkwatch.model import EngineTree, MemInfo, Proc, Snapshot
+
+    settings = load_settings(None, {"state_dir": tmp_path, "floor": "8GiB", "mlock": False})
+    daemon = Daemon(settings)
+    try:
+        assert daemon.status_line() == "MemAvailable unknown, floor 8 GiB"  # before the first poll
+        mem = MemInfo(
+            total_bytes=int(121.7 * GiB),
+            available_bytes=int(61.2 * GiB),
+            free_bytes=GiB,
+            buffers_bytes=0,
+            cached_bytes=0,
+            swap_total_bytes=0,
+            swap_free_bytes=0,
+        )
+        with daemon.guard.lock:
+            daemon.guard.stats.mem = mem
+        assert daemon.status_line() == "MemAvailable 61.2 GiB, floor 8 GiB"
+        root = Proc(pid=10, ppid=1, uid=0, comm="python3", state="S", start_ticks=1, rss_bytes=0, argv=("vllm",))
+        telemetry = SimpleNamespace(
+            latest=Snapshot(
+                ts=0.0, engines=(EngineTree("vllm", root, (root,)),), compile=SimpleNamespace(parallel_jobs=7)
+            ),
+            start=lambda: None,
+            stop=lambda: None,
+        )
+        daemon.add("telemetry", telemetry)
+        assert daemon.status_line() == "MemAvailable 61.2 GiB, floor 8 GiB, 1 engine, compiling 7 jobs"
+    finally:
+        daemon.guard.meminfo.close()
+        daemon.guard.reaper._meminfo.close()
