@@ -205,10 +205,14 @@ def _read_toml(path: Path) -> dict[str, Any]:
     return data
 
 
+# Names under this prefix belong to the test suite (SPARKWATCH_TEST_REQUIRE_TOOLS), not to the daemon.
+TEST_ENV_PREFIX = ENV_PREFIX + "TEST_"
+
+
 def _check_env_keys(env: Mapping[str, str]) -> None:
     known = set(Settings.model_fields)
     for name in env:
-        if name.startswith(ENV_PREFIX):
+        if name.startswith(ENV_PREFIX) and not name.startswith(TEST_ENV_PREFIX):
             key = name[len(ENV_PREFIX) :].lower()
             if key not in known:
                 raise ConfigError(f"{name}: unknown setting{_did_you_mean(key, known)}")

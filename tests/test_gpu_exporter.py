@@ -1,7 +1,7 @@
 """gpu_families: golden exposition for a GB10 (fake NVML), the down case, and the exposition captured on a real
 H200 under load (tests/fixtures/gpu/h200-*, made by scripts/gpu-capture/run.sh through the device tool).
 
-Set SPARKWATCH_UPDATE_GOLDEN=1 to rewrite the gb10 goldens after an intended change, and review the diff.
+Set SPARKWATCH_TEST_UPDATE_GOLDEN=1 to rewrite the gb10 goldens after an intended change, and review the diff.
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ def promtool_check(text: str) -> None:
 
 def check_golden(name: str, text: str) -> None:
     path = FIXTURES / name
-    if os.environ.get("SPARKWATCH_UPDATE_GOLDEN") == "1":
+    if os.environ.get("SPARKWATCH_TEST_UPDATE_GOLDEN") == "1":
         path.write_text(text)
     assert text == path.read_text()
 
