@@ -96,6 +96,101 @@ class Event:
         }
 
 
+# --- The driver (sources.system reads DriverFacts, core.drift judges them into a DriverReport)
+
+
+@dataclass(frozen=True, slots=True)
+class NvmlFacts:
+    """What NVML said, when it was asked (live root only). Codes: 9 DRIVER_NOT_LOADED, 18 LIB_RM_VERSION_MISMATCH."""
+
+    library_version: str | None = None  # nvmlSystemGetNVMLVersion, e.g. "12.580.95.05"
+    driver_version: str | None = None  # nvmlSystemGetDriverVersion, e.g. "580.95.05"
+    error_code: int | None = None
+    error: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class DpkgPackage:
+    """One stanza of /var/lib/dpkg/status; only 'install ok installed' ones are kept as installed."""
+
+    name: str
+    version: str
+    status: str
+
+    @property
+    def installed(self) -> bool:
+        return self.status == "install ok installed"
+
+
+@dataclass(frozen=True, slots=True)
+class DriverFacts:
+    """Everything the drift verdict looks at, read from files under one root (plus NVML on the live root).
+
+    A fact that could not be read is None (or empty) and named in `read_errors`: never guessed.
+    """
+
+    running_kernel: str | None
+    packages: tuple[DpkgPackage, ...] = ()
+    dpkg_error: str | None = None  # corrupt/truncated/missing status file, in words
+    # kernel -> module files found (paths relative to lib/modules/<kernel>), for the running and the boot kernels
+    module_files: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    module_dirs: tuple[str, ...] = ()  # kernels whose lib/modules/<kernel>/ exists at all (containers often lack it)
+    boot_kernels: tuple[str, ...] = ()  # from <root>/boot/vmlinuz-*
+    grub_entry: str | None = None  # grubenv next_entry, else saved_entry
+    loaded_version: str | None = None  # from /proc/driver/nvidia/version
+    loaded_open: bool | None = None  # "Open Kernel Module" in that file
+    device_nodes: tuple[str, ...] = ()  # /dev/nvidia*
+    library_versions: tuple[str, ...] = ()  # from libnvidia-ml.so.<version> files
+    nvml: NvmlFacts | None = None  # None: not asked (fixture root, or NVML probing off)
+    reboot_required: bool = False
+    reboot_required_pkgs: tuple[str, ...] = ()
+    read_errors: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class DriverReport:
+    """The drift verdict. `verdict` is the worst finding: stranded > will_strand > version_mismatch > not_loaded >
+    reboot_pending > ok; `absent` when no NVIDIA driver is installed at all, `unknown` when the facts are too thin."""
+
+    verdict: str
+    summary: str
+    running_kernel: str | None
+    next_boot_kernel: str | None
+    running_modules: tuple[str, ...]  # module files for the running kernel ("" when none)
+    next_boot_modules: tuple[str, ...]
+    stranded: bool
+    next_boot_ok: bool | None  # None: next-boot kernel unknown
+    loaded: bool | None  # module loaded (proc file, device nodes, NVML); None: no evidence either way
+    loaded_version: str | None
+    library_version: str | None
+    module_version: str | None  # driver version of the installed kernel-module packages (DKMS / kernel-source)
+    version_mismatch: bool
+    reboot_required: bool
+    reboot_required_pkgs: tuple[str, ...]
+    dkms: bool  # an nvidia-dkms package is installed
+    open_modules: bool | None  # open (GB10 needs them) vs proprietary; None: unknown
+    findings: tuple[str, ...] = ()  # plain sentences for detail lines
+
+
+@dataclass(frozen=True, slots=True)
+class Check:
+    """One line of `sparkwatch doctor`: status ok|warn|fail|skip; `fix` is commands a human runs."""
+
+    id: str
+    status: str
+    summary: str
+    fix: str | None = None
+    detail: str | None = None
+
+    def to_json_dict(self) -> dict[str, object]:
+        out: dict[str, object] = {"id": self.id, "status": self.status, "summary": self.summary}
+        if self.fix is not None:
+            out["fix"] = self.fix
+        if self.detail is not None:
+            out["detail"] = self.detail
+        return out
+
+
 # --- Telemetry. The telemetry loop (sparkwatch/telemetry.py) builds one Snapshot a cycle and publishes it by swapping
 # a reference; the exporter, `status` and sd_notify's STATUS= line only read it. Each source fills its own part and
 # owns its record type below; a part is None when its source is off or failed (see `collectors`).
@@ -183,5 +278,5 @@ class Snapshot:
     compile: object | None = None  # CompileCensus (telemetry)
     jit: tuple[object, ...] = ()  # JitCacheState per cache/version/arch (telemetry)
     gpu: GpuReport | None = None  # sources.nvml
-    driver: object | None = None  # DriverReport (core.drift)
+    driver: DriverReport | None = None  # core.drift over sources.system
     collectors: tuple[CollectorStatus, ...] = ()

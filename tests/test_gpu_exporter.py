@@ -1,7 +1,7 @@
 """gpu_families: golden exposition for a GB10 (fake NVML), the down case, and the exposition captured on a real
 H200 under load (tests/fixtures/gpu/h200-*, made by scripts/gpu-capture/run.sh through the device tool).
 
-Set SPARKWATCH_UPDATE_GOLDEN=1 to rewrite the gb10 goldens after an intended change, and review the diff.
+Set SPARKWATCH_TEST_UPDATE_GOLDEN=1 to rewrite the gb10 goldens after an intended change, and review the diff.
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ from pathlib import Path
 
 import pynvml
 import pytest
-from helpers.fake_nvml import Err, FakeNvml, gb10, h200_like
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import Metric
 from prometheus_client.parser import text_string_to_metric_families
@@ -23,6 +22,7 @@ from sparkwatch.exporter.gpu import gpu_families
 from sparkwatch.model import GpuReport
 from sparkwatch.sources.nvml import NvmlSource
 from tests.conftest import require_tool
+from tests.helpers.fake_nvml import Err, FakeNvml, gb10, h200_like
 
 FIXTURES = Path(__file__).parent / "fixtures" / "gpu"
 GB10_PROC = FIXTURES / "gb10-proc"
@@ -65,7 +65,7 @@ def promtool_check(text: str) -> None:
 
 def check_golden(name: str, text: str) -> None:
     path = FIXTURES / name
-    if os.environ.get("SPARKWATCH_UPDATE_GOLDEN") == "1":
+    if os.environ.get("SPARKWATCH_TEST_UPDATE_GOLDEN") == "1":
         path.write_text(text)
     assert text == path.read_text()
 

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pynvml
 import pytest
-from helpers.fake_nvml import NOT_SUPPORTED, Err, FakeNvml, gb10
 
 from sparkwatch.model import GpuProcess
 from sparkwatch.sources.nvml import UNIFIED_TOLERANCE, NvmlSource, is_unified
+from tests.helpers.fake_nvml import NOT_SUPPORTED, Err, FakeNvml, gb10
 
 FIXTURES = Path(__file__).parent / "fixtures" / "gpu"
 GB10_PROC = FIXTURES / "gb10-proc"  # MemTotal 127600748 kB, a real GB10 reading
