@@ -9,14 +9,13 @@ import sys
 import time
 from pathlib import Path
 
-from conftest import require_tool
-from helpers.engine_tree import staged_engine
-
 from sparkwatch.actuators.events import EventLog, make_event
 from sparkwatch.core.engines import EngineRules
 from sparkwatch.core.proctree import tree_rows
 from sparkwatch.model import EngineTree, Proc
 from sparkwatch.tui.events_view import event_lines, local_time
+from tests.conftest import require_tool
+from tests.helpers.engine_tree import staged_engine
 
 
 def scoped_env(**extra: str) -> dict[str, str]:

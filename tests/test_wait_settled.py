@@ -18,9 +18,8 @@ import threading
 import time
 from pathlib import Path
 
-from helpers.engine_tree import staged_engine
-
 from sparkwatch.units import GiB
+from tests.helpers.engine_tree import staged_engine
 
 CLI = [sys.executable, "-m", "sparkwatch", "wait-settled"]
 # Generous: this is a shared machine; other people's tests free GiBs at any moment.
