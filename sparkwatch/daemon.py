@@ -34,6 +34,23 @@ class Daemon:
         self.guard = Guard(settings, self.events)
         self.components: list[tuple[str, Component]] = [("guard", self.guard)]
         self._stop = threading.Event()
+        self._add_telemetry()
+
+    def _add_telemetry(self) -> None:
+        """The telemetry loop and the metrics endpoint. Imported here: a failure costs telemetry, never the guard."""
+        try:
+            from sparkwatch.exporter.server import MetricsServer, build_registry  # noqa: PLC0415
+            from sparkwatch.telemetry import Telemetry, TelemetryLoop  # noqa: PLC0415
+
+            self.telemetry = TelemetryLoop(
+                Telemetry(self.settings), self.settings.telemetry_interval_s, on_event=self.events.append
+            )
+            registry = build_registry(self.settings, lambda: self.telemetry.latest, self.guard, self.events)
+        except Exception as exc:
+            log(f"ERROR telemetry unavailable: {type(exc).__name__}: {exc}; the guard keeps running")
+            return
+        self.add("telemetry", self.telemetry)
+        self.add("metrics", MetricsServer(self.settings, registry))
 
     def add(self, name: str, component: Component) -> None:
         self.components.append((name, component))
