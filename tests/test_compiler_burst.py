@@ -16,15 +16,19 @@ from sparkwatch.telemetry import Telemetry, TelemetryLoop
 from tests.conftest import Spawner, require_tool, wait_until
 
 JIT_ENGINE = Path(__file__).parent / "helpers" / "jit_engine.py"
-SOURCES = 6
+SOURCES = 4
 JOBS = 2
 
+# Small, but with enough unrolled code that ptxas runs ~150 ms per file: long enough to be seen at a 50 ms sampling.
 KERNEL = """
 __global__ void k{i}(float* x, const float* y, int n) {{
     int t = blockIdx.x * blockDim.x + threadIdx.x;
-    if (t < n) x[t] = x[t] * {i}.5f + y[t];
+    if (t >= n) return;
+    float a = x[t], b = y[t];
+    #pragma unroll
+    for (int j = 0; j < 3000; ++j) {{ a = a * b + (float)j * 0.{i}5f; b = b * a - 1.25f; }}
+    x[t] = a + b;
 }}
-extern "C" void launch{i}(float* x, const float* y, int n) {{ k{i}<<<(n + 255) / 256, 256>>>(x, y, n); }}
 """
 
 

@@ -207,3 +207,10 @@ def test_gone_engines_are_dropped() -> None:
     tracks, _, _ = jit.jit_step({}, [obs(compilers=3)], False, params, 0.0)
     tracks, states, changes = jit.jit_step(tracks, [], False, params, 1.0)
     assert tracks == {} and states == () and changes == ()
+
+
+def test_a_fork_before_exec_is_not_a_second_job() -> None:
+    nvcc_argv = ("nvcc", "-gencode", "arch=compute_121a,code=sm_121a", "-c", "a.cu")
+    procs = [proc(1, 0, "systemd"), proc(10, 1, "nvcc", nvcc_argv), proc(11, 10, "nvcc", nvcc_argv)]
+    census = cc.census(procs, [], {})
+    assert census.tools["nvcc"] == 1 and census.parallel_jobs == 1

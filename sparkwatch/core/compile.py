@@ -173,6 +173,10 @@ def census(procs: Sequence[Proc], trees: Sequence[EngineTree], environ: Mapping[
         tool = tool_of(proc)
         if tool is None:
             continue
+        parent = by_pid.get(proc.ppid)
+        if parent is not None and parent.comm == proc.comm and parent.argv == proc.argv:
+            # A fork that has not exec'd yet (nvcc and ninja fork, then exec sh/cicc/ptxas): the same job, once.
+            continue
         total.tools[tool] += 1
         total.rss_bytes[0] += proc.rss_bytes
         for arch in parse_archs(proc.argv):
