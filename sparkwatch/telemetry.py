@@ -38,7 +38,7 @@ from sparkwatch.model import (
 from sparkwatch.sources.jitcache import JitCacheSource
 from sparkwatch.sources.meminfo import MeminfoReader
 from sparkwatch.sources.procenv import EnvironReader, read_wchan
-from sparkwatch.sources.procs import ProcScanner
+from sparkwatch.sources.procs import IncrementalScanner
 from sparkwatch.sources.psi import read_psi
 
 
@@ -71,7 +71,8 @@ class Telemetry:
         self.wall_clock = wall_clock
         self.rules = EngineRules.build(settings.engine_patterns, settings.protect_patterns)
         self.scope = Scope(self_pid=os.getpid(), own_uid=os.geteuid(), ancestor_pid=settings.ancestor_pid)
-        self.scanner = ProcScanner(settings.proc_root)
+        self.scanner = IncrementalScanner(settings.proc_root)
+        self._hot: set[int] = set()  # engine members and compilers: re-read every cycle
         self.environ = EnvironReader(settings.proc_root, compile_core.MAX_JOBS_VARS)
         self.jitcache = JitCacheSource(list(settings.jit_cache_dirs), list(settings.vllm_cache_dirs))
         self.jit_params = jit_core.JitParams(stall_s=settings.jit_stall_s)
@@ -111,10 +112,12 @@ class Telemetry:
 
         mem = run("meminfo", self._read_meminfo)
         psi = run("psi", lambda: read_psi(self.settings.proc_root))
-        procs = run("procs", lambda: self.scanner.scan().procs)
+        procs = run("procs", lambda: self.scanner.scan(self._hot).procs)
         trees: tuple[EngineTree, ...] = ()
         if procs is not None:
             trees = tuple(find_engine_trees(procs, self.rules, self.scope))
+            self._hot = {pid for tree in trees for pid in tree.pids}
+            self._hot.update(p.pid for p in procs if compile_core.tool_of(p) is not None)
         census = run("compile", lambda: self._census(procs, trees))
         jit_result = run("jitcache", self.jitcache.collect)
         jit: tuple[JitCacheState, ...] = jit_result or ()
