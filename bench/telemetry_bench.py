@@ -22,7 +22,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
@@ -33,10 +32,26 @@ from sparkwatch.config import load_settings  # noqa: E402
 from sparkwatch.exporter.server import MetricsServer, build_registry, render  # noqa: E402
 from sparkwatch.guard import GuardStats  # noqa: E402
 from sparkwatch.sources.jitcache import JitCacheSource  # noqa: E402
-from sparkwatch.telemetry import Telemetry  # noqa: E402
+from sparkwatch.telemetry import Telemetry, TelemetryLoop  # noqa: E402
 from tests.daemon import free_port  # noqa: E402
 from tests.helpers.proctree import pin_mtimes  # noqa: E402
 from tests.helpers.scenario import StaticEvents, StaticGuard, build_scenario, guard_stats  # noqa: E402
+
+NOTES = """Notes:
+- Measured on a shared 2-vCPU x86_64 VM (not a Spark), with other engineers' tests running at the same time; the
+  Spark's 20 Grace cores make the per-process costs smaller, not larger.
+- The cycle: before the incremental process table and the engine-kind cache the same bench read 56.7 ms CPU median
+  for 2,000 processes (a full stat/cmdline read of every process, and every engine pattern matched against every
+  process). Now new and hot pids (engine members, compilers) are read every cycle and the rest in fifths, so a
+  process retitled after start (vLLM's setproctitle) is seen within 5 cycles. The first cycle reads everything.
+- The scrape tail is the shared VM and the GIL, not the render (0.6 ms): a scrape that lands during a telemetry cycle
+  can wait up to the interpreter's switch interval (5 ms by default) before the server thread runs. Across five runs
+  of this bench on this VM the HTTP p99 ranged 1.7-5.3 ms (--switch-interval-ms 1 gave 3.4 ms in one run: within
+  the noise), p50 always 1.2-1.6 ms.
+- The JIT cache's first walk stats every file once (0.8 s CPU for 100,000 files, at start-up or when a cache
+  appears); after that a cycle stats the directories that changed within 120 s plus 256 others in turn, so a change
+  in a cold directory shows within (directories / 256) cycles: 8 s for 2,000 module directories.
+"""
 
 
 def pct(values: list[float], p: float) -> float:
@@ -46,6 +61,24 @@ def pct(values: list[float], p: float) -> float:
 
 def ms(seconds: float) -> str:
     return f"{seconds * 1000:.2f}"
+
+
+CLIENT = """
+import http.client, sys, time
+port, n = int(sys.argv[1]), int(sys.argv[2])
+def get():
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+    c.request("GET", "/metrics")
+    body = c.getresponse().read()
+    c.close()
+    return body
+for _ in range(20):
+    get()
+for _ in range(n):
+    t0 = time.perf_counter()
+    get()
+    print(time.perf_counter() - t0)
+"""
 
 
 def bench_scrape(n: int, tmp: Path) -> list[tuple[str, str]]:
@@ -63,21 +96,25 @@ def bench_scrape(n: int, tmp: Path) -> list[tuple[str, str]]:
         render_s.append(time.perf_counter() - t0)
     server = MetricsServer(settings, registry)
     server.start()
-    http_s = []
+    # As in the daemon, a telemetry loop (real /proc, 1 s) runs in the serving process during the scrapes.
+    real = load_settings(
+        None, {"jit_cache_dirs": [tmp / "none"], "vllm_cache_dirs": [tmp / "none"], "state_dir": tmp / "state"}
+    )
+    loop = TelemetryLoop(Telemetry(real), 1.0)
+    loop.start()
     try:
-        url = f"http://127.0.0.1:{port}/metrics"
-        for _ in range(20):
-            urllib.request.urlopen(url, timeout=5).read()
-        for _ in range(n):
-            t0 = time.perf_counter()
-            with urllib.request.urlopen(url, timeout=5) as resp:
-                resp.read()
-            http_s.append(time.perf_counter() - t0)
+        # The client is another process, as Prometheus is: one in this process would fight the server for the GIL.
+        out = subprocess.run(
+            [sys.executable, "-c", CLIENT, str(port), str(n)], capture_output=True, text=True, timeout=300, check=True
+        )
     finally:
+        loop.stop()
         server.stop()
+    http_s = [float(x) for x in out.stdout.split()]
     lines = body.decode().count("\n")
     return [
-        (f"scrape over HTTP, p50 / p99 ({n} GETs, {len(body)} bytes, {lines} lines)",
+        (f"scrape over HTTP from another process, telemetry loop running, p50 / p99 "
+         f"({n} GETs, {len(body)} bytes, {lines} lines)",
          f"{ms(pct(http_s, 50))} / {ms(pct(http_s, 99))} ms"),
         ("render only (no HTTP), p50 / p99", f"{ms(pct(render_s, 50))} / {ms(pct(render_s, 99))} ms"),
     ]  # fmt: skip
@@ -174,7 +211,10 @@ def main() -> None:
     ap.add_argument("--files-per-dir", type=int, default=50)
     ap.add_argument("--scrapes", type=int, default=2000)
     ap.add_argument("--out", type=Path)
+    ap.add_argument("--switch-interval-ms", type=float, help="sys.setswitchinterval for this run (default: Python's)")
     args = ap.parse_args()
+    if args.switch_interval_ms:
+        sys.setswitchinterval(args.switch_interval_ms / 1000)
     tmp = Path(tempfile.mkdtemp(prefix="sw-telemetry-bench-"))
     try:
         rows = bench_scrape(args.scrapes, tmp)
@@ -198,6 +238,7 @@ def main() -> None:
             "",
             *table,
             "",
+            NOTES,
         ]
     )
     print(text)
