@@ -190,7 +190,9 @@ class Telemetry:
             n = compilers.get(tree.root.pid, 0)
             all_asleep = all(p.state != "R" for p in tree.members)
             pipe_waiting = False
-            if n == 0 and all_asleep:
+            track = self._jit_tracks.get((tree.root.pid, tree.root.start_ticks))
+            compiled_before = track is not None and track.last_activity_ts is not None
+            if n == 0 and all_asleep and compiled_before:  # only an engine that compiled can be stalled: no reads else
                 for p in tree.members[:_WCHAN_PROBES_MAX]:
                     if read_wchan(self.settings.proc_root, p.pid) in jit_core.PIPE_WAIT_WCHANS:
                         pipe_waiting = True
