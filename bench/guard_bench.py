@@ -65,7 +65,7 @@ class Episode:
     overshoot: int  # bytes under the floor at the minimum (0 if it never crossed)
     crossed: bool
     floor_to_reaped_s: float | None  # crossing -> last victim gone
-    margin_at_kill: int | None  # MemAvailable - floor when the first victim died
+    margin_at_kill: int  # MemAvailable - floor at its lowest (positive: never reached the floor)
     own_detect_to_reaped_ms: float | None = None  # sparkwatch's own record: detect -> signal -> last reaped
 
 
@@ -194,10 +194,9 @@ def run_episode(contender: str, target_rate: int, tmp: Path) -> Episode:
         kills = [e for e in read_events(tmp / "state" / "events.jsonl") if e["kind"] == "kill"]
         if kills and kills[-1].get("signal_to_reaped_ms") is not None:
             own = float(kills[-1]["detect_to_signal_ms"]) + float(kills[-1]["signal_to_reaped_ms"])
-    margin = None
-    if first_exit is not None:
-        before = [a for t, a in samples if t <= first_exit]
-        margin = (before[-1] - floor) if before else None
+    # How close it came: an exiting process frees its memory before its pidfd reports the exit, so the sample
+    # "just before the exit" is already too late to show it; the minimum is honest.
+    margin = min_avail - floor
     return Episode(
         contender=contender,
         target_rate=target_rate,
@@ -284,7 +283,7 @@ def main() -> None:
     ]
     for ep in episodes:
         if not ep.crossed:
-            reaped = f"before floor ({(ep.margin_at_kill or 0) / MiB:,.0f} MiB left)"
+            reaped = f"before floor ({ep.margin_at_kill / MiB:,.0f} MiB left)"
         else:
             reaped = "-" if ep.floor_to_reaped_s is None else f"{ep.floor_to_reaped_s * 1000:,.0f}"
         reaction = "-" if not ep.rate_at_crossing else f"{ep.overshoot / ep.rate_at_crossing * 1000:,.0f}"

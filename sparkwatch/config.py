@@ -108,6 +108,14 @@ class Settings(BaseSettings):
     state_dir: Path = Field(default_factory=default_state_dir)
     webhook_url: AnyHttpUrl | None = None
     webhook_secret: SecretStr | None = None
+    webhook_timeout_s: float = Field(10.0, gt=0, le=120, description="one delivery attempt gives up after this")
+    webhook_backoff_min_s: float = Field(1.0, gt=0, le=3600, description="first retry delay; doubles per failure")
+    webhook_backoff_max_s: float = Field(
+        300.0, gt=0, le=86400, description="retry delay cap: a receiver down for hours is retried every 5 min"
+    )
+    driver_check_interval_s: float = Field(
+        60.0, gt=0, le=3600, description="driver drift check period (a udev event on nvidia runs it at once)"
+    )
 
     # --- where the system is read from (tests point these at fixture trees)
     proc_root: Path = Path("/proc")
@@ -154,6 +162,10 @@ class Settings(BaseSettings):
     @property
     def events_path(self) -> Path:
         return self.state_dir / "events.jsonl"
+
+    @property
+    def outbox_dir(self) -> Path:
+        return self.state_dir / "outbox"
 
     def public_dict(self) -> dict[str, Any]:
         """The effective settings, secrets masked, as check-config prints them."""
@@ -202,10 +214,14 @@ def _read_toml(path: Path) -> dict[str, Any]:
     return data
 
 
+# Names under this prefix belong to the test suite (SPARKWATCH_TEST_REQUIRE_TOOLS), not to the daemon.
+TEST_ENV_PREFIX = ENV_PREFIX + "TEST_"
+
+
 def _check_env_keys(env: Mapping[str, str]) -> None:
     known = set(Settings.model_fields)
     for name in env:
-        if name.startswith(ENV_PREFIX):
+        if name.startswith(ENV_PREFIX) and not name.startswith(TEST_ENV_PREFIX):
             key = name[len(ENV_PREFIX) :].lower()
             if key not in known:
                 raise ConfigError(f"{name}: unknown setting{_did_you_mean(key, known)}")

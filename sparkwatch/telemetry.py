@@ -11,7 +11,6 @@ other parts of the Snapshot intact.
 
 from __future__ import annotations
 
-import importlib
 import os
 import sys
 import threading
@@ -27,8 +26,10 @@ from sparkwatch.core.engines import EngineRules, Scope, find_engine_trees
 from sparkwatch.model import (
     CollectorStatus,
     CompileCensus,
+    DriverReport,
     EngineTree,
     Event,
+    GpuReport,
     JitCacheState,
     JitEngineState,
     MemInfo,
@@ -37,20 +38,10 @@ from sparkwatch.model import (
 )
 from sparkwatch.sources.jitcache import JitCacheSource
 from sparkwatch.sources.meminfo import MeminfoReader
+from sparkwatch.sources.nvml import NvmlSource
 from sparkwatch.sources.procenv import EnvironReader, read_wchan
 from sparkwatch.sources.procs import IncrementalScanner
 from sparkwatch.sources.psi import read_psi
-
-
-def _optional(module: str, name: str) -> Any:
-    """An attribute of a module that may not exist yet (the NVML part is built separately): None if absent."""
-    try:
-        return getattr(importlib.import_module(module), name)
-    except ImportError:
-        return None
-
-
-NvmlSource = _optional("sparkwatch.sources.nvml", "NvmlSource")
 
 T = TypeVar("T")
 _WCHAN_PROBES_MAX = 64  # members whose wchan is read per engine per cycle; engines have tens of processes
@@ -66,7 +57,10 @@ class Telemetry:
         settings: Settings,
         gpu_source: Any | None = None,
         wall_clock: Callable[[], float] = time.time,
+        driver: Callable[[], DriverReport | None] | None = None,
     ) -> None:
+        """`gpu_source`: anything with collect() -> GpuReport (default NvmlSource). `driver`: the drift watcher's
+        latest report (a reference read, no I/O), put in Snapshot.driver as it is."""
         self.settings = settings
         self.wall_clock = wall_clock
         self.rules = EngineRules.build(settings.engine_patterns, settings.protect_patterns)
@@ -76,12 +70,9 @@ class Telemetry:
         self.environ = EnvironReader(settings.proc_root, compile_core.MAX_JOBS_VARS)
         self.jitcache = JitCacheSource(list(settings.jit_cache_dirs), list(settings.vllm_cache_dirs))
         self.jit_params = jit_core.JitParams(stall_s=settings.jit_stall_s)
-        self.gpu_source = gpu_source
-        if gpu_source is None and NvmlSource is not None:
-            try:
-                self.gpu_source = NvmlSource()
-            except Exception as exc:  # the NVML part reports its own failures; never let it stop the telemetry
-                print(f"sparkwatch: GPU source unavailable: {exc}", file=sys.stderr)
+        # NvmlSource bounds every NVML call and never raises from collect(); pynvml is imported on its first cycle.
+        self.gpu_source = gpu_source if gpu_source is not None else NvmlSource(proc_root=settings.proc_root)
+        self.driver = driver
         self._meminfo: MeminfoReader | None = None
         self._jit_tracks: dict[tuple[int, int], jit_core.JitTrack] = {}
         self._burst = compile_core.BurstState()
@@ -127,10 +118,15 @@ class Telemetry:
             last = statuses.pop()
             statuses.append(CollectorStatus(last.name, False, last.duration_s, "; ".join(e for e in partial if e)))
         now = self.wall_clock()
-        jit_states = run("jit_state", lambda: self._jit_states(procs, trees, census, jit_result, now)) or ()
         gpu = run("gpu", self.gpu_source.collect) if self.gpu_source is not None else None
+        gpu_busy = _gpu_busy(gpu)
+        jit_states = (
+            run("jit_state", lambda: self._jit_states(procs, trees, census, jit_result, now=now, gpu_busy=gpu_busy))
+            or ()
+        )
         if census is not None:
             self._burst_events(census, now)
+        driver = self.driver() if self.driver is not None else None
         return Snapshot(
             ts=self.wall_clock(),
             mem=mem,
@@ -138,6 +134,7 @@ class Telemetry:
             compile=census,
             jit=jit,
             gpu=gpu,
+            driver=driver,
             collectors=tuple(statuses),
             psi=psi,
             jit_states=jit_states,
@@ -174,7 +171,9 @@ class Telemetry:
         trees: tuple[EngineTree, ...],
         census: CompileCensus | None,
         jit: tuple[JitCacheState, ...] | None,
+        *,
         now: float,
+        gpu_busy: bool,
     ) -> tuple[JitEngineState, ...]:
         if procs is None or census is None:
             raise _Failed("no process table or census this cycle")
@@ -205,6 +204,7 @@ class Telemetry:
                     compilers=n,
                     pipe_waiting=pipe_waiting,
                     all_asleep=all_asleep,
+                    gpu_busy=gpu_busy,
                 )
             )
         self._jit_tracks, states, changes = jit_core.jit_step(
@@ -231,9 +231,22 @@ class Telemetry:
             self._events.append(make_event("compile_burst", alert.summary, alert.fields, ts=now))
 
     def close(self) -> None:
+        close_gpu = getattr(self.gpu_source, "close", None)
+        if close_gpu is not None:
+            close_gpu()
         if self._meminfo is not None:
             self._meminfo.close()
             self._meminfo = None
+
+
+# A GPU above this utilization is doing work: an engine is not stalled while it runs (decode idles near 0).
+GPU_BUSY_RATIO = 0.05
+
+
+def _gpu_busy(gpu: object) -> bool:
+    if not isinstance(gpu, GpuReport) or not gpu.up:
+        return False
+    return any(d.utilization_ratio is not None and d.utilization_ratio > GPU_BUSY_RATIO for d in gpu.devices)
 
 
 class TelemetryLoop:

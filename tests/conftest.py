@@ -19,14 +19,24 @@ ROOT = Path(__file__).resolve().parent.parent
 FAKE_ENGINE = ROOT / "tests" / "helpers" / "fake_engine.py"
 
 
+REQUIRE_TOOLS_ENV = "SPARKWATCH_TEST_REQUIRE_TOOLS"  # CI sets it to 1: a missing tool fails instead of skipping
+
+
+def require(condition: bool, reason: str) -> None:
+    """Skip unless `condition`; under SPARKWATCH_TEST_REQUIRE_TOOLS=1 (CI) a failure instead, so CI never hides
+    a missing install step behind a skip."""
+    if condition:
+        return
+    if os.environ.get(REQUIRE_TOOLS_ENV) == "1":
+        pytest.fail(f"{reason} ({REQUIRE_TOOLS_ENV}=1)")
+    pytest.skip(reason)
+
+
 def require_tool(name: str) -> str:
-    """Path of a real tool the test needs. Skips when missing, fails instead under SPARKWATCH_REQUIRE_TOOLS=1 (CI)."""
+    """Path of a real tool the test needs (apt packages are listed in .ci/run)."""
     path = shutil.which(name)
-    if path is None:
-        message = f"{name} is not installed (apt packages are listed in .ci/run)"
-        if os.environ.get("SPARKWATCH_REQUIRE_TOOLS") == "1":
-            pytest.fail(message)
-        pytest.skip(message)
+    require(path is not None, f"{name} is not installed (apt packages are listed in .ci/run)")
+    assert path is not None
     return path
 
 

@@ -214,3 +214,15 @@ def test_a_fork_before_exec_is_not_a_second_job() -> None:
     procs = [proc(1, 0, "systemd"), proc(10, 1, "nvcc", nvcc_argv), proc(11, 10, "nvcc", nvcc_argv)]
     census = cc.census(procs, [], {})
     assert census.tools["nvcc"] == 1 and census.parallel_jobs == 1
+
+
+def test_a_busy_gpu_is_never_stalled() -> None:
+    params = jit.JitParams(stall_s=60)
+    busy = jit.EngineObservation("vllm", 100, 5, 0, pipe_waiting=True, all_asleep=True, gpu_busy=True)
+    tracks, _, _ = jit.jit_step({}, [obs(compilers=3)], False, params, 0.0)
+    tracks, states, _ = jit.jit_step(tracks, [busy], False, params, 1000.0)
+    assert states[0].state == jit.IDLE
+    tracks, states, _ = jit.jit_step(tracks, [obs(pipe=True)], False, params, 1030.0)
+    assert states[0].state == jit.IDLE  # the stall clock restarted when the GPU last worked
+    tracks, states, _ = jit.jit_step(tracks, [obs(pipe=True)], False, params, 1061.0)
+    assert states[0].state == jit.STALLED

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import threading
 import time
@@ -12,10 +11,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from sparkwatch.actuators.events import EventLog, read_events
 from sparkwatch.config import load_settings
-from sparkwatch.exporter import collector as collector_module
 from sparkwatch.exporter.server import build_registry, render
 from sparkwatch.guard import Guard
-from sparkwatch.model import Snapshot
+from sparkwatch.model import GpuReport, Snapshot
 from sparkwatch.sources.meminfo import MeminfoReader
 from sparkwatch.telemetry import Telemetry, TelemetryLoop
 from tests.conftest import Spawner, alive, pids_in, wait_until
@@ -121,21 +119,20 @@ def test_gpu_source_raising_leaves_the_rest(tmp_path: Path) -> None:
     assert snap.gpu is None and snap.mem is not None and snap.compile is not None
 
 
-def test_gpu_process_memory_is_summed_per_engine(tmp_path: Path, monkeypatch: object) -> None:
-    monkeypatch.setattr(collector_module, "gpu_families", None)  # type: ignore[attr-defined]
+def test_driver_not_loaded_leaves_the_rest(tmp_path: Path) -> None:
+    """NVML up=False (driver not loaded, code 9): gpu_up 0 with the code, no per-engine GPU bytes, the rest intact."""
 
-    @dataclasses.dataclass(frozen=True)
-    class Report:
-        processes: tuple[tuple[int, int], ...]
+    class DownGpu:
+        def collect(self) -> GpuReport:
+            return GpuReport(up=False, nvml_return_code=9, error="nvmlInit: NVMLError_DriverNotLoaded")
 
-    snap = Telemetry(build_scenario(tmp_path)).collect()
-    gib = 1 << 30
-    snap = dataclasses.replace(snap, gpu=Report(((1001, 70 * gib), (1005, gib), (2000, 5 * gib), (77, 2 * gib))))
-    m = expose(snap)
-    per = m["sparkwatch_gpu_process_memory_bytes"]
-    assert per[(("engine", "vllm"),)] == 71 * gib
-    assert per[(("engine", "llama.cpp"),)] == 5 * gib
-    assert per[(("engine", "other"),)] == 2 * gib
+    settings = build_scenario(tmp_path)
+    snap = Telemetry(settings, gpu_source=DownGpu()).collect()
+    m = expose(snap, settings)
+    assert m["sparkwatch_gpu_up"][()] == 0 and m["sparkwatch_gpu_nvml_return_code"][()] == 9
+    assert "sparkwatch_engine_gpu_memory_bytes" not in m
+    assert success(m, "gpu") == 1  # the source worked: it says the driver is not there
+    assert m["sparkwatch_engine_processes"][(("engine", "vllm"),)] == 9
 
 
 def test_cache_growth_makes_the_engine_compiling_and_stall_is_an_event(tmp_path: Path) -> None:

@@ -15,14 +15,24 @@ from sparkwatch.exporter.server import build_registry, render
 from sparkwatch.telemetry import Telemetry
 from tests.conftest import require_tool
 from tests.helpers.proctree import FIXED_MTIME
-from tests.helpers.scenario import StaticEvents, StaticGuard, build_scenario, guard_stats, zero_durations
+from tests.helpers.scenario import (
+    StaticEvents,
+    StaticGpu,
+    StaticGuard,
+    build_scenario,
+    guard_stats,
+    stranded_driver,
+    zero_durations,
+)
 
 GOLDEN = Path(__file__).parent / "golden" / "telemetry.prom"
 
 
 def scenario_exposition(tmp_path: Path) -> bytes:
     settings = build_scenario(tmp_path)
-    telemetry = Telemetry(settings, wall_clock=lambda: FIXED_MTIME + 100.0)
+    telemetry = Telemetry(
+        settings, gpu_source=StaticGpu(), wall_clock=lambda: FIXED_MTIME + 100.0, driver=stranded_driver
+    )
     snap = zero_durations(telemetry.collect())
     registry = build_registry(settings, lambda: snap, StaticGuard(guard_stats()), StaticEvents())
     return render(registry)
@@ -71,6 +81,16 @@ def test_golden_names_follow_the_contract() -> None:
         "sparkwatch_collector_success": {"collector"},
         "sparkwatch_collector_duration_seconds": {"collector"},
         "sparkwatch_build_info": {"version"},
+        "sparkwatch_gpu_up": set(),
+        "sparkwatch_gpu_info": {"gpu", "uuid", "name", "driver_version"},
+        "sparkwatch_gpu_power_watts": {"gpu"},
+        "sparkwatch_gpu_utilization_ratio": {"gpu"},
+        "sparkwatch_gpu_process_memory_bytes": {"gpu", "pid"},
+        "sparkwatch_engine_gpu_memory_bytes": {"engine"},
+        "sparkwatch_driver_stranded": set(),
+        "sparkwatch_driver_next_boot_ok": set(),
+        "sparkwatch_reboot_required": set(),
+        "sparkwatch_driver_info": {"kernel", "module_version", "loaded_version"},
     }
     for name, labels in contract.items():
         assert name in families, name
@@ -113,3 +133,11 @@ def test_golden_values_mean_the_scenario() -> None:
     assert sample(text, "sparkwatch_guard_kill_duration_seconds_bucket", le="0.15") == 1
     assert sample(text, "sparkwatch_guard_kill_duration_seconds_bucket", le="0.1") == 0
     assert sample(text, "sparkwatch_event_log_write_errors_total") == 2
+    gib = 1 << 30
+    assert sample(text, "sparkwatch_engine_gpu_memory_bytes", engine="vllm") == 70 * gib
+    assert sample(text, "sparkwatch_engine_gpu_memory_bytes", engine="ray") == 2 * gib
+    assert sample(text, "sparkwatch_engine_gpu_memory_bytes", engine="other") == 512 << 20  # the unknown share: out
+    assert sample(text, "sparkwatch_gpu_power_watts", gpu="0") == 12.5
+    assert "sparkwatch_gpu_memory_total_bytes" not in text  # unified: absent, never 0
+    assert sample(text, "sparkwatch_driver_stranded") == 1
+    assert sample(text, "sparkwatch_driver_info", kernel="6.11.0-1016-nvidia", verdict="stranded") == 1

@@ -110,6 +110,7 @@ class EngineObservation:
     compilers: int  # live compiler processes in the tree
     pipe_waiting: bool  # some member's main thread sleeps in a pipe read (PIPE_WAIT_WCHANS)
     all_asleep: bool  # no member running (state R)
+    gpu_busy: bool = False  # NVML says a GPU is busy: work is happening, whatever the processes look like
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,7 +142,7 @@ def jit_step(
 
     compiling: compilers alive in the tree or a JIT cache growing, or either within `settle_s`.
     stalled: the engine did compile in its life, shows no compiler and no growth for `stall_s`, every process is
-      asleep and one waits on a pipe, for `stall_s`.
+      asleep and one waits on a pipe, and the GPU is idle, for `stall_s`.
     idle: otherwise. An engine that never compiled is idle, never stalled: an idle llama-server is not a stuck JIT.
     """
     out: dict[tuple[int, int], JitTrack] = {}
@@ -159,7 +160,7 @@ def jit_step(
             active_reason = "JIT cache growing"
         if active_reason:
             last_activity = now
-        if not (obs.all_asleep and obs.pipe_waiting):
+        if not (obs.all_asleep and obs.pipe_waiting) or obs.gpu_busy:
             last_awake = now
         if last_activity is not None and now - last_activity < params.settle_s:
             state = COMPILING

@@ -10,11 +10,10 @@ Names and labels are the DESIGN.md metrics contract; `promtool check metrics` li
 from __future__ import annotations
 
 import copy
-import importlib
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any, Protocol
+from typing import Protocol
 
 from prometheus_client.core import (
     CounterMetricFamily,
@@ -27,13 +26,9 @@ from prometheus_client.registry import Collector
 from sparkwatch import __version__
 from sparkwatch.core.compile import TOOLS
 from sparkwatch.core.jit import STATES
+from sparkwatch.exporter.gpu import gpu_families
 from sparkwatch.guard import KILL_DURATION_BUCKETS_S, GuardStats
-from sparkwatch.model import MemInfo, Snapshot
-
-try:  # the GPU part is built separately; without it the GPU series are absent
-    gpu_families: Any = importlib.import_module("sparkwatch.exporter.gpu").gpu_families
-except ImportError:  # pragma: no cover - depends on the merge
-    gpu_families = None
+from sparkwatch.model import DriverReport, GpuReport, MemInfo, Snapshot
 
 P = "sparkwatch_"
 GUARD_TRIGGERS = ("floor", "predicted")  # core.guard's triggers: exported at 0 so rate() works from the start
@@ -109,8 +104,7 @@ class SparkwatchCollector(Collector):
             )
         if snap is None:
             return
-        gpu = list(gpu_families(snap.gpu)) if gpu_families is not None and snap.gpu is not None else []
-        yield from self._engines(snap, {f.name for f in gpu})
+        yield from self._engines(snap)
         yield from self._compile(snap)
         yield from self._jit(snap)
         success = GaugeMetricFamily(P + "collector_success", "1 if the source worked this cycle", labels=["collector"])
@@ -125,7 +119,9 @@ class SparkwatchCollector(Collector):
         yield GaugeMetricFamily(
             P + "telemetry_last_cycle_timestamp_seconds", "When the telemetry cycle served here finished", value=snap.ts
         )
-        yield from gpu
+        yield from gpu_families(snap.gpu)
+        if snap.driver is not None:
+            yield from _driver_families(snap.driver)
 
     def _memory(self, mem: MemInfo | None, snap: Snapshot | None, stats: GuardStats | None) -> Iterator[Metric]:
         if mem is not None:
@@ -196,7 +192,7 @@ class SparkwatchCollector(Collector):
                 value=max(0.0, self.monotonic() - s.last_loop_monotonic),
             )
 
-    def _engines(self, snap: Snapshot, gpu_names: set[str]) -> Iterator[Metric]:
+    def _engines(self, snap: Snapshot) -> Iterator[Metric]:
         procs = GaugeMetricFamily(P + "engine_processes", "Processes in engine trees, by engine", labels=["engine"])
         rss = GaugeMetricFamily(
             P + "engine_rss_bytes", "RSS of engine trees (GPU memory not included)", labels=["engine"]
@@ -214,17 +210,17 @@ class SparkwatchCollector(Collector):
             rss.add_metric([kind], size)
         yield procs
         yield rss
-        processes = _gpu_processes(snap.gpu)
-        # If the GPU part exports this family itself (per process), its version wins: one family, one name.
-        if processes is not None and P + "gpu_process_memory_bytes" not in gpu_names:
+        if snap.gpu is not None and snap.gpu.up:
+            # NVML's per-process GPU memory summed per engine tree ('other': processes in no engine tree). The GPU
+            # part exports it per pid as sparkwatch_gpu_process_memory_bytes; this is the same bytes by engine.
             gpu_mem = GaugeMetricFamily(
-                P + "gpu_process_memory_bytes",
-                "GPU memory used per engine (NVML per-process, summed per tree; 'other' for the rest): "
-                "the share of the pool that RSS and cgroups cannot see",
+                P + "engine_gpu_memory_bytes",
+                "GPU memory of engine trees (NVML per-process, summed per tree; 'other' for the rest): the share "
+                "of the unified pool that RSS and cgroups cannot see",
                 labels=["engine"],
             )
             per: dict[str, int] = {}
-            for pid, used in processes:
+            for pid, used in _gpu_processes(snap.gpu):
                 kind = owner.get(pid, "other")
                 per[kind] = per.get(kind, 0) + used
             for kind, used in sorted(per.items()):
@@ -305,16 +301,41 @@ class SparkwatchCollector(Collector):
         yield state
 
 
-def _gpu_processes(gpu: Any) -> list[tuple[int, int]] | None:
-    """(pid, used bytes) pairs from the GPU part's report, if it has them."""
-    processes = getattr(gpu, "processes", None) if gpu is not None else None
-    if processes is None:
-        return None
-    out = []
-    for item in processes:
-        try:
-            pid, used = item
-            out.append((int(pid), int(used)))
-        except (TypeError, ValueError):
-            continue
-    return out
+def _gpu_processes(gpu: GpuReport) -> list[tuple[int, int]]:
+    """(pid, used bytes) from the GPU report; a process whose share NVML does not know is left out, not 0."""
+    return [(p.pid, p.used_gpu_memory_bytes) for p in gpu.processes if p.used_gpu_memory_bytes is not None]
+
+
+def _driver_families(d: DriverReport) -> Iterator[Metric]:
+    """The drift verdict (DESIGN.md: driver_stranded, driver_next_boot_ok, reboot_required, driver_info)."""
+    yield GaugeMetricFamily(
+        P + "driver_stranded",
+        "1 when the running kernel has no NVIDIA modules left (an update removed them): reboot into the new kernel",
+        value=int(d.stranded),
+    )
+    if d.next_boot_ok is not None:
+        yield GaugeMetricFamily(
+            P + "driver_next_boot_ok", "1 when the kernel that boots next has NVIDIA modules", value=int(d.next_boot_ok)
+        )
+    yield GaugeMetricFamily(P + "reboot_required", "1 when /run/reboot-required exists", value=int(d.reboot_required))
+    yield GaugeMetricFamily(
+        P + "driver_version_mismatch",
+        "1 when the loaded module and the user-space library differ (NVML: version mismatch)",
+        value=int(d.version_mismatch),
+    )
+    info = GaugeMetricFamily(
+        P + "driver_info",
+        "Driver identity and the drift verdict; always 1",
+        labels=["kernel", "module_version", "loaded_version", "library_version", "verdict"],
+    )
+    info.add_metric(
+        [
+            d.running_kernel or "",
+            d.module_version or "",
+            d.loaded_version or "",
+            d.library_version or "",
+            d.verdict,
+        ],
+        1,
+    )
+    yield info

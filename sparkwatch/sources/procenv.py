@@ -11,24 +11,14 @@ import os
 from collections.abc import Iterable
 from pathlib import Path
 
-_ENVIRON_MAX = 1 << 20  # environments of a few hundred KiB exist (CI runners); cut, not read whole forever
-
-
-def parse_environ(data: bytes, names: Iterable[str]) -> dict[str, str]:
-    wanted = {n.encode(): n for n in names}
-    out: dict[str, str] = {}
-    for item in data.split(b"\0"):
-        key, eq, value = item.partition(b"=")
-        if eq and key in wanted:
-            out[wanted[key]] = value.decode(errors="replace")
-    return out
+from sparkwatch.sources.environ import read_environ
 
 
 class EnvironReader:
     """Reads chosen variables of processes' environments, cached per (pid, start_ticks)."""
 
     def __init__(self, proc_root: Path, names: Iterable[str]) -> None:
-        self.proc_root = str(proc_root)
+        self.proc_root = proc_root
         self.names = tuple(names)
         self._cache: dict[tuple[int, int], dict[str, str] | None] = {}
 
@@ -36,26 +26,10 @@ class EnvironReader:
         key = (pid, start_ticks)
         if key in self._cache:
             return self._cache[key]
-        try:
-            fd = os.open(f"{self.proc_root}/{pid}/environ", os.O_RDONLY | os.O_CLOEXEC)
-            try:
-                chunks = []
-                size = 0
-                while size < _ENVIRON_MAX:
-                    chunk = os.read(fd, 65536)
-                    if not chunk:
-                        break
-                    chunks.append(chunk)
-                    size += len(chunk)
-            finally:
-                os.close(fd)
-        except OSError:
-            # EACCES (another user, hidepid), ESRCH/ENOENT (gone). An empty read of a live process means the same:
-            # a zombie or a kernel thread has no environment to judge.
-            self._cache[key] = None
-            return None
-        data = b"".join(chunks)
-        values = parse_environ(data, self.names) if data else None
+        env = read_environ(self.proc_root, pid)
+        # None: EACCES (another user, hidepid) or gone. Empty: a zombie or kernel thread has no environment to judge
+        # (a live process started with `env -i` has at least what its runtime sets, and is rare enough to call unknown).
+        values = {n: env[n] for n in self.names if n in env} if env else None
         self._cache[key] = values
         return values
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from sparkwatch.config import Settings, load_settings
 from sparkwatch.guard import GuardStats
-from sparkwatch.model import Snapshot
+from sparkwatch.model import DriverReport, GpuDevice, GpuProcess, GpuReport, Snapshot
 from tests.helpers.proctree import FIXED_MTIME, PSI_MEMORY, FakeProc, pin_mtimes, write_module, write_proc
 
 GiB = 1 << 30
@@ -153,3 +153,58 @@ class StaticEvents:
 def zero_durations(snap: Snapshot) -> Snapshot:
     """Durations are the one nondeterministic number in the exposition."""
     return dataclasses.replace(snap, collectors=tuple(dataclasses.replace(c, duration_s=0.0) for c in snap.collectors))
+
+
+def gb10_report() -> GpuReport:
+    """A GB10 mid-boot as NVML shows it (FIELD-NOTES): memory NOT_SUPPORTED (unified), 12 W while compiling, 0 %
+    utilization, and the EngineCore holding GPU memory that its RSS does not show."""
+    device = GpuDevice(
+        index=0,
+        uuid="GPU-5f3e2b9a-0c1d-4e7f-9a2b-3c4d5e6f7a8b",
+        name="NVIDIA GB10",
+        bus_id="0000000F:01:00.0",
+        unified=True,
+        power_watts=12.5,
+        utilization_ratio=0.0,
+        temperature_celsius=41.0,
+        sm_clock_hertz=2_418_000_000.0,
+        sm_clock_max_hertz=3_003_000_000.0,
+        energy_joules=123456.0,
+        processes=(
+            GpuProcess(1001, 70 * GiB, 0),  # VLLM::EngineCore
+            GpuProcess(4001, 2 * GiB, 0),  # the Ray actor
+            GpuProcess(31337, 512 * MiB, 0),  # a process in no engine tree
+            GpuProcess(31338, None, 0),  # on the GPU, share unknown: left out, not 0
+        ),
+        supported={"memory": False, "power": True, "utilization": True, "temperature": True, "sm_clock": True},
+    )
+    return GpuReport(up=True, nvml_return_code=0, driver_version="580.95.05", nvml_version="13.580.95.05",
+                     devices=(device,))  # fmt: skip
+
+
+class StaticGpu:
+    def collect(self) -> GpuReport:
+        return gb10_report()
+
+
+def stranded_driver() -> DriverReport:
+    """The DGX OS update that removed the running kernel's modules (FIELD-NOTES "The stranded driver")."""
+    return DriverReport(
+        verdict="stranded",
+        summary="the running kernel 6.11.0-1016-nvidia has no NVIDIA modules; 6.17.0-1008-nvidia does",
+        running_kernel="6.11.0-1016-nvidia",
+        next_boot_kernel="6.17.0-1008-nvidia",
+        running_modules=(),
+        next_boot_modules=("/lib/modules/6.17.0-1008-nvidia/kernel/nvidia-580-open/nvidia.ko",),
+        stranded=True,
+        next_boot_ok=True,
+        loaded=False,
+        loaded_version=None,
+        library_version="580.95.05",
+        module_version="580.95.05",
+        version_mismatch=False,
+        reboot_required=True,
+        reboot_required_pkgs=("linux-image-6.17.0-1008-nvidia",),
+        dkms=False,
+        open_modules=True,
+    )
