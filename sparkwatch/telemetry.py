@@ -80,6 +80,32 @@ class Telemetry:
         self._events: list[Event] = []
         self._lock = threading.Lock()  # collect() is one cycle at a time
 
+    LIVE_KEYS = frozenset(
+        {
+            "engine_patterns",
+            "protect_patterns",
+            "ancestor_pid",
+            "jit_cache_dirs",
+            "vllm_cache_dirs",
+            "compile_jobs_alert",
+            "jit_stall_s",
+        }
+    )
+
+    def reconfigure(self, settings: Settings) -> frozenset[str]:
+        """Apply new settings between two cycles (SIGHUP). Returns the keys applied."""
+        rules = EngineRules.build(settings.engine_patterns, settings.protect_patterns)
+        with self._lock:
+            old = self.settings
+            self.settings = settings
+            self.rules = rules
+            self.scope = Scope(self_pid=os.getpid(), own_uid=os.geteuid(), ancestor_pid=settings.ancestor_pid)
+            self.jit_params = jit_core.JitParams(stall_s=settings.jit_stall_s)
+            if (old.jit_cache_dirs, old.vllm_cache_dirs) != (settings.jit_cache_dirs, settings.vllm_cache_dirs):
+                self.jitcache = JitCacheSource(list(settings.jit_cache_dirs), list(settings.vllm_cache_dirs))
+                self._cache_sizes = {}
+        return self.LIVE_KEYS
+
     # --- one cycle
     def collect(self) -> Snapshot:
         with self._lock:
@@ -281,6 +307,10 @@ class TelemetryLoop:
         if self._thread is not None:
             self._thread.join(10)
         self.telemetry.close()
+
+    def reconfigure(self, settings: Settings) -> frozenset[str]:
+        self.interval_s = settings.telemetry_interval_s
+        return self.telemetry.reconfigure(settings) | {"telemetry_interval_s"}
 
     def run_once(self) -> Snapshot:
         snapshot = self.telemetry.collect()

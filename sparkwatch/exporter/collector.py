@@ -44,15 +44,20 @@ class EventLogLike(Protocol):
     write_errors_total: int
 
 
-def _guard_copy(guard: GuardLike | None) -> GuardStats | None:
+def _guard_copy(guard: GuardLike | None) -> tuple[GuardStats | None, int | None, bool | None]:
+    """The guard's counters, and its live floor and dry-run flag (SIGHUP may change them), read under its lock."""
     if guard is None:
-        return None
+        return None, None, None
     with guard.lock:  # a handful of field copies: the guard never waits on a scrape for longer than that
         stats = guard.stats
         out = copy.copy(stats)
         out.kills_total = dict(stats.kills_total)
         out.kill_duration_bucket_counts = list(stats.kill_duration_bucket_counts)
-    return out
+        params = getattr(guard, "params", None)
+        settings = getattr(guard, "settings", None)
+        floor = getattr(params, "floor_bytes", None)
+        dry_run = getattr(settings, "dry_run", None)
+    return out, floor, dry_run
 
 
 def _le(edge: float) -> str:
@@ -82,20 +87,27 @@ class SparkwatchCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         snap = self.latest()
-        stats = _guard_copy(self.guard)
-        yield from self._families(snap, stats)
+        stats, floor, dry_run = _guard_copy(self.guard)
+        yield from self._families(
+            snap,
+            stats,
+            self.floor_bytes if floor is None else floor,
+            self.dry_run if dry_run is None else dry_run,
+        )
 
     # --- rendering
-    def _families(self, snap: Snapshot | None, stats: GuardStats | None) -> Iterator[Metric]:
+    def _families(
+        self, snap: Snapshot | None, stats: GuardStats | None, floor_bytes: int, dry_run: bool
+    ) -> Iterator[Metric]:
         info = GaugeMetricFamily(P + "build_info", "sparkwatch version, always 1", labels=["version"])
         info.add_metric([__version__], 1)
         yield info
         mem: MemInfo | None = stats.mem if stats is not None and stats.mem is not None else None
         if mem is None and snap is not None:
             mem = snap.mem
-        yield from self._memory(mem, snap, stats)
+        yield from self._memory(mem, snap, stats, floor_bytes)
         if stats is not None:
-            yield from self._guard(stats)
+            yield from self._guard(stats, dry_run)
         if self.events is not None:
             yield CounterMetricFamily(
                 P + "event_log_write_errors",
@@ -123,7 +135,9 @@ class SparkwatchCollector(Collector):
         if snap.driver is not None:
             yield from _driver_families(snap.driver)
 
-    def _memory(self, mem: MemInfo | None, snap: Snapshot | None, stats: GuardStats | None) -> Iterator[Metric]:
+    def _memory(
+        self, mem: MemInfo | None, snap: Snapshot | None, stats: GuardStats | None, floor_bytes: int
+    ) -> Iterator[Metric]:
         if mem is not None:
             for name, value, text in (
                 ("total", mem.total_bytes, "MemTotal: the unified CPU+GPU pool"),
@@ -133,7 +147,7 @@ class SparkwatchCollector(Collector):
                 ("used", mem.used_bytes, "MemTotal - MemAvailable: the honest used figure on a unified pool"),
             ):
                 yield GaugeMetricFamily(f"{P}memory_{name}_bytes", text, value=value)
-        yield GaugeMetricFamily(P + "memory_floor_bytes", "The guard's MemAvailable kill floor", value=self.floor_bytes)
+        yield GaugeMetricFamily(P + "memory_floor_bytes", "The guard's MemAvailable kill floor", value=floor_bytes)
         if stats is not None:
             yield GaugeMetricFamily(
                 P + "memory_fill_rate_bytes_per_second",
@@ -151,7 +165,7 @@ class SparkwatchCollector(Collector):
                 psi.add_metric(["full"], snap.psi.full_us / 1e6)
             yield psi
 
-    def _guard(self, s: GuardStats) -> Iterator[Metric]:
+    def _guard(self, s: GuardStats, dry_run: bool) -> Iterator[Metric]:
         yield GaugeMetricFamily(
             P + "guard_poll_interval_seconds", "The guard's current poll interval", s.poll_interval_s
         )
@@ -178,9 +192,7 @@ class SparkwatchCollector(Collector):
             buckets=buckets,
             sum_value=s.kill_duration_sum_s,
         )
-        yield GaugeMetricFamily(
-            P + "guard_dry_run", "1 if the guard decides but signals nothing", 1 if self.dry_run else 0
-        )
+        yield GaugeMetricFamily(P + "guard_dry_run", "1 if the guard decides but signals nothing", 1 if dry_run else 0)
         yield GaugeMetricFamily(P + "guard_armed", "0 while waiting for memory to come back after a kill", int(s.armed))
         yield CounterMetricFamily(
             P + "guard_meminfo_errors", "/proc/meminfo reads or parses that failed", value=s.meminfo_errors_total
