@@ -305,7 +305,9 @@ class TelemetryLoop:
     def stop(self) -> None:
         self._stop.set()
         if self._thread is not None:
-            self._thread.join(10)
+            # A cycle blocked in a /proc read (a process whose mmap lock is held) must not hold up shutdown: the
+            # thread is a daemon thread, and the guard never waits on it.
+            self._thread.join(5)
         self.telemetry.close()
 
     def reconfigure(self, settings: Settings) -> frozenset[str]:
