@@ -259,9 +259,7 @@ def load_settings(config_file: Path | None = None, overrides: Mapping[str, Any] 
         candidate = Path(os.environ.get(ENV_PREFIX + "CONFIG", "")) if os.environ.get(ENV_PREFIX + "CONFIG") else None
         path = candidate or (default_config_file() if default_config_file().is_file() else None)
     toml_data = _read_toml(path) if path is not None else {}
-    # SPARKWATCH_CONFIG names the file; SPARKWATCH_REQUIRE_TOOLS is the test suite's switch (CI sets it), not a key.
-    not_keys = {ENV_PREFIX + "CONFIG", ENV_PREFIX + "REQUIRE_TOOLS"}
-    env = {k: v for k, v in os.environ.items() if k not in not_keys}
+    env = {k: v for k, v in os.environ.items() if k != ENV_PREFIX + "CONFIG"}
     _check_env_keys(env)
 
     class _Layered(Settings):
