@@ -58,6 +58,12 @@ def default_jit_cache_dirs() -> list[Path]:
     return [Path(base) / ".cache" / "flashinfer"]
 
 
+def default_vllm_cache_dirs() -> list[Path]:
+    # vLLM keeps torch.compile artifacts under ${VLLM_CACHE_ROOT:-$HOME/.cache/vllm}/torch_compile_cache/.
+    base = os.environ.get("VLLM_CACHE_ROOT") or str(Path.home() / ".cache" / "vllm")
+    return [Path(base) / "torch_compile_cache"]
+
+
 class ConfigError(Exception):
     """A configuration mistake, already phrased for a human in one line."""
 
@@ -92,6 +98,9 @@ class Settings(BaseSettings):
     tls_key_file: Path | None = None
     tls_client_ca_file: Path | None = None
     jit_cache_dirs: list[Path] = Field(default_factory=default_jit_cache_dirs)
+    vllm_cache_dirs: list[Path] = Field(
+        default_factory=default_vllm_cache_dirs, description="vLLM torch.compile caches watched like jit_cache_dirs"
+    )
     compile_jobs_alert: int = Field(8, ge=1, description="a compiler burst wider than this many nvcc/cicc jobs alerts")
     jit_stall_s: float = Field(300.0, gt=0, description="engine asleep, no compiler, no cache growth this long")
 

@@ -54,6 +54,7 @@ class Daemon:
         self._reload = threading.Event()
         self._wake = threading.Event()
         self._add_alerting()
+        self._add_telemetry()
 
     def _add_alerting(self) -> None:
         """The alert outbox (when a webhook is set), the driver drift watcher, its udev trigger, low headroom."""
@@ -78,6 +79,24 @@ class Daemon:
             self.add("udev", UdevWatcher(self.driver.poke, log=log))
         self.headroom = HeadroomWatcher(s, self.guard, self.events)
         self.add("headroom", self.headroom)
+
+    def _add_telemetry(self) -> None:
+        """The telemetry loop and the metrics endpoint. Imported here: a failure costs telemetry, never the guard."""
+        try:
+            from sparkwatch.exporter.server import MetricsServer, build_registry  # noqa: PLC0415
+            from sparkwatch.telemetry import Telemetry, TelemetryLoop  # noqa: PLC0415
+
+            self.telemetry = TelemetryLoop(
+                Telemetry(self.settings, driver=lambda: self.driver.report),
+                self.settings.telemetry_interval_s,
+                on_event=self.events.append,
+            )
+            registry = build_registry(self.settings, lambda: self.telemetry.latest, self.guard, self.events)
+        except Exception as exc:
+            log(f"ERROR telemetry unavailable: {type(exc).__name__}: {exc}; the guard keeps running")
+            return
+        self.add("telemetry", self.telemetry)
+        self.add("metrics", MetricsServer(self.settings, registry))
 
     def add(self, name: str, component: Component) -> None:
         self.components.append((name, component))

@@ -271,12 +271,77 @@ class GpuReport:
 
 
 @dataclass(frozen=True, slots=True)
+class PsiMemory:
+    """Cumulative stall time from <proc_root>/pressure/memory (the `total=` fields, in microseconds)."""
+
+    some_us: int
+    full_us: int | None  # the `full` line appeared in 5.2-era kernels; absent means unknown, not zero
+
+
+@dataclass(frozen=True, slots=True)
+class EngineCompile:
+    """The compilers inside one engine tree, and what that tree's environment says about MAX_JOBS."""
+
+    kind: str
+    root_pid: int
+    tools: Mapping[str, int]  # tool -> live process count
+    rss_bytes: int
+    # "set" (value in max_jobs), "unset", or "unknown" (no environ readable: another user, hidepid, gone)
+    max_jobs_state: str
+    max_jobs: str | None = None
+    max_jobs_source: str | None = None  # "engine" or "raylet": whose environ gave the answer
+
+
+@dataclass(frozen=True, slots=True)
+class CompileCensus:
+    """Compiler processes on the node: the burst that fills the pool during flashinfer JIT."""
+
+    tools: Mapping[str, int]  # tool -> live count, every known tool present (0 when none)
+    rss_bytes: int
+    parallel_jobs: int  # nvcc + cicc processes: what MAX_JOBS bounds
+    archs: Mapping[str, int]  # "121a" -> compiler processes targeting it
+    engines: tuple[EngineCompile, ...] = ()  # only trees that hold compilers or were asked about
+    outside_engines: int = 0  # compiler processes in no engine tree (a pip build, a user's make)
+
+
+@dataclass(frozen=True, slots=True)
+class JitCacheState:
+    """One JIT cache: flashinfer's <base>/<version>/<arch>/, or vLLM's torch compile cache (version/arch empty)."""
+
+    cache: str  # "flashinfer" or "vllm"
+    version: str
+    arch: str
+    path: str
+    bytes: int
+    files: int
+    last_change_ts: float  # newest mtime of any file or directory in it
+    objects_done: int = 0  # build.ninja object targets that exist (a module with its .so counts whole)
+    objects_total: int = 0
+    modules_total: int = 0
+    modules_built: int = 0  # modules whose <module>.so exists
+    error: str | None = None  # part of the tree was unreadable or vanished mid-walk
+
+
+@dataclass(frozen=True, slots=True)
+class JitEngineState:
+    """idle / compiling / stalled for one engine tree (core.jit decides)."""
+
+    kind: str
+    root_pid: int
+    state: str
+    since_ts: float
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
 class Snapshot:
     ts: float  # wall-clock time the cycle finished
     mem: MemInfo | None = None
     engines: tuple[EngineTree, ...] = ()
-    compile: object | None = None  # CompileCensus (telemetry)
-    jit: tuple[object, ...] = ()  # JitCacheState per cache/version/arch (telemetry)
+    compile: CompileCensus | None = None  # telemetry: core.compile
+    jit: tuple[JitCacheState, ...] = ()  # telemetry: per cache/version/arch
     gpu: GpuReport | None = None  # sources.nvml
     driver: DriverReport | None = None  # core.drift over sources.system
     collectors: tuple[CollectorStatus, ...] = ()
+    psi: PsiMemory | None = None  # None: the kernel has no PSI (or it is off)
+    jit_states: tuple[JitEngineState, ...] = ()  # per engine tree

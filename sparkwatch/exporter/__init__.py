@@ -1,1 +1,1 @@
-"""Prometheus exposition of the latest Snapshot. Builds metric families from records; does no I/O at scrape time."""
+"""The Prometheus exporter: renders the latest Snapshot and the guard's counters; does no I/O at scrape time."""
