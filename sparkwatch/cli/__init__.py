@@ -12,9 +12,18 @@ from typing import Any
 from sparkwatch import __version__
 from sparkwatch.config import ConfigError, Settings, load_settings
 
-from . import check_config, doctor, engines, events, install_service, run, wait_settled
+from . import check_config, doctor, engines, events, install_service, run, status, wait_settled
 
-COMMANDS: tuple[ModuleType, ...] = (run, engines, doctor, events, wait_settled, check_config, install_service)
+COMMANDS: tuple[ModuleType, ...] = (
+    run,
+    engines,
+    doctor,
+    events,
+    status,
+    wait_settled,
+    check_config,
+    install_service,
+)
 
 
 def common_parser() -> argparse.ArgumentParser:

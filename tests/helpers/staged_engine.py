@@ -70,10 +70,14 @@ def main() -> None:
     setproctitle.setproctitle(args.title)
     kept = _hold(args.hold_mib)
     print(" ".join(str(p) for p in [os.getpid(), *pids]), flush=True)
+    build = None
     if cmd:
-        # The build runs while the root sleeps, as vLLM's main thread sleeps in anon_pipe_read during a JIT build.
-        subprocess.Popen(cmd, cwd=args.spawn_cwd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        # The build runs while the root waits, as vLLM's main thread waits on the JIT build; reaped when it ends so a
+        # finished ninja does not linger as a zombie in the tree.
+        build = subprocess.Popen(cmd, cwd=args.spawn_cwd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     while kept is not None and not stopping:
+        if build is not None:
+            build.poll()
         time.sleep(0.05)
     for pid in pids:
         os.kill(pid, signal.SIGKILL)  # only our own children

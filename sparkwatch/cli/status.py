@@ -1,0 +1,220 @@
+"""`sparkwatch status [--once]`: the live terminal view.
+
+It runs the daemon's own snapshot code (`Telemetry(settings).collect()`) in this process, so it needs no daemon, and
+like the telemetry it only reads: /proc, the JIT caches, NVML, the events file. It never signals and never writes.
+
+Light over a slow SSH link: one redraw a second (rich Live with auto-refresh off, updated once per cycle, in the
+normal screen, not the alternate one), a frame of about 25 lines; on a pipe, frames are printed one after another.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import math
+import os
+import socket
+import time
+from collections import deque
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from sparkwatch.config import Settings
+from sparkwatch.core.trend import build_rate, pool_trend
+from sparkwatch.model import Snapshot
+from sparkwatch.tui.status_view import BuildView, StatusFrame
+
+# History kept for the rates: 5 s of MemAvailable (the span FIELD-NOTES' noise figure is for); 60 s of objects done,
+# because an nvcc job takes tens of seconds and objects finish in steps.
+POOL_WINDOW_S = 5.0
+BUILD_WINDOW_S = 60.0
+# The driver verdict reads dpkg's status file (hundreds of KiB): once a minute is plenty, as in the daemon.
+DRIVER_CHECK_S = 60.0
+# How far back in the events file to look for the last kill.
+KILL_LOOKBACK_EVENTS = 500
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not math.isfinite(value) or not 0.1 <= value <= 60:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected 0.1 to 60 seconds")
+    return value
+
+
+def add_parser(sub: Any, parent: argparse.ArgumentParser) -> None:
+    p = sub.add_parser("status", parents=[parent], help="live terminal view: pool, engines, compilers, JIT, GPU")
+    p.add_argument("--once", action="store_true", help="print one frame and exit (for scripts and bug reports)")
+    p.add_argument("--interval", type=_seconds, default=1.0, metavar="S", help="seconds between frames (default 1)")
+    p.add_argument("--state-dir", metavar="DIR", help="where events.jsonl lives (for the last kill)")
+    p.set_defaults(handler=handle)
+
+
+def _optional(module: str, name: str) -> Any:
+    """A function from a part that may not be in this build (driver drift): None if absent."""
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError):
+        return None
+
+
+class StatusApp:
+    """Collects a snapshot a cycle and keeps the short histories the rates need. Reads only."""
+
+    def __init__(self, settings: Settings, clock: Callable[[], float] = time.monotonic) -> None:
+        from sparkwatch.telemetry import Telemetry
+
+        self.settings = settings
+        self.clock = clock
+        self.telemetry = Telemetry(settings)
+        self.host = socket.gethostname()
+        self.available: deque[tuple[float, float]] = deque()
+        self.objects_done: dict[str, deque[tuple[float, float]]] = {}
+        self._events_key: tuple[int, int] | None = None
+        self._last_kill: Mapping[str, Any] | None = None
+        self._driver: Any | None = None
+        self._driver_checked = -math.inf
+        self._read_facts = _optional("sparkwatch.sources.system", "read_driver_facts")
+        self._judge = _optional("sparkwatch.core.drift", "judge")
+        self._started_ts: float | None = None
+
+    def frame(self, live: bool = False) -> StatusFrame:
+        snap = self.telemetry.collect()
+        self.telemetry.drain_events()  # the daemon records these; a viewer drops them
+        now = self.clock()
+        if self._started_ts is None:
+            self._started_ts = snap.ts
+        if snap.mem is not None:
+            self.available.append((now, float(snap.mem.available_bytes)))
+        while self.available and now - self.available[0][0] > POOL_WINDOW_S:
+            self.available.popleft()
+        builds = []
+        seen = set()
+        for cache in snap.jit:
+            hist = self.objects_done.setdefault(cache.path, deque())
+            hist.append((now, float(cache.objects_done)))
+            while hist and now - hist[0][0] > BUILD_WINDOW_S:
+                hist.popleft()
+            seen.add(cache.path)
+            builds.append(BuildView(cache, build_rate(list(hist), cache.objects_total)))
+        for path in set(self.objects_done) - seen:
+            del self.objects_done[path]
+        return StatusFrame(
+            snapshot=snap,
+            host=self.host,
+            floor_bytes=self.settings.floor,
+            warn_headroom_bytes=self.settings.warn_headroom,
+            compile_jobs_alert=self.settings.compile_jobs_alert,
+            trend=pool_trend(list(self.available), self.settings.floor),
+            builds=tuple(builds),
+            last_kill=self._read_last_kill(),
+            events_path=str(self.settings.events_path),
+            driver=self._driver_report(snap, now),
+            live=live,
+            started_ts=self._started_ts,
+        )
+
+    def _read_last_kill(self) -> Mapping[str, Any] | None:
+        from sparkwatch.actuators.events import read_events
+
+        path = self.settings.events_path
+        try:
+            st = os.stat(path)
+        except OSError:
+            self._events_key, self._last_kill = None, None
+            return None
+        key = (st.st_mtime_ns, st.st_size)
+        if key != self._events_key:  # re-read only when the file changed
+            self._events_key = key
+            kills = [e for e in read_events(path, KILL_LOOKBACK_EVENTS) if e.get("kind") == "kill"]
+            self._last_kill = kills[-1] if kills else None
+        return self._last_kill
+
+    def _driver_report(self, snap: Snapshot, now: float) -> Any | None:
+        if snap.driver is not None:
+            return snap.driver
+        if self._read_facts is None or self._judge is None:
+            return None
+        if now - self._driver_checked >= DRIVER_CHECK_S:
+            self._driver_checked = now
+            try:
+                # Files only (dpkg status, /lib/modules, /proc/driver/nvidia): the GPU row already asks NVML.
+                self._driver = self._judge(self._read_facts(Path(self.settings.root), None))
+            except Exception as exc:  # a verdict we cannot reach is said, never fatal to the view
+                self._driver = _Unchecked(f"driver check failed: {type(exc).__name__}: {exc}")
+        return self._driver
+
+    def close(self) -> None:
+        self.telemetry.close()
+
+
+class _Unchecked:
+    verdict = "unknown"
+
+    def __init__(self, summary: str) -> None:
+        self.summary = summary
+
+
+def handle(args: argparse.Namespace) -> int:
+    from sparkwatch.cli import settings_from
+    from sparkwatch.tui.console import emit, make_console
+    from sparkwatch.tui.status_view import render
+
+    settings = settings_from(args, state_dir=args.state_dir)
+    app = StatusApp(settings)
+    try:
+        if args.once:
+            console = make_console()
+            emit(render(app.frame(), console.width))
+            return 0
+        console = make_console()
+        if not console.is_terminal:
+            return _frames_to_pipe(app, args.interval)
+        return _live(app, args.interval)
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        app.close()
+
+
+def _ticks(interval_s: float) -> Any:
+    """Sleep to the next tick; a slow cycle starts the next one at once rather than bunching up."""
+    next_at = time.monotonic()
+    while True:
+        yield
+        next_at += interval_s
+        delay = next_at - time.monotonic()
+        if delay < 0:
+            next_at = time.monotonic()
+            delay = 0
+        time.sleep(delay)
+
+
+def _live(app: StatusApp, interval_s: float) -> int:
+    from rich.live import Live
+
+    from sparkwatch.tui.console import make_console
+    from sparkwatch.tui.status_view import render
+
+    console = make_console()
+    # auto_refresh off: exactly one redraw per cycle, whatever rich's default rate; the normal screen (not the
+    # alternate one) so the last frame stays in the scrollback when the user quits.
+    with Live(
+        console=console, auto_refresh=False, transient=False, redirect_stdout=False, redirect_stderr=False
+    ) as live:
+        for _ in _ticks(interval_s):
+            live.update(render(app.frame(live=True), console.width), refresh=True)
+    return 0  # pragma: no cover - the loop ends by KeyboardInterrupt
+
+
+def _frames_to_pipe(app: StatusApp, interval_s: float) -> int:
+    from sparkwatch.tui.console import PIPE_WIDTH, emit
+    from sparkwatch.tui.status_view import render
+
+    for _ in _ticks(interval_s):
+        emit(render(app.frame(), PIPE_WIDTH))
+        print(flush=True)
+    return 0  # pragma: no cover

@@ -1,0 +1,355 @@
+"""`sparkwatch status`: one frame of the live view, from records to rich renderables. No I/O here.
+
+The frame answers, top to bottom: how close is the pool to the floor and how fast is it moving; which engines hold
+it; is a compiler burst running and is MAX_JOBS bounding it; is each JIT build moving (objects done / total, rate,
+ETA: the answer to "is it hung?" during a 15-minute first boot); what the GPU and the driver say; and the last kill.
+
+Bars are drawn from characters, not rich's progress widgets, so a frame is the same text on a terminal, in a pipe
+and in a bug report, and costs a few KiB a second over SSH.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from datetime import datetime, tzinfo
+from typing import Any
+
+from rich.console import Group, RenderableType
+from rich.table import Table
+from rich.text import Text
+
+from sparkwatch.core.trend import BuildRate, PoolTrend
+from sparkwatch.model import CompileCensus, EngineTree, JitCacheState, JitEngineState, MemInfo, Snapshot
+from sparkwatch.tui.events_view import local_time
+from sparkwatch.units import GiB, MiB, format_size
+
+USED, CACHE, FREE, FLOOR_MARK, WARN_MARK = "█", "▒", "░", "┃", "│"
+BAR_DONE, BAR_TODO = "█", "░"
+LABEL_WIDTH = 10
+MAX_JIT_ROWS = 6  # most recently changed caches first; a box with many versions and archs gets "+N more"
+# Below this rate the pool is "steady": 0.05 GiB/s is ~250 MiB per 5 s, above the ~100 MiB per 5 s noise.
+STEADY_BYTES_PER_S = 0.05 * GiB
+# A finished cache untouched this long is history, not a build: shown on one short line.
+QUIET_CACHE_S = 600.0
+
+
+@dataclass(frozen=True, slots=True)
+class BuildView:
+    cache: JitCacheState
+    rate: BuildRate
+
+
+@dataclass(frozen=True, slots=True)
+class StatusFrame:
+    snapshot: Snapshot
+    host: str
+    floor_bytes: int
+    warn_headroom_bytes: int
+    compile_jobs_alert: int
+    trend: PoolTrend
+    builds: tuple[BuildView, ...]
+    last_kill: Mapping[str, Any] | None
+    events_path: str
+    driver: Any | None = None  # a DriverReport (core.drift) where this build has one, else None
+    live: bool = False
+    # Wall time of the viewer's first snapshot: a state "since" then may be older; the view says "for ≥ …".
+    started_ts: float = 0.0
+
+
+# --- small formatters
+
+
+def fmt_duration(seconds: float) -> str:
+    """4 s, 3m12s, 2h05m, 3d04h."""
+    s = max(int(seconds), 0)
+    if s < 60:
+        return f"{s} s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    if s < 86400:
+        return f"{s // 3600}h{s % 3600 // 60:02d}m"
+    return f"{s // 86400}d{s % 86400 // 3600:02d}h"
+
+
+def fmt_rate(bytes_per_s: float) -> str:
+    return f"{bytes_per_s / GiB:.2f} GiB/s" if abs(bytes_per_s) >= 0.01 * GiB else f"{bytes_per_s / MiB:.0f} MiB/s"
+
+
+def text_bar(fraction: float, width: int) -> str:
+    done = min(max(round(fraction * width), 0), width)
+    return BAR_DONE * done + BAR_TODO * (width - done)
+
+
+# --- sections
+
+
+def pool_bar(mem: MemInfo, floor_bytes: int, warn_headroom_bytes: int, width: int) -> Text:
+    """used | page cache | rest of available, with the kill floor and the warn line marked where `used` would hit them.
+
+    The marks sit at MemTotal - floor and MemTotal - floor - warn_headroom: when the used part reaches the floor mark,
+    MemAvailable is at the floor and the guard kills.
+    """
+    total = max(mem.total_bytes, 1)
+    used = mem.used_bytes
+    cache = min(mem.cached_bytes + mem.buffers_bytes, mem.available_bytes)
+    used_cells = min(round(used / total * width), width)
+    cache_cells = min(round(cache / total * width), width - used_cells)
+    free_cells = width - used_cells - cache_cells
+    floor_at = min(max(round((total - floor_bytes) / total * width), 0), width - 1)
+    warn_at = min(max(round((total - floor_bytes - warn_headroom_bytes) / total * width), 0), width - 1)
+    near = mem.available_bytes <= floor_bytes + warn_headroom_bytes
+    used_style = "bold red" if mem.available_bytes <= floor_bytes else ("yellow" if near else "green")
+    cells = [(USED, used_style)] * used_cells + [(CACHE, "cyan")] * cache_cells + [(FREE, "dim")] * free_cells
+    cells[warn_at] = (WARN_MARK, "yellow")
+    cells[floor_at] = (FLOOR_MARK, "bold red")
+    bar = Text()
+    for char, style in cells:
+        bar.append(char, style=style)
+    return bar
+
+
+def pool_lines(frame: StatusFrame, width: int) -> list[Text]:
+    mem = frame.snapshot.mem
+    if mem is None:
+        return [Text("meminfo could not be read this cycle", style="red")]
+    bar_width = max(min(width - LABEL_WIDTH - 2, 72), 20)
+    numbers = Text(
+        f"used {format_size(mem.used_bytes)} · page cache {format_size(mem.cached_bytes + mem.buffers_bytes)} · "
+        f"available {format_size(mem.available_bytes)} of {format_size(mem.total_bytes)}"
+    )
+    headroom = mem.available_bytes - frame.floor_bytes
+    marks = Text(
+        f"{FLOOR_MARK} floor {format_size(frame.floor_bytes)} ({format_size(headroom)} above)  "
+        f"{WARN_MARK} warn at {format_size(frame.floor_bytes + frame.warn_headroom_bytes)}  "
+        f"{USED} used {CACHE} cache {FREE} free"
+    )
+    return [pool_bar(mem, frame.floor_bytes, frame.warn_headroom_bytes, bar_width), numbers, marks, trend_line(frame)]
+
+
+def trend_line(frame: StatusFrame) -> Text:
+    rate = frame.trend.fill_rate_bytes_per_s
+    if rate is None:
+        return Text("fill rate: measuring (needs a few seconds of samples)", style="dim")
+    if abs(rate) < STEADY_BYTES_PER_S:
+        return Text(f"fill rate: steady ({fmt_rate(-rate)})")
+    if rate < 0:
+        return Text(f"fill rate: rising {fmt_rate(-rate)} (memory coming back)")
+    eta = frame.trend.seconds_to_floor
+    line = Text(f"fill rate: falling {fmt_rate(rate)}", style="yellow")
+    if eta is not None:
+        line.append(f" · floor in {fmt_duration(eta)}", style="bold red" if eta < 30 else "yellow")
+    return line
+
+
+def _jit_state_for(tree: EngineTree, states: Sequence[JitEngineState]) -> JitEngineState | None:
+    for state in states:
+        if state.root_pid == tree.root.pid:
+            return state
+    return None
+
+
+def engine_lines(frame: StatusFrame) -> list[Text]:
+    snap = frame.snapshot
+    if not snap.engines:
+        return [Text("no engine processes", style="dim")]
+    out = []
+    for tree in snap.engines:
+        count = len(tree.members)
+        line = Text(
+            f"{tree.kind} {tree.root.pid} · {tree.root.display_name} · {count} process{'es' if count != 1 else ''}"
+            f" · RSS {format_size(tree.rss_bytes)}"
+        )
+        state = _jit_state_for(tree, snap.jit_states)
+        if state is not None:
+            style = {"compiling": "cyan", "stalled": "bold red"}.get(state.state, "")
+            since = ""
+            if state.since_ts:
+                lasted = snap.ts - state.since_ts
+                at_least = state.since_ts <= frame.started_ts + 0.5  # began before we looked
+                if not (at_least and lasted < 1):
+                    since = f" for {'≥ ' if at_least else ''}{fmt_duration(lasted)}"
+            line.append(f" · JIT {state.state}{since}", style=style)
+            if state.state != "idle" and state.reason:
+                line.append(f": {state.reason}", style="dim")
+        out.append(line)
+    return out
+
+
+def compile_lines(census: CompileCensus | None, jobs_alert: int) -> list[Text]:
+    if census is None:
+        return [Text("compiler census unavailable this cycle", style="red")]
+    live = {tool: n for tool, n in census.tools.items() if n}
+    if not live:
+        return [Text("no compiler processes", style="dim")]
+    total = sum(live.values())
+    tools = " · ".join(f"{tool} {n}" for tool, n in live.items())
+    head = Text(f"{total} processes, {format_size(census.rss_bytes)} RSS: {tools}")
+    jobs = Text(
+        f"{census.parallel_jobs} parallel nvcc/cicc jobs", style="bold red" if census.parallel_jobs > jobs_alert else ""
+    )
+    if census.archs:
+        jobs.append(" · arch " + ", ".join(census.archs))
+    if census.outside_engines:
+        jobs.append(f" · {census.outside_engines} outside any engine")
+    out = [head, jobs]
+    for eng in census.engines:
+        if not eng.tools and eng.max_jobs_state != "unset":
+            continue
+        tools_here = " · ".join(f"{tool} {n}" for tool, n in eng.tools.items()) or "no compilers"
+        text = Text(f"{eng.kind} {eng.root_pid}: {tools_here} · ")
+        if eng.max_jobs_state == "set":
+            text.append(f"MAX_JOBS={eng.max_jobs} (from the {eng.max_jobs_source}'s environment)")
+        elif eng.max_jobs_state == "unset":
+            text.append(
+                f"MAX_JOBS unset in the {eng.max_jobs_source}'s environment: ninja runs one job per core; "
+                "set MAX_JOBS=4 (with Ray, in every raylet's environment)",
+                style="yellow" if eng.tools else "",
+            )
+        else:
+            text.append("MAX_JOBS unknown (environment not readable)", style="dim")
+        out.append(text)
+    return out
+
+
+def _cache_name(cache: JitCacheState) -> str:
+    return " ".join(part for part in (cache.cache, cache.version, cache.arch) if part)
+
+
+def jit_lines(builds: Sequence[BuildView], now: float, width: int) -> list[Text]:
+    if not builds:
+        return [Text("no JIT caches found", style="dim")]
+    ordered = sorted(builds, key=lambda b: -b.cache.last_change_ts)
+    out = []
+    name_width = max(len(_cache_name(b.cache)) for b in ordered[:MAX_JIT_ROWS])
+    for build in ordered[:MAX_JIT_ROWS]:
+        c = build.cache
+        age = now - c.last_change_ts if c.last_change_ts else None
+        changed = f" · changed {fmt_duration(age)} ago" if age is not None else ""
+        line = Text(f"{_cache_name(c):<{name_width}}  ")
+        if c.objects_total == 0:
+            line.append(f"{format_size(c.bytes)} in {c.files} files", style="dim")
+            line.append(changed, style="dim")
+        elif c.objects_done >= c.objects_total and (age is None or age > QUIET_CACHE_S):
+            line.append(
+                f"complete: {c.objects_total} objects, {c.modules_built} modules, {format_size(c.bytes)}", style="dim"
+            )
+            line.append(changed, style="dim")
+        else:
+            counts = f" {c.objects_done}/{c.objects_total} objects · {c.modules_built}/{c.modules_total} modules"
+            tail = counts + _rate_text(build.rate, c) + changed
+            # The bar takes what the row leaves, 10 to 30 cells, so the row fits on one line where it can.
+            bar_width = min(max(width - LABEL_WIDTH - 2 - len(line.plain) - len(tail), 10), 30)
+            line.append(text_bar(c.objects_done / c.objects_total, bar_width), style="cyan")
+            line.append(counts + _rate_text(build.rate, c))
+            line.append(changed, style="dim")
+        if c.error:
+            line.append(f" · partly unreadable: {c.error}", style="red")
+        out.append(line)
+    if len(ordered) > MAX_JIT_ROWS:
+        out.append(Text(f"+{len(ordered) - MAX_JIT_ROWS} more caches", style="dim"))
+    return out
+
+
+def _rate_text(rate: BuildRate, cache: JitCacheState) -> str:
+    if cache.objects_done >= cache.objects_total:
+        return " · done"
+    if rate.objects_per_s is None:
+        return " · rate: measuring"
+    if rate.objects_per_s <= 0:
+        return f" · no object finished for {fmt_duration(rate.idle_s)}"
+    per_min = rate.objects_per_s * 60
+    eta = f" · ETA {fmt_duration(rate.eta_s)}" if rate.eta_s is not None else ""
+    return f" · {per_min:.1f} objects/min{eta}"
+
+
+def gpu_lines(gpu: Any | None) -> list[Text]:
+    """From a GpuReport (sources.nvml); fields NVML does not support on a GB10 are None and left out, never 0."""
+    if gpu is None:
+        return [Text("no GPU source in this build", style="dim")]
+    if not getattr(gpu, "up", False):
+        code = getattr(gpu, "nvml_return_code", None)
+        why = getattr(gpu, "error", None) or (f"NVML error {code}" if code is not None else "NVML not answering")
+        return [Text(f"GPU not available: {why}", style="yellow")]
+    devices = getattr(gpu, "devices", ()) or ()
+    if not devices:
+        return [Text("NVML is up but lists no GPU", style="yellow")]
+    out = []
+    for dev in devices:
+        parts = [str(getattr(dev, "name", "GPU"))]
+        power = getattr(dev, "power_watts", None)
+        util = getattr(dev, "utilization_ratio", None)
+        temp = getattr(dev, "temperature_celsius", None)
+        clock = getattr(dev, "sm_clock_hertz", None)
+        if power is not None:
+            parts.append(f"{power:.0f} W")
+        if util is not None:
+            parts.append(f"{util * 100:.0f} % util")
+        if temp is not None:
+            parts.append(f"{temp:.0f} °C")
+        if clock is not None:
+            parts.append(f"SM {clock / 1e9:.2f} GHz")
+        version = getattr(gpu, "driver_version", None)
+        if version:
+            parts.append(f"driver {version}")
+        out.append(Text(" · ".join(parts)))
+    return out
+
+
+def driver_lines(driver: Any | None) -> list[Text]:
+    """From a DriverReport (core.drift): the verdict and its sentence."""
+    if driver is None:
+        return [Text("not checked (no driver-drift source in this build)", style="dim")]
+    verdict = str(getattr(driver, "verdict", "unknown"))
+    summary = str(getattr(driver, "summary", ""))
+    style = {"ok": "green", "stranded": "bold red", "will_strand": "bold red", "version_mismatch": "red"}.get(
+        verdict, "yellow"
+    )
+    return [Text(f"{verdict}: {summary}" if summary else verdict, style=style)]
+
+
+def kill_lines(
+    last_kill: Mapping[str, Any] | None, events_path: str, now: float, tz: tzinfo | None = None
+) -> list[Text]:
+    if last_kill is None:
+        return [Text(f"none recorded in {events_path}", style="dim")]
+    when = local_time(last_kill.get("ts"), tz)
+    age = ""
+    ts = last_kill.get("ts")
+    if isinstance(ts, str):
+        try:
+            age = f" ({fmt_duration(now - datetime.fromisoformat(ts).timestamp())} ago)"
+        except ValueError:
+            age = ""
+    dry = " [dry run]" if last_kill.get("dry_run") else ""
+    return [Text(f"{when}{age}{dry}  {last_kill.get('summary', '')}", style="red")]
+
+
+def collector_lines(snapshot: Snapshot) -> list[Text]:
+    return [Text(f"{c.name}: {c.error or 'failed'}", style="red") for c in snapshot.collectors if not c.success]
+
+
+def render(frame: StatusFrame, width: int, tz: tzinfo | None = None) -> RenderableType:
+    snap = frame.snapshot
+    grid = Table.grid(padding=(0, 1))
+    grid.add_column(width=LABEL_WIDTH, no_wrap=True, style="bold")
+    grid.add_column(overflow="fold")
+
+    def section(label: str, lines: Sequence[Text]) -> None:
+        for i, line in enumerate(lines):
+            grid.add_row(label if i == 0 else "", line)
+
+    stamp = datetime.fromtimestamp(snap.ts, tz).strftime("%Y-%m-%d %H:%M:%S")
+    hint = " · Ctrl-C quits" if frame.live else ""
+    header = Text(f"sparkwatch status · {frame.host} · {stamp}{hint}", style="bold")
+    section("POOL", pool_lines(frame, width))
+    section("ENGINES", engine_lines(frame))
+    section("COMPILERS", compile_lines(snap.compile, frame.compile_jobs_alert))
+    section("JIT", jit_lines(frame.builds, snap.ts, width))
+    section("GPU", gpu_lines(snap.gpu))
+    section("DRIVER", driver_lines(frame.driver if frame.driver is not None else snap.driver))
+    section("LAST KILL", kill_lines(frame.last_kill, frame.events_path, snap.ts, tz))
+    errors = collector_lines(snap)
+    if errors:
+        section("ERRORS", errors)
+    return Group(header, grid)
