@@ -323,3 +323,7 @@ def test_live_frames_update_in_place(tmp_path: Path, mount_namespace: None, pty_
     assert "available 40.0 GiB" in text
     assert f"available {available / GiB:.1f} GiB" in text
     assert "fill rate: falling" in text and "floor in" in text
+    # Light over SSH: a redraw is a few KiB (colour codes included), once per interval.
+    per_frame = len(text.encode()) / frames
+    print(f"{frames} frames, {per_frame:.0f} bytes per frame")
+    assert per_frame < 8192
