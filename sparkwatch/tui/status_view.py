@@ -194,9 +194,11 @@ def compile_lines(census: CompileCensus | None, jobs_alert: int) -> list[Text]:
         jobs.append(f" · {census.outside_engines} outside any engine")
     out = [head, jobs]
     for eng in census.engines:
-        if not eng.tools and eng.max_jobs_state != "unset":
+        if not eng.tools:
+            # Only trees compiling now: without a compiler the answer comes from the engine's own environ, which
+            # setproctitle (the VLLM::EngineCore title) overwrites with NULs: "unset" there would be a false alarm.
             continue
-        tools_here = " · ".join(f"{tool} {n}" for tool, n in eng.tools.items()) or "no compilers"
+        tools_here = " · ".join(f"{tool} {n}" for tool, n in eng.tools.items())
         text = Text(f"{eng.kind} {eng.root_pid}: {tools_here} · ")
         if eng.max_jobs_state == "set":
             text.append(f"MAX_JOBS={eng.max_jobs} (from the {eng.max_jobs_source}'s environment)")
