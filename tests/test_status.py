@@ -21,14 +21,14 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import require_tool
-from helpers.engine_tree import staged_engine
-from helpers.jit_build import flashinfer_module
 
 from sparkwatch.actuators.events import EventLog, make_event
 from sparkwatch.sources.procs import read_children
 from sparkwatch.tui.status_view import FLOOR_MARK, WARN_MARK
 from sparkwatch.units import GiB
+from tests.conftest import require, require_tool
+from tests.helpers.engine_tree import staged_engine
+from tests.helpers.jit_build import flashinfer_module
 
 GB10_TOTAL_KB = 127600748  # a GB10's MemTotal (FIELD-NOTES)
 STATUS = [sys.executable, "-m", "sparkwatch", "status"]
@@ -69,11 +69,7 @@ def mount_namespace() -> None:
     probe = subprocess.run(
         ["unshare", "--mount", "--propagation", "private", "--", "true"], check=False, capture_output=True, text=True
     )
-    if probe.returncode != 0:
-        message = f"cannot make a mount namespace for the fixture meminfo: {probe.stderr.strip()}"
-        if os.environ.get("SPARKWATCH_REQUIRE_TOOLS") == "1":
-            pytest.fail(message)
-        pytest.skip(message)
+    require(probe.returncode == 0, f"cannot make a mount namespace for the fixture meminfo: {probe.stderr.strip()}")
 
 
 def status_env(home: Path, **extra: str) -> dict[str, str]:

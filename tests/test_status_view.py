@@ -10,8 +10,11 @@ from sparkwatch.core.trend import BuildRate, PoolTrend, build_rate, pool_trend, 
 from sparkwatch.model import (
     CollectorStatus,
     CompileCensus,
+    DriverReport,
     EngineCompile,
     EngineTree,
+    GpuDevice,
+    GpuReport,
     JitCacheState,
     JitEngineState,
     MemInfo,
@@ -200,46 +203,67 @@ def test_frame_rows_answer_is_it_hung() -> None:
     assert "flashinfer 0.2.8 121a" in jit
     assert "12/40 objects · 3/10 modules · 4.0 objects/min · ETA 7m00s · changed 4 s ago" in jit
     assert "░" in jit and "█" in jit
-    assert "GPU        no GPU source in this build" in out
+    assert "GPU        no GPU source" in out
     assert "LAST KILL  none recorded in /var/lib/sparkwatch/events.jsonl" in out
     assert "ERRORS     gpu: NVMLError_LibraryNotFound" in out
 
 
+def _driver(verdict: str, summary: str) -> DriverReport:
+    return DriverReport(
+        verdict=verdict,
+        summary=summary,
+        running_kernel="6.11.0-1016-nvidia",
+        next_boot_kernel="6.17.0-1008-nvidia",
+        running_modules=(),
+        next_boot_modules=("/lib/modules/6.17.0-1008-nvidia/kernel/nvidia-580-open/nvidia.ko",),
+        stranded=True,
+        next_boot_ok=True,
+        loaded=False,
+        loaded_version=None,
+        library_version="580.95.05",
+        module_version="580.95.05",
+        version_mismatch=False,
+        reboot_required=True,
+        reboot_required_pkgs=(),
+        dkms=False,
+        open_modules=True,
+    )
+
+
 def test_frame_with_a_gpu_report_and_a_driver_verdict() -> None:
-    class Dev:
-        name = "NVIDIA GB10"
-        power_watts = 12.4
-        utilization_ratio = 0.0
-        temperature_celsius = 41.0
-        sm_clock_hertz = 2.418e9
-
-    class Report:
-        up = True
-        devices = (Dev(),)
-        driver_version = "580.95.05"
-
-    class Driver:
-        verdict = "stranded"
-        summary = "kernel 6.11.0-1016-nvidia has no NVIDIA modules; reboot into 6.17.0-1008-nvidia"
-
-    snap = _frame().snapshot
-    frame = _frame(snapshot=Snapshot(ts=snap.ts, mem=snap.mem, gpu=Report()), driver=Driver(), builds=())
-    out = text_of(render(frame, 140, tz=UTC))
+    # A GB10 as NVML reports it: memory and power limit unsupported (None), the rest answered.
+    gb10 = GpuDevice(
+        index=0,
+        uuid="GPU-1",
+        name="NVIDIA GB10",
+        bus_id="0000000F:01:00.0",
+        unified=True,
+        power_watts=12.4,
+        utilization_ratio=0.0,
+        temperature_celsius=41.0,
+        sm_clock_hertz=2.418e9,
+    )
+    report = GpuReport(up=True, nvml_return_code=0, driver_version="580.95.05", devices=(gb10,))
+    stranded = _driver("stranded", "kernel 6.11.0-1016-nvidia has no NVIDIA modules; reboot into 6.17.0-1008-nvidia")
+    snap = Snapshot(ts=1_795_000_000.0, mem=GB10, gpu=report, driver=stranded)
+    out = text_of(render(_frame(snapshot=snap, builds=()), 140, tz=UTC))
     assert "GPU        NVIDIA GB10 · 12 W · 0 % util · 41 °C · SM 2.42 GHz · driver 580.95.05" in out
     assert "DRIVER     stranded: kernel 6.11.0-1016-nvidia has no NVIDIA modules" in out
     assert "ENGINES    no engine processes" in out
     assert "COMPILERS  compiler census unavailable this cycle" in out
+    # A missing field is left out, never printed as 0.
+    bare = GpuReport(up=True, nvml_return_code=0, devices=(GpuDevice(0, "GPU-1", "NVIDIA GB10", "b", True),))
+    out = text_of(render(_frame(snapshot=Snapshot(ts=snap.ts, mem=GB10, gpu=bare)), 140, tz=UTC))
+    assert "GPU        NVIDIA GB10\n" in out + "\n"
 
 
-def test_a_gpu_that_is_down_says_why() -> None:
-    class Down:
-        up = False
-        nvml_return_code = 9
-        error = None
-
-    snap = Snapshot(ts=1_795_000_000.0, mem=GB10, gpu=Down())
-    out = text_of(render(_frame(snapshot=snap), 140, tz=UTC))
+def test_a_gpu_that_is_down_and_a_failed_driver_check_say_why() -> None:
+    snap = Snapshot(ts=1_795_000_000.0, mem=GB10, gpu=GpuReport(up=False, nvml_return_code=9))
+    out = text_of(render(_frame(snapshot=snap, driver_error="PermissionError: /var/lib/dpkg/status"), 140, tz=UTC))
     assert "GPU        GPU not available: NVML error 9" in out
+    assert "DRIVER     driver check failed: PermissionError: /var/lib/dpkg/status" in out
+    none = text_of(render(_frame(snapshot=Snapshot(ts=snap.ts, mem=GB10)), 140, tz=UTC))
+    assert "GPU        no GPU source" in none and "DRIVER     not checked yet" in none
 
 
 def test_a_finished_quiet_cache_is_one_short_line() -> None:

@@ -10,7 +10,6 @@ normal screen, not the alternate one), a frame of about 25 lines; on a pipe, fra
 from __future__ import annotations
 
 import argparse
-import importlib
 import math
 import os
 import socket
@@ -22,7 +21,7 @@ from typing import Any
 
 from sparkwatch.config import Settings
 from sparkwatch.core.trend import build_rate, pool_trend
-from sparkwatch.model import Snapshot
+from sparkwatch.model import DriverReport
 from sparkwatch.tui.status_view import BuildView, StatusFrame
 
 # History kept for the rates: 5 s of MemAvailable (the span FIELD-NOTES' noise figure is for); 60 s of objects done,
@@ -53,14 +52,6 @@ def add_parser(sub: Any, parent: argparse.ArgumentParser) -> None:
     p.set_defaults(handler=handle)
 
 
-def _optional(module: str, name: str) -> Any:
-    """A function from a part that may not be in this build (driver drift): None if absent."""
-    try:
-        return getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError):
-        return None
-
-
 class StatusApp:
     """Collects a snapshot a cycle and keeps the short histories the rates need. Reads only."""
 
@@ -69,16 +60,16 @@ class StatusApp:
 
         self.settings = settings
         self.clock = clock
-        self.telemetry = Telemetry(settings)
+        # The daemon hands Telemetry its drift watcher's latest report; here a once-a-minute check stands in for it.
+        self.telemetry = Telemetry(settings, driver=self._driver_report)
         self.host = socket.gethostname()
         self.available: deque[tuple[float, float]] = deque()
         self.objects_done: dict[str, deque[tuple[float, float]]] = {}
         self._events_key: tuple[int, int] | None = None
         self._last_kill: Mapping[str, Any] | None = None
-        self._driver: Any | None = None
+        self._driver: DriverReport | None = None
+        self._driver_error: str | None = None
         self._driver_checked = -math.inf
-        self._read_facts = _optional("sparkwatch.sources.system", "read_driver_facts")
-        self._judge = _optional("sparkwatch.core.drift", "judge")
         self._started_ts: float | None = None
 
     def frame(self, live: bool = False) -> StatusFrame:
@@ -112,7 +103,7 @@ class StatusApp:
             builds=tuple(builds),
             last_kill=self._read_last_kill(),
             events_path=str(self.settings.events_path),
-            driver=self._driver_report(snap, now),
+            driver_error=self._driver_error,
             live=live,
             started_ts=self._started_ts,
         )
@@ -133,29 +124,24 @@ class StatusApp:
             self._last_kill = kills[-1] if kills else None
         return self._last_kill
 
-    def _driver_report(self, snap: Snapshot, now: float) -> Any | None:
-        if snap.driver is not None:
-            return snap.driver
-        if self._read_facts is None or self._judge is None:
-            return None
+    def _driver_report(self) -> DriverReport | None:
+        """Called by Telemetry.collect(): never raises, re-reads the facts at most once a DRIVER_CHECK_S."""
+        from sparkwatch.core.drift import judge
+        from sparkwatch.sources.system import read_driver_facts
+
+        now = self.clock()
         if now - self._driver_checked >= DRIVER_CHECK_S:
             self._driver_checked = now
             try:
                 # Files only (dpkg status, /lib/modules, /proc/driver/nvidia): the GPU row already asks NVML.
-                self._driver = self._judge(self._read_facts(Path(self.settings.root), None))
-            except Exception as exc:  # a verdict we cannot reach is said, never fatal to the view
-                self._driver = _Unchecked(f"driver check failed: {type(exc).__name__}: {exc}")
+                self._driver = judge(read_driver_facts(Path(self.settings.root), None))
+                self._driver_error = None
+            except Exception as exc:  # said in the view, never fatal to it
+                self._driver_error = f"{type(exc).__name__}: {exc}"
         return self._driver
 
     def close(self) -> None:
         self.telemetry.close()
-
-
-class _Unchecked:
-    verdict = "unknown"
-
-    def __init__(self, summary: str) -> None:
-        self.summary = summary
 
 
 def handle(args: argparse.Namespace) -> int:

@@ -20,7 +20,16 @@ from rich.table import Table
 from rich.text import Text
 
 from sparkwatch.core.trend import BuildRate, PoolTrend
-from sparkwatch.model import CompileCensus, EngineTree, JitCacheState, JitEngineState, MemInfo, Snapshot
+from sparkwatch.model import (
+    CompileCensus,
+    DriverReport,
+    EngineTree,
+    GpuReport,
+    JitCacheState,
+    JitEngineState,
+    MemInfo,
+    Snapshot,
+)
 from sparkwatch.tui.events_view import local_time
 from sparkwatch.units import GiB, MiB, format_size
 
@@ -51,7 +60,7 @@ class StatusFrame:
     builds: tuple[BuildView, ...]
     last_kill: Mapping[str, Any] | None
     events_path: str
-    driver: Any | None = None  # a DriverReport (core.drift) where this build has one, else None
+    driver_error: str | None = None  # the driver check itself failed (Snapshot.driver is then the last good one)
     live: bool = False
     # Wall time of the viewer's first snapshot: a state "since" then may be older; the view says "for ≥ …".
     started_ts: float = 0.0
@@ -265,49 +274,46 @@ def _rate_text(rate: BuildRate, cache: JitCacheState) -> str:
     return f" · {per_min:.1f} objects/min{eta}"
 
 
-def gpu_lines(gpu: Any | None) -> list[Text]:
-    """From a GpuReport (sources.nvml); fields NVML does not support on a GB10 are None and left out, never 0."""
+def gpu_lines(gpu: GpuReport | None) -> list[Text]:
+    """Fields NVML does not support on a GB10 are None and left out, never shown as 0."""
     if gpu is None:
-        return [Text("no GPU source in this build", style="dim")]
-    if not getattr(gpu, "up", False):
-        code = getattr(gpu, "nvml_return_code", None)
-        why = getattr(gpu, "error", None) or (f"NVML error {code}" if code is not None else "NVML not answering")
+        return [Text("no GPU source", style="dim")]
+    if not gpu.up:
+        code = gpu.nvml_return_code
+        why = gpu.error or (f"NVML error {code}" if code is not None else "NVML not answering")
         return [Text(f"GPU not available: {why}", style="yellow")]
-    devices = getattr(gpu, "devices", ()) or ()
-    if not devices:
+    if not gpu.devices:
         return [Text("NVML is up but lists no GPU", style="yellow")]
     out = []
-    for dev in devices:
-        parts = [str(getattr(dev, "name", "GPU"))]
-        power = getattr(dev, "power_watts", None)
-        util = getattr(dev, "utilization_ratio", None)
-        temp = getattr(dev, "temperature_celsius", None)
-        clock = getattr(dev, "sm_clock_hertz", None)
-        if power is not None:
-            parts.append(f"{power:.0f} W")
-        if util is not None:
-            parts.append(f"{util * 100:.0f} % util")
-        if temp is not None:
-            parts.append(f"{temp:.0f} °C")
-        if clock is not None:
-            parts.append(f"SM {clock / 1e9:.2f} GHz")
-        version = getattr(gpu, "driver_version", None)
-        if version:
-            parts.append(f"driver {version}")
+    for dev in gpu.devices:
+        parts = [dev.name]
+        if dev.power_watts is not None:
+            parts.append(f"{dev.power_watts:.0f} W")
+        if dev.utilization_ratio is not None:
+            parts.append(f"{dev.utilization_ratio * 100:.0f} % util")
+        if dev.temperature_celsius is not None:
+            parts.append(f"{dev.temperature_celsius:.0f} °C")
+        if dev.sm_clock_hertz is not None:
+            parts.append(f"SM {dev.sm_clock_hertz / 1e9:.2f} GHz")
+        if gpu.driver_version:
+            parts.append(f"driver {gpu.driver_version}")
         out.append(Text(" · ".join(parts)))
     return out
 
 
-def driver_lines(driver: Any | None) -> list[Text]:
-    """From a DriverReport (core.drift): the verdict and its sentence."""
-    if driver is None:
-        return [Text("not checked (no driver-drift source in this build)", style="dim")]
-    verdict = str(getattr(driver, "verdict", "unknown"))
-    summary = str(getattr(driver, "summary", ""))
-    style = {"ok": "green", "stranded": "bold red", "will_strand": "bold red", "version_mismatch": "red"}.get(
-        verdict, "yellow"
-    )
-    return [Text(f"{verdict}: {summary}" if summary else verdict, style=style)]
+def driver_lines(driver: DriverReport | None, error: str | None = None) -> list[Text]:
+    """The drift verdict (core.drift) and its sentence."""
+    out = []
+    if driver is None and error is None:
+        out.append(Text("not checked yet", style="dim"))
+    if driver is not None:
+        style = {"ok": "green", "absent": "dim", "stranded": "bold red", "will_strand": "bold red"}.get(
+            driver.verdict, "yellow"
+        )
+        out.append(Text(f"{driver.verdict}: {driver.summary}" if driver.summary else driver.verdict, style=style))
+    if error is not None:
+        out.append(Text(f"driver check failed: {error}", style="red"))
+    return out
 
 
 def kill_lines(
@@ -349,7 +355,7 @@ def render(frame: StatusFrame, width: int, tz: tzinfo | None = None) -> Renderab
     section("COMPILERS", compile_lines(snap.compile, frame.compile_jobs_alert))
     section("JIT", jit_lines(frame.builds, snap.ts, width))
     section("GPU", gpu_lines(snap.gpu))
-    section("DRIVER", driver_lines(frame.driver if frame.driver is not None else snap.driver))
+    section("DRIVER", driver_lines(snap.driver, frame.driver_error))
     section("LAST KILL", kill_lines(frame.last_kill, frame.events_path, snap.ts, tz))
     errors = collector_lines(snap)
     if errors:
