@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import pty
+import re
 import select
 import signal
 import struct
@@ -322,3 +323,40 @@ def test_live_frames_update_in_place(tmp_path: Path, mount_namespace: None, pty_
     per_frame = len(text.encode()) / frames
     print(f"{frames} frames, {per_frame:.0f} bytes per frame")
     assert per_frame < 8192
+
+
+def test_live_build_progress_gets_a_rate_and_an_eta(tmp_path: Path, pty_pair: tuple[int, int]) -> None:
+    """The "is it hung?" row over time: objects finishing give a rate and an ETA, then the module is done."""
+    require_tool("nvcc")
+    require_tool("ninja")
+    main_fd, sub_fd = pty_pair
+    module_dir = flashinfer_module(tmp_path)
+    env = status_env(tmp_path, TERM="xterm-256color", COLUMNS="120", LINES="60")
+    # The viewer starts first, so it sees the count go 0 -> 1 -> 2 and can time it.
+    viewer = subprocess.Popen(
+        [*STATUS, "--interval", "0.5"], stdin=sub_fd, stdout=sub_fd, stderr=sub_fd, env=env, start_new_session=True
+    )
+    chunks = []
+    try:
+        chunks.append(read_for(main_fd, 1.5))
+        with staged_engine(
+            children=(), extra=["--spawn-cwd", str(module_dir)], command=["ninja", "-j2"], env={**env, "MAX_JOBS": "2"}
+        ):
+            deadline = time.monotonic() + 180
+            while not (module_dir / "rmsnorm.so").exists():
+                assert time.monotonic() < deadline, "the build did not finish"
+                chunks.append(read_for(main_fd, 0.5))
+            chunks.append(read_for(main_fd, 2.0))
+        os.kill(viewer.pid, signal.SIGINT)
+        rc = viewer.wait(10)
+    finally:
+        if viewer.poll() is None:
+            viewer.kill()
+            viewer.wait()
+    text = b"".join(chunks).decode(errors="replace")
+    assert rc == 0
+    assert " 0/2 objects · 0/1 modules" in text
+    assert " 1/2 objects · 0/1 modules · " in text
+    # Once the first object lands the row has a pace and a time left, not just a count.
+    assert re.search(r" 1/2 objects · 0/1 modules · \d+\.\d objects/min · ETA \d", text), text[-3000:]
+    assert " 2/2 objects · 1/1 modules · done" in text
