@@ -15,7 +15,7 @@ import os
 import socket
 import time
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -166,7 +166,7 @@ def handle(args: argparse.Namespace) -> int:
         app.close()
 
 
-def _ticks(interval_s: float) -> Any:
+def _ticks(interval_s: float) -> Iterator[None]:
     """Sleep to the next tick; a slow cycle starts the next one at once rather than bunching up."""
     next_at = time.monotonic()
     while True:
