@@ -25,12 +25,12 @@ python3 -m sparkwatch doctor >"$OUT/doctor.txt" 2>&1
 python3 -m sparkwatch run --dry-run 2>"$OUT/daemon.log" &
 DAEMON=$!
 sleep 6
-curl -s 127.0.0.1:9847/metrics >"$OUT/metrics-idle.prom"
+python3 -c "import urllib.request as u; print(u.urlopen('http://127.0.0.1:9847/metrics').read().decode(), end='')" >"$OUT/metrics-idle.prom"
 nvcc -O2 -arch=sm_90 -o /tmp/burn scripts/gpu-capture/burn.cu >>"$OUT/context.txt" 2>&1
 /tmp/burn 15 4 >>"$OUT/context.txt" 2>&1 &
 BURN=$!
 sleep 8
-curl -s 127.0.0.1:9847/metrics >"$OUT/metrics-load.prom"
+python3 -c "import urllib.request as u; print(u.urlopen('http://127.0.0.1:9847/metrics').read().decode(), end='')" >"$OUT/metrics-load.prom"
 wait $BURN
 kill -TERM $DAEMON; wait $DAEMON; echo "daemon exit $?" >>"$OUT/context.txt"
 python3 -m pytest -q -p no:cacheprovider tests/test_nvml_probe.py tests/test_gpu_exporter.py >"$OUT/pytest.txt" 2>&1
