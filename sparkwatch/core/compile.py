@@ -33,8 +33,8 @@ MAX_JOBS_VARS = ("MAX_JOBS",)
 
 def tool_of(proc: Proc) -> str | None:
     """The compiler tool a process is, from its comm (what the kernel says it executes), or None."""
-    if proc.is_kernel_thread:
-        return None
+    if proc.is_kernel_thread or proc.state == "Z":
+        return None  # a finished, unreaped ninja or nvcc holds no memory and compiles nothing
     comm = proc.comm
     if comm in CUDA_TOOLS or comm in BUILD_TOOLS or comm in ("cc1plus", "cc1"):
         return comm

@@ -1,0 +1,33 @@
+"""Reading what compilers inherit, from real processes: a retitled engine's environ is unknown, never 'unset'."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+from sparkwatch.core.compile import tool_of
+from sparkwatch.model import Proc
+from sparkwatch.sources.procenv import EnvironReader
+from sparkwatch.sources.procs import ProcScanner, read_start_ticks
+from tests.conftest import Spawner, wait_until
+
+CODE = "import setproctitle, sys, time; sys.argv[1:] and setproctitle.setproctitle(sys.argv[1]); time.sleep(600)"
+
+
+def test_setproctitle_clobbers_environ_so_max_jobs_is_unknown(spawner: Spawner) -> None:
+    env = {**os.environ, "MAX_JOBS": "3"}
+    plain = spawner.popen([sys.executable, "-c", CODE], env=env)
+    titled = spawner.popen([sys.executable, "-c", CODE, "VLLM::EngineCore"], env=env)
+    assert wait_until(lambda: (ProcScanner().read_proc(titled.pid) or plain).comm.startswith("VLLM::"))
+    reader = EnvironReader(Path("/proc"), ["MAX_JOBS"])
+    assert reader.read(plain.pid, read_start_ticks("/proc", plain.pid) or 0) == {"MAX_JOBS": "3"}
+    # setproctitle reuses the environ area for the title: all NULs now. Unknown, not "unset".
+    assert reader.read(titled.pid, read_start_ticks("/proc", titled.pid) or 0) is None
+
+
+def test_zombie_compilers_are_not_counted() -> None:
+    live = Proc(pid=10, ppid=1, uid=0, comm="nvcc", state="S", start_ticks=1, rss_bytes=1, argv=("nvcc",))
+    zombie = Proc(pid=11, ppid=1, uid=0, comm="nvcc", state="Z", start_ticks=1, rss_bytes=0, argv=())
+    assert tool_of(live) == "nvcc"
+    assert tool_of(zombie) is None
