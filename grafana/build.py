@@ -179,22 +179,23 @@ def stat(
     steps: Json | None = None,
     mappings: list[Json] | None = None,
     color_mode: str = "background",
+    no_value: str | None = None,
 ) -> Json:
+    defaults: Json = {
+        "unit": unit,
+        "color": {"mode": "thresholds"},
+        "thresholds": steps or thresholds((None, "green")),
+        "mappings": mappings or [],
+    }
+    if no_value is not None:
+        defaults["noValue"] = no_value
     return {
         "type": "stat",
         "title": title,
         "description": description,
         "datasource": DS,
         "targets": targets(items),
-        "fieldConfig": {
-            "defaults": {
-                "unit": unit,
-                "color": {"mode": "thresholds"},
-                "thresholds": steps or thresholds((None, "green")),
-                "mappings": mappings or [],
-            },
-            "overrides": [],
-        },
+        "fieldConfig": {"defaults": defaults, "overrides": []},
         "options": {
             "reduceOptions": {"calcs": ["lastNotNull"], "fields": "", "values": False},
             "colorMode": color_mode,
@@ -350,13 +351,14 @@ def guard_row() -> list[Json]:
         ),
         stat(
             "Last kill",
-            "When the guard last killed on each node; 'never' since the daemon started. After a silent engine "
-            "death, a recent time here is the cause: run `sparkwatch events` on that node.",
+            "When the guard last killed on each node; 'never' since the daemon started (the series appears with "
+            "the first kill). After a silent engine death, a recent time here is the cause: run `sparkwatch events` "
+            "on that node.",
             "dateTimeFromNow",
             [Target(f"{m('guard_last_kill_timestamp_seconds')} * 1000", "{{instance}}")],
             w=6,
-            mappings=value_map({0: ("never", "green")}),
             color_mode="none",
+            no_value="never",
         ),
         stat(
             "Kill duration p50 / p99 (time range)",
@@ -430,10 +432,16 @@ def guard_row() -> list[Json]:
     ]
 
 
-# 0 idle, 1 compiling, 2 stalled (3: compiling in one cache while another stalls: show it as stalled).
+# Per engine tree: 0 idle, 1 compiling, 2 stalled (3 cannot happen in a state set; shown as stalled all the same).
 JIT_COMPILING = m("jit_state", 'state="compiling"')
 JIT_STALLED = m("jit_state", 'state="stalled"')
-JIT_STATE_CODE = f"max by (instance) ({JIT_COMPILING}) + 2 * max by (instance) ({JIT_STALLED})"
+BY_ENGINE = "max by (instance, engine, pid)"
+JIT_STATE_CODE = f"{BY_ENGINE} ({JIT_COMPILING}) + 2 * {BY_ENGINE} ({JIT_STALLED})"
+# 1 set, 2 unset, 3 unknown: compile_max_jobs is a state set per engine tree holding compilers.
+MAX_JOBS_CODE = " + ".join(
+    f"{weight} * {BY_ENGINE} ({m('compile_max_jobs', 'state=' + json.dumps(state))})"
+    for weight, state in ((1, "set"), (2, "unset"), (3, "unknown"))
+)
 JIT_DONE = m("jit_build_objects", 'state="done"')
 JIT_TOTAL = m("jit_build_objects", 'state="total"')
 JIT_STATE_MAP = value_map(
@@ -488,16 +496,16 @@ def boot_row() -> list[Json]:
             w=12,
             min_value=0,
         ),
-        stat(
-            "MAX_JOBS of running engines",
-            "The MAX_JOBS value engines and raylets run with: what bounds the compiler burst. 'unset' means ninja "
-            "will start one job per core (20 on a Spark). Fix: export MAX_JOBS=4 before `ray start` on every node.",
-            "none",
-            [Target(f"max by (instance) ({m('compile_max_jobs')})", "{{instance}}")],
+        state_timeline(
+            "MAX_JOBS per engine tree",
+            "For each engine tree that holds compilers: whether MAX_JOBS is set in the environment its compilers "
+            "inherit. UNSET means ninja starts one job per core (20 on a Spark) and the burst can drain the pool. "
+            "With Ray the raylet's environment is what counts: export MAX_JOBS=4 before `ray start` on every node. "
+            "unknown: the environment is unreadable (another user's or a container's process).",
+            [Target(MAX_JOBS_CODE, "{{instance}} {{engine}} {{pid}}")],
+            value_map({1: ("set", "green"), 2: ("UNSET", "red"), 3: ("unknown", "orange")}),
             w=6,
             h=5,
-            mappings=value_map({0: ("unset", "red")}),
-            steps=thresholds((None, "red"), (1, "green"), (9, "orange")),
         ),
         timeseries(
             "JIT cache size",
@@ -531,7 +539,7 @@ def boot_row() -> list[Json]:
             "idle: no compile; compiling: compilers run or the cache grows; stalled: an engine waits, no compiler "
             "runs and the cache has not changed for jit_stall_s (default 5 min). Stalled is the only state worth "
             "acting on: look for a stale lock under cached_ops/tmp/.",
-            [Target(JIT_STATE_CODE, "{{instance}}")],
+            [Target(JIT_STATE_CODE, "{{instance}} {{engine}} {{pid}}")],
             JIT_STATE_MAP,
         ),
     ]
@@ -753,8 +761,10 @@ def annotation_queries() -> list[Json]:
             "enable": True,
             "hide": False,
             "iconColor": "red",
-            # The timestamp gauge changes exactly when a kill is recorded; step 15 s marks it within 15 s.
-            "expr": f"changes({m('guard_last_kill_timestamp_seconds')}[1m]) > 0",
+            # The kills counter (exported at 0 from the start) sees the first kill; the timestamp gauge, which appears
+            # with the first kill, marks later ones even across a counter reset. Step 15 s: within 15 s of the kill.
+            "expr": f"sum by (job, instance) (increase({m('guard_kills_total')}[1m])) > 0"
+            f" or changes({m('guard_last_kill_timestamp_seconds')}[1m]) > 0",
             "step": "15s",
             "titleFormat": "sparkwatch killed engines on {{instance}}",
             "textFormat": "run `sparkwatch events` on {{instance}} for victims and numbers",
