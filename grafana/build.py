@@ -280,7 +280,12 @@ def pool_row() -> list[Json]:
             "bytes",
             [
                 Target(f"clamp_min({m('memory_available_bytes')} - {m('memory_cached_bytes')}, 0)", "available"),
-                Target(f"min({m('memory_cached_bytes')}, {m('memory_available_bytes')})", "page cache"),
+                # Page cache, but never above MemAvailable (Cached includes shmem, which is not reclaimable).
+                Target(
+                    f"({m('memory_cached_bytes')} <= on (job, instance) {m('memory_available_bytes')})"
+                    f" or on (job, instance) {m('memory_available_bytes')}",
+                    "page cache",
+                ),
                 Target(
                     f"clamp_min({m('memory_used_bytes')} - on (job, instance) {GPU_PROCESS_BYTES}, 0)", "other used"
                 ),
