@@ -15,11 +15,13 @@ can never fire.
 
 from __future__ import annotations
 
+import contextlib
 import http.server
 import json
 import os
 import queue
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -174,13 +176,17 @@ def spawn(argv: list[str], log: Path, env: dict[str, str] | None = None) -> subp
 
 
 def stop(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=5)
+    """Stop a process this test started, and its process group (start_new_session: the group is its own)."""
+    for sig, wait_s in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
+        if proc.poll() is None:
+            os.killpg(proc.pid, sig)
+            try:
+                proc.wait(timeout=wait_s)
+            except subprocess.TimeoutExpired:
+                continue
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)  # whatever it left in its group (the engine's compiler)
+        return
 
 
 def write_jit_cache(base: Path) -> None:
@@ -206,14 +212,16 @@ def write_jit_cache(base: Path) -> None:
 
 
 ENGINE = """
-import subprocess, sys, time
+import signal, subprocess, sys, time
 from setproctitle import setproctitle
 setproctitle("VLLM::EngineCore")
-compiler = subprocess.Popen([sys.argv[1], "300"])  # comm "nvcc": a copy of sleep, as the census reads comm
+signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # so the finally below reaps the compiler
+compiler = subprocess.Popen([sys.argv[1], "120"])  # comm "nvcc": a copy of sleep, as the census reads comm
 try:
-    time.sleep(300)
+    time.sleep(120)
 finally:
     compiler.kill()
+    compiler.wait()
 """
 
 
