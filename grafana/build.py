@@ -483,14 +483,33 @@ def boot_row() -> list[Json]:
             "Compiler census by tool",
             "Compiler processes by tool (ninja, nvcc, cicc, ptxas, fatbinary, cc1plus). Healthy with MAX_JOBS=4: "
             "7-9 in total. 20 or more is the default one-job-per-core burst: each nvcc/cicc holds 3-8 GiB, so it "
-            "can drain 70 GiB. Set MAX_JOBS=4 in the raylet's environment, not just the shell.",
+            "can drain 70 GiB (the red line, right axis, is their total RSS). Set MAX_JOBS=4 in the raylet's "
+            "environment, not just the shell.",
             "short",
-            [Target(f"sum by (instance, tool) ({m('compile_processes')})", "{{instance}} {{tool}}")],
+            [
+                Target(f"sum by (instance, tool) ({m('compile_processes')})", "{{instance}} {{tool}}"),
+                Target(f"sum by (instance) ({m('compile_rss_bytes')})", "{{instance}} compiler RSS"),
+            ],
             w=12,
             stack=True,
             min_value=0,
             steps=thresholds((None, "transparent"), (10, "orange")),
             threshold_style="dashed",
+            overrides=[
+                # What the burst costs the pool, on the right axis, as a line over the stacked counts.
+                override(
+                    "byFrameRefID",
+                    "B",
+                    {
+                        "unit": "bytes",
+                        "custom.axisPlacement": "right",
+                        "custom.stacking": {"mode": "none", "group": "A"},
+                        "custom.fillOpacity": 0,
+                        "custom.lineWidth": 2,
+                        "color": {"mode": "fixed", "fixedColor": "red"},
+                    },
+                )
+            ],
         ),
         timeseries(
             "Engine processes",
