@@ -50,6 +50,14 @@ def test_top_level_fields(dash: dict[str, Any]) -> None:
     assert dash["id"] is None  # an import must not overwrite some other dashboard by numeric id
     assert dash["graphTooltip"] == 1  # shared crosshair: the long-boot panels line up in time
     assert isinstance(dash["panels"], list) and dash["panels"]
+    # Required by the dashboard kind's schema (grafana/grafana kinds/dashboard, "schema-reference.md").
+    assert isinstance(dash["editable"], bool) and dash["graphTooltip"] in (0, 1, 2)
+    assert set(dash["time"]) == {"from", "to"} and isinstance(dash["templating"]["list"], list)
+    builtin = [a for a in dash["annotations"]["list"] if a.get("builtIn") == 1]
+    assert len(builtin) == 1 and builtin[0]["type"] == "dashboard"
+    for p in panels(dash):
+        if p["type"] != "row":
+            assert set(p["fieldConfig"]) == {"defaults", "overrides"}, p["title"]
 
 
 def test_variables_datasource_job_instance(dash: dict[str, Any]) -> None:
