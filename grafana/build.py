@@ -388,12 +388,23 @@ def guard_row() -> list[Json]:
             steps=thresholds((None, "green"), (0.15, "orange"), (1, "red")),
         ),
         timeseries(
-            "Poll interval",
+            "Poll interval and loop age",
             "How long the guard sleeps between meminfo reads: 1 s with lots of headroom, 50-100 ms near the floor. "
-            "A node sitting at the fast end for long is living close to the floor.",
+            "A node sitting at the fast end for long is living close to the floor. The loop age (dashed) is the "
+            "time since the guard last ran: it stays under the poll interval; a growing one is a stuck guard.",
             "s",
-            [Target(m("guard_poll_interval_seconds"), "{{instance}}")],
+            [
+                Target(m("guard_poll_interval_seconds"), "{{instance}} poll interval"),
+                Target(m("guard_loop_age_seconds"), "{{instance}} loop age"),
+            ],
             min_value=0,
+            overrides=[
+                override(
+                    "byFrameRefID",
+                    "B",
+                    {"custom.lineStyle": {"fill": "dash", "dash": [10, 10]}, "custom.fillOpacity": 0},
+                )
+            ],
         ),
         timeseries(
             "Kills",

@@ -58,6 +58,12 @@ def default_jit_cache_dirs() -> list[Path]:
     return [Path(base) / ".cache" / "flashinfer"]
 
 
+def default_vllm_cache_dirs() -> list[Path]:
+    # vLLM keeps torch.compile artifacts under ${VLLM_CACHE_ROOT:-$HOME/.cache/vllm}/torch_compile_cache/.
+    base = os.environ.get("VLLM_CACHE_ROOT") or str(Path.home() / ".cache" / "vllm")
+    return [Path(base) / "torch_compile_cache"]
+
+
 class ConfigError(Exception):
     """A configuration mistake, already phrased for a human in one line."""
 
@@ -92,6 +98,9 @@ class Settings(BaseSettings):
     tls_key_file: Path | None = None
     tls_client_ca_file: Path | None = None
     jit_cache_dirs: list[Path] = Field(default_factory=default_jit_cache_dirs)
+    vllm_cache_dirs: list[Path] = Field(
+        default_factory=default_vllm_cache_dirs, description="vLLM torch.compile caches watched like jit_cache_dirs"
+    )
     compile_jobs_alert: int = Field(8, ge=1, description="a compiler burst wider than this many nvcc/cicc jobs alerts")
     jit_stall_s: float = Field(300.0, gt=0, description="engine asleep, no compiler, no cache growth this long")
 
@@ -99,6 +108,14 @@ class Settings(BaseSettings):
     state_dir: Path = Field(default_factory=default_state_dir)
     webhook_url: AnyHttpUrl | None = None
     webhook_secret: SecretStr | None = None
+    webhook_timeout_s: float = Field(10.0, gt=0, le=120, description="one delivery attempt gives up after this")
+    webhook_backoff_min_s: float = Field(1.0, gt=0, le=3600, description="first retry delay; doubles per failure")
+    webhook_backoff_max_s: float = Field(
+        300.0, gt=0, le=86400, description="retry delay cap: a receiver down for hours is retried every 5 min"
+    )
+    driver_check_interval_s: float = Field(
+        60.0, gt=0, le=3600, description="driver drift check period (a udev event on nvidia runs it at once)"
+    )
 
     # --- where the system is read from (tests point these at fixture trees)
     proc_root: Path = Path("/proc")
@@ -145,6 +162,10 @@ class Settings(BaseSettings):
     @property
     def events_path(self) -> Path:
         return self.state_dir / "events.jsonl"
+
+    @property
+    def outbox_dir(self) -> Path:
+        return self.state_dir / "outbox"
 
     def public_dict(self) -> dict[str, Any]:
         """The effective settings, secrets masked, as check-config prints them."""
@@ -193,10 +214,14 @@ def _read_toml(path: Path) -> dict[str, Any]:
     return data
 
 
+# Names under this prefix belong to the test suite (SPARKWATCH_TEST_REQUIRE_TOOLS), not to the daemon.
+TEST_ENV_PREFIX = ENV_PREFIX + "TEST_"
+
+
 def _check_env_keys(env: Mapping[str, str]) -> None:
     known = set(Settings.model_fields)
     for name in env:
-        if name.startswith(ENV_PREFIX):
+        if name.startswith(ENV_PREFIX) and not name.startswith(TEST_ENV_PREFIX):
             key = name[len(ENV_PREFIX) :].lower()
             if key not in known:
                 raise ConfigError(f"{name}: unknown setting{_did_you_mean(key, known)}")

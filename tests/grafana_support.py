@@ -24,6 +24,8 @@ DATASOURCE_REF = {"type": "prometheus", "uid": "${datasource}"}
 # queries fall back where they can, see docs/grafana.md).
 EXTRA_METRICS = {
     "memory_warn_headroom_bytes": "the warn line and SparkwatchHeadroomLow (fallback: the 4 GiB default)",
+    "guard_loop_age_seconds": "SparkwatchGuardStuck and the poll-interval panel: a stuck guard grows it",
+    "telemetry_last_cycle_timestamp_seconds": "SparkwatchTelemetryStale",
     "compile_max_jobs": "state set {engine,pid,state=set|unset|unknown}: MAX_JOBS in an engine tree's environment",
 }
 

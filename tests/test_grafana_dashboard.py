@@ -13,7 +13,8 @@ import sys
 from typing import Any
 
 import pytest
-from grafana_support import (
+
+from tests.grafana_support import (
     DASHBOARD,
     DATASOURCE_REF,
     DESIGN,

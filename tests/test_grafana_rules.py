@@ -7,8 +7,9 @@ import subprocess
 from pathlib import Path
 
 import yaml
-from grafana_support import ALERTS, ALERTS_TEST, GRAFANA, load_rules
-from tools import require_tool
+
+from tests.conftest import require_tool
+from tests.grafana_support import ALERTS, ALERTS_TEST, GRAFANA, load_rules
 
 REQUIRED_ALERTS = {
     "SparkwatchGuardKilled",  # a kill happened
@@ -18,6 +19,8 @@ REQUIRED_ALERTS = {
     "SparkwatchCompilerBurstNoMaxJobs",
     "SparkwatchJitStalled",
     "SparkwatchDown",
+    "SparkwatchGuardStuck",
+    "SparkwatchTelemetryStale",
     "SparkwatchCollectorFailing",
     "SparkwatchTPPeerLost",
 }

@@ -111,7 +111,7 @@ def read_events(path: Path, limit: int | None = None) -> list[dict[str, Any]]:
     try:
         with path.open("rb") as fh:
             if limit is not None:
-                lines = _tail_lines(fh, limit)
+                lines = _tail_lines(fh, 2 * limit + 8)  # spare lines for torn or foreign ones
             else:
                 lines = fh.read().splitlines()
     except FileNotFoundError:

@@ -249,20 +249,25 @@ class Reaper:
             if job is None:
                 return
             try:
+                self._release(job)  # memory first, words second
                 self._announce(job)
                 self._finish(job, self.reap(job))
             except Exception as exc:  # the reaper must outlive any one bad job
                 print(f"sparkwatch: reaper error: {exc!r}", file=sys.stderr)
 
+    def _release(self, job: KillJob) -> None:
+        """process_mrelease every victim, largest first: it frees anonymous memory even for a victim stuck in D."""
+        if job.signaled_at is None or self.mrelease_supported is False:
+            return
+        for v in sorted(job.victims, key=lambda v: -v.proc.rss_bytes):
+            if syscalls.process_mrelease(v.pidfd) == errno.ENOSYS:
+                self.mrelease_supported = False  # kernel < 5.15: exit frees it, a little later
+                return
+            self.mrelease_supported = True
+
     def reap(self, job: KillJob) -> KillFacts:
         if job.signaled_at is None:  # dry run: nothing to wait for
             return job.facts
-        for v in sorted(job.victims, key=lambda v: -v.proc.rss_bytes):
-            err = syscalls.process_mrelease(v.pidfd)
-            if err == errno.ENOSYS:
-                self.mrelease_supported = False
-                break
-            self.mrelease_supported = True
         survivors = self._wait_exit(job.victims, job.signaled_at + self.wait_s)
         reaped_at = time.monotonic()
         reclaimed = self._reclaimed(job.available_at_signal)

@@ -12,9 +12,9 @@ from typing import Any
 from sparkwatch import __version__
 from sparkwatch.config import ConfigError, Settings, load_settings
 
-from . import check_config, engines, events, run
+from . import check_config, doctor, engines, events, install_service, run
 
-COMMANDS: tuple[ModuleType, ...] = (run, engines, events, check_config)
+COMMANDS: tuple[ModuleType, ...] = (run, engines, doctor, events, check_config, install_service)
 
 
 def common_parser() -> argparse.ArgumentParser:

@@ -17,7 +17,11 @@ def add_parser(sub: Any, parent: argparse.ArgumentParser) -> None:
 
 def handle(args: argparse.Namespace) -> int:
     from sparkwatch.cli import settings_from
+    from sparkwatch.config import Settings
     from sparkwatch.daemon import Daemon
 
-    settings = settings_from(args, dry_run=args.dry_run, floor=args.floor, listen=args.listen, state_dir=args.state_dir)
-    return Daemon(settings).run()
+    def load() -> Settings:
+        # The same file, environment and flags as at start: SIGHUP re-runs exactly this.
+        return settings_from(args, dry_run=args.dry_run, floor=args.floor, listen=args.listen, state_dir=args.state_dir)
+
+    return Daemon(load(), loader=load).run()

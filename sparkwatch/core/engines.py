@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from sparkwatch.model import EngineTree, Proc
 
@@ -64,6 +64,11 @@ class EngineRules:
 
     engines: tuple[tuple[str, re.Pattern[str]], ...]
     protect: tuple[re.Pattern[str], ...]
+    # (comm, argv) -> kind. Identity is a pure function of these, and matching every pattern against every process
+    # was half of a 2,000-process telemetry cycle (~25 ms); a dict hit is ~0.2 µs. Bounded: cleared when large.
+    kind_cache: dict[tuple[str, tuple[str, ...]], str | None] = field(
+        default_factory=dict, compare=False, hash=False, repr=False
+    )
 
     @classmethod
     def build(cls, engine_patterns: Iterable[str] = (), protect_patterns: Iterable[str] = ()) -> EngineRules:
@@ -143,14 +148,26 @@ def identity_strings(proc: Proc) -> tuple[str, ...]:
     return tuple(out)
 
 
+_KIND_CACHE_MAX = 8192
+
+
 def engine_kind(proc: Proc, rules: EngineRules) -> str | None:
     if proc.is_kernel_thread:
         return None
+    key = (proc.comm, proc.argv)
+    cache = rules.kind_cache
+    if key in cache:
+        return cache[key]
+    found = None
     ids = identity_strings(proc)
     for kind, pattern in rules.engines:
         if any(pattern.match(s) for s in ids):
-            return kind
-    return None
+            found = kind
+            break
+    if len(cache) >= _KIND_CACHE_MAX:
+        cache.clear()
+    cache[key] = found
+    return found
 
 
 def is_protected(proc: Proc, rules: EngineRules) -> bool:

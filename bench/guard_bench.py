@@ -1,0 +1,345 @@
+"""Guard benchmark: sparkwatch against earlyoom on the same real workload, episodes alternated A B A B.
+
+Each episode starts one contender, then a fake vLLM tree whose hog child touches anonymous memory at a target rate
+toward a floor set 2 GiB under the current MemAvailable (so it is safe on any box), and would go 1.5 GiB under it
+if nobody acted. A 2 ms sampler records MemAvailable; pidfds record when the victims exit.
+
+Reported per episode: the fill rate at the floor crossing (the VMs' real fill rate comes in host-side bursts, so the
+target is not what the hog gets), the overshoot under the floor, reaction = overshoot / rate, and floor -> reaped.
+earlyoom kills the hog only (highest oom_score: the hog sets oom_score_adj 1000 and is --prefer'd); sparkwatch kills
+the whole tree. Then each contender's idle CPU and RSS over a minute.
+
+    .venv/bin/python bench/guard_bench.py --episodes 5 --rates 1,2,4 --idle-s 60 --out bench/RESULTS-guard.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import select
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from sparkwatch.sources.meminfo import MeminfoReader  # noqa: E402
+from sparkwatch.sources.procs import read_start_ticks  # noqa: E402
+from tests.conftest import FAKE_ENGINE, pids_in  # noqa: E402
+from tests.daemon import free_port  # noqa: E402
+
+GiB = 1 << 30
+MiB = 1 << 20
+HEADROOM = 2 * GiB
+HOG_EXTRA = int(1.5 * GiB)
+
+
+class Sampler(threading.Thread):
+    def __init__(self) -> None:
+        super().__init__(daemon=True)
+        self.reader = MeminfoReader()
+        self.samples: list[tuple[float, int]] = []
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        while not self.stop.is_set():
+            self.samples.append((time.monotonic(), self.reader.read().available_bytes))
+            time.sleep(0.002)
+
+
+@dataclass
+class Episode:
+    contender: str
+    target_rate: int
+    rate_at_crossing: float | None  # bytes/s over the 100 ms before the crossing
+    overshoot: int  # bytes under the floor at the minimum (0 if it never crossed)
+    crossed: bool
+    floor_to_reaped_s: float | None  # crossing -> last victim gone
+    margin_at_kill: int  # MemAvailable - floor at its lowest (positive: never reached the floor)
+    own_detect_to_reaped_ms: float | None = None  # sparkwatch's own record: detect -> signal -> last reaped
+
+
+def start_contender(name: str, floor: int, tmp: Path) -> subprocess.Popen[bytes]:
+    if name == "sparkwatch":
+        env = {k: v for k, v in os.environ.items() if not k.startswith("SPARKWATCH_")}
+        env.update(
+            {
+                "SPARKWATCH_FLOOR": str(floor),
+                "SPARKWATCH_ANCESTOR_PID": str(os.getpid()),
+                "SPARKWATCH_STATE_DIR": str(tmp / "state"),
+                "SPARKWATCH_LISTEN": f"127.0.0.1:{free_port()}",
+                "XDG_CONFIG_HOME": str(tmp / "xdg"),
+                "PYTHONUNBUFFERED": "1",
+            }
+        )
+        proc = subprocess.Popen(
+            [str(ROOT / ".venv/bin/python"), "-m", "sparkwatch", "run"],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        assert proc.stderr is not None
+        for line in proc.stderr:  # wait until it polls
+            if "sparkwatch: running:" in line:
+                break
+        threading.Thread(target=lambda: proc.stderr.read() if proc.stderr else None, daemon=True).start()
+        return proc  # type: ignore[return-value]
+    kib = floor // 1024
+    # -M term,kill in KiB, both at the floor, so earlyoom goes straight to SIGKILL like sparkwatch.
+    proc = subprocess.Popen(
+        ["earlyoom", "-M", f"{kib},{kib}", "-r", "0", "--prefer", "^sw-hog$"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    time.sleep(0.5)
+    return proc
+
+
+def run_episode(contender: str, target_rate: int, tmp: Path) -> Episode:
+    avail = MeminfoReader().read().available_bytes
+    floor = avail - HEADROOM
+    daemon = start_contender(contender, floor, tmp)
+    sampler = Sampler()
+    sampler.start()
+    pidfile = tmp / f"tree-{time.monotonic_ns()}.pids"
+    engine = subprocess.Popen(
+        [
+            sys.executable,
+            str(FAKE_ENGINE),
+            "--worker",
+            "VLLM::Worker_TP0",
+            "--compiler",
+            "--ignore-term",
+            "--hog-rate-mib",
+            str(target_rate * 1024),
+            "--hog-limit-mib",
+            str((HEADROOM + HOG_EXTRA) // MiB),
+            "--pidfile",
+            str(pidfile),
+        ]
+    )
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and not (pidfile.exists() and "hog" in pidfile.read_text()):
+        time.sleep(0.01)
+    recorded = pids_in(pidfile)
+    hog_pid = next(pid for pid, (_, role) in recorded.items() if role == "hog")
+    fds = {}
+    for pid, (ticks, _) in recorded.items():
+        try:
+            fd = os.pidfd_open(pid)
+        except ProcessLookupError:
+            continue
+        if read_start_ticks("/proc", pid) == ticks:
+            fds[fd] = pid
+        else:
+            os.close(fd)
+    # earlyoom kills only the hog; sparkwatch the whole tree: wait for what each is supposed to kill.
+    watch = fds if contender == "sparkwatch" else {fd: pid for fd, pid in fds.items() if pid == hog_pid}
+    poller = select.poll()
+    for fd in watch:
+        poller.register(fd, select.POLLIN)
+    exits: dict[int, float] = {}
+    stop_at = time.monotonic() + 30
+    while len(exits) < len(watch) and time.monotonic() < stop_at:
+        for fd, _ in poller.poll(100):
+            exits.setdefault(fd, time.monotonic())
+            poller.unregister(fd)
+    time.sleep(0.3)
+    sampler.stop.set()
+    sampler.join()
+    # Clean up: whatever is left of this episode's tree (started by us, checked by start time), then the contender.
+    for fd in fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    for pid, (ticks, _) in pids_in(pidfile).items():
+        if read_start_ticks("/proc", pid) == ticks:
+            try:
+                os.kill(pid, 9)
+            except ProcessLookupError:
+                pass
+    engine.wait(10)
+    daemon.terminate()
+    daemon.wait(10)
+
+    samples = sampler.samples
+    crossing = next((t for t, a in samples if a <= floor), None)
+    min_avail = min(a for _, a in samples)
+    last_exit = max(exits.values()) if len(exits) == len(watch) and exits else None
+    first_exit = min(exits.values()) if exits else None
+    # The fill rate where it matters: the 100 ms before the crossing, or before the kill if it came first.
+    moments = [t for t in (crossing, first_exit) if t is not None]
+    rate = None
+    if moments:
+        at = min(moments)
+        window = [(t, a) for t, a in samples if at - 0.1 <= t <= at]
+        if len(window) >= 2 and window[-1][0] > window[0][0]:
+            rate = (window[0][1] - window[-1][1]) / (window[-1][0] - window[0][0])
+    own = None
+    if contender == "sparkwatch":
+        from sparkwatch.actuators.events import read_events
+
+        kills = [e for e in read_events(tmp / "state" / "events.jsonl") if e["kind"] == "kill"]
+        if kills and kills[-1].get("signal_to_reaped_ms") is not None:
+            own = float(kills[-1]["detect_to_signal_ms"]) + float(kills[-1]["signal_to_reaped_ms"])
+    # How close it came: an exiting process frees its memory before its pidfd reports the exit, so the sample
+    # "just before the exit" is already too late to show it; the minimum is honest.
+    margin = min_avail - floor
+    return Episode(
+        contender=contender,
+        target_rate=target_rate,
+        rate_at_crossing=rate,
+        overshoot=max(0, floor - min_avail),
+        crossed=crossing is not None,
+        floor_to_reaped_s=(last_exit - crossing) if (last_exit and crossing) else None,
+        margin_at_kill=margin,
+        own_detect_to_reaped_ms=own,
+    )
+
+
+def idle_cost(contender: str, seconds: float, tmp: Path) -> tuple[float, float]:
+    """(% of one core, RSS MiB) of a contender left alone with lots of headroom."""
+    floor = 512 * MiB
+    proc = start_contender(contender, floor, tmp)
+    ps = psutil.Process(proc.pid)
+    time.sleep(5)  # start-up settles
+    t0, c0 = time.monotonic(), sum(ps.cpu_times()[:2])
+    rss = []
+    end = t0 + seconds
+    while time.monotonic() < end:
+        rss.append(ps.memory_info().rss)
+        time.sleep(1)
+    cpu = (sum(ps.cpu_times()[:2]) - c0) / (time.monotonic() - t0) * 100
+    proc.terminate()
+    proc.wait(10)
+    return cpu, max(rss) / MiB
+
+
+def earlyoom_version() -> str:
+    out = subprocess.run(["earlyoom", "-v"], capture_output=True, text=True)
+    return (out.stdout + out.stderr).strip().splitlines()[0]
+
+
+def fmt_rate(r: float | None) -> str:
+    return "-" if r is None else f"{r / MiB:,.0f}"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--episodes", type=int, default=5)
+    ap.add_argument("--rates", default="1,2,4", help="target fill rates in GiB/s")
+    ap.add_argument("--idle-s", type=float, default=60)
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args()
+    if os.geteuid() != 0 or shutil.which("earlyoom") is None:
+        sys.exit("needs root (earlyoom signals system-wide) and earlyoom (apt install earlyoom)")
+    if MeminfoReader().read().available_bytes < 8 * GiB:
+        sys.exit("needs 8 GiB MemAvailable")
+    rates = [int(r) for r in args.rates.split(",")]
+    episodes: list[Episode] = []
+    with tempfile.TemporaryDirectory() as tmpdir:
+        tmp = Path(tmpdir)
+        for rate in rates:
+            for i in range(args.episodes):
+                for contender in ("sparkwatch", "earlyoom") if i % 2 == 0 else ("earlyoom", "sparkwatch"):
+                    ep = run_episode(contender, rate, tmp)
+                    episodes.append(ep)
+                    print(ep, flush=True)
+                    time.sleep(1)
+        idle = {c: idle_cost(c, args.idle_s, tmp) for c in ("sparkwatch", "earlyoom")} if args.idle_s else {}
+
+    lines = [
+        "# Guard benchmark: sparkwatch vs earlyoom",
+        "",
+        f"Command: `{' '.join(['.venv/bin/python', 'bench/guard_bench.py', *sys.argv[1:]])}`",
+        "",
+        f"Machine: {platform.machine()}, {os.cpu_count()} cores, "
+        f"{psutil.virtual_memory().total / GiB:.1f} GiB, kernel {platform.release()}, "
+        f"{earlyoom_version()}. "
+        f"Floor = MemAvailable − {HEADROOM // MiB} MiB; the hog would go {HOG_EXTRA // MiB} MiB under it. "
+        "Episodes alternate A B A B.",
+        "",
+        "rate = fill rate over the 100 ms before the floor crossing, or before the kill when that came first "
+        "(MiB/s); overshoot = how far MemAvailable went under "
+        "the floor (MiB); reaction = overshoot ÷ rate (ms); floor→reaped = crossing to the last victim gone (ms; "
+        "sparkwatch: the whole tree, earlyoom: the hog). 'before floor' = killed before MemAvailable reached it "
+        "(margin left, MiB). detect→reaped = sparkwatch's own record of the kill (detect → SIGKILL → last member "
+        "gone).",
+        "",
+        "| target GiB/s | contender | rate MiB/s | overshoot MiB | reaction ms | floor→reaped ms | detect→reaped ms |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for ep in episodes:
+        if not ep.crossed:
+            reaped = f"before floor ({ep.margin_at_kill / MiB:,.0f} MiB left)"
+        else:
+            reaped = "-" if ep.floor_to_reaped_s is None else f"{ep.floor_to_reaped_s * 1000:,.0f}"
+        reaction = "-" if not ep.rate_at_crossing else f"{ep.overshoot / ep.rate_at_crossing * 1000:,.0f}"
+        own = "-" if ep.own_detect_to_reaped_ms is None else f"{ep.own_detect_to_reaped_ms:,.0f}"
+        lines.append(
+            f"| {ep.target_rate} | {ep.contender} | {fmt_rate(ep.rate_at_crossing)} | "
+            f"{ep.overshoot / MiB:,.0f} | {reaction} | {reaped} | {own} |"
+        )
+    lines += [
+        "",
+        "Medians:",
+        "",
+        "| target GiB/s | contender | rate MiB/s | overshoot MiB | reaction ms | floor→reaped ms (crossed) | "
+        "detect→reaped ms | fired before floor |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    summary: dict[tuple[int, str], tuple[float, float]] = {}
+
+    def med(values: list[float], fmt: str = "{:,.0f}") -> str:
+        return fmt.format(statistics.median(values)) if values else "-"
+
+    for rate in rates:
+        for c in ("sparkwatch", "earlyoom"):
+            eps = [e for e in episodes if e.target_rate == rate and e.contender == c]
+            over = statistics.median(e.overshoot for e in eps) / MiB
+            react = statistics.median(
+                e.overshoot / e.rate_at_crossing * 1000 if e.rate_at_crossing else 0.0 for e in eps
+            )
+            summary[(rate, c)] = (over, react)
+            lines.append(
+                f"| {rate} | {c} | {med([e.rate_at_crossing / MiB for e in eps if e.rate_at_crossing])} | "
+                f"{over:,.0f} | {react:,.0f} | "
+                f"{med([e.floor_to_reaped_s * 1000 for e in eps if e.floor_to_reaped_s is not None])} | "
+                f"{med([e.own_detect_to_reaped_ms for e in eps if e.own_detect_to_reaped_ms is not None])} | "
+                f"{sum(not e.crossed for e in eps)}/{len(eps)} |"
+            )
+    lines += ["", "Ratios (earlyoom ÷ sparkwatch, median; higher is better for sparkwatch):", ""]
+    for rate in rates:
+        so, sr = summary[(rate, "sparkwatch")]
+        eo, er = summary[(rate, "earlyoom")]
+        lines.append(f"- {rate} GiB/s: overshoot {eo:,.0f} vs {so:,.0f} MiB; reaction {er:,.0f} vs {sr:,.0f} ms")
+    if idle:
+        lines += [
+            "",
+            f"Idle cost over {args.idle_s:.0f} s with lots of headroom (full daemon for sparkwatch):",
+            "",
+            "| contender | CPU % of one core | max RSS MiB |",
+            "| --- | --- | --- |",
+        ]
+        for c, (cpu, rss) in idle.items():
+            lines.append(f"| {c} | {cpu:.2f} | {rss:.1f} |")
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if args.out:
+        args.out.write_text(text)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,184 @@
+"""Which events alert, their dedup keys, and the episode and rate-limit rules. Pure: state in, state out.
+
+A stranded driver is checked every minute for as long as it lasts (hours, until someone reboots): it must alert once
+when the episode starts and once when it ends, not sixty times an hour. Low headroom alerts when MemAvailable enters
+the warning band and again only after it has left it by a margin. Kills always alert; each kill is its own event.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from sparkwatch.model import DriverReport
+
+# Event kind -> minimum seconds between two alerts with the same dedup key. 0: every event alerts.
+ALERT_MIN_INTERVAL_S: Mapping[str, float] = {
+    "kill": 0.0,
+    "driver_stranded": 0.0,  # episodes are cut upstream (driver_step): one event per episode
+    "driver_will_strand": 0.0,
+    "driver_version_mismatch": 0.0,
+    "driver_not_loaded": 0.0,
+    "driver_recovered": 0.0,
+    "low_headroom": 900.0,
+    "compile_burst": 900.0,
+    "max_jobs_missing": 3600.0,
+    "jit_stalled": 1800.0,
+}
+
+# Driver problems, worst first, and the event kind each one opens an episode with.
+DRIVER_PROBLEM_KINDS: Mapping[str, str] = {
+    "stranded": "driver_stranded",
+    "will_strand": "driver_will_strand",
+    "version_mismatch": "driver_version_mismatch",
+    "not_loaded": "driver_not_loaded",
+}
+
+
+def is_alerting(kind: str) -> bool:
+    return kind in ALERT_MIN_INTERVAL_S
+
+
+def dedup_key(kind: str, fields: Mapping[str, object]) -> str:
+    """Events with the same key are one alert stream for rate limiting. A kill is never folded into another."""
+    if kind == "kill":
+        return f"kill:{fields.get('id', '')}"
+    for name in ("engine_root_pid", "root_pid", "pid", "cache", "kernel"):
+        value = fields.get(name)
+        if value is not None:
+            return f"{kind}:{name}={value}"
+    return kind
+
+
+@dataclass(frozen=True, slots=True)
+class RateState:
+    last_sent_s: Mapping[str, float] = field(default_factory=dict)
+
+
+def rate_limit(state: RateState, kind: str, key: str, now_s: float) -> tuple[RateState, bool]:
+    """Whether an alerting event goes out now, and the new state. Unknown kinds never alert."""
+    interval = ALERT_MIN_INTERVAL_S.get(kind)
+    if interval is None:
+        return state, False
+    last = state.last_sent_s.get(key)
+    if interval > 0 and last is not None and now_s - last < interval:
+        return state, False
+    sent = {k: v for k, v in state.last_sent_s.items() if interval == 0 or now_s - v < 24 * 3600}
+    if interval > 0:
+        sent[key] = now_s
+    return RateState(sent), True
+
+
+# --- driver episodes
+
+
+@dataclass(frozen=True, slots=True)
+class DriverAlert:
+    kind: str
+    summary: str
+    fields: Mapping[str, object]
+
+
+def driver_problems(report: DriverReport) -> frozenset[str]:
+    """The open problems in one report. 'reboot_pending' alone is not an alert: apt sets it for every kernel update."""
+    out = set()
+    if report.stranded:
+        out.add("stranded")
+    if report.next_boot_ok is False and report.next_boot_kernel != report.running_kernel:
+        out.add("will_strand")
+    if report.version_mismatch:
+        out.add("version_mismatch")
+    if report.loaded is False and not report.stranded:
+        out.add("not_loaded")
+    return frozenset(out)
+
+
+def driver_fields(report: DriverReport) -> dict[str, object]:
+    return {
+        "verdict": report.verdict,
+        "kernel": report.running_kernel,
+        "next_boot_kernel": report.next_boot_kernel,
+        "loaded_version": report.loaded_version,
+        "library_version": report.library_version,
+        "reboot_required": report.reboot_required,
+    }
+
+
+def driver_step(open_problems: frozenset[str], report: DriverReport) -> tuple[frozenset[str], tuple[DriverAlert, ...]]:
+    """Episode transitions: one alert per problem when it appears, one `driver_recovered` when all have cleared.
+
+    'unknown' and 'absent' verdicts carry no evidence, so they change nothing (a root that cannot be read for a
+    moment must not announce a recovery).
+    """
+    if report.verdict in ("unknown", "absent"):
+        return open_problems, ()
+    now = driver_problems(report)
+    if report.running_kernel is None:
+        # Without the running kernel "stranded" cannot be judged either way: an open episode stays open.
+        now |= open_problems & {"stranded", "not_loaded"}
+    alerts: list[DriverAlert] = []
+    fields = driver_fields(report)
+    for problem, kind in DRIVER_PROBLEM_KINDS.items():
+        if problem in now and problem not in open_problems:
+            alerts.append(DriverAlert(kind, _problem_summary(problem, report), {**fields, "problem": problem}))
+    if open_problems and not now:
+        alerts.append(
+            DriverAlert(
+                "driver_recovered",
+                f"driver recovered: {report.summary} (was: {', '.join(sorted(open_problems))})",
+                {**fields, "cleared": sorted(open_problems)},
+            )
+        )
+    return now, tuple(alerts)
+
+
+def _problem_summary(problem: str, report: DriverReport) -> str:
+    if problem == "stranded":
+        return (
+            f"NVIDIA driver stranded: running kernel {report.running_kernel} has no NVIDIA modules. "
+            "Run: sudo apt full-upgrade && sudo reboot, then check uname -r and nvidia-smi"
+        )
+    if problem == "will_strand":
+        return (
+            f"the next boot ({report.next_boot_kernel}) has no NVIDIA modules: do not reboot before "
+            "sudo apt full-upgrade installs them (sparkwatch doctor shows the commands)"
+        )
+    if problem == "version_mismatch":
+        return (
+            f"NVIDIA driver/library version mismatch: loaded {report.loaded_version or '?'}, "
+            f"library {report.library_version or '?'}; a reboot loads the matching module"
+        )
+    return f"NVIDIA modules installed for {report.running_kernel} but the driver is not loaded"
+
+
+# --- low headroom
+
+
+def headroom_step(
+    in_band: bool, available_bytes: int, floor_bytes: int, warn_headroom_bytes: int, hysteresis_bytes: int
+) -> tuple[bool, bool]:
+    """(in_band, alert now). Enters the band at floor + warn_headroom, leaves it only above that + hysteresis.
+
+    MemAvailable wobbles by ~100 MiB per 5 s with excursions over 1 GiB, so leaving needs a margin or one boot
+    would page someone a dozen times.
+    """
+    enter = floor_bytes + warn_headroom_bytes
+    if not in_band and available_bytes <= enter:
+        return True, True
+    if in_band and available_bytes > enter + hysteresis_bytes:
+        return False, False
+    return in_band, False
+
+
+def alert_text(kind: str, node: str, summary: str) -> str:
+    """The one `text` line Slack-compatible receivers show as is."""
+    icon = {
+        "kill": ":skull:",
+        "driver_stranded": ":rotating_light:",
+        "driver_will_strand": ":warning:",
+        "driver_version_mismatch": ":warning:",
+        "driver_not_loaded": ":rotating_light:",
+        "driver_recovered": ":white_check_mark:",
+        "low_headroom": ":warning:",
+    }.get(kind, ":information_source:")
+    return f"{icon} sparkwatch on {node}: {summary}"

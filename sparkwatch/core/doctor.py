@@ -1,0 +1,187 @@
+"""The non-driver checks of `sparkwatch doctor`: swap, MAX_JOBS and Ray's memory monitor in running engines, floor.
+
+Pure: processes, their environments and meminfo come in as data.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from sparkwatch.core.engines import EngineRules, engine_kind
+from sparkwatch.model import Check, MemInfo, Proc
+
+GiB = 1 << 30
+# Below 2 GiB the guard cannot win the race: a start-up spike went 34.0 -> 12.7 GiB in ~1.5 s on a Spark.
+FLOOR_MIN_BYTES = 2 * GiB
+FLOOR_MAX_FRACTION = 0.25  # above a quarter of the pool the guard kills engines that would have fit
+SUGGESTED_FLOOR_GIB = 8  # what the field used (oom-guard: "MemAvailable=4726 MiB < 8192 MiB")
+MAX_JOBS_SUGGESTED = 4  # each nvcc/cicc holds 3-8 GiB; ninja's default (one per core, 20) is a ~70 GiB burst
+RAY_MONITOR_VAR = "RAY_memory_monitor_refresh_ms"
+
+
+@dataclass(frozen=True, slots=True)
+class EnvTarget:
+    proc: Proc
+    role: str  # "engine:<kind>" or "raylet"
+
+
+def is_raylet(proc: Proc) -> bool:
+    return proc.comm == "raylet" or bool(proc.argv and proc.argv[0].rsplit("/", 1)[-1] == "raylet")
+
+
+def env_targets(procs: Sequence[Proc], rules: EngineRules) -> tuple[EnvTarget, ...]:
+    """Engine roots (an engine whose ancestors are not engines) and every raylet: whose environment matters.
+
+    Ray actors inherit the raylet's environment, not the shell's that ran `vllm serve`, so raylets count too.
+    """
+    by_pid = {p.pid: p for p in procs}
+    kinds = {p.pid: k for p in procs if (k := engine_kind(p, rules)) is not None}
+    out = []
+    for p in sorted(procs, key=lambda p: p.pid):
+        if is_raylet(p):
+            out.append(EnvTarget(p, "raylet"))
+            continue
+        kind = kinds.get(p.pid)
+        if kind is None or kind == "ray":  # ray:: workers inherit from their raylet, checked there
+            continue
+        parent, seen = by_pid.get(p.ppid), {p.pid}
+        inner = False
+        while parent is not None and parent.pid not in seen:
+            if parent.pid in kinds:
+                inner = True
+                break
+            seen.add(parent.pid)
+            parent = by_pid.get(parent.ppid)
+        if not inner:
+            out.append(EnvTarget(p, f"engine:{kind}"))
+    return tuple(out)
+
+
+def _who(t: EnvTarget) -> str:
+    return f"{t.role.removeprefix('engine:')} pid {t.proc.pid} ({t.proc.display_name})"
+
+
+def max_jobs_check(
+    targets: Sequence[EnvTarget], environ: Mapping[int, Mapping[str, str] | None], jobs_alert: int
+) -> Check:
+    if not targets:
+        return Check("max-jobs", "skip", "no engine or raylet running")
+    unreadable = [t for t in targets if environ.get(t.proc.pid) is None]
+    readable = [t for t in targets if environ.get(t.proc.pid) is not None]
+    if not readable:
+        return Check(
+            "max-jobs",
+            "skip",
+            f"cannot read the environment of {len(unreadable)} engine/raylet processes (another user's?)",
+            detail="\n".join(_who(t) for t in unreadable),
+        )
+    missing = [t for t in readable if not (environ[t.proc.pid] or {}).get("MAX_JOBS")]
+    wide = []
+    for t in readable:
+        value = (environ[t.proc.pid] or {}).get("MAX_JOBS", "")
+        if value and (not value.isdigit() or int(value) > jobs_alert):
+            wide.append((t, value))
+    fix = (
+        f"export MAX_JOBS={MAX_JOBS_SUGGESTED} TORCHINDUCTOR_COMPILE_THREADS=2   "
+        "# in the shell or unit that starts the engine, then restart it\n"
+        f"# with Ray, in every raylet's environment (actors inherit the raylet's, not the shell's):\n"
+        f"ray stop && MAX_JOBS={MAX_JOBS_SUGGESTED} ray start …   # on every node, with your usual ray start flags"
+    )
+    lines = [f"{_who(t)}: MAX_JOBS unset" for t in missing]
+    lines += [f"{_who(t)}: MAX_JOBS={v}" for t, v in wide]
+    lines += [f"{_who(t)}: environment unreadable" for t in unreadable]
+    if missing or wide:
+        what = (
+            f"MAX_JOBS unset in {len(missing)} of {len(readable)} engine/raylet processes"
+            if missing
+            else f"MAX_JOBS above {jobs_alert} in {len(wide)} processes"
+        )
+        return Check(
+            "max-jobs",
+            "warn",
+            f"{what}: the first JIT compile runs one nvcc per core (3-8 GiB each)",
+            fix=fix,
+            detail="\n".join(lines),
+        )
+    return Check(
+        "max-jobs",
+        "ok",
+        f"MAX_JOBS set in all {len(readable)} engine/raylet processes",
+        detail="\n".join(lines) or None,
+    )
+
+
+def ray_monitor_check(targets: Sequence[EnvTarget], environ: Mapping[int, Mapping[str, str] | None]) -> Check:
+    raylets = [t for t in targets if t.role == "raylet"]
+    if not raylets:
+        return Check("ray-memory-monitor", "skip", "no raylet running")
+    readable = [t for t in raylets if environ.get(t.proc.pid) is not None]
+    if not readable:
+        return Check("ray-memory-monitor", "skip", f"cannot read the environment of {len(raylets)} raylets")
+    bad = [t for t in readable if (environ[t.proc.pid] or {}).get(RAY_MONITOR_VAR, "").strip() != "0"]
+    if bad:
+        detail = "\n".join(
+            f"raylet pid {t.proc.pid}: {RAY_MONITOR_VAR}="
+            f"{(environ[t.proc.pid] or {}).get(RAY_MONITOR_VAR, 'unset (Ray default 250)')}"
+            for t in bad
+        )
+        return Check(
+            "ray-memory-monitor",
+            "warn",
+            f"Ray's memory monitor is on in {len(bad)} of {len(readable)} raylets: it counts GPU weights as system "
+            "RAM on a unified pool and kills workers after the model loads",
+            fix=f"ray stop && {RAY_MONITOR_VAR}=0 ray start …   # on EVERY node (the head alone is not enough), "
+            "with your usual ray start flags",
+            detail=detail,
+        )
+    return Check("ray-memory-monitor", "ok", f"{RAY_MONITOR_VAR}=0 on all {len(readable)} raylets")
+
+
+def swap_check(mem: MemInfo | None) -> Check:
+    if mem is None:
+        return Check("swap", "skip", "meminfo unreadable")
+    if mem.swap_total_bytes > 0:
+        return Check("swap", "ok", f"{mem.swap_total_bytes / GiB:.1f} GiB swap")
+    return Check(
+        "swap",
+        "warn",
+        "no swap: an overshoot past the floor goes straight to the kernel OOM killer, which can wedge a Spark",
+        fix=(
+            "sudo fallocate -l 16G /swapfile && sudo chmod 600 /swapfile\n"
+            "sudo mkswap /swapfile && sudo swapon /swapfile\n"
+            "echo '/swapfile none swap sw 0 0' | sudo tee -a /etc/fstab"
+        ),
+        detail="a small swapfile is a shock absorber for page cache and stray processes, not room for engines "
+        "(GPU allocations on the unified pool never swap)",
+    )
+
+
+def _suggested_floor_gib(total_bytes: int) -> int:
+    """8 GiB (what the field used on 121.7 GiB Sparks), within [2 GiB, a quarter of the pool]."""
+    return max(FLOOR_MIN_BYTES // GiB, min(SUGGESTED_FLOOR_GIB, int(FLOOR_MAX_FRACTION * total_bytes) // GiB))
+
+
+def floor_check(floor_bytes: int, warn_headroom_bytes: int, mem: MemInfo | None) -> Check:
+    if mem is None or mem.total_bytes <= 0:
+        return Check("floor", "skip", "meminfo unreadable: cannot judge the floor")
+    total = mem.total_bytes
+    shown = f"floor {floor_bytes / GiB:.1f} GiB of {total / GiB:.1f} GiB MemTotal"
+    suggested = _suggested_floor_gib(total)
+    fix = f'floor = "{suggested}GiB"   # in ~/.config/sparkwatch/config.toml, then restart sparkwatch'
+    if floor_bytes >= total:
+        return Check("floor", "fail", f"{shown}: the guard would kill every engine at once", fix=fix)
+    if floor_bytes < FLOOR_MIN_BYTES:
+        return Check(
+            "floor",
+            "warn",
+            f"{shown}: under 2 GiB the guard cannot beat a start-up spike (34 -> 12.7 GiB in 1.5 s)",
+            fix=fix,
+        )
+    if floor_bytes > FLOOR_MAX_FRACTION * total:
+        return Check(
+            "floor", "warn", f"{shown}: over a quarter of the pool; engines that would fit get killed", fix=fix
+        )
+    if floor_bytes + warn_headroom_bytes > total:
+        return Check("floor", "warn", f"{shown}: floor + warn_headroom exceeds MemTotal; always warning", fix=fix)
+    return Check("floor", "ok", shown)

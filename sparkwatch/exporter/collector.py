@@ -1,0 +1,353 @@
+"""A custom prometheus_client Collector over the latest Snapshot and the guard's counters.
+
+Scrape-time work is rendering only: no /proc, NVML or disk I/O. The Snapshot is taken once per scrape (one reference
+read, so a scrape never mixes two cycles), and the guard's counters are copied under its lock, which the guard holds
+only for a few field assignments: a scrape during a kill sees the counters before or after it, never half.
+
+Names and labels are the DESIGN.md metrics contract; `promtool check metrics` lints the output in the tests.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator
+from typing import Protocol
+
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.registry import Collector
+
+from sparkwatch import __version__
+from sparkwatch.core.compile import TOOLS
+from sparkwatch.core.jit import STATES
+from sparkwatch.exporter.gpu import gpu_families
+from sparkwatch.guard import KILL_DURATION_BUCKETS_S, GuardStats
+from sparkwatch.model import DriverReport, GpuReport, MemInfo, Snapshot
+
+P = "sparkwatch_"
+GUARD_TRIGGERS = ("floor", "predicted")  # core.guard's triggers: exported at 0 so rate() works from the start
+MAX_JOBS_STATES = ("set", "unset", "unknown")
+
+
+class GuardLike(Protocol):
+    stats: GuardStats
+    lock: threading.Lock
+
+
+class EventLogLike(Protocol):
+    write_errors_total: int
+
+
+def _guard_copy(guard: GuardLike | None) -> tuple[GuardStats | None, int | None, bool | None]:
+    """The guard's counters, and its live floor and dry-run flag (SIGHUP may change them), read under its lock."""
+    if guard is None:
+        return None, None, None
+    with guard.lock:  # a handful of field copies: the guard never waits on a scrape for longer than that
+        stats = guard.stats
+        out = copy.copy(stats)
+        out.kills_total = dict(stats.kills_total)
+        out.kill_duration_bucket_counts = list(stats.kill_duration_bucket_counts)
+        params = getattr(guard, "params", None)
+        settings = getattr(guard, "settings", None)
+        floor = getattr(params, "floor_bytes", None)
+        dry_run = getattr(settings, "dry_run", None)
+    return out, floor, dry_run
+
+
+def _le(edge: float) -> str:
+    return "+Inf" if edge == float("inf") else repr(float(edge))
+
+
+class SparkwatchCollector(Collector):
+    def __init__(
+        self,
+        latest: Callable[[], Snapshot | None],
+        *,
+        floor_bytes: int,
+        dry_run: bool,
+        guard: GuardLike | None = None,
+        events: EventLogLike | None = None,
+        monotonic: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.latest = latest
+        self.floor_bytes = floor_bytes
+        self.dry_run = dry_run
+        self.guard = guard
+        self.events = events
+        self.monotonic = monotonic
+
+    def describe(self) -> Iterable[Metric]:
+        return []  # unchecked registration: the families depend on what the snapshot holds
+
+    def collect(self) -> Iterator[Metric]:
+        snap = self.latest()
+        stats, floor, dry_run = _guard_copy(self.guard)
+        yield from self._families(
+            snap,
+            stats,
+            self.floor_bytes if floor is None else floor,
+            self.dry_run if dry_run is None else dry_run,
+        )
+
+    # --- rendering
+    def _families(
+        self, snap: Snapshot | None, stats: GuardStats | None, floor_bytes: int, dry_run: bool
+    ) -> Iterator[Metric]:
+        info = GaugeMetricFamily(P + "build_info", "sparkwatch version, always 1", labels=["version"])
+        info.add_metric([__version__], 1)
+        yield info
+        mem: MemInfo | None = stats.mem if stats is not None and stats.mem is not None else None
+        if mem is None and snap is not None:
+            mem = snap.mem
+        yield from self._memory(mem, snap, stats, floor_bytes)
+        if stats is not None:
+            yield from self._guard(stats, dry_run)
+        if self.events is not None:
+            yield CounterMetricFamily(
+                P + "event_log_write_errors",
+                "Events that could not be made durable in events.jsonl (unwritable or full state dir)",
+                value=self.events.write_errors_total,
+            )
+        if snap is None:
+            return
+        yield from self._engines(snap)
+        yield from self._compile(snap)
+        yield from self._jit(snap)
+        success = GaugeMetricFamily(P + "collector_success", "1 if the source worked this cycle", labels=["collector"])
+        duration = GaugeMetricFamily(
+            P + "collector_duration_seconds", "Time the source took this cycle", labels=["collector"]
+        )
+        for status in snap.collectors:
+            success.add_metric([status.name], 1 if status.success else 0)
+            duration.add_metric([status.name], status.duration_s)
+        yield success
+        yield duration
+        yield GaugeMetricFamily(
+            P + "telemetry_last_cycle_timestamp_seconds", "When the telemetry cycle served here finished", value=snap.ts
+        )
+        yield from gpu_families(snap.gpu)
+        if snap.driver is not None:
+            yield from _driver_families(snap.driver)
+
+    def _memory(
+        self, mem: MemInfo | None, snap: Snapshot | None, stats: GuardStats | None, floor_bytes: int
+    ) -> Iterator[Metric]:
+        if mem is not None:
+            for name, value, text in (
+                ("total", mem.total_bytes, "MemTotal: the unified CPU+GPU pool"),
+                ("available", mem.available_bytes, "MemAvailable: what the guard compares with the floor"),
+                ("free", mem.free_bytes, "MemFree"),
+                ("cached", mem.cached_bytes, "Cached (page cache)"),
+                ("used", mem.used_bytes, "MemTotal - MemAvailable: the honest used figure on a unified pool"),
+            ):
+                yield GaugeMetricFamily(f"{P}memory_{name}_bytes", text, value=value)
+        yield GaugeMetricFamily(P + "memory_floor_bytes", "The guard's MemAvailable kill floor", value=floor_bytes)
+        if stats is not None:
+            yield GaugeMetricFamily(
+                P + "memory_fill_rate_bytes_per_second",
+                "Smoothed rate at which MemAvailable falls (positive: filling)",
+                value=stats.fill_rate_bytes_per_s,
+            )
+        if snap is not None and snap.psi is not None:
+            psi = CounterMetricFamily(
+                P + "memory_pressure_stalled_seconds",
+                "Cumulative time tasks stalled on memory (PSI), some or all non-idle tasks",
+                labels=["kind"],
+            )
+            psi.add_metric(["some"], snap.psi.some_us / 1e6)
+            if snap.psi.full_us is not None:
+                psi.add_metric(["full"], snap.psi.full_us / 1e6)
+            yield psi
+
+    def _guard(self, s: GuardStats, dry_run: bool) -> Iterator[Metric]:
+        yield GaugeMetricFamily(
+            P + "guard_poll_interval_seconds", "The guard's current poll interval", s.poll_interval_s
+        )
+        kills = CounterMetricFamily(P + "guard_kills", "Kills of engine trees, by trigger", labels=["trigger"])
+        for trigger in sorted(set(GUARD_TRIGGERS) | set(s.kills_total)):
+            kills.add_metric([trigger], s.kills_total.get(trigger, 0))
+        yield kills
+        yield CounterMetricFamily(
+            P + "guard_killed_processes", "Processes SIGKILLed by the guard", value=s.killed_processes_total
+        )
+        if s.last_kill_timestamp_s is not None:
+            yield GaugeMetricFamily(
+                P + "guard_last_kill_timestamp_seconds", "When the guard last fired", value=s.last_kill_timestamp_s
+            )
+        buckets = []
+        cumulative = 0
+        edges = (*KILL_DURATION_BUCKETS_S, float("inf"))
+        for edge, count in zip(edges, s.kill_duration_bucket_counts, strict=True):
+            cumulative += count
+            buckets.append((_le(edge), cumulative))
+        yield HistogramMetricFamily(
+            P + "guard_kill_duration_seconds",
+            "From detection to the last victim reaped",
+            buckets=buckets,
+            sum_value=s.kill_duration_sum_s,
+        )
+        yield GaugeMetricFamily(P + "guard_dry_run", "1 if the guard decides but signals nothing", 1 if dry_run else 0)
+        yield GaugeMetricFamily(P + "guard_armed", "0 while waiting for memory to come back after a kill", int(s.armed))
+        yield CounterMetricFamily(
+            P + "guard_meminfo_errors", "/proc/meminfo reads or parses that failed", value=s.meminfo_errors_total
+        )
+        if s.last_loop_monotonic:
+            yield GaugeMetricFamily(
+                P + "guard_loop_age_seconds",
+                "Seconds since the guard loop last ran (a stuck guard grows this)",
+                value=max(0.0, self.monotonic() - s.last_loop_monotonic),
+            )
+
+    def _engines(self, snap: Snapshot) -> Iterator[Metric]:
+        procs = GaugeMetricFamily(P + "engine_processes", "Processes in engine trees, by engine", labels=["engine"])
+        rss = GaugeMetricFamily(
+            P + "engine_rss_bytes", "RSS of engine trees (GPU memory not included)", labels=["engine"]
+        )
+        by_kind: dict[str, list[int]] = {}
+        owner: dict[int, str] = {}
+        for tree in snap.engines:
+            agg = by_kind.setdefault(tree.kind, [0, 0])
+            agg[0] += len(tree.members)
+            agg[1] += tree.rss_bytes
+            for pid in tree.pids:
+                owner[pid] = tree.kind
+        for kind, (count, size) in sorted(by_kind.items()):
+            procs.add_metric([kind], count)
+            rss.add_metric([kind], size)
+        yield procs
+        yield rss
+        if snap.gpu is not None and snap.gpu.up:
+            # NVML's per-process GPU memory summed per engine tree ('other': processes in no engine tree). The GPU
+            # part exports it per pid as sparkwatch_gpu_process_memory_bytes; this is the same bytes by engine.
+            gpu_mem = GaugeMetricFamily(
+                P + "engine_gpu_memory_bytes",
+                "GPU memory of engine trees (NVML per-process, summed per tree; 'other' for the rest): the share "
+                "of the unified pool that RSS and cgroups cannot see",
+                labels=["engine"],
+            )
+            per: dict[str, int] = {}
+            for pid, used in _gpu_processes(snap.gpu):
+                kind = owner.get(pid, "other")
+                per[kind] = per.get(kind, 0) + used
+            for kind, used in sorted(per.items()):
+                gpu_mem.add_metric([kind], used)
+            yield gpu_mem
+
+    def _compile(self, snap: Snapshot) -> Iterator[Metric]:
+        c = snap.compile
+        if c is None:
+            return
+        tools = GaugeMetricFamily(P + "compile_processes", "Live compiler processes, by tool", labels=["tool"])
+        for tool in TOOLS:
+            tools.add_metric([tool], c.tools.get(tool, 0))
+        yield tools
+        yield GaugeMetricFamily(P + "compile_rss_bytes", "Total RSS of compiler processes", value=c.rss_bytes)
+        yield GaugeMetricFamily(
+            P + "compile_parallel_jobs", "nvcc + cicc processes: the parallelism MAX_JOBS bounds", value=c.parallel_jobs
+        )
+        arch = GaugeMetricFamily(
+            P + "compile_arch_processes", "Compiler processes by the CUDA arch they target", labels=["arch"]
+        )
+        for name, count in c.archs.items():
+            arch.add_metric([name], count)
+        yield arch
+        per_engine = GaugeMetricFamily(
+            P + "compile_engine_processes", "Compiler processes inside each engine tree", labels=["engine", "pid"]
+        )
+        max_jobs = GaugeMetricFamily(
+            P + "compile_max_jobs",
+            "Whether MAX_JOBS is set in the environment an engine's compilers inherit (state set)",
+            labels=["engine", "pid", "state"],
+        )
+        for e in c.engines:
+            per_engine.add_metric([e.kind, str(e.root_pid)], sum(e.tools.values()))
+            for state in MAX_JOBS_STATES:
+                max_jobs.add_metric([e.kind, str(e.root_pid), state], 1 if e.max_jobs_state == state else 0)
+        yield per_engine
+        yield max_jobs
+        yield GaugeMetricFamily(
+            P + "compile_outside_engine_processes",
+            "Compiler processes in no engine tree (a pip build, a make)",
+            value=c.outside_engines,
+        )
+
+    def _jit(self, snap: Snapshot) -> Iterator[Metric]:
+        labels = ["cache", "version", "arch"]
+        size = GaugeMetricFamily(P + "jit_cache_bytes", "Bytes in a JIT cache", labels=labels)
+        files = GaugeMetricFamily(P + "jit_cache_files", "Files in a JIT cache", labels=labels)
+        changed = GaugeMetricFamily(
+            P + "jit_cache_last_change_timestamp_seconds", "Newest mtime in a JIT cache", labels=labels
+        )
+        objects = GaugeMetricFamily(
+            P + "jit_build_objects", "Object files built against build.ninja targets", labels=[*labels, "state"]
+        )
+        modules = GaugeMetricFamily(
+            P + "jit_build_modules", "JIT modules (build.ninja dirs) and those linked", labels=[*labels, "state"]
+        )
+        for j in snap.jit:
+            key = [j.cache, j.version, j.arch]
+            size.add_metric(key, j.bytes)
+            files.add_metric(key, j.files)
+            changed.add_metric(key, j.last_change_ts)
+            objects.add_metric([*key, "done"], j.objects_done)
+            objects.add_metric([*key, "total"], j.objects_total)
+            modules.add_metric([*key, "built"], j.modules_built)
+            modules.add_metric([*key, "total"], j.modules_total)
+        yield size
+        yield files
+        yield changed
+        yield objects
+        yield modules
+        state = GaugeMetricFamily(
+            P + "jit_state", "Per engine: idle, compiling or stalled (state set)", labels=["engine", "pid", "state"]
+        )
+        for e in snap.jit_states:
+            for name in STATES:
+                state.add_metric([e.kind, str(e.root_pid), name], 1 if e.state == name else 0)
+        yield state
+
+
+def _gpu_processes(gpu: GpuReport) -> list[tuple[int, int]]:
+    """(pid, used bytes) from the GPU report; a process whose share NVML does not know is left out, not 0."""
+    return [(p.pid, p.used_gpu_memory_bytes) for p in gpu.processes if p.used_gpu_memory_bytes is not None]
+
+
+def _driver_families(d: DriverReport) -> Iterator[Metric]:
+    """The drift verdict (DESIGN.md: driver_stranded, driver_next_boot_ok, reboot_required, driver_info)."""
+    yield GaugeMetricFamily(
+        P + "driver_stranded",
+        "1 when the running kernel has no NVIDIA modules left (an update removed them): reboot into the new kernel",
+        value=int(d.stranded),
+    )
+    if d.next_boot_ok is not None:
+        yield GaugeMetricFamily(
+            P + "driver_next_boot_ok", "1 when the kernel that boots next has NVIDIA modules", value=int(d.next_boot_ok)
+        )
+    yield GaugeMetricFamily(P + "reboot_required", "1 when /run/reboot-required exists", value=int(d.reboot_required))
+    yield GaugeMetricFamily(
+        P + "driver_version_mismatch",
+        "1 when the loaded module and the user-space library differ (NVML: version mismatch)",
+        value=int(d.version_mismatch),
+    )
+    info = GaugeMetricFamily(
+        P + "driver_info",
+        "Driver identity and the drift verdict; always 1",
+        labels=["kernel", "module_version", "loaded_version", "library_version", "verdict"],
+    )
+    info.add_metric(
+        [
+            d.running_kernel or "",
+            d.module_version or "",
+            d.loaded_version or "",
+            d.library_version or "",
+            d.verdict,
+        ],
+        1,
+    )
+    yield info

@@ -1,0 +1,143 @@
+"""Shared fixtures: tool discovery, and process trees that only ever signal what the test started."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from sparkwatch.sources.procs import read_children, read_start_ticks
+
+ROOT = Path(__file__).resolve().parent.parent
+FAKE_ENGINE = ROOT / "tests" / "helpers" / "fake_engine.py"
+
+
+REQUIRE_TOOLS_ENV = "SPARKWATCH_TEST_REQUIRE_TOOLS"  # CI sets it to 1: a missing tool fails instead of skipping
+
+
+def require(condition: bool, reason: str) -> None:
+    """Skip unless `condition`; under SPARKWATCH_TEST_REQUIRE_TOOLS=1 (CI) a failure instead, so CI never hides
+    a missing install step behind a skip."""
+    if condition:
+        return
+    if os.environ.get(REQUIRE_TOOLS_ENV) == "1":
+        pytest.fail(f"{reason} ({REQUIRE_TOOLS_ENV}=1)")
+    pytest.skip(reason)
+
+
+def require_tool(name: str) -> str:
+    """Path of a real tool the test needs (apt packages are listed in .ci/run)."""
+    path = shutil.which(name)
+    require(path is not None, f"{name} is not installed (apt packages are listed in .ci/run)")
+    assert path is not None
+    return path
+
+
+def descendants(pid: int) -> list[int]:
+    out: list[int] = []
+    frontier = [pid]
+    while frontier:
+        nxt: list[int] = []
+        for p in frontier:
+            nxt.extend(read_children("/proc", p) or [])
+        out.extend(nxt)
+        frontier = nxt
+    return out
+
+
+def alive(pid: int, start_ticks: int | None = None) -> bool:
+    """True if that very process still exists (not a zombie). A reused pid has another start time."""
+    ticks = read_start_ticks("/proc", pid)
+    if ticks is None or (start_ticks is not None and ticks != start_ticks):
+        return False
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            state = fh.read().rsplit(b")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state not in (b"Z", b"X")
+
+
+def wait_until(predicate: Callable[[], bool], timeout_s: float = 10.0, step_s: float = 0.02) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(step_s)
+    return predicate()
+
+
+class Spawner:
+    """Starts processes for a test and, at teardown, SIGKILLs exactly those and their descendants."""
+
+    def __init__(self) -> None:
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self.pidfiles: list[Path] = []
+
+    def popen(self, argv: list[str], **kw: object) -> subprocess.Popen[bytes]:
+        proc = subprocess.Popen(argv, **kw)  # type: ignore[call-overload]
+        self.procs.append(proc)
+        return proc
+
+    def engine(self, *args: str, pidfile: Path | None = None, wait_for: int = 1) -> subprocess.Popen[bytes]:
+        """A fake engine tree (tests/helpers/fake_engine.py); waits until `wait_for` processes recorded themselves."""
+        argv = [sys.executable, str(FAKE_ENGINE), *args]
+        if pidfile is not None:
+            argv += ["--pidfile", str(pidfile)]
+            self.pidfiles.append(pidfile)
+        proc = self.popen(argv)
+        if pidfile is not None:
+            ok = wait_until(lambda: pidfile.exists() and len(pidfile.read_text().splitlines()) >= wait_for, 20)
+            assert ok, f"fake engine did not start {wait_for} processes"
+        return proc
+
+    def cleanup(self) -> None:
+        # Recorded members first (orphans whose parent died are no longer anyone's descendants); the start time
+        # guarantees we signal the process that was recorded, never a reuse of its pid.
+        for pidfile in self.pidfiles:
+            for pid, (ticks, _role) in (pids_in(pidfile) if pidfile.exists() else {}).items():
+                if read_start_ticks("/proc", pid) == ticks:
+                    try:
+                        os.kill(pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
+        for proc in self.procs:
+            pids = [proc.pid, *descendants(proc.pid)]
+            for pid in reversed(pids):
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            try:
+                proc.wait(5)
+            except subprocess.TimeoutExpired:
+                pass
+            for stream in (proc.stdin, proc.stdout, proc.stderr):
+                if stream is not None:
+                    stream.close()
+
+
+@pytest.fixture
+def spawner() -> Iterator[Spawner]:
+    s = Spawner()
+    try:
+        yield s
+    finally:
+        s.cleanup()
+
+
+def pids_in(pidfile: Path) -> dict[int, tuple[int, str]]:
+    """pid -> (start_ticks, role) as recorded by tests/helpers/fake_engine.py."""
+    out = {}
+    for line in pidfile.read_text().splitlines():
+        parts = line.split()
+        if len(parts) == 3:
+            out[int(parts[0])] = (int(parts[1]), parts[2])
+    return out

@@ -1,0 +1,97 @@
+"""Start a real `sparkwatch run` for a test, confined to the test's own processes."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class RunningDaemon:
+    def __init__(self, proc: subprocess.Popen[str], state_dir: Path, port: int) -> None:
+        self.proc = proc
+        self.state_dir = state_dir
+        self.port = port
+        self.stderr_lines: list[str] = []
+        self._ready = threading.Event()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stderr is not None
+        for line in self.proc.stderr:
+            self.stderr_lines.append(line.rstrip("\n"))
+            if "sparkwatch: running:" in line:
+                self._ready.set()
+
+    def wait_ready(self, timeout_s: float = 30) -> None:
+        if not self._ready.wait(timeout_s):
+            raise AssertionError("daemon did not start:\n" + "\n".join(self.stderr_lines))
+
+    @property
+    def events_path(self) -> Path:
+        return self.state_dir / "events.jsonl"
+
+
+@contextmanager
+def sparkwatch_run(tmp_path: Path, *args: str, env: dict[str, str] | None = None) -> Iterator[RunningDaemon]:
+    """`sparkwatch run` with engines confined to this test process's descendants, a private state dir and port."""
+    state_dir = tmp_path / "state"
+    port = free_port()
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("SPARKWATCH_")}
+    full_env.update(
+        {
+            "SPARKWATCH_ANCESTOR_PID": str(os.getpid()),
+            "SPARKWATCH_STATE_DIR": str(state_dir),
+            "SPARKWATCH_LISTEN": f"127.0.0.1:{port}",
+            "SPARKWATCH_JIT_CACHE_DIRS": f'["{tmp_path / "no-jit-cache"}"]',
+            "XDG_CONFIG_HOME": str(tmp_path / "xdg"),
+            "PYTHONUNBUFFERED": "1",
+        }
+    )
+    full_env.update(env or {})
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "sparkwatch", "run", *args],
+        env=full_env,
+        text=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    daemon = RunningDaemon(proc, state_dir, port)
+    try:
+        daemon.wait_ready()
+        yield daemon
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
+        daemon._reader.join(5)
+        if proc.stderr is not None:
+            proc.stderr.close()
+
+
+def wait_for_event(path: Path, kind: str, timeout_s: float = 30) -> dict[str, object]:
+    from sparkwatch.actuators.events import read_events
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for event in read_events(path):
+            if event["kind"] == kind:
+                return event
+        time.sleep(0.05)
+    raise AssertionError(f"no {kind} event in {path} after {timeout_s} s")

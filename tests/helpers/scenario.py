@@ -1,0 +1,210 @@
+"""The golden scenario: a GB10 mid-boot with a vLLM compiler burst, a Ray actor compiling, a llama-server, a user's
+gcc, and flashinfer/vLLM caches. Shared by the golden test and the fault tests."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from pathlib import Path
+
+from sparkwatch.config import Settings, load_settings
+from sparkwatch.guard import GuardStats
+from sparkwatch.model import DriverReport, GpuDevice, GpuProcess, GpuReport, Snapshot
+from tests.helpers.proctree import FIXED_MTIME, PSI_MEMORY, FakeProc, pin_mtimes, write_module, write_proc
+
+GiB = 1 << 30
+MiB = 1 << 20
+GENCODE = ["-gencode", "arch=compute_121a,code=sm_121a"]
+
+
+def scenario_procs(cache_dir: Path) -> list[FakeProc]:
+    mod = str(cache_dir / "0.4.1" / "121a" / "cached_ops" / "batch_prefill")
+    return [
+        FakeProc(1, 0, "systemd", ["/sbin/init"]),
+        FakeProc(500, 1, "bash", ["-bash"]),
+        FakeProc(
+            1000,
+            500,
+            "vllm",
+            ["/venv/bin/python3", "/venv/bin/vllm", "serve", "Qwen/Qwen3-32B"],
+            rss_bytes=GiB,
+            environ={"HOME": "/home/u", "PATH": "/usr/bin"},
+        ),
+        FakeProc(
+            1001,
+            1000,
+            "VLLM::EngineCor",
+            ["VLLM::EngineCore"],
+            rss_bytes=3 * GiB,
+            wchan="anon_pipe_read",
+            environ={"HOME": "/home/u"},
+        ),
+        FakeProc(
+            1002, 1001, "ninja", ["ninja", "-v", "-C", mod, "-j", "20"], rss_bytes=8 * MiB, environ={"PATH": "/usr/bin"}
+        ),
+        FakeProc(
+            1003,
+            1002,
+            "nvcc",
+            ["/usr/local/cuda/bin/nvcc", *GENCODE, "-c", "a.cu", "-o", "a.cuda.o"],
+            rss_bytes=64 * MiB,
+        ),
+        FakeProc(
+            1004,
+            1002,
+            "nvcc",
+            ["/usr/local/cuda/bin/nvcc", "-gencode=arch=compute_121a,code=sm_121a", "-c", "b.cu"],
+            rss_bytes=64 * MiB,
+        ),
+        FakeProc(
+            1005,
+            1003,
+            "cicc",
+            ["/usr/local/cuda/nvvm/bin/cicc", "-arch", "compute_121a", "a.cpp1.ii"],
+            state="R",
+            rss_bytes=3 * GiB,
+        ),
+        FakeProc(
+            1006,
+            1004,
+            "cicc",
+            ["/usr/local/cuda/nvvm/bin/cicc", "-arch", "compute_121a", "b.cpp1.ii"],
+            state="R",
+            rss_bytes=5 * GiB,
+        ),
+        FakeProc(1007, 1003, "ptxas", ["ptxas", "-arch=sm_121a", "-m64", "a.ptx"], rss_bytes=256 * MiB),
+        FakeProc(
+            1008,
+            1004,
+            "cc1plus",
+            ["/usr/lib/gcc/aarch64-linux-gnu/13/cc1plus", "-quiet", "b.cudafe1.cpp"],
+            rss_bytes=128 * MiB,
+        ),
+        FakeProc(
+            2000,
+            1,
+            "llama-server",
+            ["./build/bin/llama-server", "-m", "q.gguf"],
+            rss_bytes=2 * GiB,
+            environ=None,
+            wchan="ep_poll",
+        ),
+        FakeProc(3000, 500, "gcc-13", ["gcc-13", "-O2", "-c", "x.c"], rss_bytes=32 * MiB),
+        FakeProc(
+            4000,
+            1,
+            "raylet",
+            ["/venv/lib/python3.12/site-packages/ray/core/src/ray/raylet/raylet"],
+            rss_bytes=256 * MiB,
+            environ={"MAX_JOBS": "4", "RAY_memory_monitor_refresh_ms": "0"},
+        ),
+        FakeProc(4001, 4000, "ray::RayWorkerW", ["ray::RayWorkerWrapper.execute_method"], rss_bytes=GiB),
+        FakeProc(4002, 4001, "ninja", ["ninja", "-C", "/tmp/build"], environ=None),
+        FakeProc(4003, 4002, "nvcc", ["nvcc", "-arch=sm_90a", "-c", "c.cu"], rss_bytes=64 * MiB),
+    ]
+
+
+def build_scenario(tmp: Path, psi: bool = True) -> Settings:
+    cache = tmp / "home" / ".cache" / "flashinfer"
+    arch = cache / "0.4.1" / "121a"
+    write_module(arch, "batch_prefill", ["a", "b", "c"], built=["c"])
+    write_module(arch, "norm", ["norm"], built=["norm"], linked=True)
+    (arch / "flashinfer_jit.log").write_text("jit log\n")
+    (cache / "0.2.8" / "90a" / "cached_ops").mkdir(parents=True)
+    vllm = tmp / "home" / ".cache" / "vllm" / "torch_compile_cache"
+    (vllm / "3f1c2a" / "rank_0_0").mkdir(parents=True)
+    (vllm / "3f1c2a" / "rank_0_0" / "inductor.bin").write_bytes(b"x" * 10000)
+    pin_mtimes(tmp / "home")
+    proc = write_proc(tmp / "proc", scenario_procs(cache), psi=PSI_MEMORY if psi else None)
+    return load_settings(
+        None,
+        {
+            "proc_root": proc,
+            "jit_cache_dirs": [cache],
+            "vllm_cache_dirs": [vllm],
+            "state_dir": tmp / "state",
+            "floor": "8GiB",
+        },
+    )
+
+
+def guard_stats() -> GuardStats:
+    stats = GuardStats(fill_rate_bytes_per_s=150e6, poll_interval_s=0.1)
+    stats.kills_total = {"floor": 1}
+    stats.killed_processes_total = 9
+    stats.last_kill_timestamp_s = FIXED_MTIME + 50.0
+    stats.observe_kill_duration(0.12)
+    stats.meminfo_errors_total = 1
+    return stats
+
+
+class StaticGuard:
+    """The guard's counters as the exporter reads them (stats under a lock), with fixed values."""
+
+    def __init__(self, stats: GuardStats) -> None:
+        self.stats = stats
+        self.lock = threading.Lock()
+
+
+class StaticEvents:
+    write_errors_total = 2
+
+
+def zero_durations(snap: Snapshot) -> Snapshot:
+    """Durations are the one nondeterministic number in the exposition."""
+    return dataclasses.replace(snap, collectors=tuple(dataclasses.replace(c, duration_s=0.0) for c in snap.collectors))
+
+
+def gb10_report() -> GpuReport:
+    """A GB10 mid-boot as NVML shows it (FIELD-NOTES): memory NOT_SUPPORTED (unified), 12 W while compiling, 0 %
+    utilization, and the EngineCore holding GPU memory that its RSS does not show."""
+    device = GpuDevice(
+        index=0,
+        uuid="GPU-5f3e2b9a-0c1d-4e7f-9a2b-3c4d5e6f7a8b",
+        name="NVIDIA GB10",
+        bus_id="0000000F:01:00.0",
+        unified=True,
+        power_watts=12.5,
+        utilization_ratio=0.0,
+        temperature_celsius=41.0,
+        sm_clock_hertz=2_418_000_000.0,
+        sm_clock_max_hertz=3_003_000_000.0,
+        energy_joules=123456.0,
+        processes=(
+            GpuProcess(1001, 70 * GiB, 0),  # VLLM::EngineCore
+            GpuProcess(4001, 2 * GiB, 0),  # the Ray actor
+            GpuProcess(31337, 512 * MiB, 0),  # a process in no engine tree
+            GpuProcess(31338, None, 0),  # on the GPU, share unknown: left out, not 0
+        ),
+        supported={"memory": False, "power": True, "utilization": True, "temperature": True, "sm_clock": True},
+    )
+    return GpuReport(up=True, nvml_return_code=0, driver_version="580.95.05", nvml_version="13.580.95.05",
+                     devices=(device,))  # fmt: skip
+
+
+class StaticGpu:
+    def collect(self) -> GpuReport:
+        return gb10_report()
+
+
+def stranded_driver() -> DriverReport:
+    """The DGX OS update that removed the running kernel's modules (FIELD-NOTES "The stranded driver")."""
+    return DriverReport(
+        verdict="stranded",
+        summary="the running kernel 6.11.0-1016-nvidia has no NVIDIA modules; 6.17.0-1008-nvidia does",
+        running_kernel="6.11.0-1016-nvidia",
+        next_boot_kernel="6.17.0-1008-nvidia",
+        running_modules=(),
+        next_boot_modules=("/lib/modules/6.17.0-1008-nvidia/kernel/nvidia-580-open/nvidia.ko",),
+        stranded=True,
+        next_boot_ok=True,
+        loaded=False,
+        loaded_version=None,
+        library_version="580.95.05",
+        module_version="580.95.05",
+        version_mismatch=False,
+        reboot_required=True,
+        reboot_required_pkgs=("linux-image-6.17.0-1008-nvidia",),
+        dkms=False,
+        open_modules=True,
+    )

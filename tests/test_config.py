@@ -1,0 +1,112 @@
+"""Configuration layers and errors, in-process and through the real CLI."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from sparkwatch.config import ConfigError, load_settings
+from sparkwatch.units import GiB, MiB, format_size, parse_size
+
+
+@pytest.fixture(autouse=True)
+def clean_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    for key in list(__import__("os").environ):
+        if key.startswith("SPARKWATCH_"):
+            monkeypatch.delenv(key)
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "xdg"))
+
+
+def test_sizes() -> None:
+    assert parse_size("8GiB") == 8 * GiB
+    assert parse_size("512MiB") == 512 * MiB
+    assert parse_size("8G") == 8 * GiB
+    assert parse_size("1.5GiB") == int(1.5 * GiB)
+    assert parse_size(4096) == 4096
+    for bad in ("eight", "8 XB", "-1GiB", ""):
+        with pytest.raises(ValueError):
+            parse_size(bad)
+    assert format_size(8 * GiB) == "8.0 GiB"
+    assert format_size(4726 * MiB) == "4.6 GiB"
+    assert format_size(512) == "512 B"
+
+
+def test_defaults_are_safe_without_a_file() -> None:
+    s = load_settings()
+    assert s.floor == 8 * GiB
+    assert s.listen == "127.0.0.1:9847"
+    assert not s.dry_run
+
+
+def test_layers_file_then_env_then_flags(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg = tmp_path / "config.toml"
+    cfg.write_text('floor = "6GiB"\nwarn_headroom = "2GiB"\nlisten = "0.0.0.0:9900"\n')
+    s = load_settings(cfg)
+    assert (s.floor, s.warn_headroom, s.listen) == (6 * GiB, 2 * GiB, "0.0.0.0:9900")
+    monkeypatch.setenv("SPARKWATCH_FLOOR", "10GiB")
+    assert load_settings(cfg).floor == 10 * GiB
+    assert load_settings(cfg, {"floor": "12GiB"}).floor == 12 * GiB
+    monkeypatch.setenv("SPARKWATCH_ENGINE_PATTERNS", '["mine=my-server$"]')
+    assert load_settings(cfg).engine_patterns == ["mine=my-server$"]
+
+
+@pytest.mark.parametrize(
+    ("toml", "message"),
+    [
+        ('flor = "8GiB"\n', "flor: unknown setting (did you mean 'floor'?)"),
+        ('floor = "eight"\n', "floor: 'eight' is not a size"),
+        ("floor = true\n", "floor: expected a size"),
+        ('listen = "localhost"\n', "listen: expected host:port"),
+        ('webhook_url = "not a url"\n', "webhook_url:"),
+        ('engine_patterns = ["x"]\n', "engine_patterns: 'x' should be written as kind=regex"),
+        ("poll_min_s = 0.5\npoll_max_s = 0.2\n", "poll_min_s must not exceed poll_max_s"),
+        ("floor = [\n", "not valid TOML"),
+    ],
+)
+def test_mistakes_name_the_key(tmp_path: Path, toml: str, message: str) -> None:
+    cfg = tmp_path / "config.toml"
+    cfg.write_text(toml)
+    with pytest.raises(ConfigError) as err:
+        load_settings(cfg)
+    assert message in str(err.value)
+    assert "\n" not in str(err.value)
+
+
+def test_env_typo_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SPARKWATCH_FLOR", "8GiB")
+    with pytest.raises(ConfigError, match="SPARKWATCH_FLOR: unknown setting"):
+        load_settings()
+
+
+def test_secret_never_printed(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SPARKWATCH_WEBHOOK_URL", "https://hooks.slack.com/services/T000/B000/XXXXSECRET")
+    monkeypatch.setenv("SPARKWATCH_WEBHOOK_SECRET", "hunter2")
+    shown = str(load_settings().public_dict())
+    assert "XXXXSECRET" not in shown and "hunter2" not in shown
+    assert "hooks.slack.com" in shown
+
+
+def cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "sparkwatch", *args], capture_output=True, text=True, env=env, timeout=60
+    )
+
+
+def test_check_config_cli_exit_codes(tmp_path: Path) -> None:
+    good = tmp_path / "good.toml"
+    good.write_text('floor = "6GiB"\n')
+    ok = cli("check-config", "--config", str(good))
+    assert ok.returncode == 0, ok.stderr
+    assert "6.0 GiB" in ok.stdout
+    bad = tmp_path / "bad.toml"
+    bad.write_text('floor = "6 bananas"\n')
+    res = cli("check-config", "--config", str(bad))
+    assert res.returncode == 2
+    assert res.stderr.count("\n") == 1 and "floor:" in res.stderr and "Traceback" not in res.stderr
+    res = cli("run", "--config", str(bad))
+    assert res.returncode == 2 and "floor:" in res.stderr
+    missing = cli("check-config", "--config", str(tmp_path / "nope.toml"))
+    assert missing.returncode == 2 and "does not exist" in missing.stderr

@@ -1,0 +1,97 @@
+"""The guard's decisions on sample sequences: floor, prediction, debounce, re-arm, schedule."""
+
+from __future__ import annotations
+
+from itertools import pairwise
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from sparkwatch.core.guard import GuardParams, GuardState, next_interval, seconds_to_floor, step
+from sparkwatch.units import GiB, MiB
+
+P = GuardParams(floor_bytes=8 * GiB)
+
+
+def run(samples: list[tuple[float, int]], params: GuardParams = P) -> list[str | None]:
+    state = GuardState()
+    out = []
+    for t, avail in samples:
+        state, decision = step(state, params, t, avail)
+        out.append(decision.trigger)
+    return out
+
+
+def test_floor_fires_after_debounce_once() -> None:
+    samples = [(0.0, 20 * GiB), (1.0, 20 * GiB), (1.05, 7 * GiB), (1.10, 7 * GiB), (1.15, 6 * GiB), (1.2, 5 * GiB)]
+    triggers = run(samples)
+    assert triggers.count("floor") + triggers.count("predicted") == 1
+    assert triggers[3] in ("floor", "predicted")
+
+
+def test_single_sample_excursion_never_fires() -> None:
+    # MemAvailable noise: a >1 GiB dip for one sample, right at the floor, then back.
+    samples = [(i * 0.05, 9 * GiB) for i in range(20)]
+    samples[10] = (0.5, int(7.9 * GiB))
+    assert set(run(samples)) == {None}
+
+
+def test_fast_fill_is_predicted_before_the_floor() -> None:
+    # 4 GiB/s toward the floor, sampled every 50 ms.
+    samples = [(i * 0.05, int(14 * GiB - 4 * GiB * i * 0.05)) for i in range(40)]
+    triggers = run(samples)
+    first = next(i for i, t in enumerate(triggers) if t)
+    assert triggers[first] == "predicted"
+    assert samples[first][1] > P.floor_bytes  # fired with memory to spare
+
+
+def test_never_fires_twice_per_episode_and_rearms_after_recovery() -> None:
+    below = [(1 + i * 0.05, 6 * GiB) for i in range(40)]
+    recovered = [(3 + i * 0.05, 30 * GiB) for i in range(5)]
+    again = [(4 + i * 0.05, 6 * GiB) for i in range(5)]
+    triggers = run([(0.0, 30 * GiB), *below, *recovered, *again])
+    assert sum(t is not None for t in triggers) == 2
+    assert sum(t is not None for t in triggers[: 1 + len(below) + len(recovered)]) == 1
+
+
+def test_no_rearm_until_memory_clears_floor_plus_headroom() -> None:
+    state = GuardState(armed=False)
+    state, d = step(state, P, 0.0, P.floor_bytes + P.rearm_headroom_bytes - 1)
+    assert not state.armed and not d.rearmed
+    state, d = step(state, P, 0.1, P.floor_bytes + P.rearm_headroom_bytes)
+    assert state.armed and d.rearmed
+
+
+def test_interval_is_short_near_the_floor_and_at_most_poll_max_far_away() -> None:
+    assert next_interval(P, 100 * GiB, 0.0, False) == P.poll_max_s
+    assert next_interval(P, P.floor_bytes + 256 * MiB, 0.0, False) == P.poll_min_s
+    mid = next_interval(P, P.floor_bytes + 1 * GiB, 0.0, False)
+    assert P.poll_min_s < mid <= 0.1
+    assert next_interval(P, 100 * GiB, 50 * GiB, False) < P.poll_max_s  # a fast fill shortens the sleep
+    assert next_interval(P, 100 * GiB, 0.0, True) == P.poll_min_s  # debouncing: look again soon
+
+
+def test_seconds_to_floor() -> None:
+    assert seconds_to_floor(10 * GiB, 8 * GiB, 1 * GiB) == 2.0
+    assert seconds_to_floor(10 * GiB, 8 * GiB, 0.0) is None
+    assert seconds_to_floor(10 * GiB, 8 * GiB, -1.0) is None
+
+
+@given(st.lists(st.integers(min_value=P.floor_bytes + 2 * GiB, max_value=120 * GiB), min_size=1, max_size=200))
+def test_steady_memory_well_above_the_floor_never_fires(levels: list[int]) -> None:
+    # Memory that moves slowly (one sample a second) far above the floor never triggers.
+    samples = [(float(i), level) for i, level in enumerate(levels)]
+    params = GuardParams(floor_bytes=P.floor_bytes, kill_budget_s=0.25)
+    triggers = run(samples, params)
+    # The largest possible one-second drop is ~112 GiB: that *is* a fill the guard should predict, so only check
+    # the steady case: consecutive drops under 4 GiB/s cannot predict a crossing 2 GiB away within 0.25 s.
+    if all(a - b < 4 * GiB for (_, a), (_, b) in pairwise(samples)):
+        assert set(triggers) == {None}
+
+
+@given(st.lists(st.integers(min_value=0, max_value=130 * GiB), min_size=2, max_size=100))
+def test_interval_always_within_bounds(levels: list[int]) -> None:
+    state = GuardState()
+    for i, level in enumerate(levels):
+        state, d = step(state, P, i * 0.1, level)
+        assert P.poll_min_s <= d.next_interval_s <= P.poll_max_s

@@ -1,0 +1,107 @@
+"""The guard end to end: a real `sparkwatch run`, a fake vLLM tree, and real memory pressure.
+
+The floor is set relative to this machine's MemAvailable at the start, so the test is safe on any box: the hog
+allocates at most `floor distance + 1.5 GiB`, and only this test's own engine tree is a candidate.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from sparkwatch.sources.meminfo import MeminfoReader
+from sparkwatch.units import GiB, MiB
+from tests.conftest import Spawner, alive, pids_in, wait_until
+from tests.daemon import sparkwatch_run, wait_for_event
+
+HEADROOM_BYTES = int(1.5 * GiB)  # floor = MemAvailable now - this
+OVERSHOOT_MARGIN_BYTES = 1 * GiB  # stated margin: MemAvailable may not go further than this under the floor
+HOG_EXTRA_BYTES = int(1.5 * GiB)  # the hog would go this far under the floor if nobody stopped it
+
+
+class MinTracker(threading.Thread):
+    """Samples MemAvailable every 5 ms and keeps the minimum."""
+
+    def __init__(self) -> None:
+        super().__init__(daemon=True)
+        self.reader = MeminfoReader()
+        self.min_available = self.reader.read().available_bytes
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        while not self.stop.wait(0.005):
+            self.min_available = min(self.min_available, self.reader.read().available_bytes)
+
+
+@pytest.mark.pressure
+def test_real_pressure_kills_the_whole_tree_near_the_floor(spawner: Spawner, tmp_path: Path) -> None:
+    with MeminfoReader() as reader:
+        available = reader.read().available_bytes
+    if available < 6 * GiB:
+        pytest.skip(f"only {available >> 20} MiB available; this test wants 6 GiB")
+    floor = available - HEADROOM_BYTES
+    hog_mib = (HEADROOM_BYTES + HOG_EXTRA_BYTES) // MiB
+    with sparkwatch_run(tmp_path, env={"SPARKWATCH_FLOOR": str(floor)}) as daemon:
+        tracker = MinTracker()
+        tracker.start()
+        pidfile = tmp_path / "tree.pids"
+        spawner.engine(
+            "--worker",
+            "VLLM::Worker_TP0",
+            "--compiler",
+            "--ignore-term",
+            "--hog-rate-mib",
+            "1024",
+            "--hog-limit-mib",
+            str(hog_mib),
+            pidfile=pidfile,
+            wait_for=6,
+        )
+        event = wait_for_event(daemon.events_path, "kill", timeout_s=60)
+        tracker.stop.set()
+        tracker.join()
+        recorded = pids_in(pidfile)
+        assert wait_until(lambda: not any(alive(pid, t) for pid, (t, _) in recorded.items()), 10)
+        assert event["trigger"] in ("floor", "predicted")
+        assert event["dry_run"] is False
+        victims = {v["pid"] for v in event["victims"]}  # type: ignore[union-attr]
+        assert set(recorded) <= victims
+        assert event["signal_to_reaped_ms"] is not None
+        overshoot = floor - tracker.min_available
+        assert overshoot <= OVERSHOOT_MARGIN_BYTES, f"went {overshoot >> 20} MiB under the floor"
+        with MeminfoReader() as reader:
+            assert wait_until(lambda: reader.read().available_bytes > floor + 512 * MiB, 10)
+        assert any("sparkwatch: KILL vllm tree root=" in line for line in daemon.stderr_lines)
+
+
+@pytest.mark.pressure
+def test_dry_run_under_real_pressure_records_but_signals_nothing(spawner: Spawner, tmp_path: Path) -> None:
+    with MeminfoReader() as reader:
+        available = reader.read().available_bytes
+    if available < 6 * GiB:
+        pytest.skip(f"only {available >> 20} MiB available; this test wants 6 GiB")
+    floor = available - 1 * GiB
+    hog_mib = (1 * GiB + 512 * MiB) // MiB  # 512 MiB under the floor, then it holds
+    with sparkwatch_run(tmp_path, "--dry-run", env={"SPARKWATCH_FLOOR": str(floor)}) as daemon:
+        pidfile = tmp_path / "tree.pids"
+        spawner.engine(
+            "--worker",
+            "VLLM::Worker_TP0",
+            "--hog-rate-mib",
+            "1024",
+            "--hog-limit-mib",
+            str(hog_mib),
+            pidfile=pidfile,
+            wait_for=3,
+        )
+        event = wait_for_event(daemon.events_path, "kill", timeout_s=60)
+        assert event["dry_run"] is True
+        assert event["signal_to_reaped_ms"] is None
+        time.sleep(0.5)
+        assert all(alive(pid, t) for pid, (t, _) in pids_in(pidfile).items())
+        assert any("DRY-RUN would KILL vllm tree" in line for line in daemon.stderr_lines)
+    assert os.path.exists(pidfile)

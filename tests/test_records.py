@@ -1,0 +1,158 @@
+"""The durable record: events.jsonl, redaction, the kill line, `sparkwatch events`."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from sparkwatch.actuators.events import EventLog, EventLogError, make_event, read_events
+from sparkwatch.core.killrecord import KillFacts, kill_fields, kill_line
+from sparkwatch.core.redact import REDACTED, safe_cmdline
+from sparkwatch.model import EngineTree, MemInfo, Proc
+from sparkwatch.units import MiB
+
+
+def test_secrets_are_stripped_from_cmdlines() -> None:
+    argv = [
+        "vllm",
+        "serve",
+        "m",
+        "--api-key",
+        "abc123",
+        "--hf-token=hf_abcdefghijklmnopqrstuvwxyz",
+        "sk-abcdefghijklmnopqrstuvwx",
+        "--url",
+        "https://user:pw@host/x",
+        "HF_TOKEN=zzz",
+        "--port",
+        "8000",
+    ]
+    text = safe_cmdline(argv)
+    for secret in ("abc123", "hf_abcdefghij", "sk-abcdef", "pw@", "zzz"):
+        assert secret not in text
+    assert text.count(REDACTED) == 5
+    assert "--port 8000" in text
+    assert len(safe_cmdline(["x" * 1000])) <= 240
+
+
+def facts(dry_run: bool = False) -> KillFacts:
+    root = Proc(
+        pid=1234,
+        ppid=1,
+        uid=1000,
+        comm="VLLM::EngineCor",
+        state="S",
+        start_ticks=1,
+        rss_bytes=2 << 30,
+        argv=("VLLM::EngineCore",),
+    )
+    tree = EngineTree(kind="vllm", root=root, members=(root,) * 9)
+    mem = MemInfo(
+        total_bytes=127600748 * 1024,
+        available_bytes=4726 * MiB,
+        free_bytes=0,
+        buffers_bytes=0,
+        cached_bytes=0,
+        swap_total_bytes=0,
+        swap_free_bytes=0,
+    )
+    return KillFacts(
+        trigger="floor",
+        mem=mem,
+        floor_bytes=8192 * MiB,
+        fill_rate_bytes_per_s=1e9,
+        dry_run=dry_run,
+        trees=(tree,),
+        victims=((root, "vllm"),),
+        detect_to_signal_ms=1.234,
+        signal_to_reaped_ms=40.0,
+        reclaimed_bytes=3 << 30,
+    )
+
+
+def test_kill_line_matches_the_field_grep() -> None:
+    assert kill_line(facts()) == (
+        "sparkwatch: KILL vllm tree root=1234 (9 processes): MemAvailable 4726 MiB <= floor 8192 MiB"
+    )
+    assert kill_line(facts(dry_run=True)).startswith("sparkwatch: DRY-RUN would KILL vllm tree")
+
+
+def test_kill_event_has_the_contract_fields(tmp_path: Path) -> None:
+    log = EventLog(tmp_path / "state" / "events.jsonl")
+    seen = []
+    log.subscribe(seen.append)
+    event = make_event("kill", "Killed vllm.", kill_fields(facts()))
+    log.append(event)
+    (line,) = (tmp_path / "state" / "events.jsonl").read_text().splitlines()
+    data = json.loads(line)
+    for key in (
+        "id",
+        "ts",
+        "kind",
+        "node",
+        "summary",
+        "trigger",
+        "mem_available_bytes",
+        "floor_bytes",
+        "fill_rate_bytes_per_second",
+        "dry_run",
+        "victims",
+        "detect_to_signal_ms",
+        "signal_to_reaped_ms",
+        "reclaimed_bytes",
+    ):
+        assert key in data, key
+    assert data["victims"][0] == {
+        "pid": 1234,
+        "name": "VLLM::EngineCore",
+        "engine": "vllm",
+        "rss_bytes": 2 << 30,
+        "cmdline": "VLLM::EngineCore",
+    }
+    assert data["ts"].endswith("Z")
+    assert seen == [event]
+    assert stat.S_IMODE(os.stat(tmp_path / "state" / "events.jsonl").st_mode) == 0o600
+
+
+def test_unwritable_state_dir_is_an_error_not_a_crash(tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    log = EventLog(blocker / "events.jsonl")
+    with pytest.raises(EventLogError):
+        log.append(make_event("kill", "x"))
+    assert log.write_errors_total == 1
+    assert log.recent  # still kept in memory for the exporter
+
+
+def test_read_events_tail_skips_torn_lines(tmp_path: Path) -> None:
+    path = tmp_path / "events.jsonl"
+    log = EventLog(path)
+    for i in range(50):
+        log.append(make_event("low_headroom", f"event {i}"))
+    with open(path, "a") as fh:
+        fh.write('{"kind": "kill", "summ')  # a torn final write
+    last = read_events(path, 5)
+    assert [e["summary"] for e in last] == [f"event {i}" for i in range(45, 50)]
+    assert len(read_events(path)) == 50
+    assert read_events(tmp_path / "missing.jsonl", 5) == []
+
+
+def test_events_cli(tmp_path: Path) -> None:
+    log = EventLog(tmp_path / "events.jsonl")
+    log.append(make_event("kill", "Killed vllm (root pid 1234, 9 processes)."))
+    env = {**os.environ, "SPARKWATCH_STATE_DIR": str(tmp_path)}
+    out = subprocess.run(
+        [sys.executable, "-m", "sparkwatch", "events", "-n", "5"], capture_output=True, text=True, env=env, timeout=60
+    )
+    assert out.returncode == 0
+    assert "kill" in out.stdout and "root pid 1234" in out.stdout
+    js = subprocess.run(
+        [sys.executable, "-m", "sparkwatch", "events", "--json"], capture_output=True, text=True, env=env, timeout=60
+    )
+    assert json.loads(js.stdout.splitlines()[0])["kind"] == "kill"

@@ -1,0 +1,143 @@
+"""Golden exposition: the real Telemetry and collector on a fixture /proc and fixture caches, byte for byte.
+
+Regenerate after an intended change with UPDATE_GOLDEN=1 and review the diff.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from sparkwatch.exporter.server import build_registry, render
+from sparkwatch.telemetry import Telemetry
+from tests.conftest import require_tool
+from tests.helpers.proctree import FIXED_MTIME
+from tests.helpers.scenario import (
+    StaticEvents,
+    StaticGpu,
+    StaticGuard,
+    build_scenario,
+    guard_stats,
+    stranded_driver,
+    zero_durations,
+)
+
+GOLDEN = Path(__file__).parent / "golden" / "telemetry.prom"
+
+
+def scenario_exposition(tmp_path: Path) -> bytes:
+    settings = build_scenario(tmp_path)
+    telemetry = Telemetry(
+        settings, gpu_source=StaticGpu(), wall_clock=lambda: FIXED_MTIME + 100.0, driver=stranded_driver
+    )
+    snap = zero_durations(telemetry.collect())
+    registry = build_registry(settings, lambda: snap, StaticGuard(guard_stats()), StaticEvents())
+    return render(registry)
+
+
+def test_golden_exposition(tmp_path: Path) -> None:
+    text = scenario_exposition(tmp_path)
+    if os.environ.get("UPDATE_GOLDEN") == "1":
+        GOLDEN.write_bytes(text)
+    assert text.decode() == GOLDEN.read_text()
+
+
+def test_golden_passes_promtool(tmp_path: Path) -> None:
+    promtool = require_tool("promtool")
+    out = subprocess.run([promtool, "check", "metrics"], input=GOLDEN.read_bytes(), capture_output=True, timeout=30)
+    assert out.returncode == 0, out.stdout.decode() + out.stderr.decode()
+
+
+def test_golden_names_follow_the_contract() -> None:
+    """Every family the design promises for this scenario is there, with its labels."""
+    families = {f.name: f for f in text_string_to_metric_families(GOLDEN.read_text())}
+    contract = {
+        "sparkwatch_memory_total_bytes": set(),
+        "sparkwatch_memory_available_bytes": set(),
+        "sparkwatch_memory_free_bytes": set(),
+        "sparkwatch_memory_cached_bytes": set(),
+        "sparkwatch_memory_used_bytes": set(),
+        "sparkwatch_memory_floor_bytes": set(),
+        "sparkwatch_memory_fill_rate_bytes_per_second": set(),
+        "sparkwatch_memory_pressure_stalled_seconds": {"kind"},
+        "sparkwatch_guard_poll_interval_seconds": set(),
+        "sparkwatch_guard_kills": {"trigger"},
+        "sparkwatch_guard_killed_processes": set(),
+        "sparkwatch_guard_last_kill_timestamp_seconds": set(),
+        "sparkwatch_guard_kill_duration_seconds": set(),  # le only on _bucket
+        "sparkwatch_guard_dry_run": set(),
+        "sparkwatch_engine_processes": {"engine"},
+        "sparkwatch_engine_rss_bytes": {"engine"},
+        "sparkwatch_compile_processes": {"tool"},
+        "sparkwatch_compile_rss_bytes": set(),
+        "sparkwatch_jit_cache_bytes": {"cache", "version", "arch"},
+        "sparkwatch_jit_cache_files": {"cache", "version", "arch"},
+        "sparkwatch_jit_cache_last_change_timestamp_seconds": {"cache", "version", "arch"},
+        "sparkwatch_jit_state": {"state"},
+        "sparkwatch_jit_build_objects": {"state"},
+        "sparkwatch_collector_success": {"collector"},
+        "sparkwatch_collector_duration_seconds": {"collector"},
+        "sparkwatch_build_info": {"version"},
+        "sparkwatch_gpu_up": set(),
+        "sparkwatch_gpu_info": {"gpu", "uuid", "name", "driver_version"},
+        "sparkwatch_gpu_power_watts": {"gpu"},
+        "sparkwatch_gpu_utilization_ratio": {"gpu"},
+        "sparkwatch_gpu_process_memory_bytes": {"gpu", "pid"},
+        "sparkwatch_engine_gpu_memory_bytes": {"engine"},
+        "sparkwatch_driver_stranded": set(),
+        "sparkwatch_driver_next_boot_ok": set(),
+        "sparkwatch_reboot_required": set(),
+        "sparkwatch_driver_info": {"kernel", "module_version", "loaded_version"},
+    }
+    for name, labels in contract.items():
+        assert name in families, name
+        assert families[name].samples, name
+        for sample in families[name].samples:
+            assert labels <= set(sample.labels), (name, sample.labels)
+
+
+def sample(text: str, name: str, **labels: str) -> float:
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
+                return float(s.value)
+    raise AssertionError(f"no sample {name}{labels}")
+
+
+def test_golden_values_mean_the_scenario() -> None:
+    """The numbers the golden file holds are the scenario's, checked one by one rather than trusted."""
+    text = GOLDEN.read_text()
+    assert sample(text, "sparkwatch_memory_available_bytes") == 118566368 * 1024
+    assert sample(text, "sparkwatch_memory_used_bytes") == (127600748 - 118566368) * 1024
+    assert sample(text, "sparkwatch_memory_pressure_stalled_seconds_total", kind="some") == 12.345678
+    assert sample(text, "sparkwatch_compile_processes", tool="nvcc") == 3
+    assert sample(text, "sparkwatch_compile_processes", tool="cicc") == 2
+    assert sample(text, "sparkwatch_compile_processes", tool="ninja") == 2
+    assert sample(text, "sparkwatch_compile_processes", tool="gcc") == 1  # gcc-13, outside any engine
+    assert sample(text, "sparkwatch_compile_parallel_jobs") == 5
+    assert sample(text, "sparkwatch_compile_arch_processes", arch="121a") == 5
+    assert sample(text, "sparkwatch_compile_arch_processes", arch="90a") == 1
+    assert sample(text, "sparkwatch_compile_outside_engine_processes") == 1
+    assert sample(text, "sparkwatch_compile_max_jobs", engine="vllm", pid="1000", state="unset") == 1
+    assert sample(text, "sparkwatch_compile_max_jobs", engine="ray", pid="4001", state="set") == 1  # the raylet's
+    assert sample(text, "sparkwatch_compile_max_jobs", engine="llama.cpp", pid="2000", state="unknown") == 1
+    assert sample(text, "sparkwatch_jit_build_objects", version="0.4.1", arch="121a", state="done") == 2
+    assert sample(text, "sparkwatch_jit_build_objects", version="0.4.1", arch="121a", state="total") == 4
+    assert sample(text, "sparkwatch_jit_cache_files", cache="vllm") == 1
+    assert sample(text, "sparkwatch_jit_cache_last_change_timestamp_seconds", version="0.4.1") == FIXED_MTIME
+    assert sample(text, "sparkwatch_jit_state", engine="vllm", pid="1000", state="compiling") == 1
+    assert sample(text, "sparkwatch_jit_state", engine="llama.cpp", pid="2000", state="idle") == 1
+    assert sample(text, "sparkwatch_guard_kill_duration_seconds_bucket", le="0.15") == 1
+    assert sample(text, "sparkwatch_guard_kill_duration_seconds_bucket", le="0.1") == 0
+    assert sample(text, "sparkwatch_event_log_write_errors_total") == 2
+    gib = 1 << 30
+    assert sample(text, "sparkwatch_engine_gpu_memory_bytes", engine="vllm") == 70 * gib
+    assert sample(text, "sparkwatch_engine_gpu_memory_bytes", engine="ray") == 2 * gib
+    assert sample(text, "sparkwatch_engine_gpu_memory_bytes", engine="other") == 512 << 20  # the unknown share: out
+    assert sample(text, "sparkwatch_gpu_power_watts", gpu="0") == 12.5
+    assert "sparkwatch_gpu_memory_total_bytes" not in text  # unified: absent, never 0
+    assert sample(text, "sparkwatch_driver_stranded") == 1
+    assert sample(text, "sparkwatch_driver_info", kernel="6.11.0-1016-nvidia", verdict="stranded") == 1
