@@ -280,10 +280,11 @@ def pool_row() -> list[Json]:
             "bytes",
             [
                 Target(f"clamp_min({m('memory_available_bytes')} - {m('memory_cached_bytes')}, 0)", "available"),
-                # Page cache, but never above MemAvailable (Cached includes shmem, which is not reclaimable).
+                # Page cache, but never above MemAvailable (Cached includes shmem, which is not reclaimable). The
+                # outer max keeps one series whichever side of the `or` answers, so the band never splits in two.
                 Target(
-                    f"({m('memory_cached_bytes')} <= on (job, instance) {m('memory_available_bytes')})"
-                    f" or on (job, instance) {m('memory_available_bytes')}",
+                    f"max by (job, instance) (({m('memory_cached_bytes')} <= on (job, instance) "
+                    f"{m('memory_available_bytes')}) or on (job, instance) {m('memory_available_bytes')})",
                     "page cache",
                 ),
                 Target(
