@@ -8,20 +8,17 @@
 - The real rule file (with `for:` cut to 0 s) and the example alertmanager.yml route a firing SparkwatchDown (a
   second, dead target) through Prometheus and Alertmanager to the webhook.
 
-The engine is a real process titled VLLM::EngineCore (as vLLM sets it) holding a real process whose comm is nvcc; the
-JIT cache is a flashinfer-shaped directory. The guard floor is 1 MiB and its scope is this test's process tree, so it
-can never fire.
+The engine is tests/helpers/fake_engine.py: a real process titled VLLM::EngineCore (as vLLM sets it) holding a
+ninja -> nvcc -> cicc chain; the JIT cache is a flashinfer-shaped directory. The guard floor is 1 MiB and its scope
+is this test's process tree, so it can never fire.
 """
 
 from __future__ import annotations
 
-import contextlib
 import http.server
 import json
 import os
 import queue
-import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -38,7 +35,7 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.conftest import require_tool
+from tests.conftest import Spawner, require_tool
 from tests.grafana_support import (
     ALERTS,
     GRAFANA,
@@ -166,23 +163,9 @@ class Stack:
         )
 
 
-def spawn(argv: list[str], log: Path, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+def spawn(spawner: Spawner, argv: list[str], log: Path, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
     with log.open("wb") as out:
-        return subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-
-
-def stop(proc: subprocess.Popen[bytes]) -> None:
-    """Stop a process this test started, and its process group (start_new_session: the group is its own)."""
-    for sig, wait_s in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
-        if proc.poll() is None:
-            os.killpg(proc.pid, sig)
-            try:
-                proc.wait(timeout=wait_s)
-            except subprocess.TimeoutExpired:
-                continue
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)  # whatever it left in its group (the engine's compiler)
-        return
+        return spawner.popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env)
 
 
 def write_jit_cache(base: Path) -> None:
@@ -207,26 +190,12 @@ def write_jit_cache(base: Path) -> None:
         (module / f"{s}.cuda.o").write_bytes(b"\x7fELF" + b"\0" * 4092)
 
 
-ENGINE = """
-import signal, subprocess, sys, time
-from setproctitle import setproctitle
-setproctitle("VLLM::EngineCore")
-signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # so the finally below reaps the compiler
-compiler = subprocess.Popen([sys.argv[1], "120"])  # comm "nvcc": a copy of sleep, as the census reads comm
-try:
-    time.sleep(120)
-finally:
-    compiler.kill()
-    compiler.wait()
-"""
-
-
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     prometheus_bin = require_tool("prometheus")
     alertmanager_bin = require_tool("prometheus-alertmanager")
-    pytest.importorskip("setproctitle")
     tmp = tmp_path_factory.mktemp("live")
+    spawner = Spawner()  # the shared helper: at teardown it SIGKILLs exactly what it started, and their descendants
     procs: list[subprocess.Popen[bytes]] = []
     webhook = Webhook()
     try:
@@ -234,10 +203,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         home = tmp / "home"
         home.mkdir()
         write_jit_cache(home)
-        nvcc = tmp / "bin" / "nvcc"
-        nvcc.parent.mkdir()
-        shutil.copy(shutil.which("sleep") or "/bin/sleep", nvcc)
-        engine = spawn([sys.executable, "-c", ENGINE, str(nvcc)], tmp / "engine.log")
+        # ninja -> nvcc -> cicc under a VLLM::EngineCore, as flashinfer's JIT runs inside vLLM
+        engine = spawner.engine("--title", "VLLM::EngineCore", "--compiler", pidfile=tmp / "engine.pids", wait_for=4)
         procs.append(engine)
 
         # --- sparkwatch
@@ -254,7 +221,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
             FLASHINFER_WORKSPACE_BASE=str(home),
         )
         argv = [sys.executable, "-m", "sparkwatch", "run", "--listen", instance, "--state-dir", str(tmp / "sw")]
-        sparkwatch = spawn(argv, tmp / "sparkwatch.log", env)
+        sparkwatch = spawn(spawner, argv, tmp / "sparkwatch.log", env)
         procs.append(sparkwatch)
         metrics_url = f"http://{instance}/metrics"
         # Wait for a snapshot that already holds the engine (the telemetry loop runs about every second).
@@ -274,6 +241,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         (tmp / "alertmanager.yml").write_text(yaml.safe_dump(am_config))
         am_port = free_port()
         alertmanager = spawn(
+            spawner,
             [
                 alertmanager_bin,
                 f"--config.file={tmp / 'alertmanager.yml'}",
@@ -303,6 +271,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         (tmp / "prometheus.yml").write_text(yaml.safe_dump(prom_config))
         prom_port = free_port()
         prometheus = spawn(
+            spawner,
             [
                 prometheus_bin,
                 f"--config.file={tmp / 'prometheus.yml'}",
@@ -326,8 +295,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         wait_until(f"{SCRAPES_BEFORE_QUERYING} scrapes", scrapes, 40, procs)
         yield Stack(base, instance, dead_instance, http_get(metrics_url).decode(), webhook)
     finally:
-        for proc in reversed(procs):
-            stop(proc)
+        spawner.cleanup()
         webhook.close()
         for name in ("sparkwatch.log", "prometheus.log", "alertmanager.log"):
             log = tmp / name
