@@ -55,7 +55,9 @@ RATE_INTERVAL = "4s"  # what Grafana computes for $__rate_interval with a 1 s sc
 INTERVAL = "1s"
 RANGE = "20s"
 
-NO_GPU = "no NVIDIA GPU here: NVML series are absent, never 0 (DESIGN.md)"
+NO_GPU = "no NVIDIA GPU here: NVML series are absent, never 0 (DESIGN.md); checked on the H200 capture instead"
+# The GPU series of a real H200 run of sparkwatch (captured through the device tool; see h200-context.txt).
+H200_EXPOSITION = Path(__file__).resolve().parent / "fixtures" / "gpu" / "h200-exposition.prom"
 NO_NEXT_BOOT = "no NVIDIA packages here: whether the next kernel has modules is unknown, so the series is absent"
 NO_KILL = "the guard never fires in this test (floor 1 MiB): guard_last_kill_timestamp_seconds appears with a kill"
 
@@ -138,11 +140,36 @@ class Webhook:
         self.server.server_close()
 
 
+class StaticExposition:
+    """Serves a captured exposition at /metrics: the GPU series of a real H200 run, for the GPU panels."""
+
+    def __init__(self, text: bytes) -> None:
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                self.send_response(200)
+                self.send_header("Content-Type", "text/plain; version=0.0.4")
+                self.send_header("Content-Length", str(len(text)))
+                self.end_headers()
+                self.wfile.write(text)
+
+            def log_message(self, format: str, *args: Any) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.instance = f"127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
 @dataclass
 class Stack:
     prometheus: str  # base URL
     instance: str  # the live sparkwatch target
     dead_instance: str
+    gpu_instance: str  # serves H200_EXPOSITION
     metrics_text: str  # one scrape of sparkwatch's /metrics, for the absent-series checks
     webhook: Webhook
 
@@ -198,6 +225,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     spawner = Spawner()  # the shared helper: at teardown it SIGKILLs exactly what it started, and their descendants
     procs: list[subprocess.Popen[bytes]] = []
     webhook = Webhook()
+    servers: list[StaticExposition] = []
     try:
         # --- an engine tree with a compiler in it, and a JIT cache
         home = tmp / "home"
@@ -260,12 +288,14 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
                 rule.pop("for", None)
         (tmp / "alerts.yml").write_text(yaml.safe_dump(rules))
         dead_instance = f"127.0.0.1:{free_port()}"
+        gpu = StaticExposition(H200_EXPOSITION.read_bytes())
+        servers.append(gpu)
         prom_config = {
             "global": {"scrape_interval": "1s", "scrape_timeout": "1s", "evaluation_interval": "1s"},
             "rule_files": [str(tmp / "alerts.yml")],
             "alerting": {"alertmanagers": [{"static_configs": [{"targets": [f"127.0.0.1:{am_port}"]}]}]},
             "scrape_configs": [
-                {"job_name": "sparkwatch", "static_configs": [{"targets": [instance, dead_instance]}]},
+                {"job_name": "sparkwatch", "static_configs": [{"targets": [instance, dead_instance, gpu.instance]}]},
             ],
         }
         (tmp / "prometheus.yml").write_text(yaml.safe_dump(prom_config))
@@ -293,10 +323,12 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
             return bool(result) and float(result[0]["value"][1]) >= SCRAPES_BEFORE_QUERYING
 
         wait_until(f"{SCRAPES_BEFORE_QUERYING} scrapes", scrapes, 40, procs)
-        yield Stack(base, instance, dead_instance, http_get(metrics_url).decode(), webhook)
+        yield Stack(base, instance, dead_instance, gpu.instance, http_get(metrics_url).decode(), webhook)
     finally:
         spawner.cleanup()
         webhook.close()
+        for server in servers:
+            server.close()
         for name in ("sparkwatch.log", "prometheus.log", "alertmanager.log"):
             log = tmp / name
             if log.exists():
@@ -340,6 +372,30 @@ def test_every_dashboard_query_parses_and_returns_data(stack: Stack) -> None:
     assert not problems, "\n".join(problems)
     # Most of the dashboard must show real data on any Linux box: the pool, the guard, the boot row, sparkwatch.
     assert len(queries) - len(empty_explained) >= 30, empty_explained
+
+
+def test_the_gpu_panels_show_a_real_gpu(stack: Stack) -> None:
+    """The panels allowed empty for want of a GPU here return data on the series a real H200 exported."""
+    gpu_queries = [q for q in dashboard_queries(load_dashboard()) if EMPTY_OK.get(q.where) == NO_GPU]
+    assert len(gpu_queries) >= 7
+    for q in gpu_queries:
+        expr = substitute(
+            q.expr,
+            job="sparkwatch",
+            instance=stack.gpu_instance,
+            rate_interval=RATE_INTERVAL,
+            interval=INTERVAL,
+            range_=RANGE,
+        )
+        result = stack.query(expr)["data"]["result"]
+        assert result, f"{q.where}: no data from the H200 exposition: {expr}"
+        assert all(r["metric"].get("instance", stack.gpu_instance) == stack.gpu_instance for r in result)
+    # And the pool's GPU band is the H200's per-process bytes, not the 0 fallback.
+    pool = next(p for p in load_dashboard()["panels"] if p["title"].startswith("Unified pool"))
+    gpu_band = next(t["expr"] for t in pool["targets"] if t["legendFormat"] == "GPU processes")
+    expr = substitute(gpu_band, job="sparkwatch", instance=stack.gpu_instance, rate_interval="", interval="", range_="")
+    value = float(stack.query(expr)["data"]["result"][0]["value"][1])
+    assert value == 4838129664.0  # sparkwatch_gpu_process_memory_bytes{pid="572"} in the capture
 
 
 def test_the_variable_queries_find_the_node(stack: Stack) -> None:
