@@ -10,6 +10,7 @@ import ctypes
 import ctypes.util
 import errno
 import os
+import resource
 import signal
 
 SYS_PROCESS_MRELEASE = 448
@@ -21,6 +22,7 @@ _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True
 _libc.syscall.restype = ctypes.c_long
 _libc.mlockall.argtypes = [ctypes.c_int]
 _libc.mlockall.restype = ctypes.c_int
+M_ARENA_MAX = -8  # mallopt parameter (malloc.h)
 
 
 def pidfd_open(pid: int) -> int:
@@ -58,3 +60,40 @@ def mlockall() -> str:
         if err != errno.EINVAL:  # EINVAL: flag unknown to this kernel, try the next; else a real refusal
             raise OSError(err, f"mlockall({label}): {os.strerror(err)}")
     raise OSError(errno.EINVAL, "mlockall: no flag combination accepted")
+
+
+# Locked address space, not RSS, counts against RLIMIT_MEMLOCK: measured 190 MiB for the guard alone (38 MiB
+# resident), 129 MiB with MALLOC_ARENA_MAX=2; each new thread adds its 8 MiB stack. Below this, do not lock at all.
+MEMLOCK_NEEDED_BYTES = 1 << 30
+CAP_IPC_LOCK = 14
+
+
+def memlock_limit_too_small() -> int | None:
+    """The RLIMIT_MEMLOCK soft limit if it is finite, under MEMLOCK_NEEDED_BYTES and not bypassed by CAP_IPC_LOCK."""
+    soft, _hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    if soft == resource.RLIM_INFINITY or soft >= MEMLOCK_NEEDED_BYTES:
+        return None
+    try:
+        with open("/proc/self/status", encoding="ascii") as fh:
+            for line in fh:
+                if line.startswith("CapEff:") and int(line.split()[1], 16) >> CAP_IPC_LOCK & 1:
+                    return None
+    except (OSError, ValueError):
+        pass
+    return int(soft)
+
+
+def limit_malloc_arenas(count: int) -> None:
+    """glibc's MALLOC_ARENA_MAX from inside: cap the per-thread malloc arenas of threads started from now on."""
+    try:
+        _libc.mallopt(M_ARENA_MAX, count)
+    except AttributeError:  # not glibc (musl): nothing to cap
+        pass
+
+
+def trim_heap() -> None:
+    """Return free heap pages to the kernel (glibc malloc_trim); a no-op elsewhere."""
+    try:
+        _libc.malloc_trim(0)
+    except AttributeError:
+        pass
