@@ -86,11 +86,14 @@ def rule_queries() -> list[Query]:
     return [Query(f"rule {rule['alert']}", rule["expr"]) for rule in load_rules()]
 
 
-def substitute(expr: str, *, job: str, instance: str, rate_interval: str, interval: str, range_: str) -> str:
-    """Interpolate Grafana's variables the way Grafana does for a multi-value variable: a regex-escaped group."""
+def substitute(
+    expr: str, *, job: str, instance: str | list[str], rate_interval: str, interval: str, range_: str
+) -> str:
+    """Interpolate Grafana's variables the way Grafana does for a multi-value variable: (a|b), each value escaped."""
 
-    def regex_group(value: str) -> str:
-        return "(" + re.escape(value).replace("\\", "\\\\") + ")"
+    def regex_group(values: str | list[str]) -> str:
+        values = [values] if isinstance(values, str) else values
+        return "(" + "|".join(re.escape(v).replace("\\", "\\\\") for v in values) + ")"
 
     return (
         expr.replace("$__rate_interval", rate_interval)

@@ -56,8 +56,9 @@ INTERVAL = "1s"
 RANGE = "20s"
 
 NO_GPU = "no NVIDIA GPU here: NVML series are absent, never 0 (DESIGN.md); checked on the H200 capture instead"
-# The GPU series of a real H200 run of sparkwatch (captured through the device tool; see h200-context.txt).
-H200_EXPOSITION = Path(__file__).resolve().parent / "fixtures" / "gpu" / "h200-exposition.prom"
+# What a whole `sparkwatch run` exported on a real H200 host (captured through the device tool; its tests hold it to
+# the contract): the second node of the side-by-side checks, and the one with a GPU.
+H200_EXPOSITION = Path(__file__).resolve().parent / "fixtures" / "gpu" / "h200-daemon-metrics.prom"
 NO_NEXT_BOOT = "no NVIDIA packages here: whether the next kernel has modules is unknown, so the series is absent"
 NO_KILL = "the guard never fires in this test (floor 1 MiB): guard_last_kill_timestamp_seconds appears with a kill"
 
@@ -141,7 +142,7 @@ class Webhook:
 
 
 class StaticExposition:
-    """Serves a captured exposition at /metrics: the GPU series of a real H200 run, for the GPU panels."""
+    """Serves a captured exposition at /metrics, like a second node would."""
 
     def __init__(self, text: bytes) -> None:
         class Handler(http.server.BaseHTTPRequestHandler):
@@ -395,7 +396,25 @@ def test_the_gpu_panels_show_a_real_gpu(stack: Stack) -> None:
     gpu_band = next(t["expr"] for t in pool["targets"] if t["legendFormat"] == "GPU processes")
     expr = substitute(gpu_band, job="sparkwatch", instance=stack.gpu_instance, rate_interval="", interval="", range_="")
     value = float(stack.query(expr)["data"]["result"][0]["value"][1])
-    assert value == 4838129664.0  # sparkwatch_gpu_process_memory_bytes{pid="572"} in the capture
+    assert value == 4838129664.0  # sparkwatch_gpu_process_memory_bytes{pid="486"} in the capture
+
+
+def test_two_nodes_side_by_side(stack: Stack) -> None:
+    """With both nodes selected ($instance = All), the pool, guard and GPU queries return one series set per node."""
+    titles = ("Headroom above the floor", "Fill rate", "Memory pressure (PSI)", "Guard mode", "Scrape up")
+    for q in dashboard_queries(load_dashboard()):
+        if not any(q.where.startswith(f"panel {t!r}") for t in titles) and not q.where.startswith("panel 'Unified"):
+            continue
+        expr = substitute(
+            q.expr,
+            job="sparkwatch",
+            instance=[stack.instance, stack.gpu_instance],
+            rate_interval=RATE_INTERVAL,
+            interval=INTERVAL,
+            range_=RANGE,
+        )
+        instances = {r["metric"].get("instance") for r in stack.query(expr)["data"]["result"]}
+        assert instances == {stack.instance, stack.gpu_instance}, f"{q.where}: {instances} from {expr}"
 
 
 def test_the_variable_queries_find_the_node(stack: Stack) -> None:
@@ -404,7 +423,8 @@ def test_the_variable_queries_find_the_node(stack: Stack) -> None:
     assert json.loads(http_get(url))["data"] == ["sparkwatch"]
     match = 'sparkwatch_build_info{job=~"sparkwatch"}'
     url = f"{stack.prometheus}/api/v1/label/instance/values?" + urllib.parse.urlencode({"match[]": match})
-    assert json.loads(http_get(url))["data"] == [stack.instance]  # the dead target exports nothing: not a node
+    # Both nodes; the dead target exports nothing, so it is not offered as a node.
+    assert sorted(json.loads(http_get(url))["data"]) == sorted([stack.instance, stack.gpu_instance])
 
 
 def test_the_pool_stack_adds_up_to_memtotal(stack: Stack) -> None:
