@@ -1,0 +1,100 @@
+"""The alert rules and example configs, checked by the real Prometheus and Alertmanager tools (Debian packages)."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import yaml
+
+from tests.conftest import require_tool
+from tests.grafana_support import ALERTS, ALERTS_TEST, GRAFANA, load_rules
+
+REQUIRED_ALERTS = {
+    "SparkwatchGuardKilled",  # a kill happened
+    "SparkwatchHeadroomLow",
+    "SparkwatchDriverStranded",
+    "SparkwatchDriverWillStrand",
+    "SparkwatchCompilerBurstNoMaxJobs",
+    "SparkwatchJitStalled",
+    "SparkwatchDown",
+    "SparkwatchGuardStuck",
+    "SparkwatchTelemetryStale",
+    "SparkwatchCollectorFailing",
+    "SparkwatchTPPeerLost",
+}
+
+
+def run(argv: list[str], cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(argv, capture_output=True, text=True, timeout=60, check=False, cwd=cwd)
+
+
+def test_promtool_check_rules() -> None:
+    result = run([require_tool("promtool"), "check", "rules", str(ALERTS)])
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert f"SUCCESS: {len(REQUIRED_ALERTS)} rules found" in result.stdout
+
+
+def test_promtool_unit_tests_pass() -> None:
+    result = run([require_tool("promtool"), "test", "rules", ALERTS_TEST.name], cwd=GRAFANA)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "SUCCESS" in result.stdout
+
+
+def test_promtool_unit_tests_catch_a_broken_rule(tmp_path: Path) -> None:
+    """The unit tests bite: drop the TP rule's "this node did not kill" clause and they must fail."""
+    text = ALERTS.read_text(encoding="utf-8")
+    clause = (
+        "unless on (job, instance)\n"
+        "          (sum by (job, instance) (increase(sparkwatch_guard_kills_total[2m])) > 0)\n"
+    )
+    assert clause in text
+    (tmp_path / "alerts.yml").write_text(text.replace(clause, ""), encoding="utf-8")
+    shutil.copy(ALERTS_TEST, tmp_path / ALERTS_TEST.name)
+    result = run([require_tool("promtool"), "test", "rules", ALERTS_TEST.name], cwd=tmp_path)
+    assert result.returncode != 0
+    assert "SparkwatchTPPeerLost" in result.stdout + result.stderr
+
+
+def test_each_rule_has_a_firing_unit_test_and_tells_the_human_what_to_do() -> None:
+    rules = load_rules()
+    assert {r["alert"] for r in rules} == REQUIRED_ALERTS
+    tests = yaml.safe_load(ALERTS_TEST.read_text(encoding="utf-8"))["tests"]
+    fired = {case["alertname"] for t in tests for case in t["alert_rule_test"] if case["exp_alerts"]}
+    quiet = {case["alertname"] for t in tests for case in t["alert_rule_test"] if not case["exp_alerts"]}
+    assert fired == REQUIRED_ALERTS, f"rules with no firing test: {REQUIRED_ALERTS - fired}"
+    assert quiet == REQUIRED_ALERTS, f"rules with no not-firing test: {REQUIRED_ALERTS - quiet}"
+    for r in rules:
+        assert r["labels"]["severity"] in ("critical", "warning"), r["alert"]
+        assert r["annotations"]["summary"] and "{{ $labels.instance }}" in r["annotations"]["summary"], r["alert"]
+        # Every description names a command or a concrete action.
+        assert "`" in r["annotations"]["description"], f"{r['alert']}: say what to run"
+
+
+def test_example_prometheus_config() -> None:
+    result = run([require_tool("promtool"), "check", "config", str(GRAFANA / "prometheus.yml")])
+    assert result.returncode == 0, result.stdout + result.stderr
+    config = yaml.safe_load((GRAFANA / "prometheus.yml").read_text(encoding="utf-8"))
+    jobs = {j["job_name"]: j for j in config["scrape_configs"]}
+    targets = [t for sc in jobs["sparkwatch"]["static_configs"] for t in sc["targets"]]
+    assert targets == ["spark-a:9847", "spark-b:9847"]
+    assert config["rule_files"] == ["alerts.yml"]
+
+
+def test_example_alertmanager_config() -> None:
+    result = run([require_tool("amtool"), "check-config", str(GRAFANA / "alertmanager.yml")])
+    assert result.returncode == 0, result.stdout + result.stderr
+    config = yaml.safe_load((GRAFANA / "alertmanager.yml").read_text(encoding="utf-8"))
+    receivers = {r["name"]: r for r in config["receivers"]}
+    assert receivers[config["route"]["receiver"]]["webhook_configs"][0]["url"].startswith("http")
+
+
+def test_provisioning_files() -> None:
+    ds = yaml.safe_load((GRAFANA / "provisioning" / "datasources" / "sparkwatch.yaml").read_text(encoding="utf-8"))
+    assert ds["apiVersion"] == 1 and ds["datasources"][0]["type"] == "prometheus"
+    dashboards = GRAFANA / "provisioning" / "dashboards" / "sparkwatch.yaml"
+    prov = yaml.safe_load(dashboards.read_text(encoding="utf-8"))
+    assert prov["apiVersion"] == 1
+    provider = prov["providers"][0]
+    assert provider["type"] == "file" and provider["options"]["path"].startswith("/")
