@@ -27,7 +27,7 @@ UID = "sparkwatch-node"
 SCHEMA_VERSION = 38
 DS = {"type": "prometheus", "uid": "${datasource}"}
 SEL = 'job=~"$job",instance=~"$instance"'
-# The config default of warn_headroom (4 GiB): used only when an exporter does not publish
+# The config default of warn_headroom (4 GiB): used only for an exporter older than
 # sparkwatch_memory_warn_headroom_bytes, so the warn line is drawn either way.
 DEFAULT_WARN_HEADROOM_BYTES = 4 * 1024**3
 

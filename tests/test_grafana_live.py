@@ -82,7 +82,7 @@ EMPTY_BY_LOGIC: dict[str, str] = {
 # Series a rule reads that may be absent here (same reasons); every other selector of every rule must match.
 ABSENT_OK: dict[str, str] = {
     "sparkwatch_driver_next_boot_ok": NO_NEXT_BOOT,
-    "sparkwatch_memory_warn_headroom_bytes": "optional: the rule falls back to the 4 GiB default without it",
+    "sparkwatch_memory_warn_headroom_bytes": "exporters older than the gauge (the H200 capture): 4 GiB default",
 }
 
 

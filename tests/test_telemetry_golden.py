@@ -1,6 +1,6 @@
 """Golden exposition: the real Telemetry and collector on a fixture /proc and fixture caches, byte for byte.
 
-Regenerate after an intended change with UPDATE_GOLDEN=1 and review the diff.
+Regenerate after an intended change with SPARKWATCH_TEST_UPDATE_GOLDEN=1 and review the diff.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ def scenario_exposition(tmp_path: Path) -> bytes:
 
 def test_golden_exposition(tmp_path: Path) -> None:
     text = scenario_exposition(tmp_path)
-    if os.environ.get("UPDATE_GOLDEN") == "1":
+    if os.environ.get("SPARKWATCH_TEST_UPDATE_GOLDEN") == "1":
         GOLDEN.write_bytes(text)
     assert text.decode() == GOLDEN.read_text()
 

@@ -24,6 +24,7 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from sparkwatch import __version__
+from sparkwatch.config import Settings
 from sparkwatch.core.compile import TOOLS
 from sparkwatch.core.jit import STATES
 from sparkwatch.exporter.gpu import gpu_families
@@ -44,20 +45,17 @@ class EventLogLike(Protocol):
     write_errors_total: int
 
 
-def _guard_copy(guard: GuardLike | None) -> tuple[GuardStats | None, int | None, bool | None]:
-    """The guard's counters, and its live floor and dry-run flag (SIGHUP may change them), read under its lock."""
+def _guard_copy(guard: GuardLike | None) -> tuple[GuardStats | None, Settings | None]:
+    """The guard's counters and its live settings (SIGHUP may change floor, warn headroom, dry run), under its lock."""
     if guard is None:
-        return None, None, None
+        return None, None
     with guard.lock:  # a handful of field copies: the guard never waits on a scrape for longer than that
         stats = guard.stats
         out = copy.copy(stats)
         out.kills_total = dict(stats.kills_total)
         out.kill_duration_bucket_counts = list(stats.kill_duration_bucket_counts)
-        params = getattr(guard, "params", None)
         settings = getattr(guard, "settings", None)
-        floor = getattr(params, "floor_bytes", None)
-        dry_run = getattr(settings, "dry_run", None)
-    return out, floor, dry_run
+    return out, settings
 
 
 def _le(edge: float) -> str:
@@ -69,15 +67,13 @@ class SparkwatchCollector(Collector):
         self,
         latest: Callable[[], Snapshot | None],
         *,
-        floor_bytes: int,
-        dry_run: bool,
+        settings: Settings,
         guard: GuardLike | None = None,
         events: EventLogLike | None = None,
         monotonic: Callable[[], float] = time.monotonic,
     ) -> None:
         self.latest = latest
-        self.floor_bytes = floor_bytes
-        self.dry_run = dry_run
+        self.settings = settings  # what was configured at start; the guard's own copy wins once there is a guard
         self.guard = guard
         self.events = events
         self.monotonic = monotonic
@@ -87,27 +83,20 @@ class SparkwatchCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         snap = self.latest()
-        stats, floor, dry_run = _guard_copy(self.guard)
-        yield from self._families(
-            snap,
-            stats,
-            self.floor_bytes if floor is None else floor,
-            self.dry_run if dry_run is None else dry_run,
-        )
+        stats, live = _guard_copy(self.guard)
+        yield from self._families(snap, stats, live if isinstance(live, Settings) else self.settings)
 
     # --- rendering
-    def _families(
-        self, snap: Snapshot | None, stats: GuardStats | None, floor_bytes: int, dry_run: bool
-    ) -> Iterator[Metric]:
+    def _families(self, snap: Snapshot | None, stats: GuardStats | None, settings: Settings) -> Iterator[Metric]:
         info = GaugeMetricFamily(P + "build_info", "sparkwatch version, always 1", labels=["version"])
         info.add_metric([__version__], 1)
         yield info
         mem: MemInfo | None = stats.mem if stats is not None and stats.mem is not None else None
         if mem is None and snap is not None:
             mem = snap.mem
-        yield from self._memory(mem, snap, stats, floor_bytes)
+        yield from self._memory(mem, snap, stats, settings)
         if stats is not None:
-            yield from self._guard(stats, dry_run)
+            yield from self._guard(stats, settings.dry_run)
         if self.events is not None:
             yield CounterMetricFamily(
                 P + "event_log_write_errors",
@@ -136,7 +125,7 @@ class SparkwatchCollector(Collector):
             yield from _driver_families(snap.driver)
 
     def _memory(
-        self, mem: MemInfo | None, snap: Snapshot | None, stats: GuardStats | None, floor_bytes: int
+        self, mem: MemInfo | None, snap: Snapshot | None, stats: GuardStats | None, settings: Settings
     ) -> Iterator[Metric]:
         if mem is not None:
             for name, value, text in (
@@ -147,7 +136,12 @@ class SparkwatchCollector(Collector):
                 ("used", mem.used_bytes, "MemTotal - MemAvailable: the honest used figure on a unified pool"),
             ):
                 yield GaugeMetricFamily(f"{P}memory_{name}_bytes", text, value=value)
-        yield GaugeMetricFamily(P + "memory_floor_bytes", "The guard's MemAvailable kill floor", value=floor_bytes)
+        yield GaugeMetricFamily(P + "memory_floor_bytes", "The guard's MemAvailable kill floor", value=settings.floor)
+        yield GaugeMetricFamily(
+            P + "memory_warn_headroom_bytes",
+            "low_headroom alerts when MemAvailable is within this of the floor",
+            value=settings.warn_headroom,
+        )
         if stats is not None:
             yield GaugeMetricFamily(
                 P + "memory_fill_rate_bytes_per_second",

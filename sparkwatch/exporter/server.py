@@ -25,7 +25,7 @@ def build_registry(
 ) -> CollectorRegistry:
     registry = CollectorRegistry(auto_describe=False)
     registry.register(
-        SparkwatchCollector(latest, floor_bytes=settings.floor, dry_run=settings.dry_run, guard=guard, events=events)
+        SparkwatchCollector(latest, settings=settings, guard=guard, events=events)
     )
     return registry
 
