@@ -277,3 +277,24 @@ def test_container_without_lib_modules_is_not_stranded(tmp_path: Path) -> None:
     for node in (path / "dev").iterdir():
         node.unlink()
     assert drift.judge(read_driver_facts(path)).verdict == "stranded"
+
+
+def test_dpkg_status_is_parsed_again_only_when_it_changes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from sparkwatch.sources import system
+
+    status = tmp_path / "status"
+    status.write_text("Package: nvidia-dkms-580-open\nStatus: install ok installed\nVersion: 580.95.05-0ubuntu1\n\n")
+    first = system.read_dpkg_status(status, [])
+    assert [p.name for p in first[0]] == ["nvidia-dkms-580-open"]
+    parsed: list[str] = []
+    real_parse = system.parse_dpkg_lines
+    monkeypatch.setattr(system, "parse_dpkg_lines", lambda lines: parsed.append("parse") or real_parse(lines))
+    assert system.read_dpkg_status(status, []) == first  # unchanged file: served from the cache
+    assert parsed == []
+    with status.open("a") as fh:  # apt ran
+        fh.write(
+            "Package: linux-modules-nvidia-580-open-6.17.0-1008-nvidia\nStatus: install ok installed\n"
+            "Version: 6.17.0-1008.8\n\n"
+        )
+    changed = system.read_dpkg_status(status, [])
+    assert len(parsed) == 1 and len(changed[0]) == 2
