@@ -24,9 +24,9 @@ from sparkwatch.actuators.outbox import AlertRouter, Outbox
 from sparkwatch.actuators.systemd import JournalSink, Notifier, ServiceNotifier
 from sparkwatch.config import ConfigError, Settings
 from sparkwatch.core.status import status_line
-from sparkwatch.driverwatch import DriverWatcher
-from sparkwatch.guard import Guard
-from sparkwatch.headroom import HeadroomWatcher
+from sparkwatch.loops.driverwatch import DriverWatcher
+from sparkwatch.loops.guard import Guard
+from sparkwatch.loops.headroom import HeadroomWatcher
 from sparkwatch.sources.udev import UdevWatcher
 
 
@@ -83,7 +83,7 @@ class Daemon:
         """The telemetry loop and the metrics endpoint. Imported here: a failure costs telemetry, never the guard."""
         try:
             from sparkwatch.exporter.server import MetricsServer, build_registry  # noqa: PLC0415
-            from sparkwatch.telemetry import Telemetry, TelemetryLoop  # noqa: PLC0415
+            from sparkwatch.loops.telemetry import Telemetry, TelemetryLoop  # noqa: PLC0415
 
             self.telemetry = TelemetryLoop(
                 Telemetry(self.settings, driver=lambda: self.driver.report),

@@ -191,9 +191,9 @@ class Check:
         return out
 
 
-# --- Telemetry. The telemetry loop (sparkwatch/telemetry.py) builds one Snapshot a cycle and publishes it by swapping
-# a reference; the exporter, `status` and sd_notify's STATUS= line only read it. Each source fills its own part and
-# owns its record type below; a part is None when its source is off or failed (see `collectors`).
+# --- Telemetry. The telemetry loop (sparkwatch/loops/telemetry.py) builds one Snapshot a cycle and publishes it by
+# swapping a reference; the exporter, `status` and sd_notify's STATUS= line only read it. Each source fills its own
+# part and owns its record type below; a part is None when its source is off or failed (see `collectors`).
 
 
 @dataclass(frozen=True, slots=True)

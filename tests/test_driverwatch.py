@@ -13,9 +13,9 @@ from sparkwatch.actuators.events import EventLog, read_events
 from sparkwatch.config import load_settings
 from sparkwatch.core.alerts import RateState, dedup_key, driver_step, headroom_step, rate_limit
 from sparkwatch.core.drift import judge
-from sparkwatch.driverwatch import DriverWatcher
-from sparkwatch.guard import Guard
-from sparkwatch.headroom import HeadroomWatcher
+from sparkwatch.loops.driverwatch import DriverWatcher
+from sparkwatch.loops.guard import Guard
+from sparkwatch.loops.headroom import HeadroomWatcher
 from sparkwatch.sources.system import read_driver_facts
 from sparkwatch.sources.udev import UdevWatcher, is_driver_uevent
 from tests import driverroot as fx

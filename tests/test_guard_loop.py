@@ -9,7 +9,7 @@ import pytest
 
 from sparkwatch.actuators.events import EventLog, read_events
 from sparkwatch.config import load_settings
-from sparkwatch.guard import Guard
+from sparkwatch.loops.guard import Guard
 from tests.conftest import wait_until
 
 GB10 = (Path(__file__).parent / "fixtures" / "proc" / "meminfo.gb10-idle").read_text()

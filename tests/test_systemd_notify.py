@@ -16,7 +16,7 @@ from sparkwatch.actuators.systemd import Notifier, ServiceNotifier, notify_addre
 from sparkwatch.config import load_settings
 from sparkwatch.core.status import status_line
 from sparkwatch.daemon import describe_changes
-from sparkwatch.guard import Guard
+from sparkwatch.loops.guard import Guard
 from tests.conftest import require
 from tests.sdtools import has_systemd_python
 

@@ -12,10 +12,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from sparkwatch.actuators.events import EventLog, read_events
 from sparkwatch.config import load_settings
 from sparkwatch.exporter.server import build_registry, render
-from sparkwatch.guard import Guard
+from sparkwatch.loops.guard import Guard
+from sparkwatch.loops.telemetry import Telemetry, TelemetryLoop
 from sparkwatch.model import GpuReport, Snapshot
 from sparkwatch.sources.meminfo import MeminfoReader
-from sparkwatch.telemetry import Telemetry, TelemetryLoop
 from tests.conftest import Spawner, alive, pids_in, wait_until
 from tests.helpers.proctree import FIXED_MTIME, GB10_MEMINFO, write_module
 from tests.helpers.scenario import build_scenario

@@ -12,7 +12,7 @@ from pathlib import Path
 from prometheus_client.parser import text_string_to_metric_families
 
 from sparkwatch.exporter.server import build_registry, render
-from sparkwatch.telemetry import Telemetry
+from sparkwatch.loops.telemetry import Telemetry
 from tests.conftest import require_tool
 from tests.helpers.proctree import FIXED_MTIME
 from tests.helpers.scenario import (

@@ -8,9 +8,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from sparkwatch.actuators.events import EventLog
 from sparkwatch.exporter.server import build_registry, render
-from sparkwatch.guard import Guard
+from sparkwatch.loops.guard import Guard
+from sparkwatch.loops.telemetry import Telemetry, TelemetryLoop
 from sparkwatch.model import Event
-from sparkwatch.telemetry import Telemetry, TelemetryLoop
 from tests.helpers.proctree import write_module
 from tests.helpers.scenario import StaticGpu, build_scenario
 

@@ -56,7 +56,7 @@ class StatusApp:
     """Collects a snapshot a cycle and keeps the short histories the rates need. Reads only."""
 
     def __init__(self, settings: Settings, clock: Callable[[], float] = time.monotonic) -> None:
-        from sparkwatch.telemetry import Telemetry
+        from sparkwatch.loops.telemetry import Telemetry
 
         self.settings = settings
         self.clock = clock

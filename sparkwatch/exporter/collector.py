@@ -28,7 +28,7 @@ from sparkwatch.config import Settings
 from sparkwatch.core.compile import TOOLS
 from sparkwatch.core.jit import STATES
 from sparkwatch.exporter.gpu import gpu_families
-from sparkwatch.guard import KILL_DURATION_BUCKETS_S, GuardStats
+from sparkwatch.loops.guard import KILL_DURATION_BUCKETS_S, GuardStats
 from sparkwatch.model import DriverReport, GpuReport, MemInfo, Snapshot
 
 P = "sparkwatch_"

@@ -8,7 +8,7 @@ import threading
 from pathlib import Path
 
 from sparkwatch.config import Settings, load_settings
-from sparkwatch.guard import GuardStats
+from sparkwatch.loops.guard import GuardStats
 from sparkwatch.model import DriverReport, GpuDevice, GpuProcess, GpuReport, Snapshot
 from tests.helpers.proctree import FIXED_MTIME, PSI_MEMORY, FakeProc, pin_mtimes, write_module, write_proc
 

@@ -12,7 +12,7 @@ import threading
 from sparkwatch.actuators.events import EventLog, EventLogError, make_event
 from sparkwatch.config import Settings
 from sparkwatch.core.alerts import headroom_step
-from sparkwatch.guard import Guard
+from sparkwatch.loops.guard import Guard
 from sparkwatch.units import format_size
 
 
