@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+from sparkwatch.cli import argtypes
 from sparkwatch.config import Settings
 from sparkwatch.core.trend import build_rate, pool_trend
 from sparkwatch.model import DriverReport
@@ -34,20 +35,16 @@ DRIVER_CHECK_S = 60.0
 KILL_LOOKBACK_EVENTS = 500
 
 
-def _seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
-    if not math.isfinite(value) or not 0.1 <= value <= 60:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected 0.1 to 60 seconds")
-    return value
-
-
 def add_parser(sub: Any, parent: argparse.ArgumentParser) -> None:
     p = sub.add_parser("status", parents=[parent], help="live terminal view: pool, engines, compilers, JIT, GPU")
     p.add_argument("--once", action="store_true", help="print one frame and exit (for scripts and bug reports)")
-    p.add_argument("--interval", type=_seconds, default=1.0, metavar="S", help="seconds between frames (default 1)")
+    p.add_argument(
+        "--interval",
+        type=argtypes.seconds(0.1, 60),
+        default=1.0,
+        metavar="S",
+        help="seconds between frames (default 1)",
+    )
     p.add_argument("--state-dir", metavar="DIR", help="where events.jsonl lives (for the last kill)")
     p.set_defaults(handler=handle)
 

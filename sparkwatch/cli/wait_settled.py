@@ -11,12 +11,12 @@ whenever the situation changes (and every 5 s) otherwise, so logs stay short. It
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
 import time
 from typing import Any, TextIO
 
+from sparkwatch.cli import argtypes
 from sparkwatch.core.settle import (
     DEFAULT_QUIET_FOR_S,
     DEFAULT_TIMEOUT_S,
@@ -27,29 +27,12 @@ from sparkwatch.core.settle import (
     describe,
     settle_step,
 )
-from sparkwatch.units import format_size, parse_size
+from sparkwatch.units import format_size
 
 # Half a second between looks: ten samples per default quiet window, and a /proc scan costs a few ms.
 DEFAULT_INTERVAL_S = 0.5
 # Without a terminal, repeat an unchanged progress line this often so a log shows the wait is alive.
 PLAIN_REPEAT_S = 5.0
-
-
-def _seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
-    if not math.isfinite(value) or value < 0:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected a finite, non-negative number of seconds")
-    return value
-
-
-def _size(text: str) -> int:
-    try:
-        return parse_size(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def add_parser(sub: Any, parent: argparse.ArgumentParser) -> None:
@@ -60,28 +43,28 @@ def add_parser(sub: Any, parent: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--timeout",
-        type=_seconds,
+        type=argtypes.seconds(),
         default=DEFAULT_TIMEOUT_S,
         metavar="S",
         help="give up after S seconds (default %(default)g)",
     )
     p.add_argument(
         "--quiet-for",
-        type=_seconds,
+        type=argtypes.seconds(),
         default=DEFAULT_QUIET_FOR_S,
         metavar="S",
         help="MemAvailable must not rise for this long (default %(default)g)",
     )
     p.add_argument(
         "--tolerance",
-        type=_size,
+        type=argtypes.size,
         default=DEFAULT_TOLERANCE_BYTES,
         metavar="SIZE",
         help=f"a rise up to SIZE counts as steady (default {format_size(DEFAULT_TOLERANCE_BYTES)})",
     )
     p.add_argument(
         "--interval",
-        type=_seconds,
+        type=argtypes.seconds(),
         default=DEFAULT_INTERVAL_S,
         metavar="S",
         help="seconds between looks (default %(default)g)",

@@ -13,6 +13,7 @@ scan goes on; the count is reported.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -66,6 +67,7 @@ class ScanResult:
     procs: tuple[Proc, ...]
     vanished: int  # exited between listdir and read: normal, counted for the curious
     errors: int  # unparsable entries: reported, never acted on
+    reads: int = 0  # processes actually read (the rest were reused from an earlier scan)
 
 
 class ProcScanner:
@@ -105,9 +107,10 @@ class ProcScanner:
             is_kernel_thread=bool(flags & PF_KTHREAD),
         )
 
-    def scan(self) -> ScanResult:
+    def scan(self, reuse: Callable[[int], Proc | None] | None = None) -> ScanResult:
+        """Every process. `reuse(pid)` may hand back an earlier record to keep instead of reading that pid again."""
         procs = []
-        vanished = errors = 0
+        vanished = errors = reads = 0
         try:
             names = os.listdir(self.proc_root)
         except OSError:
@@ -115,8 +118,14 @@ class ProcScanner:
         for name in names:
             if not name.isdigit():
                 continue
+            pid = int(name)
+            kept = reuse(pid) if reuse is not None else None
+            if kept is not None:
+                procs.append(kept)
+                continue
+            reads += 1
             try:
-                proc = self.read_proc(int(name))
+                proc = self.read_proc(pid)
             except (ProcParseError, ValueError, OSError):
                 errors += 1
                 continue
@@ -127,7 +136,7 @@ class ProcScanner:
         if len(self._argv_cache) > 4 * len(procs) + 256:
             live = {(p.pid, p.start_ticks, p.comm) for p in procs}
             self._argv_cache = {k: v for k, v in self._argv_cache.items() if k in live}
-        return ScanResult(tuple(procs), vanished, errors)
+        return ScanResult(tuple(procs), vanished, errors, reads)
 
 
 def read_start_ticks(proc_root: Path | str, pid: int) -> int | None:
@@ -182,37 +191,14 @@ class IncrementalScanner:
         self.reads_last_cycle = 0
 
     def scan(self, hot: set[int] | frozenset[int] = frozenset()) -> ScanResult:
-        try:
-            names = os.listdir(self.scanner.proc_root)
-        except OSError:
-            return ScanResult((), 0, 1)
         self._cycle += 1
         turn = self._cycle % self.slices
         known = self._known
-        fresh: dict[int, Proc] = {}
-        vanished = errors = reads = 0
-        for name in names:
-            if not name.isdigit():
-                continue
-            pid = int(name)
-            old = known.get(pid)
-            if old is not None and pid % self.slices != turn and pid not in hot:
-                fresh[pid] = old
-                continue
-            reads += 1
-            try:
-                proc = self.scanner.read_proc(pid)
-            except (ProcParseError, ValueError, OSError):
-                errors += 1
-                continue
-            if proc is None:
-                vanished += 1
-            else:
-                fresh[pid] = proc
-        self._known = fresh
-        self.reads_last_cycle = reads
-        scanner = self.scanner
-        if len(scanner._argv_cache) > 4 * len(fresh) + 256:
-            live = {(p.pid, p.start_ticks, p.comm) for p in fresh.values()}
-            scanner._argv_cache = {k: v for k, v in scanner._argv_cache.items() if k in live}
-        return ScanResult(tuple(fresh.values()), vanished, errors)
+
+        def reuse(pid: int) -> Proc | None:
+            return None if pid % self.slices == turn or pid in hot else known.get(pid)
+
+        result = self.scanner.scan(reuse)
+        self._known = {p.pid: p for p in result.procs}
+        self.reads_last_cycle = result.reads
+        return result
