@@ -42,9 +42,9 @@ def trees_now() -> list[EngineTree]:
 
 
 def kill_and_reap(trees: list[EngineTree], dry_run: bool = False) -> tuple[KillFacts, list[str], str]:
-    killer = Killer(Path("/proc"), RULES, scope(), dry_run=dry_run)
+    killer = Killer(Path("/proc"), RULES, scope())
     detected = time.monotonic()
-    victims, signaled_at, notes, method = killer.kill(trees)
+    victims, signaled_at, notes, method = killer.kill(trees, dry_run=dry_run)
     facts = KillFacts(
         trigger="floor",
         mem=MEM,

@@ -94,20 +94,22 @@ def _cgroup_members(cgroup_dir: Path) -> set[int] | None:
 
 
 class Killer:
-    def __init__(
-        self, proc_root: Path, rules: EngineRules, scope: Scope, dry_run: bool = False, cgroup_root: Path | None = None
-    ) -> None:
+    def __init__(self, proc_root: Path, rules: EngineRules, scope: Scope, cgroup_root: Path | None = None) -> None:
         self.proc_root = proc_root
         self.rules = rules
         self.scope = scope
-        self.dry_run = dry_run
         # Resolved once at start-up, not on the kill path.
         self.cgroup_root = cgroup_root if cgroup_root is not None else find_cgroup2_mount(proc_root)
         self._own_cgroup = _cgroup2_path(proc_root, os.getpid())
         self._scanner = ProcScanner(proc_root)  # this thread's own scanner for swept children
 
-    def kill(self, trees: Iterable[EngineTree]) -> tuple[list[Victim], float | None, list[str], str]:
-        """Stop and SIGKILL every tree. Returns (victims, monotonic time of the last SIGKILL, notes, method)."""
+    def kill(
+        self, trees: Iterable[EngineTree], dry_run: bool = False
+    ) -> tuple[list[Victim], float | None, list[str], str]:
+        """Stop and SIGKILL every tree. Returns (victims, monotonic time of the last SIGKILL, notes, method).
+
+        `dry_run` is the caller's, per kill: the record it writes and what is signalled can never disagree.
+        """
         notes: list[str] = []
         victims: dict[int, Victim] = {}
         trees = list(trees)
@@ -116,7 +118,7 @@ class Killer:
                 victim = self._pin(proc, tree.kind, tree.root.pid)
                 if victim is not None:
                     victims[proc.pid] = victim
-        if self.dry_run:
+        if dry_run:
             for v in victims.values():
                 os.close(v.pidfd)
             return list(victims.values()), None, notes, "dry-run"

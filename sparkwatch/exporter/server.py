@@ -24,9 +24,7 @@ def build_registry(
     events: EventLogLike | None = None,
 ) -> CollectorRegistry:
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(
-        SparkwatchCollector(latest, settings=settings, guard=guard, events=events)
-    )
+    registry.register(SparkwatchCollector(latest, settings=settings, guard=guard, events=events))
     return registry
 
 

@@ -100,7 +100,7 @@ class Guard:
         # Everything the kill path needs exists before the first poll: fds open, threads started, code imported.
         self.meminfo = MeminfoReader(settings.proc_root)
         self.scanner = ProcScanner(settings.proc_root)
-        self.killer = Killer(settings.proc_root, self.rules, self.scope, dry_run=settings.dry_run)
+        self.killer = Killer(settings.proc_root, self.rules, self.scope)
         self.reaper = Reaper(settings.proc_root, self._announce, self._finish)
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._poller = select.poll()
@@ -140,7 +140,6 @@ class Guard:
             self.scope = scope
             self.killer.rules = rules
             self.killer.scope = scope
-            self.killer.dry_run = settings.dry_run
         self._wake()  # a new floor or poll interval takes effect now, not after the current sleep
         return self.LIVE_KEYS
 
@@ -243,7 +242,7 @@ class Guard:
             settings, params, rules, scope = self.settings, self.params, self.rules, self.scope
         scan = self.scanner.scan()
         trees = find_engine_trees(scan.procs, rules, scope)
-        victims, signaled_at, notes, method = self.killer.kill(trees)
+        victims, signaled_at, notes, method = self.killer.kill(trees, dry_run=settings.dry_run)
         facts = KillFacts(
             trigger=trigger,
             mem=mem,
