@@ -26,6 +26,7 @@ from pydantic import (
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from sparkwatch.core.engines import compile_engine_patterns, compile_protect_patterns
+from sparkwatch.core.redact import redact_url
 from sparkwatch.units import GiB, format_size, parse_size
 
 ENV_PREFIX = "SPARKWATCH_"
@@ -173,15 +174,8 @@ class Settings(BaseSettings):
         if self.webhook_secret is not None:
             data["webhook_secret"] = "********"
         if self.webhook_url is not None:
-            data["webhook_url"] = _redact_url(str(self.webhook_url))
+            data["webhook_url"] = redact_url(str(self.webhook_url)) + "/…"
         return data
-
-
-def _redact_url(url: str) -> str:
-    """Keep scheme and host, hide path and query: Slack-style URLs carry their secret in the path."""
-    scheme, _, rest = url.partition("://")
-    host = rest.split("/", 1)[0].rsplit("@", 1)[-1]
-    return f"{scheme}://{host}/…"
 
 
 class _MappingSource(PydanticBaseSettingsSource):

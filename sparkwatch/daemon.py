@@ -90,7 +90,9 @@ class Daemon:
                 self.settings.telemetry_interval_s,
                 on_event=self.events.append,
             )
-            registry = build_registry(self.settings, lambda: self.telemetry.latest, self.guard, self.events)
+            registry = build_registry(
+                self.settings, lambda: self.telemetry.latest, self.guard, self.events, self.outbox
+            )
         except Exception as exc:
             log(f"ERROR telemetry unavailable: {type(exc).__name__}: {exc}; the guard keeps running")
             return

@@ -10,9 +10,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from sparkwatch.actuators.events import EventLog, make_event
 from sparkwatch.actuators.outbox import AlertRouter, Outbox, alert_payload
+from sparkwatch.config import load_settings
+from sparkwatch.exporter.server import build_registry, render
+from tests.conftest import require_tool
 from tests.receiver import GarbageServer, Receiver, wait_until
 
 SECRET = "s3cr3t-hmac-key"
@@ -241,3 +245,37 @@ def test_router_alerts_and_rate_limits(tmp_path: Path, receiver: Receiver) -> No
     assert router.suppressed_total == 1
     logged = [json.loads(line)["summary"] for line in (tmp_path / "events.jsonl").read_text().splitlines()]
     assert len(logged) == 6  # every event is recorded, alert or not
+
+
+def test_outbox_state_is_exported(tmp_path: Path, receiver: Receiver) -> None:
+    """A receiver that answers 500 shows as a pending alert and climbing failures on /metrics, then as delivered."""
+    receiver.mode = "500"
+    box = make_outbox(tmp_path / "outbox", receiver.url_base + PATH_SECRET, [])
+    registry = build_registry(load_settings(overrides={"state_dir": tmp_path}), lambda: None, outbox=box)
+
+    def scrape() -> dict[str, float]:
+        text = render(registry).decode()
+        assert PATH_SECRET not in text and SECRET not in text
+        return {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
+
+    box.start()
+    try:
+        box.submit(payload(1))
+        assert wait_until(lambda: box.failed_attempts_total >= 2)
+        failing = scrape()
+        assert failing["sparkwatch_alerts_pending"] == 1
+        assert failing["sparkwatch_alert_delivery_failures_total"] >= 2
+        assert "sparkwatch_alert_last_delivery_timestamp_seconds" not in failing
+        receiver.mode = "ok"
+        assert wait_until(lambda: box.delivered_total == 1)
+        delivered = scrape()
+    finally:
+        box.stop()
+    assert delivered["sparkwatch_alerts_pending"] == 0
+    assert delivered["sparkwatch_alerts_delivered_total"] == 1
+    assert delivered["sparkwatch_alert_last_delivery_timestamp_seconds"] > 0
+    promtool = require_tool("promtool")
+    lint = subprocess.run(
+        [promtool, "check", "metrics"], input=render(registry).decode(), capture_output=True, text=True
+    )
+    assert lint.returncode == 0, lint.stdout + lint.stderr

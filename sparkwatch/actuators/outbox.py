@@ -38,6 +38,7 @@ from pathlib import Path
 
 from sparkwatch import __version__
 from sparkwatch.core.alerts import RateState, alert_text, dedup_key, is_alerting, rate_limit
+from sparkwatch.core.redact import redact_url
 from sparkwatch.model import Event
 
 _SAFE_ID = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
@@ -54,11 +55,6 @@ def alert_payload(event: Event) -> dict[str, object]:
     data = event.to_json_dict()
     data["text"] = alert_text(event.kind, event.node, event.summary)
     return data
-
-
-def redact_url(url: str) -> str:
-    parts = urllib.parse.urlsplit(url)
-    return f"{parts.scheme}://{parts.hostname or '?'}" + (f":{parts.port}" if parts.port else "")
 
 
 class DeliveryError(Exception):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import urllib.parse
 from collections.abc import Sequence
 
 CMDLINE_MAX_CHARS = 240
@@ -47,3 +48,9 @@ def redact_argv(argv: Sequence[str]) -> list[str]:
 def safe_cmdline(argv: Sequence[str], limit: int = CMDLINE_MAX_CHARS) -> str:
     text = " ".join(redact_argv(argv)).strip()  # setproctitle pads the title with spaces
     return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def redact_url(url: str) -> str:
+    """scheme://host[:port] only: a Slack-style webhook URL carries its secret in the path (and userinfo may too)."""
+    parts = urllib.parse.urlsplit(url)
+    return f"{parts.scheme}://{parts.hostname or '?'}" + (f":{parts.port}" if parts.port else "")

@@ -45,6 +45,16 @@ class EventLogLike(Protocol):
     write_errors_total: int
 
 
+class OutboxLike(Protocol):
+    delivered_total: int
+    failed_attempts_total: int
+    spool_errors_total: int
+    last_delivery_timestamp_s: float | None
+
+    @property
+    def pending(self) -> int: ...
+
+
 def _guard_copy(guard: GuardLike | None) -> tuple[GuardStats | None, Settings | None]:
     """The guard's counters and its live settings (SIGHUP may change floor, warn headroom, dry run), under its lock."""
     if guard is None:
@@ -70,9 +80,11 @@ class SparkwatchCollector(Collector):
         settings: Settings,
         guard: GuardLike | None = None,
         events: EventLogLike | None = None,
+        outbox: OutboxLike | None = None,
         monotonic: Callable[[], float] = time.monotonic,
     ) -> None:
         self.latest = latest
+        self.outbox = outbox
         self.settings = settings  # what was configured at start; the guard's own copy wins once there is a guard
         self.guard = guard
         self.events = events
@@ -103,6 +115,8 @@ class SparkwatchCollector(Collector):
                 "Events that could not be made durable in events.jsonl (unwritable or full state dir)",
                 value=self.events.write_errors_total,
             )
+        if self.outbox is not None:
+            yield from _outbox_families(self.outbox)
         if snap is None:
             return
         yield from self._engines(snap)
@@ -345,3 +359,21 @@ def _driver_families(d: DriverReport) -> Iterator[Metric]:
         1,
     )
     yield info
+
+
+def _outbox_families(box: OutboxLike) -> Iterator[Metric]:
+    """The webhook outbox: a receiver that is down shows as pending alerts and climbing failures, never as silence."""
+    yield GaugeMetricFamily(P + "alerts_pending", "Alerts spooled and not yet acknowledged by the webhook", box.pending)
+    yield CounterMetricFamily(P + "alerts_delivered", "Alerts the webhook acknowledged (2xx)", box.delivered_total)
+    yield CounterMetricFamily(
+        P + "alert_delivery_failures", "Failed delivery attempts (refused, timeout, non-2xx)", box.failed_attempts_total
+    )
+    yield CounterMetricFamily(
+        P + "alert_spool_errors", "Alerts that could not be spooled to disk (kept in memory)", box.spool_errors_total
+    )
+    if box.last_delivery_timestamp_s is not None:
+        yield GaugeMetricFamily(
+            P + "alert_last_delivery_timestamp_seconds",
+            "When the webhook last acknowledged an alert",
+            box.last_delivery_timestamp_s,
+        )

@@ -13,7 +13,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.exposition import start_http_server
 
 from sparkwatch.config import Settings
-from sparkwatch.exporter.collector import EventLogLike, GuardLike, SparkwatchCollector
+from sparkwatch.exporter.collector import EventLogLike, GuardLike, OutboxLike, SparkwatchCollector
 from sparkwatch.model import Snapshot
 
 
@@ -22,9 +22,10 @@ def build_registry(
     latest: Callable[[], Snapshot | None],
     guard: GuardLike | None = None,
     events: EventLogLike | None = None,
+    outbox: OutboxLike | None = None,
 ) -> CollectorRegistry:
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(SparkwatchCollector(latest, settings=settings, guard=guard, events=events))
+    registry.register(SparkwatchCollector(latest, settings=settings, guard=guard, events=events, outbox=outbox))
     return registry
 
 
