@@ -27,6 +27,8 @@ EXTRA_METRICS = {
     "guard_loop_age_seconds": "SparkwatchGuardStuck and the poll-interval panel: a stuck guard grows it",
     "telemetry_last_cycle_timestamp_seconds": "SparkwatchTelemetryStale",
     "compile_max_jobs": "state set {engine,pid,state=set|unset|unknown}: MAX_JOBS in an engine tree's environment",
+    "alerts_pending": "SparkwatchAlertsUndelivered: alerts spooled, not yet acknowledged by the webhook",
+    "alert_delivery_failures_total": "SparkwatchAlertsUndelivered: failed webhook attempts",
 }
 
 # Grafana unit ids (packages/grafana-data/src/valueFormats/categories.ts) this dashboard may use.

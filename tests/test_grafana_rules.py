@@ -23,6 +23,7 @@ REQUIRED_ALERTS = {
     "SparkwatchTelemetryStale",
     "SparkwatchCollectorFailing",
     "SparkwatchTPPeerLost",
+    "SparkwatchAlertsUndelivered",
 }
 
 
