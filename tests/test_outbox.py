@@ -234,17 +234,18 @@ def test_router_alerts_and_rate_limits(tmp_path: Path, receiver: Receiver) -> No
         events.append(make_event("kill", "kill 2"))  # every kill alerts
         events.append(make_event("low_headroom", "low 1"))
         events.append(make_event("low_headroom", "low 2"))  # within 15 min: suppressed
-        events.append(make_event("no_victim", "not an alert kind"))
+        events.append(make_event("jit_state", "not an alert kind"))
+        events.append(make_event("no_victim", "nothing to kill"))  # the guard fired and found no engine
         now[0] += 901
         events.append(make_event("low_headroom", "low 3"))
-        assert wait_until(lambda: box.delivered_total == 4)
+        assert wait_until(lambda: box.delivered_total == 5)
     finally:
         box.stop()
     got = sorted(d.payload["summary"] for d in receiver.deliveries)  # type: ignore[type-var]
-    assert got == ["kill 1", "kill 2", "low 1", "low 3"]
+    assert got == ["kill 1", "kill 2", "low 1", "low 3", "nothing to kill"]
     assert router.suppressed_total == 1
     logged = [json.loads(line)["summary"] for line in (tmp_path / "events.jsonl").read_text().splitlines()]
-    assert len(logged) == 6  # every event is recorded, alert or not
+    assert len(logged) == 7  # every event is recorded, alert or not
 
 
 def test_outbox_state_is_exported(tmp_path: Path, receiver: Receiver) -> None:

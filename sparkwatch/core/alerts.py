@@ -15,6 +15,7 @@ from sparkwatch.model import DriverReport
 # Event kind -> minimum seconds between two alerts with the same dedup key. 0: every event alerts.
 ALERT_MIN_INTERVAL_S: Mapping[str, float] = {
     "kill": 0.0,
+    "no_victim": 0.0,  # the guard fired and found no engine to kill: the box is on its own, a human must look
     "driver_stranded": 0.0,  # episodes are cut upstream (driver_step): one event per episode
     "driver_will_strand": 0.0,
     "driver_version_mismatch": 0.0,
@@ -174,6 +175,7 @@ def alert_text(kind: str, node: str, summary: str) -> str:
     """The one `text` line Slack-compatible receivers show as is."""
     icon = {
         "kill": ":skull:",
+        "no_victim": ":rotating_light:",
         "driver_stranded": ":rotating_light:",
         "driver_will_strand": ":warning:",
         "driver_version_mismatch": ":warning:",
