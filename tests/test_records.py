@@ -124,10 +124,14 @@ def test_unwritable_state_dir_is_an_error_not_a_crash(tmp_path: Path) -> None:
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")
     log = EventLog(blocker / "events.jsonl")
+    heard = []
+    log.subscribe(heard.append)
+    event = make_event("kill", "x")
     with pytest.raises(EventLogError):
-        log.append(make_event("kill", "x"))
+        log.append(event)
     assert log.write_errors_total == 1
     assert log.recent  # still kept in memory for the exporter
+    assert heard == [event]  # and still handed to the alert outbox: a kill on a full disk is not a silent kill
 
 
 def test_read_events_tail_skips_torn_lines(tmp_path: Path) -> None:

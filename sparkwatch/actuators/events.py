@@ -53,7 +53,8 @@ class EventLog:
     """Appends events durably and keeps the last few in memory for the exporter and `status`.
 
     Thread-safe. Listeners (the alert outbox, the journal) are called after the fsync, so an alert never exists
-    for an event the disk does not have.
+    for an event the disk could have had and lost. When the disk refuses the event (full, read-only, unwritable state
+    dir) the listeners still get it: a kill that pages a human from memory beats a kill nobody hears of.
     """
 
     def __init__(self, path: Path, keep: int = 64) -> None:
@@ -73,8 +74,10 @@ class EventLog:
             return tuple(self._recent)
 
     def append(self, event: Event) -> None:
-        """Write and fsync one event, then tell listeners. Raises EventLogError if it is not durable."""
+        """Write and fsync one event, then tell listeners. Raises EventLogError (after telling the listeners) if the
+        event could not be made durable."""
         line = (json.dumps(event.to_json_dict(), separators=(",", ":"), default=str) + "\n").encode()
+        failure: EventLogError | None = None
         with self._lock:
             self._recent.append(event)
             try:
@@ -82,9 +85,11 @@ class EventLog:
             except OSError as exc:
                 self.write_errors_total += 1
                 self.last_error = f"{self.path}: {exc.strerror or exc}"
-                raise EventLogError(exc.errno or 0, self.last_error) from exc
+                failure = EventLogError(exc.errno or 0, self.last_error)
         for listener in self._listeners:
             listener(event)
+        if failure is not None:
+            raise failure
 
     def _write(self, line: bytes) -> None:
         created = not self.path.exists()
