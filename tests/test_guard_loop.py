@@ -108,3 +108,16 @@ def test_loop_thread_polls_and_stops(proc_root: Path, tmp_path: Path) -> None:
         t0 = time.monotonic()
         guard.stop()
         assert time.monotonic() - t0 < 2  # the wake pipe ends the sleep at once
+
+
+def test_warm_scans_run_on_the_scout_near_the_floor_only(proc_root: Path, tmp_path: Path) -> None:
+    guard = make_guard(proc_root, tmp_path / "state")
+    guard.start()
+    try:
+        time.sleep(1.5)
+        assert guard.warm_scans_total == 0  # 110 GiB above the floor: no scan at all
+        write_in_place(proc_root / "meminfo", low(10 * 1024 * 1024))  # 2 GiB above an 8 GiB floor, inside warn
+        assert wait_until(lambda: guard.warm_scans_total >= 2, 5)
+        assert guard.stats.poll_interval_s <= 0.2
+    finally:
+        guard.stop()

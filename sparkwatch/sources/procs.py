@@ -71,7 +71,11 @@ class ScanResult:
 
 
 class ProcScanner:
-    """Scans a proc tree. Keeps a small argv cache between scans; not thread-safe (one scanner per thread)."""
+    """Scans a proc tree. Keeps a small argv cache between scans.
+
+    Two threads may scan with one scanner (the guard and its scout): the cache sees only single dict reads and
+    writes, which are atomic, and a prune that copies the items first. A lost insert costs one cmdline read.
+    """
 
     def __init__(self, proc_root: Path = Path("/proc")) -> None:
         self.proc_root = str(proc_root)
@@ -135,7 +139,8 @@ class ProcScanner:
                 procs.append(proc)
         if len(self._argv_cache) > 4 * len(procs) + 256:
             live = {(p.pid, p.start_ticks, p.comm) for p in procs}
-            self._argv_cache = {k: v for k, v in self._argv_cache.items() if k in live}
+            # list() copies the items in one step: the guard and its scout thread may share this scanner.
+            self._argv_cache = {k: v for k, v in list(self._argv_cache.items()) if k in live}
         return ScanResult(tuple(procs), vanished, errors, reads)
 
 
