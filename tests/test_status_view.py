@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from datetime import UTC
 
 from rich.console import Console
@@ -10,7 +11,6 @@ from sparkwatch.core.trend import BuildRate, PoolTrend, build_rate, pool_trend, 
 from sparkwatch.model import (
     CollectorStatus,
     CompileCensus,
-    DriverReport,
     EngineCompile,
     EngineTree,
     GpuDevice,
@@ -34,6 +34,7 @@ from sparkwatch.tui.status_view import (
     trend_line,
 )
 from sparkwatch.units import GiB, MiB
+from tests.helpers.scenario import stranded_driver
 
 GB10 = MemInfo(
     total_bytes=127600748 * 1024,
@@ -208,28 +209,6 @@ def test_frame_rows_answer_is_it_hung() -> None:
     assert "ERRORS     gpu: NVMLError_LibraryNotFound" in out
 
 
-def _driver(verdict: str, summary: str) -> DriverReport:
-    return DriverReport(
-        verdict=verdict,
-        summary=summary,
-        running_kernel="6.11.0-1016-nvidia",
-        next_boot_kernel="6.17.0-1008-nvidia",
-        running_modules=(),
-        next_boot_modules=("/lib/modules/6.17.0-1008-nvidia/kernel/nvidia-580-open/nvidia.ko",),
-        stranded=True,
-        next_boot_ok=True,
-        loaded=False,
-        loaded_version=None,
-        library_version="580.95.05",
-        module_version="580.95.05",
-        version_mismatch=False,
-        reboot_required=True,
-        reboot_required_pkgs=(),
-        dkms=False,
-        open_modules=True,
-    )
-
-
 def test_frame_with_a_gpu_report_and_a_driver_verdict() -> None:
     # A GB10 as NVML reports it: memory and power limit unsupported (None), the rest answered.
     gb10 = GpuDevice(
@@ -244,7 +223,9 @@ def test_frame_with_a_gpu_report_and_a_driver_verdict() -> None:
         sm_clock_hertz=2.418e9,
     )
     report = GpuReport(up=True, nvml_return_code=0, driver_version="580.95.05", devices=(gb10,))
-    stranded = _driver("stranded", "kernel 6.11.0-1016-nvidia has no NVIDIA modules; reboot into 6.17.0-1008-nvidia")
+    stranded = replace(
+        stranded_driver(), summary="kernel 6.11.0-1016-nvidia has no NVIDIA modules; reboot into 6.17.0-1008-nvidia"
+    )
     snap = Snapshot(ts=1_795_000_000.0, mem=GB10, gpu=report, driver=stranded)
     out = text_of(render(_frame(snapshot=snap, builds=()), 140, tz=UTC))
     assert "GPU        NVIDIA GB10 · 12 W · 0 % util · 41 °C · SM 2.42 GHz · driver 580.95.05" in out
