@@ -40,6 +40,20 @@ def require_tool(name: str) -> str:
     return path
 
 
+def rewrite_in_place(path: Path, text: str | bytes) -> None:
+    """Replace a fixture file's content without a new inode: meminfo readers keep their fd open, as procfs allows.
+
+    pwrite then ftruncate, never truncate first: a reader racing the rewrite sees old or new text, not an empty file.
+    """
+    data = text.encode() if isinstance(text, str) else text
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        os.pwrite(fd, data, 0)
+        os.ftruncate(fd, len(data))
+    finally:
+        os.close(fd)
+
+
 def descendants(pid: int) -> list[int]:
     out: list[int] = []
     frontier = [pid]

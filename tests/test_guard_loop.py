@@ -10,17 +10,9 @@ import pytest
 from sparkwatch.actuators.events import EventLog, read_events
 from sparkwatch.config import load_settings
 from sparkwatch.loops.guard import Guard
-from tests.conftest import wait_until
+from tests.conftest import rewrite_in_place, wait_until
 
 GB10 = (Path(__file__).parent / "fixtures" / "proc" / "meminfo.gb10-idle").read_text()
-
-
-def write_in_place(path: Path, text: str) -> None:
-    # The guard keeps meminfo open: rewrite the same inode, as procfs regenerates the same file.
-    with open(path, "a+") as fh:
-        fh.seek(0)
-        fh.truncate()
-        fh.write(text)
 
 
 def low(avail_kb: int) -> str:
@@ -47,7 +39,7 @@ def test_garbled_meminfo_is_reported_never_a_kill(proc_root: Path, tmp_path: Pat
     guard.reaper.start()
     try:
         for garbage in ("", "MemTotal: 1 kB\n", "MemTotal: x kB\nMemFree: 1 kB\nMemAvailable: 0 kB\n", "\0" * 100):
-            write_in_place(proc_root / "meminfo", garbage)
+            rewrite_in_place(proc_root / "meminfo", garbage)
             for _ in range(3):
                 guard.tick()
         assert guard.stats.meminfo_errors_total == 12
@@ -56,7 +48,7 @@ def test_garbled_meminfo_is_reported_never_a_kill(proc_root: Path, tmp_path: Pat
         time.sleep(0.2)
         assert read_events(guard.settings.events_path) == []
         # The guard is still alive and acts on the next good sample.
-        write_in_place(proc_root / "meminfo", low(4839424))
+        rewrite_in_place(proc_root / "meminfo", low(4839424))
         assert {guard.tick() for _ in range(3)}
         assert wait_until(lambda: bool(read_events(guard.settings.events_path)), 5)
         (event,) = read_events(guard.settings.events_path)
@@ -74,14 +66,14 @@ def test_unwritable_state_dir_keeps_the_guard_running(
     guard = make_guard(proc_root, blocker / "state")
     guard.reaper.start()
     try:
-        write_in_place(proc_root / "meminfo", low(4839424))
+        rewrite_in_place(proc_root / "meminfo", low(4839424))
         for _ in range(3):
             guard.tick()
         assert wait_until(lambda: guard.events.write_errors_total == 1, 5)
-        write_in_place(proc_root / "meminfo", GB10)
+        rewrite_in_place(proc_root / "meminfo", GB10)
         guard.tick()  # re-arms
         assert guard.state.armed
-        write_in_place(proc_root / "meminfo", low(4839424))
+        rewrite_in_place(proc_root / "meminfo", low(4839424))
         for _ in range(3):
             guard.tick()
         assert wait_until(lambda: guard.events.write_errors_total == 2, 5)
@@ -100,7 +92,7 @@ def test_loop_thread_polls_and_stops(proc_root: Path, tmp_path: Path) -> None:
     try:
         assert wait_until(lambda: len(beats) >= 2, 5)  # far from the floor: about one look a second
         assert guard.stats.poll_interval_s == guard.params.poll_max_s
-        write_in_place(proc_root / "meminfo", low(9 * 1024 * 1024))  # 1 GiB above the floor
+        rewrite_in_place(proc_root / "meminfo", low(9 * 1024 * 1024))  # 1 GiB above the floor
         n = len(beats)
         assert wait_until(lambda: len(beats) >= n + 5, 5)  # near the floor it looks much more often
         assert guard.stats.poll_interval_s <= 0.1
@@ -116,7 +108,7 @@ def test_warm_scans_run_on_the_scout_near_the_floor_only(proc_root: Path, tmp_pa
     try:
         time.sleep(1.5)
         assert guard.warm_scans_total == 0  # 110 GiB above the floor: no scan at all
-        write_in_place(proc_root / "meminfo", low(10 * 1024 * 1024))  # 2 GiB above an 8 GiB floor, inside warn
+        rewrite_in_place(proc_root / "meminfo", low(10 * 1024 * 1024))  # 2 GiB above an 8 GiB floor, inside warn
         assert wait_until(lambda: guard.warm_scans_total >= 2, 5)
         assert guard.stats.poll_interval_s <= 0.2
     finally:

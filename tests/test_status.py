@@ -27,7 +27,7 @@ from sparkwatch.actuators.events import EventLog, make_event
 from sparkwatch.sources.procs import read_children
 from sparkwatch.tui.status_view import FLOOR_MARK, WARN_MARK
 from sparkwatch.units import GiB
-from tests.conftest import require, require_tool
+from tests.conftest import require, require_tool, rewrite_in_place
 from tests.helpers.engine_tree import staged_engine
 from tests.helpers.jit_build import flashinfer_module
 
@@ -56,12 +56,8 @@ def write_meminfo(path: Path, available_bytes: int, cached_bytes: int = 3 * GiB)
         f"Cached:         {cached_bytes // 1024:>12} kB\n"
         f"SwapTotal:      {0:>12} kB\n"
         f"SwapFree:       {0:>12} kB\n"
-    ).encode()
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
-    try:
-        os.pwrite(fd, text, 0)
-    finally:
-        os.close(fd)
+    )
+    rewrite_in_place(path, text)
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import require, require_tool
+from tests.conftest import require, require_tool, rewrite_in_place
 from tests.sdtools import (
     Daemon,
     NotifyReceiver,
@@ -48,13 +48,6 @@ def meminfo_text(total: int, available: int) -> str:
         "SwapTotal:             0 kB\n"
         "SwapFree:              0 kB\n"
     )
-
-
-def rewrite_in_place(path: Path, text: str) -> None:
-    # The guard reads meminfo through a fd kept open for its lifetime: replace the content, not the inode.
-    with path.open("r+") as fh:
-        fh.write(text)
-        fh.truncate()
 
 
 def watchdogs(messages: list[tuple[float, str]], since: float = 0.0) -> list[float]:

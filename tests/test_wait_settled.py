@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 from sparkwatch.units import GiB
+from tests.conftest import rewrite_in_place
 from tests.helpers.engine_tree import staged_engine
 
 CLI = [sys.executable, "-m", "sparkwatch", "wait-settled"]
@@ -142,12 +143,8 @@ def _write_meminfo(path: Path, available_bytes: int) -> None:
         f"MemAvailable:   {available_bytes // 1024:>12} kB\n"
         f"Buffers:        {1000:>12} kB\n"
         f"Cached:         {2000000:>12} kB\n"
-    ).encode()
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
-    try:
-        os.pwrite(fd, text, 0)
-    finally:
-        os.close(fd)
+    )
+    rewrite_in_place(path, text)
 
 
 def test_waits_while_memory_is_still_coming_back(tmp_path: Path) -> None:
