@@ -9,6 +9,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from sparkwatch.core.eventkinds import EventKind
+
 
 @dataclass(frozen=True, slots=True)
 class MemInfo:
@@ -80,7 +82,7 @@ class Event:
 
     id: str
     ts: str
-    kind: str
+    kind: EventKind
     node: str
     summary: str
     fields: Mapping[str, object] = field(default_factory=dict)

@@ -14,6 +14,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from sparkwatch.core.eventkinds import EventKind
 from sparkwatch.model import Event
 
 
@@ -32,7 +33,7 @@ def new_event_id(ts: float | None = None) -> str:
 
 
 def make_event(
-    kind: str,
+    kind: EventKind,
     summary: str,
     fields: Mapping[str, object] | None = None,
     ts: float | None = None,

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from sparkwatch.config import Settings
+from sparkwatch.core.eventkinds import EventKind
 from sparkwatch.model import Event
 
 JOURNAL_SOCKET = Path("/run/systemd/journal/socket")
@@ -32,14 +33,14 @@ JOURNAL_SOCKET = Path("/run/systemd/journal/socket")
 # syslog priorities, as journald's PRIORITY= field takes them.
 PRIORITY_CRIT, PRIORITY_ERR, PRIORITY_WARNING, PRIORITY_NOTICE, PRIORITY_INFO = 2, 3, 4, 5, 6
 # A kill (or a low-memory firing that found nothing to kill) is an error; `journalctl -p err` must show it.
-EVENT_PRIORITY = {
-    "kill": PRIORITY_ERR,
-    "no_victim": PRIORITY_ERR,
-    "driver_stranded": PRIORITY_ERR,
-    "low_headroom": PRIORITY_WARNING,
-    "compile_burst": PRIORITY_WARNING,
-    "jit_stalled": PRIORITY_WARNING,
-    "driver_recovered": PRIORITY_NOTICE,
+EVENT_PRIORITY: dict[str, int] = {
+    EventKind.KILL: PRIORITY_ERR,
+    EventKind.NO_VICTIM: PRIORITY_ERR,
+    EventKind.DRIVER_STRANDED: PRIORITY_ERR,
+    EventKind.LOW_HEADROOM: PRIORITY_WARNING,
+    EventKind.COMPILE_BURST: PRIORITY_WARNING,
+    EventKind.JIT_STALLED: PRIORITY_WARNING,
+    EventKind.DRIVER_RECOVERED: PRIORITY_NOTICE,
 }
 
 

@@ -10,39 +10,40 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from sparkwatch.core.eventkinds import EventKind
 from sparkwatch.model import DriverReport
 
 # Event kind -> minimum seconds between two alerts with the same dedup key. 0: every event alerts.
-ALERT_MIN_INTERVAL_S: Mapping[str, float] = {
-    "kill": 0.0,
-    "no_victim": 0.0,  # the guard fired and found no engine to kill: the box is on its own, a human must look
-    "driver_stranded": 0.0,  # episodes are cut upstream (driver_step): one event per episode
-    "driver_will_strand": 0.0,
-    "driver_version_mismatch": 0.0,
-    "driver_not_loaded": 0.0,
-    "driver_recovered": 0.0,
-    "low_headroom": 900.0,
-    "compile_burst": 900.0,
-    "max_jobs_missing": 3600.0,
-    "jit_stalled": 1800.0,
+ALERT_MIN_INTERVAL_S: Mapping[EventKind, float] = {
+    EventKind.KILL: 0.0,
+    EventKind.NO_VICTIM: 0.0,  # the guard fired and found no engine to kill: the box is on its own, a human must look
+    EventKind.DRIVER_STRANDED: 0.0,  # episodes are cut upstream (driver_step): one event per episode
+    EventKind.DRIVER_WILL_STRAND: 0.0,
+    EventKind.DRIVER_VERSION_MISMATCH: 0.0,
+    EventKind.DRIVER_NOT_LOADED: 0.0,
+    EventKind.DRIVER_RECOVERED: 0.0,
+    EventKind.LOW_HEADROOM: 900.0,
+    EventKind.COMPILE_BURST: 900.0,
+    EventKind.MAX_JOBS_MISSING: 3600.0,
+    EventKind.JIT_STALLED: 1800.0,
 }
 
 # Driver problems, worst first, and the event kind each one opens an episode with.
-DRIVER_PROBLEM_KINDS: Mapping[str, str] = {
-    "stranded": "driver_stranded",
-    "will_strand": "driver_will_strand",
-    "version_mismatch": "driver_version_mismatch",
-    "not_loaded": "driver_not_loaded",
+DRIVER_PROBLEM_KINDS: Mapping[str, EventKind] = {
+    "stranded": EventKind.DRIVER_STRANDED,
+    "will_strand": EventKind.DRIVER_WILL_STRAND,
+    "version_mismatch": EventKind.DRIVER_VERSION_MISMATCH,
+    "not_loaded": EventKind.DRIVER_NOT_LOADED,
 }
 
 
-def is_alerting(kind: str) -> bool:
+def is_alerting(kind: EventKind) -> bool:
     return kind in ALERT_MIN_INTERVAL_S
 
 
-def dedup_key(kind: str, fields: Mapping[str, object]) -> str:
+def dedup_key(kind: EventKind, fields: Mapping[str, object]) -> str:
     """Events with the same key are one alert stream for rate limiting. A kill is never folded into another."""
-    if kind == "kill":
+    if kind == EventKind.KILL:
         return f"kill:{fields.get('id', '')}"
     for name in ("engine_root_pid", "root_pid", "pid", "cache", "kernel"):
         value = fields.get(name)
@@ -56,7 +57,7 @@ class RateState:
     last_sent_s: Mapping[str, float] = field(default_factory=dict)
 
 
-def rate_limit(state: RateState, kind: str, key: str, now_s: float) -> tuple[RateState, bool]:
+def rate_limit(state: RateState, kind: EventKind, key: str, now_s: float) -> tuple[RateState, bool]:
     """Whether an alerting event goes out now, and the new state. Unknown kinds never alert."""
     interval = ALERT_MIN_INTERVAL_S.get(kind)
     if interval is None:
@@ -75,7 +76,7 @@ def rate_limit(state: RateState, kind: str, key: str, now_s: float) -> tuple[Rat
 
 @dataclass(frozen=True, slots=True)
 class DriverAlert:
-    kind: str
+    kind: EventKind
     summary: str
     fields: Mapping[str, object]
 
@@ -125,7 +126,7 @@ def driver_step(open_problems: frozenset[str], report: DriverReport) -> tuple[fr
     if open_problems and not now:
         alerts.append(
             DriverAlert(
-                "driver_recovered",
+                EventKind.DRIVER_RECOVERED,
                 f"driver recovered: {report.summary} (was: {', '.join(sorted(open_problems))})",
                 {**fields, "cleared": sorted(open_problems)},
             )

@@ -22,6 +22,7 @@ from sparkwatch.actuators.killer import Killer, KillJob, Reaper
 from sparkwatch.config import Settings
 from sparkwatch.core import guard as core
 from sparkwatch.core.engines import EngineRules, Scope, find_engine_trees
+from sparkwatch.core.eventkinds import EventKind
 from sparkwatch.core.killrecord import KillFacts, kill_fields, kill_line, kill_summary, victims_of
 from sparkwatch.model import MemInfo
 from sparkwatch.sources.meminfo import MeminfoError, MeminfoReader
@@ -307,7 +308,7 @@ class Guard:
                 f"sparkwatch: WARNING pids {list(facts.survivors)} not gone {self.reaper.wait_s:.0f} s after "
                 f"SIGKILL (D state?); the guard keeps running"
             )
-        kind = "kill" if facts.trees else "no_victim"
+        kind = EventKind.KILL if facts.trees else EventKind.NO_VICTIM
         event = make_event(kind, kill_summary(facts), kill_fields(facts))
         try:
             self.events.append(event)

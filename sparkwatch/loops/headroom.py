@@ -12,6 +12,7 @@ import threading
 from sparkwatch.actuators.events import EventLog, EventLogError, make_event
 from sparkwatch.config import Settings
 from sparkwatch.core.alerts import headroom_step
+from sparkwatch.core.eventkinds import EventKind
 from sparkwatch.loops.guard import Guard
 from sparkwatch.units import format_size
 
@@ -61,7 +62,7 @@ class HeadroomWatcher:
             "warn_headroom_bytes": s.warn_headroom,
         }
         try:
-            self.events.append(make_event("low_headroom", summary, fields))
+            self.events.append(make_event(EventKind.LOW_HEADROOM, summary, fields))
         except EventLogError as exc:
             print(f"sparkwatch: ERROR could not record low_headroom event: {exc}", file=sys.stderr, flush=True)
         return True

@@ -23,6 +23,7 @@ from sparkwatch.config import Settings
 from sparkwatch.core import compile as compile_core
 from sparkwatch.core import jit as jit_core
 from sparkwatch.core.engines import EngineRules, Scope, find_engine_trees
+from sparkwatch.core.eventkinds import EventKind
 from sparkwatch.model import (
     CollectorStatus,
     CompileCensus,
@@ -237,7 +238,7 @@ class Telemetry:
             self._jit_tracks, observations, growing, self.jit_params, now
         )
         for change in changes:
-            kind = "jit_stalled" if change.new == jit_core.STALLED else "jit_state"
+            kind = EventKind.JIT_STALLED if change.new == jit_core.STALLED else EventKind.JIT_STATE
             summary = f"{change.kind} engine {change.root_pid}: JIT {change.old} -> {change.new}: {change.reason}"
             if change.new == jit_core.STALLED:
                 summary += ". It did compile, and nothing has moved since; check it before killing it."
@@ -254,7 +255,7 @@ class Telemetry:
     def _burst_events(self, census: CompileCensus, now: float) -> None:
         self._burst, alert = compile_core.burst_step(self._burst, census, self.settings.compile_jobs_alert, now)
         if alert is not None:
-            self._events.append(make_event("compile_burst", alert.summary, alert.fields, ts=now))
+            self._events.append(make_event(EventKind.COMPILE_BURST, alert.summary, alert.fields, ts=now))
 
     def close(self) -> None:
         close_gpu = getattr(self.gpu_source, "close", None)

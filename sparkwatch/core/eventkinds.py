@@ -1,0 +1,36 @@
+"""Every kind of event sparkwatch records: the one list, typed, so a misspelt kind is a mypy error, not a lost alert.
+
+The values are the `kind` field of events.jsonl, the journal's SPARKWATCH_EVENT field and the webhook body: a contract
+(docs/contract.md). Add a kind here first; `core.alerts` says whether and how often it alerts.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+
+class EventKind(StrEnum):
+    # The guard
+    KILL = "kill"  # engine trees SIGKILLed below the floor
+    NO_VICTIM = "no_victim"  # the guard fired and found no engine it may kill
+    KILL_CANCELLED = "kill_cancelled"  # memory recovered between the decision and the signal: nothing was signalled
+    KILL_LOOP = "kill_loop"  # the same engine was killed again and again (a supervisor restarts it into the spike)
+    # The driver (drift between the running kernel, the next boot and the NVIDIA packages)
+    DRIVER_STRANDED = "driver_stranded"
+    DRIVER_WILL_STRAND = "driver_will_strand"
+    DRIVER_VERSION_MISMATCH = "driver_version_mismatch"
+    DRIVER_NOT_LOADED = "driver_not_loaded"
+    DRIVER_RECOVERED = "driver_recovered"
+    # The kernel log (NVRM and Xid lines)
+    XID = "xid"
+    DRIVER_ALLOC_FAILED = "driver_alloc_failed"
+    # Memory and the boot
+    LOW_HEADROOM = "low_headroom"
+    COMPILE_BURST = "compile_burst"
+    MAX_JOBS_MISSING = "max_jobs_missing"
+    JIT_STALLED = "jit_stalled"
+    JIT_STATE = "jit_state"
+    # sparkwatch itself
+    OUTBOX_DROPPED = "outbox_dropped"  # the alert outbox hit its cap and dropped its oldest alerts
+    OUTBOX_QUARANTINED = "outbox_quarantined"  # an unreadable spool file was moved to outbox/bad/
+    COMPONENT_RESTARTED = "component_restarted"  # a supervised part (telemetry) died and was restarted
