@@ -130,13 +130,22 @@ def openssl(*args: str) -> None:
 
 
 def make_pki(d: Path) -> None:
+    """A CA, a server and a client certificate with the extensions a strict verifier requires (Python 3.13 sets
+    VERIFY_X509_STRICT by default: a CA without keyUsage, or a leaf without authorityKeyIdentifier, is refused)."""
     ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
     openssl("req", "-x509", *ec, "-keyout", str(d / "ca.key"), "-out", str(d / "ca.pem"), "-days", "2",
-            "-subj", "/CN=sparkwatch test CA")  # fmt: skip
+            "-subj", "/CN=sparkwatch test CA", "-addext", "basicConstraints=critical,CA:TRUE",
+            "-addext", "keyUsage=critical,keyCertSign,cRLSign")  # fmt: skip
+    leaf = "authorityKeyIdentifier=keyid,issuer\nkeyUsage=critical,digitalSignature\n"
     for name, cn in (("server", "127.0.0.1"), ("client", "prometheus")):
         openssl("req", *ec, "-keyout", str(d / f"{name}.key"), "-out", str(d / f"{name}.csr"), "-subj", f"/CN={cn}")
         ext = d / f"{name}.ext"
-        ext.write_text("subjectAltName=IP:127.0.0.1\n" if name == "server" else "extendedKeyUsage=clientAuth\n")
+        usage = (
+            "subjectAltName=IP:127.0.0.1\nextendedKeyUsage=serverAuth\n"
+            if name == "server"
+            else ("extendedKeyUsage=clientAuth\n")
+        )
+        ext.write_text(leaf + usage)
         openssl("x509", "-req", "-in", str(d / f"{name}.csr"), "-CA", str(d / "ca.pem"), "-CAkey", str(d / "ca.key"),
                 "-CAcreateserial", "-out", str(d / f"{name}.pem"), "-days", "2", "-extfile", str(ext))  # fmt: skip
 
