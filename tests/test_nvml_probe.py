@@ -61,6 +61,8 @@ def test_a_hung_probe_is_not_piled_up(monkeypatch: pytest.MonkeyPatch) -> None:
         return system.NvmlFacts(library_version="12.580.95.05")
 
     monkeypatch.setattr(system, "_ask_nvml", hang)
+    # A probe thread another test abandoned (a hanging fake NVML) may still be alive: start from none of ours.
+    monkeypatch.setattr(system, "_last_probe", {})
     try:
         first = probe_nvml(timeout_s=0.1)
         assert first.error is not None and "did not answer" in first.error

@@ -274,6 +274,15 @@ def read_for(fd: int, seconds: float) -> bytes:
     return b"".join(chunks)
 
 
+def read_until(fd: int, needle: bytes, timeout_s: float) -> bytes:
+    """Read until `needle` has appeared (a start-up on a loaded machine can take seconds), bounded by timeout_s."""
+    data = b""
+    deadline = time.monotonic() + timeout_s
+    while needle not in data and time.monotonic() < deadline:
+        data += read_for(fd, 0.1)
+    return data
+
+
 def test_live_frames_update_in_place(tmp_path: Path, mount_namespace: None, pty_pair: tuple[int, int]) -> None:
     main_fd, sub_fd = pty_pair
     meminfo = tmp_path / "meminfo"
@@ -289,8 +298,10 @@ def test_live_frames_update_in_place(tmp_path: Path, mount_namespace: None, pty_
         start_new_session=True,
     )
     try:
-        first = read_for(main_fd, 1.5)
-        # The pool drains 1 GiB every 0.2 s: about 5 GiB/s, the speed of a real start-up spike (FIELD-NOTES).
+        # The drain starts only once the first full frame is on the screen, however slow the start-up.
+        first = read_until(main_fd, b"available 40.0 GiB", 30)
+        assert b"available 40.0 GiB" in first, first[-2000:]
+        # The pool drains 1 GiB every 0.2 s: about 5 GiB/s, the speed of a real start-up spike on a Spark.
         stream = [first]
         for _ in range(12):
             available -= GiB
