@@ -4,7 +4,8 @@ Scrape-time work is rendering only: no /proc, NVML or disk I/O. The Snapshot is 
 read, so a scrape never mixes two cycles), and the guard's counters are copied under its lock, which the guard holds
 only for a few field assignments: a scrape during a kill sees the counters before or after it, never half.
 
-Names and labels are the DESIGN.md metrics contract; `promtool check metrics` lints the output in the tests.
+Names, types and labels are the contract in sparkwatch/exporter/contract.py (tests hold this to it);
+`promtool check metrics` lints the output in the tests.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""GPU metric families from a GpuReport (DESIGN.md, Metrics: the gpu_* names are a contract).
+"""GPU metric families from a GpuReport (the gpu_* names are a contract: sparkwatch/exporter/contract.py).
 
 Identity (name, uuid, bus id, driver version, unified) is only on `sparkwatch_gpu_info`, as node_exporter and
 dcgm-exporter do; every other per-GPU series carries `gpu` (the NVML index) and `uuid`, so a dashboard joins on

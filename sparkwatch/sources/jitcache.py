@@ -1,6 +1,6 @@
 """JIT caches on disk: flashinfer's <base>/<version>/<arch>/ trees and vLLM's torch compile cache.
 
-Cheap by construction (FIELD-NOTES "Watching without disturbing": a `du` loop churned the page cache a model needed).
+Cheap by construction: on Sparks, a `du` loop every 10 s churned the page cache a 79 GB model needed resident.
 A warm flashinfer cache holds ~100,000 files in a few thousand directories; re-walking it every second would cost
 tens of milliseconds and touch every inode. Instead every directory's totals are cached, keyed on its mtime (which
 changes when an entry is added, removed or renamed), and each cycle stats only:
