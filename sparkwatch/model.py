@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from sparkwatch.core.eventkinds import EventKind
-from sparkwatch.core.states import CheckStatus, DriverVerdict, JitState, MaxJobsState
+from sparkwatch.core.states import CheckStatus, DriverVerdict, EnvSource, JitCacheKind, JitState, MaxJobsState
 
 
 @dataclass(frozen=True, slots=True)
@@ -291,7 +291,7 @@ class EngineCompile:
     max_jobs_state: MaxJobsState  # SET: the value is in max_jobs
 
     max_jobs: str | None = None
-    max_jobs_source: str | None = None  # "compiler", "raylet" or "engine": whose environ gave the answer
+    max_jobs_source: EnvSource | None = None  # whose environ gave the answer
 
 
 @dataclass(frozen=True, slots=True)
@@ -310,7 +310,7 @@ class CompileCensus:
 class JitCacheState:
     """One JIT cache: flashinfer's <base>/<version>/<arch>/, or vLLM's torch compile cache (version/arch empty)."""
 
-    cache: str  # "flashinfer" or "vllm"
+    cache: JitCacheKind
     version: str
     arch: str
     path: str

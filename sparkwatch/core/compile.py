@@ -17,7 +17,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from sparkwatch.core.eventkinds import EventKind
-from sparkwatch.core.states import MaxJobsState
+from sparkwatch.core.states import EnvSource, MaxJobsState
 from sparkwatch.model import CompileCensus, EngineCompile, EngineTree, Proc
 
 # Every tool the census reports, in exposition order; each is exported even at 0, so "none" is visible.
@@ -83,9 +83,9 @@ class EnvReading:
 
 @dataclass(frozen=True, slots=True)
 class EnvironRequest:
-    """Whose environ the census needs this cycle, and why (role: "compiler", "raylet" or "engine")."""
+    """Whose environ the census needs this cycle, and why."""
 
-    pids: Mapping[int, str]
+    pids: Mapping[int, EnvSource]
 
 
 def _ancestors(proc: Proc, by_pid: Mapping[int, Proc]) -> list[Proc]:
@@ -133,7 +133,7 @@ def environ_request(procs: Sequence[Proc], trees: Sequence[EngineTree]) -> Envir
     alone would lie. The compiler itself is best: it shows what was inherited.
     """
     by_pid = {p.pid: p for p in procs}
-    pids: dict[int, str] = {}
+    pids: dict[int, EnvSource] = {}
     for tree in trees:
         compiler = _first_compiler(tree)
         if compiler is not None:
@@ -147,10 +147,14 @@ def environ_request(procs: Sequence[Proc], trees: Sequence[EngineTree]) -> Envir
 
 def _max_jobs_of(
     tree: EngineTree, by_pid: Mapping[int, Proc], environ: Mapping[int, EnvReading]
-) -> tuple[MaxJobsState, str | None, str | None]:
+) -> tuple[MaxJobsState, str | None, EnvSource | None]:
     compiler = _first_compiler(tree)
     raylet = _raylet_for(tree, by_pid)
-    candidates = [(compiler, "compiler"), (raylet, "raylet"), (tree.root, "engine")]
+    candidates: list[tuple[Proc | None, EnvSource]] = [
+        (compiler, "compiler"),
+        (raylet, "raylet"),
+        (tree.root, "engine"),
+    ]
     for proc, role in candidates:
         if proc is None:
             continue

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 from sparkwatch.core.engines import EngineRules, engine_kind
 from sparkwatch.core.states import CheckStatus
@@ -24,7 +25,8 @@ RAY_MONITOR_VAR = "RAY_memory_monitor_refresh_ms"
 @dataclass(frozen=True, slots=True)
 class EnvTarget:
     proc: Proc
-    role: str  # "engine:<kind>" or "raylet"
+    role: Literal["engine", "raylet"]
+    kind: str | None = None  # the engine kind, for role "engine"
 
 
 def is_raylet(proc: Proc) -> bool:
@@ -55,12 +57,12 @@ def env_targets(procs: Sequence[Proc], rules: EngineRules) -> tuple[EnvTarget, .
             seen.add(parent.pid)
             parent = by_pid.get(parent.ppid)
         if not inner:
-            out.append(EnvTarget(p, f"engine:{kind}"))
+            out.append(EnvTarget(p, "engine", kind))
     return tuple(out)
 
 
 def _who(t: EnvTarget) -> str:
-    return f"{t.role.removeprefix('engine:')} pid {t.proc.pid} ({t.proc.display_name})"
+    return f"{t.kind if t.role == 'engine' else 'raylet'} pid {t.proc.pid} ({t.proc.display_name})"
 
 
 def max_jobs_check(

@@ -12,10 +12,11 @@ from dataclasses import dataclass
 
 from sparkwatch.core.compile import is_compiler
 from sparkwatch.core.engines import EngineRules, engine_kind
+from sparkwatch.core.states import ProcRole
 from sparkwatch.model import EngineTree, Proc
 
 
-def role_of(proc: Proc, tree: EngineTree, rules: EngineRules) -> str:
+def role_of(proc: Proc, tree: EngineTree, rules: EngineRules) -> ProcRole:
     if proc.pid == tree.root.pid:
         return "root"
     if is_compiler(proc):
@@ -30,7 +31,7 @@ class TreeRow:
     proc: Proc
     depth: int
     prefix: str  # box drawing before the pid: "", "├─ ", "│  └─ "
-    role: str
+    role: ProcRole
 
 
 def tree_rows(tree: EngineTree, rules: EngineRules) -> list[TreeRow]:

@@ -7,6 +7,15 @@ JSON and the webhook body: those strings are a contract (docs/contract.md). Even
 from __future__ import annotations
 
 from enum import StrEnum
+from typing import Literal
+
+# Whose /proc/<pid>/environ answered the MAX_JOBS question: a live compiler (what was really inherited), its raylet
+# (Ray actors inherit the raylet's environment, not the shell's), or the engine root.
+EnvSource = Literal["compiler", "raylet", "engine"]
+# A process's role in an engine tree as `sparkwatch engines` draws it (core.proctree).
+ProcRole = Literal["root", "worker", "compiler", "process"]
+# Which JIT cache a JitCacheState is: flashinfer's <base>/<version>/<arch>/ or vLLM's torch compile cache.
+JitCacheKind = Literal["flashinfer", "vllm"]
 
 
 class DriverVerdict(StrEnum):

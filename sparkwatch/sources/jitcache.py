@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from sparkwatch.core.jit import ninja_object_targets
+from sparkwatch.core.states import JitCacheKind
 from sparkwatch.model import JitCacheState
 
 HOT_S = 120.0
@@ -45,7 +46,7 @@ class _Dir:
 class CacheTree:
     """One cache root and the cached state of every directory under it."""
 
-    def __init__(self, cache: str, version: str, arch: str, path: str) -> None:
+    def __init__(self, cache: JitCacheKind, version: str, arch: str, path: str) -> None:
         self.cache, self.version, self.arch, self.path = cache, version, arch, path
         self._dirs: dict[str, _Dir] = {}
         self._ring: list[str] = []
@@ -237,8 +238,8 @@ class JitCacheSource:
         self.vllm_dirs = list(vllm_dirs)
         self._trees: dict[str, CacheTree] = {}
 
-    def _roots(self) -> list[tuple[str, str, str, str]]:
-        roots = []
+    def _roots(self) -> list[tuple[JitCacheKind, str, str, str]]:
+        roots: list[tuple[JitCacheKind, str, str, str]] = []
         for base in self.flashinfer_dirs:
             for version in _subdirs(base):
                 for arch in _subdirs(version):
