@@ -81,7 +81,7 @@ class StaticOutbox:
     delivered_total = 3
     failed_attempts_total = 2
     spool_errors_total = 0
-    last_delivery_timestamp_s = FIXED_MTIME + 90.0
+    last_delivery_timestamp_s: float | None = FIXED_MTIME + 90.0
 
 
 def h200(index: int) -> GpuDevice:
@@ -281,7 +281,7 @@ def test_golden_webhook_request_for_a_kill(tmp_path: Path, webhook: tuple[str, C
     outbox.start()
     try:
         log.append(golden_kill())
-        assert wait_until(lambda: captured.requests, 20, 0.05), "no delivery"
+        assert wait_until(lambda: bool(captured.requests), 20, 0.05), "no delivery"
     finally:
         outbox.stop()
     path, headers, body = captured.requests[0]
@@ -304,7 +304,7 @@ def test_golden_webhook_request_for_a_kill(tmp_path: Path, webhook: tuple[str, C
 def test_every_command_is_documented_with_its_exit_codes() -> None:
     parser = build_parser()
     sub = next(a for a in parser._actions if a.dest == "command")
-    commands = set(sub.choices or ())  # type: ignore[arg-type]
+    commands = set(sub.choices or ())
     documented = set(re.findall(r"^\| `([a-z-]+)[ `]", contract_section("Command line"), re.M))
     assert commands == documented
 

@@ -10,7 +10,7 @@ from sparkwatch.core.alerts import dedup_key, is_alerting
 from sparkwatch.core.engines import EngineRules, Scope, find_engine_trees
 from sparkwatch.core.eventkinds import EventKind
 from sparkwatch.core.states import MaxJobsState
-from sparkwatch.model import Proc
+from sparkwatch.model import CompileCensus, Proc
 
 
 def proc(pid: int, ppid: int, comm: str, argv: tuple[str, ...] = (), *, rss: int = 0, state: str = "S") -> Proc:
@@ -65,7 +65,7 @@ def test_kernel_threads_are_never_compilers() -> None:
     assert cc.tool_of(p) is None
 
 
-def burst_tree(max_jobs: str | None, jobs: int) -> tuple[list[Proc], cc.CompileCensus]:
+def burst_tree(max_jobs: str | None, jobs: int) -> tuple[list[Proc], CompileCensus]:
     procs = [proc(1, 0, "systemd"), proc(100, 1, "VLLM::EngineCor", ("VLLM::EngineCore",))]
     if jobs:
         procs.append(proc(101, 100, "ninja"))
