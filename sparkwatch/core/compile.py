@@ -2,8 +2,8 @@
 
 flashinfer JIT-compiles inside vLLM's profiling run: python -> ninja -> nvcc -> cicc / ptxas / fatbinary (and c++
 for host code). ninja defaults to one job per core, and each nvcc/cicc holds 3-8 GiB: on a Spark's 20 cores that
-is ~70 GiB on top of resident weights. A healthy reading with MAX_JOBS=4, sampled on
-Sparks, is 7-9 processes (4 ninja jobs plus each nvcc's cicc/ptxas children).
+is ~70 GiB on top of resident weights. A healthy reading with MAX_JOBS=4, sampled on Sparks, is 7-9 processes (4 ninja
+jobs plus each nvcc's cicc/ptxas children).
 
 `tool_of` / `is_compiler` is the one "is this a compiler" rule: the census, the JIT state and the tree view use it.
 
@@ -129,8 +129,8 @@ def _first_compiler(tree: EngineTree) -> Proc | None:
 def environ_request(procs: Sequence[Proc], trees: Sequence[EngineTree]) -> EnvironRequest:
     """Which environs to read: per engine tree, a live compiler (the truth), its raylet, and its root.
 
-    With Ray, actors inherit the raylet's environment, not the shell's that ran `vllm serve`, so the root
-    alone would lie. The compiler itself is best: it shows what was inherited.
+    With Ray, actors inherit the raylet's environment, not the shell's that ran `vllm serve`, so the root alone
+    would lie. The compiler itself is best: it shows what was inherited.
     """
     by_pid = {p.pid: p for p in procs}
     pids: dict[int, EnvSource] = {}
