@@ -70,7 +70,7 @@ class ConfigError(Exception):
 
 
 class Settings(BaseSettings):
-    """Every key is documented in README.md; the names are a contract (DESIGN.md)."""
+    """Every key is documented in README.md and docs/contract.md; the names are a contract."""
 
     model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="forbid", frozen=True, validate_default=True)
 

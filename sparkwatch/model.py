@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from sparkwatch.core.eventkinds import EventKind
+from sparkwatch.core.states import CheckStatus, DriverVerdict, EnvSource, JitCacheKind, JitState, MaxJobsState
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,7 +104,7 @@ class Event:
 
 @dataclass(frozen=True, slots=True)
 class NvmlFacts:
-    """What NVML said, when it was asked (live root only). Codes: 9 DRIVER_NOT_LOADED, 18 LIB_RM_VERSION_MISMATCH."""
+    """What NVML said, when it was asked (live root only). `error_code` is NVML's (core.nvmlcodes.NvmlReturn)."""
 
     library_version: str | None = None  # nvmlSystemGetNVMLVersion, e.g. "12.580.95.05"
     driver_version: str | None = None  # nvmlSystemGetDriverVersion, e.g. "580.95.05"
@@ -154,7 +155,7 @@ class DriverReport:
     """The drift verdict. `verdict` is the worst finding: stranded > will_strand > version_mismatch > not_loaded >
     reboot_pending > ok; `absent` when no NVIDIA driver is installed at all, `unknown` when the facts are too thin."""
 
-    verdict: str
+    verdict: DriverVerdict
     summary: str
     running_kernel: str | None
     next_boot_kernel: str | None
@@ -176,10 +177,10 @@ class DriverReport:
 
 @dataclass(frozen=True, slots=True)
 class Check:
-    """One line of `sparkwatch doctor`: status ok|warn|fail|skip; `fix` is commands a human runs."""
+    """One line of `sparkwatch doctor`; `fix` is commands a human runs."""
 
     id: str
-    status: str
+    status: CheckStatus
     summary: str
     fix: str | None = None
     detail: str | None = None
@@ -255,8 +256,7 @@ class GpuReport:
     """What sources.nvml.NvmlSource saw this cycle.
 
     `up` is False when NVML could not be initialised or stopped answering; `nvml_return_code` then holds NVML's code
-    (9 driver not loaded, 12 library not found, 18 driver/library version mismatch), or None when a call hung
-    (`error` says which). When up, the code is 0 (NVML_SUCCESS).
+    (core.nvmlcodes.NvmlReturn), or None when a call hung (`error` says which). When up, the code is 0 (SUCCESS).
     """
 
     up: bool
@@ -288,10 +288,10 @@ class EngineCompile:
     root_pid: int
     tools: Mapping[str, int]  # tool -> live process count
     rss_bytes: int
-    # "set" (value in max_jobs), "unset", or "unknown" (no environ readable: another user, hidepid, gone)
-    max_jobs_state: str
+    max_jobs_state: MaxJobsState  # SET: the value is in max_jobs
+
     max_jobs: str | None = None
-    max_jobs_source: str | None = None  # "engine" or "raylet": whose environ gave the answer
+    max_jobs_source: EnvSource | None = None  # whose environ gave the answer
 
 
 @dataclass(frozen=True, slots=True)
@@ -310,7 +310,7 @@ class CompileCensus:
 class JitCacheState:
     """One JIT cache: flashinfer's <base>/<version>/<arch>/, or vLLM's torch compile cache (version/arch empty)."""
 
-    cache: str  # "flashinfer" or "vllm"
+    cache: JitCacheKind
     version: str
     arch: str
     path: str
@@ -330,7 +330,7 @@ class JitEngineState:
 
     kind: str
     root_pid: int
-    state: str
+    state: JitState
     since_ts: float
     reason: str
 

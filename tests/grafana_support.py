@@ -1,4 +1,8 @@
-"""What the Grafana/Prometheus tests share: the committed artefacts, their queries, and the metric contract."""
+"""What the Grafana/Prometheus tests share: the committed artefacts, their queries, and the metric contract.
+
+The contract is sparkwatch/exporter/contract.py's METRICS: the one list of families, which the exporter is held to as
+well (tests/test_contract.py).
+"""
 
 from __future__ import annotations
 
@@ -11,25 +15,15 @@ from typing import Any
 
 import yaml
 
+from sparkwatch.exporter.contract import METRICS, series_names
+
 REPO = Path(__file__).resolve().parent.parent
 GRAFANA = REPO / "grafana"
 DASHBOARD = GRAFANA / "dashboards" / "sparkwatch-node.json"
 ALERTS = GRAFANA / "alerts.yml"
 ALERTS_TEST = GRAFANA / "alerts_test.yml"
-DESIGN = REPO.parent / "shared" / "DESIGN.md"
 
 DATASOURCE_REF = {"type": "prometheus", "uid": "${datasource}"}
-
-# sparkwatch_* series the dashboard and rules use beyond DESIGN.md's list (the exporter must publish them; the
-# queries fall back where they can, see docs/grafana.md).
-EXTRA_METRICS = {
-    "memory_warn_headroom_bytes": "the warn line and SparkwatchHeadroomLow (fallback: the 4 GiB default)",
-    "guard_loop_age_seconds": "SparkwatchGuardStuck and the poll-interval panel: a stuck guard grows it",
-    "telemetry_last_cycle_timestamp_seconds": "SparkwatchTelemetryStale",
-    "compile_max_jobs": "state set {engine,pid,state=set|unset|unknown}: MAX_JOBS in an engine tree's environment",
-    "alerts_pending": "SparkwatchAlertsUndelivered: alerts spooled, not yet acknowledged by the webhook",
-    "alert_delivery_failures_total": "SparkwatchAlertsUndelivered: failed webhook attempts",
-}
 
 # Grafana unit ids (packages/grafana-data/src/valueFormats/categories.ts) this dashboard may use.
 GRAFANA_UNITS = {
@@ -115,22 +109,6 @@ def metric_names(expr: str) -> set[str]:
     return {name for name, _labels in SELECTOR_RE.findall(expr) if name.startswith("sparkwatch_")}
 
 
-def design_metrics(text: str) -> set[str]:
-    """The metric names of DESIGN.md's "Metrics" section, braces expanded, labels dropped, histogram series added."""
-    section = text.split("### Metrics", 1)[1].split("\n### ", 1)[0]
-    names: set[str] = set()
-    for quoted in re.findall(r"`([^`]+)`", section):
-        # A brace group followed by more name is an alternation (memory_{total,used}_bytes); at the end, labels.
-        token = re.sub(r"\{[^}]*\}$", "", quoted.split(" ")[0])
-        if not re.fullmatch(r"[a-z0-9_{},]+", token) or "_" not in token or token.startswith("sparkwatch"):
-            continue  # prose in backticks: `promtool check metrics`, the prefix `sparkwatch_`
-        expanded = [""]
-        for literal, group in re.findall(r"([a-z0-9_]*)(?:\{([^}]*)\})?", token):
-            options = group.split(",") if group else [""]
-            expanded = [e + literal + o for e in expanded for o in options]
-        names.update(expanded)
-    names.discard("")
-    histograms = {"guard_kill_duration_seconds"}
-    for h in histograms & names:
-        names.update({f"{h}_bucket", f"{h}_sum", f"{h}_count"})
-    return {f"sparkwatch_{n}" for n in names}
+def contract_series() -> set[str]:
+    """Every series name the exporter may publish: the contract's families, a histogram's _bucket/_sum/_count."""
+    return {name for spec in METRICS for name in series_names(spec)}

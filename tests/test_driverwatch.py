@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -267,3 +268,21 @@ def test_unknown_running_kernel_keeps_the_stranded_episode_open(tmp_path: Path) 
     report = judge(read_driver_facts(root.write()))
     opened, alerts = driver_step(frozenset({"stranded"}), report)
     assert "stranded" in opened and [a.kind for a in alerts if a.kind == "driver_recovered"] == []
+
+
+def test_episode_state_from_another_version_keeps_what_it_knows(tmp_path: Path) -> None:
+    """A state file with a problem name this version does not know (or garbage) never crashes the watcher: known
+    problems stay open (no second page), unknown ones are dropped."""
+    root = fx.stranded_after_update(tmp_path / "root")
+    root.write()
+    state = tmp_path / "state"
+    state.mkdir()
+    (state / "driver-alerts.json").write_text('{"open_problems": ["stranded", "gpu_on_fire"]}')
+    w = watcher(root.path, state)
+    assert w.check() is not None
+    assert kinds(state) == []  # "stranded" was already open: no second alert
+    (state / "driver-alerts.json").write_text('{"open_problems": 7}')  # before: TypeError out of the constructor
+    w2 = watcher(root.path, state)
+    w2.check()
+    assert kinds(state) == ["driver_stranded"]  # unreadable state: a fresh episode
+    assert json.loads((state / "driver-alerts.json").read_text()) == {"open_problems": ["stranded"]}

@@ -7,7 +7,9 @@ import sys
 from pathlib import Path
 
 from sparkwatch.core.compile import tool_of
-from sparkwatch.model import Proc
+from sparkwatch.core.engines import EngineRules
+from sparkwatch.core.proctree import tree_rows
+from sparkwatch.model import EngineTree, Proc
 from sparkwatch.sources.procenv import EnvironReader
 from sparkwatch.sources.procs import ProcScanner, read_start_ticks
 from tests.conftest import Spawner, wait_until
@@ -31,3 +33,29 @@ def test_zombie_compilers_are_not_counted() -> None:
     zombie = Proc(pid=11, ppid=1, uid=0, comm="nvcc", state="Z", start_ticks=1, rss_bytes=0, argv=())
     assert tool_of(live) == "nvcc"
     assert tool_of(zombie) is None
+
+
+def test_the_tree_view_and_the_census_share_one_compiler_rule() -> None:
+    """A finished nvcc not yet reaped is not a compiler in the census, and not one in `sparkwatch engines` either."""
+    root = Proc(
+        pid=10, ppid=1, uid=0, comm="VLLM::EngineCor", state="S", start_ticks=1, rss_bytes=1, argv=("VLLM::EngineCore",)
+    )
+    ninja = Proc(pid=11, ppid=10, uid=0, comm="ninja", state="S", start_ticks=2, rss_bytes=1, argv=("ninja",))
+    zombie = Proc(pid=12, ppid=11, uid=0, comm="nvcc", state="Z", start_ticks=3, rss_bytes=0, argv=())
+    host = Proc(
+        pid=13,
+        ppid=11,
+        uid=0,
+        comm="aarch64-linux-gnu-g++-13"[:15],
+        state="R",
+        start_ticks=4,
+        rss_bytes=1,
+        argv=("aarch64-linux-gnu-g++-13",),
+    )
+    gcc = Proc(pid=14, ppid=11, uid=0, comm="gcc-13", state="R", start_ticks=5, rss_bytes=1, argv=("gcc-13",))
+    tree = EngineTree("vllm", root, (root, ninja, zombie, host, gcc))
+    roles = {row.proc.pid: row.role for row in tree_rows(tree, EngineRules.build())}
+    assert roles == {10: "root", 11: "compiler", 12: "process", 13: "process", 14: "compiler"}
+    assert {pid: tool_of(p) is not None for pid, p in ((11, ninja), (12, zombie), (13, host), (14, gcc))} == {
+        pid: roles[pid] == "compiler" for pid in (11, 12, 13, 14)
+    }

@@ -55,7 +55,7 @@ RATE_INTERVAL = "4s"  # what Grafana computes for $__rate_interval with a 1 s sc
 INTERVAL = "1s"
 RANGE = "20s"
 
-NO_GPU = "no NVIDIA GPU here: NVML series are absent, never 0 (DESIGN.md); checked on the H200 capture instead"
+NO_GPU = "no NVIDIA GPU here: NVML series are absent, never 0 (docs/contract.md); checked on the H200 capture instead"
 # What a whole `sparkwatch run` exported on a real H200 host (captured through the device tool; its tests hold it to
 # the contract): the second node of the side-by-side checks, and the one with a GPU.
 H200_EXPOSITION = Path(__file__).resolve().parent / "fixtures" / "gpu" / "h200-daemon-metrics.prom"

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from sparkwatch.core.drift import judge
-from sparkwatch.sources.system import probe_nvml, read_driver_facts
+from sparkwatch.sources.nvml import probe_nvml
+from sparkwatch.sources.system import read_driver_facts
 
 
 def test_probe_without_a_driver_answers_quickly() -> None:
@@ -52,17 +53,17 @@ def test_a_hung_probe_is_not_piled_up(monkeypatch: pytest.MonkeyPatch) -> None:
     """A driver call that never returns (a wedged GPU) costs one thread, not one a minute."""
     import threading
 
-    from sparkwatch.sources import system
+    from sparkwatch.sources import nvml
 
     release = threading.Event()
 
-    def hang() -> system.NvmlFacts:
+    def hang() -> nvml.NvmlFacts:
         release.wait(10)
-        return system.NvmlFacts(library_version="12.580.95.05")
+        return nvml.NvmlFacts(library_version="12.580.95.05")
 
-    monkeypatch.setattr(system, "_ask_nvml", hang)
+    monkeypatch.setattr(nvml, "_ask_nvml", hang)
     # A probe thread another test abandoned (a hanging fake NVML) may still be alive: start from none of ours.
-    monkeypatch.setattr(system, "_last_probe", {})
+    monkeypatch.setattr(nvml, "_last_probe", {})
     try:
         first = probe_nvml(timeout_s=0.1)
         assert first.error is not None and "did not answer" in first.error
@@ -75,9 +76,9 @@ def test_a_hung_probe_is_not_piled_up(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def wait_for_thread_exit() -> bool:
-    from sparkwatch.sources import system
+    from sparkwatch.sources import nvml
 
-    thread = system._last_probe.get("thread")
+    thread = nvml._last_probe.get("thread")
     if thread is not None:
         thread.join(5)
     return thread is None or not thread.is_alive()

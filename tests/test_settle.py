@@ -35,7 +35,7 @@ def test_never_settled_while_an_engine_process_is_left() -> None:
 
 
 def test_settles_after_quiet_period_once_engines_are_gone() -> None:
-    # Engines go at t=2; memory is flat (noise of 100 MiB, FIELD-NOTES' figure) from then on.
+    # Engines go at t=2; memory is flat (noise of 100 MiB, as measured on a Spark) from then on.
     samples = [(t * 0.5, 3 if t * 0.5 < 2 else 0, 20 * GiB + (t % 2) * 100 * MiB) for t in range(30)]
     verdicts = feed(samples)
     first = next(i for i, v in enumerate(verdicts) if v.settled)

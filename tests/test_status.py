@@ -31,7 +31,7 @@ from tests.conftest import require, require_tool, rewrite_in_place
 from tests.helpers.engine_tree import staged_engine
 from tests.helpers.jit_build import flashinfer_module
 
-GB10_TOTAL_KB = 127600748  # a GB10's MemTotal (FIELD-NOTES)
+GB10_TOTAL_KB = 127600748  # a GB10's MemTotal, as a real one reads it
 STATUS = [sys.executable, "-m", "sparkwatch", "status"]
 # Runs the rest of the command line with $0 bind-mounted over /proc/meminfo, in a mount namespace of its own.
 UNSHARE = [
@@ -301,7 +301,8 @@ def test_live_frames_update_in_place(tmp_path: Path, mount_namespace: None, pty_
         # The drain starts only once the first full frame is on the screen, however slow the start-up.
         first = read_until(main_fd, b"available 40.0 GiB", 30)
         assert b"available 40.0 GiB" in first, first[-2000:]
-        # The pool drains 1 GiB every 0.2 s: about 5 GiB/s, the speed of a real start-up spike on a Spark.
+        # The pool drains 1 GiB every 0.2 s: about 5 GiB/s, a start-up spike's order of magnitude (a real one on a
+        # Spark went 34 -> 12.7 GiB in ~1.5 s).
         stream = [first]
         for _ in range(12):
             available -= GiB

@@ -6,8 +6,11 @@ import pytest
 
 from sparkwatch.core import compile as cc
 from sparkwatch.core import jit
+from sparkwatch.core.alerts import dedup_key, is_alerting
 from sparkwatch.core.engines import EngineRules, Scope, find_engine_trees
-from sparkwatch.model import Proc
+from sparkwatch.core.eventkinds import EventKind
+from sparkwatch.core.states import MaxJobsState
+from sparkwatch.model import CompileCensus, Proc
 
 
 def proc(pid: int, ppid: int, comm: str, argv: tuple[str, ...] = (), *, rss: int = 0, state: str = "S") -> Proc:
@@ -62,7 +65,7 @@ def test_kernel_threads_are_never_compilers() -> None:
     assert cc.tool_of(p) is None
 
 
-def burst_tree(max_jobs: str | None, jobs: int) -> tuple[list[Proc], cc.CompileCensus]:
+def burst_tree(max_jobs: str | None, jobs: int) -> tuple[list[Proc], CompileCensus]:
     procs = [proc(1, 0, "systemd"), proc(100, 1, "VLLM::EngineCor", ("VLLM::EngineCore",))]
     if jobs:
         procs.append(proc(101, 100, "ninja"))
@@ -107,33 +110,63 @@ def test_environ_request_names_compiler_raylet_and_root() -> None:
     assert (engine.max_jobs_state, engine.max_jobs, engine.max_jobs_source) == ("set", "2", "raylet")
 
 
+def kinds(alerts: tuple[cc.BurstAlert, ...]) -> list[str]:
+    return [a.kind for a in alerts]
+
+
 def test_burst_alerts_once_per_burst_and_per_reason() -> None:
     state = cc.BurstState()
     _p, wide = burst_tree("4", 10)  # 20 jobs > 8
     _p, quiet = burst_tree("4", 0)
-    state, alert = cc.burst_step(state, wide, 8, now=0.0)
-    assert alert is not None and alert.reasons == ("wide",)
-    assert "20 parallel nvcc/cicc jobs exceed 8" in alert.summary
+    state, alerts = cc.burst_step(state, wide, 8, now=0.0)
+    assert kinds(alerts) == [EventKind.COMPILE_BURST]
+    assert "20 parallel nvcc/cicc jobs exceed 8" in alerts[0].summary
     for t in range(1, 20):  # the same burst, second after second: silence
-        state, alert = cc.burst_step(state, wide, 8, now=float(t))
-        assert alert is None
+        state, alerts = cc.burst_step(state, wide, 8, now=float(t))
+        assert alerts == ()
     _p, unset = burst_tree("", 10)
-    state, alert = cc.burst_step(state, unset, 8, now=20.0)  # a new reason within the burst: said once
-    assert alert is not None and alert.reasons == ("max_jobs_unset",)
-    state, alert = cc.burst_step(state, quiet, 8, now=21.0)
-    state, alert = cc.burst_step(state, wide, 8, now=25.0)  # a 4 s gap between modules: same burst
-    assert alert is None
-    state, alert = cc.burst_step(state, quiet, 8, now=26.0)
-    state, alert = cc.burst_step(state, quiet, 8, now=26.0 + cc.BURST_QUIET_S)
+    state, alerts = cc.burst_step(state, unset, 8, now=20.0)  # MAX_JOBS now unset in the burst: said once
+    assert kinds(alerts) == [EventKind.MAX_JOBS_MISSING]
+    state, alerts = cc.burst_step(state, unset, 8, now=21.0)
+    assert alerts == ()
+    state, alerts = cc.burst_step(state, quiet, 8, now=21.0)
+    state, alerts = cc.burst_step(state, wide, 8, now=25.0)  # a 4 s gap between modules: same burst
+    assert alerts == ()
+    state, alerts = cc.burst_step(state, quiet, 8, now=26.0)
+    state, alerts = cc.burst_step(state, quiet, 8, now=26.0 + cc.BURST_QUIET_S)
     assert not state.active
-    state, alert = cc.burst_step(state, wide, 8, now=100.0)  # a new burst alerts again
-    assert alert is not None and alert.reasons == ("wide",)
+    state, alerts = cc.burst_step(state, wide, 8, now=100.0)  # a new burst alerts again
+    assert kinds(alerts) == [EventKind.COMPILE_BURST]
+
+
+def test_max_jobs_missing_names_the_engine_even_in_a_narrow_burst() -> None:
+    """Two nvcc jobs are no burst yet, but with MAX_JOBS unset the next module runs one per core: say so early."""
+    _p, narrow = burst_tree("", 1)
+    _state, alerts = cc.burst_step(cc.BurstState(), narrow, 8, now=0.0)
+    (alert,) = alerts
+    assert alert.kind == EventKind.MAX_JOBS_MISSING
+    assert alert.fields["root_pid"] == 100 and alert.fields["engine"] == "vllm"
+    assert alert.fields["max_jobs_source"] == "compiler" and alert.fields["parallel_jobs"] == 2
+    assert "MAX_JOBS unset" in alert.summary and "MAX_JOBS=4" in alert.summary
+    # the alert layer rate-limits it per engine, an hour apart
+    assert is_alerting(alert.kind)
+    assert dedup_key(alert.kind, alert.fields) == "max_jobs_missing:root_pid=100"
+
+
+def test_max_jobs_unknown_is_never_reported_missing() -> None:
+    """An environ nobody could read (another user's engine, hidepid) is not evidence: no alert on a guess."""
+    procs = [proc(1, 0, "systemd"), proc(100, 1, "VLLM::EngineCor", ("VLLM::EngineCore",)), proc(101, 100, "ninja")]
+    procs += [proc(200, 101, "nvcc")]
+    trees = find_engine_trees(procs, EngineRules.build(), Scope(self_pid=99999, own_uid=0))
+    census = cc.census(procs, trees, {101: cc.EnvReading(None), 100: cc.EnvReading(None)})
+    assert census.engines[0].max_jobs_state == MaxJobsState.UNKNOWN
+    assert cc.burst_step(cc.BurstState(), census, 8, now=0.0)[1] == ()
 
 
 def test_narrow_burst_with_max_jobs_is_silent() -> None:
     _p, ok = burst_tree("4", 4)
-    state, alert = cc.burst_step(cc.BurstState(), ok, 8, now=0.0)
-    assert alert is None and state.active
+    state, alerts = cc.burst_step(cc.BurstState(), ok, 8, now=0.0)
+    assert alerts == () and state.active
 
 
 FLASHINFER_NINJA = """ninja_required_version = 1.3

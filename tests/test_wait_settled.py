@@ -88,7 +88,8 @@ def test_returns_0_after_a_staged_teardown_and_steady_memory() -> None:
 
 
 def test_returns_1_on_timeout_while_a_process_lingers() -> None:
-    # A vLLM mid-allocation shrugs off SIGTERM (FIELD-NOTES); the tree stays and the wait must give up.
+    # A vLLM mid-allocation shrugs off SIGTERM (seen on Sparks: the memory stays pinned); the tree stays and the
+    # wait must give up.
     with staged_engine(extra=["--ignore-term"]) as engine:
         engine.popen.send_signal(signal.SIGTERM)
         t0 = time.monotonic()

@@ -13,9 +13,16 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from sparkwatch.core.states import CheckStatus
 from sparkwatch.model import Check
 
-_STATUS_STYLE = {"ok": ("ok", "32"), "warn": ("WARN", "33"), "fail": ("FAIL", "1;31"), "skip": ("skip", "2")}
+_STATUS_STYLE: dict[CheckStatus, tuple[str, str]] = {
+    CheckStatus.OK: ("ok", "32"),
+    CheckStatus.WARN: ("WARN", "33"),
+    CheckStatus.FAIL: ("FAIL", "1;31"),
+    CheckStatus.SKIP: ("skip", "2"),
+}
+_SHOW_FIX = (CheckStatus.FAIL, CheckStatus.WARN)
 
 
 def add_parser(sub: Any, parent: argparse.ArgumentParser) -> None:
@@ -31,13 +38,14 @@ def run_checks(args: argparse.Namespace) -> tuple[list[Check], Path, bool]:
     from sparkwatch.core.engines import EngineRules
     from sparkwatch.sources.environ import read_environ
     from sparkwatch.sources.meminfo import MeminfoError, parse_meminfo
+    from sparkwatch.sources.nvml import probe_nvml
     from sparkwatch.sources.procs import ProcScanner
-    from sparkwatch.sources.system import probe_nvml, read_driver_facts
+    from sparkwatch.sources.system import read_driver_facts
 
     settings = settings_from(args)
     root = settings.root
     live = root.resolve() == Path("/")
-    # DESIGN: --root DIR reads DIR/proc for doctor; an explicit --proc-root still wins.
+    # --root DIR reads DIR/proc for doctor (a fixture root carries its own proc); an explicit --proc-root still wins.
     proc_root = args.proc_root if args.proc_root is not None else (settings.proc_root if live else root / "proc")
 
     facts = read_driver_facts(root, probe_nvml if live else None)
@@ -65,7 +73,7 @@ def handle(args: argparse.Namespace) -> int:
         print(f"sparkwatch doctor: --root {args.root} is not a directory", file=sys.stderr)
         return 2
     checks, root, live = run_checks(args)
-    ok = not any(c.status == "fail" for c in checks)
+    ok = not any(c.status == CheckStatus.FAIL for c in checks)
     if args.json:
         print(json.dumps({"ok": ok, "checks": [c.to_json_dict() for c in checks]}, indent=2))
     else:
@@ -79,18 +87,18 @@ def print_human(checks: list[Check], root: Path, live: bool) -> None:
     where = "this machine" if live else f"root {root} (live probes skipped)"
     print(f"sparkwatch doctor: {where}")
     for c in checks:
-        label, code = _STATUS_STYLE.get(c.status, (c.status, "0"))
+        label, code = _STATUS_STYLE[c.status]
         shown = f"\033[{code}m{label:<4}\033[0m" if color else f"{label:<4}"
         print(f"  {shown}  {c.id:<{width}}  {c.summary}")
         pad = " " * (width + 10)
-        if c.fix and c.status in ("fail", "warn"):
+        if c.fix and c.status in _SHOW_FIX:
             print(f"{pad}fix:")
             for line in c.fix.splitlines():
                 print(f"{pad}  {line}")
-        if c.detail and c.status in ("fail", "warn"):
+        if c.detail and c.status in _SHOW_FIX:
             for line in c.detail.splitlines():
                 print(f"{pad}· {line}")
-    fails = sum(c.status == "fail" for c in checks)
-    warns = sum(c.status == "warn" for c in checks)
+    fails = sum(c.status == CheckStatus.FAIL for c in checks)
+    warns = sum(c.status == CheckStatus.WARN for c in checks)
     verdict = "FAIL" if fails else "ok"
     print(f"{verdict}: {fails} failing, {warns} warnings, {len(checks)} checks")

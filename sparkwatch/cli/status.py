@@ -25,8 +25,8 @@ from sparkwatch.core.trend import build_rate, pool_trend
 from sparkwatch.model import DriverReport
 from sparkwatch.tui.status_view import BuildView, StatusFrame
 
-# History kept for the rates: 5 s of MemAvailable (the span FIELD-NOTES' noise figure is for); 60 s of objects done,
-# because an nvcc job takes tens of seconds and objects finish in steps.
+# History kept for the rates: 5 s of MemAvailable (the span a Spark's ~100 MiB noise was measured over); 60 s of
+# objects done, because an nvcc job takes tens of seconds and objects finish in steps.
 POOL_WINDOW_S = 5.0
 BUILD_WINDOW_S = 60.0
 # The driver verdict reads dpkg's status file (hundreds of KiB): once a minute is plenty, as in the daemon.

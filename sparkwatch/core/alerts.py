@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from sparkwatch.core.eventkinds import EventKind
+from sparkwatch.core.states import DriverProblem, DriverVerdict
 from sparkwatch.model import DriverReport
 
 # Event kind -> minimum seconds between two alerts with the same dedup key. 0: every event alerts.
@@ -29,11 +30,11 @@ ALERT_MIN_INTERVAL_S: Mapping[EventKind, float] = {
 }
 
 # Driver problems, worst first, and the event kind each one opens an episode with.
-DRIVER_PROBLEM_KINDS: Mapping[str, EventKind] = {
-    "stranded": EventKind.DRIVER_STRANDED,
-    "will_strand": EventKind.DRIVER_WILL_STRAND,
-    "version_mismatch": EventKind.DRIVER_VERSION_MISMATCH,
-    "not_loaded": EventKind.DRIVER_NOT_LOADED,
+DRIVER_PROBLEM_KINDS: Mapping[DriverProblem, EventKind] = {
+    DriverProblem.STRANDED: EventKind.DRIVER_STRANDED,
+    DriverProblem.WILL_STRAND: EventKind.DRIVER_WILL_STRAND,
+    DriverProblem.VERSION_MISMATCH: EventKind.DRIVER_VERSION_MISMATCH,
+    DriverProblem.NOT_LOADED: EventKind.DRIVER_NOT_LOADED,
 }
 
 
@@ -81,17 +82,17 @@ class DriverAlert:
     fields: Mapping[str, object]
 
 
-def driver_problems(report: DriverReport) -> frozenset[str]:
+def driver_problems(report: DriverReport) -> frozenset[DriverProblem]:
     """The open problems in one report. 'reboot_pending' alone is not an alert: apt sets it for every kernel update."""
-    out = set()
+    out: set[DriverProblem] = set()
     if report.stranded:
-        out.add("stranded")
+        out.add(DriverProblem.STRANDED)
     if report.next_boot_ok is False and report.next_boot_kernel != report.running_kernel:
-        out.add("will_strand")
+        out.add(DriverProblem.WILL_STRAND)
     if report.version_mismatch:
-        out.add("version_mismatch")
+        out.add(DriverProblem.VERSION_MISMATCH)
     if report.loaded is False and not report.stranded:
-        out.add("not_loaded")
+        out.add(DriverProblem.NOT_LOADED)
     return frozenset(out)
 
 
@@ -106,18 +107,20 @@ def driver_fields(report: DriverReport) -> dict[str, object]:
     }
 
 
-def driver_step(open_problems: frozenset[str], report: DriverReport) -> tuple[frozenset[str], tuple[DriverAlert, ...]]:
+def driver_step(
+    open_problems: frozenset[DriverProblem], report: DriverReport
+) -> tuple[frozenset[DriverProblem], tuple[DriverAlert, ...]]:
     """Episode transitions: one alert per problem when it appears, one `driver_recovered` when all have cleared.
 
     'unknown' and 'absent' verdicts carry no evidence, so they change nothing (a root that cannot be read for a
     moment must not announce a recovery).
     """
-    if report.verdict in ("unknown", "absent"):
+    if report.verdict in (DriverVerdict.UNKNOWN, DriverVerdict.ABSENT):
         return open_problems, ()
     now = driver_problems(report)
     if report.running_kernel is None:
         # Without the running kernel "stranded" cannot be judged either way: an open episode stays open.
-        now |= open_problems & {"stranded", "not_loaded"}
+        now |= open_problems & {DriverProblem.STRANDED, DriverProblem.NOT_LOADED}
     alerts: list[DriverAlert] = []
     fields = driver_fields(report)
     for problem, kind in DRIVER_PROBLEM_KINDS.items():
@@ -134,18 +137,18 @@ def driver_step(open_problems: frozenset[str], report: DriverReport) -> tuple[fr
     return now, tuple(alerts)
 
 
-def _problem_summary(problem: str, report: DriverReport) -> str:
-    if problem == "stranded":
+def _problem_summary(problem: DriverProblem, report: DriverReport) -> str:
+    if problem == DriverProblem.STRANDED:
         return (
             f"NVIDIA driver stranded: running kernel {report.running_kernel} has no NVIDIA modules. "
             "Run: sudo apt full-upgrade && sudo reboot, then check uname -r and nvidia-smi"
         )
-    if problem == "will_strand":
+    if problem == DriverProblem.WILL_STRAND:
         return (
             f"the next boot ({report.next_boot_kernel}) has no NVIDIA modules: do not reboot before "
             "sudo apt full-upgrade installs them (sparkwatch doctor shows the commands)"
         )
-    if problem == "version_mismatch":
+    if problem == DriverProblem.VERSION_MISMATCH:
         return (
             f"NVIDIA driver/library version mismatch: loaded {report.loaded_version or '?'}, "
             f"library {report.library_version or '?'}; a reboot loads the matching module"
@@ -174,14 +177,15 @@ def headroom_step(
 
 def alert_text(kind: str, node: str, summary: str) -> str:
     """The one `text` line Slack-compatible receivers show as is."""
-    icon = {
-        "kill": ":skull:",
-        "no_victim": ":rotating_light:",
-        "driver_stranded": ":rotating_light:",
-        "driver_will_strand": ":warning:",
-        "driver_version_mismatch": ":warning:",
-        "driver_not_loaded": ":rotating_light:",
-        "driver_recovered": ":white_check_mark:",
-        "low_headroom": ":warning:",
-    }.get(kind, ":information_source:")
+    icons: Mapping[str, str] = {
+        EventKind.KILL: ":skull:",
+        EventKind.NO_VICTIM: ":rotating_light:",
+        EventKind.DRIVER_STRANDED: ":rotating_light:",
+        EventKind.DRIVER_WILL_STRAND: ":warning:",
+        EventKind.DRIVER_VERSION_MISMATCH: ":warning:",
+        EventKind.DRIVER_NOT_LOADED: ":rotating_light:",
+        EventKind.DRIVER_RECOVERED: ":white_check_mark:",
+        EventKind.LOW_HEADROOM: ":warning:",
+    }
+    icon = icons.get(kind, ":information_source:")
     return f"{icon} sparkwatch on {node}: {summary}"

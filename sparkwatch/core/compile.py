@@ -1,8 +1,11 @@
 """The compiler census: which compilers run, in which engine tree, for which arch, and whether MAX_JOBS bounds them.
 
 flashinfer JIT-compiles inside vLLM's profiling run: python -> ninja -> nvcc -> cicc / ptxas / fatbinary (and c++
-for host code). ninja defaults to one job per core, and each nvcc/cicc holds 3-8 GiB: 20 jobs are ~70 GiB on top of
-resident weights (FIELD-NOTES "The compiler burst"). A healthy reading with MAX_JOBS=4 is 7-9 processes.
+for host code). ninja defaults to one job per core, and each nvcc/cicc holds 3-8 GiB: on a Spark's 20 cores that
+is ~70 GiB on top of resident weights. A healthy reading with MAX_JOBS=4, sampled on Sparks, is 7-9 processes (4 ninja
+jobs plus each nvcc's cicc/ptxas children).
+
+`tool_of` / `is_compiler` is the one "is this a compiler" rule: the census, the JIT state and the tree view use it.
 
 Pure: it takes the process table and the environ values a source has read, and returns records.
 """
@@ -13,6 +16,8 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from sparkwatch.core.eventkinds import EventKind
+from sparkwatch.core.states import EnvSource, MaxJobsState
 from sparkwatch.model import CompileCensus, EngineCompile, EngineTree, Proc
 
 # Every tool the census reports, in exposition order; each is exported even at 0, so "none" is visible.
@@ -44,6 +49,11 @@ def tool_of(proc: Proc) -> str | None:
     return None
 
 
+def is_compiler(proc: Proc) -> bool:
+    """A live compiler process (a zombie one compiles nothing and holds no memory)."""
+    return tool_of(proc) is not None
+
+
 def parse_archs(argv: Sequence[str]) -> frozenset[str]:
     """The CUDA archs a compiler command targets, as flashinfer names them ("121a").
 
@@ -73,9 +83,9 @@ class EnvReading:
 
 @dataclass(frozen=True, slots=True)
 class EnvironRequest:
-    """Whose environ the census needs this cycle, and why (role: "compiler", "raylet" or "engine")."""
+    """Whose environ the census needs this cycle, and why."""
 
-    pids: Mapping[int, str]
+    pids: Mapping[int, EnvSource]
 
 
 def _ancestors(proc: Proc, by_pid: Mapping[int, Proc]) -> list[Proc]:
@@ -119,11 +129,11 @@ def _first_compiler(tree: EngineTree) -> Proc | None:
 def environ_request(procs: Sequence[Proc], trees: Sequence[EngineTree]) -> EnvironRequest:
     """Which environs to read: per engine tree, a live compiler (the truth), its raylet, and its root.
 
-    With Ray, actors inherit the raylet's environment, not the shell's that ran `vllm serve` (FIELD-NOTES), so the
-    root alone would lie. The compiler itself is best: it shows what was inherited.
+    With Ray, actors inherit the raylet's environment, not the shell's that ran `vllm serve`, so the root alone
+    would lie. The compiler itself is best: it shows what was inherited.
     """
     by_pid = {p.pid: p for p in procs}
-    pids: dict[int, str] = {}
+    pids: dict[int, EnvSource] = {}
     for tree in trees:
         compiler = _first_compiler(tree)
         if compiler is not None:
@@ -137,10 +147,14 @@ def environ_request(procs: Sequence[Proc], trees: Sequence[EngineTree]) -> Envir
 
 def _max_jobs_of(
     tree: EngineTree, by_pid: Mapping[int, Proc], environ: Mapping[int, EnvReading]
-) -> tuple[str, str | None, str | None]:
+) -> tuple[MaxJobsState, str | None, EnvSource | None]:
     compiler = _first_compiler(tree)
     raylet = _raylet_for(tree, by_pid)
-    candidates = [(compiler, "compiler"), (raylet, "raylet"), (tree.root, "engine")]
+    candidates: list[tuple[Proc | None, EnvSource]] = [
+        (compiler, "compiler"),
+        (raylet, "raylet"),
+        (tree.root, "engine"),
+    ]
     for proc, role in candidates:
         if proc is None:
             continue
@@ -150,9 +164,9 @@ def _max_jobs_of(
         for var in MAX_JOBS_VARS:
             value = reading.values.get(var)
             if value:
-                return "set", value, role
-        return "unset", None, role
-    return "unknown", None, None
+                return MaxJobsState.SET, value, role
+        return MaxJobsState.UNSET, None, role
+    return MaxJobsState.UNKNOWN, None, None
 
 
 @dataclass(frozen=True, slots=True)
@@ -213,22 +227,26 @@ def census(procs: Sequence[Proc], trees: Sequence[EngineTree], environ: Mapping[
     )
 
 
-# --- the burst alert
+# --- the burst alerts
 
 
 @dataclass(frozen=True, slots=True)
 class BurstState:
-    """Between cycles: whether a burst is on, which reasons were already announced, and when compilers went quiet."""
+    """Between cycles: whether a burst is on, what was already announced in it, and when compilers went quiet."""
 
     active: bool = False
-    announced: frozenset[str] = frozenset()
+    wide_announced: bool = False
+    missing_announced: frozenset[int] = frozenset()  # engine root pids already named in a max_jobs_missing event
     quiet_since: float | None = None
     peak_jobs: int = 0
 
 
 @dataclass(frozen=True, slots=True)
 class BurstAlert:
-    reasons: tuple[str, ...]  # "wide" and/or "max_jobs_unset"
+    """One event to record: COMPILE_BURST (the burst is wider than compile_jobs_alert) or MAX_JOBS_MISSING (one
+    engine compiles with MAX_JOBS unset in the environment its compilers inherit)."""
+
+    kind: EventKind
     summary: str
     fields: Mapping[str, object]
 
@@ -236,43 +254,16 @@ class BurstAlert:
 # A burst ends after compilers have been gone this long: ninja starts jobs back to back and flashinfer builds module
 # after module, so a gap of a few seconds is the same burst, and one burst is one event, not one per module.
 BURST_QUIET_S = 30.0
+MAX_JOBS_FIX = "Set MAX_JOBS=4 where the engine starts (with Ray: in every raylet's environment), then restart it."
 
 
-def burst_step(
-    state: BurstState, c: CompileCensus, jobs_alert: int, now: float, quiet_s: float = BURST_QUIET_S
-) -> tuple[BurstState, BurstAlert | None]:
-    """Advance the burst state by one census; an alert only for a reason not yet announced in this burst."""
+def _wide_alert(c: CompileCensus, jobs_alert: int) -> BurstAlert:
     compilers = sum(c.tools.values())
-    if compilers == 0:
-        if not state.active:
-            return state, None
-        quiet_since = state.quiet_since if state.quiet_since is not None else now
-        if now - quiet_since >= quiet_s:
-            return BurstState(), None
-        return BurstState(True, state.announced, quiet_since, state.peak_jobs), None
-    reasons = []
-    if c.parallel_jobs > jobs_alert:
-        reasons.append("wide")
-    unset = [e for e in c.engines if e.tools and e.max_jobs_state == "unset"]
-    if unset:
-        reasons.append("max_jobs_unset")
-    peak = max(state.peak_jobs, c.parallel_jobs)
-    fresh = tuple(r for r in reasons if r not in state.announced)
-    new_state = BurstState(True, state.announced | frozenset(reasons), None, peak)
-    if not fresh:
-        return new_state, None
-    parts = []
-    if "wide" in fresh:
-        parts.append(f"{c.parallel_jobs} parallel nvcc/cicc jobs exceed {jobs_alert}")
-    if "max_jobs_unset" in fresh:
-        names = ", ".join(f"{e.kind} {e.root_pid}" for e in unset)
-        parts.append(f"MAX_JOBS is unset in the environment the compilers inherit ({names})")
     summary = (
-        "compiler burst: " + "; ".join(parts) + f" ({compilers} compiler processes, {c.rss_bytes >> 20} MiB RSS)."
-        " Set MAX_JOBS=4 (with Ray: in every raylet's environment)."
+        f"compiler burst: {c.parallel_jobs} parallel nvcc/cicc jobs exceed {jobs_alert} "
+        f"({compilers} compiler processes, {c.rss_bytes >> 20} MiB RSS). {MAX_JOBS_FIX}"
     )
     fields: dict[str, object] = {
-        "reasons": list(fresh),
         "parallel_jobs": c.parallel_jobs,
         "jobs_alert": jobs_alert,
         "compile_processes": {t: n for t, n in c.tools.items() if n},
@@ -284,4 +275,48 @@ def burst_step(
             if e.tools
         ],
     }
-    return new_state, BurstAlert(fresh, summary, fields)
+    return BurstAlert(EventKind.COMPILE_BURST, summary, fields)
+
+
+def _missing_alert(e: EngineCompile) -> BurstAlert:
+    jobs = sum(n for t, n in e.tools.items() if t in JOB_TOOLS)
+    summary = (
+        f"{e.kind} engine {e.root_pid} compiles with MAX_JOBS unset (in the {e.max_jobs_source}'s environment): "
+        f"ninja runs one nvcc per core, 3-8 GiB each ({jobs} nvcc/cicc jobs now). {MAX_JOBS_FIX}"
+    )
+    fields: dict[str, object] = {
+        "engine": e.kind,
+        "root_pid": e.root_pid,
+        "max_jobs_source": e.max_jobs_source,
+        "parallel_jobs": jobs,
+        "compile_processes": dict(e.tools),
+        "compile_rss_bytes": e.rss_bytes,
+    }
+    return BurstAlert(EventKind.MAX_JOBS_MISSING, summary, fields)
+
+
+def burst_step(
+    state: BurstState, c: CompileCensus, jobs_alert: int, now: float, quiet_s: float = BURST_QUIET_S
+) -> tuple[BurstState, tuple[BurstAlert, ...]]:
+    """Advance the burst state by one census. Within one burst, `compile_burst` is said once, and
+    `max_jobs_missing` once per engine whose compilers run with MAX_JOBS unset (not "unknown": never guessed)."""
+    compilers = sum(c.tools.values())
+    if compilers == 0:
+        if not state.active:
+            return state, ()
+        quiet_since = state.quiet_since if state.quiet_since is not None else now
+        if now - quiet_since >= quiet_s:
+            return BurstState(), ()
+        return BurstState(True, state.wide_announced, state.missing_announced, quiet_since, state.peak_jobs), ()
+    alerts: list[BurstAlert] = []
+    wide = state.wide_announced
+    if c.parallel_jobs > jobs_alert and not wide:
+        alerts.append(_wide_alert(c, jobs_alert))
+        wide = True
+    missing = set(state.missing_announced)
+    for e in c.engines:
+        if e.tools and e.max_jobs_state == MaxJobsState.UNSET and e.root_pid not in missing:
+            alerts.append(_missing_alert(e))
+            missing.add(e.root_pid)
+    new_state = BurstState(True, wide, frozenset(missing), None, max(state.peak_jobs, c.parallel_jobs))
+    return new_state, tuple(alerts)

@@ -7,8 +7,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 from sparkwatch.core.engines import EngineRules, engine_kind
+from sparkwatch.core.states import CheckStatus
 from sparkwatch.model import Check, MemInfo, Proc
 
 GiB = 1 << 30
@@ -23,7 +25,8 @@ RAY_MONITOR_VAR = "RAY_memory_monitor_refresh_ms"
 @dataclass(frozen=True, slots=True)
 class EnvTarget:
     proc: Proc
-    role: str  # "engine:<kind>" or "raylet"
+    role: Literal["engine", "raylet"]
+    kind: str | None = None  # the engine kind, for role "engine"
 
 
 def is_raylet(proc: Proc) -> bool:
@@ -54,25 +57,25 @@ def env_targets(procs: Sequence[Proc], rules: EngineRules) -> tuple[EnvTarget, .
             seen.add(parent.pid)
             parent = by_pid.get(parent.ppid)
         if not inner:
-            out.append(EnvTarget(p, f"engine:{kind}"))
+            out.append(EnvTarget(p, "engine", kind))
     return tuple(out)
 
 
 def _who(t: EnvTarget) -> str:
-    return f"{t.role.removeprefix('engine:')} pid {t.proc.pid} ({t.proc.display_name})"
+    return f"{t.kind if t.role == 'engine' else 'raylet'} pid {t.proc.pid} ({t.proc.display_name})"
 
 
 def max_jobs_check(
     targets: Sequence[EnvTarget], environ: Mapping[int, Mapping[str, str] | None], jobs_alert: int
 ) -> Check:
     if not targets:
-        return Check("max-jobs", "skip", "no engine or raylet running")
+        return Check("max-jobs", CheckStatus.SKIP, "no engine or raylet running")
     unreadable = [t for t in targets if environ.get(t.proc.pid) is None]
     readable = [t for t in targets if environ.get(t.proc.pid) is not None]
     if not readable:
         return Check(
             "max-jobs",
-            "skip",
+            CheckStatus.SKIP,
             f"cannot read the environment of {len(unreadable)} engine/raylet processes (another user's?)",
             detail="\n".join(_who(t) for t in unreadable),
         )
@@ -99,14 +102,14 @@ def max_jobs_check(
         )
         return Check(
             "max-jobs",
-            "warn",
+            CheckStatus.WARN,
             f"{what}: the first JIT compile runs one nvcc per core (3-8 GiB each)",
             fix=fix,
             detail="\n".join(lines),
         )
     return Check(
         "max-jobs",
-        "ok",
+        CheckStatus.OK,
         f"MAX_JOBS set in all {len(readable)} engine/raylet processes",
         detail="\n".join(lines) or None,
     )
@@ -115,10 +118,10 @@ def max_jobs_check(
 def ray_monitor_check(targets: Sequence[EnvTarget], environ: Mapping[int, Mapping[str, str] | None]) -> Check:
     raylets = [t for t in targets if t.role == "raylet"]
     if not raylets:
-        return Check("ray-memory-monitor", "skip", "no raylet running")
+        return Check("ray-memory-monitor", CheckStatus.SKIP, "no raylet running")
     readable = [t for t in raylets if environ.get(t.proc.pid) is not None]
     if not readable:
-        return Check("ray-memory-monitor", "skip", f"cannot read the environment of {len(raylets)} raylets")
+        return Check("ray-memory-monitor", CheckStatus.SKIP, f"cannot read the environment of {len(raylets)} raylets")
     bad = [t for t in readable if (environ[t.proc.pid] or {}).get(RAY_MONITOR_VAR, "").strip() != "0"]
     if bad:
         detail = "\n".join(
@@ -128,24 +131,24 @@ def ray_monitor_check(targets: Sequence[EnvTarget], environ: Mapping[int, Mappin
         )
         return Check(
             "ray-memory-monitor",
-            "warn",
+            CheckStatus.WARN,
             f"Ray's memory monitor is on in {len(bad)} of {len(readable)} raylets: it counts GPU weights as system "
             "RAM on a unified pool and kills workers after the model loads",
             fix=f"ray stop && {RAY_MONITOR_VAR}=0 ray start …   # on EVERY node (the head alone is not enough), "
             "with your usual ray start flags",
             detail=detail,
         )
-    return Check("ray-memory-monitor", "ok", f"{RAY_MONITOR_VAR}=0 on all {len(readable)} raylets")
+    return Check("ray-memory-monitor", CheckStatus.OK, f"{RAY_MONITOR_VAR}=0 on all {len(readable)} raylets")
 
 
 def swap_check(mem: MemInfo | None) -> Check:
     if mem is None:
-        return Check("swap", "skip", "meminfo unreadable")
+        return Check("swap", CheckStatus.SKIP, "meminfo unreadable")
     if mem.swap_total_bytes > 0:
-        return Check("swap", "ok", f"{mem.swap_total_bytes / GiB:.1f} GiB swap")
+        return Check("swap", CheckStatus.OK, f"{mem.swap_total_bytes / GiB:.1f} GiB swap")
     return Check(
         "swap",
-        "warn",
+        CheckStatus.WARN,
         "no swap: an overshoot past the floor goes straight to the kernel OOM killer, which can wedge a Spark",
         fix=(
             "sudo fallocate -l 16G /swapfile && sudo chmod 600 /swapfile\n"
@@ -164,24 +167,29 @@ def _suggested_floor_gib(total_bytes: int) -> int:
 
 def floor_check(floor_bytes: int, warn_headroom_bytes: int, mem: MemInfo | None) -> Check:
     if mem is None or mem.total_bytes <= 0:
-        return Check("floor", "skip", "meminfo unreadable: cannot judge the floor")
+        return Check("floor", CheckStatus.SKIP, "meminfo unreadable: cannot judge the floor")
     total = mem.total_bytes
     shown = f"floor {floor_bytes / GiB:.1f} GiB of {total / GiB:.1f} GiB MemTotal"
     suggested = _suggested_floor_gib(total)
     fix = f'floor = "{suggested}GiB"   # in ~/.config/sparkwatch/config.toml, then restart sparkwatch'
     if floor_bytes >= total:
-        return Check("floor", "fail", f"{shown}: the guard would kill every engine at once", fix=fix)
+        return Check("floor", CheckStatus.FAIL, f"{shown}: the guard would kill every engine at once", fix=fix)
     if floor_bytes < FLOOR_MIN_BYTES:
         return Check(
             "floor",
-            "warn",
+            CheckStatus.WARN,
             f"{shown}: under 2 GiB the guard cannot beat a start-up spike (34 -> 12.7 GiB in 1.5 s)",
             fix=fix,
         )
     if floor_bytes > FLOOR_MAX_FRACTION * total:
         return Check(
-            "floor", "warn", f"{shown}: over a quarter of the pool; engines that would fit get killed", fix=fix
+            "floor",
+            CheckStatus.WARN,
+            f"{shown}: over a quarter of the pool; engines that would fit get killed",
+            fix=fix,
         )
     if floor_bytes + warn_headroom_bytes > total:
-        return Check("floor", "warn", f"{shown}: floor + warn_headroom exceeds MemTotal; always warning", fix=fix)
-    return Check("floor", "ok", shown)
+        return Check(
+            "floor", CheckStatus.WARN, f"{shown}: floor + warn_headroom exceeds MemTotal; always warning", fix=fix
+        )
+    return Check("floor", CheckStatus.OK, shown)

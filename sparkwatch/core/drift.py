@@ -19,6 +19,8 @@ import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from sparkwatch.core.nvmlcodes import DRIVER_INSTALLED_CODES, NvmlReturn
+from sparkwatch.core.states import CheckStatus, DriverVerdict
 from sparkwatch.model import Check, DpkgPackage, DriverFacts, DriverReport
 
 _KERNEL = r"(?P<kernel>\d+\.\d+\.\d+-\d+-[a-z0-9][a-z0-9.+-]*)"
@@ -32,10 +34,7 @@ DKMS_RE = re.compile(r"^nvidia-dkms-(?:(?P<branch>\d+)(?:-|$))?(?P<server>server
 LIBRARY_PKG_RE = re.compile(r"^(?:libnvidia-compute|nvidia-utils)-(?:\d+)?(?:-server)?$|^libnvidia-compute$")
 KERNEL_SOURCE_PKG_RE = re.compile(r"^nvidia-(?:kernel-source|kernel-common)-(?:\d+)?(?:-server)?(?:-open)?$")
 
-NVML_DRIVER_NOT_LOADED = 9
-NVML_LIB_RM_VERSION_MISMATCH = 18
-
-VERDICTS = ("stranded", "will_strand", "version_mismatch", "not_loaded", "reboot_pending", "ok", "absent", "unknown")
+VERDICTS: tuple[DriverVerdict, ...] = tuple(DriverVerdict)  # worst first
 
 
 def version_key(text: str) -> tuple[tuple[int, int | str], ...]:
@@ -154,21 +153,21 @@ def judge(facts: DriverFacts) -> DriverReport:
         or facts.loaded_version
         or facts.device_nodes
         or facts.library_versions
-        or (nvml is not None and (nvml.library_version or nvml.error_code in (9, 18)))
+        or (nvml is not None and (nvml.library_version or nvml.error_code in DRIVER_INSTALLED_CODES))
     )
 
     # Loaded: the proc file or NVML say yes; NVML 9, or neither proc file nor device nodes, say no.
     loaded: bool | None
     if facts.loaded_version or (nvml is not None and nvml.driver_version):
         loaded = True
-    elif (nvml is not None and nvml.error_code == NVML_DRIVER_NOT_LOADED) or not facts.device_nodes:
+    elif (nvml is not None and nvml.error_code == NvmlReturn.ERROR_DRIVER_NOT_LOADED) or not facts.device_nodes:
         loaded = False
     else:
         loaded = None
     loaded_version = facts.loaded_version or (nvml.driver_version if nvml is not None else None)
 
     version_mismatch = bool(
-        (nvml is not None and nvml.error_code == NVML_LIB_RM_VERSION_MISMATCH)
+        (nvml is not None and nvml.error_code == NvmlReturn.ERROR_LIB_RM_VERSION_MISMATCH)
         or (loaded_version and library_version and loaded_version != library_version)
     )
 
@@ -209,22 +208,23 @@ def judge(facts: DriverFacts) -> DriverReport:
                 any("-open/" in f for f in running_modules) if any("kernel/" in f for f in running_modules) else None
             )
 
+    verdict: DriverVerdict
     if not anything_nvidia:
-        verdict = "unknown" if running is None and facts.dpkg_error else "absent"
+        verdict = DriverVerdict.UNKNOWN if running is None and facts.dpkg_error else DriverVerdict.ABSENT
     elif stranded:
-        verdict = "stranded"
+        verdict = DriverVerdict.STRANDED
     elif will_strand:
-        verdict = "will_strand"
+        verdict = DriverVerdict.WILL_STRAND
     elif version_mismatch:
-        verdict = "version_mismatch"
+        verdict = DriverVerdict.VERSION_MISMATCH
     elif running is None:
-        verdict = "unknown"
+        verdict = DriverVerdict.UNKNOWN
     elif loaded is False:
-        verdict = "not_loaded"
+        verdict = DriverVerdict.NOT_LOADED
     elif facts.reboot_required:
-        verdict = "reboot_pending"
+        verdict = DriverVerdict.REBOOT_PENDING
     else:
-        verdict = "ok"
+        verdict = DriverVerdict.OK
 
     return DriverReport(
         verdict=verdict,
@@ -248,17 +248,21 @@ def judge(facts: DriverFacts) -> DriverReport:
     )
 
 
-def _summary(verdict: str, running: str | None, nxt: str | None, loaded: str | None, library: str | None) -> str:
-    return {
-        "stranded": f"driver stranded: running kernel {running} has no NVIDIA modules",
-        "will_strand": f"next boot strands the driver: kernel {nxt} has no NVIDIA modules",
-        "version_mismatch": f"driver/library version mismatch: loaded module {loaded or '?'}, library {library or '?'}",
-        "not_loaded": f"NVIDIA modules are installed for {running} but the driver is not loaded",
-        "reboot_pending": "a reboot is pending",
-        "ok": f"driver ok on {running}" + (f" ({loaded})" if loaded else ""),
-        "absent": "no NVIDIA driver installed",
-        "unknown": "driver state unknown: the running kernel could not be read",
-    }[verdict]
+def _summary(
+    verdict: DriverVerdict, running: str | None, nxt: str | None, loaded: str | None, library: str | None
+) -> str:
+    v = DriverVerdict
+    summaries: dict[DriverVerdict, str] = {
+        v.STRANDED: f"driver stranded: running kernel {running} has no NVIDIA modules",
+        v.WILL_STRAND: f"next boot strands the driver: kernel {nxt} has no NVIDIA modules",
+        v.VERSION_MISMATCH: f"driver/library version mismatch: loaded module {loaded or '?'}, library {library or '?'}",
+        v.NOT_LOADED: f"NVIDIA modules are installed for {running} but the driver is not loaded",
+        v.REBOOT_PENDING: "a reboot is pending",
+        v.OK: f"driver ok on {running}" + (f" ({loaded})" if loaded else ""),
+        v.ABSENT: "no NVIDIA driver installed",
+        v.UNKNOWN: "driver state unknown: the running kernel could not be read",
+    }
+    return summaries[verdict]
 
 
 # --- doctor checks and their fixes -------------------------------------------------------------------------------
@@ -286,13 +290,13 @@ def driver_checks(report: DriverReport, facts: DriverFacts, nvml_asked: bool) ->
     """The driver-* checks, next-boot-modules and reboot-required of `sparkwatch doctor`."""
     inv = _inventory(facts.packages)
     detail = "\n".join(report.findings) or None
-    if report.verdict == "absent":
+    if report.verdict == DriverVerdict.ABSENT:
         skip = "no NVIDIA driver installed (no nvidia packages, modules, /proc/driver/nvidia or /dev/nvidia*)"
         return (
-            Check("driver-modules", "skip", skip, detail=detail),
-            Check("driver-loaded", "skip", skip),
-            Check("driver-version-match", "skip", skip),
-            Check("next-boot-modules", "skip", skip),
+            Check("driver-modules", CheckStatus.SKIP, skip, detail=detail),
+            Check("driver-loaded", CheckStatus.SKIP, skip),
+            Check("driver-version-match", CheckStatus.SKIP, skip),
+            Check("next-boot-modules", CheckStatus.SKIP, skip),
             _reboot_check(report),
         )
     return (
@@ -307,13 +311,15 @@ def driver_checks(report: DriverReport, facts: DriverFacts, nvml_asked: bool) ->
 def _modules_check(report: DriverReport, inv: _Inventory, detail: str | None) -> Check:
     running = report.running_kernel
     if running is None:
-        return Check("driver-modules", "warn", "cannot tell: the running kernel could not be read", detail=detail)
+        return Check(
+            "driver-modules", CheckStatus.WARN, "cannot tell: the running kernel could not be read", detail=detail
+        )
     if report.stranded:
         installed = sorted(p.name for ps in inv.per_kernel.values() for p in ps)
         have = f"; module packages installed: {', '.join(installed)}" if installed else ""
         return Check(
             "driver-modules",
-            "fail",
+            CheckStatus.FAIL,
             f"driver stranded: running kernel {running} has no NVIDIA modules{have}",
             fix=_stranded_fix(report, inv),
             detail=detail,
@@ -321,7 +327,7 @@ def _modules_check(report: DriverReport, inv: _Inventory, detail: str | None) ->
     if not report.running_modules:
         return Check(
             "driver-modules",
-            "skip",
+            CheckStatus.SKIP,
             f"/lib/modules/{running} is not visible here; the loaded driver works",
             detail=detail,
         )
@@ -329,7 +335,7 @@ def _modules_check(report: DriverReport, inv: _Inventory, detail: str | None) ->
     pkgs = [p.name for p in inv.per_kernel.get(running, [])]
     return Check(
         "driver-modules",
-        "ok",
+        CheckStatus.OK,
         f"{running} has NVIDIA modules ({source}: {', '.join(report.running_modules)})"
         + (f" from {', '.join(pkgs)}" if pkgs else ""),
         detail=detail,
@@ -352,27 +358,30 @@ def _loaded_check(report: DriverReport, facts: DriverFacts, inv: _Inventory, nvm
     detail = f"{nodes}\n{nvml_line}"
     if report.loaded:
         kind = {True: " (open)", False: " (proprietary)", None: ""}[facts.loaded_open]
-        status = "ok"
+        status = CheckStatus.OK
         summary = f"driver {report.loaded_version}{kind} loaded"
         if nvml_asked and nvml is not None and nvml.error_code is not None:
-            status = "fail"
+            status = CheckStatus.FAIL
             summary += f", but NVML fails: {nvml.error}"
         return Check(
             "driver-loaded",
             status,
             summary,
-            fix=_stranded_fix(report, inv) if status == "fail" else None,
+            fix=_stranded_fix(report, inv) if status == CheckStatus.FAIL else None,
             detail=detail,
         )
     if report.loaded is None:
         return Check(
-            "driver-loaded", "skip", "no evidence either way (device nodes but no /proc/driver/nvidia)", detail=detail
+            "driver-loaded",
+            CheckStatus.SKIP,
+            "no evidence either way (device nodes but no /proc/driver/nvidia)",
+            detail=detail,
         )
-    if report.verdict == "unknown":
+    if report.verdict == DriverVerdict.UNKNOWN:
         # Too little to go on (a root missing half its files): say what is missing, do not fail on a guess.
         return Check(
             "driver-loaded",
-            "warn",
+            CheckStatus.WARN,
             "no sign of a loaded NVIDIA driver, and the running kernel could not be read",
             detail=detail,
         )
@@ -381,7 +390,11 @@ def _loaded_check(report: DriverReport, facts: DriverFacts, inv: _Inventory, nvm
     else:
         fix = "sudo modprobe nvidia\nsudo dmesg | grep -iE 'nvidia|nvrm' | tail -20   # why it did not load\nnvidia-smi"
     return Check(
-        "driver-loaded", "fail", "NVIDIA driver not loaded: no /proc/driver/nvidia/version", fix=fix, detail=detail
+        "driver-loaded",
+        CheckStatus.FAIL,
+        "NVIDIA driver not loaded: no /proc/driver/nvidia/version",
+        fix=fix,
+        detail=detail,
     )
 
 
@@ -389,7 +402,7 @@ def _version_check(report: DriverReport, facts: DriverFacts) -> Check:
     if report.version_mismatch:
         return Check(
             "driver-version-match",
-            "fail",
+            CheckStatus.FAIL,
             f"loaded module {report.loaded_version or '?'} does not match the user-space library "
             f"{report.library_version or '?'} (NVML: driver/library version mismatch)",
             fix="sudo apt update\nsudo apt full-upgrade\nsudo reboot\n# after the reboot:\n" + CONFIRM,
@@ -397,21 +410,21 @@ def _version_check(report: DriverReport, facts: DriverFacts) -> Check:
         )
     if report.loaded_version is None or report.library_version is None:
         missing = "loaded module" if report.loaded_version is None else "user-space library"
-        return Check("driver-version-match", "skip", f"cannot compare: {missing} version unknown")
-    return Check("driver-version-match", "ok", f"module and library both {report.library_version}")
+        return Check("driver-version-match", CheckStatus.SKIP, f"cannot compare: {missing} version unknown")
+    return Check("driver-version-match", CheckStatus.OK, f"module and library both {report.library_version}")
 
 
 def _next_boot_check(report: DriverReport, inv: _Inventory) -> Check:
     nxt = report.next_boot_kernel
     if nxt is None or report.next_boot_ok is None:
-        return Check("next-boot-modules", "skip", "cannot tell which kernel boots next (no /boot/vmlinuz-*)")
+        return Check("next-boot-modules", CheckStatus.SKIP, "cannot tell which kernel boots next (no /boot/vmlinuz-*)")
     if report.next_boot_ok:
         same = " (the running kernel)" if nxt == report.running_kernel else ""
-        return Check("next-boot-modules", "ok", f"next boot {nxt}{same} has NVIDIA modules")
+        return Check("next-boot-modules", CheckStatus.OK, f"next boot {nxt}{same} has NVIDIA modules")
     if nxt == report.running_kernel:
         return Check(
             "next-boot-modules",
-            "fail",
+            CheckStatus.FAIL,
             f"next boot {nxt} (the running kernel) has no NVIDIA modules",
             fix=_stranded_fix(report, inv),
         )
@@ -425,7 +438,7 @@ def _next_boot_check(report: DriverReport, inv: _Inventory) -> Check:
     lines.append("# only then: sudo reboot")
     return Check(
         "next-boot-modules",
-        "fail",
+        CheckStatus.FAIL,
         f"next boot strands the driver: kernel {nxt} has no NVIDIA modules (do not reboot yet)",
         fix="\n".join(lines),
     )
@@ -433,13 +446,13 @@ def _next_boot_check(report: DriverReport, inv: _Inventory) -> Check:
 
 def _reboot_check(report: DriverReport) -> Check:
     if not report.reboot_required:
-        return Check("reboot-required", "ok", "no reboot pending")
+        return Check("reboot-required", CheckStatus.OK, "no reboot pending")
     pkgs = report.reboot_required_pkgs
     why = f" for {', '.join(pkgs[:6])}" + (f" and {len(pkgs) - 6} more" if len(pkgs) > 6 else "") if pkgs else ""
     blocked = report.next_boot_ok is False
     return Check(
         "reboot-required",
-        "warn",
+        CheckStatus.WARN,
         f"a reboot is pending{why}" + (" (but fix next-boot-modules first)" if blocked else ""),
         fix="sparkwatch engines           # stop these first\nsudo reboot\n# after the reboot:\n" + CONFIRM,
     )

@@ -1,9 +1,9 @@
 """JIT build progress and the per-engine state: idle, compiling or stalled.
 
 A first boot sits 10-25 minutes with a frozen log, 0 % GPU and 12-13 W while flashinfer JIT-compiles, and people kill
-it thinking it hung (FIELD-NOTES "Compiling, not hung"). The tells that it works are live compilers in the engine's
-tree and a growing cache; the tell that it does not is an engine whose processes sleep waiting on a pipe with no
-compiler left to write to it, and a cache that stopped growing.
+it thinking it hung (seen on Sparks: the main thread asleep in anon_pipe_read, every thread S, 0 % CPU). The tells
+that it works are live compilers in the engine's tree and a growing cache; the tell that it does not is an engine
+whose processes sleep waiting on a pipe with no compiler left to write to it, and a cache that stopped growing.
 
 Pure: sources hand in build.ninja text, process facts and cache totals; this module decides.
 """
@@ -14,10 +14,11 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from sparkwatch.core.states import JitState
 from sparkwatch.model import JitEngineState
 
-IDLE, COMPILING, STALLED = "idle", "compiling", "stalled"
-STATES: tuple[str, ...] = (IDLE, COMPILING, STALLED)
+IDLE, COMPILING, STALLED = JitState.IDLE, JitState.COMPILING, JitState.STALLED
+STATES: tuple[JitState, ...] = tuple(JitState)
 
 _VAR_RE = re.compile(r"\$\{([A-Za-z0-9_.-]+)\}|\$([A-Za-z0-9_-]+)")
 
@@ -86,7 +87,7 @@ def ninja_object_targets(text: str) -> tuple[str, ...]:
 
 # --- per-engine state
 
-# Where a main thread sleeps when it waits on a child's output (flashinfer waiting on ninja's pipe: FIELD-NOTES saw
+# Where a main thread sleeps when it waits on a child's output (flashinfer waiting on ninja's pipe: a Spark showed
 # anon_pipe_read). Asleep here with no compiler left is the shape of a stall; an idle server sleeps in epoll instead.
 PIPE_WAIT_WCHANS = frozenset({"pipe_read", "anon_pipe_read", "pipe_wait", "pipe_wait_readable"})
 # compiling -> idle only after no sign of compiling for this long: ninja starts jobs back to back, and between two
@@ -115,7 +116,7 @@ class EngineObservation:
 
 @dataclass(frozen=True, slots=True)
 class JitTrack:
-    state: str
+    state: JitState
     since_ts: float
     last_activity_ts: float | None  # last compiler or cache growth seen for this engine
     last_awake_ts: float
@@ -126,8 +127,8 @@ class JitTrack:
 class JitTransition:
     kind: str
     root_pid: int
-    old: str
-    new: str
+    old: JitState
+    new: JitState
     reason: str
 
 

@@ -1,29 +1,22 @@
 """An engine tree laid out for people: parent before child, with the drawing and a role for each process.
 
 Roles: `root` (the engine process the tree is named after), `worker` (a member that is itself an engine by identity:
-VLLM::Worker_TP0, ray::RayWorkerWrapper), `compiler` (the JIT burst: ninja, nvcc, cicc, ptxas, fatbinary, host
-compilers) and `process` for anything else (a resource tracker, a shell).
+VLLM::Worker_TP0, ray::RayWorkerWrapper), `compiler` (a live process of the JIT burst, by core.compile's one
+rule: ninja, nvcc, cicc, ptxas, fatbinary, host compilers) and `process` for anything else (a resource tracker, a shell,
+a finished compiler not yet reaped).
 """
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
+from sparkwatch.core.compile import is_compiler
 from sparkwatch.core.engines import EngineRules, engine_kind
+from sparkwatch.core.states import ProcRole
 from sparkwatch.model import EngineTree, Proc
 
-# The processes of flashinfer's JIT burst (python -> ninja -> nvcc -> cicc / ptxas / fatbinary, c++ for host code),
-# by comm: what the kernel says each one executes.
-COMPILER_COMMS = frozenset({"ninja", "nvcc", "cicc", "ptxas", "fatbinary", "nvlink", "cudafe++", "cc1plus", "cc1"})
-_HOST_CC_RE = re.compile(r"^(?:[a-z0-9_]+-linux-gnu-)?(gcc|g\+\+|c\+\+|cc|clang|clang\+\+)(?:-\d+(?:\.\d+)*)?$")
 
-
-def is_compiler(proc: Proc) -> bool:
-    return not proc.is_kernel_thread and (proc.comm in COMPILER_COMMS or bool(_HOST_CC_RE.match(proc.comm)))
-
-
-def role_of(proc: Proc, tree: EngineTree, rules: EngineRules) -> str:
+def role_of(proc: Proc, tree: EngineTree, rules: EngineRules) -> ProcRole:
     if proc.pid == tree.root.pid:
         return "root"
     if is_compiler(proc):
@@ -38,7 +31,7 @@ class TreeRow:
     proc: Proc
     depth: int
     prefix: str  # box drawing before the pid: "", "├─ ", "│  └─ "
-    role: str
+    role: ProcRole
 
 
 def tree_rows(tree: EngineTree, rules: EngineRules) -> list[TreeRow]:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from sparkwatch.units import MiB, format_size
 
-# Quiet period. MemAvailable noise on a Spark is ~100 MiB per 5 s (FIELD-NOTES), so a 5 s window is the span the
+# Quiet period. MemAvailable noise on a Spark was measured at ~100 MiB per 5 s, so a 5 s window is the span the
 # noise figure was measured over; a teardown returns memory in a burst of GiB per second, which a 5 s flat stretch
 # after the last process is gone reliably follows. The field's failed relaunch came 3 s after pkill, its good one 30 s.
 DEFAULT_QUIET_FOR_S = 5.0

@@ -2,7 +2,8 @@
 
 The guard has its own fill rate (core.guard.smooth_fill_rate, a 0.3 s time constant for 50 ms polling near the
 floor). A view refreshing once a second wants a steadier figure: a least-squares slope over the last few seconds,
-so MemAvailable's ~100 MiB per 5 s noise (FIELD-NOTES) reads as about 0.02 GiB/s rather than a flicker of ±0.1 GiB/s.
+so MemAvailable's ~100 MiB per 5 s noise (measured on Sparks) reads as about 0.02 GiB/s rather than a flicker of
+±0.1 GiB/s.
 
 Pure: callers pass (monotonic time, value) samples, oldest first.
 """

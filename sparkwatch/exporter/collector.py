@@ -4,7 +4,8 @@ Scrape-time work is rendering only: no /proc, NVML or disk I/O. The Snapshot is 
 read, so a scrape never mixes two cycles), and the guard's counters are copied under its lock, which the guard holds
 only for a few field assignments: a scrape during a kill sees the counters before or after it, never half.
 
-Names and labels are the DESIGN.md metrics contract; `promtool check metrics` lints the output in the tests.
+Names, types and labels are the contract in sparkwatch/exporter/contract.py (tests hold this to it);
+`promtool check metrics` lints the output in the tests.
 """
 
 from __future__ import annotations
@@ -26,14 +27,13 @@ from prometheus_client.registry import Collector
 from sparkwatch import __version__
 from sparkwatch.config import Settings
 from sparkwatch.core.compile import TOOLS
-from sparkwatch.core.jit import STATES
+from sparkwatch.core.states import JitState, MaxJobsState
 from sparkwatch.exporter.gpu import gpu_families
 from sparkwatch.loops.guard import KILL_DURATION_BUCKETS_S, GuardStats
 from sparkwatch.model import DriverReport, GpuReport, MemInfo, Snapshot
 
 P = "sparkwatch_"
 GUARD_TRIGGERS = ("floor", "predicted")  # core.guard's triggers: exported at 0 so rate() works from the start
-MAX_JOBS_STATES = ("set", "unset", "unknown")
 
 
 class GuardLike(Protocol):
@@ -275,7 +275,7 @@ class SparkwatchCollector(Collector):
         )
         for e in c.engines:
             per_engine.add_metric([e.kind, str(e.root_pid)], sum(e.tools.values()))
-            for state in MAX_JOBS_STATES:
+            for state in MaxJobsState:
                 max_jobs.add_metric([e.kind, str(e.root_pid), state], 1 if e.max_jobs_state == state else 0)
         yield per_engine
         yield max_jobs
@@ -316,7 +316,7 @@ class SparkwatchCollector(Collector):
             P + "jit_state", "Per engine: idle, compiling or stalled (state set)", labels=["engine", "pid", "state"]
         )
         for e in snap.jit_states:
-            for name in STATES:
+            for name in JitState:
                 state.add_metric([e.kind, str(e.root_pid), name], 1 if e.state == name else 0)
         yield state
 
@@ -327,7 +327,7 @@ def _gpu_processes(gpu: GpuReport) -> list[tuple[int, int]]:
 
 
 def _driver_families(d: DriverReport) -> Iterator[Metric]:
-    """The drift verdict (DESIGN.md: driver_stranded, driver_next_boot_ok, reboot_required, driver_info)."""
+    """The drift verdict: driver_stranded, driver_next_boot_ok, reboot_required, driver_info."""
     yield GaugeMetricFamily(
         P + "driver_stranded",
         "1 when the running kernel has no NVIDIA modules left (an update removed them): reboot into the new kernel",

@@ -1,4 +1,4 @@
-"""GPU metric families from a GpuReport (DESIGN.md, Metrics: the gpu_* names are a contract).
+"""GPU metric families from a GpuReport (the gpu_* names are a contract: sparkwatch/exporter/contract.py).
 
 Identity (name, uuid, bus id, driver version, unified) is only on `sparkwatch_gpu_info`, as node_exporter and
 dcgm-exporter do; every other per-GPU series carries `gpu` (the NVML index) and `uuid`, so a dashboard joins on
@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterator
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from sparkwatch.core.nvmlcodes import meanings_text
 from sparkwatch.model import GpuDevice, GpuReport
 
 _DEVICE_LABELS = ["gpu", "uuid"]
@@ -60,8 +61,7 @@ def gpu_families(report: GpuReport | None) -> Iterator[Metric]:
     if report.nvml_return_code is not None:
         yield GaugeMetricFamily(
             "sparkwatch_gpu_nvml_return_code",
-            "NVML return code of the last cycle: 0 success, 9 driver not loaded, 12 library not found, "
-            "18 driver/library version mismatch.",
+            f"NVML return code of the last cycle: {meanings_text()}.",
             value=report.nvml_return_code,
         )
     yield CounterMetricFamily(

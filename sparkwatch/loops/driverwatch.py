@@ -19,8 +19,10 @@ from sparkwatch.actuators.events import EventLog, EventLogError, make_event
 from sparkwatch.config import Settings
 from sparkwatch.core.alerts import driver_step
 from sparkwatch.core.drift import judge
+from sparkwatch.core.states import DriverProblem
 from sparkwatch.model import DriverReport, NvmlFacts
-from sparkwatch.sources.system import probe_nvml, read_driver_facts
+from sparkwatch.sources.nvml import probe_nvml
+from sparkwatch.sources.system import read_driver_facts
 
 # A burst of uevents (nvidia, nvidia_uvm, nvidia_modeset, nvidia_drm, each add/remove) becomes one check.
 POKE_COALESCE_S = 0.5
@@ -114,12 +116,13 @@ class DriverWatcher:
             self._save_state()
         return report
 
-    def _load_state(self) -> frozenset[str]:
+    def _load_state(self) -> frozenset[DriverProblem]:
         try:
             data = json.loads(self.state_path.read_text())
-            return frozenset(str(p) for p in data.get("open_problems", []))
-        except (OSError, ValueError, AttributeError):
+            names = {str(p) for p in data.get("open_problems", [])}
+        except (OSError, ValueError, AttributeError, TypeError):
             return frozenset()
+        return frozenset(p for p in DriverProblem if p in names)  # a name this version does not know is dropped
 
     def _save_state(self) -> None:
         tmp = self.state_path.with_name(self.state_path.name + ".tmp")

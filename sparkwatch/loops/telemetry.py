@@ -2,8 +2,8 @@
 
 `Telemetry.collect()` runs one cycle. It keeps state between cycles (argv and environ caches, the JIT caches' per
 directory totals, each engine's JIT state, the compiler-burst state) but never signals and never writes: `sparkwatch
-status` runs it in a terminal without the daemon. Events it decides on (compile_burst, jit_stalled, jit_state) are
-queued; the daemon's `TelemetryLoop` drains them into the event log, `status` just drops them.
+status` runs it in a terminal without the daemon. Events it decides on (compile_burst, max_jobs_missing, jit_stalled,
+jit_state) are queued; the daemon's `TelemetryLoop` drains them into the event log, `status` just drops them.
 
 Each source is timed and wrapped: an exception in one becomes `CollectorStatus(success=False, error=…)` and leaves the
 other parts of the Snapshot intact.
@@ -135,7 +135,7 @@ class Telemetry:
         if procs is not None:
             trees = tuple(find_engine_trees(procs, self.rules, self.scope))
             self._hot = {pid for tree in trees for pid in tree.pids}
-            self._hot.update(p.pid for p in procs if compile_core.tool_of(p) is not None)
+            self._hot.update(p.pid for p in procs if compile_core.is_compiler(p))
         census = run("compile", lambda: self._census(procs, trees))
         jit_result = run("jitcache", self.jitcache.collect)
         jit: tuple[JitCacheState, ...] = jit_result or ()
@@ -168,7 +168,7 @@ class Telemetry:
         )
 
     def drain_events(self) -> list[Event]:
-        """Events decided since the last drain (compile_burst, jit_stalled, jit_state), oldest first."""
+        """Events decided since the last drain (compile_burst, max_jobs_missing, jit_*), oldest first."""
         with self._lock:
             events, self._events = self._events, []
         return events
@@ -253,9 +253,9 @@ class Telemetry:
         return states
 
     def _burst_events(self, census: CompileCensus, now: float) -> None:
-        self._burst, alert = compile_core.burst_step(self._burst, census, self.settings.compile_jobs_alert, now)
-        if alert is not None:
-            self._events.append(make_event(EventKind.COMPILE_BURST, alert.summary, alert.fields, ts=now))
+        self._burst, alerts = compile_core.burst_step(self._burst, census, self.settings.compile_jobs_alert, now)
+        for alert in alerts:
+            self._events.append(make_event(alert.kind, alert.summary, alert.fields, ts=now))
 
     def close(self) -> None:
         close_gpu = getattr(self.gpu_source, "close", None)

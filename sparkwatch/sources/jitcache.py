@@ -1,6 +1,6 @@
 """JIT caches on disk: flashinfer's <base>/<version>/<arch>/ trees and vLLM's torch compile cache.
 
-Cheap by construction (FIELD-NOTES "Watching without disturbing": a `du` loop churned the page cache a model needed).
+Cheap by construction: on Sparks, a `du` loop every 10 s churned the page cache a 79 GB model needed resident.
 A warm flashinfer cache holds ~100,000 files in a few thousand directories; re-walking it every second would cost
 tens of milliseconds and touch every inode. Instead every directory's totals are cached, keyed on its mtime (which
 changes when an entry is added, removed or renamed), and each cycle stats only:
@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from sparkwatch.core.jit import ninja_object_targets
+from sparkwatch.core.states import JitCacheKind
 from sparkwatch.model import JitCacheState
 
 HOT_S = 120.0
@@ -45,7 +46,7 @@ class _Dir:
 class CacheTree:
     """One cache root and the cached state of every directory under it."""
 
-    def __init__(self, cache: str, version: str, arch: str, path: str) -> None:
+    def __init__(self, cache: JitCacheKind, version: str, arch: str, path: str) -> None:
         self.cache, self.version, self.arch, self.path = cache, version, arch, path
         self._dirs: dict[str, _Dir] = {}
         self._ring: list[str] = []
@@ -237,8 +238,8 @@ class JitCacheSource:
         self.vllm_dirs = list(vllm_dirs)
         self._trees: dict[str, CacheTree] = {}
 
-    def _roots(self) -> list[tuple[str, str, str, str]]:
-        roots = []
+    def _roots(self) -> list[tuple[JitCacheKind, str, str, str]]:
+        roots: list[tuple[JitCacheKind, str, str, str]] = []
         for base in self.flashinfer_dirs:
             for version in _subdirs(base):
                 for arch in _subdirs(version):

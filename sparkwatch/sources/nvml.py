@@ -1,4 +1,7 @@
-"""The GPU through NVML (nvidia-ml-py). The only module that imports pynvml.
+"""The GPU through NVML (nvidia-ml-py). The one adapter that owns NVML: the only module that imports pynvml.
+
+Two ways in: `NvmlSource` (telemetry, every cycle) and `probe_nvml` (the one-shot library/driver version question the
+drift check and doctor ask). The return codes are core.nvmlcodes.NvmlReturn.
 
 Every NVML call goes through one guarded query (`NvmlSource._query`, after nvitop's `nvmlQuery`):
 - it runs on one worker thread and the caller waits at most `timeout_s` for it. A driver stuck in an ioctl (seen
@@ -17,32 +20,17 @@ Identity (uuid, name, bus id, max clocks, power limit) is read once per initiali
 from __future__ import annotations
 
 import importlib
+import queue
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from sparkwatch.model import GpuDevice, GpuProcess, GpuReport
+from sparkwatch.core.nvmlcodes import FATAL_CODES as _FATAL_CODES
+from sparkwatch.core.nvmlcodes import NvmlReturn
+from sparkwatch.model import GpuDevice, GpuProcess, GpuReport, NvmlFacts
 from sparkwatch.sources.meminfo import MeminfoError, parse_meminfo
-
-# NVML return codes (nvml.h). Kept here so that a missing pynvml can still be reported with the code NVML would give.
-NVML_SUCCESS = 0
-NVML_ERROR_UNINITIALIZED = 1
-NVML_ERROR_NOT_SUPPORTED = 3
-NVML_ERROR_DRIVER_NOT_LOADED = 9
-NVML_ERROR_LIBRARY_NOT_FOUND = 12
-NVML_ERROR_LIB_RM_VERSION_MISMATCH = 18
-
-# These codes mean NVML itself is unusable, not one field of one GPU: report down, shut down, init again next cycle.
-_FATAL_CODES = frozenset(
-    {
-        NVML_ERROR_UNINITIALIZED,
-        NVML_ERROR_DRIVER_NOT_LOADED,
-        NVML_ERROR_LIBRARY_NOT_FOUND,
-        NVML_ERROR_LIB_RM_VERSION_MISMATCH,
-    }
-)
 
 # Memory info "about MemTotal" means unified memory. A GB10 report saw total ≈ 128.5 GB against MemTotal
 # 127,600,748 kB (130.7 GB): 1.7 % apart; if that figure was GiB (the physical 128 GiB) it is 5.6 % above MemTotal,
@@ -267,7 +255,7 @@ class NvmlSource:
                 # Imported on first use: `sparkwatch events` and the guard never load it.
                 self._nvml = importlib.import_module("pynvml")
             except ImportError as exc:
-                raise NvmlCallError("import pynvml", NVML_ERROR_LIBRARY_NOT_FOUND, str(exc)) from exc
+                raise NvmlCallError("import pynvml", NvmlReturn.ERROR_LIBRARY_NOT_FOUND, str(exc)) from exc
         self._query("nvmlInit")
         self._initialized = True
         nvml = self._nvml
@@ -310,7 +298,7 @@ class NvmlSource:
     ) -> None:
         if exc is None:
             supported[field] = True
-        elif exc.code == NVML_ERROR_NOT_SUPPORTED:
+        elif exc.code == NvmlReturn.ERROR_NOT_SUPPORTED:
             supported[field] = False
         else:
             errors[field] = exc.code if exc.code is not None else -1
@@ -387,7 +375,7 @@ class NvmlSource:
             return self._down(failed, f"every NVML read failed (NVML code {failed})")
         return GpuReport(
             up=True,
-            nvml_return_code=NVML_SUCCESS,
+            nvml_return_code=NvmlReturn.SUCCESS,
             driver_version=self._driver_version,
             nvml_version=self._nvml_version,
             devices=devices,
@@ -448,3 +436,59 @@ class NvmlSource:
             supported=supported,
             field_errors=errors,
         )
+
+
+# --- the one-shot probe (drift check, doctor) ---------------------------------------------------------------------
+
+_last_probe: dict[str, threading.Thread] = {}  # the last probe thread, to see whether it is still stuck
+
+
+def probe_nvml(timeout_s: float = 5.0) -> NvmlFacts:
+    """Ask NVML for its library and driver versions, on a worker thread bounded by `timeout_s`.
+
+    A hung driver must not hang the caller: on timeout the thread is abandoned (daemon) and the answer says so.
+    NVML's own error codes are kept (NvmlReturn): DRIVER_NOT_LOADED is a stranded driver, LIB_RM_VERSION_MISMATCH a
+    library updated under a loaded module.
+    """
+    previous = _last_probe.get("thread")
+    if previous is not None and previous.is_alive():
+        # One thread stuck in the driver is enough: do not add another every minute.
+        return NvmlFacts(error="an earlier NVML call is still hung in the driver")
+    answer: queue.Queue[NvmlFacts] = queue.Queue(maxsize=1)
+
+    def ask() -> None:
+        answer.put(_ask_nvml())
+
+    thread = threading.Thread(target=ask, name="sparkwatch-nvml-probe", daemon=True)
+    thread.start()
+    _last_probe["thread"] = thread
+    try:
+        return answer.get(timeout=timeout_s)
+    except queue.Empty:
+        return NvmlFacts(error=f"NVML did not answer within {timeout_s:g} s (hung driver?)")
+
+
+def _ask_nvml() -> NvmlFacts:
+    try:
+        import pynvml  # noqa: PLC0415 - only the live root pays for loading NVML
+    except ImportError as exc:
+        return NvmlFacts(error=f"pynvml not importable: {exc}")
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError as exc:
+        code = getattr(exc, "value", None)
+        return NvmlFacts(error_code=code if isinstance(code, int) else None, error=str(exc))
+    except Exception as exc:  # libnvidia-ml.so missing raises NVMLError_LibraryNotFound, others OSError
+        return NvmlFacts(error=f"NVML unavailable: {exc}")
+    try:
+        library = _text(pynvml.nvmlSystemGetNVMLVersion())
+        driver = _text(pynvml.nvmlSystemGetDriverVersion())
+        return NvmlFacts(library_version=library, driver_version=driver)
+    except pynvml.NVMLError as exc:
+        code = getattr(exc, "value", None)
+        return NvmlFacts(error_code=code if isinstance(code, int) else None, error=str(exc))
+    finally:
+        try:
+            pynvml.nvmlShutdown()
+        except Exception:
+            pass

@@ -2,14 +2,13 @@
 
 Everything is read relative to `root`, so the tests run this exact code on fixture trees built from real Ubuntu
 package names and paths. A file that cannot be read becomes a None fact plus a line in `read_errors`: the verdict
-says "unknown" rather than guessing. NVML is asked only through a callable the caller passes in (the live root).
+says "unknown" rather than guessing. NVML is asked only through a callable the caller passes in (on the live root,
+sources.nvml.probe_nvml).
 """
 
 from __future__ import annotations
 
-import queue
 import re
-import threading
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import BinaryIO
@@ -25,8 +24,6 @@ _MODULE_NAMES = ("nvidia.ko", "nvidia.ko.zst", "nvidia.ko.xz", "nvidia.ko.gz")
 _NVRM_RE = re.compile(r"NVRM version:.*?Kernel Module(?:\s+for\s+\S+)?\s+(\d+(?:\.\d+)+)")
 _LIBML_RE = re.compile(r"^libnvidia-ml\.so\.(\d+\.\d+(?:\.\d+)*)$")
 _KERNEL_NAME_RE = re.compile(r"^[0-9][A-Za-z0-9.+_~-]*$")
-NVML_ERROR_DRIVER_NOT_LOADED = 9
-NVML_ERROR_LIB_RM_VERSION_MISMATCH = 18
 
 
 def _read_text(path: Path, limit: int, errors: list[str], required: bool = True) -> str | None:
@@ -297,61 +294,3 @@ def read_driver_facts(root: Path, nvml_probe: Callable[[], NvmlFacts] | None = N
         reboot_required_pkgs=reboot_pkgs,
         read_errors=tuple(errors),
     )
-
-
-_last_probe: dict[str, threading.Thread] = {}  # the last probe thread, to see whether it is still stuck
-
-
-def probe_nvml(timeout_s: float = 5.0) -> NvmlFacts:
-    """Ask NVML for its library and driver versions, on a worker thread bounded by `timeout_s`.
-
-    A hung driver must not hang the caller: on timeout the thread is abandoned (daemon) and the answer says so.
-    NVML's own error codes are kept: 9 is DRIVER_NOT_LOADED (a stranded driver), 18 is LIB_RM_VERSION_MISMATCH.
-    sources.nvml owns NVML for telemetry; this is the one-shot probe the drift check and doctor need.
-    """
-    previous = _last_probe.get("thread")
-    if previous is not None and previous.is_alive():
-        # One thread stuck in the driver is enough: do not add another every minute.
-        return NvmlFacts(error="an earlier NVML call is still hung in the driver")
-    answer: queue.Queue[NvmlFacts] = queue.Queue(maxsize=1)
-
-    def ask() -> None:
-        answer.put(_ask_nvml())
-
-    thread = threading.Thread(target=ask, name="sparkwatch-nvml-probe", daemon=True)
-    thread.start()
-    _last_probe["thread"] = thread
-    try:
-        return answer.get(timeout=timeout_s)
-    except queue.Empty:
-        return NvmlFacts(error=f"NVML did not answer within {timeout_s:g} s (hung driver?)")
-
-
-def _ask_nvml() -> NvmlFacts:
-    try:
-        import pynvml  # noqa: PLC0415 - only the live root pays for loading NVML
-    except ImportError as exc:
-        return NvmlFacts(error=f"pynvml not importable: {exc}")
-    try:
-        pynvml.nvmlInit()
-    except pynvml.NVMLError as exc:
-        code = getattr(exc, "value", None)
-        return NvmlFacts(error_code=code if isinstance(code, int) else None, error=str(exc))
-    except Exception as exc:  # libnvidia-ml.so missing raises NVMLError_LibraryNotFound, others OSError
-        return NvmlFacts(error=f"NVML unavailable: {exc}")
-    try:
-        library = _text(pynvml.nvmlSystemGetNVMLVersion())
-        driver = _text(pynvml.nvmlSystemGetDriverVersion())
-        return NvmlFacts(library_version=library, driver_version=driver)
-    except pynvml.NVMLError as exc:
-        code = getattr(exc, "value", None)
-        return NvmlFacts(error_code=code if isinstance(code, int) else None, error=str(exc))
-    finally:
-        try:
-            pynvml.nvmlShutdown()
-        except Exception:
-            pass
-
-
-def _text(value: object) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)

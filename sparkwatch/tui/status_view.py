@@ -19,6 +19,7 @@ from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
+from sparkwatch.core.states import DriverVerdict, JitState, MaxJobsState
 from sparkwatch.core.trend import BuildRate, PoolTrend
 from sparkwatch.model import (
     CompileCensus,
@@ -171,7 +172,7 @@ def engine_lines(frame: StatusFrame) -> list[Text]:
         )
         state = _jit_state_for(tree, snap.jit_states)
         if state is not None:
-            style = {"compiling": "cyan", "stalled": "bold red"}.get(state.state, "")
+            style = {JitState.COMPILING: "cyan", JitState.STALLED: "bold red"}.get(state.state, "")
             since = ""
             if state.since_ts:
                 lasted = snap.ts - state.since_ts
@@ -179,7 +180,7 @@ def engine_lines(frame: StatusFrame) -> list[Text]:
                 if not (at_least and lasted < 1):
                     since = f" for {'≥ ' if at_least else ''}{fmt_duration(lasted)}"
             line.append(f" · JIT {state.state}{since}", style=style)
-            if state.state != "idle" and state.reason:
+            if state.state != JitState.IDLE and state.reason:
                 line.append(f": {state.reason}", style="dim")
         out.append(line)
     return out
@@ -209,9 +210,9 @@ def compile_lines(census: CompileCensus | None, jobs_alert: int) -> list[Text]:
             continue
         tools_here = " · ".join(f"{tool} {n}" for tool, n in eng.tools.items())
         text = Text(f"{eng.kind} {eng.root_pid}: {tools_here} · ")
-        if eng.max_jobs_state == "set":
+        if eng.max_jobs_state == MaxJobsState.SET:
             text.append(f"MAX_JOBS={eng.max_jobs} (from the {eng.max_jobs_source}'s environment)")
-        elif eng.max_jobs_state == "unset":
+        elif eng.max_jobs_state == MaxJobsState.UNSET:
             text.append(
                 f"MAX_JOBS unset in the {eng.max_jobs_source}'s environment: ninja runs one job per core; "
                 "set MAX_JOBS=4 (with Ray, in every raylet's environment)",
@@ -307,9 +308,13 @@ def driver_lines(driver: DriverReport | None, error: str | None = None) -> list[
     if driver is None and error is None:
         out.append(Text("not checked yet", style="dim"))
     if driver is not None:
-        style = {"ok": "green", "absent": "dim", "stranded": "bold red", "will_strand": "bold red"}.get(
-            driver.verdict, "yellow"
-        )
+        styles = {
+            DriverVerdict.OK: "green",
+            DriverVerdict.ABSENT: "dim",
+            DriverVerdict.STRANDED: "bold red",
+            DriverVerdict.WILL_STRAND: "bold red",
+        }
+        style = styles.get(driver.verdict, "yellow")
         out.append(Text(f"{driver.verdict}: {driver.summary}" if driver.summary else driver.verdict, style=style))
     if error is not None:
         out.append(Text(f"driver check failed: {error}", style="red"))

@@ -45,7 +45,7 @@ class FakeGpu:
 
 
 def gb10(**changes: Any) -> FakeGpu:
-    """A DGX Spark's GB10 at idle, from ../shared/FIELD-NOTES.md.
+    """A DGX Spark's GB10 at idle, as NVML answers on a real one (public GB10 reports).
 
     Real: the name, the bus id, memory info NOT_SUPPORTED (with zeros), no memory clock, power limit N/A,
     11–16 W idle in P0, 41 °C, 0 %, 3003 MHz max SM clock, a VLLM::Worker holding 87 GB. Made up: the uuid, the

@@ -1,6 +1,6 @@
 """A flashinfer-shaped JIT cache with a real nvcc build in it.
 
-Layout as flashinfer writes it (FIELD-NOTES): <base>/.cache/flashinfer/<version>/<arch>/cached_ops/<module>/ holding
+Layout as flashinfer writes it: <base>/.cache/flashinfer/<version>/<arch>/cached_ops/<module>/ holding
 build.ninja, the *.cuda.o objects and finally <module>.so. The objects are compiled by the real nvcc for sm_121a.
 One source is tiny and one is heavy (an unrolled loop that keeps cicc busy for several seconds), so with `ninja -j2`
 there is a moment with one object done, one compiling and the module not linked: a build in progress.

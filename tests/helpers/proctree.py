@@ -1,6 +1,6 @@
 """Fixture trees for the telemetry: a /proc with chosen processes, and flashinfer/vLLM-shaped JIT caches.
 
-Names and paths are the real ones (FIELD-NOTES): VLLM::EngineCore titles, ninja -> nvcc -> cicc chains with
+Names and paths are the real ones, as seen on Sparks: VLLM::EngineCore titles, ninja -> nvcc -> cicc chains with
 `-gencode arch=compute_121a,code=sm_121a`, `<base>/<version>/121a/cached_ops/<module>/build.ninja`.
 """
 

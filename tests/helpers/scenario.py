@@ -8,6 +8,7 @@ import threading
 from pathlib import Path
 
 from sparkwatch.config import Settings, load_settings
+from sparkwatch.core.states import DriverVerdict
 from sparkwatch.loops.guard import GuardStats
 from sparkwatch.model import DriverReport, GpuDevice, GpuProcess, GpuReport, Snapshot
 from tests.helpers.proctree import FIXED_MTIME, PSI_MEMORY, FakeProc, pin_mtimes, write_module, write_proc
@@ -156,7 +157,7 @@ def zero_durations(snap: Snapshot) -> Snapshot:
 
 
 def gb10_report() -> GpuReport:
-    """A GB10 mid-boot as NVML shows it (FIELD-NOTES): memory NOT_SUPPORTED (unified), 12 W while compiling, 0 %
+    """A GB10 mid-boot as NVML shows it on a real one: memory NOT_SUPPORTED (unified), 12 W while compiling, 0 %
     utilization, and the EngineCore holding GPU memory that its RSS does not show."""
     device = GpuDevice(
         index=0,
@@ -188,9 +189,9 @@ class StaticGpu:
 
 
 def stranded_driver() -> DriverReport:
-    """The DGX OS update that removed the running kernel's modules (FIELD-NOTES "The stranded driver")."""
+    """The DGX OS update that removed the running kernel's modules (6.17 installed, 6.11 left without nvidia.ko)."""
     return DriverReport(
-        verdict="stranded",
+        verdict=DriverVerdict.STRANDED,
         summary="the running kernel 6.11.0-1016-nvidia has no NVIDIA modules; 6.17.0-1008-nvidia does",
         running_kernel="6.11.0-1016-nvidia",
         next_boot_kernel="6.17.0-1008-nvidia",

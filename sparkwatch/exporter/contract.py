@@ -1,0 +1,206 @@
+"""The one list of metric families sparkwatch exports: name, type, labels, when it is present, what it means.
+
+The tests hold the exporter to it both ways (every family it exports is listed with this type and these labels, and
+every listed family is exported in the full scenario), hold the dashboard and the alert rules to it (they may only
+query names listed here), and check that docs/contract.md's metrics table is `markdown_table()` verbatim.
+Add a family here in the same change that makes the exporter publish it.
+
+Names are prefixed `sparkwatch_`, in base units; a counter is listed with its `_total` suffix, as Prometheus sees it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from sparkwatch.core.nvmlcodes import meanings_text
+from sparkwatch.core.states import DriverVerdict, JitState, MaxJobsState
+
+MetricType = Literal["gauge", "counter", "histogram"]
+
+# When a family is present. A series that is not known is absent, never 0.
+Presence = Literal["always", "meminfo", "guard", "guard_loop", "kill", "events", "outbox", "delivered", "telemetry",
+                   "psi", "gpu", "gpu_device", "gpu_field", "driver"]  # fmt: skip
+PRESENCE: dict[Presence, str] = {
+    "always": "always",
+    "meminfo": "once /proc/meminfo was read (the guard's read, else the telemetry's)",
+    "guard": "while the guard runs in this process",
+    "guard_loop": "once the guard loop has run",
+    "kill": "after the first kill",
+    "events": "with an event log (the daemon)",
+    "outbox": "with a webhook configured",
+    "delivered": "after the first delivered alert",
+    "telemetry": "once the telemetry has run a cycle",
+    "psi": "when the kernel has PSI (/proc/pressure/memory)",
+    "gpu": "when the GPU source is on (NVML)",
+    "gpu_device": "per GPU, while NVML is up, for each field NVML supports on it (absent on NOT_SUPPORTED, never 0)",
+    "gpu_field": "per GPU and field, while that field fails with another code than NOT_SUPPORTED",
+    "driver": "once the drift watcher has checked",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class MetricSpec:
+    name: str
+    type: MetricType
+    labels: tuple[str, ...]
+    present: Presence
+    meaning: str
+
+
+def _m(name: str, type_: MetricType, labels: str, present: Presence, meaning: str) -> MetricSpec:
+    return MetricSpec("sparkwatch_" + name, type_, tuple(labels.split()), present, meaning)
+
+
+_GPU = "gpu uuid"  # per-GPU series carry only these; identity is on gpu_info
+_JIT = "cache version arch"
+
+METRICS: tuple[MetricSpec, ...] = (
+    _m("build_info", "gauge", "version", "always", "sparkwatch version; always 1"),
+    # the pool (/proc/meminfo) and the guard
+    _m("memory_total_bytes", "gauge", "", "meminfo", "MemTotal: the unified CPU+GPU pool"),
+    _m("memory_available_bytes", "gauge", "", "meminfo", "MemAvailable: what the guard compares with the floor"),
+    _m("memory_free_bytes", "gauge", "", "meminfo", "MemFree"),
+    _m("memory_cached_bytes", "gauge", "", "meminfo", "Cached (page cache)"),
+    _m(
+        "memory_used_bytes", "gauge", "", "meminfo", "MemTotal - MemAvailable: the honest used figure on a unified pool"
+    ),
+    _m("memory_floor_bytes", "gauge", "", "always", "the guard's MemAvailable kill floor"),
+    _m("memory_warn_headroom_bytes", "gauge", "", "always", "low_headroom alerts within this of the floor"),
+    _m("memory_fill_rate_bytes_per_second", "gauge", "", "guard", "smoothed fall rate of MemAvailable (+: filling)"),
+    _m("memory_pressure_stalled_seconds_total", "counter", "kind", "psi", 'PSI stall time, kind="some|full"'),
+    _m("guard_poll_interval_seconds", "gauge", "", "guard", "the guard's current poll interval"),
+    _m("guard_kills_total", "counter", "trigger", "guard", "kills of engine trees, by trigger (each exported at 0)"),
+    _m("guard_killed_processes_total", "counter", "", "guard", "processes SIGKILLed by the guard"),
+    _m("guard_last_kill_timestamp_seconds", "gauge", "", "kill", "when the guard last fired"),
+    _m("guard_kill_duration_seconds", "histogram", "", "guard", "from detection to the last victim reaped"),
+    _m("guard_dry_run", "gauge", "", "guard", "1 if the guard decides but signals nothing"),
+    _m("guard_armed", "gauge", "", "guard", "0 while waiting for memory to come back after a kill"),
+    _m("guard_meminfo_errors_total", "counter", "", "guard", "/proc/meminfo reads or parses that failed"),
+    _m(
+        "guard_loop_age_seconds",
+        "gauge",
+        "",
+        "guard_loop",
+        "seconds since the guard loop last ran: a stuck guard grows it",
+    ),
+    _m(
+        "event_log_write_errors_total", "counter", "", "events", "events that could not be made durable in events.jsonl"
+    ),
+    # alert delivery
+    _m("alerts_pending", "gauge", "", "outbox", "alerts spooled and not yet acknowledged by the webhook"),
+    _m("alerts_delivered_total", "counter", "", "outbox", "alerts the webhook acknowledged (2xx)"),
+    _m(
+        "alert_delivery_failures_total", "counter", "", "outbox", "failed delivery attempts (refused, timeout, non-2xx)"
+    ),
+    _m(
+        "alert_spool_errors_total", "counter", "", "outbox", "alerts that could not be spooled to disk (kept in memory)"
+    ),
+    _m("alert_last_delivery_timestamp_seconds", "gauge", "", "delivered", "when the webhook last acknowledged one"),
+    # engines, compilers, JIT caches (the telemetry)
+    _m("engine_processes", "gauge", "engine", "telemetry", "processes in engine trees, by engine kind"),
+    _m("engine_rss_bytes", "gauge", "engine", "telemetry", "RSS of engine trees (GPU memory not included)"),
+    _m(
+        "engine_gpu_memory_bytes",
+        "gauge",
+        "engine",
+        "gpu",
+        'NVML per-process GPU memory summed per engine tree (engine="other": in no tree); while NVML is up',
+    ),
+    _m("compile_processes", "gauge", "tool", "telemetry", "live compiler processes by tool (every tool, 0 when none)"),
+    _m("compile_rss_bytes", "gauge", "", "telemetry", "total RSS of compiler processes"),
+    _m("compile_parallel_jobs", "gauge", "", "telemetry", "nvcc + cicc processes: what MAX_JOBS bounds"),
+    _m("compile_arch_processes", "gauge", "arch", "telemetry", "compiler processes by target CUDA arch (121a: GB10)"),
+    _m("compile_engine_processes", "gauge", "engine pid", "telemetry", "compiler processes inside each engine tree"),
+    _m(
+        "compile_max_jobs",
+        "gauge",
+        "engine pid state",
+        "telemetry",
+        f"MAX_JOBS in the environment an engine's compilers inherit, a state set: state={'|'.join(MaxJobsState)}",
+    ),
+    _m("compile_outside_engine_processes", "gauge", "", "telemetry", "compiler processes in no engine tree"),
+    _m("jit_cache_bytes", "gauge", _JIT, "telemetry", "bytes in a JIT cache (flashinfer <version>/<arch>, vllm)"),
+    _m("jit_cache_files", "gauge", _JIT, "telemetry", "files in a JIT cache"),
+    _m("jit_cache_last_change_timestamp_seconds", "gauge", _JIT, "telemetry", "newest mtime in a JIT cache"),
+    _m("jit_build_objects", "gauge", f"{_JIT} state", "telemetry", 'build.ninja object targets, state="done|total"'),
+    _m("jit_build_modules", "gauge", f"{_JIT} state", "telemetry", 'JIT modules, state="built|total"'),
+    _m(
+        "jit_state",
+        "gauge",
+        "engine pid state",
+        "telemetry",
+        f"per engine tree, a state set: state={'|'.join(JitState)}",
+    ),
+    _m("collector_success", "gauge", "collector", "telemetry", "1 if the source worked this cycle"),
+    _m("collector_duration_seconds", "gauge", "collector", "telemetry", "time the source took this cycle"),
+    _m("telemetry_last_cycle_timestamp_seconds", "gauge", "", "telemetry", "when the cycle served here finished"),
+    # the GPU (NVML)
+    _m("gpu_up", "gauge", "", "gpu", "1 if NVML answered this cycle"),
+    _m("gpu_nvml_return_code", "gauge", "", "gpu", f"NVML's code: {meanings_text()}; absent when a call hung"),
+    _m("gpu_nvml_call_timeouts_total", "counter", "", "gpu", "NVML calls that outlived the timeout (a hung driver)"),
+    _m(
+        "gpu_info",
+        "gauge",
+        "gpu uuid name driver_version bus_id unified",
+        "gpu",
+        'GPU identity; always 1. unified="true": no VRAM, the pool is sparkwatch_memory_*',
+    ),
+    _m("gpu_power_watts", "gauge", _GPU, "gpu_device", "power draw"),
+    _m("gpu_power_limit_watts", "gauge", _GPU, "gpu_device", "enforced power limit (absent on a GB10)"),
+    _m("gpu_utilization_ratio", "gauge", _GPU, "gpu_device", "fraction of the sample period a kernel ran (0 to 1)"),
+    _m("gpu_temperature_celsius", "gauge", _GPU, "gpu_device", "GPU core temperature"),
+    _m("gpu_sm_clock_hertz", "gauge", _GPU, "gpu_device", "current SM clock"),
+    _m("gpu_sm_clock_max_hertz", "gauge", _GPU, "gpu_device", "maximum SM clock"),
+    _m("gpu_memory_total_bytes", "gauge", _GPU, "gpu_device", "dedicated VRAM (absent on unified memory)"),
+    _m("gpu_memory_used_bytes", "gauge", _GPU, "gpu_device", "VRAM in use (absent on unified memory)"),
+    _m("gpu_energy_joules_total", "counter", _GPU, "gpu_device", "energy since the driver loaded"),
+    _m("gpu_process_memory_bytes", "gauge", f"{_GPU} pid", "gpu_device", "GPU memory of a process (NVML lists)"),
+    _m("gpu_field_supported", "gauge", f"{_GPU} field", "gpu_device", "1 if NVML answers this field, 0: NOT_SUPPORTED"),
+    _m("gpu_field_error_code", "gauge", f"{_GPU} field", "gpu_field", "NVML code of a field failing this cycle"),
+    # the driver (drift between kernel, next boot and NVIDIA packages)
+    _m("driver_stranded", "gauge", "", "driver", "1 when the running kernel has no NVIDIA modules"),
+    _m(
+        "driver_next_boot_ok",
+        "gauge",
+        "",
+        "driver",
+        "1 when the kernel that boots next has NVIDIA modules; absent when unknown",
+    ),
+    _m("reboot_required", "gauge", "", "driver", "1 when /run/reboot-required exists"),
+    _m("driver_version_mismatch", "gauge", "", "driver", "1 when the loaded module and the library differ"),
+    _m(
+        "driver_info",
+        "gauge",
+        "kernel module_version loaded_version library_version verdict",
+        "driver",
+        f"driver identity and the drift verdict; always 1. verdict={'|'.join(DriverVerdict)}",
+    ),
+    # Room for the kernel-log and buddyinfo families (sparkwatch_kernel_*, sparkwatch_memory_free_contiguous_bytes)
+    # and the exported error counters of the daemon's components: add them here with the change that exports them.
+)
+
+BY_NAME: dict[str, MetricSpec] = {m.name: m for m in METRICS}
+
+
+def series_names(spec: MetricSpec) -> tuple[str, ...]:
+    """The sample names a family puts in the exposition (a histogram's _bucket/_sum/_count)."""
+    if spec.type == "histogram":
+        return tuple(spec.name + s for s in ("_bucket", "_sum", "_count"))
+    return (spec.name,)
+
+
+def markdown_table() -> str:
+    """The metrics table of docs/contract.md, made from METRICS (a test checks the document holds it verbatim)."""
+    rows = ["| metric | type | labels | present | meaning |", "| --- | --- | --- | --- | --- |"]
+    for m in METRICS:
+        labels = ", ".join(f"`{label}`" for label in m.labels)
+        meaning = m.meaning.replace("|", "\\|")
+        rows.append(f"| `{m.name}` | {m.type} | {labels} | {m.present} | {meaning} |")
+    return "\n".join(rows) + "\n"
+
+
+def presence_table() -> str:
+    rows = ["| present | when |", "| --- | --- |"]
+    rows += [f"| {key} | {text} |" for key, text in PRESENCE.items()]
+    return "\n".join(rows) + "\n"

@@ -1,0 +1,328 @@
+"""The contract in docs/contract.md, held to the code: metric families, event kinds, the golden kill event and the
+webhook request that carries it, the CLI's commands, the config keys, NVML's codes.
+
+Regenerate the golden files after an intended change with SPARKWATCH_TEST_UPDATE_GOLDEN=1 and review the diff.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import hmac
+import json
+import os
+import re
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pynvml
+import pytest
+from prometheus_client.core import Metric
+
+from sparkwatch import __version__
+from sparkwatch.actuators.events import EventLog, make_event
+from sparkwatch.actuators.outbox import AlertRouter, Outbox
+from sparkwatch.actuators.systemd import EVENT_PRIORITY, PRIORITY_NOTICE
+from sparkwatch.cli import build_parser
+from sparkwatch.config import Settings
+from sparkwatch.core.alerts import ALERT_MIN_INTERVAL_S
+from sparkwatch.core.eventkinds import EventKind
+from sparkwatch.core.killrecord import KillFacts, kill_fields, kill_summary, victims_of
+from sparkwatch.core.nvmlcodes import NvmlReturn
+from sparkwatch.core.states import CheckStatus, DriverVerdict
+from sparkwatch.exporter.contract import BY_NAME, METRICS, MetricSpec, markdown_table, presence_table
+from sparkwatch.exporter.server import build_registry
+from sparkwatch.loops.telemetry import Telemetry
+from sparkwatch.model import EngineTree, Event, GpuDevice, GpuReport, MemInfo, Proc
+from tests.conftest import wait_until
+from tests.helpers.proctree import FIXED_MTIME
+from tests.helpers.scenario import (
+    StaticEvents,
+    StaticGuard,
+    build_scenario,
+    gb10_report,
+    guard_stats,
+    stranded_driver,
+    zero_durations,
+)
+from tests.test_doctor import CHECK_IDS
+
+REPO = Path(__file__).resolve().parent.parent
+CONTRACT = REPO / "docs" / "contract.md"
+GOLDEN = Path(__file__).parent / "golden"
+UPDATE = os.environ.get("SPARKWATCH_TEST_UPDATE_GOLDEN") == "1"
+GiB = 1 << 30
+MiB = 1 << 20
+
+
+# --- metrics ------------------------------------------------------------------------------------------------------
+
+
+def family_name(metric: Metric) -> str:
+    """The family as the contract lists it: prometheus_client drops a counter's _total from Metric.name."""
+    return metric.name + "_total" if metric.type == "counter" else metric.name
+
+
+def check_family(metric: Metric) -> MetricSpec:
+    name = family_name(metric)
+    spec = BY_NAME.get(name)
+    assert spec is not None, f"{name} is exported but not in sparkwatch/exporter/contract.py"
+    assert metric.type == spec.type, (name, metric.type, spec.type)
+    assert metric.samples, name
+    for sample in metric.samples:
+        assert set(sample.labels) - {"le"} == set(spec.labels), (name, sample.labels, spec.labels)
+    return spec
+
+
+class StaticOutbox:
+    pending = 1
+    delivered_total = 3
+    failed_attempts_total = 2
+    spool_errors_total = 0
+    last_delivery_timestamp_s: float | None = FIXED_MTIME + 90.0
+
+
+def h200(index: int) -> GpuDevice:
+    """A GPU with its own memory (an H200 as NVML shows it), one field failing with an error code."""
+    return GpuDevice(
+        index=index,
+        uuid="GPU-0a1b2c3d-4e5f-6a7b-8c9d-0e1f2a3b4c5d",
+        name="NVIDIA H200",
+        bus_id="00000000:19:00.0",
+        unified=False,
+        power_watts=118.0,
+        power_limit_watts=700.0,
+        utilization_ratio=0.97,
+        temperature_celsius=None,
+        sm_clock_hertz=1_980_000_000.0,
+        sm_clock_max_hertz=1_980_000_000.0,
+        energy_joules=5_000_000.0,
+        memory_total_bytes=150_754_820_096,
+        memory_used_bytes=4 * GiB,
+        supported={"power": True, "memory": True, "temperature": True},
+        field_errors={"temperature": pynvml.NVML_ERROR_UNKNOWN},
+    )
+
+
+class TwoGpus:
+    """A GB10 (unified) next to a discrete GPU: every GPU family the exporter has."""
+
+    def collect(self) -> GpuReport:
+        report = gb10_report()
+        return dataclasses.replace(report, devices=(*report.devices, h200(1)))
+
+
+def full_exposition(tmp_path: Path) -> list[Metric]:
+    """Everything the exporter can publish at once: the golden scenario plus an outbox, a guard loop that ran and a
+    discrete GPU with a failing field."""
+    settings: Settings = build_scenario(tmp_path)
+    telemetry = Telemetry(
+        settings, gpu_source=TwoGpus(), wall_clock=lambda: FIXED_MTIME + 100.0, driver=stranded_driver
+    )
+    snap = zero_durations(telemetry.collect())
+    stats = guard_stats()
+    stats.last_loop_monotonic = 1.0
+    registry = build_registry(settings, lambda: snap, StaticGuard(stats), StaticEvents(), StaticOutbox())
+    return list(registry.collect())
+
+
+def test_the_exporter_publishes_exactly_the_contract(tmp_path: Path) -> None:
+    """Every family exported is in the one list with its type and labels, and every listed family is exported."""
+    exported = {check_family(m).name for m in full_exposition(tmp_path)}
+    missing = [m.name for m in METRICS if m.name not in exported]
+    assert not missing, f"in the contract, never exported: {missing}"
+
+
+def contract_section(title: str) -> str:
+    text = CONTRACT.read_text(encoding="utf-8")
+    match = re.search(rf"^## {re.escape(title)}\n(.*?)(?=^## |\Z)", text, re.S | re.M)
+    assert match, f"docs/contract.md has no '## {title}' section"
+    return match.group(1)
+
+
+def generated_block(section: str, name: str) -> str:
+    match = re.search(rf"<!-- {name}:begin -->\n(.*?)<!-- {name}:end -->", section, re.S)
+    assert match, f"no {name}:begin/end markers"
+    return match.group(1)
+
+
+def test_the_document_holds_the_metrics_table() -> None:
+    """docs/contract.md shows the list; it is not a second copy that can drift (regenerate with UPDATE_GOLDEN)."""
+    section = contract_section("Metrics")
+    want = {"metrics": markdown_table(), "presence": presence_table()}
+    if UPDATE:
+        text = CONTRACT.read_text(encoding="utf-8")
+        for name, table in want.items():
+            old = generated_block(section, name)
+            text = text.replace(f"<!-- {name}:begin -->\n{old}", f"<!-- {name}:begin -->\n{table}")
+        CONTRACT.write_text(text, encoding="utf-8")
+        section = contract_section("Metrics")
+    for name, table in want.items():
+        assert generated_block(section, name) == table, f"docs/contract.md {name} table is stale"
+
+
+# --- events -------------------------------------------------------------------------------------------------------
+
+
+def event_rows() -> dict[str, tuple[str, str]]:
+    """kind -> (alert interval, journal priority) from the Events table."""
+    rows = re.findall(r"^\| `([a-z_]+)` \| ([^|]+) \| (\d) \|", contract_section("Events"), re.M)
+    return {kind: (interval.strip(), priority) for kind, interval, priority in rows}
+
+
+def test_every_event_kind_is_documented_with_its_alerting_and_priority() -> None:
+    rows = event_rows()
+    assert set(rows) == {k.value for k in EventKind}
+    minutes = {"every one": 0.0, "once per episode": 0.0, "15 min": 900.0, "30 min": 1800.0, "1 h": 3600.0}
+    for kind in EventKind:
+        interval, priority = rows[kind]
+        assert ALERT_MIN_INTERVAL_S.get(kind) == (None if interval == "no" else minutes[interval]), kind
+        assert int(priority) == EVENT_PRIORITY.get(kind, PRIORITY_NOTICE), kind
+
+
+def golden_kill() -> Event:
+    """One real kill as the guard records it: a vLLM tree with a secret on its command line, taken at the floor."""
+
+    def proc(pid: int, ppid: int, comm: str, argv: tuple[str, ...], rss: int) -> Proc:
+        return Proc(pid, ppid, 1000, comm, "S", 4_200_000 + pid, rss, argv)
+
+    root = proc(
+        41234,
+        1,
+        "vllm",
+        (
+            "/opt/venv/bin/python3",
+            "/opt/venv/bin/vllm",
+            "serve",
+            "Qwen/Qwen3-30B-A3B",
+            "--api-key",
+            "sk-live-0123456789",
+        ),
+        2 * GiB,
+    )
+    core = proc(41301, 41234, "VLLM::EngineCor", ("VLLM::EngineCore",), 61 * GiB)
+    tree = EngineTree("vllm", root, (root, core))
+    facts = KillFacts(
+        trigger="floor",
+        mem=MemInfo(127_600_748 * 1024, 4_839_424 * 1024, 3 * GiB, 0, 2 * GiB, 0, 0),
+        floor_bytes=8 * GiB,
+        fill_rate_bytes_per_s=1.42e10,
+        dry_run=False,
+        trees=(tree,),
+        victims=victims_of((tree,)),
+        detect_to_signal_ms=1.734,
+        signal_to_reaped_ms=212.5,
+        reclaimed_bytes=63 * GiB,
+    )
+    event = make_event(EventKind.KILL, kill_summary(facts), kill_fields(facts), ts=1_763_483_861.25, node="spark-a")
+    # The id is made of the time and 12 random hex digits: fix the random part, check the shape.
+    assert re.fullmatch(r"0019a97d44102[0-9a-f]{12}", event.id), event.id
+    return dataclasses.replace(event, id="0019a97d44102c9e1d2f4a6b0")
+
+
+def check_golden(name: str, data: object) -> None:
+    path = GOLDEN / name
+    text = json.dumps(data, indent=2, sort_keys=False) + "\n"
+    if UPDATE:
+        path.write_text(text, encoding="utf-8")
+    golden = json.loads(path.read_text(encoding="utf-8"))
+    assert golden == data, f"{name} changed: regenerate with SPARKWATCH_TEST_UPDATE_GOLDEN=1 and review the diff"
+
+
+def test_golden_kill_event_as_events_jsonl_holds_it(tmp_path: Path) -> None:
+    log = EventLog(tmp_path / "events.jsonl")
+    log.append(golden_kill())
+    (line,) = (tmp_path / "events.jsonl").read_text(encoding="utf-8").splitlines()
+    data = json.loads(line)
+    check_golden("kill-event.json", data)
+    assert "sk-live" not in line  # the secret on the command line never reaches the event
+    assert [v["pid"] for v in data["victims"]] == [41234, 41301]
+
+
+class Captured:
+    def __init__(self) -> None:
+        self.requests: list[tuple[str, dict[str, str], bytes]] = []
+
+
+@pytest.fixture
+def webhook() -> Iterator[tuple[str, Captured]]:
+    captured = Captured()
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            body = self.rfile.read(int(self.headers.get("Content-Length", "0")))
+            captured.requests.append((self.path, dict(self.headers.items()), body))
+            self.send_response(204)
+            self.end_headers()
+
+        def log_message(self, format: str, *args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    server.daemon_threads = True
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}/hooks/T0/B1", captured
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_golden_webhook_request_for_a_kill(tmp_path: Path, webhook: tuple[str, Captured]) -> None:
+    """The POST a receiver gets for the golden kill: body = the event plus `text`, and the documented headers."""
+    url, captured = webhook
+    secret = "s3cret-hmac-key"
+    outbox = Outbox(tmp_path / "outbox", url, secret, backoff_min_s=0.05, backoff_max_s=0.2)
+    log = EventLog(tmp_path / "events.jsonl")
+    log.subscribe(AlertRouter(outbox))
+    outbox.start()
+    try:
+        log.append(golden_kill())
+        assert wait_until(lambda: bool(captured.requests), 20, 0.05), "no delivery"
+    finally:
+        outbox.stop()
+    path, headers, body = captured.requests[0]
+    payload = json.loads(body)
+    check_golden("webhook-kill.json", payload)
+    assert path == "/hooks/T0/B1"
+    event_line = json.loads((tmp_path / "events.jsonl").read_text(encoding="utf-8"))
+    assert {k: v for k, v in payload.items() if k != "text"} == event_line  # the same JSON as events.jsonl
+    assert payload["text"].startswith(":skull: sparkwatch on spark-a: Killed vllm")
+    assert headers["Content-Type"] == "application/json"
+    assert headers["User-Agent"] == f"sparkwatch/{__version__}"
+    assert headers["X-Sparkwatch-Event-Id"] == "0019a97d44102c9e1d2f4a6b0"
+    assert headers["X-Sparkwatch-Signature"] == "sha256=" + hmac.new(secret.encode(), body, hashlib.sha256).hexdigest()
+    assert secret not in body.decode() and "sk-live" not in body.decode()
+
+
+# --- the command line, the config keys, NVML ----------------------------------------------------------------------
+
+
+def test_every_command_is_documented_with_its_exit_codes() -> None:
+    parser = build_parser()
+    sub = next(a for a in parser._actions if a.dest == "command")
+    commands = set(sub.choices or ())
+    documented = set(re.findall(r"^\| `([a-z-]+)[ `]", contract_section("Command line"), re.M))
+    assert commands == documented
+
+
+def test_every_config_key_is_documented() -> None:
+    documented = set(re.findall(r"^\| `([a-z_]+)` \|", contract_section("Configuration"), re.M))
+    assert documented == set(Settings.model_fields)
+
+
+def test_doctor_checks_and_verdicts_are_documented() -> None:
+    section = contract_section("doctor --json")
+    assert re.findall(r"^\| `([a-z-]+)` \|", section, re.M) == CHECK_IDS
+    verdicts = re.search(r"is one of\n?(.*?)\(", section, re.S)
+    assert verdicts is not None
+    assert re.findall(r"`([a-z_]+)`", verdicts.group(1)) == [v.value for v in DriverVerdict]
+    assert re.findall(r"`([a-z]+)`", section.split("`status` is", 1)[1].split("(", 1)[0]) == list(CheckStatus)
+
+
+def test_nvml_codes_are_pynvmls() -> None:
+    for code in NvmlReturn:
+        assert getattr(pynvml, f"NVML_{code.name}") == code.value, code
