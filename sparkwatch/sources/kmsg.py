@@ -72,6 +72,10 @@ class KmsgSource:
             self.stats.reason = f"{self.path}: cannot seek to the end ({exc.strerror or exc})"
             return False
         self._fd = fd
+        # The sequence number of the newest record now, so that a ring overwrite before our first read still shows
+        # as a gap: one pass over the ring (a few thousand records, milliseconds) at start, never again.
+        ring, _why = read_kmsg_ring(self.path)
+        self._last_seq = ring[-1].seq if ring else None
         self._tokens = self.burst_lines
         self.stats.readable = True
         self.stats.reason = None

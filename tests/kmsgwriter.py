@@ -1,0 +1,42 @@
+"""Write lines into the real kernel log the way the driver's printk would appear: `<3>NVRM: Xid ...` on /dev/kmsg.
+
+Only root may write /dev/kmsg. With the default `kernel.printk_devkmsg=ratelimit` the kernel keeps 10 lines per
+open file per 5 s and suppresses the rest, so each line gets its own open file. Lines written this way carry the
+user facility (1) where the driver's carry the kernel's (0); sparkwatch reads both alike.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from pathlib import Path
+
+KMSG = Path("/dev/kmsg")
+
+
+def kmsg_writable_reason() -> str | None:
+    """None when this process can write the kernel log, else why not (for a skip)."""
+    try:
+        fd = os.open(KMSG, os.O_WRONLY | os.O_CLOEXEC)
+    except OSError as exc:
+        return f"/dev/kmsg cannot be written here ({exc.strerror}); writing the kernel log needs root"
+    os.close(fd)
+    try:
+        fd = os.open(KMSG, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        return f"/dev/kmsg cannot be read here ({exc.strerror})"
+    os.close(fd)
+    return None
+
+
+def write_kmsg(lines: Iterable[str], level: int = 3) -> int:
+    """Each line as one record at `level` (3 = KERN_ERR, as the driver prints NV_ERR_NO_MEMORY). Returns how many."""
+    n = 0
+    for line in lines:
+        fd = os.open(KMSG, os.O_WRONLY | os.O_CLOEXEC)
+        try:
+            os.write(fd, f"<{level}>{line}\n".encode())
+        finally:
+            os.close(fd)
+        n += 1
+    return n
