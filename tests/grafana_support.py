@@ -29,6 +29,11 @@ EXTRA_METRICS = {
     "compile_max_jobs": "state set {engine,pid,state=set|unset|unknown}: MAX_JOBS in an engine tree's environment",
     "alerts_pending": "SparkwatchAlertsUndelivered: alerts spooled, not yet acknowledged by the webhook",
     "alert_delivery_failures_total": "SparkwatchAlertsUndelivered: failed webhook attempts",
+    "memory_free_contiguous_bytes": "the driver's-view row: free memory in blocks >= 2 MiB / 64 KiB (/proc/buddyinfo)",
+    "kernel_log_readable": "SparkwatchKernelLogUnreadable: NVRM/Xid lines cannot be seen (dmesg_restrict)",
+    "kernel_log_dropped_lines_total": "the driver's-view row: kernel-log records lost to the ring or the rate bound",
+    "kernel_nvrm_errors_total": "SparkwatchDriverAllocFailed: NVRM allocation failures by kind",
+    "kernel_xid_total": "SparkwatchGpuXid / SparkwatchGpuXidNeedsReset: Xid events by code",
 }
 
 # Grafana unit ids (packages/grafana-data/src/valueFormats/categories.ts) this dashboard may use.

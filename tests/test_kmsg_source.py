@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from sparkwatch.core.kernlog import parse_nvrm
-from sparkwatch.sources.kmsg import KmsgSource, read_buddyinfo, read_kmsg_ring
-from tests.conftest import require
+from sparkwatch.sources.buddyinfo import read_buddyinfo
+from sparkwatch.sources.kmsg import KmsgSource, read_kmsg_ring
 from tests.kmsgwriter import kmsg_writable_reason, write_kmsg
 
 FIX = Path(__file__).parent / "fixtures" / "kmsg"
@@ -19,7 +19,8 @@ FIX = Path(__file__).parent / "fixtures" / "kmsg"
 
 def _need_kmsg() -> None:
     reason = kmsg_writable_reason()
-    require(reason is None, reason or "")
+    if reason is not None:  # a container without /dev/kmsg, or not root: not a missing install step
+        pytest.skip(reason)
 
 
 def _poll_until(src: KmsgSource, marker: str, timeout_s: float = 10.0) -> list[str]:
@@ -101,8 +102,8 @@ def test_missing_device_is_reported_not_raised(tmp_path: Path) -> None:
 
 def test_dmesg_restrict_says_why_for_an_unprivileged_user() -> None:
     restrict = Path("/proc/sys/kernel/dmesg_restrict").read_text().strip()
-    require(restrict == "1", f"kernel.dmesg_restrict is {restrict} here: an unprivileged user may read the log")
-    require(os.geteuid() == 0, "needs root to drop to an unprivileged user")
+    if restrict != "1" or os.geteuid() != 0:
+        pytest.skip(f"needs root and kernel.dmesg_restrict=1 (it is {restrict}): the refusal cannot happen here")
     r, w = os.pipe()
     pid = os.fork()
     if pid == 0:  # the child: drop to nobody, try, report through the pipe, exit without running pytest's teardown

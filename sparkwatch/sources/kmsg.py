@@ -1,4 +1,4 @@
-"""The kernel log (/dev/kmsg) read without ever blocking, and /proc/buddyinfo.
+"""The kernel log (/dev/kmsg), read without ever blocking.
 
 /dev/kmsg hands out one record per read(2). Opened O_NONBLOCK and moved to the end at start (SEEK_END), a read
 returns the next new record or EAGAIN. Where the ring overwrote records we had not read yet, read fails once with
@@ -18,7 +18,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from sparkwatch.core.kernlog import BuddyZone, KmsgRecord, parse_buddyinfo, parse_kmsg_record
+from sparkwatch.core.kernlog import KmsgRecord, parse_kmsg_record
 
 DEFAULT_KMSG_PATH = Path("/dev/kmsg")
 # A record is at most 1024 bytes of text plus its prefix and dictionary (kernel/printk: PRINTKRB_RECORD_MAX and
@@ -178,17 +178,3 @@ def read_kmsg_ring(path: Path = DEFAULT_KMSG_PATH, max_records: int = 100_000) -
     finally:
         os.close(fd)
     return out, None
-
-
-def page_size_bytes() -> int:
-    """The kernel's base page size: 4096 on x86 and Ubuntu arm64, 65536 on arm64 kernels built with 64K pages."""
-    return os.sysconf("SC_PAGESIZE")
-
-
-def read_buddyinfo(proc_root: Path) -> tuple[BuddyZone, ...] | None:
-    """The zones of <proc_root>/buddyinfo, or None where there is none. Raises BuddyinfoError on garbage."""
-    try:
-        data = (proc_root / "buddyinfo").read_bytes()
-    except (FileNotFoundError, NotADirectoryError):
-        return None
-    return parse_buddyinfo(data)
