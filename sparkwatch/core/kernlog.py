@@ -56,6 +56,7 @@ _XID = re.compile(r"NVRM: Xid \(([^)]*)\): (\d+),\s*(.*)")
 _XID_PID = re.compile(r"pid='?(\d+|<unknown>)'?,\s*name=([^,]*),\s*")
 _RECOVERY = re.compile(r"recovery action changed from .* to 0x[0-9a-fA-F]+ \(([^)]*)\)")
 _NV_ERR = re.compile(r"\[(NV_ERR_[A-Z_]+)\]")
+_PID = re.compile(r"\bpid[= ]'?(\d+)")
 _ALLOC_FAILED = re.compile(r"(?i)(?:cannot|can't|unable to|failed to|fail(?:ed)? to) (?:alloc|allocate)\b")
 
 # kind label of sparkwatch_kernel_nvrm_errors_total. The first three are allocation failures the guard corroborates.
@@ -78,6 +79,7 @@ class NvrmError:
     kind: str  # one of NVRM_KINDS
     status: str | None  # "NV_ERR_NO_MEMORY"
     message: str
+    pid: int | None = None  # where the line names one ("pid=1234"); else the record's caller, if the kernel says
 
     @property
     def is_alloc_failure(self) -> bool:
@@ -104,16 +106,18 @@ def parse_nvrm(text: str, level: int = _ERR_LEVEL) -> XidLine | NvrmError | None
         return XidLine(device, code, pid, process, rest.strip())
     status_m = _NV_ERR.search(text)
     status = status_m.group(1) if status_m else None
+    pid_m = _PID.search(text)
+    pid = int(pid_m.group(1)) if pid_m else None
     if status == "NV_ERR_NO_MEMORY":
-        return NvrmError("no_memory", status, text)
+        return NvrmError("no_memory", status, text, pid)
     if status == "NV_ERR_INSUFFICIENT_RESOURCES":
-        return NvrmError("insufficient_resources", status, text)
+        return NvrmError("insufficient_resources", status, text, pid)
     if _ALLOC_FAILED.search(text):
-        return NvrmError("alloc_failed", status, text)
+        return NvrmError("alloc_failed", status, text, pid)
     if "Assertion failed" in text or "Check failed" in text:
-        return NvrmError("assertion", status, text)
+        return NvrmError("assertion", status, text, pid)
     if level <= _ERR_LEVEL:
-        return NvrmError("other", status, text)
+        return NvrmError("other", status, text, pid)
     return None
 
 

@@ -125,7 +125,7 @@ class KernelLogWatch:
             self.state, verdict = core.corroborate(
                 self.state, params, now, available_bytes, line, guard_armed=armed and fire is None
             )
-            pid = record.caller_tid
+            pid = line.pid if line.pid is not None else record.caller_tid
             if verdict.action == core.FIRE:
                 fire = verdict.trigger
             if verdict.action is not None:
@@ -192,7 +192,7 @@ class KernelLogWatch:
         fields: dict[str, object] = {
             "trigger": verdict.trigger,
             "action": "fired" if fired else "alerted",
-            "kind": line.kind,
+            "nvrm_kind": line.kind,
             "status": line.status,
             "available_bytes": available,
             "floor_bytes": floor,
