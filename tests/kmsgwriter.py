@@ -15,7 +15,12 @@ KMSG = Path("/dev/kmsg")
 
 
 def kmsg_writable_reason() -> str | None:
-    """None when this process can write the kernel log, else why not (for a skip)."""
+    """None when this process can write the kernel log, else why not (for a skip).
+
+    Never on a host with a loaded NVIDIA driver unless asked (SPARKWATCH_TEST_KMSG_ON_GPU_HOST=1): gpud, DCGM or
+    a node-problem detector there would read the test's Xid 79 as a real GPU falling off the bus."""
+    if Path("/proc/driver/nvidia/version").exists() and os.environ.get("SPARKWATCH_TEST_KMSG_ON_GPU_HOST") != "1":
+        return "an NVIDIA driver is loaded here: fake NVRM/Xid lines would mislead its health agents"
     try:
         fd = os.open(KMSG, os.O_WRONLY | os.O_CLOEXEC)
     except OSError as exc:

@@ -26,10 +26,19 @@ def add_parser(sub: Any, parent: argparse.ArgumentParser) -> None:
 
 def run_checks(args: argparse.Namespace) -> tuple[list[Check], Path, bool]:
     from sparkwatch.cli import settings_from
-    from sparkwatch.core.doctor import env_targets, floor_check, max_jobs_check, ray_monitor_check, swap_check
+    from sparkwatch.core.doctor import (
+        env_targets,
+        floor_check,
+        kernel_log_check,
+        max_jobs_check,
+        ray_monitor_check,
+        swap_check,
+        xid_check,
+    )
     from sparkwatch.core.drift import driver_checks, judge
     from sparkwatch.core.engines import EngineRules
     from sparkwatch.sources.environ import read_environ
+    from sparkwatch.sources.kmsg import read_kmsg_ring
     from sparkwatch.sources.meminfo import MeminfoError, parse_meminfo
     from sparkwatch.sources.procs import ProcScanner
     from sparkwatch.sources.system import probe_nvml, read_driver_facts
@@ -57,6 +66,10 @@ def run_checks(args: argparse.Namespace) -> tuple[list[Check], Path, bool]:
     checks.append(max_jobs_check(targets, environ, settings.compile_jobs_alert))
     checks.append(ray_monitor_check(targets, environ))
     checks.append(floor_check(settings.floor, settings.warn_headroom, mem))
+    # The kernel log: this machine's /dev/kmsg (kernel_log_path), or DIR/dev/kmsg (a file of records) under --root.
+    records, why_not = read_kmsg_ring(settings.kernel_log_path if live else root / "dev" / "kmsg")
+    checks.append(kernel_log_check(records, why_not))
+    checks.append(xid_check(records, why_not))
     return checks, root, live
 
 

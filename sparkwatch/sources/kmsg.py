@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import errno
 import os
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -154,13 +155,19 @@ def unreadable_reason(path: Path, exc: OSError) -> str:
 
 
 def read_kmsg_ring(path: Path = DEFAULT_KMSG_PATH, max_records: int = 100_000) -> tuple[list[KmsgRecord], str | None]:
-    """The whole ring as it is now, oldest first (doctor's one-shot look), or ([], why not)."""
+    """The whole ring as it is now, oldest first (doctor's one-shot look), or ([], why not). A regular file (a
+    fixture root's dev/kmsg) is read as one record per line."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError as exc:
         return [], unreadable_reason(path, exc)
     out: list[KmsgRecord] = []
     try:
+        if stat.S_ISREG(os.fstat(fd).st_mode):
+            with os.fdopen(os.dup(fd), "rb") as fh:
+                lines = fh.read(64 << 20).splitlines()
+            parsed = (parse_kmsg_record(line) for line in lines[-max_records:])
+            return [r for r in parsed if r is not None], None
         while len(out) < max_records:
             try:
                 data = os.read(fd, READ_BUFFER_BYTES)
