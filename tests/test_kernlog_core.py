@@ -149,6 +149,22 @@ def test_alloc_failure_in_band_fires_once_per_arming() -> None:
     assert d.action is None
 
 
+def test_a_re_armed_guard_does_not_fire_twice_on_one_failure() -> None:
+    st, d = k.corroborate(k.CorroborationState(), P, 10.0, 11 * GiB, NOMEM, guard_armed=True)
+    assert d.action == k.FIRE
+    # The guard found no victim and re-armed (11 GiB > floor + rearm): the next line of the same failure is quiet.
+    st, d = k.corroborate(st, P, 10.3, 11 * GiB, NOMEM, guard_armed=True)
+    assert d.action is None
+    st, d = k.corroborate(st, P, 10.3 + k.ALLOC_EPISODE_GAP_S + 0.1, 11 * GiB, NOMEM, guard_armed=True)
+    assert d.action == k.FIRE  # a failure after a quiet gap is a new one
+
+
+def test_a_line_naming_a_pid_carries_it() -> None:
+    line = k.parse_nvrm("NVRM: _memdescAllocInternal: Failed to allocate memory for pid=4242 [NV_ERR_NO_MEMORY]")
+    assert isinstance(line, k.NvrmError) and line.pid == 4242 and line.kind == "no_memory"
+    assert k.parse_nvrm("NVRM: sysmemConstruct_IMPL: *** Cannot allocate sysmem through fb heap").pid is None  # type: ignore[union-attr]
+
+
 def test_alloc_failure_at_band_edge_and_above() -> None:
     _, d = k.corroborate(k.CorroborationState(), P, 1.0, 12 * GiB, NOMEM, guard_armed=True)
     assert d.action == k.FIRE  # floor + warn_headroom exactly is in the band

@@ -57,7 +57,7 @@ def test_starts_at_the_end_and_sees_new_driver_lines() -> None:
 def test_a_burst_over_the_rate_bound_is_skipped_and_counted() -> None:
     _need_kmsg()
     tag = uuid.uuid4().hex[:8]
-    src = KmsgSource(max_lines_per_s=1.0, burst_lines=20)
+    src = KmsgSource(match=None, max_lines_per_s=1.0, burst_lines=20)
     assert src.open()
     try:
         write_kmsg([f"sparkwatch-test burst {tag} {i}" for i in range(200)], level=6)
@@ -75,7 +75,7 @@ def test_a_burst_over_the_rate_bound_is_skipped_and_counted() -> None:
 def test_ring_overwrite_epipe_is_survived_and_counted() -> None:
     _need_kmsg()
     tag = uuid.uuid4().hex[:8]
-    src = KmsgSource(max_lines_per_s=1e9, burst_lines=1e9)
+    src = KmsgSource(match=None, max_lines_per_s=1e9, burst_lines=1e9)
     assert src.open()
     try:
         # The ring is 128 KiB-1 MiB (CONFIG_LOG_BUF_SHIFT, log_buf_len): 12,000 lines of ~110 bytes overwrite it
@@ -87,6 +87,21 @@ def test_ring_overwrite_epipe_is_survived_and_counted() -> None:
         assert any(f"last {tag}" in t for t in seen)
         assert src.stats.dropped_total > 0  # what the ring overwrote, from the sequence gap after EPIPE
         assert src.stats.read_errors_total == 0  # EPIPE is not an error: the read resumes at the oldest record
+    finally:
+        src.close()
+
+
+def test_only_matching_records_are_parsed_but_all_are_counted() -> None:
+    _need_kmsg()
+    tag = uuid.uuid4().hex[:8]
+    src = KmsgSource()  # match=b"NVRM": the guard's setting
+    assert src.open()
+    try:
+        write_kmsg([f"sparkwatch-test filler {tag} {i}" for i in range(5)], level=6)
+        write_kmsg([f"NVRM: sparkwatch-test {tag}"])
+        seen = _poll_until(src, tag)
+        assert [t for t in seen if tag in t] == [f"NVRM: sparkwatch-test {tag}"]
+        assert src.stats.lines_total >= 6 and src.stats.dropped_total == 0
     finally:
         src.close()
 

@@ -260,6 +260,7 @@ class CorroborationParams:
 @dataclass(frozen=True, slots=True)
 class CorroborationState:
     last_failure_t: float | None = None  # the last allocation-failure line seen, for episodes
+    last_fire_t: float | None = None  # the last FIRE: lines within ALLOC_EPISODE_GAP_S of it are the same failure
 
 
 @dataclass(frozen=True, slots=True)
@@ -282,7 +283,9 @@ def corroborate(
     """Feed one driver allocation failure seen at monotonic `t`, with the MemAvailable of that guard tick.
 
     Within warn_headroom of the floor it is a floor crossing (FIRE) when the guard is armed: the driver has run out
-    while the kernel still counts memory as available (a GB10 showed 22.5 GiB available at NV_ERR_NO_MEMORY).
+    while the kernel still counts memory as available (a GB10 showed 22.5 GiB available at NV_ERR_NO_MEMORY). One
+    failure prints several lines, and a guard that fired without victims re-arms at once above floor +
+    rearm_headroom: lines within ALLOC_EPISODE_GAP_S of a FIRE never fire again.
     Outside that band, disabled, disarmed after a kill, or with no MemAvailable to judge by, it only alerts (once per
     episode). Anything that is not an allocation failure changes nothing.
     """
@@ -291,8 +294,9 @@ def corroborate(
     new_episode = state.last_failure_t is None or t - state.last_failure_t > ALLOC_EPISODE_GAP_S
     state = replace(state, last_failure_t=t)
     in_band = available_bytes is not None and available_bytes <= params.floor_bytes + params.warn_headroom_bytes
-    if params.enabled and in_band and guard_armed:
-        return state, Corroboration(FIRE, in_band=True, new_episode=new_episode)
+    recently_fired = state.last_fire_t is not None and t - state.last_fire_t <= ALLOC_EPISODE_GAP_S
+    if params.enabled and in_band and guard_armed and not recently_fired:
+        return replace(state, last_fire_t=t), Corroboration(FIRE, in_band=True, new_episode=new_episode)
     if new_episode:
         return state, Corroboration(ALERT, in_band=in_band, new_episode=True)
     return state, Corroboration(None, in_band=in_band)
