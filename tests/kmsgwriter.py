@@ -1,7 +1,7 @@
 """Write lines into the real kernel log the way the driver's printk would appear: `<3>NVRM: Xid ...` on /dev/kmsg.
 
 Only root may write /dev/kmsg. With the default `kernel.printk_devkmsg=ratelimit` the kernel keeps 10 lines per
-open file per 5 s and suppresses the rest, so each line gets its own open file. Lines written this way carry the
+open file per 5 s and suppresses the rest, so every 10 lines get a new open file. Lines written this way carry the
 user facility (1) where the driver's carry the kernel's (0); sparkwatch reads both alike.
 """
 
@@ -37,11 +37,28 @@ def kmsg_writable_reason() -> str | None:
 def write_kmsg(lines: Iterable[str], level: int = 3) -> int:
     """Each line as one record at `level` (3 = KERN_ERR, as the driver prints NV_ERR_NO_MEMORY). Returns how many."""
     n = 0
-    for line in lines:
-        fd = os.open(KMSG, os.O_WRONLY | os.O_CLOEXEC)
-        try:
+    fd = -1
+    try:
+        for line in lines:
+            if n % 10 == 0:
+                if fd >= 0:
+                    os.close(fd)
+                fd = os.open(KMSG, os.O_WRONLY | os.O_CLOEXEC)
             os.write(fd, f"<{level}>{line}\n".encode())
-        finally:
+            n += 1
+    finally:
+        if fd >= 0:
             os.close(fd)
-        n += 1
     return n
+
+
+def kernel_ring_bytes() -> int | None:
+    """The kernel log ring's size (syslog(2) SYSLOG_ACTION_SIZE_BUFFER), None where it cannot be asked."""
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        size = int(libc.klogctl(10, None, 0))
+    except (OSError, AttributeError):
+        return None
+    return size if size > 0 else None

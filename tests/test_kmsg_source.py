@@ -12,7 +12,7 @@ import pytest
 from sparkwatch.core.kernlog import parse_nvrm
 from sparkwatch.sources.buddyinfo import read_buddyinfo
 from sparkwatch.sources.kmsg import KmsgSource, read_kmsg_ring
-from tests.kmsgwriter import kmsg_writable_reason, write_kmsg
+from tests.kmsgwriter import kernel_ring_bytes, kmsg_writable_reason, write_kmsg
 
 FIX = Path(__file__).parent / "fixtures" / "kmsg"
 
@@ -78,10 +78,14 @@ def test_ring_overwrite_epipe_is_survived_and_counted() -> None:
     src = KmsgSource(match=None, max_lines_per_s=1e9, burst_lines=1e9)
     assert src.open()
     try:
-        # The ring is 128 KiB-1 MiB (CONFIG_LOG_BUF_SHIFT, log_buf_len): 12,000 lines of ~110 bytes overwrite it
-        # before the source reads, so its first read fails with EPIPE.
+        # Overwrite the whole ring (CONFIG_LOG_BUF_SHIFT or log_buf_len: 128 KiB-1 MiB usually) one and a half
+        # times before the source reads, so its first read fails with EPIPE.
         pad = "x" * 80
-        write_kmsg([f"sparkwatch-test ring {tag} {i} {pad}" for i in range(12_000)], level=7)
+        ring = kernel_ring_bytes() or 1 << 20
+        lines = ring * 3 // 2 // 100 + 1000
+        if lines > 300_000:
+            pytest.skip(f"the kernel ring is {ring >> 20} MiB: overwriting it would flood this machine's log")
+        write_kmsg([f"sparkwatch-test ring {tag} {i} {pad}" for i in range(lines)], level=7)
         write_kmsg([f"sparkwatch-test last {tag}"], level=7)
         seen = _poll_until(src, f"last {tag}", timeout_s=20)
         assert any(f"last {tag}" in t for t in seen)

@@ -19,7 +19,9 @@ _STATUS_STYLE = {"ok": ("ok", "32"), "warn": ("WARN", "33"), "fail": ("FAIL", "1
 
 
 def add_parser(sub: Any, parent: argparse.ArgumentParser) -> None:
-    p = sub.add_parser("doctor", parents=[parent], help="one-shot health report: driver, swap, MAX_JOBS, Ray, floor")
+    p = sub.add_parser(
+        "doctor", parents=[parent], help="one-shot health report: driver, swap, MAX_JOBS, Ray, floor, kernel log, Xids"
+    )
     p.add_argument("--json", action="store_true", help='print {"ok": …, "checks": […]}')
     p.set_defaults(handler=handle)
 
