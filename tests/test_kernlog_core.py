@@ -187,3 +187,19 @@ def test_other_nvrm_errors_change_nothing() -> None:
     other = k.NvrmError("assertion", None, "NVRM: nvAssertFailedNoLog: Assertion failed: NV_OK == status")
     st, d = k.corroborate(k.CorroborationState(), P, 1.0, 9 * GiB, other, guard_armed=True)
     assert d.action is None and st == k.CorroborationState()
+
+
+def test_kernel_log_events_alert_and_fold_per_code_and_gpu() -> None:
+    from sparkwatch.core.alerts import RateState, dedup_key, is_alerting, rate_limit
+    from sparkwatch.core.eventkinds import EventKind
+
+    assert is_alerting(EventKind.XID) and is_alerting(EventKind.DRIVER_ALLOC_FAILED)
+    k79 = dedup_key(EventKind.XID, {"code": 79, "device": "PCI:0000:01:00", "pid": None})
+    k13 = dedup_key(EventKind.XID, {"code": 13, "device": "PCI:0000:01:00", "pid": 1234})
+    assert k79 != k13
+    state, sent = rate_limit(RateState(), EventKind.XID, k13, 0.0)
+    assert sent
+    state, sent = rate_limit(state, EventKind.XID, k13, 60.0)
+    assert not sent  # a warp exception storm alerts once per 5 minutes per code and GPU
+    state, sent = rate_limit(state, EventKind.XID, k79, 60.0)
+    assert sent  # a different code is its own stream
