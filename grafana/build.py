@@ -641,6 +641,81 @@ def gpu_row() -> list[Json]:
     ]
 
 
+def kernel_row() -> list[Json]:
+    return [
+        row("The driver's view: free memory by block size, NVRM and Xid lines from the kernel log"),
+        timeseries(
+            "Free memory the driver can get",
+            "MemAvailable and MemFree beside the free memory in blocks of at least 2 MiB and 64 KiB "
+            "(/proc/buddyinfo). The GPU driver allocates large blocks: a fragmented pool can have GiBs free "
+            "while the 2 MiB line is low, and the driver then fails (NV_ERR_NO_MEMORY) before MemAvailable says so.",
+            "bytes",
+            [
+                Target(m("memory_available_bytes"), "{{instance}} MemAvailable"),
+                Target(m("memory_free_bytes"), "{{instance}} MemFree"),
+                Target(m("memory_free_contiguous_bytes"), "{{instance}} free in blocks >= {{min_block}}"),
+            ],
+            w=12,
+            h=8,
+            min_value=0,
+        ),
+        timeseries(
+            "NVRM errors",
+            "NVIDIA driver error lines per minute, by kind. no_memory / alloc_failed are allocation failures: "
+            "within warn_headroom of the floor the guard counts one as a floor crossing (kill trigger "
+            "driver_alloc_failed); above it, it alerts.",
+            "short",
+            [
+                Target(
+                    f"sum by (instance, kind) (increase({m('kernel_nvrm_errors_total')}[1m]))", "{{instance}} {{kind}}"
+                )
+            ],
+            w=6,
+            h=8,
+            draw="bars",
+            min_value=0,
+        ),
+        timeseries(
+            "GPU Xid events",
+            "Xid events per minute by code. 48, 63, 64, 74, 79, 95, 119, 120 and friends mean the GPU needs a reset "
+            "or the box a reboot (the SparkwatchGpuXidNeedsReset alert pages); 13, 31, 43 are usually the "
+            "application's. `sparkwatch doctor` lists the recent ones.",
+            "short",
+            [
+                Target(
+                    f"sum by (instance, code) (increase({m('kernel_xid_total')}[1m])) > 0", "{{instance}} Xid {{code}}"
+                )
+            ],
+            w=6,
+            h=8,
+            draw="bars",
+            min_value=0,
+        ),
+        stat(
+            "Kernel log",
+            "Whether sparkwatch can read /dev/kmsg. BLIND: a user unit on a box with kernel.dmesg_restrict=1 (the "
+            "Ubuntu default) sees no NVRM or Xid line; run the system unit or set dmesg_restrict=0. "
+            "`sparkwatch doctor` says which.",
+            "none",
+            [Target(m("kernel_log_readable"), "{{instance}}")],
+            w=6,
+            h=5,
+            mappings=value_map({0: ("BLIND", "orange"), 1: ("readable", "green")}),
+            steps=thresholds((None, "orange"), (1, "green")),
+        ),
+        timeseries(
+            "Kernel-log lines dropped",
+            "Kernel-log records per second that sparkwatch did not read: overwritten in the kernel's ring, or "
+            "skipped over its 2000 lines/s bound during a flood. Non-zero only under a log storm.",
+            "short",
+            [Target(f"rate({m('kernel_log_dropped_lines_total')}[$__rate_interval])", "{{instance}}")],
+            w=18,
+            h=5,
+            min_value=0,
+        ),
+    ]
+
+
 def driver_row() -> list[Json]:
     return [
         row("Driver and sparkwatch itself"),
@@ -811,7 +886,7 @@ def annotation_queries() -> list[Json]:
 
 
 def dashboard() -> Json:
-    panels = layout([*pool_row(), *guard_row(), *boot_row(), *gpu_row(), *driver_row()])
+    panels = layout([*pool_row(), *guard_row(), *kernel_row(), *boot_row(), *gpu_row(), *driver_row()])
     return {
         "__requires": [
             {"type": "grafana", "id": "grafana", "name": "Grafana", "version": "10.0.0"},

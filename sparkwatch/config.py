@@ -91,6 +91,12 @@ class Settings(BaseSettings):
     )
     engine_patterns: list[str] = Field(default_factory=list, description="extra engines, as 'kind=regex'")
     protect_patterns: list[str] = Field(default_factory=list, description="extra protected names, as regexes")
+    kernel_log_corroboration: bool = Field(
+        True,
+        description="a driver allocation failure (NVRM NV_ERR_NO_MEMORY) while MemAvailable is within warn_headroom "
+        "of the floor counts as a floor crossing; needs a readable kernel log (system unit or dmesg_restrict=0)",
+    )
+    kernel_log_path: Path = Field(Path("/dev/kmsg"), description="the kernel log device read for NVRM and Xid lines")
 
     # --- telemetry and its outputs
     telemetry_interval_s: float = Field(1.0, gt=0, le=60)

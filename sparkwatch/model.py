@@ -347,3 +347,5 @@ class Snapshot:
     collectors: tuple[CollectorStatus, ...] = ()
     psi: PsiMemory | None = None  # None: the kernel has no PSI (or it is off)
     jit_states: tuple[JitEngineState, ...] = ()  # per engine tree
+    # (min_block label, bytes free in blocks at least that big) from /proc/buddyinfo: "2MiB", "64KiB"
+    free_contiguous: tuple[tuple[str, int], ...] = ()

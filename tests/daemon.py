@@ -58,6 +58,9 @@ def sparkwatch_run(tmp_path: Path, *args: str, env: dict[str, str] | None = None
             "SPARKWATCH_LISTEN": f"127.0.0.1:{port}",
             "SPARKWATCH_JIT_CACHE_DIRS": f'["{tmp_path / "no-jit-cache"}"]',
             "XDG_CONFIG_HOME": str(tmp_path / "xdg"),
+            # Blind to the real kernel log unless a test asks for it: the kernel-log tests write NVRM lines into
+            # /dev/kmsg, and another test's daemon running meanwhile must not act on them.
+            "SPARKWATCH_KERNEL_LOG_PATH": str(tmp_path / "no-kmsg"),
             "PYTHONUNBUFFERED": "1",
         }
     )

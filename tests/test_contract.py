@@ -34,6 +34,7 @@ from sparkwatch.core.nvmlcodes import NvmlReturn
 from sparkwatch.core.states import CheckStatus, DriverVerdict
 from sparkwatch.exporter.contract import BY_NAME, METRICS, MetricSpec, markdown_table, presence_table
 from sparkwatch.exporter.server import build_registry
+from sparkwatch.loops.kernlog import KernelLogStats
 from sparkwatch.loops.telemetry import Telemetry
 from sparkwatch.model import EngineTree, Event, GpuDevice, GpuReport, MemInfo, Proc
 from tests.conftest import wait_until
@@ -124,8 +125,17 @@ def full_exposition(tmp_path: Path) -> list[Metric]:
     snap = zero_durations(telemetry.collect())
     stats = guard_stats()
     stats.last_loop_monotonic = 1.0
-    registry = build_registry(settings, lambda: snap, StaticGuard(stats), StaticEvents(), StaticOutbox())
+    kernel_log = StaticKernelLog(KernelLogStats(readable=True, lines_total=10, xid_total={79: 1}))
+    registry = build_registry(
+        settings, lambda: snap, StaticGuard(stats), StaticEvents(), StaticOutbox(), kernel_log=kernel_log
+    )
     return list(registry.collect())
+
+
+@dataclasses.dataclass
+class StaticKernelLog:
+    stats: KernelLogStats
+    lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
 
 
 def test_the_exporter_publishes_exactly_the_contract(tmp_path: Path) -> None:
@@ -175,7 +185,14 @@ def event_rows() -> dict[str, tuple[str, str]]:
 def test_every_event_kind_is_documented_with_its_alerting_and_priority() -> None:
     rows = event_rows()
     assert set(rows) == {k.value for k in EventKind}
-    minutes = {"every one": 0.0, "once per episode": 0.0, "15 min": 900.0, "30 min": 1800.0, "1 h": 3600.0}
+    minutes = {
+        "every one": 0.0,
+        "once per episode": 0.0,
+        "5 min": 300.0,
+        "15 min": 900.0,
+        "30 min": 1800.0,
+        "1 h": 3600.0,
+    }
     for kind in EventKind:
         interval, priority = rows[kind]
         assert ALERT_MIN_INTERVAL_S.get(kind) == (None if interval == "no" else minutes[interval]), kind

@@ -27,6 +27,8 @@ CHECK_IDS = [
     "max-jobs",
     "ray-memory-monitor",
     "floor",
+    "kernel-log",
+    "recent-xids",
 ]
 
 
@@ -248,3 +250,39 @@ def test_live_root_reads_real_engine_environment(tmp_path: Path, live_engine: su
     jobs = by_id(data)["max-jobs"]
     assert jobs["status"] == "warn"
     assert f"pid {live_engine.pid} (VLLM::EngineCore): MAX_JOBS unset" in jobs["detail"]
+
+
+KMSG_FIX = Path(__file__).parent / "fixtures" / "kmsg"
+
+
+def test_kernel_log_of_a_healthy_h200_and_of_one_in_trouble(tmp_path: Path) -> None:
+    """DIR/dev/kmsg as a file of records: the H200's real boot ring, then the NVRM/Xid lines of public reports."""
+    root = fx.healthy(tmp_path / "root").write()
+    (root / "dev").mkdir(exist_ok=True)
+    (root / "dev" / "kmsg").write_bytes((KMSG_FIX / "h200-kmsg.txt").read_bytes())
+    _, data = doctor_json(tmp_path, root)
+    assert_contract(data)
+    checks = by_id(data)
+    assert checks["kernel-log"]["status"] == "ok" and "3 NVRM lines" in checks["kernel-log"]["summary"]
+    assert checks["recent-xids"]["status"] == "ok"
+
+    (root / "dev" / "kmsg").write_bytes((KMSG_FIX / "nvrm-public.txt").read_bytes())
+    code, data = doctor_json(tmp_path, root)
+    checks = by_id(data)
+    assert code == 1  # Xids that need a reset fail the report
+    log = checks["kernel-log"]
+    assert log["status"] == "warn" and "4 driver allocation failures" in log["summary"]
+    xids = checks["recent-xids"]
+    assert xids["status"] == "fail" and "codes 13, 31, 48, 79, 154" in xids["summary"]
+    assert "48, 79, 154 need a GPU reset or a reboot" in xids["summary"] and "nvidia-smi -r" in xids["fix"]
+    assert "Xid 31 PCI:0000:01:00: GPU memory page fault pid 2913 (python3) -> check_app" in xids["detail"]
+
+
+def test_unreadable_kernel_log_says_why(tmp_path: Path) -> None:
+    root = fx.healthy(tmp_path / "root").write()
+    code, data = doctor_json(tmp_path, root)
+    checks = by_id(data)
+    assert code == 0  # a blind kernel log warns; the guard still runs
+    assert checks["kernel-log"]["status"] == "warn" and "no such device" in checks["kernel-log"]["summary"]
+    assert "install-service --system" in checks["kernel-log"]["fix"]
+    assert checks["recent-xids"]["status"] == "skip"

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import yaml
 
+from sparkwatch.core.kernlog import XID_CATALOGUE
 from tests.conftest import require_tool
 from tests.grafana_support import ALERTS, ALERTS_TEST, GRAFANA, load_rules
 
@@ -24,6 +25,10 @@ REQUIRED_ALERTS = {
     "SparkwatchCollectorFailing",
     "SparkwatchTPPeerLost",
     "SparkwatchAlertsUndelivered",
+    "SparkwatchGpuXidNeedsReset",
+    "SparkwatchGpuXid",
+    "SparkwatchDriverAllocFailed",
+    "SparkwatchKernelLogUnreadable",
 }
 
 
@@ -71,6 +76,15 @@ def test_each_rule_has_a_firing_unit_test_and_tells_the_human_what_to_do() -> No
         assert r["annotations"]["summary"] and "{{ $labels.instance }}" in r["annotations"]["summary"], r["alert"]
         # Every description names a command or a concrete action.
         assert "`" in r["annotations"]["description"], f"{r['alert']}: say what to run"
+
+
+def test_xid_paging_codes_are_the_catalogue_s() -> None:
+    """The rule that pages names exactly the Xid codes core.kernlog says need a GPU reset or a reboot."""
+    rules = {r["alert"]: r for r in load_rules()}
+    pages = "|".join(str(code) for code, info in sorted(XID_CATALOGUE.items()) if info.pages)
+    assert f'code=~"{pages}"' in rules["SparkwatchGpuXidNeedsReset"]["expr"]
+    assert f'code!~"{pages}"' in rules["SparkwatchGpuXid"]["expr"]
+    assert rules["SparkwatchGpuXidNeedsReset"]["labels"]["severity"] == "critical"
 
 
 def test_example_prometheus_config() -> None:

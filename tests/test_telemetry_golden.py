@@ -20,12 +20,15 @@ from tests.helpers.scenario import (
     StaticEvents,
     StaticGpu,
     StaticGuard,
+    StaticKernelLog,
     build_scenario,
     guard_stats,
+    kernel_log_stats,
     stranded_driver,
     zero_durations,
 )
 
+MiB = 1 << 20
 GOLDEN = Path(__file__).parent / "golden" / "telemetry.prom"
 
 
@@ -34,8 +37,15 @@ def scenario_exposition(tmp_path: Path) -> bytes:
     telemetry = Telemetry(
         settings, gpu_source=StaticGpu(), wall_clock=lambda: FIXED_MTIME + 100.0, driver=stranded_driver
     )
+    telemetry.page_size_bytes = 4096  # the H200's (and DGX OS's default arm64 kernel's); not this machine's
     snap = zero_durations(telemetry.collect())
-    registry = build_registry(settings, lambda: snap, StaticGuard(guard_stats()), StaticEvents())
+    registry = build_registry(
+        settings,
+        lambda: snap,
+        StaticGuard(guard_stats()),
+        StaticEvents(),
+        kernel_log=StaticKernelLog(kernel_log_stats()),
+    )
     return render(registry)
 
 
@@ -112,3 +122,13 @@ def test_golden_values_mean_the_scenario() -> None:
     assert "sparkwatch_gpu_memory_total_bytes" not in text  # unified: absent, never 0
     assert sample(text, "sparkwatch_driver_stranded") == 1
     assert sample(text, "sparkwatch_driver_info", kernel="6.11.0-1016-nvidia", verdict="stranded") == 1
+    # The H200's buddyinfo: orders 9 and 10 of three zones (8+0+1 of 2 MiB, 37+753+3 of 4 MiB)
+    assert sample(text, "sparkwatch_memory_free_contiguous_bytes", min_block="2MiB") == (9 * 2 + 793 * 4) * MiB
+    assert sample(text, "sparkwatch_memory_free_contiguous_bytes", min_block="64KiB") > (9 * 2 + 793 * 4) * MiB
+    assert sample(text, "sparkwatch_kernel_nvrm_errors_total", kind="no_memory") == 2
+    assert sample(text, "sparkwatch_kernel_nvrm_errors_total", kind="insufficient_resources") == 0
+    assert sample(text, "sparkwatch_kernel_xid_total", code="79") == 1
+    assert sample(text, "sparkwatch_kernel_xid_total", code="999") == 2  # uncatalogued codes are counted too
+    assert sample(text, "sparkwatch_kernel_xid_total", code="48") == 0  # catalogued codes exist from the start
+    assert sample(text, "sparkwatch_kernel_log_dropped_lines_total") == 5
+    assert sample(text, "sparkwatch_guard_kills_total", trigger="driver_alloc_failed") == 0

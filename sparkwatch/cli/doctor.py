@@ -26,17 +26,28 @@ _SHOW_FIX = (CheckStatus.FAIL, CheckStatus.WARN)
 
 
 def add_parser(sub: Any, parent: argparse.ArgumentParser) -> None:
-    p = sub.add_parser("doctor", parents=[parent], help="one-shot health report: driver, swap, MAX_JOBS, Ray, floor")
+    p = sub.add_parser(
+        "doctor", parents=[parent], help="one-shot health report: driver, swap, MAX_JOBS, Ray, floor, kernel log, Xids"
+    )
     p.add_argument("--json", action="store_true", help='print {"ok": …, "checks": […]}')
     p.set_defaults(handler=handle)
 
 
 def run_checks(args: argparse.Namespace) -> tuple[list[Check], Path, bool]:
     from sparkwatch.cli import settings_from
-    from sparkwatch.core.doctor import env_targets, floor_check, max_jobs_check, ray_monitor_check, swap_check
+    from sparkwatch.core.doctor import (
+        env_targets,
+        floor_check,
+        kernel_log_check,
+        max_jobs_check,
+        ray_monitor_check,
+        swap_check,
+        xid_check,
+    )
     from sparkwatch.core.drift import driver_checks, judge
     from sparkwatch.core.engines import EngineRules
     from sparkwatch.sources.environ import read_environ
+    from sparkwatch.sources.kmsg import read_kmsg_ring
     from sparkwatch.sources.meminfo import MeminfoError, parse_meminfo
     from sparkwatch.sources.nvml import probe_nvml
     from sparkwatch.sources.procs import ProcScanner
@@ -65,6 +76,10 @@ def run_checks(args: argparse.Namespace) -> tuple[list[Check], Path, bool]:
     checks.append(max_jobs_check(targets, environ, settings.compile_jobs_alert))
     checks.append(ray_monitor_check(targets, environ))
     checks.append(floor_check(settings.floor, settings.warn_headroom, mem))
+    # The kernel log: this machine's /dev/kmsg (kernel_log_path), or DIR/dev/kmsg (a file of records) under --root.
+    records, why_not = read_kmsg_ring(settings.kernel_log_path if live else root / "dev" / "kmsg")
+    checks.append(kernel_log_check(records, why_not))
+    checks.append(xid_check(records, why_not))
     return checks, root, live
 
 

@@ -23,6 +23,11 @@ ALERT_MIN_INTERVAL_S: Mapping[EventKind, float] = {
     EventKind.DRIVER_VERSION_MISMATCH: 0.0,
     EventKind.DRIVER_NOT_LOADED: 0.0,
     EventKind.DRIVER_RECOVERED: 0.0,
+    # Xids: per code and GPU; a warp exception repeats per faulting warp, one alert per 5 min says enough. Codes
+    # that need a GPU reset or a reboot carry "page": true (core.kernlog.XID_CATALOGUE).
+    EventKind.XID: 300.0,
+    # Episodes are cut upstream (core.kernlog.corroborate: one event per failure episode, lines 5 s apart).
+    EventKind.DRIVER_ALLOC_FAILED: 300.0,
     EventKind.LOW_HEADROOM: 900.0,
     EventKind.COMPILE_BURST: 900.0,
     EventKind.MAX_JOBS_MISSING: 3600.0,
@@ -46,6 +51,8 @@ def dedup_key(kind: EventKind, fields: Mapping[str, object]) -> str:
     """Events with the same key are one alert stream for rate limiting. A kill is never folded into another."""
     if kind == EventKind.KILL:
         return f"kill:{fields.get('id', '')}"
+    if kind == EventKind.XID:
+        return f"xid:code={fields.get('code')}:device={fields.get('device')}"
     for name in ("engine_root_pid", "root_pid", "pid", "cache", "kernel"):
         value = fields.get(name)
         if value is not None:
@@ -186,6 +193,8 @@ def alert_text(kind: str, node: str, summary: str) -> str:
         EventKind.DRIVER_NOT_LOADED: ":rotating_light:",
         EventKind.DRIVER_RECOVERED: ":white_check_mark:",
         EventKind.LOW_HEADROOM: ":warning:",
+        EventKind.XID: ":warning:",
+        EventKind.DRIVER_ALLOC_FAILED: ":rotating_light:",
     }
     icon = icons.get(kind, ":information_source:")
     return f"{icon} sparkwatch on {node}: {summary}"

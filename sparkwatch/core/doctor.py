@@ -1,4 +1,5 @@
-"""The non-driver checks of `sparkwatch doctor`: swap, MAX_JOBS and Ray's memory monitor in running engines, floor.
+"""The non-driver checks of `sparkwatch doctor`: swap, MAX_JOBS and Ray's memory monitor in running engines, floor,
+the kernel log and the Xids in it.
 
 Pure: processes, their environments and meminfo come in as data.
 """
@@ -10,6 +11,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from sparkwatch.core.engines import EngineRules, engine_kind
+from sparkwatch.core.kernlog import KmsgRecord, NvrmError, XidLine, parse_nvrm, xid_info
 from sparkwatch.core.states import CheckStatus
 from sparkwatch.model import Check, MemInfo, Proc
 
@@ -193,3 +195,60 @@ def floor_check(floor_bytes: int, warn_headroom_bytes: int, mem: MemInfo | None)
             "floor", CheckStatus.WARN, f"{shown}: floor + warn_headroom exceeds MemTotal; always warning", fix=fix
         )
     return Check("floor", CheckStatus.OK, shown)
+
+
+# --- the kernel log (core.kernlog)
+
+RECENT_XIDS_SHOWN = 10
+
+
+def kernel_log_check(records: Sequence[KmsgRecord], why_not: str | None) -> Check:
+    """Whether NVRM and Xid lines can be seen at all; a blind guard still runs, so this warns, never fails."""
+    if why_not is not None:
+        return Check(
+            "kernel-log",
+            CheckStatus.WARN,
+            f"kernel log not readable: {why_not}",
+            fix="sudo sparkwatch install-service --system   # or: sudo sysctl kernel.dmesg_restrict=0",
+            detail="without it sparkwatch sees no NV_ERR_NO_MEMORY and no Xid: the guard watches MemAvailable alone",
+        )
+    nvrm = [r for r in records if "NVRM" in r.text]
+    alloc = [r for r in nvrm if isinstance((p := parse_nvrm(r.text, r.level)), NvrmError) and p.is_alloc_failure]
+    summary = f"readable: {len(records)} records in the ring, {len(nvrm)} NVRM lines"
+    if alloc:
+        return Check(
+            "kernel-log",
+            CheckStatus.WARN,
+            f"{summary}, {len(alloc)} driver allocation failures (NV_ERR_NO_MEMORY and the like)",
+            detail="\n".join(r.text[:200] for r in alloc[-RECENT_XIDS_SHOWN:]),
+        )
+    return Check("kernel-log", CheckStatus.OK, summary)
+
+
+def xid_check(records: Sequence[KmsgRecord], why_not: str | None) -> Check:
+    """The Xids still in the kernel's ring (since boot, or as far back as the ring reaches), newest last."""
+    if why_not is not None:
+        return Check("recent-xids", CheckStatus.SKIP, "kernel log not readable: cannot list Xids")
+    xids: list[tuple[KmsgRecord, XidLine]] = [
+        (r, line) for r in records if "Xid" in r.text and isinstance((line := parse_nvrm(r.text, r.level)), XidLine)
+    ]
+    if not xids:
+        return Check("recent-xids", CheckStatus.OK, "no Xid in the kernel log")
+    lines = []
+    for record, xid in xids[-RECENT_XIDS_SHOWN:]:
+        info = xid_info(xid)
+        who = f" pid {xid.pid} ({xid.process or '?'})" if xid.pid is not None else ""
+        when = f"[{record.ts_us / 1e6:.1f} s after boot]"
+        lines.append(f"{when} Xid {xid.code} {xid.device}: {info.name}{who} -> {info.action}")
+    paging = sorted({x.code for _r, x in xids if xid_info(x).pages})
+    codes = ", ".join(str(c) for c in sorted({x.code for _r, x in xids}))
+    if paging:
+        return Check(
+            "recent-xids",
+            CheckStatus.FAIL,
+            f"{len(xids)} Xids (codes {codes}); {', '.join(map(str, paging))} need a GPU reset or a reboot",
+            fix="stop the engines, then: sudo nvidia-smi -r   # or: sudo reboot (Xid 79 always needs the reboot)",
+            detail="\n".join(lines),
+        )
+    summary = f"{len(xids)} Xids (codes {codes}): usually the application's"
+    return Check("recent-xids", CheckStatus.WARN, summary, detail="\n".join(lines))

@@ -36,6 +36,8 @@ def _reason(facts: KillFacts) -> str:
             f"MemAvailable {avail} MiB falling {format_size(facts.fill_rate_bytes_per_s)}/s, "
             f"predicted to cross floor {floor} MiB"
         )
+    if facts.trigger == "driver_alloc_failed":  # core.kernlog's corroboration: the driver ran out first
+        return f"NVIDIA driver allocation failed at MemAvailable {avail} MiB, within warn_headroom of floor {floor} MiB"
     return f"MemAvailable {avail} MiB <= floor {floor} MiB"
 
 

@@ -27,17 +27,25 @@ from prometheus_client.registry import Collector
 from sparkwatch import __version__
 from sparkwatch.config import Settings
 from sparkwatch.core.compile import TOOLS
+from sparkwatch.core.kernlog import NVRM_KINDS, XID_CATALOGUE
 from sparkwatch.core.states import JitState, MaxJobsState
 from sparkwatch.exporter.gpu import gpu_families
 from sparkwatch.loops.guard import KILL_DURATION_BUCKETS_S, GuardStats
+from sparkwatch.loops.kernlog import KernelLogStats
 from sparkwatch.model import DriverReport, GpuReport, MemInfo, Snapshot
 
 P = "sparkwatch_"
-GUARD_TRIGGERS = ("floor", "predicted")  # core.guard's triggers: exported at 0 so rate() works from the start
+# core.guard's triggers and core.kernlog's: exported at 0 so rate() works from the start
+GUARD_TRIGGERS = ("floor", "predicted", "driver_alloc_failed")
 
 
 class GuardLike(Protocol):
     stats: GuardStats
+    lock: threading.Lock
+
+
+class KernelLogLike(Protocol):
+    stats: KernelLogStats
     lock: threading.Lock
 
 
@@ -81,6 +89,7 @@ class SparkwatchCollector(Collector):
         guard: GuardLike | None = None,
         events: EventLogLike | None = None,
         outbox: OutboxLike | None = None,
+        kernel_log: KernelLogLike | None = None,
         monotonic: Callable[[], float] = time.monotonic,
     ) -> None:
         self.latest = latest
@@ -88,6 +97,7 @@ class SparkwatchCollector(Collector):
         self.settings = settings  # what was configured at start; the guard's own copy wins once there is a guard
         self.guard = guard
         self.events = events
+        self.kernel_log = kernel_log if kernel_log is not None else getattr(guard, "kernlog", None)
         self.monotonic = monotonic
 
     def describe(self) -> Iterable[Metric]:
@@ -109,6 +119,8 @@ class SparkwatchCollector(Collector):
         yield from self._memory(mem, snap, stats, settings)
         if stats is not None:
             yield from self._guard(stats, settings.dry_run)
+        if self.kernel_log is not None:
+            yield from _kernel_log_families(self.kernel_log)
         if self.events is not None:
             yield CounterMetricFamily(
                 P + "event_log_write_errors",
@@ -162,6 +174,15 @@ class SparkwatchCollector(Collector):
                 "Smoothed rate at which MemAvailable falls (positive: filling)",
                 value=stats.fill_rate_bytes_per_s,
             )
+        if snap is not None and snap.free_contiguous:
+            contiguous = GaugeMetricFamily(
+                P + "memory_free_contiguous_bytes",
+                "Free memory in blocks of at least min_block (/proc/buddyinfo): what a large driver allocation can get",
+                labels=["min_block"],
+            )
+            for label, size in snap.free_contiguous:
+                contiguous.add_metric([label], size)
+            yield contiguous
         if snap is not None and snap.psi is not None:
             psi = CounterMetricFamily(
                 P + "memory_pressure_stalled_seconds",
@@ -359,6 +380,37 @@ def _driver_families(d: DriverReport) -> Iterator[Metric]:
         1,
     )
     yield info
+
+
+def _kernel_log_families(source: KernelLogLike) -> Iterator[Metric]:
+    """NVRM and Xid lines from /dev/kmsg (loops.kernlog). Known kinds and catalogued Xid codes are exported at 0."""
+    with source.lock:
+        s = source.stats
+        readable, lines, dropped = s.readable, s.lines_total, s.dropped_total
+        nvrm, xids = dict(s.nvrm_errors_total), dict(s.xid_total)
+    yield GaugeMetricFamily(
+        P + "kernel_log_readable",
+        "1 when sparkwatch can read /dev/kmsg (system unit, or kernel.dmesg_restrict=0); doctor says why not",
+        value=int(readable),
+    )
+    yield CounterMetricFamily(P + "kernel_log_lines", "Kernel log records read", value=lines)
+    yield CounterMetricFamily(
+        P + "kernel_log_dropped_lines",
+        "Kernel log records not read: overwritten in the ring, or skipped over the line-rate bound",
+        value=dropped,
+    )
+    errors = CounterMetricFamily(
+        P + "kernel_nvrm_errors",
+        "NVRM error lines by kind (no_memory, insufficient_resources, alloc_failed: allocation failures)",
+        labels=["kind"],
+    )
+    for kind in sorted(set(NVRM_KINDS) | set(nvrm)):
+        errors.add_metric([kind], nvrm.get(kind, 0))
+    yield errors
+    xid = CounterMetricFamily(P + "kernel_xid", "NVIDIA Xid events in the kernel log, by code", labels=["code"])
+    for code in sorted(set(XID_CATALOGUE) | set(xids)):
+        xid.add_metric([str(code)], xids.get(code, 0))
+    yield xid
 
 
 def _outbox_families(box: OutboxLike) -> Iterator[Metric]:

@@ -176,8 +176,32 @@ METRICS: tuple[MetricSpec, ...] = (
         "driver",
         f"driver identity and the drift verdict; always 1. verdict={'|'.join(DriverVerdict)}",
     ),
-    # Room for the kernel-log and buddyinfo families (sparkwatch_kernel_*, sparkwatch_memory_free_contiguous_bytes)
-    # and the exported error counters of the daemon's components: add them here with the change that exports them.
+    # the pool as the driver sees it (/proc/buddyinfo) and the kernel log (/dev/kmsg: NVRM and Xid lines)
+    _m(
+        "memory_free_contiguous_bytes",
+        "gauge",
+        "min_block",
+        "telemetry",
+        "bytes free in blocks of at least min_block (2MiB|64KiB), from /proc/buddyinfo",
+    ),
+    _m("kernel_log_readable", "gauge", "", "guard", "1 when /dev/kmsg can be read; 0: NVRM and Xid lines are not seen"),
+    _m("kernel_log_lines_total", "counter", "", "guard", "kernel log records read"),
+    _m(
+        "kernel_log_dropped_lines_total",
+        "counter",
+        "",
+        "guard",
+        "kernel log records lost: overwritten in the ring or skipped over the rate bound",
+    ),
+    _m(
+        "kernel_nvrm_errors_total",
+        "counter",
+        "kind",
+        "guard",
+        "NVRM error lines by kind (no_memory|insufficient_resources|alloc_failed|assertion|other)",
+    ),
+    _m("kernel_xid_total", "counter", "code", "guard", "NVIDIA Xid events by code; catalogued codes exported at 0"),
+    # Room for the exported error counters of the daemon's components: add them with the change that exports them.
 )
 
 BY_NAME: dict[str, MetricSpec] = {m.name: m for m in METRICS}

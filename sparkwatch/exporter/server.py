@@ -13,7 +13,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.exposition import start_http_server
 
 from sparkwatch.config import Settings
-from sparkwatch.exporter.collector import EventLogLike, GuardLike, OutboxLike, SparkwatchCollector
+from sparkwatch.exporter.collector import EventLogLike, GuardLike, KernelLogLike, OutboxLike, SparkwatchCollector
 from sparkwatch.model import Snapshot
 
 
@@ -23,9 +23,14 @@ def build_registry(
     guard: GuardLike | None = None,
     events: EventLogLike | None = None,
     outbox: OutboxLike | None = None,
+    *,
+    kernel_log: KernelLogLike | None = None,
 ) -> CollectorRegistry:
+    """`kernel_log`: the guard's KernelLogWatch (taken from `guard.kernlog` when not given)."""
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(SparkwatchCollector(latest, settings=settings, guard=guard, events=events, outbox=outbox))
+    registry.register(
+        SparkwatchCollector(latest, settings=settings, guard=guard, events=events, outbox=outbox, kernel_log=kernel_log)
+    )
     return registry
 
 

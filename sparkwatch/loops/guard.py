@@ -14,7 +14,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from sparkwatch.actuators.events import EventLog, EventLogError, make_event
@@ -24,7 +24,9 @@ from sparkwatch.core import guard as core
 from sparkwatch.core.engines import EngineRules, Scope, find_engine_trees
 from sparkwatch.core.eventkinds import EventKind
 from sparkwatch.core.killrecord import KillFacts, kill_fields, kill_line, kill_summary, victims_of
+from sparkwatch.loops.kernlog import KernelLogWatch
 from sparkwatch.model import MemInfo
+from sparkwatch.sources.kmsg import KmsgSource
 from sparkwatch.sources.meminfo import MeminfoError, MeminfoReader
 from sparkwatch.sources.procs import ProcScanner
 
@@ -115,6 +117,14 @@ class Guard:
         self._warm = threading.Event()
         self._scout: threading.Thread | None = None
         self.warm_scans_total = 0
+        # NVRM/Xid lines from /dev/kmsg, read non-blocking each tick (issue 12): see _kernel_log.
+        self.kernlog = KernelLogWatch(
+            events,
+            settings.proc_root,
+            lambda: (self.rules, self.scope),
+            enabled=settings.kernel_log_corroboration,
+            source=KmsgSource(settings.kernel_log_path),
+        )
 
     # Settings the guard applies on SIGHUP without a restart; proc_root and the like need a new process.
     LIVE_KEYS = frozenset(
@@ -129,6 +139,7 @@ class Guard:
             "ancestor_pid",
             "engine_patterns",
             "protect_patterns",
+            "kernel_log_corroboration",
         }
     )
 
@@ -145,12 +156,14 @@ class Guard:
             self.scope = scope
             self.killer.rules = rules
             self.killer.scope = scope
+            self.kernlog.enabled = settings.kernel_log_corroboration
         self._wake()  # a new floor or poll interval takes effect now, not after the current sleep
         return self.LIVE_KEYS
 
     # --- lifecycle
     def start(self) -> None:
         self.reaper.start()
+        self.kernlog.start()
         self._scout = threading.Thread(target=self._scout_run, name="sparkwatch-scout", daemon=True)
         self._scout.start()
         self._thread = threading.Thread(target=self.run, name="sparkwatch-guard", daemon=True)
@@ -170,6 +183,7 @@ class Guard:
             self._thread.join(5)
         if self._scout is not None:
             self._scout.join(1)  # a scout stuck in a /proc read is a daemon thread: never wait on it long
+        self.kernlog.stop()
         self.reaper.stop()
 
     def _open_psi_trigger(self, proc_root: Path) -> int | None:
@@ -220,10 +234,25 @@ class Guard:
             _log(f"sparkwatch: re-armed: MemAvailable {mem.available_bytes >> 20} MiB")
         if decision.trigger is not None:
             self.fire(decision.trigger, mem, now)
+        elif self._kernel_log(now, mem):
+            pass  # fired on a driver allocation failure
         elif self._near_floor(mem.available_bytes, decision):
             self._warm.set()  # the scout rescans (at most once a second); this thread never waits for it
         self._beat(now)
         return decision.next_interval_s
+
+    def _kernel_log(self, now: float, mem: MemInfo) -> bool:
+        """The kernel-log hook: a driver allocation failure near the floor fires like a crossing (core.kernlog)."""
+        trigger = self.kernlog.poll(
+            now, mem.available_bytes, self.params.floor_bytes, self.settings.warn_headroom, self.state.armed
+        )
+        if trigger is None:
+            return False
+        self.state = replace(self.state, armed=False, below_count=0, predict_count=0)  # re-arms as after any kill
+        with self.lock:
+            self.stats.armed = False
+        self.fire(trigger, mem, now)
+        return True
 
     def _near_floor(self, available_bytes: int, decision: core.Decision) -> bool:
         if not self.state.armed:

@@ -37,6 +37,7 @@ from sparkwatch.model import (
     Proc,
     Snapshot,
 )
+from sparkwatch.sources.buddyinfo import page_size_bytes, read_contiguous_free
 from sparkwatch.sources.jitcache import JitCacheSource
 from sparkwatch.sources.meminfo import MeminfoReader
 from sparkwatch.sources.nvml import NvmlSource
@@ -74,6 +75,7 @@ class Telemetry:
         # NvmlSource bounds every NVML call and never raises from collect(); pynvml is imported on its first cycle.
         self.gpu_source = gpu_source if gpu_source is not None else NvmlSource(proc_root=settings.proc_root)
         self.driver = driver
+        self.page_size_bytes = page_size_bytes()  # buddyinfo counts pages: 4 KiB, or 64 KiB on some arm64 kernels
         self._meminfo: MeminfoReader | None = None
         self._jit_tracks: dict[tuple[int, int], jit_core.JitTrack] = {}
         self._burst = compile_core.BurstState()
@@ -130,6 +132,7 @@ class Telemetry:
 
         mem = run("meminfo", self._read_meminfo)
         psi = run("psi", lambda: read_psi(self.settings.proc_root))
+        contiguous = run("buddyinfo", lambda: read_contiguous_free(self.settings.proc_root, self.page_size_bytes))
         procs = run("procs", lambda: self.scanner.scan(self._hot).procs)
         trees: tuple[EngineTree, ...] = ()
         if procs is not None:
@@ -165,6 +168,7 @@ class Telemetry:
             collectors=tuple(statuses),
             psi=psi,
             jit_states=jit_states,
+            free_contiguous=contiguous or (),
         )
 
     def drain_events(self) -> list[Event]:

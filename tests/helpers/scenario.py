@@ -10,6 +10,7 @@ from pathlib import Path
 from sparkwatch.config import Settings, load_settings
 from sparkwatch.core.states import DriverVerdict
 from sparkwatch.loops.guard import GuardStats
+from sparkwatch.loops.kernlog import KernelLogStats
 from sparkwatch.model import DriverReport, GpuDevice, GpuProcess, GpuReport, Snapshot
 from tests.helpers.proctree import FIXED_MTIME, PSI_MEMORY, FakeProc, pin_mtimes, write_module, write_proc
 
@@ -117,6 +118,8 @@ def build_scenario(tmp: Path, psi: bool = True) -> Settings:
     (vllm / "3f1c2a" / "rank_0_0" / "inductor.bin").write_bytes(b"x" * 10000)
     pin_mtimes(tmp / "home")
     proc = write_proc(tmp / "proc", scenario_procs(cache), psi=PSI_MEMORY if psi else None)
+    # The H200's real buddyinfo, read once through the device tool (tests/fixtures/kmsg/README.md)
+    (proc / "buddyinfo").write_bytes((Path(__file__).parent.parent / "fixtures/kmsg/h200-buddyinfo.txt").read_bytes())
     return load_settings(
         None,
         {
@@ -143,6 +146,20 @@ class StaticGuard:
     """The guard's counters as the exporter reads them (stats under a lock), with fixed values."""
 
     def __init__(self, stats: GuardStats) -> None:
+        self.stats = stats
+        self.lock = threading.Lock()
+
+
+def kernel_log_stats() -> KernelLogStats:
+    """A box that saw one NV_ERR_NO_MEMORY episode (two no_memory lines, one alloc_failed) and an Xid 79."""
+    stats = KernelLogStats(readable=True, lines_total=1234, dropped_total=5)
+    stats.nvrm_errors_total.update({"no_memory": 2, "alloc_failed": 1})
+    stats.xid_total = {79: 1, 999: 2}
+    return stats
+
+
+class StaticKernelLog:
+    def __init__(self, stats: KernelLogStats) -> None:
         self.stats = stats
         self.lock = threading.Lock()
 
