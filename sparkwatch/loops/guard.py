@@ -19,11 +19,11 @@ from pathlib import Path
 
 from sparkwatch.actuators.events import EventLog, EventLogError, make_event
 from sparkwatch.actuators.killer import Killer, KillJob, Reaper
-from sparkwatch.config import Settings
 from sparkwatch.core import guard as core
-from sparkwatch.core.engines import EngineRules, Scope, find_engine_trees
+from sparkwatch.core.engines import find_engine_trees
 from sparkwatch.core.eventkinds import EventKind
 from sparkwatch.core.killrecord import KillFacts, kill_fields, kill_line, kill_summary, victims_of
+from sparkwatch.guardconfig import GuardSettings, engine_rules, engine_scope
 from sparkwatch.model import MemInfo
 from sparkwatch.sources.meminfo import MeminfoError, MeminfoReader
 from sparkwatch.sources.procs import ProcScanner
@@ -69,7 +69,7 @@ class GuardStats:
         self.kill_duration_count += 1
 
 
-def _params(settings: Settings) -> core.GuardParams:
+def _params(settings: GuardSettings) -> core.GuardParams:
     return core.GuardParams(
         floor_bytes=settings.floor,
         kill_budget_s=settings.kill_budget_s,
@@ -88,13 +88,15 @@ def _log(line: str) -> None:
 
 
 class Guard:
-    def __init__(self, settings: Settings, events: EventLog, heartbeat: Callable[[float], None] | None = None) -> None:
+    def __init__(
+        self, settings: GuardSettings, events: EventLog, heartbeat: Callable[[float], None] | None = None
+    ) -> None:
         self.settings = settings
         self.events = events
         self.heartbeat = heartbeat
         self.params = _params(settings)
-        self.rules = EngineRules.build(settings.engine_patterns, settings.protect_patterns)
-        self.scope = Scope(self_pid=os.getpid(), own_uid=os.geteuid(), ancestor_pid=settings.ancestor_pid)
+        self.rules = engine_rules(settings)
+        self.scope = engine_scope(settings)
         self.stats = GuardStats()
         self.lock = threading.Lock()
         self.state = core.GuardState()
@@ -132,12 +134,12 @@ class Guard:
         }
     )
 
-    def reconfigure(self, settings: Settings) -> frozenset[str]:
+    def reconfigure(self, settings: GuardSettings) -> frozenset[str]:
         """Apply new settings live (SIGHUP). Returns the keys the guard applies. Thread-safe: the guard thread reads
         params, rules and the killer's settings once per tick, and each is swapped whole under the lock."""
         params = _params(settings)
-        rules = EngineRules.build(settings.engine_patterns, settings.protect_patterns)
-        scope = Scope(self_pid=os.getpid(), own_uid=os.geteuid(), ancestor_pid=settings.ancestor_pid)
+        rules = engine_rules(settings)
+        scope = engine_scope(settings)
         with self.lock:
             self.settings = settings
             self.params = params

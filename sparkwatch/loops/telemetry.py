@@ -11,7 +11,6 @@ other parts of the Snapshot intact.
 
 from __future__ import annotations
 
-import os
 import sys
 import threading
 import time
@@ -22,8 +21,9 @@ from sparkwatch.actuators.events import make_event
 from sparkwatch.config import Settings
 from sparkwatch.core import compile as compile_core
 from sparkwatch.core import jit as jit_core
-from sparkwatch.core.engines import EngineRules, Scope, find_engine_trees
+from sparkwatch.core.engines import find_engine_trees
 from sparkwatch.core.eventkinds import EventKind
+from sparkwatch.guardconfig import engine_rules, engine_scope
 from sparkwatch.model import (
     CollectorStatus,
     CompileCensus,
@@ -64,8 +64,8 @@ class Telemetry:
         latest report (a reference read, no I/O), put in Snapshot.driver as it is."""
         self.settings = settings
         self.wall_clock = wall_clock
-        self.rules = EngineRules.build(settings.engine_patterns, settings.protect_patterns)
-        self.scope = Scope(self_pid=os.getpid(), own_uid=os.geteuid(), ancestor_pid=settings.ancestor_pid)
+        self.rules = engine_rules(settings)
+        self.scope = engine_scope(settings)
         self.scanner = IncrementalScanner(settings.proc_root)
         self._hot: set[int] = set()  # engine members and compilers: re-read every cycle
         self.environ = EnvironReader(settings.proc_root, compile_core.MAX_JOBS_VARS)
@@ -95,12 +95,12 @@ class Telemetry:
 
     def reconfigure(self, settings: Settings) -> frozenset[str]:
         """Apply new settings between two cycles (SIGHUP). Returns the keys applied."""
-        rules = EngineRules.build(settings.engine_patterns, settings.protect_patterns)
+        rules = engine_rules(settings)
         with self._lock:
             old = self.settings
             self.settings = settings
             self.rules = rules
-            self.scope = Scope(self_pid=os.getpid(), own_uid=os.geteuid(), ancestor_pid=settings.ancestor_pid)
+            self.scope = engine_scope(settings)
             self.jit_params = jit_core.JitParams(stall_s=settings.jit_stall_s)
             if (old.jit_cache_dirs, old.vllm_cache_dirs) != (settings.jit_cache_dirs, settings.vllm_cache_dirs):
                 self.jitcache = JitCacheSource(list(settings.jit_cache_dirs), list(settings.vllm_cache_dirs))
