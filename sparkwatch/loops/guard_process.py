@@ -40,7 +40,9 @@ from sparkwatch.supervisor import TelemetrySupervisor, stats_to_wire, telemetry_
 
 log = logs.get("daemon")
 VALIDATE_TIMEOUT_S = 60.0  # the validator imports pydantic: ~0.5 s idle, seconds on a box under pressure
-TELEMETRY_REPLY_S = 5.0
+# Telemetry applies between two cycles; a first cycle on a loaded box (NVML init, a /proc census of thousands of
+# processes) took up to several seconds here.
+TELEMETRY_REPLY_S = 20.0
 
 
 class ReloadError(Exception):

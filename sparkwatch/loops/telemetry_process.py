@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import signal
 import threading
 import time
@@ -280,7 +281,11 @@ class TelemetryProcess:
             except ConfigError as exc:
                 self._send("applied", keys=[], errors=[f"config refused: {exc}"])
                 return
+            t0 = time.monotonic()
             keys, errors = self.apply(new)
+            took_s = time.monotonic() - t0
+            if took_s > 1.0:
+                log.warning("reload: applying took %.1f s (a telemetry cycle was running)", took_s)
             self._send("applied", keys=sorted(keys), errors=errors)
 
     def _send(self, kind: str, **fields: Any) -> None:
@@ -318,6 +323,12 @@ class TelemetryProcess:
                 started.append(part)
             except Exception as exc:
                 log.error("%s did not start: %s", part.name, exc)
+        log.info(
+            "telemetry running (pid %d): %s",
+            os.getpid(),
+            ", ".join(part.name for part in started)
+            + (f"; metrics on {self.settings.listen}" if self.metrics in [p.obj for p in started] else ""),
+        )
         next_report = 0.0
         while not self._stop.is_set():
             if self.channel is None:
