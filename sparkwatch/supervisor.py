@@ -11,6 +11,7 @@ and resets once a run lasted 60 s. Nothing here is on the guard loop's thread.
 from __future__ import annotations
 
 import dataclasses
+import os
 import subprocess
 import sys
 import threading
@@ -34,7 +35,8 @@ log = logs.get("supervisor")
 
 
 def telemetry_command(fd: int) -> list[str]:
-    return [sys.executable, "-m", "sparkwatch.loops.telemetry_process", "--channel-fd", str(fd)]
+    module = "sparkwatch.loops.telemetry_process"
+    return [sys.executable, "-m", module, "--channel-fd", str(fd), "--guard-pid", str(os.getpid())]
 
 
 def stall_after_s(config: GuardConfig) -> float:

@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import os
 import select
-import sys
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from sparkwatch import logs
 from sparkwatch.actuators.events import EventLog, EventLogError, make_event
 from sparkwatch.actuators.killer import Killer, KillJob, Reaper
 from sparkwatch.core import guard as core
@@ -81,10 +81,7 @@ def _params(settings: GuardSettings) -> core.GuardParams:
 
 
 def _log(line: str) -> None:
-    try:
-        print(line, file=sys.stderr, flush=True)
-    except OSError:
-        pass  # stderr gone (journald restarting): the event log still has it
+    logs.legacy(line, "guard")  # level from the line's words: KILL and ERROR are errors (journal PRIORITY=3)
 
 
 class Guard:

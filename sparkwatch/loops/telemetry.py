@@ -11,12 +11,12 @@ other parts of the Snapshot intact.
 
 from __future__ import annotations
 
-import sys
 import threading
 import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from sparkwatch import logs
 from sparkwatch.actuators.events import make_event
 from sparkwatch.config import Settings
 from sparkwatch.core import compile as compile_core
@@ -44,6 +44,7 @@ from sparkwatch.sources.procenv import EnvironReader, read_wchan
 from sparkwatch.sources.procs import IncrementalScanner
 from sparkwatch.sources.psi import read_psi
 
+log = logs.get("telemetry")
 T = TypeVar("T")
 _WCHAN_PROBES_MAX = 64  # members whose wchan is read per engine per cycle; engines have tens of processes
 
@@ -326,7 +327,7 @@ class TelemetryLoop:
                 self.on_event(event)
             except Exception as exc:  # an unwritable event log is counted there; the loop goes on
                 self.errors_total += 1
-                print(f"sparkwatch: ERROR could not record {event.kind} event: {exc}", file=sys.stderr)
+                log.error("could not record %s event: %s", event.kind, exc)
         return snapshot
 
     def _run(self) -> None:
@@ -336,7 +337,7 @@ class TelemetryLoop:
                 self.run_once()
             except Exception as exc:  # collect() wraps its sources; this is a bug, reported and survived
                 self.errors_total += 1
-                print(f"sparkwatch: ERROR telemetry cycle failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+                log.error("telemetry cycle failed: %s: %s", type(exc).__name__, exc)
             next_at += self.interval_s
             delay = next_at - time.monotonic()
             if delay < 0:  # a slow cycle: start the next one now rather than bunching up to catch up

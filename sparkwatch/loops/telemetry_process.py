@@ -323,6 +323,12 @@ class TelemetryProcess:
                 started.append(part)
             except Exception as exc:
                 log.error("%s did not start: %s", part.name, exc)
+                if part.obj is self.metrics:
+                    # Usually the port of a telemetry process that is still going away: exit, and let the guard's
+                    # supervisor try again after its backoff, rather than run on with no endpoint.
+                    for done in reversed(started):
+                        done.stop()
+                    return 3
         log.info(
             "telemetry running (pid %d): %s",
             os.getpid(),
@@ -366,7 +372,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     signal.signal(signal.SIGHUP, signal.SIG_IGN)  # the guard owns reloads; a terminal hangup reaches us too
     parser = argparse.ArgumentParser(prog="sparkwatch-telemetry")
     parser.add_argument("--channel-fd", type=int, required=True)
+    parser.add_argument("--guard-pid", type=int, default=0)
     args = parser.parse_args(argv)
+    # Die with the guard (even one killed with SIGKILL): a telemetry process left behind would hold the metrics port.
+    syscalls.set_parent_death_signal(signal.SIGKILL)
+    if args.guard_pid and os.getppid() != args.guard_pid:
+        return 0  # the guard is already gone
     syscalls.set_comm("sparkwatch-tel")
     handler = logs.setup("telemetry")
     channel = Channel.from_fd(args.channel_fd)
