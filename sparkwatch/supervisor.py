@@ -31,18 +31,24 @@ BACKOFF_MIN_S = 1.0
 BACKOFF_MAX_S = 60.0
 HEALTHY_RUN_S = 60.0  # a run this long resets the backoff
 STOP_GRACE_S = 5.0
+NVML_OFF_AFTER_STALLS = 2
 log = logs.get("supervisor")
 
 
-def telemetry_command(fd: int) -> list[str]:
+def telemetry_command(fd: int, nvml: bool = True) -> list[str]:
     module = "sparkwatch.loops.telemetry_process"
-    return [sys.executable, "-m", module, "--channel-fd", str(fd), "--guard-pid", str(os.getpid())]
+    argv = [sys.executable, "-m", module, "--channel-fd", str(fd), "--guard-pid", str(os.getpid())]
+    return argv if nvml else [*argv, "--no-nvml"]
+
+
+# Telemetry's main thread answers every 0.25-1 s whatever its cycle does; only a process-wide stop (a C call holding
+# the GIL, such as a dlopen of a hung libnvidia-ml) or a reload waiting behind a slow cycle silences it.
+STALL_MIN_S = 15.0
 
 
 def stall_after_s(config: GuardConfig) -> float:
-    """Silence from telemetry this long means it is stuck: ten cycles, and never under 30 s (a first NVML init on a
-    loaded box takes seconds; measured 2-4 s here)."""
-    return max(30.0, 10 * config.telemetry_interval_s)
+    """Silence from telemetry this long means it is stuck: ten cycles, and never under STALL_MIN_S."""
+    return max(STALL_MIN_S, 10 * config.telemetry_interval_s)
 
 
 class TelemetrySupervisor:
@@ -57,7 +63,7 @@ class TelemetrySupervisor:
         events: EventLog,
         state: Callable[[], Mapping[str, Any]],
         *,
-        command: Callable[[int], list[str]] = telemetry_command,
+        command: Callable[[int, bool], list[str]] = telemetry_command,
     ) -> None:
         self.config = config
         self.events = events
@@ -68,6 +74,8 @@ class TelemetrySupervisor:
         self.compile_jobs: int | None = None
         self.restarts_total = 0
         self.stalls_total = 0
+        self.consecutive_stalls = 0
+        self.nvml = True  # off once telemetry hung NVML_OFF_AFTER_STALLS times in a row, until sparkwatch restarts
         self.channel: Channel | None = None
         self.proc: subprocess.Popen[bytes] | None = None
         self.last_heard_monotonic: float | None = None
@@ -157,7 +165,7 @@ class TelemetrySupervisor:
         ours, theirs = socketpair()
         try:
             self.proc = subprocess.Popen(
-                self.command(theirs.fileno()),
+                self.command(theirs.fileno(), self.nvml),
                 pass_fds=(theirs.fileno(),),
                 stdin=subprocess.DEVNULL,
                 close_fds=True,
@@ -191,6 +199,7 @@ class TelemetrySupervisor:
                         channel.send("settings", wire=dict(config.wire), public=dict(config.public), reload=True)
                 for msg in channel.receive(STATE_EVERY_S):
                     self.last_heard_monotonic = time.monotonic()
+                    self.consecutive_stalls = 0
                     self._handle(msg)
                 if proc.poll() is not None:
                     return f"exited with status {proc.returncode}"
@@ -198,6 +207,12 @@ class TelemetrySupervisor:
                 silent_s = time.monotonic() - heard
                 if silent_s > stall_after_s(self.config):
                     self.stalls_total += 1
+                    self.consecutive_stalls += 1
+                    if self.consecutive_stalls >= NVML_OFF_AFTER_STALLS and self.nvml:
+                        self.nvml = False  # the usual culprit: a dlopen or init of libnvidia-ml that never returns
+                        log.error(
+                            "telemetry hung %d times in a row: restarting it without NVML", self.consecutive_stalls
+                        )
                     proc.kill()  # a process stuck in a C call (a hung dlopen) does not answer SIGTERM
                     proc.wait(STOP_GRACE_S)
                     return f"sent nothing for {silent_s:.0f} s (stuck; killed)"

@@ -317,3 +317,27 @@ def test_guard_process_imports_stay_small() -> None:
         "sparkwatch.config",
     ):
         assert heavy not in modules, heavy
+
+
+def test_hung_nvml_load_degrades_clearly(tmp_path: Path, daemons: Callable[..., Daemon]) -> None:
+    """With a libnvidia-ml whose load never returns, telemetry hangs, is killed and restarted; after two hangs it
+    runs without NVML, and scrapes answer again with the GPU marked down."""
+    libdir = fake_nvml(tmp_path, "load", HANG_IN_LOAD)
+    env = clean_env(tmp_path)
+    env["LD_LIBRARY_PATH"] = f"{libdir}:{os.environ.get('LD_LIBRARY_PATH', '')}"
+    port = free_port()
+    d = daemons(["--floor", "1MiB", "--listen", f"127.0.0.1:{port}", "--state-dir", str(tmp_path / "s")], env)
+    d.wait_stderr("running:", 30)
+    d.wait_stderr("restarting it without NVML", 120)
+
+    def metrics() -> str:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
+            return str(resp.read().decode())
+
+    assert wait_until(lambda: _try(metrics, "sparkwatch_gpu_up 0.0"), 60), d.stderr
+    text = metrics()
+    assert "sparkwatch_guard_loop_age_seconds" in text  # the guard's state is back on the endpoint
+    assert "NVML off" in d.stderr
+    restarted = [e for e in read_events(tmp_path / "s" / "events.jsonl") if e["kind"] == "component_restarted"]
+    assert len(restarted) >= 2
+    assert d.proc.poll() is None

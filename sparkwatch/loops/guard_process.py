@@ -75,7 +75,7 @@ class GuardProcess:
         validate: Callable[[], GuardConfig] | None = None,
         *,
         log_handler: Any = None,
-        telemetry: Callable[[int], list[str]] | None = telemetry_command,
+        telemetry: Callable[[int, bool], list[str]] | None = telemetry_command,
     ) -> None:
         self.config = config
         self.validate = validate  # None: SIGHUP is logged and ignored

@@ -36,7 +36,7 @@ from sparkwatch.loops.driverwatch import DriverWatcher
 from sparkwatch.loops.guard import GuardStats
 from sparkwatch.loops.headroom import HeadroomWatcher
 from sparkwatch.loops.telemetry import Telemetry, TelemetryLoop
-from sparkwatch.model import Event, MemInfo, Snapshot
+from sparkwatch.model import Event, GpuReport, MemInfo, NvmlFacts, Snapshot
 from sparkwatch.sources.udev import UdevWatcher
 
 log = logs.get("telemetry")
@@ -119,9 +119,22 @@ def event_from_json(data: Mapping[str, Any]) -> Event:
     )
 
 
+NVML_OFF = "NVML off: telemetry hung twice in a row (a hung libnvidia-ml?); restart sparkwatch to try it again"
+
+
+class NvmlOff:
+    """The GPU source when the guard restarted telemetry without NVML: every cycle says so, nothing is loaded."""
+
+    def collect(self) -> GpuReport:
+        return GpuReport(up=False, nvml_return_code=None, error=NVML_OFF)
+
+
 class TelemetryProcess:
-    def __init__(self, settings: Settings, channel: Channel | None, *, log_handler: Any = None) -> None:
+    def __init__(
+        self, settings: Settings, channel: Channel | None, *, log_handler: Any = None, nvml: bool = True
+    ) -> None:
         self.settings = settings
+        self.nvml = nvml
         self.channel = channel
         self.log_handler = log_handler
         self.remote = RemoteGuard(settings)
@@ -156,7 +169,9 @@ class TelemetryProcess:
                     },
                 )
             )
-        driver = self.driver = DriverWatcher(settings, self.events)
+        driver = self.driver = DriverWatcher(
+            settings, self.events, nvml_probe=None if nvml else (lambda: NvmlFacts(error=NVML_OFF))
+        )
         self.parts.append(
             Part(
                 "driver",
@@ -180,7 +195,7 @@ class TelemetryProcess:
             )
         )
         loop = self.loop = TelemetryLoop(
-            Telemetry(settings, driver=lambda: driver.report),
+            Telemetry(settings, gpu_source=None if nvml else NvmlOff(), driver=lambda: driver.report),
             settings.telemetry_interval_s,
             on_event=self.events.append,
         )
@@ -373,6 +388,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="sparkwatch-telemetry")
     parser.add_argument("--channel-fd", type=int, required=True)
     parser.add_argument("--guard-pid", type=int, default=0)
+    parser.add_argument("--no-nvml", action="store_true", help="never load libnvidia-ml (after it hung twice)")
     args = parser.parse_args(argv)
     # Die with the guard (even one killed with SIGKILL): a telemetry process left behind would hold the metrics port.
     syscalls.set_parent_death_signal(signal.SIGKILL)
@@ -394,7 +410,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     if settings is None:
         return 0 if stop.is_set() else 2
-    process = TelemetryProcess(settings, channel, log_handler=handler)
+    if args.no_nvml:
+        log.warning("%s", NVML_OFF)
+    process = TelemetryProcess(settings, channel, log_handler=handler, nvml=not args.no_nvml)
     target.append(process)
     if stop.is_set():
         return 0
