@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import ssl
 import subprocess
 import time
@@ -64,7 +65,10 @@ def test_live_exposition_passes_promtool(daemon: RunningDaemon, spawner: Spawner
     assert wait_until(engine_seen, 15, 0.2), text
     out = subprocess.run([promtool, "check", "metrics"], input=text.encode(), capture_output=True, timeout=30)
     assert out.returncode == 0, out.stdout.decode() + out.stderr.decode()
-    assert 'sparkwatch_compile_processes{tool="cicc"} 1.0' in text  # the fake chain: ninja -> nvcc -> cicc
+    # The fake chain ninja -> nvcc -> cicc is one cicc; the census is node-wide, so on a shared box (another test run
+    # compiling with nvcc) there may be more, never fewer.
+    cicc = re.search(r'^sparkwatch_compile_processes\{tool="cicc"\} ([0-9.]+)$', text, re.MULTILINE)
+    assert cicc is not None and float(cicc.group(1)) >= 1, text
     assert 'sparkwatch_collector_success{collector="procs"} 1.0' in text
     assert "sparkwatch_guard_kills_total" in text and "sparkwatch_build_info" in text
 
