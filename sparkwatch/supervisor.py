@@ -44,6 +44,9 @@ def telemetry_command(fd: int, nvml: bool = True) -> list[str]:
 # Telemetry's main thread answers every 0.25-1 s whatever its cycle does; only a process-wide stop (a C call holding
 # the GIL, such as a dlopen of a hung libnvidia-ml) or a reload waiting behind a slow cycle silences it.
 STALL_MIN_S = 15.0
+# Before its first message telemetry imports pydantic, prometheus_client and pynvml and checks that NVML loads (up to
+# 10 s, sources/nvml_preflight.py): allow that much more, on a loaded box.
+STARTUP_ALLOWANCE_S = 60.0
 
 
 def stall_after_s(config: GuardConfig) -> float:
@@ -172,9 +175,6 @@ class TelemetrySupervisor:
             )
         finally:
             theirs.close()
-        if self.channel is not None:
-            self._dropped_before += self.channel.dropped_total
-            self._bad_before += self.channel.bad_total
         channel = self.channel = Channel(ours)
         proc = self.proc
         spawned = time.monotonic()
@@ -203,9 +203,9 @@ class TelemetrySupervisor:
                     self._handle(msg)
                 if proc.poll() is not None:
                     return f"exited with status {proc.returncode}"
-                heard = self.last_heard_monotonic or spawned
-                silent_s = time.monotonic() - heard
-                if silent_s > stall_after_s(self.config):
+                heard = self.last_heard_monotonic
+                silent_s = time.monotonic() - (spawned if heard is None else heard)
+                if silent_s > (STARTUP_ALLOWANCE_S if heard is None else stall_after_s(self.config)):
                     self.stalls_total += 1
                     self.consecutive_stalls += 1
                     if self.consecutive_stalls >= NVML_OFF_AFTER_STALLS and self.nvml:
@@ -226,6 +226,10 @@ class TelemetrySupervisor:
             return f"closed the channel ({exc}), exit status {proc.returncode}"
         finally:
             self.engines = self.compile_jobs = None
+            self._dropped_before += channel.dropped_total
+            self._bad_before += channel.bad_total
+            self.channel = None
+            channel.close()  # one socket per telemetry process: never leak one per restart
 
     def _flush_events(self, channel: Channel) -> None:
         while self._pending:

@@ -40,7 +40,13 @@ def run_checks(args: argparse.Namespace) -> tuple[list[Check], Path, bool]:
     # DESIGN: --root DIR reads DIR/proc for doctor; an explicit --proc-root still wins.
     proc_root = args.proc_root if args.proc_root is not None else (settings.proc_root if live else root / "proc")
 
-    facts = read_driver_facts(root, probe_nvml if live else None)
+    from sparkwatch.model import NvmlFacts
+    from sparkwatch.sources.nvml_preflight import nvml_hang_reason
+
+    # A hung libnvidia-ml load would freeze this process (it holds the GIL): check in a child first.
+    nvml_off = nvml_hang_reason() if live else None
+    probe = None if not live else (probe_nvml if nvml_off is None else (lambda: NvmlFacts(error=nvml_off)))
+    facts = read_driver_facts(root, probe)
     report = judge(facts)
     checks = list(driver_checks(report, facts, nvml_asked=live))
 

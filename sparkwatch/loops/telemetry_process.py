@@ -36,7 +36,8 @@ from sparkwatch.loops.driverwatch import DriverWatcher
 from sparkwatch.loops.guard import GuardStats
 from sparkwatch.loops.headroom import HeadroomWatcher
 from sparkwatch.loops.telemetry import Telemetry, TelemetryLoop
-from sparkwatch.model import Event, GpuReport, MemInfo, NvmlFacts, Snapshot
+from sparkwatch.model import Event, MemInfo, NvmlFacts, Snapshot
+from sparkwatch.sources.nvml_preflight import NvmlOff, nvml_hang_reason
 from sparkwatch.sources.udev import UdevWatcher
 
 log = logs.get("telemetry")
@@ -122,19 +123,13 @@ def event_from_json(data: Mapping[str, Any]) -> Event:
 NVML_OFF = "NVML off: telemetry hung twice in a row (a hung libnvidia-ml?); restart sparkwatch to try it again"
 
 
-class NvmlOff:
-    """The GPU source when the guard restarted telemetry without NVML: every cycle says so, nothing is loaded."""
-
-    def collect(self) -> GpuReport:
-        return GpuReport(up=False, nvml_return_code=None, error=NVML_OFF)
-
-
 class TelemetryProcess:
     def __init__(
-        self, settings: Settings, channel: Channel | None, *, log_handler: Any = None, nvml: bool = True
+        self, settings: Settings, channel: Channel | None, *, log_handler: Any = None, nvml_off: str | None = None
     ) -> None:
+        """`nvml_off`: why NVML must not be loaded in this process (None: load it)."""
         self.settings = settings
-        self.nvml = nvml
+        self.nvml_off = nvml_off
         self.channel = channel
         self.log_handler = log_handler
         self.remote = RemoteGuard(settings)
@@ -170,7 +165,7 @@ class TelemetryProcess:
                 )
             )
         driver = self.driver = DriverWatcher(
-            settings, self.events, nvml_probe=None if nvml else (lambda: NvmlFacts(error=NVML_OFF))
+            settings, self.events, nvml_probe=None if nvml_off is None else (lambda: NvmlFacts(error=nvml_off))
         )
         self.parts.append(
             Part(
@@ -195,7 +190,9 @@ class TelemetryProcess:
             )
         )
         loop = self.loop = TelemetryLoop(
-            Telemetry(settings, gpu_source=None if nvml else NvmlOff(), driver=lambda: driver.report),
+            Telemetry(
+                settings, gpu_source=None if nvml_off is None else NvmlOff(nvml_off), driver=lambda: driver.report
+            ),
             settings.telemetry_interval_s,
             on_event=self.events.append,
         )
@@ -410,9 +407,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     if settings is None:
         return 0 if stop.is_set() else 2
-    if args.no_nvml:
-        log.warning("%s", NVML_OFF)
-    process = TelemetryProcess(settings, channel, log_handler=handler, nvml=not args.no_nvml)
+    # NVML is loaded only after a child process showed it loads: a hung load would stop this whole interpreter.
+    nvml_off = NVML_OFF if args.no_nvml else nvml_hang_reason()
+    if nvml_off is not None:
+        log.error("%s", nvml_off)
+    process = TelemetryProcess(settings, channel, log_handler=handler, nvml_off=nvml_off)
     target.append(process)
     if stop.is_set():
         return 0
