@@ -15,6 +15,8 @@ guard → telemetry
 telemetry → guard
 - `applied`: `{"keys": [...], "errors": [...]}`: the reply to a `settings` with reload=true: the keys telemetry's
   components applied live.
+- `ack`: `{"ids": [...]}`: events telemetry's outbox now holds; the guard resends unacknowledged ones to the next
+  telemetry process if this one dies (at least once: the outbox spools by event id).
 - `tel` (each telemetry cycle): `{"engines": N, "compile_jobs": N|null, "gpu_ts": wall-clock s, "gpu_pids":
   {"<pid>": bytes}}`: the STATUS= line's telemetry parts, and per-pid GPU memory (NVML) with the time it was read,
   for the kill policy (`GpuBoard`).

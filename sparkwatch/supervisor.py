@@ -16,7 +16,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -32,6 +32,7 @@ BACKOFF_MAX_S = 60.0
 HEALTHY_RUN_S = 60.0  # a run this long resets the backoff
 STOP_GRACE_S = 5.0
 NVML_OFF_AFTER_STALLS = 2
+MAX_UNACKED_EVENTS = 256
 log = logs.get("supervisor")
 
 
@@ -82,7 +83,10 @@ class TelemetrySupervisor:
         self.channel: Channel | None = None
         self.proc: subprocess.Popen[bytes] | None = None
         self.last_heard_monotonic: float | None = None
-        self._pending: deque[Event] = deque(maxlen=256)  # events not yet handed to telemetry (it may be down)
+        self._pending: deque[Event] = deque(maxlen=MAX_UNACKED_EVENTS)  # not yet sent (telemetry may be down)
+        # Sent but not yet acknowledged (telemetry acks once its outbox has the alert): resent to the next telemetry
+        # process if this one dies first, so a kill's alert survives a telemetry crash (delivery is at least once).
+        self._unacked: OrderedDict[str, Event] = OrderedDict()
         self._reply: dict[str, Any] | None = None
         self._replied = threading.Event()
         self._settings_dirty = False
@@ -176,6 +180,7 @@ class TelemetrySupervisor:
         finally:
             theirs.close()
         channel = self.channel = Channel(ours)
+        self._requeue_unacked()
         proc = self.proc
         spawned = time.monotonic()
         self.last_heard_monotonic = None
@@ -237,6 +242,15 @@ class TelemetrySupervisor:
             if not channel.send("event", event=event.to_json_dict()):
                 return  # telemetry busy or gone: keep it for the next try (or the next telemetry process)
             self._pending.popleft()
+            self._unacked[event.id] = event
+            while len(self._unacked) > MAX_UNACKED_EVENTS:
+                self._unacked.popitem(last=False)
+
+    def _requeue_unacked(self) -> None:
+        """The last telemetry process died before its outbox had these: send them first to the next one."""
+        while self._unacked:
+            _id, event = self._unacked.popitem(last=True)
+            self._pending.appendleft(event)
 
     def _handle(self, msg: Mapping[str, Any]) -> None:
         kind = msg.get("t")
@@ -247,6 +261,9 @@ class TelemetrySupervisor:
             pids, read_at = msg.get("gpu_pids"), msg.get("gpu_ts")
             if isinstance(pids, dict) and isinstance(read_at, (int, float)):
                 self.gpu.update(pids, float(read_at))
+        elif kind == "ack":
+            for event_id in msg.get("ids", []):
+                self._unacked.pop(str(event_id), None)
         elif kind == "applied":
             self._reply = dict(msg)
             self._replied.set()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import pytest
 
@@ -51,3 +52,41 @@ def test_gpu_board_is_empty_when_stale() -> None:
     board.update({"123": 7 << 30, "bad": 1, "9": "x"}, read_at_s=100.0)
     assert board.fresh(5.0, now_s=102.0) == {123: 7 << 30}
     assert board.fresh(5.0, now_s=106.0) == {}
+
+
+def test_unacknowledged_events_go_to_the_next_telemetry_process(tmp_path: Path) -> None:
+    """A kill event sent to a telemetry process that died before its outbox had it is sent again to the next one;
+    an acknowledged one is not."""
+    from sparkwatch.actuators.events import EventLog, make_event
+    from sparkwatch.config import load_settings, settings_to_wire
+    from sparkwatch.core.eventkinds import EventKind
+    from sparkwatch.guardconfig import GuardConfig
+    from sparkwatch.supervisor import TelemetrySupervisor
+
+    settings = load_settings(None, {"state_dir": tmp_path})
+    config = GuardConfig.from_wire(settings_to_wire(settings), settings.public_dict())
+    sup = TelemetrySupervisor(config, EventLog(tmp_path / "events.jsonl"), dict)
+    first, second = (make_event(EventKind.KILL, f"kill {n}") for n in (1, 2))
+    sup.forward(first)
+    sup.forward(second)
+    a, b = socketpair()
+    guard, telemetry = Channel(a), Channel(b)
+    try:
+        sup._flush_events(guard)
+        sent = [m["event"]["id"] for m in telemetry.receive(1.0)]
+        assert sent == [first.id, second.id]
+        sup._handle({"t": "ack", "ids": [first.id]})  # the outbox has the first; telemetry dies before the second
+    finally:
+        guard.close()
+        telemetry.close()
+    assert list(sup._unacked) == [second.id]
+    # What the supervisor does for the next telemetry process: unacked first, then anything new.
+    sup._requeue_unacked()
+    a, b = socketpair()
+    guard, telemetry = Channel(a), Channel(b)
+    try:
+        sup._flush_events(guard)
+        assert [m["event"]["id"] for m in telemetry.receive(1.0)] == [second.id]
+    finally:
+        guard.close()
+        telemetry.close()

@@ -287,6 +287,7 @@ class TelemetryProcess:
                 return
             if self.router is not None:
                 self.router(event)  # already durable in events.jsonl and in the journal: only the alert is left
+            self._send("ack", ids=[event.id])  # the outbox has it (spooled, fsynced): the guard may forget it
         elif kind == "settings" and msg.get("reload"):
             try:
                 new = settings_from_wire(msg.get("wire") or {})
