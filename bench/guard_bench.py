@@ -227,6 +227,51 @@ def idle_cost(contender: str, seconds: float, tmp: Path) -> tuple[float, float]:
     return cpu, max(rss) / MiB
 
 
+def split_rss(seconds: float, tmp: Path) -> dict[str, tuple[float, float, float]]:
+    """The daemon's two processes left alone: process → (% of one core, max RSS MiB, VmLck MiB). The guard (the
+    unit's main PID, mlocked) against its ≤ 25 MiB target; the telemetry child; and the whole agent (both)."""
+    proc = start_contender("sparkwatch", 512 * MiB, tmp)
+    guard = psutil.Process(proc.pid)
+    time.sleep(5)  # start-up settles: telemetry imports pydantic, prometheus_client, pynvml
+    (telemetry,) = guard.children()
+    procs = {"guard": guard, "telemetry": telemetry}
+    t0 = time.monotonic()
+    cpu0 = {name: sum(p.cpu_times()[:2]) for name, p in procs.items()}
+    peak = dict.fromkeys(procs, 0)
+    total_peak = 0
+    while time.monotonic() < t0 + seconds:
+        now = {name: p.memory_info().rss for name, p in procs.items()}
+        peak = {name: max(peak[name], now[name]) for name in procs}
+        total_peak = max(total_peak, sum(now.values()))
+        time.sleep(1)
+    wall = time.monotonic() - t0
+    out: dict[str, tuple[float, float, float]] = {}
+    cpu_total = 0.0
+    for name, p in procs.items():
+        cpu = (sum(p.cpu_times()[:2]) - cpu0[name]) / wall * 100
+        cpu_total += cpu
+        locked = next(
+            int(x.split()[1]) for x in Path(f"/proc/{p.pid}/status").read_text().splitlines() if x.startswith("VmLck:")
+        )
+        out[name] = (cpu, peak[name] / MiB, locked / 1024)
+    out["whole agent"] = (cpu_total, total_peak / MiB, out["guard"][2] + out["telemetry"][2])
+    proc.terminate()
+    proc.wait(10)
+    return out
+
+
+def split_rss_lines(seconds: float, split: dict[str, tuple[float, float, float]]) -> list[str]:
+    lines = [
+        "",
+        f"The daemon's two processes over {seconds:.0f} s with lots of headroom (mlock on, as the unit runs it):",
+        "",
+        "| process | CPU % of one core | max RSS MiB | VmLck MiB |",
+        "| --- | --- | --- | --- |",
+    ]
+    lines += [f"| {name} | {cpu:.2f} | {rss:.1f} | {lck:.1f} |" for name, (cpu, rss, lck) in split.items()]
+    return lines
+
+
 def earlyoom_version() -> str:
     out = subprocess.run(["earlyoom", "-v"], capture_output=True, text=True)
     return (out.stdout + out.stderr).strip().splitlines()[0]
@@ -242,7 +287,12 @@ def main() -> None:
     ap.add_argument("--rates", default="1,2,4", help="target fill rates in GiB/s")
     ap.add_argument("--idle-s", type=float, default=60)
     ap.add_argument("--out", type=Path)
+    ap.add_argument("--split-rss-s", type=float, default=0, help="only measure the guard/telemetry RSS this long")
     args = ap.parse_args()
+    if args.split_rss_s:
+        with tempfile.TemporaryDirectory() as tmpdir:
+            print("\n".join(split_rss_lines(args.split_rss_s, split_rss(args.split_rss_s, Path(tmpdir)))))
+        return
     if os.geteuid() != 0 or shutil.which("earlyoom") is None:
         sys.exit("needs root (earlyoom signals system-wide) and earlyoom (apt install earlyoom)")
     if MeminfoReader().read().available_bytes < 8 * GiB:
@@ -259,6 +309,7 @@ def main() -> None:
                     print(ep, flush=True)
                     time.sleep(1)
         idle = {c: idle_cost(c, args.idle_s, tmp) for c in ("sparkwatch", "earlyoom")} if args.idle_s else {}
+        split = split_rss(args.idle_s, tmp) if args.idle_s else {}
 
     lines = [
         "# Guard benchmark: sparkwatch vs earlyoom",
@@ -335,6 +386,7 @@ def main() -> None:
         ]
         for c, (cpu, rss) in idle.items():
             lines.append(f"| {c} | {cpu:.2f} | {rss:.1f} |")
+        lines += split_rss_lines(args.idle_s, split)
     text = "\n".join(lines) + "\n"
     print(text)
     if args.out:

@@ -1,3 +1,3 @@
-from sparkwatch.cli import main
+from sparkwatch.entry import main
 
 raise SystemExit(main())

@@ -282,3 +282,31 @@ def load_settings(config_file: Path | None = None, overrides: Mapping[str, Any] 
         raise ConfigError(str(exc).splitlines()[0]) from None
     # Hand back a plain Settings so callers and reprs never see the layering class.
     return Settings.model_construct(**{name: getattr(loaded, name) for name in Settings.model_fields})
+
+
+def settings_to_wire(settings: Settings) -> dict[str, Any]:
+    """The validated values in plain JSON types (sizes in bytes, paths and URLs as strings, the secret revealed) for
+    the guard process (`guardconfig.GuardConfig.from_wire`) and the telemetry process (`settings_from_wire`). Only
+    ever sent over a pipe or socketpair between sparkwatch's own processes; never logged."""
+    out: dict[str, Any] = {}
+    for name in Settings.model_fields:
+        out[name] = _wire_value(getattr(settings, name))
+    return out
+
+
+def _wire_value(value: object) -> Any:
+    if isinstance(value, SecretStr):
+        return value.get_secret_value()
+    if isinstance(value, (list, tuple)):
+        return [_wire_value(v) for v in value]
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return str(value)  # Path, AnyHttpUrl
+
+
+def settings_from_wire(wire: Mapping[str, Any]) -> Settings:
+    """A Settings from `settings_to_wire`'s output: the same schema, no environment or file read. Raises ConfigError."""
+    try:
+        return Settings.model_validate(dict(wire))
+    except ValidationError as exc:
+        raise ConfigError(_describe(exc, set())) from None

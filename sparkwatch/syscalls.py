@@ -97,3 +97,25 @@ def trim_heap() -> None:
         _libc.malloc_trim(0)
     except AttributeError:
         pass
+
+
+PR_SET_NAME = 15
+
+
+def set_comm(name: str) -> None:
+    """Set this process's comm (what `ps -o comm`, `top` and the journal's _COMM show); 15 bytes at most."""
+    try:
+        _libc.prctl(PR_SET_NAME, ctypes.c_char_p(name.encode()[:15]), 0, 0, 0)
+    except AttributeError:
+        pass
+
+
+PR_SET_PDEATHSIG = 1
+
+
+def set_parent_death_signal(signum: int) -> None:
+    """Have the kernel send `signum` to this process when the thread that started it exits."""
+    try:
+        _libc.prctl(PR_SET_PDEATHSIG, signum, 0, 0, 0)
+    except AttributeError:
+        pass

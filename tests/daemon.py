@@ -26,6 +26,7 @@ class RunningDaemon:
         self.port = port
         self.stderr_lines: list[str] = []
         self._ready = threading.Event()
+        self._guard_ready = False
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
 
@@ -34,7 +35,9 @@ class RunningDaemon:
         for line in self.proc.stderr:
             self.stderr_lines.append(line.rstrip("\n"))
             if "sparkwatch: running:" in line:
-                self._ready.set()
+                self._guard_ready = True
+            if "sparkwatch: telemetry running" in line and self._guard_ready:
+                self._ready.set()  # the guard polls and the telemetry process serves metrics
 
     def wait_ready(self, timeout_s: float = 30) -> None:
         if not self._ready.wait(timeout_s):

@@ -116,6 +116,22 @@ class Daemon:
         raise AssertionError(f"{needle!r} not on the daemon's stderr (rc={self.proc.poll()}):\n{self.stderr}")
 
 
+@pytest.fixture(name="notify_rx")
+def notify_rx_fixture(tmp_path: Path) -> Iterator[Callable[[], NotifyReceiver]]:
+    """Bind a NotifyReceiver at tmp_path/notify; closed at teardown even when the test skips or fails before its
+    own cleanup (an unclosed socket is an unraisable ResourceWarning that fails whichever test runs next)."""
+    opened: list[NotifyReceiver] = []
+
+    def bind() -> NotifyReceiver:
+        rx = NotifyReceiver.bind(tmp_path / "notify")
+        opened.append(rx)
+        return rx
+
+    yield bind
+    for rx in opened:
+        rx.close()
+
+
 @pytest.fixture(name="daemons")
 def daemons_fixture(tmp_path: Path) -> Iterator[Callable[..., Daemon]]:
     """Start real `python -m sparkwatch run` processes; every one is killed and reaped at the end."""

@@ -33,6 +33,7 @@ from sparkwatch.core.killrecord import KillFacts, kill_fields, kill_summary, vic
 from sparkwatch.core.nvmlcodes import NvmlReturn
 from sparkwatch.core.states import CheckStatus, DriverVerdict
 from sparkwatch.exporter.contract import BY_NAME, METRICS, MetricSpec, markdown_table, presence_table
+from sparkwatch.exporter.internal import InternalCollector
 from sparkwatch.exporter.server import build_registry
 from sparkwatch.loops.kernlog import KernelLogStats
 from sparkwatch.loops.telemetry import Telemetry
@@ -128,6 +129,14 @@ def full_exposition(tmp_path: Path) -> list[Metric]:
     kernel_log = StaticKernelLog(KernelLogStats(readable=True, lines_total=10, xid_total={79: 1}))
     registry = build_registry(
         settings, lambda: snap, StaticGuard(stats), StaticEvents(), StaticOutbox(), kernel_log=kernel_log
+    )
+    registry.register(
+        InternalCollector(
+            lambda: {"guard": {"sd_notify": {"notify_send_errors": 1}}, "telemetry": {"driver": {"errors": 2}}},
+            lambda: {"guard": 23 << 20, "telemetry": 46 << 20},
+            lambda: True,
+            lambda: 1,
+        )
     )
     return list(registry.collect())
 

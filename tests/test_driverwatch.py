@@ -172,7 +172,9 @@ def test_low_headroom_alerts_on_entering_the_band(tmp_path: Path) -> None:
     )
     events = EventLog(settings.events_path)
     guard = Guard(settings, events)
-    watch = HeadroomWatcher(settings, guard, events)
+    watch = HeadroomWatcher(
+        settings, lambda: None if guard.stats.mem is None else guard.stats.mem.available_bytes, events
+    )
     guard.tick()
     assert not watch.tick()
     set_available(11.5)  # within 4 GiB of the 8 GiB floor

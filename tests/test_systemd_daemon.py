@@ -22,6 +22,7 @@ from tests.sdtools import (
     free_port,
     has_systemd_python,
     make_no_systemd_python,
+    notify_rx_fixture,  # noqa: F401 - the `notify_rx` fixture
 )
 
 GiB = 1 << 30
@@ -56,9 +57,9 @@ def watchdogs(messages: list[tuple[float, str]], since: float = 0.0) -> list[flo
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_ready_watchdog_status_stopping_from_real_daemon(
-    backend: str, tmp_path: Path, daemons: Callable[..., Daemon]
+    backend: str, tmp_path: Path, daemons: Callable[..., Daemon], notify_rx: Callable[[], NotifyReceiver]
 ) -> None:
-    rx = NotifyReceiver.bind(tmp_path / "notify")
+    rx = notify_rx()
     env = backend_env(backend, tmp_path, clean_env(tmp_path))
     env.update(NOTIFY_SOCKET=str(rx.path), WATCHDOG_USEC="600000", SPARKWATCH_POLL_MAX_S="0.2")
     args = ["--dry-run", "--floor", "1MiB", "--listen", f"127.0.0.1:{free_port()}", "--state-dir", str(tmp_path / "s")]
@@ -85,9 +86,11 @@ def test_ready_watchdog_status_stopping_from_real_daemon(
         rx.close()
 
 
-def test_no_watchdog_when_meant_for_another_pid(tmp_path: Path, daemons: Callable[..., Daemon]) -> None:
+def test_no_watchdog_when_meant_for_another_pid(
+    tmp_path: Path, daemons: Callable[..., Daemon], notify_rx: Callable[[], NotifyReceiver]
+) -> None:
     """WATCHDOG_PID names the process the watchdog is for (systemd sets it to the main pid): not us, no pings."""
-    rx = NotifyReceiver.bind(tmp_path / "notify")
+    rx = notify_rx()
     env = clean_env(tmp_path)
     env.update(NOTIFY_SOCKET=str(rx.path), WATCHDOG_USEC="600000", WATCHDOG_PID="1", SPARKWATCH_POLL_MAX_S="0.2")
     args = ["--floor", "1MiB", "--listen", f"127.0.0.1:{free_port()}", "--state-dir", str(tmp_path / "s")]
@@ -101,7 +104,9 @@ def test_no_watchdog_when_meant_for_another_pid(tmp_path: Path, daemons: Callabl
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_watchdog_stops_when_guard_loop_stalls(backend: str, tmp_path: Path, daemons: Callable[..., Daemon]) -> None:
+def test_watchdog_stops_when_guard_loop_stalls(
+    backend: str, tmp_path: Path, daemons: Callable[..., Daemon], notify_rx: Callable[[], NotifyReceiver]
+) -> None:
     """A real stall of the guard thread alone: a /proc fixture where one process's stat is a FIFO nobody writes.
 
     When memory crosses the floor the guard scans /proc for engines, and its open() of that stat blocks, as a read
@@ -115,7 +120,7 @@ def test_watchdog_stops_when_guard_loop_stalls(backend: str, tmp_path: Path, dae
     meminfo = proc_root / "meminfo"
     meminfo.write_text(meminfo_text(120 * GiB, 60 * GiB))
 
-    rx = NotifyReceiver.bind(tmp_path / "notify")
+    rx = notify_rx()
     env = backend_env(backend, tmp_path, clean_env(tmp_path))
     env.update(NOTIFY_SOCKET=str(rx.path), WATCHDOG_USEC="600000", SPARKWATCH_POLL_MAX_S="0.2")
     args = ["--dry-run", "--floor", "8GiB", "--proc-root", str(proc_root)]
@@ -155,11 +160,13 @@ def test_watchdog_stops_when_guard_loop_stalls(backend: str, tmp_path: Path, dae
         rx.close()
 
 
-def test_sighup_reloads_config_and_sigterm_stops(tmp_path: Path, daemons: Callable[..., Daemon]) -> None:
+def test_sighup_reloads_config_and_sigterm_stops(
+    tmp_path: Path, daemons: Callable[..., Daemon], notify_rx: Callable[[], NotifyReceiver]
+) -> None:
     config = tmp_path / "config.toml"
     port = free_port()
     config.write_text(f'floor = "2MiB"\ndry_run = true\nlisten = "127.0.0.1:{port}"\nwebhook_secret = "hunter2"\n')
-    rx = NotifyReceiver.bind(tmp_path / "notify")
+    rx = notify_rx()
     env = clean_env(tmp_path)
     env.update(NOTIFY_SOCKET=str(rx.path))
     d = daemons(["--config", str(config), "--state-dir", str(tmp_path / "s")], env)
@@ -213,7 +220,9 @@ def test_sigterm_without_systemd_exits_zero(tmp_path: Path, daemons: Callable[..
     assert "stopping" in d.stderr
 
 
-def test_small_memlock_limit_runs_unlocked(tmp_path: Path, daemons: Callable[..., Daemon]) -> None:
+def test_small_memlock_limit_runs_unlocked(
+    tmp_path: Path, daemons: Callable[..., Daemon], notify_rx: Callable[[], NotifyReceiver]
+) -> None:
     """A user unit's LimitMEMLOCK is clamped to the user manager's (often 8 MiB): the daemon must not mlockall
     under it (MCL_FUTURE would make later thread stacks fail), say so, and run. Real limits: prlimit and setpriv
     drop the limit and CAP_IPC_LOCK for the daemon."""
@@ -221,7 +230,7 @@ def test_small_memlock_limit_runs_unlocked(tmp_path: Path, daemons: Callable[...
     setpriv = require_tool("setpriv")
     env = clean_env(tmp_path)
     env["SPARKWATCH_MLOCK"] = "true"
-    rx = NotifyReceiver.bind(tmp_path / "notify")
+    rx = notify_rx()
     env["NOTIFY_SOCKET"] = str(rx.path)
     wrapper = [setpriv, "--bounding-set=-ipc_lock", "--inh-caps=-ipc_lock", prlimit, "--memlock=8388608", "--"]
     args = ["--floor", "1MiB", "--listen", f"127.0.0.1:{free_port()}", "--state-dir", str(tmp_path / "s")]

@@ -212,14 +212,18 @@ def test_describe_changes_masks_secrets(tmp_path: Path) -> None:
 
 @pytest.mark.usefixtures("no_sparkwatch_env")
 def test_daemon_status_line_takes_telemetry_parts_when_present(tmp_path: Path) -> None:
-    """STATUS= uses the guard's MemAvailable and floor, and engines and compile jobs from TelemetryLoop.latest."""
-    from types import SimpleNamespace
-
-    from sparkwatch.daemon import Daemon
-    from sparkwatch.model import EngineTree, MemInfo, Proc, Snapshot
+    """STATUS= uses the guard's MemAvailable and floor, and engines and compile jobs as the telemetry process sends
+    them over the channel (a real socketpair)."""
+    from sparkwatch.channel import Channel, socketpair
+    from sparkwatch.config import settings_to_wire
+    from sparkwatch.guardconfig import GuardConfig
+    from sparkwatch.loops.guard_process import GuardProcess
+    from sparkwatch.model import MemInfo
 
     settings = load_settings(None, {"state_dir": tmp_path, "floor": "8GiB", "mlock": False})
-    daemon = Daemon(settings)
+    daemon = GuardProcess(GuardConfig.from_wire(settings_to_wire(settings), settings.public_dict()), telemetry=None)
+    a, b = socketpair()
+    guard_end, telemetry_end = Channel(a), Channel(b)
     try:
         assert daemon.status_line() == "MemAvailable unknown, floor 8 GiB"  # before the first poll
         mem = MemInfo(
@@ -234,16 +238,14 @@ def test_daemon_status_line_takes_telemetry_parts_when_present(tmp_path: Path) -
         with daemon.guard.lock:
             daemon.guard.stats.mem = mem
         assert daemon.status_line() == "MemAvailable 61.2 GiB, floor 8 GiB"
-        root = Proc(pid=10, ppid=1, uid=0, comm="python3", state="S", start_ticks=1, rss_bytes=0, argv=("vllm",))
-        telemetry = SimpleNamespace(
-            latest=Snapshot(
-                ts=0.0, engines=(EngineTree("vllm", root, (root,)),), compile=SimpleNamespace(parallel_jobs=7)
-            ),
-            start=lambda: None,
-            stop=lambda: None,
-        )
-        daemon.add("telemetry", telemetry)
+        assert telemetry_end.send("tel", engines=1, compile_jobs=7, gpu_ts=1000.0, gpu_pids={"10": 5 * GiB})
+        for msg in guard_end.receive(5.0):
+            daemon.supervisor._handle(msg)
         assert daemon.status_line() == "MemAvailable 61.2 GiB, floor 8 GiB, 1 engine, compiling 7 jobs"
+        assert daemon.supervisor.gpu.fresh(60.0, now_s=1010.0) == {10: 5 * GiB}
+        assert daemon.supervisor.gpu.fresh(5.0, now_s=1010.0) == {}  # too old for the kill policy
     finally:
+        guard_end.close()
+        telemetry_end.close()
         daemon.guard.meminfo.close()
         daemon.guard.reaper._meminfo.close()

@@ -88,7 +88,7 @@ def test_units_carry_what_the_guard_needs(system: bool) -> None:
     assert k["Type"] == ["notify"] and k["Restart"] == ["always"]
     assert k["WatchdogSec"] == ["10s"]
     assert k["RestartPreventExitStatus"] == ["2"]  # a bad config is not restarted in a loop
-    assert k["MemoryMax"] == ["100M"] and k["LimitMEMLOCK"] == ["infinity"]
+    assert k["MemoryMax"] == ["160M"] and k["LimitMEMLOCK"] == ["infinity"]
     assert k["SystemCallFilter"] == ["@system-service pidfd_open pidfd_send_signal process_mrelease"]
     assert k["RestrictAddressFamilies"] == ["AF_UNIX AF_INET AF_INET6 AF_NETLINK"]
     assert k["ProtectSystem"] == ["strict"] and k["NoNewPrivileges"] == ["yes"]

@@ -12,6 +12,7 @@ from pathlib import Path
 from prometheus_client.parser import text_string_to_metric_families
 
 from sparkwatch.exporter.contract import BY_NAME, METRICS
+from sparkwatch.exporter.internal import InternalCollector
 from sparkwatch.exporter.server import build_registry, render
 from sparkwatch.loops.telemetry import Telemetry
 from tests.conftest import require_tool
@@ -45,6 +46,17 @@ def scenario_exposition(tmp_path: Path) -> bytes:
         StaticGuard(guard_stats()),
         StaticEvents(),
         kernel_log=StaticKernelLog(kernel_log_stats()),
+    )
+    registry.register(
+        InternalCollector(
+            lambda: {
+                "guard": {"sd_notify": {"notify_send_errors": 1}, "telemetry": {"telemetry_restarts": 2}},
+                "telemetry": {"driver": {"errors": 3}, "outbox": {"alerts_suppressed": 4}},
+            },
+            lambda: {"guard": 23 << 20, "telemetry": 46 << 20},
+            lambda: True,
+            lambda: 2,
+        )
     )
     return render(registry)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import ssl
 import subprocess
 import time
@@ -56,15 +57,20 @@ def test_live_exposition_passes_promtool(daemon: RunningDaemon, spawner: Spawner
     spawner.engine("--worker", "VLLM::Worker_TP0", "--compiler", pidfile=tmp_path / "tree.pids", wait_for=5)
     text = ""
 
+    def cicc_count() -> float:
+        found = re.search(r'^sparkwatch_compile_processes\{tool="cicc"\} ([0-9.]+)$', text, re.MULTILINE)
+        return float(found.group(1)) if found else -1.0
+
     def engine_seen() -> bool:
+        # The whole tree, and its cicc known as one: a cycle can catch the fake cicc before it took its title.
+        # The census is node-wide, so on a shared box (another run compiling with nvcc) there may be more cicc.
         nonlocal text
         text = get(f"http://127.0.0.1:{daemon.port}/metrics")
-        return 'sparkwatch_engine_processes{engine="vllm"} 5.0' in text
+        return 'sparkwatch_engine_processes{engine="vllm"} 5.0' in text and cicc_count() >= 1
 
     assert wait_until(engine_seen, 15, 0.2), text
     out = subprocess.run([promtool, "check", "metrics"], input=text.encode(), capture_output=True, timeout=30)
     assert out.returncode == 0, out.stdout.decode() + out.stderr.decode()
-    assert 'sparkwatch_compile_processes{tool="cicc"} 1.0' in text  # the fake chain: ninja -> nvcc -> cicc
     assert 'sparkwatch_collector_success{collector="procs"} 1.0' in text
     assert "sparkwatch_guard_kills_total" in text and "sparkwatch_build_info" in text
 

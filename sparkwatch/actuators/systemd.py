@@ -22,9 +22,8 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, Protocol, TextIO
 
-from sparkwatch.config import Settings
 from sparkwatch.core.eventkinds import EventKind
 from sparkwatch.model import Event
 
@@ -129,6 +128,11 @@ class Notifier:
             self._sock = None
 
 
+class _PollSettings(Protocol):
+    @property
+    def poll_max_s(self) -> float: ...
+
+
 class ServiceNotifier:
     """The daemon's side of Type=notify: READY=1 after the guard's first poll, WATCHDOG=1 while the guard loop is
     alive, a STATUS= line every few seconds, STOPPING=1 on shutdown. A component (start/stop)."""
@@ -162,7 +166,7 @@ class ServiceNotifier:
         # allow two of those plus scheduling slack; and never less than half the watchdog period.
         return max(2 * poll_max_s + 0.5, (watchdog_s or 0) / 2)
 
-    def reconfigure(self, settings: Settings) -> frozenset[str]:
+    def reconfigure(self, settings: _PollSettings) -> frozenset[str]:
         self.stale_after_s = self._stale_after_s(settings.poll_max_s, self.watchdog_s)
         return frozenset()  # poll_max_s is the guard's key; this only follows it
 

@@ -63,6 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.cli_argv = list(sys.argv[1:] if argv is None else argv)  # `run` hands them to the guard for reloads
     try:
         code: int = args.handler(args)
     except ConfigError as exc:

@@ -45,7 +45,7 @@ def run_checks(args: argparse.Namespace) -> tuple[list[Check], Path, bool]:
         xid_check,
     )
     from sparkwatch.core.drift import driver_checks, judge
-    from sparkwatch.core.engines import EngineRules
+    from sparkwatch.guardconfig import engine_rules
     from sparkwatch.sources.environ import read_environ
     from sparkwatch.sources.kmsg import read_kmsg_ring
     from sparkwatch.sources.meminfo import MeminfoError, parse_meminfo
@@ -59,7 +59,13 @@ def run_checks(args: argparse.Namespace) -> tuple[list[Check], Path, bool]:
     # --root DIR reads DIR/proc for doctor (a fixture root carries its own proc); an explicit --proc-root still wins.
     proc_root = args.proc_root if args.proc_root is not None else (settings.proc_root if live else root / "proc")
 
-    facts = read_driver_facts(root, probe_nvml if live else None)
+    from sparkwatch.model import NvmlFacts
+    from sparkwatch.sources.nvml_preflight import nvml_hang_reason
+
+    # A hung libnvidia-ml load would freeze this process (it holds the GIL): check in a child first.
+    nvml_off = nvml_hang_reason() if live else None
+    probe = None if not live else (probe_nvml if nvml_off is None else (lambda: NvmlFacts(error=nvml_off)))
+    facts = read_driver_facts(root, probe)
     report = judge(facts)
     checks = list(driver_checks(report, facts, nvml_asked=live))
 
@@ -69,7 +75,7 @@ def run_checks(args: argparse.Namespace) -> tuple[list[Check], Path, bool]:
         mem = None
     checks.append(swap_check(mem))
 
-    rules = EngineRules.build(settings.engine_patterns, settings.protect_patterns)
+    rules = engine_rules(settings)
     procs = ProcScanner(proc_root).scan().procs if proc_root.is_dir() else ()
     targets = env_targets(procs, rules)
     environ = {t.proc.pid: read_environ(proc_root, t.proc.pid) for t in targets}

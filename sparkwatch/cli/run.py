@@ -1,8 +1,17 @@
-"""`sparkwatch run [--dry-run]`: the daemon."""
+"""`sparkwatch run [--dry-run]`: the daemon.
+
+This process validates the whole config (the one loader, `sparkwatch.config`), then execs into the guard process
+(`sparkwatch.loops.guard_process`), keeping its PID, so systemd's main PID is the guard. The validated values travel
+on a memfd; the daemon signals stay blocked across the exec (`sparkwatch.entry`). `--print-settings` (used by the
+guard on SIGHUP) validates the same way and prints the values as JSON instead.
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import sys
 from typing import Any
 
 
@@ -12,16 +21,25 @@ def add_parser(sub: Any, parent: argparse.ArgumentParser) -> None:
     p.add_argument("--floor", metavar="SIZE", help="MemAvailable kill floor, e.g. 8GiB")
     p.add_argument("--listen", metavar="HOST:PORT", help="metrics address")
     p.add_argument("--state-dir", metavar="DIR", help="where events.jsonl and the alert outbox live")
+    p.add_argument("--print-settings", action="store_true", help=argparse.SUPPRESS)
     p.set_defaults(handler=handle)
 
 
 def handle(args: argparse.Namespace) -> int:
     from sparkwatch.cli import settings_from
-    from sparkwatch.config import Settings
-    from sparkwatch.daemon import Daemon
+    from sparkwatch.config import settings_to_wire
 
-    def load() -> Settings:
-        # The same file, environment and flags as at start: SIGHUP re-runs exactly this.
-        return settings_from(args, dry_run=args.dry_run, floor=args.floor, listen=args.listen, state_dir=args.state_dir)
-
-    return Daemon(load(), loader=load).run()
+    # The same file, environment and flags as at start: SIGHUP re-runs exactly this (with --print-settings).
+    settings = settings_from(args, dry_run=args.dry_run, floor=args.floor, listen=args.listen, state_dir=args.state_dir)
+    payload = json.dumps({"wire": settings_to_wire(settings), "public": settings.public_dict()}).encode()
+    if args.print_settings:
+        sys.stdout.buffer.write(payload)
+        sys.stdout.flush()
+        return 0
+    cli_args = [a for a in getattr(args, "cli_argv", ["run"]) if a != "--print-settings"]
+    fd = os.memfd_create("sparkwatch-settings", 0)  # not CLOEXEC: the guard process reads it after the exec
+    os.write(fd, payload)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    argv = [sys.executable, "-m", "sparkwatch.loops.guard_process", "--settings-fd", str(fd), "--", *cli_args]
+    os.execv(sys.executable, argv)

@@ -58,7 +58,13 @@ class StatusApp:
         self.settings = settings
         self.clock = clock
         # The daemon hands Telemetry its drift watcher's latest report; here a once-a-minute check stands in for it.
-        self.telemetry = Telemetry(settings, driver=self._driver_report)
+        from sparkwatch.sources.nvml_preflight import NvmlOff, nvml_hang_reason
+
+        # A hung libnvidia-ml load would freeze this whole process (it holds the GIL): check in a child first.
+        nvml_off = nvml_hang_reason()
+        self.telemetry = Telemetry(
+            settings, gpu_source=None if nvml_off is None else NvmlOff(nvml_off), driver=self._driver_report
+        )
         self.host = socket.gethostname()
         self.available: deque[tuple[float, float]] = deque()
         self.objects_done: dict[str, deque[tuple[float, float]]] = {}

@@ -20,7 +20,7 @@ MetricType = Literal["gauge", "counter", "histogram"]
 
 # When a family is present. A series that is not known is absent, never 0.
 Presence = Literal["always", "meminfo", "guard", "guard_loop", "kill", "events", "outbox", "delivered", "telemetry",
-                   "psi", "gpu", "gpu_device", "gpu_field", "driver"]  # fmt: skip
+                   "psi", "gpu", "gpu_device", "gpu_field", "driver", "daemon"]  # fmt: skip
 PRESENCE: dict[Presence, str] = {
     "always": "always",
     "meminfo": "once /proc/meminfo was read (the guard's read, else the telemetry's)",
@@ -36,6 +36,7 @@ PRESENCE: dict[Presence, str] = {
     "gpu_device": "per GPU, while NVML is up, for each field NVML supports on it (absent on NOT_SUPPORTED, never 0)",
     "gpu_field": "per GPU and field, while that field fails with another code than NOT_SUPPORTED",
     "driver": "once the drift watcher has checked",
+    "daemon": "in the daemon (`sparkwatch run`), from both of its processes",
 }
 
 
@@ -201,7 +202,17 @@ METRICS: tuple[MetricSpec, ...] = (
         "NVRM error lines by kind (no_memory|insufficient_resources|alloc_failed|assertion|other)",
     ),
     _m("kernel_xid_total", "counter", "code", "guard", "NVIDIA Xid events by code; catalogued codes exported at 0"),
-    # Room for the exported error counters of the daemon's components: add them with the change that exports them.
+    # the daemon itself: two processes (the guard, main PID; telemetry, which it supervises)
+    _m(
+        "internal_errors_total",
+        "counter",
+        "process component counter",
+        "daemon",
+        "every error or drop a component counted and survived (journal, notify, events, driver, outbox, channel...)",
+    ),
+    _m("process_resident_bytes", "gauge", "process", "daemon", "resident set size of each process (guard, telemetry)"),
+    _m("telemetry_restarts_total", "counter", "", "daemon", "times the guard restarted the telemetry process"),
+    _m("guard_psi_trigger", "gauge", "", "daemon", "1 while the guard also wakes on a PSI memory trigger"),
 )
 
 BY_NAME: dict[str, MetricSpec] = {m.name: m for m in METRICS}

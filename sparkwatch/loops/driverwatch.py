@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import threading
 import time
 from collections.abc import Callable
 
+from sparkwatch import logs
 from sparkwatch.actuators.events import EventLog, EventLogError, make_event
 from sparkwatch.config import Settings
 from sparkwatch.core.alerts import driver_step
@@ -29,10 +29,7 @@ POKE_COALESCE_S = 0.5
 
 
 def _log(line: str) -> None:
-    try:
-        print(line, file=sys.stderr, flush=True)
-    except OSError:
-        pass
+    logs.legacy(line, "driver")
 
 
 class DriverWatcher:

@@ -10,20 +10,20 @@ from __future__ import annotations
 
 import os
 import select
-import sys
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from sparkwatch import logs
 from sparkwatch.actuators.events import EventLog, EventLogError, make_event
 from sparkwatch.actuators.killer import Killer, KillJob, Reaper
-from sparkwatch.config import Settings
 from sparkwatch.core import guard as core
-from sparkwatch.core.engines import EngineRules, Scope, find_engine_trees
+from sparkwatch.core.engines import find_engine_trees
 from sparkwatch.core.eventkinds import EventKind
 from sparkwatch.core.killrecord import KillFacts, kill_fields, kill_line, kill_summary, victims_of
+from sparkwatch.guardconfig import GuardSettings, engine_rules, engine_scope
 from sparkwatch.loops.kernlog import KernelLogWatch
 from sparkwatch.model import MemInfo
 from sparkwatch.sources.kmsg import KmsgSource
@@ -71,7 +71,7 @@ class GuardStats:
         self.kill_duration_count += 1
 
 
-def _params(settings: Settings) -> core.GuardParams:
+def _params(settings: GuardSettings) -> core.GuardParams:
     return core.GuardParams(
         floor_bytes=settings.floor,
         kill_budget_s=settings.kill_budget_s,
@@ -83,20 +83,19 @@ def _params(settings: Settings) -> core.GuardParams:
 
 
 def _log(line: str) -> None:
-    try:
-        print(line, file=sys.stderr, flush=True)
-    except OSError:
-        pass  # stderr gone (journald restarting): the event log still has it
+    logs.legacy(line, "guard")  # level from the line's words: KILL and ERROR are errors (journal PRIORITY=3)
 
 
 class Guard:
-    def __init__(self, settings: Settings, events: EventLog, heartbeat: Callable[[float], None] | None = None) -> None:
+    def __init__(
+        self, settings: GuardSettings, events: EventLog, heartbeat: Callable[[float], None] | None = None
+    ) -> None:
         self.settings = settings
         self.events = events
         self.heartbeat = heartbeat
         self.params = _params(settings)
-        self.rules = EngineRules.build(settings.engine_patterns, settings.protect_patterns)
-        self.scope = Scope(self_pid=os.getpid(), own_uid=os.geteuid(), ancestor_pid=settings.ancestor_pid)
+        self.rules = engine_rules(settings)
+        self.scope = engine_scope(settings)
         self.stats = GuardStats()
         self.lock = threading.Lock()
         self.state = core.GuardState()
@@ -117,7 +116,7 @@ class Guard:
         self._warm = threading.Event()
         self._scout: threading.Thread | None = None
         self.warm_scans_total = 0
-        # NVRM/Xid lines from /dev/kmsg, read non-blocking each tick (issue 12): see _kernel_log.
+        # NVRM/Xid lines from /dev/kmsg, read non-blocking each tick: see _kernel_log.
         self.kernlog = KernelLogWatch(
             events,
             settings.proc_root,
@@ -143,12 +142,12 @@ class Guard:
         }
     )
 
-    def reconfigure(self, settings: Settings) -> frozenset[str]:
+    def reconfigure(self, settings: GuardSettings) -> frozenset[str]:
         """Apply new settings live (SIGHUP). Returns the keys the guard applies. Thread-safe: the guard thread reads
         params, rules and the killer's settings once per tick, and each is swapped whole under the lock."""
         params = _params(settings)
-        rules = EngineRules.build(settings.engine_patterns, settings.protect_patterns)
-        scope = Scope(self_pid=os.getpid(), own_uid=os.geteuid(), ancestor_pid=settings.ancestor_pid)
+        rules = engine_rules(settings)
+        scope = engine_scope(settings)
         with self.lock:
             self.settings = settings
             self.params = params

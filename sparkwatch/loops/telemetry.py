@@ -11,19 +11,19 @@ other parts of the Snapshot intact.
 
 from __future__ import annotations
 
-import os
-import sys
 import threading
 import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from sparkwatch import logs
 from sparkwatch.actuators.events import make_event
 from sparkwatch.config import Settings
 from sparkwatch.core import compile as compile_core
 from sparkwatch.core import jit as jit_core
-from sparkwatch.core.engines import EngineRules, Scope, find_engine_trees
+from sparkwatch.core.engines import find_engine_trees
 from sparkwatch.core.eventkinds import EventKind
+from sparkwatch.guardconfig import engine_rules, engine_scope
 from sparkwatch.model import (
     CollectorStatus,
     CompileCensus,
@@ -45,6 +45,7 @@ from sparkwatch.sources.procenv import EnvironReader, read_wchan
 from sparkwatch.sources.procs import IncrementalScanner
 from sparkwatch.sources.psi import read_psi
 
+log = logs.get("telemetry")
 T = TypeVar("T")
 _WCHAN_PROBES_MAX = 64  # members whose wchan is read per engine per cycle; engines have tens of processes
 
@@ -65,8 +66,8 @@ class Telemetry:
         latest report (a reference read, no I/O), put in Snapshot.driver as it is."""
         self.settings = settings
         self.wall_clock = wall_clock
-        self.rules = EngineRules.build(settings.engine_patterns, settings.protect_patterns)
-        self.scope = Scope(self_pid=os.getpid(), own_uid=os.geteuid(), ancestor_pid=settings.ancestor_pid)
+        self.rules = engine_rules(settings)
+        self.scope = engine_scope(settings)
         self.scanner = IncrementalScanner(settings.proc_root)
         self._hot: set[int] = set()  # engine members and compilers: re-read every cycle
         self.environ = EnvironReader(settings.proc_root, compile_core.MAX_JOBS_VARS)
@@ -97,12 +98,12 @@ class Telemetry:
 
     def reconfigure(self, settings: Settings) -> frozenset[str]:
         """Apply new settings between two cycles (SIGHUP). Returns the keys applied."""
-        rules = EngineRules.build(settings.engine_patterns, settings.protect_patterns)
+        rules = engine_rules(settings)
         with self._lock:
             old = self.settings
             self.settings = settings
             self.rules = rules
-            self.scope = Scope(self_pid=os.getpid(), own_uid=os.geteuid(), ancestor_pid=settings.ancestor_pid)
+            self.scope = engine_scope(settings)
             self.jit_params = jit_core.JitParams(stall_s=settings.jit_stall_s)
             if (old.jit_cache_dirs, old.vllm_cache_dirs) != (settings.jit_cache_dirs, settings.vllm_cache_dirs):
                 self.jitcache = JitCacheSource(list(settings.jit_cache_dirs), list(settings.vllm_cache_dirs))
@@ -330,7 +331,7 @@ class TelemetryLoop:
                 self.on_event(event)
             except Exception as exc:  # an unwritable event log is counted there; the loop goes on
                 self.errors_total += 1
-                print(f"sparkwatch: ERROR could not record {event.kind} event: {exc}", file=sys.stderr)
+                log.error("could not record %s event: %s", event.kind, exc)
         return snapshot
 
     def _run(self) -> None:
@@ -340,7 +341,7 @@ class TelemetryLoop:
                 self.run_once()
             except Exception as exc:  # collect() wraps its sources; this is a bug, reported and survived
                 self.errors_total += 1
-                print(f"sparkwatch: ERROR telemetry cycle failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+                log.error("telemetry cycle failed: %s: %s", type(exc).__name__, exc)
             next_at += self.interval_s
             delay = next_at - time.monotonic()
             if delay < 0:  # a slow cycle: start the next one now rather than bunching up to catch up

@@ -6,7 +6,6 @@ between scans; one-shot commands (`engines`) build one and call it once.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 from sparkwatch.config import Settings
@@ -33,9 +32,9 @@ class EngineFinder:
         Read-only commands that ask "is the pool still held?" pass any_user=True: a root-owned engine in a Docker
         container holds the same unified pool as one of ours.
         """
-        rules = EngineRules.build(settings.engine_patterns, settings.protect_patterns)
-        scope = Scope(self_pid=os.getpid(), own_uid=0 if any_user else os.geteuid(), ancestor_pid=settings.ancestor_pid)
-        return cls(settings.proc_root, rules, scope)
+        from sparkwatch.guardconfig import engine_rules, engine_scope  # noqa: PLC0415
+
+        return cls(settings.proc_root, engine_rules(settings), engine_scope(settings, any_user=any_user))
 
     def find(self) -> list[EngineTree]:
         return find_engine_trees(self.scanner.scan().procs, self.rules, self.scope)

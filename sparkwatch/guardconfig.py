@@ -1,0 +1,162 @@
+"""The guard process's view of the one Settings object, without pydantic.
+
+`sparkwatch.config.Settings` (pydantic) stays the one schema and the one validation owner. The guard process must
+stay small (pydantic and pydantic-settings alone cost about 21 MiB RSS, measured: bench/RESULTS-guard.md), so it
+never imports them: `sparkwatch run` validates the whole config once with Settings, serialises the validated values
+(`config.settings_to_wire`: plain JSON types, sizes in bytes) and execs into the guard process, which rebuilds them
+here as a frozen dataclass without validating anything again. A reload (SIGHUP) runs the same validation in a short
+child process (`sparkwatch run --print-settings`) and hands back the same wire form. The telemetry process turns
+the wire form back into a Settings (`Settings.model_validate`), so both processes hold the same values.
+
+Also the one place engine rules and the guard's scope are built from settings (`engine_rules`, `engine_scope`).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+from sparkwatch.core.engines import EngineRules, Scope
+
+
+class EngineSettings(Protocol):
+    """What the engine rules and scope are built from (Settings and GuardConfig both have it)."""
+
+    @property
+    def engine_patterns(self) -> Sequence[str]: ...
+    @property
+    def protect_patterns(self) -> Sequence[str]: ...
+    @property
+    def ancestor_pid(self) -> int: ...
+
+
+class GuardSettings(EngineSettings, Protocol):
+    """The keys the guard loop reads."""
+
+    @property
+    def floor(self) -> int: ...
+    @property
+    def warn_headroom(self) -> int: ...
+    @property
+    def kill_budget_s(self) -> float: ...
+    @property
+    def debounce_samples(self) -> int: ...
+    @property
+    def poll_min_s(self) -> float: ...
+    @property
+    def poll_max_s(self) -> float: ...
+    @property
+    def rearm_headroom(self) -> int: ...
+    @property
+    def dry_run(self) -> bool: ...
+    @property
+    def proc_root(self) -> Path: ...
+    @property
+    def kernel_log_corroboration(self) -> bool: ...
+    @property
+    def kernel_log_path(self) -> Path: ...
+
+
+def engine_rules(settings: EngineSettings) -> EngineRules:
+    """The engine and protection rules from settings: every component builds them here and nowhere else."""
+    return EngineRules.build(list(settings.engine_patterns), list(settings.protect_patterns))
+
+
+def engine_scope(settings: EngineSettings, *, any_user: bool = False) -> Scope:
+    """Which processes this process may consider: never itself or its ancestors, only its own uid unless root (or
+    `any_user`, for read-only listings), only under `ancestor_pid` when set."""
+    return Scope(
+        self_pid=os.getpid(),
+        own_uid=0 if any_user else os.geteuid(),
+        ancestor_pid=settings.ancestor_pid,
+    )
+
+
+@dataclass(frozen=True)
+class GuardConfig:
+    """The validated settings as the guard process holds them. Built only from `wire` (already validated)."""
+
+    floor: int
+    warn_headroom: int
+    kill_budget_s: float
+    debounce_samples: int
+    poll_min_s: float
+    poll_max_s: float
+    rearm_headroom: int
+    dry_run: bool
+    mlock: bool
+    ancestor_pid: int
+    engine_patterns: tuple[str, ...]
+    protect_patterns: tuple[str, ...]
+    proc_root: Path
+    state_dir: Path
+    listen: str
+    telemetry_interval_s: float
+    kernel_log_corroboration: bool
+    kernel_log_path: Path
+    # The whole validated config, for the telemetry process, and as check-config shows it (secrets masked), for
+    # the reload log. Excluded from ==: two configs are equal when their values are.
+    wire: Mapping[str, Any] = field(repr=False, compare=False, default_factory=dict)
+    public: Mapping[str, Any] = field(repr=False, compare=False, default_factory=dict)
+
+    @classmethod
+    def from_wire(cls, wire: Mapping[str, Any], public: Mapping[str, Any] | None = None) -> GuardConfig:
+        try:
+            return cls(
+                floor=int(wire["floor"]),
+                warn_headroom=int(wire["warn_headroom"]),
+                kill_budget_s=float(wire["kill_budget_s"]),
+                debounce_samples=int(wire["debounce_samples"]),
+                poll_min_s=float(wire["poll_min_s"]),
+                poll_max_s=float(wire["poll_max_s"]),
+                rearm_headroom=int(wire["rearm_headroom"]),
+                dry_run=bool(wire["dry_run"]),
+                mlock=bool(wire["mlock"]),
+                ancestor_pid=int(wire["ancestor_pid"]),
+                engine_patterns=tuple(str(p) for p in wire["engine_patterns"]),
+                protect_patterns=tuple(str(p) for p in wire["protect_patterns"]),
+                proc_root=Path(wire["proc_root"]),
+                state_dir=Path(wire["state_dir"]),
+                listen=str(wire["listen"]),
+                telemetry_interval_s=float(wire["telemetry_interval_s"]),
+                kernel_log_corroboration=bool(wire["kernel_log_corroboration"]),
+                kernel_log_path=Path(wire["kernel_log_path"]),
+                wire=dict(wire),
+                public=dict(public or {}),
+            )
+        except (KeyError, TypeError, ValueError) as exc:  # a wire form from another version of sparkwatch
+            raise ValueError(f"settings wire form unusable: {type(exc).__name__}: {exc}") from None
+
+    @property
+    def events_path(self) -> Path:
+        return self.state_dir / "events.jsonl"
+
+
+def describe_wire_changes(
+    old_wire: Mapping[str, Any],
+    new_wire: Mapping[str, Any],
+    old_public: Mapping[str, Any],
+    new_public: Mapping[str, Any],
+) -> list[tuple[str, str]]:
+    """(key, 'key: old → new') for each changed setting, shown as check-config shows it (secrets masked)."""
+    out: list[tuple[str, str]] = []
+    for key in new_wire:
+        if old_wire.get(key) == new_wire.get(key):
+            continue
+        before, after = old_public.get(key), new_public.get(key)
+        if before == after:  # a secret, or a URL whose hidden part changed
+            out.append((key, f"{key}: changed (value hidden)"))
+        else:
+            out.append((key, f"{key}: {_shown(before)} → {_shown(after)}"))
+    return out
+
+
+def _shown(value: object) -> str:
+    if value is None:
+        return "unset"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)
