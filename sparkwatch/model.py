@@ -46,6 +46,12 @@ class Proc:
     rss_bytes: int
     argv: tuple[str, ...]
     is_kernel_thread: bool = False
+    # What a user cannot forge, read by the scanner (None where unreadable): the executable the kernel runs
+    # (/proc/PID/exe), the cgroup v2 path (/proc/PID/cgroup), and for generic launchers only the first engine library
+    # mapped (/proc/PID/maps, see core.engines.ENGINE_LIBRARIES).
+    exe: str | None = None
+    cgroup: str | None = None
+    engine_lib: str | None = None
 
     @property
     def key(self) -> tuple[int, int]:
