@@ -87,7 +87,6 @@ SHAPES: tuple[Shape, ...] = (
         False,
     ),
     # --- vLLM. Titles: f"{VLLM_PROCESS_NAME_PREFIX}::{name}_{suffix}" (default prefix VLLM).
-    Shape("vllm", r"VLLM::", "vllm/utils/system_utils.py (set_process_title)", "VLLM::Worker_TP0_EP0"),
     Shape(
         "vllm",
         r"[^\s:/]+::EngineCore(_|$|\s)",
@@ -95,6 +94,7 @@ SHAPES: tuple[Shape, ...] = (
         "MYPREFIX::EngineCore_DP0",
         adopts_parent=True,
     ),
+    Shape("vllm", r"VLLM::", "vllm/utils/system_utils.py (set_process_title)", "VLLM::Worker_TP0_EP0"),
     Shape(
         "vllm",
         r"[^\s:/]+::(Worker|APIServer|DPCoordinator)(_|$|\s)",
