@@ -585,16 +585,18 @@ def find_engine_trees(
         children[p.ppid].append(p)
     untouchable = {1, 2, scope.self_pid, *_ancestors(scope.self_pid, by_pid)}
     kinds = engine_kinds(procs, rules, gpu_holders)
+    # Only an engine we may touch can hold others in its tree: an EngineCore whose adopted parent is ourselves (or
+    # another user's process) is a root of its own.
+    rootable = {pid for pid in kinds if may_touch(by_pid[pid], rules, scope, untouchable)}
     trees = []
-    for pid, kind in kinds.items():
+    for pid in rootable:
+        kind = kinds[pid]
         chain = _ancestors(pid, by_pid)
-        if any(a in kinds for a in chain):
+        if any(a in rootable for a in chain):
             continue  # inside an outer engine's tree
         if scope.ancestor_pid and scope.ancestor_pid != pid and scope.ancestor_pid not in chain:
             continue
         root = by_pid[pid]
-        if not may_touch(root, rules, scope, untouchable):
-            continue
         members = [root]
         queue = [root]
         seen = {root.pid}
