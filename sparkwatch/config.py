@@ -90,7 +90,12 @@ class Settings(BaseSettings):
         0, ge=0, description="only engines descending from this PID are candidates (0: all); confines the guard"
     )
     engine_patterns: list[str] = Field(default_factory=list, description="extra engines, as 'kind=regex'")
-    protect_patterns: list[str] = Field(default_factory=list, description="extra protected names, as regexes")
+    protect_patterns: list[str] = Field(
+        default_factory=list, description="extra protected processes, regexes on comm, entry point or executable path"
+    )
+    guard_gpu_holders: bool = Field(
+        False, description="treat a process NVML lists as holding GPU memory, that no rule names, as an engine"
+    )
 
     # --- telemetry and its outputs
     telemetry_interval_s: float = Field(1.0, gt=0, le=60)

@@ -97,6 +97,8 @@ class Daemon:
             log(f"ERROR telemetry unavailable: {type(exc).__name__}: {exc}; the guard keeps running")
             return
         self.add("telemetry", self.telemetry)
+        collector = self.telemetry.telemetry
+        self.guard.gpu_holders = lambda: collector.gpu_holder_keys  # guard_gpu_holders: see Guard.gpu_holders
         self.add("metrics", MetricsServer(self.settings, registry))
 
     def add(self, name: str, component: Component) -> None:

@@ -83,6 +83,14 @@ class EngineTree:
 
 
 @dataclass(frozen=True, slots=True)
+class GpuHolder:
+    """A process NVML says holds GPU memory that no engine rule names and no engine tree contains."""
+
+    proc: Proc
+    used_gpu_memory_bytes: int | None  # None: NVML could not say how much
+
+
+@dataclass(frozen=True, slots=True)
 class Event:
     """One line of events.jsonl. `fields` holds the kind-specific keys of the contract (e.g. victims for a kill)."""
 
@@ -353,3 +361,4 @@ class Snapshot:
     collectors: tuple[CollectorStatus, ...] = ()
     psi: PsiMemory | None = None  # None: the kernel has no PSI (or it is off)
     jit_states: tuple[JitEngineState, ...] = ()  # per engine tree
+    gpu_unknown: tuple[GpuHolder, ...] = ()  # GPU holders no rule names: core.engines.unknown_gpu_holders

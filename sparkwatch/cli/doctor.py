@@ -28,7 +28,7 @@ def run_checks(args: argparse.Namespace) -> tuple[list[Check], Path, bool]:
     from sparkwatch.cli import settings_from
     from sparkwatch.core.doctor import env_targets, floor_check, max_jobs_check, ray_monitor_check, swap_check
     from sparkwatch.core.drift import driver_checks, judge
-    from sparkwatch.core.engines import EngineRules
+    from sparkwatch.core.engines import rules_for
     from sparkwatch.sources.environ import read_environ
     from sparkwatch.sources.meminfo import MeminfoError, parse_meminfo
     from sparkwatch.sources.procs import ProcScanner
@@ -50,7 +50,7 @@ def run_checks(args: argparse.Namespace) -> tuple[list[Check], Path, bool]:
         mem = None
     checks.append(swap_check(mem))
 
-    rules = EngineRules.build(settings.engine_patterns, settings.protect_patterns)
+    rules = rules_for(settings.engine_patterns, settings.protect_patterns, settings.guard_gpu_holders)
     procs = ProcScanner(proc_root).scan().procs if proc_root.is_dir() else ()
     targets = env_targets(procs, rules)
     environ = {t.proc.pid: read_environ(proc_root, t.proc.pid) for t in targets}

@@ -22,7 +22,7 @@ from collections import defaultdict
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from sparkwatch.model import EngineTree, Proc
+from sparkwatch.model import EngineTree, GpuHolder, Proc
 
 
 @dataclass(frozen=True, slots=True)
@@ -408,6 +408,13 @@ def classify(proc: Proc, rules: EngineRules) -> Shape | None:
     return None if index < 0 else rules.shapes[index][0]
 
 
+def rules_for(
+    engine_patterns: Iterable[str], protect_patterns: Iterable[str], guard_gpu_holders: bool = False
+) -> EngineRules:
+    """EngineRules from the three settings that shape them (engine_patterns, protect_patterns, guard_gpu_holders)."""
+    return EngineRules.build(engine_patterns, protect_patterns, gpu_holders_are_engines=guard_gpu_holders)
+
+
 def engine_kind(proc: Proc, rules: EngineRules) -> str | None:
     """The engine this process is by its own identity (not by its parents), or None."""
     shape = classify(proc, rules)
@@ -615,14 +622,6 @@ def find_engine_trees(
         trees.append(EngineTree(kind=kind, root=root, members=tuple(members)))
     trees.sort(key=lambda t: (-t.rss_bytes, t.root.pid))
     return trees
-
-
-@dataclass(frozen=True, slots=True)
-class GpuHolder:
-    """A process NVML says holds GPU memory that no rule names an engine and no engine tree contains."""
-
-    proc: Proc
-    used_gpu_memory_bytes: int | None
 
 
 def unknown_gpu_holders(

@@ -13,7 +13,7 @@ import select
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -21,7 +21,7 @@ from sparkwatch.actuators.events import EventLog, EventLogError, make_event
 from sparkwatch.actuators.killer import Killer, KillJob, Reaper
 from sparkwatch.config import Settings
 from sparkwatch.core import guard as core
-from sparkwatch.core.engines import EngineRules, Scope, find_engine_trees
+from sparkwatch.core.engines import Scope, find_engine_trees, rules_for
 from sparkwatch.core.eventkinds import EventKind
 from sparkwatch.core.killrecord import KillFacts, kill_fields, kill_line, kill_summary, victims_of
 from sparkwatch.model import MemInfo
@@ -93,9 +93,13 @@ class Guard:
         self.events = events
         self.heartbeat = heartbeat
         self.params = _params(settings)
-        self.rules = EngineRules.build(settings.engine_patterns, settings.protect_patterns)
+        self.rules = rules_for(settings.engine_patterns, settings.protect_patterns, settings.guard_gpu_holders)
         self.scope = Scope(self_pid=os.getpid(), own_uid=os.geteuid(), ancestor_pid=settings.ancestor_pid)
         self.stats = GuardStats()
+        # (pid, start_ticks) of the processes NVML lists as GPU holders, from telemetry (a reference read, no I/O):
+        # with `guard_gpu_holders`, those that match no rule are engines too. The daemon wires it; the guard never
+        # loads NVML itself.
+        self.gpu_holders: Callable[[], Collection[tuple[int, int]]] = lambda: ()
         self.lock = threading.Lock()
         self.state = core.GuardState()
         # Everything the kill path needs exists before the first poll: fds open, threads started, code imported.
@@ -129,6 +133,7 @@ class Guard:
             "ancestor_pid",
             "engine_patterns",
             "protect_patterns",
+            "guard_gpu_holders",
         }
     )
 
@@ -136,7 +141,7 @@ class Guard:
         """Apply new settings live (SIGHUP). Returns the keys the guard applies. Thread-safe: the guard thread reads
         params, rules and the killer's settings once per tick, and each is swapped whole under the lock."""
         params = _params(settings)
-        rules = EngineRules.build(settings.engine_patterns, settings.protect_patterns)
+        rules = rules_for(settings.engine_patterns, settings.protect_patterns, settings.guard_gpu_holders)
         scope = Scope(self_pid=os.getpid(), own_uid=os.geteuid(), ancestor_pid=settings.ancestor_pid)
         with self.lock:
             self.settings = settings
@@ -263,7 +268,8 @@ class Guard:
         with self.lock:  # one consistent set, even if a SIGHUP reload lands mid-kill
             settings, params, rules, scope = self.settings, self.params, self.rules, self.scope
         scan = self.scanner.scan()
-        trees = find_engine_trees(scan.procs, rules, scope)
+        holders = self.gpu_holders() if rules.gpu_holders_are_engines else ()
+        trees = find_engine_trees(scan.procs, rules, scope, holders)
         victims, signaled_at, notes, method = self.killer.kill(trees, dry_run=settings.dry_run)
         facts = KillFacts(
             trigger=trigger,

@@ -22,7 +22,7 @@ from sparkwatch.actuators.events import make_event
 from sparkwatch.config import Settings
 from sparkwatch.core import compile as compile_core
 from sparkwatch.core import jit as jit_core
-from sparkwatch.core.engines import EngineRules, Scope, find_engine_trees
+from sparkwatch.core.engines import Scope, find_engine_trees, rules_for, unknown_gpu_holders
 from sparkwatch.core.eventkinds import EventKind
 from sparkwatch.model import (
     CollectorStatus,
@@ -30,6 +30,7 @@ from sparkwatch.model import (
     DriverReport,
     EngineTree,
     Event,
+    GpuHolder,
     GpuReport,
     JitCacheState,
     JitEngineState,
@@ -64,7 +65,7 @@ class Telemetry:
         latest report (a reference read, no I/O), put in Snapshot.driver as it is."""
         self.settings = settings
         self.wall_clock = wall_clock
-        self.rules = EngineRules.build(settings.engine_patterns, settings.protect_patterns)
+        self.rules = rules_for(settings.engine_patterns, settings.protect_patterns, settings.guard_gpu_holders)
         self.scope = Scope(self_pid=os.getpid(), own_uid=os.geteuid(), ancestor_pid=settings.ancestor_pid)
         self.scanner = IncrementalScanner(settings.proc_root)
         self._hot: set[int] = set()  # engine members and compilers: re-read every cycle
@@ -80,11 +81,15 @@ class Telemetry:
         self._cache_sizes: dict[str, tuple[int, int]] = {}
         self._events: list[Event] = []
         self._lock = threading.Lock()  # collect() is one cycle at a time
+        # (pid, start_ticks) of every process NVML listed last cycle: the guard reads it (a reference swap) when
+        # `guard_gpu_holders` lets unmatched GPU holders be engines; see Guard.gpu_holders.
+        self.gpu_holder_keys: frozenset[tuple[int, int]] = frozenset()
 
     LIVE_KEYS = frozenset(
         {
             "engine_patterns",
             "protect_patterns",
+            "guard_gpu_holders",
             "ancestor_pid",
             "jit_cache_dirs",
             "vllm_cache_dirs",
@@ -95,7 +100,7 @@ class Telemetry:
 
     def reconfigure(self, settings: Settings) -> frozenset[str]:
         """Apply new settings between two cycles (SIGHUP). Returns the keys applied."""
-        rules = EngineRules.build(settings.engine_patterns, settings.protect_patterns)
+        rules = rules_for(settings.engine_patterns, settings.protect_patterns, settings.guard_gpu_holders)
         with self._lock:
             old = self.settings
             self.settings = settings
@@ -133,7 +138,7 @@ class Telemetry:
         procs = run("procs", lambda: self.scanner.scan(self._hot).procs)
         trees: tuple[EngineTree, ...] = ()
         if procs is not None:
-            trees = tuple(find_engine_trees(procs, self.rules, self.scope))
+            trees = tuple(find_engine_trees(procs, self.rules, self.scope, self.gpu_holder_keys))
             self._hot = {pid for tree in trees for pid in tree.pids}
             self._hot.update(p.pid for p in procs if compile_core.tool_of(p) is not None)
         census = run("compile", lambda: self._census(procs, trees))
@@ -147,6 +152,11 @@ class Telemetry:
         now = self.wall_clock()
         gpu = run("gpu", self.gpu_source.collect) if self.gpu_source is not None else None
         gpu_busy = _gpu_busy(gpu)
+        gpu_unknown: tuple[GpuHolder, ...] = ()
+        if isinstance(gpu, GpuReport) and gpu.up and procs is not None:
+            used = {p.pid: p.used_gpu_memory_bytes for p in gpu.processes}
+            self.gpu_holder_keys = frozenset(p.key for p in procs if p.pid in used)
+            gpu_unknown = unknown_gpu_holders(procs, trees, used, self.rules)
         jit_states = (
             run("jit_state", lambda: self._jit_states(procs, trees, census, jit_result, now=now, gpu_busy=gpu_busy))
             or ()
@@ -165,6 +175,7 @@ class Telemetry:
             collectors=tuple(statuses),
             psi=psi,
             jit_states=jit_states,
+            gpu_unknown=gpu_unknown,
         )
 
     def drain_events(self) -> list[Event]:

@@ -7,11 +7,12 @@ between scans; one-shot commands (`engines`) build one and call it once.
 from __future__ import annotations
 
 import os
+from collections.abc import Collection
 from pathlib import Path
 
 from sparkwatch.config import Settings
-from sparkwatch.core.engines import EngineRules, Scope, find_engine_trees
-from sparkwatch.model import EngineTree
+from sparkwatch.core.engines import EngineRules, Scope, find_engine_trees, rules_for
+from sparkwatch.model import EngineTree, Proc
 from sparkwatch.sources.procs import ProcScanner
 
 # Process states that hold nothing any more: a zombie has already closed its files (the GPU driver's included) and
@@ -33,12 +34,17 @@ class EngineFinder:
         Read-only commands that ask "is the pool still held?" pass any_user=True: a root-owned engine in a Docker
         container holds the same unified pool as one of ours.
         """
-        rules = EngineRules.build(settings.engine_patterns, settings.protect_patterns)
+        rules = rules_for(settings.engine_patterns, settings.protect_patterns, settings.guard_gpu_holders)
         scope = Scope(self_pid=os.getpid(), own_uid=0 if any_user else os.geteuid(), ancestor_pid=settings.ancestor_pid)
         return cls(settings.proc_root, rules, scope)
 
     def find(self) -> list[EngineTree]:
-        return find_engine_trees(self.scanner.scan().procs, self.rules, self.scope)
+        return self.scan()[1]
+
+    def scan(self, gpu_holders: Collection[tuple[int, int]] = ()) -> tuple[tuple[Proc, ...], list[EngineTree]]:
+        """The process table and the engine trees in it (gpu_holders: see core.engines.find_engine_trees)."""
+        procs = self.scanner.scan().procs
+        return procs, find_engine_trees(procs, self.rules, self.scope, gpu_holders)
 
 
 def live_members(trees: list[EngineTree]) -> int:
