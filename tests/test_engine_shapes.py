@@ -286,3 +286,11 @@ def _matches_shape(proc: Proc, rules: EngineRules) -> bool:
     from sparkwatch.core.engines import classify
 
     return classify(proc, rules) is not None
+
+
+def test_docs_list_every_shape_with_its_source() -> None:
+    from sparkwatch.core.engines import SHAPES
+
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "engines.md").read_text()
+    for shape in SHAPES:
+        assert f"`{shape.example}`" in doc and shape.source in doc, shape.example
