@@ -118,10 +118,29 @@ class GpuBoard:
     read_at_s: float | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)
 
+    # (pid, start_ticks) of every process NVML lists as holding GPU memory: with `guard_gpu_holders` the guard treats
+    # those no rule names as engines (core.engines.find_engine_trees). The start time keeps a reused pid out.
+    holders: frozenset[tuple[int, int]] = frozenset()
+
     def update(self, pids: Mapping[str, object], read_at_s: float) -> None:
         clean = {int(k): int(v) for k, v in pids.items() if str(k).isdigit() and isinstance(v, int)}
         with self.lock:
             self.pids, self.read_at_s = clean, read_at_s
+
+    def update_holders(self, holders: object) -> None:
+        if not isinstance(holders, list):
+            return
+        keys = frozenset(
+            (int(h[0]), int(h[1]))
+            for h in holders
+            if isinstance(h, list) and len(h) == 2 and all(isinstance(x, int) for x in h)
+        )
+        with self.lock:
+            self.holders = keys
+
+    def holder_keys(self) -> frozenset[tuple[int, int]]:
+        with self.lock:
+            return self.holders
 
     def fresh(self, max_age_s: float, now_s: float | None = None) -> dict[int, int]:
         """pid → GPU bytes if read within max_age_s, else {} (the policy then decides without GPU figures)."""

@@ -90,13 +90,18 @@ class Settings(BaseSettings):
         0, ge=0, description="only engines descending from this PID are candidates (0: all); confines the guard"
     )
     engine_patterns: list[str] = Field(default_factory=list, description="extra engines, as 'kind=regex'")
-    protect_patterns: list[str] = Field(default_factory=list, description="extra protected names, as regexes")
     kernel_log_corroboration: bool = Field(
         True,
         description="a driver allocation failure (NVRM NV_ERR_NO_MEMORY) while MemAvailable is within warn_headroom "
         "of the floor counts as a floor crossing; needs a readable kernel log (system unit or dmesg_restrict=0)",
     )
     kernel_log_path: Path = Field(Path("/dev/kmsg"), description="the kernel log device read for NVRM and Xid lines")
+    protect_patterns: list[str] = Field(
+        default_factory=list, description="extra protected processes, regexes on comm, entry point or executable path"
+    )
+    guard_gpu_holders: bool = Field(
+        False, description="treat a process NVML lists as holding GPU memory, that no rule names, as an engine"
+    )
 
     # --- telemetry and its outputs
     telemetry_interval_s: float = Field(1.0, gt=0, le=60)

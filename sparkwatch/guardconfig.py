@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from sparkwatch.core.engines import EngineRules, Scope
+from sparkwatch.core.engines import EngineRules, Scope, rules_for
 
 
 class EngineSettings(Protocol):
@@ -31,6 +31,8 @@ class EngineSettings(Protocol):
     def protect_patterns(self) -> Sequence[str]: ...
     @property
     def ancestor_pid(self) -> int: ...
+    @property
+    def guard_gpu_holders(self) -> bool: ...
 
 
 class GuardSettings(EngineSettings, Protocol):
@@ -62,7 +64,7 @@ class GuardSettings(EngineSettings, Protocol):
 
 def engine_rules(settings: EngineSettings) -> EngineRules:
     """The engine and protection rules from settings: every component builds them here and nowhere else."""
-    return EngineRules.build(list(settings.engine_patterns), list(settings.protect_patterns))
+    return rules_for(settings.engine_patterns, settings.protect_patterns, settings.guard_gpu_holders)
 
 
 def engine_scope(settings: EngineSettings, *, any_user: bool = False) -> Scope:
@@ -91,6 +93,7 @@ class GuardConfig:
     ancestor_pid: int
     engine_patterns: tuple[str, ...]
     protect_patterns: tuple[str, ...]
+    guard_gpu_holders: bool
     proc_root: Path
     state_dir: Path
     listen: str
@@ -118,6 +121,7 @@ class GuardConfig:
                 ancestor_pid=int(wire["ancestor_pid"]),
                 engine_patterns=tuple(str(p) for p in wire["engine_patterns"]),
                 protect_patterns=tuple(str(p) for p in wire["protect_patterns"]),
+                guard_gpu_holders=bool(wire["guard_gpu_holders"]),
                 proc_root=Path(wire["proc_root"]),
                 state_dir=Path(wire["state_dir"]),
                 listen=str(wire["listen"]),

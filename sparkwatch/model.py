@@ -47,6 +47,12 @@ class Proc:
     rss_bytes: int
     argv: tuple[str, ...]
     is_kernel_thread: bool = False
+    # What a user cannot forge, read by the scanner (None where unreadable): the executable the kernel runs
+    # (/proc/PID/exe), the cgroup v2 path (/proc/PID/cgroup), and for generic launchers only the first engine library
+    # mapped (/proc/PID/maps, see core.engines.ENGINE_LIBRARIES).
+    exe: str | None = None
+    cgroup: str | None = None
+    engine_lib: str | None = None
 
     @property
     def key(self) -> tuple[int, int]:
@@ -75,6 +81,14 @@ class EngineTree:
     @property
     def rss_bytes(self) -> int:
         return sum(p.rss_bytes for p in self.members)
+
+
+@dataclass(frozen=True, slots=True)
+class GpuHolder:
+    """A process NVML says holds GPU memory that no engine rule names and no engine tree contains."""
+
+    proc: Proc
+    used_gpu_memory_bytes: int | None  # None: NVML could not say how much
 
 
 @dataclass(frozen=True, slots=True)
@@ -349,3 +363,4 @@ class Snapshot:
     jit_states: tuple[JitEngineState, ...] = ()  # per engine tree
     # (min_block label, bytes free in blocks at least that big) from /proc/buddyinfo: "2MiB", "64KiB"
     free_contiguous: tuple[tuple[str, int], ...] = ()
+    gpu_unknown: tuple[GpuHolder, ...] = ()  # GPU holders no rule names: core.engines.unknown_gpu_holders

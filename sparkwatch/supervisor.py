@@ -261,6 +261,7 @@ class TelemetrySupervisor:
             pids, read_at = msg.get("gpu_pids"), msg.get("gpu_ts")
             if isinstance(pids, dict) and isinstance(read_at, (int, float)):
                 self.gpu.update(pids, float(read_at))
+            self.gpu.update_holders(msg.get("gpu_holders"))
         elif kind == "ack":
             for event_id in msg.get("ids", []):
                 self._unacked.pop(str(event_id), None)

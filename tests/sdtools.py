@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -63,7 +64,11 @@ class NotifyReceiver:
     def bind(cls, path: Path) -> NotifyReceiver:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         sock.bind(str(path))
-        return cls(path, sock)
+        rx = cls(path, sock)
+        # Tests never close it: close it when the receiver is collected, so no ResourceWarning fails a later
+        # test's teardown whenever the garbage collector happens to run.
+        weakref.finalize(rx, sock.close)
+        return rx
 
     def drain(self, timeout_s: float) -> list[tuple[float, str]]:
         """Receive for `timeout_s`; returns what arrived in that time (also kept in `messages`)."""

@@ -4,13 +4,33 @@ from __future__ import annotations
 
 import pytest
 
-from sparkwatch.core.engines import EngineRules, Scope, engine_kind, entry_point, find_engine_trees, is_protected
+from sparkwatch.core.engines import (
+    EngineRules,
+    Scope,
+    engine_kind,
+    entry_point,
+    find_engine_trees,
+    is_infrastructure,
+    is_protected,
+    may_touch,
+    unknown_gpu_holders,
+)
 from sparkwatch.model import Proc
 
 RULES = EngineRules.build()
 
 
-def proc(pid: int, ppid: int, comm: str, *argv: str, uid: int = 1000, kthread: bool = False) -> Proc:
+def proc(
+    pid: int,
+    ppid: int,
+    comm: str,
+    *argv: str,
+    uid: int = 1000,
+    kthread: bool = False,
+    exe: str | None = None,
+    cgroup: str | None = None,
+    lib: str | None = None,
+) -> Proc:
     return Proc(
         pid=pid,
         ppid=ppid,
@@ -21,6 +41,9 @@ def proc(pid: int, ppid: int, comm: str, *argv: str, uid: int = 1000, kthread: b
         rss_bytes=pid << 20,
         argv=tuple(argv),
         is_kernel_thread=kthread,
+        exe=exe,
+        cgroup=cgroup,
+        engine_lib=lib,
     )
 
 
@@ -42,6 +65,16 @@ def proc(pid: int, ppid: int, comm: str, *argv: str, uid: int = 1000, kthread: b
         ("sglang::schedu", ("sglang::scheduler_TP0",), "sglang"),
         ("trtllm-serve", ("/usr/local/bin/trtllm-serve", "serve", "m"), "trtllm"),
         ("ollama", ("/usr/local/bin/ollama", "runner", "--model", "/root/.ollama/blobs/sha256-x"), "ollama"),
+        ("MYAPP::EngineC", ("MYAPP::EngineCore_DP1",), "vllm"),  # VLLM_PROCESS_NAME_PREFIX=MYAPP
+        ("acme::Worker_T", ("acme::Worker_TP1_PP0",), "vllm"),
+        ("vllm", ("/venv/bin/vllm", "run-batch", "-i", "in.jsonl", "-o", "out.jsonl"), "vllm"),
+        ("python3", ("python3", "-m", "vllm.entrypoints.cli.main", "serve", "m"), "vllm"),
+        ("sgl_diffusion::", ("sgl_diffusion::scheduler_TP0",), "sglang"),
+        ("sglang", ("/venv/bin/python3", "/venv/bin/sglang", "generate", "--model-path", "m"), "sglang"),
+        ("python3", ("python3", "-m", "tensorrt_llm.llmapi.mgmn_worker_node"), "trtllm"),
+        ("python3", ("python3", "-m", "tensorrt_llm.llmapi.mgmn_leader_node"), "trtllm"),
+        ("rpc-server", ("./build/bin/rpc-server", "-p", "50052"), "llama.cpp"),
+        ("python3", ("python3", "-m", "llama_cpp.server", "--model", "x.gguf"), "llama.cpp"),
     ],
 )
 def test_engines_are_recognised_by_identity(comm: str, argv: tuple[str, ...], kind: str) -> None:
@@ -62,6 +95,14 @@ def test_engines_are_recognised_by_identity(comm: str, argv: tuple[str, ...], ki
         ("less", ("less", "VLLM::EngineCore")),
         ("python3", ("python3", "train.py", "--note", "ray::IDLE")),
         ("sshd", ("sshd: user@pts/0",)),
+        ("vllm", ("/venv/bin/python3", "/venv/bin/vllm", "bench", "serve", "--model", "m")),
+        ("python3", ("python3", "-m", "vllm.entrypoints.cli.main", "bench", "serve", "--model", "m")),
+        ("python3", ("python3", "-m", "sglang.bench_serving", "--backend", "sglang")),
+        ("trtllm-bench", ("/usr/local/bin/trtllm-bench", "--model", "m", "throughput")),
+        ("pip", ("/venv/bin/python3", "/venv/bin/pip", "install", "vllm")),
+        ("journalctl", ("journalctl", "-u", "vllm", "-f")),
+        ("nano", ("nano", "VLLM::EngineCore")),
+        ("python3", ("python3", "-m", "mpi4py.futures.server")),  # a generic MPI worker with no engine library
     ],
 )
 def test_substrings_are_not_engines(comm: str, argv: tuple[str, ...]) -> None:
@@ -98,7 +139,7 @@ def vllm_ray_table() -> list[Proc]:
         proc(2, 0, "kthreadd", kthread=True, uid=0),
         proc(500, 1, "sshd", "sshd: user [priv]", uid=0),
         proc(600, 500, "bash", "-bash"),
-        proc(700, 600, "tmux: server", "tmux"),
+        proc(700, 600, "tmux: server", "tmux", exe="/usr/bin/tmux"),
         proc(1000, 600, "vllm", "/venv/bin/python3", "/venv/bin/vllm", "serve", "m"),
         proc(1001, 1000, "VLLM::EngineCor", "VLLM::EngineCore"),
         proc(1002, 1001, "raylet", "/venv/lib/ray/raylet"),
@@ -106,7 +147,7 @@ def vllm_ray_table() -> list[Proc]:
         proc(1004, 1003, "ninja", "ninja", "-v", "-j", "20"),
         proc(1005, 1004, "nvcc", "nvcc", "-gencode", "arch=compute_121a,code=sm_121a"),
         proc(1006, 1005, "cicc", "cicc"),
-        proc(1007, 1000, "tmux: server", "tmux", "new", "-d"),  # protected even inside the tree
+        proc(1007, 1000, "tmux: server", "tmux", "new", "-d", exe="/usr/bin/tmux"),  # a real tmux: protected
         proc(1008, 1007, "bash", "bash"),
         proc(2000, 1, "VLLM::Worker_TP", "VLLM::Worker_TP0"),  # orphaned worker (parent 1) still holding the pool
         proc(3000, 600, "tail", "tail", "-f", "vllm.log"),
@@ -120,7 +161,8 @@ def test_trees_include_every_descendant_and_skip_protected_subtrees() -> None:
     by_root = {t.root.pid: t for t in trees}
     assert set(by_root) == {1000, 2000}
     assert by_root[1000].kind == "vllm"
-    assert by_root[1000].pids == (1000, 1001, 1002, 1003, 1004, 1005, 1006)
+    # The raylet vLLM started is passed through (never a victim); the Ray worker and its compilers below are members.
+    assert by_root[1000].pids == (1000, 1001, 1003, 1004, 1005, 1006)
     assert by_root[2000].pids == (2000,)
 
 
@@ -144,3 +186,114 @@ def test_never_touches_itself_its_ancestors_or_pid_1() -> None:
 def test_ppid_cycles_from_racy_scans_terminate() -> None:
     table = [proc(10, 11, "VLLM::EngineCor", "VLLM::EngineCore"), proc(11, 10, "VLLM::Worker_TP", "VLLM::Worker")]
     find_engine_trees(table, RULES, Scope(self_pid=99, own_uid=1000))  # must not hang
+
+
+def test_protection_is_by_executable_and_unit_not_by_name() -> None:
+    spoof = proc(10, 1, "sshd", "sshd", exe="/home/u/bin/sshd")  # a copy in the user's home: judged like any other
+    assert not is_protected(spoof, RULES)
+    assert is_protected(proc(11, 1, "sshd", "sshd: u [priv]", uid=0, exe="/usr/sbin/sshd"), RULES)
+    assert is_protected(proc(12, 1, "sshd", "sshd", exe="/usr/sbin/sshd (deleted)"), RULES)  # after an upgrade
+    assert is_protected(proc(13, 1, "x", "x", cgroup="/system.slice/ssh.service"), RULES)
+    # A user unit of the same name is the user's own cgroup: not protected.
+    assert not is_protected(
+        proc(14, 1, "x", "x", cgroup="/user.slice/user-1000.slice/user@1000.service/app.slice/ssh.service"), RULES
+    )
+    # An engine titled like a protected process is still an engine and its tree is found.
+    table = [
+        proc(100, 1, "sshd", "/venv/bin/python3", "/venv/bin/vllm", "serve", "m", exe="/venv/bin/python3.12"),
+        proc(101, 100, "tmux: server", "tmux: server", exe="/venv/bin/python3.12"),
+    ]
+    trees = find_engine_trees(table, RULES, Scope(self_pid=5, own_uid=1000))
+    assert [t.pids for t in trees] == [(100, 101)]
+
+
+def test_user_protect_patterns_match_the_executable_path() -> None:
+    rules = EngineRules.build(protect_patterns=[r"^/opt/precious/"])
+    assert is_protected(proc(5, 1, "llama-server", "llama-server", exe="/opt/precious/llama-server"), rules)
+    assert not is_protected(proc(6, 1, "llama-server", "llama-server", exe="/opt/other/llama-server"), rules)
+
+
+def test_ray_infrastructure_is_never_a_victim() -> None:
+    for comm, argv in [
+        ("raylet", ("/venv/lib/python3.12/site-packages/ray/core/src/ray/raylet/raylet", "--raylet_socket_name=x")),
+        ("gcs_server", ("/venv/lib/python3.12/site-packages/ray/core/src/ray/gcs/gcs_server", "--gcs_server_port=1")),
+        ("ray::Dashboard", ("ray::DashboardAgent",)),
+        ("ray::RuntimeEn", ("ray::RuntimeEnvAgent",)),
+        ("ray::IDLE_Spil", ("ray::IDLE_SpillWorker",)),
+        ("ray::RestoreWo", ("ray::RestoreWorker",)),
+        ("python3", ("/venv/bin/python3", "/venv/lib/python3.12/site-packages/ray/_private/log_monitor.py", "--x")),
+        ("python3", ("/venv/bin/python3", "-u", "/venv/lib/python3.12/site-packages/ray/dashboard/dashboard.py")),
+    ]:
+        p = proc(50, 1, comm, *argv)
+        assert engine_kind(p, RULES) is None, argv
+        assert is_infrastructure(p, RULES), argv
+        assert not may_touch(p, RULES, Scope(self_pid=5, own_uid=1000))
+    # A user's own monitor.py is neither.
+    assert not is_infrastructure(proc(51, 1, "python3", "python3", "/home/u/monitor.py"), RULES)
+    assert engine_kind(proc(52, 1, "ray::IDLE", "ray::IDLE"), RULES) == "ray"
+
+
+def test_offline_llm_script_and_run_batch_parents_are_adopted() -> None:
+    table = [
+        proc(600, 1, "bash", "-bash", exe="/usr/bin/bash"),
+        proc(700, 600, "python3", "/venv/bin/python3", "offline.py", "--model", "m"),
+        proc(701, 700, "VLLM::EngineCor", "VLLM::EngineCore"),
+        proc(702, 701, "VLLM::Worker_TP", "VLLM::Worker_TP0"),
+        # a shell that somehow parents an EngineCore is never adopted
+        proc(800, 600, "bash", "bash", "run.sh", exe="/usr/bin/bash"),
+        proc(801, 800, "VLLM::EngineCor", "VLLM::EngineCore"),
+        # nor a supervisor written in Python
+        proc(900, 1, "supervisord", "/usr/bin/python3", "/usr/bin/supervisord", "-n"),
+        proc(901, 900, "sglang::schedul", "sglang::scheduler_TP0"),
+    ]
+    trees = {t.root.pid: t for t in find_engine_trees(table, RULES, Scope(self_pid=5, own_uid=1000))}
+    assert set(trees) == {700, 801, 901}
+    assert trees[700].kind == "vllm" and trees[700].pids == (700, 701, 702)
+
+
+def test_llama_server_under_ollama_is_ollama() -> None:
+    table = [
+        proc(700, 1, "ollama", "/usr/local/bin/ollama", "serve"),
+        proc(701, 700, "llama-server", "/usr/local/lib/ollama/llama-server", "--model", "/x/blobs/sha256-1"),
+        proc(800, 1, "llama-server", "/opt/llama.cpp/build/bin/llama-server", "-m", "x.gguf"),
+    ]
+    kinds = {t.root.pid: t.kind for t in find_engine_trees(table, RULES, Scope(self_pid=5, own_uid=1000))}
+    assert kinds == {701: "ollama", 800: "llama.cpp"}
+
+
+def test_generic_mpi_workers_need_an_engine_library_or_an_engine_parent() -> None:
+    lib = "/venv/lib/python3.12/site-packages/tensorrt_llm/libs/libtensorrt_llm.so"
+    table = [
+        proc(700, 1, "orted", "orted", "--singleton"),
+        proc(701, 700, "python3", "python3", "-m", "mpi4py.futures.server", lib=lib),
+        proc(702, 700, "python3", "python3", "-m", "mpi4py.futures.server"),  # a scientist's own MPI job
+        proc(800, 1, "trtllm-serve", "/usr/local/bin/trtllm-serve", "serve", "m"),
+        proc(801, 800, "python3", "python3", "-m", "mpi4py.futures.server"),
+    ]
+    trees = {t.root.pid: t for t in find_engine_trees(table, RULES, Scope(self_pid=5, own_uid=1000))}
+    assert set(trees) == {701, 800}
+    assert trees[701].kind == "trtllm"
+    assert trees[800].pids == (800, 801)
+
+
+def test_unknown_gpu_holders_are_listed_and_opt_in_makes_them_engines() -> None:
+    table = [
+        proc(700, 1, "python3", "python3", "train.py"),
+        proc(800, 1, "llama-server", "llama-server", "-m", "x.gguf"),
+        proc(900, 1, "raylet", "/x/ray/raylet"),
+    ]
+    used = {700: 5 << 30, 800: 20 << 30, 900: None, 12345: 1 << 30}
+    trees = find_engine_trees(table, RULES, Scope(self_pid=5, own_uid=1000))
+    holders = unknown_gpu_holders(table, trees, used, RULES)
+    assert [(h.proc.pid, h.used_gpu_memory_bytes) for h in holders] == [(700, 5 << 30)]
+    opted = EngineRules.build(gpu_holders_are_engines=True)
+    keys = {p.key for p in table if p.pid in used}
+    trees = find_engine_trees(table, opted, Scope(self_pid=5, own_uid=1000), gpu_holders=keys)
+    assert {t.root.pid: t.kind for t in trees} == {700: "gpu", 800: "llama.cpp"}
+
+
+def test_may_touch_excludes_ancestors_given_by_the_killer() -> None:
+    p = proc(77, 1, "bash", "bash")
+    assert may_touch(p, RULES, Scope(self_pid=5, own_uid=1000))
+    assert not may_touch(p, RULES, Scope(self_pid=5, own_uid=1000, self_ancestors=frozenset({77})))
+    assert not may_touch(p, RULES, Scope(self_pid=5, own_uid=1000), untouchable={77})

@@ -18,7 +18,7 @@ from sparkwatch.core.engines import EngineRules, Scope, find_engine_trees
 from sparkwatch.core.killrecord import KillFacts
 from sparkwatch.model import EngineTree, MemInfo
 from sparkwatch.sources.procs import ProcScanner, read_start_ticks
-from tests.conftest import Spawner, alive, pids_in, wait_until
+from tests.conftest import Spawner, alive, pids_in, require_tool, wait_until
 
 RULES = EngineRules.build()
 MEM = MemInfo(
@@ -128,29 +128,45 @@ def test_decoys_and_protected_processes_survive(spawner: Spawner, tmp_path: Path
         assert decoy.poll() is None, f"decoy {decoy.args} was killed"
 
 
-def test_protected_process_inside_an_engine_tree_is_left_alone(spawner: Spawner, tmp_path: Path) -> None:
-    tmux = tmp_path / "tmux"
-    shutil.copy("/bin/sleep", tmux)
-    # An engine that started a tmux server (a human's session must survive the kill).
+def test_protection_inside_an_engine_tree_is_by_executable_not_by_name(spawner: Spawner, tmp_path: Path) -> None:
+    """A real tmux server (/usr/bin/tmux, in the foreground with -D) that an engine started survives the kill; a copy
+    of sleep named tmux and a worker that titles itself `tmux: server` are the engine's and die with it."""
+    tmux = require_tool("tmux")
+    fake_tmux = tmp_path / "tmux"
+    shutil.copy("/bin/sleep", fake_tmux)
+    sock = f"sparkwatch-test-{os.getpid()}"
     engine = spawner.popen(
         [
             sys.executable,
             "-c",
             "import setproctitle, subprocess, sys, time;"
             "setproctitle.setproctitle('VLLM::EngineCore');"
-            f"subprocess.Popen([{str(tmux)!r}, '600']); subprocess.Popen(['sleep', '600']);"
+            f"subprocess.Popen([{tmux!r}, '-D', '-L', {sock!r}], stdin=subprocess.DEVNULL,"
+            " stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL);"
+            f"subprocess.Popen([{str(fake_tmux)!r}, '600']);"
+            "subprocess.Popen([sys.executable, '-c', 'import setproctitle, time;"
+            ' setproctitle.setproctitle("tmux: server"); time.sleep(600)\']);'
             "time.sleep(600)",
         ]
     )
-    assert wait_until(lambda: any(t.root.pid == engine.pid and len(t.members) == 2 for t in trees_now()))
+
+    def children() -> dict[str, int]:
+        return {
+            ("real" if p.exe == os.path.realpath(tmux) else p.argv[0]): p.pid
+            for p in ProcScanner().scan().procs
+            if p.ppid == engine.pid
+        }
+
+    assert wait_until(lambda: {"real", str(fake_tmux), "tmux: server"} <= set(children()), 20), children()
+    kids = children()
     tree = next(t for t in trees_now() if t.root.pid == engine.pid)
-    names = {p.comm for p in tree.members}
-    assert "tmux" not in names
-    tmux_pid = next(p.pid for p in ProcScanner().scan().procs if p.ppid == engine.pid and p.comm == "tmux")
+    assert set(tree.pids) == {engine.pid, kids[str(fake_tmux)], kids["tmux: server"]}
+    real_ticks = read_start_ticks("/proc", kids["real"])
     kill_and_reap([tree])
     assert wait_until(lambda: engine.poll() is not None)
-    assert alive(tmux_pid)
-    os.kill(tmux_pid, signal.SIGKILL)  # ours: the test started it through the engine
+    assert wait_until(lambda: not alive(kids["tmux: server"]) and not alive(kids[str(fake_tmux)]))
+    assert alive(kids["real"], real_ticks)
+    os.kill(kids["real"], signal.SIGKILL)  # ours: the test started it through the engine
 
 
 def test_reused_pid_is_never_signalled(spawner: Spawner) -> None:

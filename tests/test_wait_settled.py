@@ -18,6 +18,8 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
+
 from sparkwatch.units import GiB
 from tests.conftest import rewrite_in_place
 from tests.helpers.engine_tree import staged_engine
@@ -225,3 +227,26 @@ def test_progress_is_one_updating_line_on_a_terminal(tmp_path: Path) -> None:
     assert text.count("\r\x1b[K") >= 5  # redrawn in place, several times
     assert text.count("\n") == 1  # only the final line ends with a newline
     assert "settled" in text.splitlines()[-1]
+
+
+def test_another_users_engine_does_not_hold_the_wait(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A process of uid nobody titled VLLM::EngineCore: a user who could never kill it must not wait on it.
+
+    The title is real (argv[0] through exec, as `exec -a` does); the waiting user is this process pretending to be
+    uid 1000, since every real other-user process here is started by root."""
+    if os.geteuid() != 0:
+        pytest.skip("starting a process as another user needs root")
+    other = subprocess.Popen(["VLLM::EngineCore", "600"], executable="/bin/sleep", user=65534)
+    try:
+        monkeypatch.setenv("SPARKWATCH_ANCESTOR_PID", str(os.getpid()))
+        monkeypatch.setattr(os, "geteuid", lambda: 1000)
+        from sparkwatch.cli import main
+
+        rc = main(["wait-settled", "--timeout", "5", "--quiet-for", "0", "--interval", "0.1", "--tolerance", "64GiB"])
+        assert rc == 0
+        monkeypatch.setattr(os, "geteuid", lambda: 0)  # as root the guard could kill it: then it is waited for
+        rc = main(["wait-settled", "--timeout", "1", "--quiet-for", "0", "--interval", "0.1", "--tolerance", "64GiB"])
+        assert rc == 1
+    finally:
+        other.kill()
+        other.wait()

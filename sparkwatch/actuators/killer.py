@@ -27,11 +27,11 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from sparkwatch import syscalls
-from sparkwatch.core.engines import EngineRules, Scope, is_protected
+from sparkwatch.core.engines import EngineRules, Scope, may_touch
 from sparkwatch.core.killrecord import KillFacts
 from sparkwatch.model import EngineTree, Proc
 from sparkwatch.sources.meminfo import MeminfoError, MeminfoReader
-from sparkwatch.sources.procs import ProcParseError, ProcScanner, read_children, read_start_ticks
+from sparkwatch.sources.procs import ProcParseError, ProcScanner, read_ancestors, read_children, read_start_ticks
 
 MAX_SWEEPS = 16  # fork sweeps after the stop; a tree that still grows after this many is caught by cgroup or SIGKILL
 
@@ -102,6 +102,7 @@ class Killer:
         self.cgroup_root = cgroup_root if cgroup_root is not None else find_cgroup2_mount(proc_root)
         self._own_cgroup = _cgroup2_path(proc_root, os.getpid())
         self._scanner = ProcScanner(proc_root)  # this thread's own scanner for swept children
+        self._self_ancestors: frozenset[int] = frozenset()
 
     def kill(
         self, trees: Iterable[EngineTree], dry_run: bool = False
@@ -113,6 +114,8 @@ class Killer:
         notes: list[str] = []
         victims: dict[int, Victim] = {}
         trees = list(trees)
+        # Our ancestors now (a few stat reads): a sweep must never stop the shell or unit that runs us.
+        self._self_ancestors = read_ancestors(self.proc_root, self.scope.self_pid)
         for tree in trees:
             for proc in tree.members:
                 victim = self._pin(proc, tree.kind, tree.root.pid)
@@ -186,12 +189,8 @@ class Killer:
         notes.append(f"tree still growing after {MAX_SWEEPS} sweeps")
 
     def _may_touch(self, proc: Proc) -> bool:
-        return (
-            not proc.is_kernel_thread
-            and proc.pid not in (1, 2, self.scope.self_pid)
-            and (self.scope.own_uid == 0 or proc.uid == self.scope.own_uid)
-            and not is_protected(proc, self.rules)
-        )
+        """core.engines.may_touch: the scanner's rule, with our ancestors read from /proc."""
+        return may_touch(proc, self.rules, self.scope, self._self_ancestors)
 
     def _cgroup_kill(self, tree: EngineTree, victims: dict[int, Victim], notes: list[str]) -> bool:
         if self.cgroup_root is None:

@@ -4,15 +4,23 @@ from __future__ import annotations
 
 import argparse
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sparkwatch.core.redact import safe_cmdline
-from sparkwatch.model import EngineTree
+from sparkwatch.model import EngineTree, GpuHolder
+
+if TYPE_CHECKING:
+    from sparkwatch.config import Settings
 
 
 def add_parser(sub: Any, parent: argparse.ArgumentParser) -> None:
     p = sub.add_parser("engines", parents=[parent], help="list the engine trees the guard would kill now")
     p.add_argument("--json", action="store_true", help="print JSON")
+    p.add_argument(
+        "--all",
+        action="store_true",
+        help="also list processes NVML says hold GPU memory that no engine rule names (the guard does not kill them)",
+    )
     p.set_defaults(handler=handle)
 
 
@@ -34,18 +42,67 @@ def tree_json(tree: EngineTree) -> dict[str, object]:
     }
 
 
+def holder_json(holder: GpuHolder) -> dict[str, object]:
+    p = holder.proc
+    return {
+        "pid": p.pid,
+        "name": p.display_name,
+        "used_gpu_memory_bytes": holder.used_gpu_memory_bytes,
+        "cmdline": safe_cmdline(p.argv),
+    }
+
+
+def gpu_source(settings: Settings) -> Any:
+    """The NVML source `--all` reads (a seam for tests, which hand in a fake NVML)."""
+    from sparkwatch.sources.nvml import NvmlSource
+
+    return NvmlSource(proc_root=settings.proc_root)
+
+
+def _gpu_used(settings: Settings) -> tuple[dict[int, int | None], str | None]:
+    """pid -> GPU memory NVML reports, or a note saying why there is none."""
+    from sparkwatch.model import GpuReport
+
+    source = gpu_source(settings)
+    try:
+        report = source.collect()
+    finally:
+        close = getattr(source, "close", None)
+        if close is not None:
+            close()
+    if not isinstance(report, GpuReport) or not report.up:
+        why = getattr(report, "error", None) or "NVML not available"
+        return {}, f"not listed ({why})"
+    return {p.pid: p.used_gpu_memory_bytes for p in report.processes}, None
+
+
 def handle(args: argparse.Namespace) -> int:
     from sparkwatch.cli import settings_from
+    from sparkwatch.core.engines import unknown_gpu_holders
     from sparkwatch.sources.engines import EngineFinder
 
     # The trees the guard would kill now: this user's engines, or every user's when run as root.
-    finder = EngineFinder.from_settings(settings_from(args))
-    trees = finder.find()
+    settings = settings_from(args)
+    finder = EngineFinder.from_settings(settings)
+    holders: tuple[GpuHolder, ...] | None = None
+    note: str | None = None
+    if args.all:
+        used, note = _gpu_used(settings)
+        procs, _ = finder.scan()
+        keys = frozenset(p.key for p in procs if p.pid in used)
+        procs, trees = finder.scan(keys)
+        holders = unknown_gpu_holders(procs, trees, used, finder.rules)
+    else:
+        trees = finder.find()
     if args.json:
-        print(json.dumps({"engines": [tree_json(t) for t in trees]}, indent=2))
+        out: dict[str, object] = {"engines": [tree_json(t) for t in trees]}
+        if holders is not None:
+            out["gpu_unknown"] = [holder_json(h) for h in holders]
+            out["gpu_note"] = note
+        print(json.dumps(out, indent=2))
         return 0
     from sparkwatch.tui.console import emit
     from sparkwatch.tui.engines_view import engines_view
 
-    emit(engines_view(trees, finder.rules))
+    emit(engines_view(trees, finder.rules, holders, note))
     return 0

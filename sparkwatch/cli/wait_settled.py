@@ -2,7 +2,9 @@
 
     sparkwatch wait-settled && vllm serve …
 
-Settled means no engine process is left (any user's: a Docker engine holds the same pool) and MemAvailable has not
+Settled means no engine process the guard could act on is left (its scope: this user's engines, every user's when
+run as root, confined by `ancestor_pid`; a process of another user titled VLLM::EngineCore cannot hold the wait of
+a user who could never kill it) and MemAvailable has not
 risen by more than --tolerance for --quiet-for seconds (core/settle.py says why those defaults). Exit 0 settled,
 1 timed out, 2 when meminfo cannot be read. Progress goes to stderr: one updating line on a terminal, a plain line
 whenever the situation changes (and every 5 s) otherwise, so logs stay short. It reads /proc only; it never signals.
@@ -128,7 +130,7 @@ def handle(args: argparse.Namespace) -> int:
 
     settings = settings_from(args)
     params = SettleParams(quiet_for_s=args.quiet_for, tolerance_bytes=args.tolerance)
-    finder = EngineFinder.from_settings(settings, any_user=True)
+    finder = EngineFinder.from_settings(settings)  # the guard's scope: only engines we could act on
     progress = ProgressLine(sys.stderr, quiet=args.quiet)
     try:
         reader = MeminfoReader(settings.proc_root)

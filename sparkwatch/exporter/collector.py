@@ -267,6 +267,18 @@ class SparkwatchCollector(Collector):
             for kind, used in sorted(per.items()):
                 gpu_mem.add_metric([kind], used)
             yield gpu_mem
+            # GPU holders no engine rule names: what the guard would not kill (unless guard_gpu_holders is on).
+            # Two series, no per-process labels: the pids and names are in `sparkwatch engines --all` and `status`.
+            yield GaugeMetricFamily(
+                P + "gpu_unknown_holders",
+                "Processes NVML lists as holding GPU memory that match no engine rule and are in no engine tree",
+                value=len(snap.gpu_unknown),
+            )
+            yield GaugeMetricFamily(
+                P + "gpu_unknown_holder_memory_bytes",
+                "GPU memory held by processes that match no engine rule (NVML per-process, where it says)",
+                value=sum(h.used_gpu_memory_bytes or 0 for h in snap.gpu_unknown),
+            )
 
     def _compile(self, snap: Snapshot) -> Iterator[Metric]:
         c = snap.compile

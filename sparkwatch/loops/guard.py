@@ -12,7 +12,7 @@ import os
 import select
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -97,6 +97,10 @@ class Guard:
         self.rules = engine_rules(settings)
         self.scope = engine_scope(settings)
         self.stats = GuardStats()
+        # (pid, start_ticks) of the processes NVML lists as GPU holders, from telemetry (a reference read, no I/O):
+        # with `guard_gpu_holders`, those that match no rule are engines too. The daemon wires it; the guard never
+        # loads NVML itself.
+        self.gpu_holders: Callable[[], Collection[tuple[int, int]]] = lambda: ()
         self.lock = threading.Lock()
         self.state = core.GuardState()
         # Everything the kill path needs exists before the first poll: fds open, threads started, code imported.
@@ -139,6 +143,7 @@ class Guard:
             "engine_patterns",
             "protect_patterns",
             "kernel_log_corroboration",
+            "guard_gpu_holders",
         }
     )
 
@@ -291,7 +296,8 @@ class Guard:
         with self.lock:  # one consistent set, even if a SIGHUP reload lands mid-kill
             settings, params, rules, scope = self.settings, self.params, self.rules, self.scope
         scan = self.scanner.scan()
-        trees = find_engine_trees(scan.procs, rules, scope)
+        holders = self.gpu_holders() if rules.gpu_holders_are_engines else ()
+        trees = find_engine_trees(scan.procs, rules, scope, holders)
         victims, signaled_at, notes, method = self.killer.kill(trees, dry_run=settings.dry_run)
         facts = KillFacts(
             trigger=trigger,

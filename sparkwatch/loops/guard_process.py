@@ -86,6 +86,7 @@ class GuardProcess:
         self.sd = ServiceNotifier(Notifier(), self.status_line, poll_max_s=config.poll_max_s)
         self.guard = Guard(config, self.events, heartbeat=self.sd.beat)
         self.supervisor = TelemetrySupervisor(config, self.events, self.state, command=telemetry or telemetry_command)
+        self.guard.gpu_holders = self.supervisor.gpu.holder_keys  # NVML's GPU holders, from telemetry's last cycle
         self.events.subscribe(self.supervisor.forward)
         self.parts: list[Part[GuardConfig]] = [
             Part(

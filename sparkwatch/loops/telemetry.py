@@ -21,7 +21,7 @@ from sparkwatch.actuators.events import make_event
 from sparkwatch.config import Settings
 from sparkwatch.core import compile as compile_core
 from sparkwatch.core import jit as jit_core
-from sparkwatch.core.engines import find_engine_trees
+from sparkwatch.core.engines import find_engine_trees, unknown_gpu_holders
 from sparkwatch.core.eventkinds import EventKind
 from sparkwatch.guardconfig import engine_rules, engine_scope
 from sparkwatch.model import (
@@ -30,6 +30,7 @@ from sparkwatch.model import (
     DriverReport,
     EngineTree,
     Event,
+    GpuHolder,
     GpuReport,
     JitCacheState,
     JitEngineState,
@@ -83,11 +84,15 @@ class Telemetry:
         self._cache_sizes: dict[str, tuple[int, int]] = {}
         self._events: list[Event] = []
         self._lock = threading.Lock()  # collect() is one cycle at a time
+        # (pid, start_ticks) of every process NVML listed last cycle: the guard reads it (a reference swap) when
+        # `guard_gpu_holders` lets unmatched GPU holders be engines; see Guard.gpu_holders.
+        self.gpu_holder_keys: frozenset[tuple[int, int]] = frozenset()
 
     LIVE_KEYS = frozenset(
         {
             "engine_patterns",
             "protect_patterns",
+            "guard_gpu_holders",
             "ancestor_pid",
             "jit_cache_dirs",
             "vllm_cache_dirs",
@@ -137,7 +142,7 @@ class Telemetry:
         procs = run("procs", lambda: self.scanner.scan(self._hot).procs)
         trees: tuple[EngineTree, ...] = ()
         if procs is not None:
-            trees = tuple(find_engine_trees(procs, self.rules, self.scope))
+            trees = tuple(find_engine_trees(procs, self.rules, self.scope, self.gpu_holder_keys))
             self._hot = {pid for tree in trees for pid in tree.pids}
             self._hot.update(p.pid for p in procs if compile_core.is_compiler(p))
         census = run("compile", lambda: self._census(procs, trees))
@@ -151,6 +156,11 @@ class Telemetry:
         now = self.wall_clock()
         gpu = run("gpu", self.gpu_source.collect) if self.gpu_source is not None else None
         gpu_busy = _gpu_busy(gpu)
+        gpu_unknown: tuple[GpuHolder, ...] = ()
+        if isinstance(gpu, GpuReport) and gpu.up and procs is not None:
+            used = {p.pid: p.used_gpu_memory_bytes for p in gpu.processes}
+            self.gpu_holder_keys = frozenset(p.key for p in procs if p.pid in used)
+            gpu_unknown = unknown_gpu_holders(procs, trees, used, self.rules)
         jit_states = (
             run("jit_state", lambda: self._jit_states(procs, trees, census, jit_result, now=now, gpu_busy=gpu_busy))
             or ()
@@ -170,6 +180,7 @@ class Telemetry:
             psi=psi,
             jit_states=jit_states,
             free_contiguous=contiguous or (),
+            gpu_unknown=gpu_unknown,
         )
 
     def drain_events(self) -> list[Event]:

@@ -354,6 +354,7 @@ class TelemetryProcess:
             compile_jobs=snap.compile.parallel_jobs if snap.compile is not None else None,
             gpu_ts=snap.ts if snap.gpu is not None and snap.gpu.up else None,
             gpu_pids=pids,
+            gpu_holders=[list(key) for key in sorted(self.loop.telemetry.gpu_holder_keys)],
         )
 
     def request_stop(self) -> None:

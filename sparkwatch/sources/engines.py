@@ -6,11 +6,12 @@ between scans; one-shot commands (`engines`) build one and call it once.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from pathlib import Path
 
 from sparkwatch.config import Settings
 from sparkwatch.core.engines import EngineRules, Scope, find_engine_trees
-from sparkwatch.model import EngineTree
+from sparkwatch.model import EngineTree, Proc
 from sparkwatch.sources.procs import ProcScanner
 
 # Process states that hold nothing any more: a zombie has already closed its files (the GPU driver's included) and
@@ -37,7 +38,12 @@ class EngineFinder:
         return cls(settings.proc_root, engine_rules(settings), engine_scope(settings, any_user=any_user))
 
     def find(self) -> list[EngineTree]:
-        return find_engine_trees(self.scanner.scan().procs, self.rules, self.scope)
+        return self.scan()[1]
+
+    def scan(self, gpu_holders: Collection[tuple[int, int]] = ()) -> tuple[tuple[Proc, ...], list[EngineTree]]:
+        """The process table and the engine trees in it (gpu_holders: see core.engines.find_engine_trees)."""
+        procs = self.scanner.scan().procs
+        return procs, find_engine_trees(procs, self.rules, self.scope, gpu_holders)
 
 
 def live_members(trees: list[EngineTree]) -> int:

@@ -6,6 +6,11 @@ Reading cmdline is the dear part (the kernel walks the target's memory): measure
 took 16.4 ms and a warm one 3.9 ms. So argv is cached per (pid, start time, comm) — setproctitle changes comm along
 with argv, so a new title invalidates the entry — and kernel threads are never asked for one.
 
+The same cache keeps what protection and identity need that a user cannot forge: the executable (readlink
+/proc/PID/exe), the cgroup v2 path, and, only for generic launchers (`core.engines.wants_maps`: an mpi4py worker),
+the first engine library found in /proc/PID/maps (read in bounded chunks). A cache entry lives as long as that
+(pid, start time, comm): an exec changes comm, so a process that execs is read again.
+
 Every error on a single process (it exited mid-scan, another user's process denies us) drops that process and the
 scan goes on; the count is reported.
 """
@@ -16,12 +21,25 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
+from sparkwatch.core.engines import ENGINE_LIBRARIES, wants_maps
 from sparkwatch.model import Proc
 
 PF_KTHREAD = 0x00200000
 _PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
 _CMDLINE_MAX = 8192  # enough for any identity; cmdlines of 100 KiB exist and are not worth reading whole
+_MAPS_MAX = 4 << 20  # a torch + TensorRT-LLM worker maps ~3,000 regions (~300 KiB of maps); stop well past that
+_MAPS_CHUNK = 256 << 10
+
+
+class _Facts(NamedTuple):
+    """What is read once per (pid, start time, comm) and kept: the costly or privileged reads."""
+
+    argv: tuple[str, ...]
+    exe: str | None
+    cgroup: str | None
+    engine_lib: str | None
 
 
 def _read(path: str, size: int = 4096) -> bytes:
@@ -53,6 +71,56 @@ def parse_stat(pid: int, data: bytes) -> tuple[str, str, int, int, int, int]:
     return comm, fields[0].decode(), int(fields[1]), int(fields[6]), int(fields[19]), int(fields[21])
 
 
+def _read_exe(base: str) -> str | None:
+    try:
+        return os.readlink(f"{base}/exe")
+    except OSError:
+        return None  # a zombie, or another user's process and we are not root: nothing we may act on
+
+
+def parse_cgroup(data: bytes) -> str | None:
+    """The cgroup v2 path (the `0::` line) of /proc/<pid>/cgroup."""
+    for line in data.split(b"\n"):
+        if line.startswith(b"0::"):
+            return line[3:].decode(errors="replace").strip() or None
+    return None
+
+
+def _read_cgroup(base: str) -> str | None:
+    try:
+        return parse_cgroup(_read(f"{base}/cgroup"))
+    except OSError:
+        return None
+
+
+def find_engine_lib(maps_path: str, max_bytes: int = _MAPS_MAX) -> str | None:
+    """The first mapped file whose path holds an ENGINE_LIBRARIES marker, reading at most max_bytes of maps."""
+    markers = tuple(m.encode() for m, _ in ENGINE_LIBRARIES)
+    try:
+        fd = os.open(maps_path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        seen = 0
+        tail = b""
+        while seen < max_bytes:
+            chunk = os.read(fd, _MAPS_CHUNK)
+            if not chunk:
+                return None
+            seen += len(chunk)
+            data = tail + chunk
+            lines = data.split(b"\n")
+            tail = lines.pop()  # a partial last line: completed by the next chunk
+            for line in lines:
+                if any(m in line for m in markers):
+                    return line.rsplit(b" ", 1)[-1].decode(errors="replace")
+        return None
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+
+
 def parse_cmdline(data: bytes) -> tuple[str, ...]:
     if not data:
         return ()
@@ -60,6 +128,9 @@ def parse_cmdline(data: bytes) -> tuple[str, ...]:
     while parts and parts[-1] == b"":
         parts.pop()  # the terminating NUL, and the NUL padding setproctitle leaves in the old argv area
     return tuple(p.decode(errors="replace") for p in parts)
+
+
+_KTHREAD_FACTS = _Facts((), None, None, None)
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,7 +150,7 @@ class ProcScanner:
 
     def __init__(self, proc_root: Path = Path("/proc")) -> None:
         self.proc_root = str(proc_root)
-        self._argv_cache: dict[tuple[int, int, str], tuple[str, ...]] = {}
+        self._cache: dict[tuple[int, int, str], _Facts] = {}
 
     def read_proc(self, pid: int) -> Proc | None:
         """One process, or None if it is gone. Raises ProcParseError on garbage."""
@@ -90,10 +161,12 @@ class ProcScanner:
             comm, state, ppid, flags, start, rss_pages = parse_stat(pid, stat)
             kthread = bool(flags & PF_KTHREAD)
             key = (pid, start, comm)
-            argv = () if kthread else self._argv_cache.get(key)  # kernel threads have no cmdline: skip the read
-            if argv is None:
+            facts = _KTHREAD_FACTS if kthread else self._cache.get(key)  # kernel threads: nothing to read
+            if facts is None:
                 argv = parse_cmdline(_read(f"{base}/cmdline", _CMDLINE_MAX))
-                self._argv_cache[key] = argv
+                lib = find_engine_lib(f"{base}/maps") if wants_maps(comm, argv) else None
+                facts = _Facts(argv, _read_exe(base), _read_cgroup(base), lib)
+                self._cache[key] = facts
         except (FileNotFoundError, ProcessLookupError):
             return None
         except PermissionError:
@@ -107,8 +180,11 @@ class ProcScanner:
             state=state,
             start_ticks=start,
             rss_bytes=rss_pages * _PAGE_SIZE,
-            argv=argv,
-            is_kernel_thread=bool(flags & PF_KTHREAD),
+            argv=facts.argv,
+            is_kernel_thread=kthread,
+            exe=facts.exe,
+            cgroup=facts.cgroup,
+            engine_lib=facts.engine_lib,
         )
 
     def scan(self, reuse: Callable[[int], Proc | None] | None = None) -> ScanResult:
@@ -137,10 +213,10 @@ class ProcScanner:
                 vanished += 1
             else:
                 procs.append(proc)
-        if len(self._argv_cache) > 4 * len(procs) + 256:
+        if len(self._cache) > 4 * len(procs) + 256:
             live = {(p.pid, p.start_ticks, p.comm) for p in procs}
             # list() copies the items in one step: the guard and its scout thread may share this scanner.
-            self._argv_cache = {k: v for k, v in list(self._argv_cache.items()) if k in live}
+            self._cache = {k: v for k, v in list(self._cache.items()) if k in live}
         return ScanResult(tuple(procs), vanished, errors, reads)
 
 
@@ -150,6 +226,22 @@ def read_start_ticks(proc_root: Path | str, pid: int) -> int | None:
         return parse_stat(pid, _read(f"{proc_root}/{pid}/stat"))[4]
     except (OSError, ProcParseError, ValueError):
         return None
+
+
+def read_ancestors(proc_root: Path | str, pid: int, limit: int = 64) -> frozenset[int]:
+    """pid's parent, its parent, … up to PID 1 (excluded), from stat files; bounded against ppid cycles."""
+    out: set[int] = set()
+    cur = pid
+    for _ in range(limit):
+        try:
+            ppid = parse_stat(cur, _read(f"{proc_root}/{cur}/stat"))[2]
+        except (OSError, ProcParseError, ValueError):
+            break
+        if ppid <= 1 or ppid in out:
+            break
+        out.add(ppid)
+        cur = ppid
+    return frozenset(out)
 
 
 def read_children(proc_root: Path | str, pid: int) -> list[int] | None:

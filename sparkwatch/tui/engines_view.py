@@ -1,4 +1,5 @@
-"""`sparkwatch engines`: one table per engine tree, drawn as a tree (root, workers, compilers)."""
+"""`sparkwatch engines`: one table per engine tree, drawn as a tree (root, workers, compilers); with --all, the GPU
+holders no rule names (what the guard would not kill)."""
 
 from __future__ import annotations
 
@@ -10,10 +11,15 @@ from rich.text import Text
 
 from sparkwatch.core.engines import EngineRules
 from sparkwatch.core.proctree import tree_rows
-from sparkwatch.model import EngineTree
+from sparkwatch.model import EngineTree, GpuHolder
 from sparkwatch.units import format_size
 
 ROLE_STYLE = {"root": "bold", "worker": "cyan", "compiler": "yellow", "process": "dim"}
+
+
+def printable(text: str) -> str:
+    """A process title as plain text: control characters (escape sequences, CR, LF) become '?'."""
+    return "".join(c if c.isprintable() else "?" for c in text)
 
 
 def tree_heading(tree: EngineTree) -> str:
@@ -35,18 +41,43 @@ def tree_table(tree: EngineTree, rules: EngineRules) -> Table:
             Text(f"{row.prefix}{row.proc.pid}"),
             format_size(row.proc.rss_bytes),
             Text(row.role, style=ROLE_STYLE.get(row.role, "")),
-            Text(row.proc.display_name + (" <defunct>" if row.proc.state == "Z" else "")),
+            Text(printable(row.proc.display_name) + (" <defunct>" if row.proc.state == "Z" else "")),
         )
     return table
 
 
-def engines_view(trees: Sequence[EngineTree], rules: EngineRules) -> RenderableType:
-    if not trees:
-        return Text("no engine processes")
+def holders_view(holders: Sequence[GpuHolder], gpu_note: str | None) -> RenderableType:
+    """The GPU holders no rule names; `gpu_note` says why none could be listed (NVML down)."""
+    if gpu_note:
+        return Text(f"GPU holders: {gpu_note}", style="dim")
+    if not holders:
+        return Text("GPU holders: every one is in an engine tree")
+    table = Table(box=None, pad_edge=False, show_edge=False, header_style="bold", padding=(0, 2, 0, 0))
+    table.add_column("PID", no_wrap=True)
+    table.add_column("GPU MEM", justify="right", no_wrap=True)
+    table.add_column("NAME", no_wrap=True, overflow="ellipsis")
+    for h in holders:
+        used = "?" if h.used_gpu_memory_bytes is None else format_size(h.used_gpu_memory_bytes)
+        table.add_row(str(h.proc.pid), used, Text(printable(h.proc.display_name)))
+    heading = Text("GPU holders that are not engines (the guard does not kill them; see guard_gpu_holders)", "bold")
+    return Group(heading, table)
+
+
+def engines_view(
+    trees: Sequence[EngineTree],
+    rules: EngineRules,
+    holders: Sequence[GpuHolder] | None = None,
+    gpu_note: str | None = None,
+) -> RenderableType:
     parts: list[RenderableType] = []
+    if not trees:
+        parts.append(Text("no engine processes"))
     for i, tree in enumerate(trees):
         if i:
             parts.append(Text(""))
         parts.append(Text(tree_heading(tree), style="bold"))
         parts.append(tree_table(tree, rules))
-    return Group(*parts)
+    if holders is not None or gpu_note:
+        parts.append(Text(""))
+        parts.append(holders_view(holders or (), gpu_note))
+    return Group(*parts) if len(parts) > 1 else parts[0]

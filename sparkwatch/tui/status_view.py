@@ -25,12 +25,14 @@ from sparkwatch.model import (
     CompileCensus,
     DriverReport,
     EngineTree,
+    GpuHolder,
     GpuReport,
     JitCacheState,
     JitEngineState,
     MemInfo,
     Snapshot,
 )
+from sparkwatch.tui.engines_view import printable
 from sparkwatch.tui.events_view import local_time
 from sparkwatch.units import GiB, MiB, format_size
 
@@ -275,8 +277,13 @@ def _rate_text(rate: BuildRate, cache: JitCacheState) -> str:
     return f" · {per_min:.1f} objects/min{eta}"
 
 
-def gpu_lines(gpu: GpuReport | None) -> list[Text]:
-    """Fields NVML does not support on a GB10 are None and left out, never shown as 0."""
+# GPU holders listed by name in the status view; the rest are counted (`sparkwatch engines --all` lists them all).
+MAX_UNKNOWN_HOLDER_LINES = 3
+
+
+def gpu_lines(gpu: GpuReport | None, unknown: Sequence[GpuHolder] = ()) -> list[Text]:
+    """Fields NVML does not support on a GB10 are None and left out, never shown as 0. GPU holders no engine rule
+    names are listed after the devices: the guard would not kill them (unless guard_gpu_holders is on)."""
     if gpu is None:
         return [Text("no GPU source", style="dim")]
     if not gpu.up:
@@ -299,6 +306,12 @@ def gpu_lines(gpu: GpuReport | None) -> list[Text]:
         if gpu.driver_version:
             parts.append(f"driver {gpu.driver_version}")
         out.append(Text(" · ".join(parts)))
+    for holder in unknown[:MAX_UNKNOWN_HOLDER_LINES]:
+        used = "" if holder.used_gpu_memory_bytes is None else f" {format_size(holder.used_gpu_memory_bytes)}"
+        name = printable(holder.proc.display_name)
+        out.append(Text(f"not an engine: {holder.proc.pid} {name}{used} (the guard does not kill it)", style="yellow"))
+    if len(unknown) > MAX_UNKNOWN_HOLDER_LINES:
+        out.append(Text(f"… and {len(unknown) - MAX_UNKNOWN_HOLDER_LINES} more: sparkwatch engines --all", style="dim"))
     return out
 
 
@@ -359,7 +372,7 @@ def render(frame: StatusFrame, width: int, tz: tzinfo | None = None) -> Renderab
     section("ENGINES", engine_lines(frame))
     section("COMPILERS", compile_lines(snap.compile, frame.compile_jobs_alert))
     section("JIT", jit_lines(frame.builds, snap.ts, width))
-    section("GPU", gpu_lines(snap.gpu))
+    section("GPU", gpu_lines(snap.gpu, snap.gpu_unknown))
     section("DRIVER", driver_lines(snap.driver, frame.driver_error))
     section("LAST KILL", kill_lines(frame.last_kill, frame.events_path, snap.ts, tz))
     errors = collector_lines(snap)
