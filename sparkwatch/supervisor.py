@@ -89,6 +89,7 @@ class TelemetrySupervisor:
         self._unacked: OrderedDict[str, Event] = OrderedDict()
         self._reply: dict[str, Any] | None = None
         self._replied = threading.Event()
+        self._waiting_reply = False
         self._settings_dirty = False
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -122,8 +123,12 @@ class TelemetrySupervisor:
             self._reply = None
             self._replied.clear()
             self._settings_dirty = True
-        if not self._replied.wait(timeout_s):
-            return None
+            self._waiting_reply = True
+        try:
+            if not self._replied.wait(timeout_s):
+                return None
+        finally:
+            self._waiting_reply = False
         reply: dict[str, Any] = self._reply or {}
         for error in reply.get("errors", []):
             log.error("reload: telemetry: %s", error)
@@ -200,8 +205,11 @@ class TelemetrySupervisor:
                     with self._lock:
                         dirty, config = self._settings_dirty, self.config
                         self._settings_dirty = False
-                    if dirty:
-                        channel.send("settings", wire=dict(config.wire), public=dict(config.public), reload=True)
+                    if dirty and not channel.send(
+                        "settings", wire=dict(config.wire), public=dict(config.public), reload=True
+                    ):
+                        with self._lock:  # the channel was full (telemetry busy): a reload is never lost, resend
+                            self._settings_dirty = True
                 for msg in channel.receive(STATE_EVERY_S):
                     self.last_heard_monotonic = time.monotonic()
                     self.consecutive_stalls = 0
@@ -266,8 +274,14 @@ class TelemetrySupervisor:
             for event_id in msg.get("ids", []):
                 self._unacked.pop(str(event_id), None)
         elif kind == "applied":
-            self._reply = dict(msg)
-            self._replied.set()
+            if self._waiting_reply:
+                self._reply = dict(msg)
+                self._replied.set()
+            else:  # the reload's wait ran out first: say what telemetry applied when it does
+                keys = ", ".join(str(k) for k in msg.get("keys", []))
+                log.info("reload: telemetry applied (late) %s", keys or "nothing")
+                for error in msg.get("errors", []):
+                    log.error("reload: telemetry: %s", error)
 
     def _record_restart(self, reason: str, backoff_s: float) -> None:
         event = make_event(

@@ -158,6 +158,14 @@ METRICS: tuple[MetricSpec, ...] = (
     _m("gpu_energy_joules_total", "counter", _GPU, "gpu_device", "energy since the driver loaded"),
     _m("gpu_process_memory_bytes", "gauge", f"{_GPU} pid", "gpu_device", "GPU memory of a process (NVML lists)"),
     _m("gpu_field_supported", "gauge", f"{_GPU} field", "gpu_device", "1 if NVML answers this field, 0: NOT_SUPPORTED"),
+    _m(
+        "gpu_unknown_holders",
+        "gauge",
+        "",
+        "gpu",
+        "processes NVML lists as holding GPU memory that match no engine rule: the guard would not kill them",
+    ),
+    _m("gpu_unknown_holder_memory_bytes", "gauge", "", "gpu", "GPU memory those processes hold (where NVML says)"),
     _m("gpu_field_error_code", "gauge", f"{_GPU} field", "gpu_field", "NVML code of a field failing this cycle"),
     # the driver (drift between kernel, next boot and NVIDIA packages)
     _m("driver_stranded", "gauge", "", "driver", "1 when the running kernel has no NVIDIA modules"),

@@ -213,8 +213,14 @@ class GuardProcess:
             live = frozenset().union(*applied.values())
             pending = [key for key in changed if key not in live]
             if telemetry_keys is None:
-                log.warning("reload: the telemetry process did not answer; it gets the new config when it restarts")
-            if pending:
+                log.warning(
+                    "reload: the telemetry process has not answered in %.0f s; it applies the new config when it "
+                    "reads it (or when it restarts), and what it applied is logged then",
+                    TELEMETRY_REPLY_S,
+                )
+            if pending and telemetry_keys is None:
+                log.info("reload: not applied yet (telemetry's part, or after a restart): %s", ", ".join(pending))
+            elif pending:
                 log.info("reload: takes effect after a restart: %s", ", ".join(pending))
             return True
         finally:
