@@ -279,7 +279,8 @@ class TelemetrySupervisor:
                 self._replied.set()
             else:  # the reload's wait ran out first: say what telemetry applied when it does
                 keys = ", ".join(str(k) for k in msg.get("keys", []))
-                log.info("reload: telemetry applied (late) %s", keys or "nothing")
+                log.info("reload: telemetry answered late (after the reload's wait)")
+                log.info("reload: telemetry applied %s", keys or "nothing")
                 for error in msg.get("errors", []):
                     log.error("reload: telemetry: %s", error)
 
