@@ -57,6 +57,9 @@ class RateState:
     last_sent_s: Mapping[str, float] = field(default_factory=dict)
 
 
+RATE_KEYS_MAX = 1024  # alert streams remembered for rate limiting; the oldest is forgotten first
+
+
 def rate_limit(state: RateState, kind: EventKind, key: str, now_s: float) -> tuple[RateState, bool]:
     """Whether an alerting event goes out now, and the new state. Unknown kinds never alert."""
     interval = ALERT_MIN_INTERVAL_S.get(kind)
@@ -68,6 +71,8 @@ def rate_limit(state: RateState, kind: EventKind, key: str, now_s: float) -> tup
     sent = {k: v for k, v in state.last_sent_s.items() if interval == 0 or now_s - v < 24 * 3600}
     if interval > 0:
         sent[key] = now_s
+    if len(sent) > RATE_KEYS_MAX:  # keys carry pids: under churn they must not pile up for a day
+        sent = dict(sorted(sent.items(), key=lambda kv: kv[1])[-RATE_KEYS_MAX:])
     return RateState(sent), True
 
 
