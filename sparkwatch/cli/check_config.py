@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from typing import Any
 
 
@@ -17,6 +18,8 @@ def handle(args: argparse.Namespace) -> int:
     from sparkwatch.cli import settings_from
 
     settings = settings_from(args)
+    for warning in settings.warnings():
+        print(f"sparkwatch: WARNING {warning}", file=sys.stderr)
     data = settings.public_dict()
     if args.json:
         print(json.dumps(data, indent=2))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from typing import Any
 
 
@@ -22,6 +23,16 @@ def handle(args: argparse.Namespace) -> int:
 
     def load() -> Settings:
         # The same file, environment and flags as at start: SIGHUP re-runs exactly this.
-        return settings_from(args, dry_run=args.dry_run, floor=args.floor, listen=args.listen, state_dir=args.state_dir)
+        return settings_from(
+            args,
+            require_meminfo=True,
+            dry_run=args.dry_run,
+            floor=args.floor,
+            listen=args.listen,
+            state_dir=args.state_dir,
+        )
 
-    return Daemon(load(), loader=load).run()
+    settings = load()
+    for warning in settings.warnings():
+        print(f"sparkwatch: WARNING {warning}", file=sys.stderr, flush=True)
+    return Daemon(settings, loader=load).run()
