@@ -3,9 +3,9 @@
 What runs:
 - the daemon, confined to this bench's own processes (`ancestor_pid`), with a floor far below MemAvailable and
   `dry_run` (nothing is ever signalled), `mlock = false` (so RSS is what the heap really holds, not every mapped page),
-  a loopback webhook receiver (so compile-burst alerts go through the events file and the outbox);
+  a loopback webhook receiver;
 - churn: `--churn-per-min` short-lived processes a minute (default 1,000), real `sleep` binaries run under the names
-  the scanner classifies (llama-server engines, nvcc/cicc/ptxas/ninja compilers, plain workers), each living 2-8 s,
+  the scanner classifies (llama-server engines, plain workers), each living 2-8 s,
   so every pid-keyed cache sees thousands of pids come and go;
 - a scrape of /metrics every second.
 
@@ -34,7 +34,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 
-NAMES = ("llama-server", "nvcc", "cicc", "ptxas", "ninja", "worker", "python3")
+# No compiler names (nvcc, cicc): the compile census is machine-wide, so they would page every other sparkwatch on
+# the box with a compile burst.
+NAMES = ("llama-server", "worker", "python3", "sleep")
 
 
 def vm_rss_kib(pid: int) -> int | None:
@@ -107,7 +109,6 @@ def main() -> int:
             "SPARKWATCH_FLOOR": "64MiB",
             "SPARKWATCH_DRY_RUN": "true",
             "SPARKWATCH_MLOCK": "false",
-            "SPARKWATCH_COMPILE_JOBS_ALERT": "4",
             "SPARKWATCH_WEBHOOK_URL": f"http://127.0.0.1:{receiver.server_address[1]}/hook",
             "XDG_CONFIG_HOME": str(tmp / "xdg"),
             "PYTHONPATH": str(ROOT),

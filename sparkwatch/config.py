@@ -128,6 +128,12 @@ class Settings(BaseSettings):
     webhook_backoff_max_s: float = Field(
         300.0, gt=0, le=86400, description="retry delay cap: a receiver down for hours is retried every 5 min"
     )
+    events_max_bytes: ByteSize = Field(
+        16 << 20, description="events.jsonl rotates to events.jsonl.1 past this (one old generation kept)"
+    )
+    outbox_max_alerts: int = Field(
+        1000, ge=1, le=1_000_000, description="undelivered alerts kept; past this the oldest are dropped and counted"
+    )
     driver_check_interval_s: float = Field(
         60.0, gt=0, le=3600, description="driver drift check period (a udev event on nvidia runs it at once)"
     )

@@ -43,7 +43,7 @@ class Daemon:
     def __init__(self, settings: Settings, loader: Callable[[], Settings] | None = None) -> None:
         self.settings = settings
         self.loader = loader  # re-reads the config on SIGHUP; None: SIGHUP is logged and ignored
-        self.events = EventLog(settings.events_path)
+        self.events = EventLog(settings.events_path, max_bytes=settings.events_max_bytes)
         self.journal = JournalSink()
         self.events.subscribe(self.journal)
         self.sd = ServiceNotifier(Notifier(), self.status_line, poll_max_s=settings.poll_max_s)
@@ -67,6 +67,8 @@ class Daemon:
                 timeout_s=s.webhook_timeout_s,
                 backoff_min_s=s.webhook_backoff_min_s,
                 backoff_max_s=s.webhook_backoff_max_s,
+                max_alerts=s.outbox_max_alerts,
+                events_path=s.events_path,
                 log=lambda line: print(line, file=sys.stderr, flush=True),
             )
             self.events.subscribe(AlertRouter(self.outbox))

@@ -54,3 +54,13 @@ def redact_url(url: str) -> str:
     """scheme://host[:port] only: a Slack-style webhook URL carries its secret in the path (and userinfo may too)."""
     parts = urllib.parse.urlsplit(url)
     return f"{parts.scheme}://{parts.hostname or '?'}" + (f":{parts.port}" if parts.port else "")
+
+
+# C0 and C1 controls (ESC starts terminal escape sequences; CR/LF forge log lines), DEL, and the Unicode line and
+# paragraph separators and bidi overrides that reorder what a terminal shows.
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069]")
+
+
+def safe_text(text: str) -> str:
+    """`text` with every control character shown as '?': safe to print on a terminal, a log line or a pipe."""
+    return _CONTROL.sub("?", text)
