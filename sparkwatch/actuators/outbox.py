@@ -55,6 +55,7 @@ from sparkwatch.model import Event
 
 _SAFE_ID = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
 EVENTS_SCAN_BYTES = 4 << 20  # how much of events.jsonl's end start-up recovery searches for a prepared alert's id
+TIMED_OUT = "timed out: no complete answer within {:g} s"
 _RESPONSE_READ_MAX = 65536  # a receiver's answer is read (so the connection ends cleanly) but never trusted
 
 
@@ -179,6 +180,7 @@ class Outbox:
 
     def _load_spool(self) -> None:
         try:
+            private_dir(self.spool_dir.parent)  # the state dir: 0700, whoever created it
             private_dir(self.spool_dir)
             names = sorted(os.listdir(self.spool_dir))
         except OSError as exc:
@@ -483,11 +485,11 @@ class Outbox:
         else:
             conn = http.client.HTTPConnection(parts.hostname or "", parts.port, timeout=self.timeout_s)
         expired = threading.Event()
+        held: list[socket.socket] = []
 
         def cut() -> None:
             expired.set()
-            sock = conn.sock
-            if sock is not None:
+            for sock in held:
                 try:
                     sock.shutdown(socket.SHUT_RDWR)
                 except OSError:
@@ -497,7 +499,10 @@ class Outbox:
         timer.daemon = True
         timer.start()
         location = ""
+        response: http.client.HTTPResponse | None = None
         try:
+            conn.connect()
+            held.append(conn.sock)  # the response keeps reading it after http.client lets go of conn.sock
             conn.request("POST", path, body=body, headers=headers)
             response = conn.getresponse()
             response.read(_RESPONSE_READ_MAX)
@@ -505,13 +510,17 @@ class Outbox:
             location = response.getheader("Location") or ""
         except (OSError, http.client.HTTPException) as exc:
             if expired.is_set():
-                raise DeliveryError(f"timed out: no complete answer within {self.timeout_s:g} s", transport=True) from None
+                raise DeliveryError(TIMED_OUT.format(self.timeout_s), transport=True) from None
             raise DeliveryError(f"{type(exc).__name__}: {exc}", transport=True) from None
         finally:
             timer.cancel()
+            if response is not None:
+                response.close()
             conn.close()
+            for sock in held:
+                sock.close()
         if expired.is_set():
-            raise DeliveryError(f"timed out: no complete answer within {self.timeout_s:g} s", transport=True)
+            raise DeliveryError(TIMED_OUT.format(self.timeout_s), transport=True)
         if 200 <= status < 300:
             return
         if 300 <= status < 400:

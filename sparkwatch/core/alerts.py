@@ -26,6 +26,8 @@ ALERT_MIN_INTERVAL_S: Mapping[EventKind, float] = {
     EventKind.COMPILE_BURST: 900.0,
     EventKind.MAX_JOBS_MISSING: 3600.0,
     EventKind.JIT_STALLED: 1800.0,
+    EventKind.OUTBOX_DROPPED: 3600.0,  # the outbox alerts once per run itself; this caps a restart loop
+    EventKind.OUTBOX_QUARANTINED: 3600.0,
 }
 
 # Driver problems, worst first, and the event kind each one opens an episode with.
