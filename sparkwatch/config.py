@@ -11,6 +11,7 @@ import ipaddress
 import os
 import socket
 import tomllib
+import urllib.parse
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any
@@ -28,7 +29,7 @@ from pydantic import (
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from sparkwatch.core.engines import compile_engine_patterns, compile_protect_patterns
-from sparkwatch.core.redact import redact_url
+from sparkwatch.core.redact import redact_url, remember_secrets
 from sparkwatch.units import GiB, format_size, parse_size
 
 ENV_PREFIX = "SPARKWATCH_"
@@ -238,6 +239,20 @@ class Settings(BaseSettings):
     def outbox_dir(self) -> Path:
         return self.state_dir / "outbox"
 
+    def secrets(self) -> list[str]:
+        """Strings of this config that must never leave the process: the webhook URL's path, query and password
+        (a Slack-style URL carries its secret in the path), and the HMAC secret."""
+        out: list[str] = []
+        if self.webhook_url is not None:
+            url = str(self.webhook_url)
+            parts = urllib.parse.urlsplit(url)
+            out += [url, parts.query, parts.password or ""]
+            if parts.path not in ("", "/"):
+                out.append(parts.path)
+        if self.webhook_secret is not None:
+            out.append(self.webhook_secret.get_secret_value())
+        return [s for s in out if s]
+
     def public_dict(self) -> dict[str, Any]:
         """The effective settings, secrets masked, as check-config prints them."""
         data = self.model_dump(mode="json")
@@ -364,6 +379,7 @@ def load_settings(
     # Hand back a plain Settings so callers and reprs never see the layering class.
     settings = Settings.model_construct(**{name: getattr(loaded, name) for name in Settings.model_fields})
     check_memory_bounds(settings, require_meminfo=require_meminfo)
+    remember_secrets(settings.secrets())
     return settings
 
 
@@ -403,9 +419,4 @@ def check_memory_bounds(settings: Settings, *, require_meminfo: bool = False) ->
         raise ConfigError(
             f"rearm_headroom: floor + rearm_headroom ({format_size(settings.floor + settings.rearm_headroom)}) is at "
             f"or above MemTotal ({shown}): the guard would never re-arm after a kill"
-        )
-    if settings.floor + settings.warn_headroom >= total:
-        raise ConfigError(
-            f"warn_headroom: floor + warn_headroom ({format_size(settings.floor + settings.warn_headroom)}) is at or "
-            f"above MemTotal ({shown}): the low-headroom alert would never clear"
         )

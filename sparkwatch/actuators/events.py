@@ -10,12 +10,14 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
+from dataclasses import replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Protocol
 
 from sparkwatch.actuators.durable import append_durable, fsync_dir, open_regular, private_dir
 from sparkwatch.core.eventkinds import EventKind
+from sparkwatch.core.redact import redact, redact_value
 from sparkwatch.model import Event
 
 
@@ -105,7 +107,8 @@ class EventLog:
 
     def append(self, event: Event) -> None:
         """Write and fsync one event, then tell listeners. Raises EventLogError (after telling the listeners) if the
-        event could not be made durable."""
+        event could not be made durable. Every string in it is redacted first: this is where events leave."""
+        event = redacted(event)
         commits = []
         for stage in self._stages:
             try:
@@ -143,6 +146,12 @@ class EventLog:
             os.replace(self.path, rotated_path(self.path))
             fsync_dir(self.path.parent)
             self.rotations_total += 1
+
+
+def redacted(event: Event) -> Event:
+    """The event with `redact` applied to its summary and every string in its fields."""
+    fields = redact_value(dict(event.fields))
+    return replace(event, summary=redact(event.summary), fields=fields)
 
 
 def rotated_path(path: Path) -> Path:

@@ -9,6 +9,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from sparkwatch.core.engines import EngineRules, engine_kind
+from sparkwatch.core.redact import redact
 from sparkwatch.model import Check, MemInfo, Proc
 
 GiB = 1 << 30
@@ -59,7 +60,7 @@ def env_targets(procs: Sequence[Proc], rules: EngineRules) -> tuple[EnvTarget, .
 
 
 def _who(t: EnvTarget) -> str:
-    return f"{t.role.removeprefix('engine:')} pid {t.proc.pid} ({t.proc.display_name})"
+    return f"{t.role.removeprefix('engine:')} pid {t.proc.pid} ({redact(t.proc.display_name)})"
 
 
 def max_jobs_check(

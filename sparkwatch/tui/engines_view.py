@@ -10,6 +10,7 @@ from rich.text import Text
 
 from sparkwatch.core.engines import EngineRules
 from sparkwatch.core.proctree import tree_rows
+from sparkwatch.core.redact import redact
 from sparkwatch.model import EngineTree
 from sparkwatch.units import format_size
 
@@ -35,7 +36,7 @@ def tree_table(tree: EngineTree, rules: EngineRules) -> Table:
             Text(f"{row.prefix}{row.proc.pid}"),
             format_size(row.proc.rss_bytes),
             Text(row.role, style=ROLE_STYLE.get(row.role, "")),
-            Text(row.proc.display_name + (" <defunct>" if row.proc.state == "Z" else "")),
+            Text(redact(row.proc.display_name) + (" <defunct>" if row.proc.state == "Z" else "")),
         )
     return table
 

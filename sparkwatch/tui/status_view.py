@@ -19,6 +19,7 @@ from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
+from sparkwatch.core.redact import redact
 from sparkwatch.core.trend import BuildRate, PoolTrend
 from sparkwatch.model import (
     CompileCensus,
@@ -165,8 +166,9 @@ def engine_lines(frame: StatusFrame) -> list[Text]:
     out = []
     for tree in snap.engines:
         count = len(tree.members)
+        name = redact(tree.root.display_name)
         line = Text(
-            f"{tree.kind} {tree.root.pid} · {tree.root.display_name} · {count} process{'es' if count != 1 else ''}"
+            f"{tree.kind} {tree.root.pid} · {name} · {count} process{'es' if count != 1 else ''}"
             f" · RSS {format_size(tree.rss_bytes)}"
         )
         state = _jit_state_for(tree, snap.jit_states)
