@@ -36,6 +36,4 @@ def handle(args: argparse.Namespace) -> int:
 
     settings = load()  # registers the webhook URL and secret with the redaction before any line is logged
     sys.stderr = RedactingStream(sys.stderr)
-    for warning in settings.warnings():
-        print(f"sparkwatch: WARNING {warning}", file=sys.stderr, flush=True)
     return Daemon(settings, loader=load).run()
