@@ -344,11 +344,17 @@ def _describe(exc: ValidationError, toml_keys: set[str]) -> str:
 
 
 def load_settings(
-    config_file: Path | None = None, overrides: Mapping[str, Any] | None = None, *, require_meminfo: bool = False
+    config_file: Path | None = None,
+    overrides: Mapping[str, Any] | None = None,
+    *,
+    check_memory: bool = False,
+    require_meminfo: bool = False,
 ) -> Settings:
     """Load settings from every layer. `config_file=None` reads the default file only if it exists.
 
-    Sizes are checked against MemTotal of <proc_root>/meminfo when it is readable (always, with `require_meminfo`).
+    With `check_memory` (check-config, run, reload) sizes are checked against MemTotal of <proc_root>/meminfo when it
+    is readable, and with `require_meminfo` an unreadable meminfo is an error too. The read-only commands skip it:
+    `doctor` must be able to report a floor above MemTotal rather than refuse to run.
     """
     path = config_file
     if path is None:
@@ -378,7 +384,8 @@ def load_settings(
         raise ConfigError(str(exc).splitlines()[0]) from None
     # Hand back a plain Settings so callers and reprs never see the layering class.
     settings = Settings.model_construct(**{name: getattr(loaded, name) for name in Settings.model_fields})
-    check_memory_bounds(settings, require_meminfo=require_meminfo)
+    if check_memory or require_meminfo:
+        check_memory_bounds(settings, require_meminfo=require_meminfo)
     remember_secrets(settings.secrets())
     return settings
 

@@ -41,10 +41,12 @@ def common_parser() -> argparse.ArgumentParser:
     return parent
 
 
-def settings_from(args: argparse.Namespace, *, require_meminfo: bool = False, **overrides: Any) -> Settings:
+def settings_from(
+    args: argparse.Namespace, *, check_memory: bool = False, require_meminfo: bool = False, **overrides: Any
+) -> Settings:
     """Load settings with the command line on top. Raises ConfigError."""
     flags = {"proc_root": args.proc_root, "root": args.root, **overrides}
-    return load_settings(args.config, flags, require_meminfo=require_meminfo)
+    return load_settings(args.config, flags, check_memory=check_memory, require_meminfo=require_meminfo)
 
 
 def build_parser() -> argparse.ArgumentParser:
