@@ -95,3 +95,19 @@ def test_root_with_1000_children_that_keeps_forking_leaves_no_orphan(
     assert survivors == [], f"{len(survivors)} recorded children survived; notes: {notes}"
     # Children forked after the root's last record are found by their unique argv.
     assert wait_until(lambda: sleepers_with(token) == [], 10), sleepers_with(token)
+
+
+def test_engine_kind_cache_stays_bounded_under_churn() -> None:
+    """Every new argv is a new cache key; the cache forgets the dead ones instead of growing to its hard cap."""
+    from sparkwatch.core.engines import EngineRules, Scope, find_engine_trees
+    from sparkwatch.model import Proc
+
+    rules = EngineRules.build()
+    scope = Scope(self_pid=os.getpid(), own_uid=os.geteuid(), ancestor_pid=os.getpid())
+    live: list[Proc] = []
+    for i in range(20_000):  # 20,000 short-lived processes, 100 alive at a time
+        live.append(Proc(pid=10_000 + i, ppid=1, uid=0, comm="sleep", state="S", start_ticks=i, rss_bytes=0,
+                         argv=("sleep", f"{i}.5")))  # fmt: skip
+        live = live[-100:]
+        find_engine_trees(live, rules, scope)
+        assert len(rules.kind_cache) <= 2 * len(live) + 257
