@@ -1,8 +1,11 @@
 """The alert outbox: events spooled durably under <state_dir>/outbox/, delivered to the webhook at least once.
 
 Why a spool of files: the receiver may be down for hours and sparkwatch may restart meanwhile (an update, a reboot
-after a stranded driver). Each alert is one file `<event id>.json`, written to a temporary name, fsynced, renamed and
-the directory fsynced; it is removed only after the receiver answered 2xx. On start every file left is sent again.
+after a stranded driver). Each alert is one file `<event id>.json` (durable write: actuators/durable.py), first as
+`.pending-<event id>.json` before its event is written, renamed once the event is durable (see Outbox); it is
+removed only after the receiver answered 2xx. On start every file left is sent again. Files that are not ours
+(a name that is not an event id, JSON that does not parse) go to `outbox/bad/`; the worker is supervised; the
+outbox holds at most `max_alerts` and drops the oldest past that.
 The event id travels as `X-Sparkwatch-Event-Id`, so a receiver that saw a POST whose answer got lost can drop the
 duplicate: delivery is at least once, never at most once.
 
