@@ -244,6 +244,7 @@ def test_real_daemon_kill_event_reaches_journal_socket(
             args = ["--dry-run", "--floor", str(floor), "--listen", f"127.0.0.1:{free_port()}"]
             d = daemons([*args, "--state-dir", str(tmp_path / "s")], env)
             f = rx.fields_from(d.proc.pid, timeout_s=15, event="kill")  # low_headroom may come first
+            d.wait_stderr("sparkwatch: running:")  # the guard kills during start-up; stop only once it is running
             d.proc.send_signal(signal.SIGTERM)
             assert d.proc.wait(10) == 0
         expected = "systemd-python" if backend == "systemd-python" else "native"
