@@ -16,7 +16,9 @@ import pytest
 
 from sparkwatch.actuators.events import EventLog, make_event, read_events
 from sparkwatch.actuators.outbox import AlertRouter, DeliveryError, Outbox, alert_payload
+from sparkwatch.config import load_settings
 from sparkwatch.core.eventkinds import EventKind
+from sparkwatch.exporter.server import build_registry, render
 from tests.daemon import sparkwatch_run
 from tests.receiver import Receiver, wait_until
 
@@ -138,6 +140,8 @@ def test_full_outbox_drops_oldest_first_counted_and_alerted_once(tmp_path: Path)
         }
         assert [e["kind"] for e in read_events(state / "events.jsonl")].count("outbox_dropped") == 1
         assert any("outbox full" in line for line in logs)
+        exposition = render(build_registry(load_settings(), lambda: None, outbox=box)).decode()
+        assert f"sparkwatch_alerts_dropped_total {float(box.dropped_total)}" in exposition
     finally:
         box.stop()
 
@@ -148,7 +152,9 @@ from pathlib import Path
 from sparkwatch.actuators.durable import append_durable
 from sparkwatch.actuators.events import make_event
 from sparkwatch.actuators.outbox import AlertRouter, Outbox
+from sparkwatch.config import load_settings
 from sparkwatch.core.eventkinds import EventKind
+from sparkwatch.exporter.server import build_registry, render
 import json
 
 state = Path(sys.argv[1])
