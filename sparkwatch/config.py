@@ -7,8 +7,11 @@ and exits 2. Defaults are safe with no file at all.
 from __future__ import annotations
 
 import difflib
+import ipaddress
 import os
+import socket
 import tomllib
+import urllib.parse
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any
@@ -26,7 +29,7 @@ from pydantic import (
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from sparkwatch.core.engines import compile_engine_patterns, compile_protect_patterns
-from sparkwatch.core.redact import redact_url
+from sparkwatch.core.redact import redact_url, remember_secrets
 from sparkwatch.units import GiB, format_size, parse_size
 
 ENV_PREFIX = "SPARKWATCH_"
@@ -36,11 +39,23 @@ DEFAULT_PORT = 9847  # sparkwatch's metrics port; free in the Prometheus default
 def _size(value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, (str, int)):
         raise ValueError("expected a size such as 8GiB or 512MiB")
-    return parse_size(value)
+    try:
+        return parse_size(value)
+    except OverflowError:
+        raise ValueError("is too large to be a size") from None
 
+
+# Any size above this is a typo ("8TiB" for "8GiB"): the largest machines today have a few TiB of memory.
+SIZE_MAX_BYTES = 1 << 50  # 1 PiB
+CONFIG_FILE_MAX_BYTES = 1 << 20  # a config file is a few hundred bytes; a bigger one is not a config file
 
 # A byte count written like "8GiB"; serialized back the same way so check-config prints what people write.
-ByteSize = Annotated[int, BeforeValidator(_size), PlainSerializer(format_size, return_type=str), Field(ge=0)]
+ByteSize = Annotated[
+    int,
+    BeforeValidator(_size),
+    PlainSerializer(format_size, return_type=str),
+    Field(ge=0, le=SIZE_MAX_BYTES),
+]
 
 
 def default_state_dir() -> Path:
@@ -125,6 +140,12 @@ class Settings(BaseSettings):
     webhook_backoff_max_s: float = Field(
         300.0, gt=0, le=86400, description="retry delay cap: a receiver down for hours is retried every 5 min"
     )
+    events_max_bytes: ByteSize = Field(
+        16 << 20, description="events.jsonl rotates to events.jsonl.1 past this (one old generation kept)"
+    )
+    outbox_max_alerts: int = Field(
+        1000, ge=1, le=1_000_000, description="undelivered alerts kept; past this the oldest are dropped and counted"
+    )
     driver_check_interval_s: float = Field(
         60.0, gt=0, le=3600, description="driver drift check period (a udev event on nvidia runs it at once)"
     )
@@ -136,9 +157,38 @@ class Settings(BaseSettings):
     @field_validator("listen")
     @classmethod
     def _check_listen(cls, value: str) -> str:
-        _host, sep, port = value.rpartition(":")
+        host, sep, port = value.rpartition(":")
         if not sep or not port.isdigit() or not 0 < int(port) < 65536:
             raise ValueError("expected host:port, for example 127.0.0.1:9847")
+        host = host.strip("[]")
+        if not host:
+            raise ValueError("the host is missing: write 127.0.0.1:PORT (this machine) or 0.0.0.0:PORT (every address)")
+        try:
+            ipaddress.ip_address(host)
+        except ValueError:
+            try:
+                socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
+            except (OSError, UnicodeError) as exc:
+                raise ValueError(f"host {host!r} does not resolve ({exc})") from None
+        return value
+
+    @field_validator("tls_cert_file", "tls_key_file", "tls_client_ca_file")
+    @classmethod
+    def _check_readable(cls, value: Path | None) -> Path | None:
+        if value is None:
+            return None
+        try:
+            with open(value, "rb") as fh:
+                fh.read(1)
+        except OSError as exc:
+            raise ValueError(f"{value}: {exc.strerror or exc}") from None
+        return value
+
+    @field_validator("webhook_secret")
+    @classmethod
+    def _check_secret(cls, value: SecretStr | None) -> SecretStr | None:
+        if value is not None and not value.get_secret_value().strip():
+            raise ValueError("is empty, so alerts would go out unsigned; set a secret or remove the key")
         return value
 
     @field_validator("engine_patterns")
@@ -164,6 +214,27 @@ class Settings(BaseSettings):
         return self
 
     @property
+    def listen_is_loopback(self) -> bool:
+        host = self.listen_host
+        if host == "localhost":
+            return True
+        try:
+            return ipaddress.ip_address(host).is_loopback
+        except ValueError:
+            return False
+
+    def warnings(self) -> list[str]:
+        """Settings that work but are risky; the daemon logs them at start and check-config prints them."""
+        out = []
+        if self.tls_cert_file is None and not self.listen_is_loopback:
+            out.append(
+                f"listen: metrics are served as plain HTTP on {self.listen}, beyond this machine; "
+                "set tls_cert_file/tls_key_file (and tls_client_ca_file for mTLS) or firewall the port "
+                "(docs/security.md)"
+            )
+        return out
+
+    @property
     def listen_host(self) -> str:
         return self.listen.rpartition(":")[0].strip("[]")
 
@@ -178,6 +249,20 @@ class Settings(BaseSettings):
     @property
     def outbox_dir(self) -> Path:
         return self.state_dir / "outbox"
+
+    def secrets(self) -> list[str]:
+        """Strings of this config that must never leave the process: the webhook URL's path, query and password
+        (a Slack-style URL carries its secret in the path), and the HMAC secret."""
+        out: list[str] = []
+        if self.webhook_url is not None:
+            url = str(self.webhook_url)
+            parts = urllib.parse.urlsplit(url)
+            out += [url, parts.query, parts.password or ""]
+            if parts.path not in ("", "/"):
+                out.append(parts.path)
+        if self.webhook_secret is not None:
+            out.append(self.webhook_secret.get_secret_value())
+        return [s for s in out if s]
 
     def public_dict(self) -> dict[str, Any]:
         """The effective settings, secrets masked, as check-config prints them."""
@@ -206,13 +291,25 @@ class _MappingSource(PydanticBaseSettingsSource):
 def _read_toml(path: Path) -> dict[str, Any]:
     try:
         with path.open("rb") as fh:
-            data = tomllib.load(fh)
-    except FileNotFoundError as exc:
-        raise ConfigError(f"config file {path} does not exist") from exc
-    except PermissionError as exc:
-        raise ConfigError(f"config file {path} is not readable") from exc
+            raw = fh.read(CONFIG_FILE_MAX_BYTES + 1)
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} does not exist") from None
+    except PermissionError:
+        raise ConfigError(f"config file {path} is not readable") from None
+    except IsADirectoryError:
+        raise ConfigError(f"config file {path} is a directory") from None
+    except OSError as exc:
+        raise ConfigError(f"config file {path}: {exc.strerror or exc}") from None
+    if len(raw) > CONFIG_FILE_MAX_BYTES:
+        raise ConfigError(f"config file {path} is larger than {CONFIG_FILE_MAX_BYTES >> 20} MiB")
+    try:
+        data = tomllib.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"config file {path} is not UTF-8 (byte {exc.start}); TOML files must be") from None
     except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"config file {path} is not valid TOML: {exc}") from exc
+        raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
+    except RecursionError:
+        raise ConfigError(f"config file {path} is nested too deeply") from None
     # Allow an optional [sparkwatch] table so the file can live beside other tools' settings.
     if set(data) == {"sparkwatch"} and isinstance(data["sparkwatch"], dict):
         data = data["sparkwatch"]
@@ -257,8 +354,19 @@ def _describe(exc: ValidationError, toml_keys: set[str]) -> str:
     return f"{key}: {message}{shown}{origin}{more}"
 
 
-def load_settings(config_file: Path | None = None, overrides: Mapping[str, Any] | None = None) -> Settings:
-    """Load settings from every layer. `config_file=None` reads the default file only if it exists."""
+def load_settings(
+    config_file: Path | None = None,
+    overrides: Mapping[str, Any] | None = None,
+    *,
+    check_memory: bool = False,
+    require_meminfo: bool = False,
+) -> Settings:
+    """Load settings from every layer. `config_file=None` reads the default file only if it exists.
+
+    With `check_memory` (check-config, run, reload) sizes are checked against MemTotal of <proc_root>/meminfo when it
+    is readable, and with `require_meminfo` an unreadable meminfo is an error too. The read-only commands skip it:
+    `doctor` must be able to report a floor above MemTotal rather than refuse to run.
+    """
     path = config_file
     if path is None:
         candidate = Path(os.environ.get(ENV_PREFIX + "CONFIG", "")) if os.environ.get(ENV_PREFIX + "CONFIG") else None
@@ -286,7 +394,50 @@ def load_settings(config_file: Path | None = None, overrides: Mapping[str, Any] 
     except ValueError as exc:  # env values that are not valid JSON for list fields, for example
         raise ConfigError(str(exc).splitlines()[0]) from None
     # Hand back a plain Settings so callers and reprs never see the layering class.
-    return Settings.model_construct(**{name: getattr(loaded, name) for name in Settings.model_fields})
+    settings = Settings.model_construct(**{name: getattr(loaded, name) for name in Settings.model_fields})
+    if check_memory or require_meminfo:
+        check_memory_bounds(settings, require_meminfo=require_meminfo)
+    remember_secrets(settings.secrets())
+    return settings
+
+
+def read_memtotal_bytes(proc_root: Path) -> int:
+    """MemTotal from <proc_root>/meminfo. Raises ConfigError (naming proc_root) when it cannot be read."""
+    from sparkwatch.sources.meminfo import MeminfoError, parse_meminfo  # noqa: PLC0415 - config imports no sources
+
+    path = proc_root / "meminfo"
+    try:
+        with open(path, "rb") as fh:
+            data = fh.read(65536)
+        return parse_meminfo(data).total_bytes
+    except OSError as exc:
+        raise ConfigError(f"proc_root: cannot read {path}: {exc.strerror or exc}") from None
+    except MeminfoError as exc:
+        raise ConfigError(f"proc_root: {path}: {exc}") from None
+
+
+def check_memory_bounds(settings: Settings, *, require_meminfo: bool = False) -> None:
+    """The sizes against this machine's MemTotal: a floor at or above it would kill every engine at start.
+
+    Without a readable meminfo the check is skipped unless `require_meminfo` (the daemon cannot run without one).
+    """
+    try:
+        total = read_memtotal_bytes(settings.proc_root)
+    except ConfigError:
+        if require_meminfo:
+            raise
+        return
+    shown = format_size(total)
+    if settings.floor >= total:
+        raise ConfigError(
+            f"floor: {format_size(settings.floor)} is at or above MemTotal ({shown}): every engine would be killed "
+            "at start"
+        )
+    if settings.floor + settings.rearm_headroom >= total:
+        raise ConfigError(
+            f"rearm_headroom: floor + rearm_headroom ({format_size(settings.floor + settings.rearm_headroom)}) is at "
+            f"or above MemTotal ({shown}): the guard would never re-arm after a kill"
+        )
 
 
 def settings_to_wire(settings: Settings) -> dict[str, Any]:
@@ -312,6 +463,8 @@ def _wire_value(value: object) -> Any:
 def settings_from_wire(wire: Mapping[str, Any]) -> Settings:
     """A Settings from `settings_to_wire`'s output: the same schema, no environment or file read. Raises ConfigError."""
     try:
-        return Settings.model_validate(dict(wire))
+        settings = Settings.model_validate(dict(wire))
     except ValidationError as exc:
         raise ConfigError(_describe(exc, set())) from None
+    remember_secrets(settings.secrets())  # this process's redaction knows them before it logs a line
+    return settings

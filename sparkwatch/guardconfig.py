@@ -96,6 +96,7 @@ class GuardConfig:
     guard_gpu_holders: bool
     proc_root: Path
     state_dir: Path
+    events_max_bytes: int
     listen: str
     telemetry_interval_s: float
     kernel_log_corroboration: bool
@@ -124,6 +125,7 @@ class GuardConfig:
                 guard_gpu_holders=bool(wire["guard_gpu_holders"]),
                 proc_root=Path(wire["proc_root"]),
                 state_dir=Path(wire["state_dir"]),
+                events_max_bytes=int(wire["events_max_bytes"]),
                 listen=str(wire["listen"]),
                 telemetry_interval_s=float(wire["telemetry_interval_s"]),
                 kernel_log_corroboration=bool(wire["kernel_log_corroboration"]),

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import TextIO
 
 from sparkwatch.actuators.systemd import JOURNAL_SOCKET, encode_native, stderr_is_journal
+from sparkwatch.core.redact import redact, safe_text
 
 LOGGER_NAME = "sparkwatch"
 PREFIX = "sparkwatch: "
@@ -39,7 +40,9 @@ def syslog_priority(level: int) -> int:
 
 
 def line_of(record: logging.LogRecord) -> str:
-    message = record.getMessage()
+    """The one line a record becomes, on stderr and in the journal alike: redacted (tokens in a process title, the
+    webhook's URL and secret) and on one line (a title with a newline cannot forge a `sparkwatch: KILL` line)."""
+    message = safe_text(redact(record.getMessage()))
     return message if message.startswith(PREFIX) else PREFIX + message
 
 

@@ -32,7 +32,8 @@ class Delivery:
 
 
 class Receiver:
-    """mode: 'ok' (204), '500', 'redirect' (302 to `redirect_to`), 'hang' (never answers)."""
+    """mode: 'ok' (204), '500', 'redirect' (302 to `redirect_to`), 'hang' (never answers), 'slow_body' (200, then
+    its body at 2 bytes a second)."""
 
     def __init__(self, host: str = "127.0.0.1") -> None:
         self.host = host
@@ -66,6 +67,19 @@ class Receiver:
                     self.send_response(500)
                     self.end_headers()
                     self.wfile.write(b"internal error")
+                    return
+                if mode == "slow_body":  # 200 and a body one byte every half second: a per-read timeout never trips
+                    self.send_response(200)
+                    self.send_header("Content-Length", "120")
+                    self.end_headers()
+                    for _ in range(120):
+                        if receiver._hang.wait(0.5):
+                            return
+                        try:
+                            self.wfile.write(b"x")
+                            self.wfile.flush()
+                        except OSError:
+                            return
                     return
                 if mode == "redirect":
                     self.send_response(302)

@@ -33,7 +33,8 @@ from sparkwatch.model import EngineTree, Proc
 from sparkwatch.sources.meminfo import MeminfoError, MeminfoReader
 from sparkwatch.sources.procs import ProcParseError, ProcScanner, read_ancestors, read_children, read_start_ticks
 
-MAX_SWEEPS = 16  # fork sweeps after the stop; a tree that still grows after this many is caught by cgroup or SIGKILL
+MAX_SWEEPS = 32  # passes after the stop (level by level, then a check of every member); a tree still growing after
+# this many is caught by cgroup.kill or SIGKILL
 
 
 @dataclass
@@ -160,14 +161,25 @@ class Killer:
             print(f"sparkwatch: signal {sig} to pid {victim.proc.pid} failed: {exc}", file=sys.stderr)
 
     def _sweep_children(self, victims: dict[int, Victim], notes: list[str]) -> None:
-        """Catch what the tree forked between the scan and the stop; stop it too, until nothing new appears."""
+        """Catch what the tree forked between the scan and the stop; stop it too, until the tree is stable.
+
+        First the new members' children, level by level; then once more every member's, because a member caught in
+        the middle of a fork when SIGSTOP arrived finishes that fork before it stops. The tree is stable when a pass
+        over every member finds nothing new.
+        """
         frontier = list(victims.values())
+        verifying = False
         for _ in range(MAX_SWEEPS):
             found: list[Victim] = []
+            by_parent: dict[int, list[int]] | None = None  # one full scan a pass where the kernel has no children
             for parent in frontier:
                 children = read_children(self.proc_root, parent.proc.pid)
                 if children is None:
-                    children = [p.pid for p in self._scanner.scan().procs if p.ppid == parent.proc.pid]
+                    if by_parent is None:
+                        by_parent = {}
+                        for p in self._scanner.scan().procs:
+                            by_parent.setdefault(p.ppid, []).append(p.pid)
+                    children = by_parent.get(parent.proc.pid, [])
                 for pid in children:
                     if pid in victims:
                         continue
@@ -183,9 +195,12 @@ class Killer:
                     victims[pid] = victim
                     self._signal(victim, signal.SIGSTOP)
                     found.append(victim)
-            if not found:
+            if found:
+                frontier, verifying = found, False
+            elif verifying:
                 return
-            frontier = found
+            else:
+                frontier, verifying = list(victims.values()), True
         notes.append(f"tree still growing after {MAX_SWEEPS} sweeps")
 
     def _may_touch(self, proc: Proc) -> bool:

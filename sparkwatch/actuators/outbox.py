@@ -1,8 +1,11 @@
 """The alert outbox: events spooled durably under <state_dir>/outbox/, delivered to the webhook at least once.
 
 Why a spool of files: the receiver may be down for hours and sparkwatch may restart meanwhile (an update, a reboot
-after a stranded driver). Each alert is one file `<event id>.json`, written to a temporary name, fsynced, renamed and
-the directory fsynced; it is removed only after the receiver answered 2xx. On start every file left is sent again.
+after a stranded driver). Each alert is one file `<event id>.json` (durable write: actuators/durable.py), first as
+`.pending-<event id>.json` before its event is written, renamed once the event is durable (see Outbox); it is
+removed only after the receiver answered 2xx. On start every file left is sent again. Files that are not ours
+(a name that is not an event id, JSON that does not parse) go to `outbox/bad/`; the worker is supervised; the
+outbox holds at most `max_alerts` and drops the oldest past that.
 The event id travels as `X-Sparkwatch-Event-Id`, so a receiver that saw a POST whose answer got lost can drop the
 duplicate: delivery is at least once, never at most once.
 
@@ -28,6 +31,7 @@ import json
 import os
 import random
 import re
+import socket
 import ssl
 import threading
 import time
@@ -35,13 +39,26 @@ import urllib.parse
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 from sparkwatch import __version__
+from sparkwatch.actuators.durable import (
+    append_durable,
+    fsync_dir,
+    open_regular,
+    private_dir,
+    read_regular,
+    write_atomic,
+)
+from sparkwatch.actuators.events import make_event
 from sparkwatch.core.alerts import RateState, alert_text, dedup_key, is_alerting, rate_limit
-from sparkwatch.core.redact import redact_url
+from sparkwatch.core.eventkinds import EventKind
+from sparkwatch.core.redact import redact_url, safe_text
 from sparkwatch.model import Event
 
 _SAFE_ID = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
+EVENTS_SCAN_BYTES = 4 << 20  # how much of events.jsonl's end start-up recovery searches for a prepared alert's id
+TIMED_OUT = "timed out: no complete answer within {:g} s"
 _RESPONSE_READ_MAX = 65536  # a receiver's answer is read (so the connection ends cleanly) but never trusted
 
 
@@ -74,11 +91,26 @@ class _Item:
     next_due_s: float = 0.0
 
 
-class Outbox:
-    """Durable, at-least-once webhook delivery on one worker thread. Counters are plain attributes for the exporter.
+OUTBOX_MAX_ALERTS = 1000  # spooled alerts kept; past this the oldest is dropped (counted, alerted once)
+SPOOL_FILE_MAX_BYTES = 1 << 20  # an alert is ~1-2 KiB of JSON; a bigger spool file is not ours
+SUPERVISE_BACKOFF_S = (0.1, 30.0)  # the worker restarts after a crash, backing off to 30 s if it keeps crashing
+_PENDING = ".pending-"  # spooled before its event was written; promoted once the event is durable
+_TMP = ".tmp-"
 
-    `pending`, `delivered_total`, `failed_attempts_total`, `spool_errors_total`, `last_error` (scrubbed),
-    `last_delivery_timestamp_s`.
+
+def _spool_name_ok(name: str) -> bool:
+    return name.endswith(".json") and _SAFE_ID.match(name[: -len(".json")]) is not None
+
+
+class Outbox:
+    """Durable, at-least-once webhook delivery on one supervised worker thread. Counters are plain attributes for
+    the exporter: `pending`, `delivered_total`, `failed_attempts_total`, `spool_errors_total`, `dropped_total`,
+    `quarantined_total`, `worker_restarts_total`, `last_error` (scrubbed), `last_delivery_timestamp_s`.
+
+    Crash consistency with events.jsonl: an alert is first spooled as `.pending-<id>.json`, then its event is
+    written, then the file is renamed to `<id>.json`. On start a pending file whose event is missing from
+    events.jsonl gets its event appended from the spooled copy, then it is promoted: a crash between the two writes
+    loses neither the record nor the alert, and no alert goes out for an event the log does not hold.
     """
 
     def __init__(
@@ -90,9 +122,13 @@ class Outbox:
         timeout_s: float = 10.0,
         backoff_min_s: float = 1.0,
         backoff_max_s: float = 300.0,
+        max_alerts: int = OUTBOX_MAX_ALERTS,
+        events_path: Path | None = None,
         log: Callable[[str], None] | None = None,
     ) -> None:
         self.spool_dir = spool_dir
+        self.bad_dir = spool_dir / "bad"
+        self.events_path = events_path if events_path is not None else spool_dir.parent / "events.jsonl"
         self._url = url
         self._secret = secret.encode() if secret else None
         parts = urllib.parse.urlsplit(url)
@@ -103,6 +139,7 @@ class Outbox:
         self.timeout_s = timeout_s
         self.backoff_min_s = backoff_min_s
         self.backoff_max_s = max(backoff_max_s, backoff_min_s)
+        self.max_alerts = max(1, max_alerts)
         self._log = log or (lambda line: None)
         self._lock = threading.Condition()
         self._items: dict[str, _Item] = {}
@@ -112,10 +149,16 @@ class Outbox:
         self._thread: threading.Thread | None = None
         self._last_logged: dict[str, float] = {}
         self._ssl = ssl.create_default_context() if parts.scheme == "https" else None
+        self._record: Callable[[Event], None] | None = None  # EventLog.append, set by AlertRouter.attach
+        self._notices: list[tuple[EventKind, str, dict[str, object]]] = []  # drop/quarantine events to record
+        self._announced: set[EventKind] = set()
         # counters
         self.delivered_total = 0
         self.failed_attempts_total = 0
         self.spool_errors_total = 0
+        self.dropped_total = 0
+        self.quarantined_total = 0
+        self.worker_restarts_total = 0
         self.last_error: str | None = None
         self.last_delivery_timestamp_s: float | None = None
 
@@ -128,7 +171,7 @@ class Outbox:
     # --- lifecycle
     def start(self) -> None:
         self._load_spool()
-        self._thread = threading.Thread(target=self._run, name="sparkwatch-outbox", daemon=True)
+        self._thread = threading.Thread(target=self._supervise, name="sparkwatch-outbox", daemon=True)
         self._thread.start()
 
     def stop(self) -> None:
@@ -140,80 +183,178 @@ class Outbox:
 
     def _load_spool(self) -> None:
         try:
-            self.spool_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+            private_dir(self.spool_dir.parent)  # the state dir: 0700, whoever created it
+            private_dir(self.spool_dir)
             names = sorted(os.listdir(self.spool_dir))
         except OSError as exc:
             self._spool_error(f"outbox {self.spool_dir} unusable: {exc.strerror or exc}")
             return
         loaded = 0
+        logged_ids: set[str] | None = None
         for name in names:
+            if name == self.bad_dir.name:
+                continue
             path = self.spool_dir / name
-            if name.startswith(".tmp-"):
+            if name.startswith(_TMP):
                 try:
                     path.unlink()  # torn write of a crash before its rename: never acknowledged to anyone
                 except OSError:
                     pass
                 continue
-            if not name.endswith(".json"):
+            pending = name.startswith(_PENDING)
+            final = name[len(_PENDING) :] if pending else name
+            if not _spool_name_ok(final):
+                self._quarantine(path, "a name that is not an event id")
                 continue
             try:
-                body = path.read_bytes()
-                json.loads(body)
-            except (OSError, ValueError) as exc:
-                self._spool_error(f"outbox: unreadable spool file {name}: {exc}")
+                body = read_regular(path, SPOOL_FILE_MAX_BYTES + 1)
+                if len(body) > SPOOL_FILE_MAX_BYTES:
+                    raise ValueError(f"larger than {SPOOL_FILE_MAX_BYTES} bytes")
+                data = json.loads(body)
+                if not isinstance(data, dict):
+                    raise ValueError("not a JSON object")
+            except FileNotFoundError:
                 continue
-            event_id = name[: -len(".json")]
+            except (OSError, ValueError, RecursionError) as exc:
+                self._quarantine(path, f"unreadable: {type(exc).__name__}: {exc}")
+                continue
+            event_id = final[: -len(".json")]
+            if pending:
+                if logged_ids is None:
+                    logged_ids = self._logged_event_ids()
+                try:
+                    if event_id not in logged_ids:
+                        self._restore_event(data)
+                    target = self.spool_dir / final
+                    os.rename(path, target)
+                    fsync_dir(self.spool_dir)
+                    path = target
+                except (OSError, ValueError) as exc:
+                    self._spool_error(f"outbox: could not recover prepared alert {event_id}: {exc}")
+                    continue
             with self._lock:
                 self._items.setdefault(event_id, _Item(event_id, body, path))
             loaded += 1
+        self._enforce_cap()
         if loaded:
             self._log(f"sparkwatch: outbox: {loaded} undelivered alerts from before, sending to {self.target}")
 
+    def _logged_event_ids(self) -> set[str]:
+        """Ids in events.jsonl (its last EVENTS_SCAN_BYTES): which prepared alerts already have their event."""
+        try:
+            fd = open_regular(self.events_path)
+        except OSError:
+            return set()
+        try:
+            size = os.fstat(fd).st_size
+            data = os.pread(fd, EVENTS_SCAN_BYTES, max(0, size - EVENTS_SCAN_BYTES))
+        finally:
+            os.close(fd)
+        return {m.decode() for m in re.findall(rb'"id":"([A-Za-z0-9_-]{1,128})"', data)}
+
+    def _restore_event(self, payload: dict[str, object]) -> None:
+        """Append the event a prepared alert was spooled for (the crash came before its write)."""
+        event = {k: v for k, v in payload.items() if k != "text"}
+        line = (json.dumps(event, separators=(",", ":"), default=str) + "\n").encode()
+        append_durable(self.events_path, line)
+        self._log(f"sparkwatch: outbox: restored event {event.get('id')} to {self.events_path.name} (crash recovery)")
+
+    def _quarantine(self, path: Path, why: str) -> None:
+        """Move a spool file we cannot trust to outbox/bad/ under a safe name: never parsed again, never fatal."""
+        safe = hashlib.sha256(os.fsencode(path.name)).hexdigest()[:32]
+        try:
+            private_dir(self.bad_dir)
+            os.rename(path, self.bad_dir / f"{int(time.time())}-{safe}")
+        except OSError as exc:
+            try:
+                path.unlink()
+            except OSError:
+                self._spool_error(f"outbox: could not quarantine or remove a spool file: {exc.strerror or exc}")
+                return
+        self.quarantined_total += 1
+        self._log(f"sparkwatch: WARNING outbox: quarantined spool file {safe_text(path.name)!r} ({why}) to bad/")
+        self._notice(
+            EventKind.OUTBOX_QUARANTINED,
+            f"The alert outbox moved an unreadable spool file to {self.bad_dir}",
+            {"reason": why[:200]},
+        )
+
+    def _notice(self, kind: EventKind, summary: str, fields: dict[str, object]) -> None:
+        """Queue one event of `kind` for the log (once per daemon run): recorded by the worker, outside every lock."""
+        with self._lock:
+            if kind in self._announced:
+                return
+            self._announced.add(kind)
+            self._notices.append((kind, summary, fields))
+            self._lock.notify_all()
+
     # --- producers
-    def submit(self, payload: Mapping[str, object]) -> None:
-        """Spool one alert durably (or keep it in memory if the disk refuses) and wake the worker. Never raises."""
+    def prepare(self, payload: Mapping[str, object]) -> Callable[[], None]:
+        """Spool one alert as pending (before its event is written); the returned commit makes it deliverable."""
         raw_id = str(payload.get("id") or "")
         event_id = raw_id if _SAFE_ID.match(raw_id) else hashlib.sha256(raw_id.encode()).hexdigest()[:32]
         body = json.dumps(payload, separators=(",", ":"), default=str).encode()
-        spool_path = self.spool_dir / f"{event_id}.json"
-        path: Path | None = spool_path
+        final = self.spool_dir / f"{event_id}.json"
+        pending = self.spool_dir / f"{_PENDING}{event_id}.json"
+        spooled = True
         try:
-            self._write_durably(spool_path, body)
+            private_dir(self.spool_dir)
+            write_atomic(pending, body)
         except OSError as exc:
-            path = None
+            spooled = False
             self._spool_error(
                 f"outbox: could not spool alert {event_id} under {self.spool_dir}: "
                 f"{exc.strerror or exc}; keeping it in memory only"
                 + (" (disk full)" if exc.errno == errno.ENOSPC else "")
             )
-        with self._lock:
-            if event_id not in self._items:
-                self._items[event_id] = _Item(event_id, body, path)
-            self._lock.notify_all()
 
-    def _write_durably(self, path: Path, body: bytes) -> None:
-        self.spool_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-        tmp = path.with_name(f".tmp-{path.name}")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-        try:
-            view = memoryview(body)
-            while view:
-                view = view[os.write(fd, view) :]
-            os.fsync(fd)
-        except OSError:
-            os.close(fd)
-            try:
-                tmp.unlink()
-            except OSError:
-                pass
-            raise
-        os.close(fd)
-        os.rename(tmp, path)
-        dfd = os.open(self.spool_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
+        def commit() -> None:
+            path: Path | None = None
+            if spooled:
+                try:
+                    os.rename(pending, final)
+                    fsync_dir(self.spool_dir)
+                    path = final
+                except OSError as exc:
+                    self._spool_error(f"outbox: could not commit alert {event_id}: {exc.strerror or exc}")
+                    path = pending if pending.exists() else None
+            with self._lock:
+                if event_id not in self._items:
+                    self._items[event_id] = _Item(event_id, body, path)
+                self._lock.notify_all()
+            self._enforce_cap()
+
+        return commit
+
+    def submit(self, payload: Mapping[str, object]) -> None:
+        """Spool one alert durably (or keep it in memory if the disk refuses) and wake the worker. Never raises."""
+        self.prepare(payload)()
+
+    def _enforce_cap(self) -> None:
+        """Drop the oldest alerts past `max_alerts` (event ids sort by time), each counted; the drop alerted once."""
+        dropped: list[_Item] = []
+        with self._lock:
+            while len(self._items) > self.max_alerts:
+                oldest = min(self._items)
+                dropped.append(self._items.pop(oldest))
+            self.dropped_total += len(dropped)
+        for item in dropped:
+            if item.path is not None:
+                try:
+                    item.path.unlink()
+                except OSError:
+                    pass
+        if dropped:
+            self._log_limited(
+                "drop",
+                f"sparkwatch: WARNING outbox full ({self.max_alerts} alerts): dropped {len(dropped)} oldest "
+                f"({self.dropped_total} in all); is {self.target} down?",
+            )
+            self._notice(
+                EventKind.OUTBOX_DROPPED,
+                f"The alert outbox is full ({self.max_alerts} alerts) and dropped the oldest undelivered alerts",
+                {"max_alerts": self.max_alerts},
+            )
 
     def _spool_error(self, message: str) -> None:
         self.spool_errors_total += 1
@@ -229,6 +370,8 @@ class Outbox:
         """The due item with the earliest (due time, id), waiting until one is due or we stop."""
         with self._lock:
             while not self._stop.is_set():
+                if self._notices:
+                    return None
                 now = time.monotonic()
                 wake = None
                 if self._items:
@@ -240,17 +383,47 @@ class Outbox:
                 self._lock.wait(wake)
         return None
 
+    def _supervise(self) -> None:
+        """Run the worker; restart it after any exception (counted, logged), backing off while it keeps failing."""
+        delay = SUPERVISE_BACKOFF_S[0]
+        while not self._stop.is_set():
+            try:
+                self._run()
+                return
+            except Exception as exc:
+                self.worker_restarts_total += 1
+                self.last_error = self._scrub(f"worker crashed: {type(exc).__name__}: {exc}")
+                self._log_limited(
+                    "crash:" + type(exc).__name__, f"sparkwatch: ERROR outbox {self.last_error}; restarting it"
+                )
+                self._stop.wait(delay)
+                delay = min(delay * 2, SUPERVISE_BACKOFF_S[1])
+
     def _run(self) -> None:
         while not self._stop.is_set():
+            self._flush_notices()
             item = self._next()
             if item is None:
-                return
+                if self._stop.is_set():
+                    return
+                continue
             try:
                 self.deliver(item.event_id, item.body)
             except DeliveryError as exc:
                 self._failed(item, exc)
             else:
                 self._delivered(item)
+
+    def _flush_notices(self) -> None:
+        with self._lock:
+            notices, self._notices = self._notices, []
+        for kind, summary, fields in notices:
+            if self._record is None:
+                continue
+            try:
+                self._record(make_event(kind, summary, fields))
+            except Exception as exc:  # the event log counts its own write errors
+                self._log_limited("notice", f"sparkwatch: ERROR outbox: could not record {kind}: {exc}")
 
     def _delivered(self, item: _Item) -> None:
         if item.path is not None:
@@ -280,14 +453,21 @@ class Outbox:
                 self._transport_failures += 1
                 self._paused_until_s = now + self._backoff_s(self._transport_failures)
             pending = len(self._items)
+        # Every distinct reason is logged (then at most every 5 min): a redirect, a 4xx and a timeout each show.
         self._log_limited(
-            "deliver",
+            "deliver:" + re.sub(r"\d+", "N", self.last_error)[:80],
             f"sparkwatch: WARNING alert delivery to {self.target} failed ({self.last_error}); "
             f"{pending} pending, retrying with backoff up to {self.backoff_max_s:g} s",
         )
+        self._last_logged.setdefault("deliver", now)
 
     def deliver(self, event_id: str, body: bytes) -> None:
-        """One POST. Returns on 2xx; raises DeliveryError otherwise. Never follows a redirect."""
+        """One POST within `timeout_s` in all (connect, send, headers, body). Returns on 2xx; raises DeliveryError
+        otherwise. Never follows a redirect.
+
+        http.client's timeout is per socket operation: a receiver that answers one byte a second never trips it. A
+        timer shuts the socket down at the deadline, which ends whatever read is blocked on it.
+        """
         parts = self._parts
         headers = {
             "Content-Type": "application/json",
@@ -307,19 +487,50 @@ class Outbox:
             )
         else:
             conn = http.client.HTTPConnection(parts.hostname or "", parts.port, timeout=self.timeout_s)
+        expired = threading.Event()
+        held: list[socket.socket] = []
+
+        def cut() -> None:
+            expired.set()
+            for sock in held:
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+        timer = threading.Timer(self.timeout_s, cut)
+        timer.daemon = True
+        timer.start()
+        location = ""
+        response: http.client.HTTPResponse | None = None
         try:
+            conn.connect()
+            held.append(conn.sock)  # the response keeps reading it after http.client lets go of conn.sock
             conn.request("POST", path, body=body, headers=headers)
             response = conn.getresponse()
             response.read(_RESPONSE_READ_MAX)
             status = response.status
+            location = response.getheader("Location") or ""
         except (OSError, http.client.HTTPException) as exc:
+            if expired.is_set():
+                raise DeliveryError(TIMED_OUT.format(self.timeout_s), transport=True) from None
             raise DeliveryError(f"{type(exc).__name__}: {exc}", transport=True) from None
         finally:
+            timer.cancel()
+            if response is not None:
+                response.close()
             conn.close()
+            for sock in held:
+                sock.close()
+        if expired.is_set():
+            raise DeliveryError(TIMED_OUT.format(self.timeout_s), transport=True)
         if 200 <= status < 300:
             return
         if 300 <= status < 400:
-            raise DeliveryError(f"answered {status} (a redirect; not followed: fix webhook_url)", transport=False)
+            where = f" to {redact_url(location)}" if location.startswith(("http://", "https://")) else ""
+            raise DeliveryError(
+                f"answered {status} (a redirect{where}; not followed: fix webhook_url)", transport=False
+            )
         raise DeliveryError(f"answered HTTP {status}", transport=status >= 500 or status in (408, 429))
 
     # --- hygiene
@@ -329,20 +540,23 @@ class Outbox:
                 text = text.replace(secret, "…")
         if self._secret:
             text = text.replace(self._secret.decode(errors="replace"), "…")
-        return text[:300]
+        return safe_text(text)[:300]
 
     def _log_limited(self, key: str, line: str, every_s: float = 300.0) -> None:
         now = time.monotonic()
         last = self._last_logged.get(key)
         if last is None or now - last >= every_s:
+            if len(self._last_logged) >= 256:  # reasons carry text: keep the map bounded
+                self._last_logged.clear()
             self._last_logged[key] = now
             self._log(line)
 
 
 class AlertRouter:
-    """The EventLog listener: picks the alerting events, rate-limits them, and hands them to the outbox.
+    """The EventLog stage: picks the alerting events, rate-limits them, and spools them in the outbox.
 
-    EventLog calls it after the event is fsynced to events.jsonl, on the appending thread; it only spools a file.
+    EventLog calls `prepare` before it writes the event (a pending spool file) and the returned commit after the
+    fsync (the file becomes deliverable); `attach` lets the outbox record its own drop/quarantine events.
     """
 
     def __init__(self, outbox: Outbox, clock: Callable[[], float] = time.monotonic) -> None:
@@ -353,21 +567,35 @@ class AlertRouter:
         self.suppressed_total = 0
         self.errors_total = 0
 
+    def attach(self, events: _Recorder) -> None:
+        self.outbox._record = events.append
+
     def __call__(self, event: Event) -> None:
-        # Runs on whichever thread appended the event (the guard's reaper for a kill): it must never raise into it.
+        """Route and spool at once (no event log in between)."""
+        commit = self.prepare(event)
+        if commit is not None:
+            commit()
+
+    def prepare(self, event: Event) -> Callable[[], None] | None:
+        # Runs on whichever thread appends the event (the guard's reaper for a kill): it must never raise into it.
         try:
-            self._route(event)
+            return self._route(event)
         except Exception as exc:
             self.errors_total += 1
             self.outbox._spool_error(f"outbox: could not route {event.kind} event {event.id}: {exc}")
+            return None
 
-    def _route(self, event: Event) -> None:
+    def _route(self, event: Event) -> Callable[[], None] | None:
         if not is_alerting(event.kind):
-            return
+            return None
         key = dedup_key(event.kind, {"id": event.id, **event.fields})
         with self._lock:
             self._state, send = rate_limit(self._state, event.kind, key, self._clock())
             if not send:
                 self.suppressed_total += 1
-                return
-        self.outbox.submit(alert_payload(event))
+                return None
+        return self.outbox.prepare(alert_payload(event))
+
+
+class _Recorder(Protocol):
+    def append(self, event: Event) -> None: ...

@@ -41,10 +41,12 @@ def common_parser() -> argparse.ArgumentParser:
     return parent
 
 
-def settings_from(args: argparse.Namespace, **overrides: Any) -> Settings:
+def settings_from(
+    args: argparse.Namespace, *, check_memory: bool = False, require_meminfo: bool = False, **overrides: Any
+) -> Settings:
     """Load settings with the command line on top. Raises ConfigError."""
     flags = {"proc_root": args.proc_root, "root": args.root, **overrides}
-    return load_settings(args.config, flags)
+    return load_settings(args.config, flags, check_memory=check_memory, require_meminfo=require_meminfo)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -73,4 +75,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
     except BrokenPipeError:
         return 0
+    except OSError as exc:
+        # A file the command needs is missing, a directory, a FIFO, not ours: one line, and exit 2 so that systemd
+        # (RestartPreventExitStatus=2) does not restart into the same error in a loop.
+        where = f"{exc.filename}: " if exc.filename else ""
+        print(f"sparkwatch: error: {where}{exc.strerror or exc}", file=sys.stderr)
+        return 2
     return code

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from typing import Any
 
 
@@ -16,7 +17,9 @@ def add_parser(sub: Any, parent: argparse.ArgumentParser) -> None:
 def handle(args: argparse.Namespace) -> int:
     from sparkwatch.cli import settings_from
 
-    settings = settings_from(args)
+    settings = settings_from(args, check_memory=True)
+    for warning in settings.warnings():
+        print(f"sparkwatch: WARNING {warning}", file=sys.stderr)
     data = settings.public_dict()
     if args.json:
         print(json.dumps(data, indent=2))

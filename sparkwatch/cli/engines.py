@@ -6,7 +6,7 @@ import argparse
 import json
 from typing import TYPE_CHECKING, Any
 
-from sparkwatch.core.redact import safe_cmdline
+from sparkwatch.core.redact import redact, safe_cmdline
 from sparkwatch.model import EngineTree, GpuHolder
 
 if TYPE_CHECKING:
@@ -33,7 +33,7 @@ def tree_json(tree: EngineTree) -> dict[str, object]:
             {
                 "pid": p.pid,
                 "ppid": p.ppid,
-                "name": p.display_name,
+                "name": redact(p.display_name),
                 "rss_bytes": p.rss_bytes,
                 "cmdline": safe_cmdline(p.argv),
             }

@@ -21,7 +21,9 @@ def handle(args: argparse.Namespace) -> int:
     from sparkwatch.tui.events_view import event_lines
 
     settings = settings_from(args, state_dir=args.state_dir)
-    events = read_events(settings.events_path, max(args.n, 0))
+    if args.n <= 0:
+        return 0
+    events = read_events(settings.events_path, args.n)
     if args.json:
         for event in events:
             print(json.dumps(event))

@@ -30,8 +30,18 @@ def handle(args: argparse.Namespace) -> int:
     from sparkwatch.config import settings_to_wire
 
     # The same file, environment and flags as at start: SIGHUP re-runs exactly this (with --print-settings).
-    settings = settings_from(args, dry_run=args.dry_run, floor=args.floor, listen=args.listen, state_dir=args.state_dir)
-    payload = json.dumps({"wire": settings_to_wire(settings), "public": settings.public_dict()}).encode()
+    settings = settings_from(
+        args,
+        require_meminfo=True,  # a guard without /proc/meminfo cannot run: one line, exit 2
+        dry_run=args.dry_run,
+        floor=args.floor,
+        listen=args.listen,
+        state_dir=args.state_dir,
+    )
+    # `secrets`: what the guard process's log redaction must know (the webhook URL's secret parts, the HMAC key).
+    payload = json.dumps(
+        {"wire": settings_to_wire(settings), "public": settings.public_dict(), "secrets": settings.secrets()}
+    ).encode()
     if args.print_settings:
         sys.stdout.buffer.write(payload)
         sys.stdout.flush()

@@ -32,6 +32,8 @@ ALERT_MIN_INTERVAL_S: Mapping[EventKind, float] = {
     EventKind.COMPILE_BURST: 900.0,
     EventKind.MAX_JOBS_MISSING: 3600.0,
     EventKind.JIT_STALLED: 1800.0,
+    EventKind.OUTBOX_DROPPED: 3600.0,  # the outbox alerts once per run itself; this caps a restart loop
+    EventKind.OUTBOX_QUARANTINED: 3600.0,
 }
 
 # Driver problems, worst first, and the event kind each one opens an episode with.
@@ -65,6 +67,9 @@ class RateState:
     last_sent_s: Mapping[str, float] = field(default_factory=dict)
 
 
+RATE_KEYS_MAX = 1024  # alert streams remembered for rate limiting; the oldest is forgotten first
+
+
 def rate_limit(state: RateState, kind: EventKind, key: str, now_s: float) -> tuple[RateState, bool]:
     """Whether an alerting event goes out now, and the new state. Unknown kinds never alert."""
     interval = ALERT_MIN_INTERVAL_S.get(kind)
@@ -76,6 +81,8 @@ def rate_limit(state: RateState, kind: EventKind, key: str, now_s: float) -> tup
     sent = {k: v for k, v in state.last_sent_s.items() if interval == 0 or now_s - v < 24 * 3600}
     if interval > 0:
         sent[key] = now_s
+    if len(sent) > RATE_KEYS_MAX:  # keys carry pids: under churn they must not pile up for a day
+        sent = dict(sorted(sent.items(), key=lambda kv: kv[1])[-RATE_KEYS_MAX:])
     return RateState(sent), True
 
 

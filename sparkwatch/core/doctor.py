@@ -12,6 +12,7 @@ from typing import Literal
 
 from sparkwatch.core.engines import EngineRules, engine_kind
 from sparkwatch.core.kernlog import KmsgRecord, NvrmError, XidLine, parse_nvrm, xid_info
+from sparkwatch.core.redact import redact
 from sparkwatch.core.states import CheckStatus
 from sparkwatch.model import Check, MemInfo, Proc
 
@@ -64,7 +65,7 @@ def env_targets(procs: Sequence[Proc], rules: EngineRules) -> tuple[EnvTarget, .
 
 
 def _who(t: EnvTarget) -> str:
-    return f"{t.kind if t.role == 'engine' else 'raylet'} pid {t.proc.pid} ({t.proc.display_name})"
+    return f"{t.kind if t.role == 'engine' else 'raylet'} pid {t.proc.pid} ({redact(t.proc.display_name)})"
 
 
 def max_jobs_check(

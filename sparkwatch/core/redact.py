@@ -1,47 +1,101 @@
-"""Command lines go into events, logs and webhooks: cut them short and strip anything that looks like a secret."""
+"""The one redaction function: every string that leaves sparkwatch goes through `redact` (events and so the journal
+and webhook bodies, `engines` output, log lines on stderr).
+
+What it hides, anywhere in a string (an argv element, a whole process title such as
+`VLLM::EngineCore --api-key sk-…`, an `sh -c` script, a log line):
+- the value after a secret-looking flag, `--api-key X`, `--api-key=X`, and `-k X`, `--pass X`, `--pwd X`,
+  `--creds X`, `--cookie X`, `--hf-token X`, `--password X`, `--secret X`, `--auth X`, `--credential X`;
+- `NAME=value` where NAME holds KEY, TOKEN, SECRET, PASSWORD, PASSWD, PWD, CREDENTIAL(S) or COOKIE;
+- `Authorization: Bearer X`, `Bearer X`, `Basic X`;
+- JSON members whose key looks secret: `{"token": "…"}`, `"api_key": …`;
+- well-known token shapes on their own: `sk-…`, `hf_…`, `ghp_…`/`gho_…`/…, `xox?-…` (Slack), `AKIA…` (AWS);
+- URL userinfo (`https://user:pw@host`);
+- sparkwatch's own webhook URL (path and query) and secret, registered at config load with `remember_secrets`.
+Then it cuts control characters (escape sequences, CR/LF that would forge a log line) with `safe_text`.
+
+Over-redaction is the safe side: `--max-num-batched-tokens` and `--tokenizer` are spared, most else that looks
+like a secret goes.
+"""
 
 from __future__ import annotations
 
 import re
 import urllib.parse
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 CMDLINE_MAX_CHARS = 240
-_SECRET_FLAG = re.compile(r"^--?[\w-]*(key|token|secret|password|passwd|auth|credential)[\w-]*$", re.IGNORECASE)
-_SECRET_ASSIGN = re.compile(
-    r"^(--?[\w-]*(key|token|secret|password|passwd|auth|credential)[\w-]*=|"
-    r"[A-Z_]*(KEY|TOKEN|SECRET|PASSWORD)[A-Z_]*=)(.+)$",
+REDACTED = "<redacted>"
+
+# Words that make a flag, variable or JSON key secret. `token` but not `tokens`/`tokenizer` (vLLM's
+# --max-num-batched-tokens and --tokenizer carry no secret and matter when reading a kill record).
+_SECRET_WORD = r"(?:key|token(?!s|izer)|secret|password|passwd|pass|pwd|auth|credentials?|creds|cookie)"
+_FLAG_VALUE = re.compile(
+    rf"(?<![\w-])(--?[\w-]*{_SECRET_WORD}[\w-]*|-k)(=|\s+)(?!-)(\"[^\"]*\"|'[^']*'|\S+)", re.IGNORECASE
+)
+_ENV_ASSIGN = re.compile(
+    r"\b([A-Za-z_]*(?:KEY|TOKEN(?!S)|SECRET|PASSWORD|PASSWD|PWD|CREDENTIALS?|COOKIE)[A-Za-z0-9_]*)=(\S+)",
     re.IGNORECASE,
 )
-# Token shapes that leak on their own: Hugging Face, OpenAI-style, GitHub, Slack, AWS, and URL userinfo.
-_SECRET_VALUE = re.compile(
-    r"^(hf_[A-Za-z0-9]{20,}|sk-[A-Za-z0-9_-]{20,}|gh[pousr]_[A-Za-z0-9]{20,}|"
-    r"xox[abpr]-[A-Za-z0-9-]{10,}|AKIA[0-9A-Z]{16})$"
+_AUTH_SCHEME = re.compile(r"\b(Bearer|Basic|Token|Digest)(\s+)[A-Za-z0-9._~+/=:-]{6,}", re.IGNORECASE)
+_JSON_MEMBER = re.compile(
+    rf"((?:\"|\\\")[\w-]*{_SECRET_WORD}[\w-]*(?:\"|\\\")\s*:\s*)(\\?\"(?:[^\"\\]|\\.)*?\\?\"|[^,}}\s]+)",
+    re.IGNORECASE,
+)
+_TOKEN_SHAPES = re.compile(
+    r"(?<![A-Za-z0-9])(?:sk-[A-Za-z0-9_-]{16,}|hf_[A-Za-z0-9]{16,}|gh[pousr]_[A-Za-z0-9]{16,}|"
+    r"xox[abprs]-[A-Za-z0-9-]{10,}|AKIA[0-9A-Z]{16})"
 )
 _URL_USERINFO = re.compile(r"(://)[^/@\s]+@")
-REDACTED = "<redacted>"
+
+# sparkwatch's own secrets (webhook URL path/query, its HMAC secret): set once at config load, read everywhere.
+_OWN_SECRETS: tuple[str, ...] = ()
+
+
+def remember_secrets(values: Iterable[str | None]) -> None:
+    """Register strings that must never leave the process (each at least 4 characters, to avoid eating text)."""
+    global _OWN_SECRETS  # noqa: PLW0603 - one registry for the process, filled at config load
+    known = set(_OWN_SECRETS)
+    known.update(v for v in values if v and len(v) >= 4)
+    _OWN_SECRETS = tuple(sorted(known, key=len, reverse=True))
+
+
+def redact(text: str) -> str:
+    """`text` with every secret form above replaced by <redacted>, and control characters cut."""
+    for secret in _OWN_SECRETS:
+        if secret in text:
+            text = text.replace(secret, REDACTED)
+    text = _URL_USERINFO.sub(r"\1" + REDACTED + "@", text)
+    text = _AUTH_SCHEME.sub(lambda m: f"{m.group(1)}{m.group(2)}{REDACTED}", text)
+    text = _JSON_MEMBER.sub(lambda m: f'{m.group(1)}"{REDACTED}"', text)
+    text = _FLAG_VALUE.sub(lambda m: f"{m.group(1)}{m.group(2)}{REDACTED}", text)
+    text = _ENV_ASSIGN.sub(lambda m: f"{m.group(1)}={REDACTED}", text)
+    text = _TOKEN_SHAPES.sub(REDACTED, text)
+    return safe_text(text)
+
+
+def redact_value(value: Any) -> Any:
+    """`redact` applied to every string inside a JSON-like value (dict keys are names, kept as they are)."""
+    if isinstance(value, str):
+        return redact(value)
+    if isinstance(value, Mapping):
+        return {k: redact_value(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [redact_value(v) for v in value]
+    return value
 
 
 def redact_argv(argv: Sequence[str]) -> list[str]:
+    """Each argument redacted, and the one after a bare secret flag (`--api-key`, `-k`) as a whole."""
     out: list[str] = []
     hide_next = False
     for arg in argv:
-        if hide_next:
+        if hide_next and not arg.startswith("-"):
             out.append(REDACTED)
             hide_next = False
             continue
-        if _SECRET_FLAG.match(arg):
-            out.append(arg)
-            hide_next = True
-            continue
-        assign = _SECRET_ASSIGN.match(arg)
-        if assign:
-            out.append(assign.group(1) + REDACTED)
-            continue
-        if _SECRET_VALUE.match(arg):
-            out.append(REDACTED)
-            continue
-        out.append(_URL_USERINFO.sub(r"\1" + REDACTED + "@", arg))
+        hide_next = _FLAG_VALUE.fullmatch(arg + " x") is not None
+        out.append(redact(arg))
     return out
 
 
@@ -53,4 +107,23 @@ def safe_cmdline(argv: Sequence[str], limit: int = CMDLINE_MAX_CHARS) -> str:
 def redact_url(url: str) -> str:
     """scheme://host[:port] only: a Slack-style webhook URL carries its secret in the path (and userinfo may too)."""
     parts = urllib.parse.urlsplit(url)
-    return f"{parts.scheme}://{parts.hostname or '?'}" + (f":{parts.port}" if parts.port else "")
+    try:
+        port = parts.port
+    except ValueError:
+        port = None
+    return f"{parts.scheme}://{parts.hostname or '?'}" + (f":{port}" if port else "")
+
+
+# C0 and C1 controls (ESC starts terminal escape sequences; CR/LF forge log lines), DEL, and the Unicode line and
+# paragraph separators and bidi overrides that reorder what a terminal shows.
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069]")
+
+
+def safe_text(text: str) -> str:
+    """`text` with line breaks and tabs as spaces and every other control character as '?': one line, safe to print
+    on a terminal, in a log or on a pipe."""
+    return _CONTROL.sub(_replace_control, text)
+
+
+def _replace_control(match: re.Match[str]) -> str:
+    return " " if match.group(0) in "\t\n\r\x0b\x0c\x85\u2028\u2029" else "?"

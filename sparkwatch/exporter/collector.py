@@ -57,6 +57,9 @@ class OutboxLike(Protocol):
     delivered_total: int
     failed_attempts_total: int
     spool_errors_total: int
+    dropped_total: int
+    quarantined_total: int
+    worker_restarts_total: int
     last_delivery_timestamp_s: float | None
 
     @property
@@ -434,6 +437,17 @@ def _outbox_families(box: OutboxLike) -> Iterator[Metric]:
     )
     yield CounterMetricFamily(
         P + "alert_spool_errors", "Alerts that could not be spooled to disk (kept in memory)", box.spool_errors_total
+    )
+    yield CounterMetricFamily(
+        P + "alerts_dropped", "Undelivered alerts dropped, oldest first, at the outbox cap", box.dropped_total
+    )
+    yield CounterMetricFamily(
+        P + "alert_spool_quarantined",
+        "Spool files moved to outbox/bad/ (not an event id, unparseable)",
+        box.quarantined_total,
+    )
+    yield CounterMetricFamily(
+        P + "alert_outbox_restarts", "Times the outbox worker crashed and was restarted", box.worker_restarts_total
     )
     if box.last_delivery_timestamp_s is not None:
         yield GaugeMetricFamily(

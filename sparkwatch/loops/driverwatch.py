@@ -9,12 +9,12 @@ the driver is still stranded does not page again, and one restarted after the re
 from __future__ import annotations
 
 import json
-import os
 import threading
 import time
 from collections.abc import Callable
 
 from sparkwatch import logs
+from sparkwatch.actuators.durable import private_dir, read_regular, write_atomic
 from sparkwatch.actuators.events import EventLog, EventLogError, make_event
 from sparkwatch.config import Settings
 from sparkwatch.core.alerts import driver_step
@@ -25,6 +25,7 @@ from sparkwatch.sources.nvml import probe_nvml
 from sparkwatch.sources.system import read_driver_facts
 
 # A burst of uevents (nvidia, nvidia_uvm, nvidia_modeset, nvidia_drm, each add/remove) becomes one check.
+STATE_MAX_BYTES = 65536  # the driver state is a few dozen bytes of JSON
 POKE_COALESCE_S = 0.5
 
 
@@ -115,21 +116,16 @@ class DriverWatcher:
 
     def _load_state(self) -> frozenset[DriverProblem]:
         try:
-            data = json.loads(self.state_path.read_text())
+            data = json.loads(read_regular(self.state_path, STATE_MAX_BYTES))
             names = {str(p) for p in data.get("open_problems", [])}
-        except (OSError, ValueError, AttributeError, TypeError):
+        except (OSError, ValueError, AttributeError, TypeError, RecursionError):
             return frozenset()
         return frozenset(p for p in DriverProblem if p in names)  # a name this version does not know is dropped
 
     def _save_state(self) -> None:
-        tmp = self.state_path.with_name(self.state_path.name + ".tmp")
         try:
-            self.state_path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-            with tmp.open("w") as fh:
-                json.dump({"open_problems": sorted(self._open)}, fh)
-                fh.flush()
-                os.fsync(fh.fileno())
-            os.replace(tmp, self.state_path)
+            private_dir(self.state_path.parent)
+            write_atomic(self.state_path, json.dumps({"open_problems": sorted(self._open)}).encode())
         except OSError as exc:
             self.errors_total += 1
             self.last_error = f"{self.state_path}: {exc.strerror or exc}"

@@ -32,6 +32,7 @@ from sparkwatch.actuators.events import EventLog
 from sparkwatch.actuators.systemd import JournalSink, Notifier, ServiceNotifier
 from sparkwatch.channel import rss_bytes
 from sparkwatch.component import Part
+from sparkwatch.core.redact import remember_secrets
 from sparkwatch.core.status import status_line
 from sparkwatch.entry import DAEMON_SIGNALS
 from sparkwatch.guardconfig import GuardConfig, describe_wire_changes
@@ -63,6 +64,7 @@ def validate_with(command: Sequence[str]) -> GuardConfig:
         raise ReloadError(message.removeprefix("sparkwatch: ").removeprefix("config error: "))
     try:
         data = json.loads(done.stdout)
+        remember_secrets(data.get("secrets") or [])
         return GuardConfig.from_wire(data["wire"], data["public"])
     except (ValueError, KeyError, TypeError) as exc:
         raise ReloadError(f"validator output unusable: {exc}") from None
@@ -80,7 +82,7 @@ class GuardProcess:
         self.config = config
         self.validate = validate  # None: SIGHUP is logged and ignored
         self.log_handler = log_handler
-        self.events = EventLog(config.events_path)
+        self.events = EventLog(config.events_path, max_bytes=config.events_max_bytes)
         self.journal = JournalSink()
         self.events.subscribe(self.journal)
         self.sd = ServiceNotifier(Notifier(), self.status_line, poll_max_s=config.poll_max_s)
@@ -329,6 +331,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     handler = logs.setup("guard")
     try:
         data = read_settings_fd(args.settings_fd)
+        remember_secrets(data.get("secrets") or [])  # before any line is logged: the log redacts them
         config = GuardConfig.from_wire(data["wire"], data["public"])
     except (OSError, ValueError, KeyError) as exc:
         log.error("config error: cannot read the validated settings: %s", exc)

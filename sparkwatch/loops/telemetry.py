@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from sparkwatch import logs
+from sparkwatch import logs, syscalls
 from sparkwatch.actuators.events import make_event
 from sparkwatch.config import Settings
 from sparkwatch.core import compile as compile_core
@@ -48,6 +48,7 @@ from sparkwatch.sources.psi import read_psi
 
 log = logs.get("telemetry")
 T = TypeVar("T")
+TRIM_EVERY_CYCLES = 60  # malloc_trim once a minute at the default 1 s interval
 _WCHAN_PROBES_MAX = 64  # members whose wchan is read per engine per cycle; engines have tens of processes
 
 
@@ -335,6 +336,10 @@ class TelemetryLoop:
         snapshot = self.telemetry.collect()
         self.latest = snapshot
         self.cycles += 1
+        if self.cycles % TRIM_EVERY_CYCLES == 0:
+            # Each cycle allocates and frees a process table; glibc keeps the freed pages in its arenas, and under
+            # pid churn that showed as slow RSS growth. Handing them back once a minute costs well under 1 ms.
+            syscalls.trim_heap()
         for event in self.telemetry.drain_events():
             if self.on_event is None:
                 continue

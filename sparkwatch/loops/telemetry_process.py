@@ -164,7 +164,7 @@ class TelemetryProcess:
         self.channel = channel
         self.log_handler = log_handler
         self.remote = RemoteGuard(settings)
-        self.events = EventLog(settings.events_path)
+        self.events = EventLog(settings.events_path, max_bytes=settings.events_max_bytes)
         self.journal = JournalSink()
         self.events.subscribe(self.journal)
         self.parts: list[Part[Settings]] = []
@@ -178,6 +178,8 @@ class TelemetryProcess:
                 timeout_s=settings.webhook_timeout_s,
                 backoff_min_s=settings.webhook_backoff_min_s,
                 backoff_max_s=settings.webhook_backoff_max_s,
+                max_alerts=settings.outbox_max_alerts,
+                events_path=settings.events_path,
                 log=lambda line: logs.legacy(line, "outbox"),
             )
             router = self.router = AlertRouter(self.outbox)

@@ -50,6 +50,27 @@ def _read(path: str, size: int = 4096) -> bytes:
         os.close(fd)
 
 
+_CHILDREN_MAX = 4 << 20  # 4 MiB: a pid list of half a million children; more is not a process tree
+
+
+def _read_all(path: str, limit: int = _CHILDREN_MAX) -> bytes:
+    """The whole file, read until EOF. procfs seq files hand out at most one page (4 KiB) a read: /proc/PID/task/TID/
+    children of a root with more than ~680 children stops there, and a single read would miss the newest ones."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        chunks = []
+        size = 0
+        while size < limit:
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            size += len(chunk)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
 class ProcParseError(ValueError):
     pass
 
@@ -257,7 +278,7 @@ def read_children(proc_root: Path | str, pid: int) -> list[int] | None:
         return out  # the process is gone: no children to find
     for tid in tids:
         try:
-            out.extend(int(x) for x in _read(f"{base}/{tid}/children", 65536).split())
+            out.extend(int(x) for x in _read_all(f"{base}/{tid}/children").split())
         except FileNotFoundError:
             if not os.path.exists(f"{base}/{tid}"):
                 continue  # the thread exited

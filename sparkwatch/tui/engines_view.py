@@ -11,15 +11,11 @@ from rich.text import Text
 
 from sparkwatch.core.engines import EngineRules
 from sparkwatch.core.proctree import tree_rows
+from sparkwatch.core.redact import redact
 from sparkwatch.model import EngineTree, GpuHolder
 from sparkwatch.units import format_size
 
 ROLE_STYLE = {"root": "bold", "worker": "cyan", "compiler": "yellow", "process": "dim"}
-
-
-def printable(text: str) -> str:
-    """A process title as plain text: control characters (escape sequences, CR, LF) become '?'."""
-    return "".join(c if c.isprintable() else "?" for c in text)
 
 
 def tree_heading(tree: EngineTree) -> str:
@@ -41,7 +37,7 @@ def tree_table(tree: EngineTree, rules: EngineRules) -> Table:
             Text(f"{row.prefix}{row.proc.pid}"),
             format_size(row.proc.rss_bytes),
             Text(row.role, style=ROLE_STYLE.get(row.role, "")),
-            Text(printable(row.proc.display_name) + (" <defunct>" if row.proc.state == "Z" else "")),
+            Text(redact(row.proc.display_name) + (" <defunct>" if row.proc.state == "Z" else "")),
         )
     return table
 
@@ -58,7 +54,7 @@ def holders_view(holders: Sequence[GpuHolder], gpu_note: str | None) -> Renderab
     table.add_column("NAME", no_wrap=True, overflow="ellipsis")
     for h in holders:
         used = "?" if h.used_gpu_memory_bytes is None else format_size(h.used_gpu_memory_bytes)
-        table.add_row(str(h.proc.pid), used, Text(printable(h.proc.display_name)))
+        table.add_row(str(h.proc.pid), used, Text(redact(h.proc.display_name)))
     heading = Text("GPU holders that are not engines (the guard does not kill them; see guard_gpu_holders)", "bold")
     return Group(heading, table)
 

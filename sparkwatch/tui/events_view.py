@@ -6,6 +6,8 @@ from collections.abc import Mapping, Sequence
 from datetime import datetime, tzinfo
 from typing import Any
 
+from sparkwatch.core.redact import safe_text
+
 TIME_FORMAT = "%Y-%m-%d %H:%M:%S"
 
 
@@ -23,7 +25,7 @@ def local_time(ts: object, tz: tzinfo | None = None) -> str:
 
 
 def _one_line(text: str) -> str:
-    return " ".join(text.split())
+    return safe_text(" ".join(text.split()))
 
 
 def event_lines(events: Sequence[Mapping[str, Any]], tz: tzinfo | None = None) -> list[str]:

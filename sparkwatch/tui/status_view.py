@@ -19,6 +19,7 @@ from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
+from sparkwatch.core.redact import redact
 from sparkwatch.core.states import DriverVerdict, JitState, MaxJobsState
 from sparkwatch.core.trend import BuildRate, PoolTrend
 from sparkwatch.model import (
@@ -32,7 +33,6 @@ from sparkwatch.model import (
     MemInfo,
     Snapshot,
 )
-from sparkwatch.tui.engines_view import printable
 from sparkwatch.tui.events_view import local_time
 from sparkwatch.units import GiB, MiB, format_size
 
@@ -168,8 +168,9 @@ def engine_lines(frame: StatusFrame) -> list[Text]:
     out = []
     for tree in snap.engines:
         count = len(tree.members)
+        name = redact(tree.root.display_name)
         line = Text(
-            f"{tree.kind} {tree.root.pid} · {tree.root.display_name} · {count} process{'es' if count != 1 else ''}"
+            f"{tree.kind} {tree.root.pid} · {name} · {count} process{'es' if count != 1 else ''}"
             f" · RSS {format_size(tree.rss_bytes)}"
         )
         state = _jit_state_for(tree, snap.jit_states)
@@ -308,7 +309,7 @@ def gpu_lines(gpu: GpuReport | None, unknown: Sequence[GpuHolder] = ()) -> list[
         out.append(Text(" · ".join(parts)))
     for holder in unknown[:MAX_UNKNOWN_HOLDER_LINES]:
         used = "" if holder.used_gpu_memory_bytes is None else f" {format_size(holder.used_gpu_memory_bytes)}"
-        name = printable(holder.proc.display_name)
+        name = redact(holder.proc.display_name)
         out.append(Text(f"not an engine: {holder.proc.pid} {name}{used} (the guard does not kill it)", style="yellow"))
     if len(unknown) > MAX_UNKNOWN_HOLDER_LINES:
         out.append(Text(f"… and {len(unknown) - MAX_UNKNOWN_HOLDER_LINES} more: sparkwatch engines --all", style="dim"))

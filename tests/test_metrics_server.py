@@ -1,0 +1,142 @@
+"""The metrics endpoint stays up against idle connections, slow clients and TLS connections that never say hello."""
+
+from __future__ import annotations
+
+import os
+import socket
+import ssl
+import threading
+import time
+import urllib.request
+import uuid
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+
+import pytest
+
+from sparkwatch.actuators.killer import find_cgroup2_mount
+from sparkwatch.exporter.server import BoundedHTTPServer
+from tests.conftest import require
+from tests.daemon import sparkwatch_run
+from tests.test_telemetry_live import make_pki
+
+
+def get(url: str, context: ssl.SSLContext | None = None, timeout: float = 10) -> str:
+    with urllib.request.urlopen(url, timeout=timeout, context=context) as r:
+        return str(r.read().decode())
+
+
+def idle_connections(port: int, n: int, stack: ExitStack) -> list[socket.socket]:
+    out = []
+    for _ in range(n):
+        s = socket.create_connection(("127.0.0.1", port), timeout=5)
+        stack.callback(s.close)
+        out.append(s)
+    return out
+
+
+def echo_handler(method: str, path: str, headers: dict[str, str]) -> tuple[int, str, bytes]:
+    return 200, "text/plain", f"{method} {path}\n".encode()
+
+
+def test_idle_and_slow_clients_cost_no_threads_and_block_nothing() -> None:
+    server = BoundedHTTPServer("127.0.0.1", 0, echo_handler, max_connections=32, request_timeout_s=1.0)
+    server.start()
+    port = server.server_address[1]
+    threads_before = threading.active_count()
+    try:
+        with ExitStack() as stack:
+            idle_connections(port, 200, stack)  # more than the cap: the longest idle are closed
+            slow = [socket.create_connection(("127.0.0.1", port)) for _ in range(4)]
+            for s in slow:
+                stack.callback(s.close)
+                s.sendall(b"GET /metr")  # then nothing: a worker takes it, the deadline frees the worker
+            assert threading.active_count() == threads_before
+            for _ in range(5):
+                assert get(f"http://127.0.0.1:{port}/metrics") == "GET /metrics\n"
+            assert server.evicted_total >= 200 - 32
+    finally:
+        server.stop()
+
+
+@contextmanager
+def pids_cgroup() -> Iterator[Path]:
+    """A cgroup with the pids controller the test may write, v2 or v1; skipped (failed in CI) where there is none."""
+    candidates = []
+    v2 = find_cgroup2_mount(Path("/proc"))
+    if v2 is not None and "pids" in (v2 / "cgroup.controllers").read_text(errors="replace").split():
+        candidates.append(v2)
+    if Path("/sys/fs/cgroup/pids/cgroup.procs").exists():
+        candidates.append(Path("/sys/fs/cgroup/pids"))
+    made: Path | None = None
+    for base in candidates:
+        try:
+            path = base / f"sparkwatch-test-{uuid.uuid4().hex[:8]}"
+            path.mkdir()
+            if not (path / "pids.max").exists():
+                path.rmdir()
+                continue
+            made = path
+            break
+        except OSError:
+            continue
+    require(made is not None, "needs a writable cgroup with the pids controller (root)")
+    assert made is not None
+    try:
+        yield made
+    finally:
+        for _ in range(50):
+            try:
+                made.rmdir()
+                break
+            except OSError:
+                time.sleep(0.1)
+
+
+@pytest.mark.slow
+def test_scrapes_and_guard_survive_200_idle_connections_under_a_task_limit(tmp_path: Path) -> None:
+    with pids_cgroup() as cg, sparkwatch_run(tmp_path, env={"SPARKWATCH_MLOCK": "false"}) as d:
+        url = f"http://127.0.0.1:{d.port}/metrics"
+        assert "sparkwatch_build_info" in get(url)
+        (cg / "cgroup.procs").write_text(str(d.proc.pid))
+        tasks = int((cg / "pids.current").read_text())
+        # The daemon's tasks now, plus 4: a thread per connection (prometheus_client's server) would hit it at once.
+        (cg / "pids.max").write_text(str(tasks + 4))
+        with ExitStack() as stack:
+            idle_connections(d.port, 200, stack)
+            time.sleep(1.0)
+            for _ in range(10):
+                text = get(url)
+                assert "sparkwatch_build_info" in text
+            age = next(
+                float(line.split()[-1])
+                for line in text.splitlines()
+                if line.startswith("sparkwatch_guard_loop_age_seconds")
+            )
+            assert age < 5.0, age  # the guard kept polling (its interval is at most 1 s)
+        assert d.proc.poll() is None
+        assert not any("can't start new thread" in line for line in d.stderr_lines), d.stderr_lines
+        assert int((cg / "pids.current").read_text()) <= tasks + 4
+    # cgroup.procs of a dead daemon empties itself: the context exit removes the cgroup
+
+
+def test_tls_connection_without_client_hello_does_not_block_https_scrapes(tmp_path: Path) -> None:
+    pki = tmp_path / "pki"
+    pki.mkdir()
+    make_pki(pki)
+    env = {
+        "SPARKWATCH_MLOCK": "false",
+        "SPARKWATCH_TLS_CERT_FILE": str(pki / "server.pem"),
+        "SPARKWATCH_TLS_KEY_FILE": str(pki / "server.key"),
+    }
+    with sparkwatch_run(tmp_path, env=env) as d, ExitStack() as stack:
+        silent = idle_connections(d.port, 3, stack)  # TCP up, no ClientHello, ever
+        stuck = socket.create_connection(("127.0.0.1", d.port))
+        stack.callback(stuck.close)
+        stuck.sendall(b"\x16\x03\x01\x02\x00\x01")  # the start of a ClientHello, then silence
+        context = ssl.create_default_context(cafile=str(pki / "ca.pem"))
+        for _ in range(5):
+            assert "sparkwatch_build_info" in get(f"https://127.0.0.1:{d.port}/metrics", context, timeout=10)
+        assert all(s.fileno() >= 0 for s in silent)
+        assert os.path.exists(pki / "server.pem")
