@@ -98,6 +98,12 @@ class Daemon:
             return
         self.add("telemetry", self.telemetry)
         self.add("metrics", MetricsServer(self.settings, registry))
+        # The guard ranks victims with per-pid GPU bytes from telemetry's latest snapshot (a reference read, no NVML
+        # call on the guard's thread). When the guard runs in its own process this callable becomes the channel.
+        from sparkwatch.loops.telemetry import gpu_bytes_by_pid  # noqa: PLC0415
+
+        telemetry = self.telemetry
+        self.guard.gpu_bytes_by_pid = lambda: gpu_bytes_by_pid(telemetry.latest)
 
     def add(self, name: str, component: Component) -> None:
         self.components.append((name, component))
