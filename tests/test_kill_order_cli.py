@@ -53,3 +53,35 @@ def test_engines_ranks_the_growing_tree_first_and_names_never_kill(spawner: Spaw
     text = engines("--window", "0", env=env)
     assert text.returncode == 0, text.stderr
     assert "kill order" in text.stdout and "never_kill matches 'llama-server'" in text.stdout
+
+
+def test_policy_config_mistakes_name_the_key(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SPARKWATCH_")}
+    env["XDG_CONFIG_HOME"] = str(tmp_path / "xdg")
+    cases = {
+        "SPARKWATCH_KILL_ORDER": ('["growth", "oldest"]', "kill_order: 'oldest' is not one of"),
+        "SPARKWATCH_KILL_PRIORITY": ('["high=vllm"]', "kill_priority: 'high=vllm' should be written as priority=regex"),
+        "SPARKWATCH_NEVER_KILL": ('["("]', "never_kill: '(' is not a valid regex"),
+        "SPARKWATCH_KILL_SETTLE_S": ("0", "kill_settle_s: "),
+    }
+    for name, (value, message) in cases.items():
+        out = subprocess.run(
+            [sys.executable, "-m", "sparkwatch", "check-config"],
+            check=False,
+            capture_output=True,
+            text=True,
+            env={**env, name: value},
+            timeout=60,
+        )
+        assert out.returncode == 2, (name, out.stdout, out.stderr)
+        assert message in out.stderr, out.stderr
+    ok = subprocess.run(
+        [sys.executable, "-m", "sparkwatch", "check-config"],
+        check=False,
+        capture_output=True,
+        text=True,
+        env={**env, "SPARKWATCH_KILL_PRIORITY": '["-10=--served-model-name prod"]'},
+        timeout=60,
+    )
+    assert ok.returncode == 0, ok.stderr
+    assert "-10=--served-model-name prod" in ok.stdout
