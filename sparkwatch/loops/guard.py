@@ -122,8 +122,9 @@ class Guard:
         self.policy = policy_params(settings)
         self.history = policy.GrowthHistory()  # replaced whole by the scout and the kill path (atomic reference swap)
         self.loops = LoopState()
-        # Victims signalled and not yet reaped: tree -> this thread's own dups of their pidfds (the reaper closes its).
-        self._outstanding: dict[policy.TreeKey, list[int]] = {}
+        # Victims signalled and not yet reaped: tree -> (teardown deadline, this thread's own dups of their pidfds; the
+        # reaper closes its own). Past the deadline a victim counts as stuck (D state) and is no longer waited for.
+        self._outstanding: dict[policy.TreeKey, tuple[float, list[int]]] = {}
         # Trees killed (or, in dry-run, chosen) in this episode: never chosen twice.
         self._episode_victims: set[policy.TreeKey] = set()
         self._hunt_recorded = False  # one no_victim event per stretch of hunting, not one per look
@@ -136,7 +137,14 @@ class Guard:
         self.meminfo = MeminfoReader(settings.proc_root)
         self.scanner = ProcScanner(settings.proc_root)
         self.killer = Killer(settings.proc_root, self.rules, self.scope)
-        self.reaper = Reaper(settings.proc_root, self._announce, self._finish, settle_s=settings.kill_settle_s)
+        # The reaper waits as long as the longest teardown the policy allows (a GB10 engine holding 77 GiB: ~10 s).
+        self.reaper = Reaper(
+            settings.proc_root,
+            self._announce,
+            self._finish,
+            wait_s=core.TEARDOWN_MAX_S,
+            settle_s=settings.kill_settle_s,
+        )
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._poller = select.poll()
         self._poller.register(self._wake_r, select.POLLIN)
@@ -276,12 +284,12 @@ class Guard:
         if not self._outstanding:
             return
         poller = select.poll()
-        for fds in self._outstanding.values():
+        for _deadline, fds in self._outstanding.values():
             for fd in fds:
                 poller.register(fd, select.POLLIN)
         exited = {fd for fd, _ in poller.poll(0)}
-        for key, fds in list(self._outstanding.items()):
-            if all(fd in exited for fd in fds):
+        for key, (deadline, fds) in list(self._outstanding.items()):
+            if all(fd in exited for fd in fds) or now >= deadline:
                 for fd in fds:
                     os.close(fd)
                 del self._outstanding[key]
@@ -392,10 +400,11 @@ class Guard:
         )
         now = time.monotonic()
         self._episode_victims.add(victim.key)
-        if not settings.dry_run and victims:
-            self._outstanding[victim.key] = [os.dup(v.pidfd) for v in victims]
         held = victim.rss_bytes + (victim.gpu_bytes or 0)
-        self.state = core.fired(self.state, params, now, core.Outcome.KILLED, core.teardown_deadline_s(held))
+        teardown_s = core.teardown_deadline_s(held)
+        if not settings.dry_run and victims:
+            self._outstanding[victim.key] = (now + teardown_s, [os.dup(v.pidfd) for v in victims])
+        self.state = core.fired(self.state, params, now, core.Outcome.KILLED, teardown_s)
         if victim.key not in self._outstanding:
             self.state = core.reaped(self.state, params, now)  # dry run, or already gone: nothing to wait for
         with self.lock:
