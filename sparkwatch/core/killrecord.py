@@ -1,4 +1,4 @@
-"""What a kill leaves behind: the greppable line and the fields of the `kill` event (DESIGN.md, Events)."""
+"""What a kill leaves behind: the greppable line and the fields of the `kill` event (a contract: README, events)."""
 
 from __future__ import annotations
 
