@@ -349,19 +349,21 @@ def two_engine_report(episodes: list[TwoEngineEpisode], argv: list[str]) -> str:
     ]
     for ep in episodes:
         safe = "-" if ep.safe_after_s is None else f"{ep.safe_after_s * 1000:,.0f}"
+        if not ep.crossed and not ep.killed:
+            safe = "not in danger (MemAvailable never reached the floor: others on the box freed memory)"
         lines.append(
             f"| {ep.target_rate} | {ep.contender} | {'yes' if ep.spared else 'no'} | {safe} | {ep.killed} | "
             f"{ep.overshoot / MiB:,.0f} |"
         )
     lines += [
         "",
-        "Summary (medians):",
+        "Summary (medians over the episodes where the box was in danger):",
         "",
         "| contender | spare rate | safe after ms | processes killed | overshoot MiB |",
         "| --- | --- | --- | --- | --- |",
     ]
     for c in ("sparkwatch", "earlyoom"):
-        eps = [e for e in episodes if e.contender == c]
+        eps = [e for e in episodes if e.contender == c and (e.crossed or e.killed)]  # the box was in danger
         safe = [e.safe_after_s * 1000 for e in eps if e.safe_after_s is not None]
         lines.append(
             f"| {c} | {sum(e.spared for e in eps)}/{len(eps)} | "

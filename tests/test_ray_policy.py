@@ -115,11 +115,16 @@ def test_only_the_allocating_actor_dies_and_ray_restarts_it(ray_cluster: Any, tm
         assert first_pid in victims
         assert bystander_pid not in victims
         assert all(alive(pid, ticks) for pid, ticks in raylets.items()), "the raylet must survive"
-        # Ray restarts the actor (max_restarts=1): a new process answers.
-        try:
-            second_pid = ray.get(actor.pid.remote(), timeout=120)
-        except ray.exceptions.RayActorError:
-            pytest.fail("the restarted actor died too:\n" + "\n".join(daemon.stderr_lines))
+        # Ray restarts the actor (max_restarts=1): a new process answers (unavailable while it restarts).
+        second_pid = None
+        deadline = time.monotonic() + 120
+        while second_pid is None and time.monotonic() < deadline:
+            try:
+                second_pid = ray.get(actor.pid.remote(), timeout=120)
+            except ray.exceptions.ActorUnavailableError:
+                time.sleep(0.5)
+            except ray.exceptions.RayActorError:
+                pytest.fail("the restarted actor died too:\n" + "\n".join(daemon.stderr_lines))
         assert second_pid != first_pid
         assert ray.get(bystander.pid.remote(), timeout=60) == bystander_pid
         time.sleep(1.0)
