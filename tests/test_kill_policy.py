@@ -207,11 +207,14 @@ def ballast(spawner: Spawner, tmp_path: Path, size_bytes: int) -> Path:
 
 @pytest.mark.pressure
 def test_an_engine_started_under_the_floor_dies_as_soon_as_it_is_found(spawner: Spawner, tmp_path: Path) -> None:
-    floor = floor_or_skip()
+    floor_or_skip()
+    hog = ballast(spawner, tmp_path, 512 * MiB)
+    time.sleep(1.0)  # the ballast holds its memory
+    # The floor sits 1 GiB above what is available now (the ballast took its share): the box is under the floor
+    # with no engine from the start, whatever others on this shared box free meanwhile. Nothing more is allocated.
+    floor = available_bytes() + GiB
     with sparkwatch_run(tmp_path, env={"SPARKWATCH_FLOOR": str(floor)}) as daemon:
-        hog = ballast(spawner, tmp_path, HEADROOM_BYTES + GiB)  # 1 GiB margin: others on the box may free memory
         assert wait_until(lambda: bool(events(daemon, "no_victim")), 60), "\n".join(daemon.stderr_lines)
-        assert available_bytes() <= floor + 256 * MiB
         pidfile = tmp_path / "late.pids"
         spawner.engine("--worker", "VLLM::Worker_TP0", pidfile=pidfile, wait_for=1)
         started = time.monotonic()
@@ -219,7 +222,7 @@ def test_an_engine_started_under_the_floor_dies_as_soon_as_it_is_found(spawner: 
         took_s = time.monotonic() - started
         assert wait_until(lambda: bool(events(daemon, "kill")), 10)  # recorded after the reap and the settle time
         (kill,) = events(daemon, "kill")
-        assert kill["trigger"] == "hunt"
+        assert kill["trigger"] in ("hunt", "floor")  # "floor" only if others' frees briefly lifted the box over it
         assert float(kill["detect_to_signal_ms"]) < 1000  # type: ignore[arg-type]
         assert took_s < 5, f"the late engine lived {took_s:.1f} s under the floor"
         assert root_of(pidfile)[0] in {v["pid"] for v in kill["victims"]}  # type: ignore[union-attr]
