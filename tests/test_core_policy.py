@@ -253,3 +253,13 @@ def test_a_firing_with_no_victim_keeps_looking_while_under_the_floor() -> None:
     assert looks[0][1] == "floor" and {k for _, k in looks[1:]} == {"hunt"}
     assert len(looks) >= 6  # every LOOK_EVERY_S: an engine that starts now is found within a quarter second
     assert state.in_episode
+
+
+def test_a_tree_of_zombies_is_no_candidate() -> None:
+    live = tree(100, "VLLM::EngineCore", 500, 1_000)
+    dead_root = Proc(
+        pid=200, ppid=1, uid=1000, comm="VLLM::EngineCor", state="Z", start_ticks=9_000, rss_bytes=0, argv=()
+    )
+    dead = EngineTree(kind="vllm", root=dead_root, members=(dead_root,))
+    ranking = policy.rank([dead, live], policy.GrowthHistory(), 0.0, None, P)
+    assert [c.tree.root.pid for c in ranking] == [100]

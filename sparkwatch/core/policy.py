@@ -270,12 +270,18 @@ def _sort_key(c: Candidate, order: Sequence[str]) -> tuple[int, ...]:
     return tuple(key)
 
 
+# A zombie has exited and freed its memory; only its parent's wait() is missing. A tree of nothing but zombies (a
+# victim whose parent has not reaped it yet) is no candidate: "killing" it would spend a firing and a settle time.
+GONE_STATES = frozenset({"Z", "X"})
+
+
 def rank(
     trees: Sequence[EngineTree], history: GrowthHistory, now: float, gpu: GpuBytes | None, params: PolicyParams
 ) -> tuple[Candidate, ...]:
-    """Every tree in the order the guard would kill them now (never_kill trees last, never chosen)."""
+    """Every live tree in the order the guard would kill them now (never_kill trees last, never chosen)."""
     by_pid = fresh_gpu(gpu, now)
-    candidates = [_candidate(t, history, now, by_pid, params) for t in trees]
+    live = [t for t in trees if any(p.state not in GONE_STATES for p in t.members)]
+    candidates = [_candidate(t, history, now, by_pid, params) for t in live]
     return tuple(sorted(candidates, key=lambda c: _sort_key(c, params.kill_order)))
 
 
