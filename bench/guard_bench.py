@@ -10,6 +10,15 @@ earlyoom kills the hog only (highest oom_score: the hog sets oom_score_adj 1000 
 the whole tree. Then each contender's idle CPU and RSS over a minute.
 
     .venv/bin/python bench/guard_bench.py --episodes 5 --rates 1,2,4 --idle-s 60 --out bench/RESULTS-guard.md
+
+`--scenario two-engine`: a serving engine that loaded long ago (VLLM::EngineCore with a worker holding steady RSS)
+and a second engine starting beside it, whose worker's spike goes where a GB10's GPU allocations go: into memory that
+drains MemAvailable but shows in neither RSS nor oom_score (an unmapped memfd). Reported per episode: did the serving
+engine survive (spare rate), crossing -> box safe (the spike's memory freed), processes killed. earlyoom runs as an
+owner would point it at engines (`--prefer '^VLLM::'`) and picks by oom_score, as it does.
+
+    .venv/bin/python bench/guard_bench.py --scenario two-engine --episodes 6 --rates 1 --idle-s 0 \
+        --out bench/RESULTS-guard-two-engine.md
 """
 
 from __future__ import annotations
@@ -69,7 +78,7 @@ class Episode:
     own_detect_to_reaped_ms: float | None = None  # sparkwatch's own record: detect -> signal -> last reaped
 
 
-def start_contender(name: str, floor: int, tmp: Path) -> subprocess.Popen[bytes]:
+def start_contender(name: str, floor: int, tmp: Path, prefer: str = "^sw-hog$") -> subprocess.Popen[bytes]:
     if name == "sparkwatch":
         env = {k: v for k, v in os.environ.items() if not k.startswith("SPARKWATCH_")}
         env.update(
@@ -98,7 +107,7 @@ def start_contender(name: str, floor: int, tmp: Path) -> subprocess.Popen[bytes]
     kib = floor // 1024
     # -M term,kill in KiB, both at the floor, so earlyoom goes straight to SIGKILL like sparkwatch.
     proc = subprocess.Popen(
-        ["earlyoom", "-M", f"{kib},{kib}", "-r", "0", "--prefer", "^sw-hog$"],
+        ["earlyoom", "-M", f"{kib},{kib}", "-r", "0", "--prefer", prefer],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
@@ -209,6 +218,166 @@ def run_episode(contender: str, target_rate: int, tmp: Path) -> Episode:
     )
 
 
+SERVE_MIB = 512  # the serving engine's worker RSS (on a GB10 its weights sit in GPU memory that RSS does not show)
+
+
+@dataclass
+class TwoEngineEpisode:
+    contender: str
+    target_rate: int
+    spared: bool  # every process of the serving engine still alive at the end
+    safe_after_s: float | None  # crossing (or first kill, if earlier) -> the spike's memory holder reaped
+    killed: int  # processes of ours that died
+    crossed: bool
+    overshoot: int
+
+
+def _engine(args: list[str], pidfile: Path, wait_roles: int) -> subprocess.Popen[bytes]:
+    proc = subprocess.Popen([sys.executable, str(FAKE_ENGINE), *args, "--pidfile", str(pidfile)])
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and not (pidfile.exists() and len(pids_in(pidfile)) >= wait_roles):
+        time.sleep(0.01)
+    return proc
+
+
+def _pidfds(pidfile: Path) -> dict[int, int]:
+    out = {}
+    for pid, (ticks, _) in pids_in(pidfile).items():
+        try:
+            fd = os.pidfd_open(pid)
+        except ProcessLookupError:
+            continue
+        if read_start_ticks("/proc", pid) == ticks:
+            out[fd] = pid
+        else:
+            os.close(fd)
+    return out
+
+
+def run_two_engine_episode(contender: str, target_rate: int, tmp: Path) -> TwoEngineEpisode:
+    stamp = time.monotonic_ns()
+    serve_file, spike_file = tmp / f"serve-{stamp}.pids", tmp / f"spike-{stamp}.pids"
+    serve = _engine(
+        ["--hog-title", "VLLM::Worker_TP0", "--hog-rate-mib", "2048", "--hog-limit-mib", str(SERVE_MIB)], serve_file, 2
+    )
+    time.sleep(1.0)  # weights loaded
+    floor = MeminfoReader().read().available_bytes - HEADROOM
+    daemon = start_contender(contender, floor, tmp, prefer="^VLLM::")
+    time.sleep(2.0)  # the serving engine has been steady for a while when the second one starts
+    sampler = Sampler()
+    sampler.start()
+    spike = _engine(
+        [
+            "--ignore-term",
+            "--hog-title",
+            "VLLM::Worker_TP0",
+            "--hog-memfd",
+            "--hog-rate-mib",
+            str(target_rate * 1024),
+            "--hog-limit-mib",
+            str((HEADROOM + HOG_EXTRA) // MiB),
+        ],
+        spike_file,
+        2,
+    )
+    serve_fds, spike_fds = _pidfds(serve_file), _pidfds(spike_file)
+    holder = next((fd for fd, pid in spike_fds.items() if pids_in(spike_file)[pid][1] == "hog"), None)
+    poller = select.poll()
+    for fd in (*serve_fds, *spike_fds):
+        poller.register(fd, select.POLLIN)
+    exits: dict[int, float] = {}
+    stop_at = time.monotonic() + 30
+    while holder is not None and holder not in exits and time.monotonic() < stop_at:
+        for fd, _ in poller.poll(50):
+            exits.setdefault(fd, time.monotonic())
+            poller.unregister(fd)
+    time.sleep(2.5)  # anything the contender kills after the spike is gone counts too (a settle, a late escalation)
+    for fd, _ in poller.poll(0):
+        exits.setdefault(fd, time.monotonic())
+    sampler.stop.set()
+    sampler.join()
+    daemon.terminate()
+    daemon.wait(10)
+    for pidfile in (serve_file, spike_file):
+        for pid, (ticks, _) in pids_in(pidfile).items():
+            if read_start_ticks("/proc", pid) == ticks:
+                try:
+                    os.kill(pid, 9)
+                except ProcessLookupError:
+                    pass
+    for fd in (*serve_fds, *spike_fds):
+        os.close(fd)
+    serve.wait(10)
+    spike.wait(10)
+    samples = sampler.samples
+    crossing = next((t for t, a in samples if a <= floor), None)
+    first_exit = min(exits.values()) if exits else None
+    ref = min((t for t in (crossing, first_exit) if t is not None), default=None)
+    safe = exits.get(holder) if holder is not None else None
+    return TwoEngineEpisode(
+        contender=contender,
+        target_rate=target_rate,
+        spared=not any(fd in exits for fd in serve_fds),
+        safe_after_s=(safe - ref) if (safe is not None and ref is not None) else None,
+        killed=len(exits),
+        crossed=crossing is not None,
+        overshoot=max(0, floor - min(a for _, a in samples)),
+    )
+
+
+def two_engine_report(episodes: list[TwoEngineEpisode], argv: list[str]) -> str:
+    lines = [
+        "# Guard benchmark, two engines: sparkwatch vs earlyoom",
+        "",
+        f"Command: `{' '.join(['.venv/bin/python', 'bench/guard_bench.py', *argv])}`",
+        "",
+        f"Machine: {platform.machine()}, {os.cpu_count()} cores, {psutil.virtual_memory().total / GiB:.1f} GiB, "
+        f"kernel {platform.release()}, {earlyoom_version()}. Episodes alternate A B A B.",
+        "",
+        f"A serving engine (VLLM::EngineCore + VLLM::Worker_TP0 holding {SERVE_MIB} MiB RSS, steady) runs; the floor "
+        f"is set {HEADROOM // MiB} MiB under MemAvailable; a second engine starts and its worker's spike goes into "
+        "memory that drains MemAvailable but shows in neither RSS nor oom_score (an unmapped memfd: what a GB10's GPU "
+        f"allocations look like), {HOG_EXTRA // MiB} MiB past the floor if nobody acts. earlyoom: "
+        "`-M floor,floor -r 0 --prefer '^VLLM::'`. sparkwatch: defaults, no GPU figures (no NVML here).",
+        "",
+        "spared = the serving engine survived; safe after = from the floor crossing (or the first kill, if earlier) "
+        "to the spike's memory holder reaped (ms; '-' = never within 30 s); killed = processes of the two engines "
+        "that died; overshoot = how far MemAvailable went under the floor (MiB).",
+        "",
+        "| target GiB/s | contender | spared | safe after ms | killed | overshoot MiB |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for ep in episodes:
+        safe = "-" if ep.safe_after_s is None else f"{ep.safe_after_s * 1000:,.0f}"
+        if not ep.crossed and not ep.killed:
+            safe = "not in danger (MemAvailable never reached the floor: others on the box freed memory)"
+        lines.append(
+            f"| {ep.target_rate} | {ep.contender} | {'yes' if ep.spared else 'no'} | {safe} | {ep.killed} | "
+            f"{ep.overshoot / MiB:,.0f} |"
+        )
+    lines += [
+        "",
+        "Summary (medians over the episodes where the box was in danger):",
+        "",
+        "| contender | spare rate | safe after ms | processes killed | overshoot MiB |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for c in ("sparkwatch", "earlyoom"):
+        eps = [e for e in episodes if e.contender == c and (e.crossed or e.killed)]  # the box was in danger
+        safe = [e.safe_after_s * 1000 for e in eps if e.safe_after_s is not None]
+        lines.append(
+            f"| {c} | {sum(e.spared for e in eps)}/{len(eps)} | "
+            f"{statistics.median(safe):,.0f} ({len(safe)}/{len(eps)} safe) | "
+            if safe
+            else f"| {c} | {sum(e.spared for e in eps)}/{len(eps)} | - (0/{len(eps)} safe) | "
+        )
+        lines[-1] += (
+            f"{statistics.median(e.killed for e in eps):,.0f} | "
+            f"{statistics.median(e.overshoot for e in eps) / MiB:,.0f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
 def idle_cost(contender: str, seconds: float, tmp: Path) -> tuple[float, float]:
     """(% of one core, RSS MiB) of a contender left alone with lots of headroom."""
     floor = 512 * MiB
@@ -288,6 +457,7 @@ def main() -> None:
     ap.add_argument("--idle-s", type=float, default=60)
     ap.add_argument("--out", type=Path)
     ap.add_argument("--split-rss-s", type=float, default=0, help="only measure the guard/telemetry RSS this long")
+    ap.add_argument("--scenario", choices=("spike", "two-engine"), default="spike")
     args = ap.parse_args()
     if args.split_rss_s:
         with tempfile.TemporaryDirectory() as tmpdir:
@@ -298,6 +468,20 @@ def main() -> None:
     if MeminfoReader().read().available_bytes < 8 * GiB:
         sys.exit("needs 8 GiB MemAvailable")
     rates = [int(r) for r in args.rates.split(",")]
+    if args.scenario == "two-engine":
+        two: list[TwoEngineEpisode] = []
+        with tempfile.TemporaryDirectory() as tmpdir:
+            for rate in rates:
+                for i in range(args.episodes):
+                    for contender in ("sparkwatch", "earlyoom") if i % 2 == 0 else ("earlyoom", "sparkwatch"):
+                        two.append(run_two_engine_episode(contender, rate, Path(tmpdir)))
+                        print(two[-1], flush=True)
+                        time.sleep(1)
+        text = two_engine_report(two, sys.argv[1:])
+        print(text)
+        if args.out:
+            args.out.write_text(text)
+        return
     episodes: list[Episode] = []
     with tempfile.TemporaryDirectory() as tmpdir:
         tmp = Path(tmpdir)

@@ -127,6 +127,15 @@ class GpuBoard:
         with self.lock:
             self.pids, self.read_at_s = clean, read_at_s
 
+    def latest(self) -> tuple[float, dict[int, int]] | None:
+        """For the kill policy (loops.guard.GpuBytesSource): (monotonic time of the reading, pid -> bytes), or None
+        before telemetry's NVML answered. The policy itself ignores a reading that is too old."""
+        with self.lock:
+            if self.read_at_s is None:
+                return None
+            age_s = max(time.time() - self.read_at_s, 0.0)
+            return time.monotonic() - age_s, dict(self.pids)
+
     def update_holders(self, holders: object) -> None:
         if not isinstance(holders, list):
             return

@@ -29,6 +29,7 @@ from pydantic import (
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from sparkwatch.core.engines import compile_engine_patterns, compile_protect_patterns
+from sparkwatch.core.policy import DEFAULT_KILL_ORDER, compile_never_kill, parse_kill_order, parse_kill_priority
 from sparkwatch.core.redact import redact_url, remember_secrets
 from sparkwatch.units import GiB, format_size, parse_size
 
@@ -117,6 +118,17 @@ class Settings(BaseSettings):
     guard_gpu_holders: bool = Field(
         False, description="treat a process NVML lists as holding GPU memory, that no rule names, as an engine"
     )
+    kill_order: list[str] = Field(
+        default_factory=lambda: list(DEFAULT_KILL_ORDER),
+        description="criteria ranking the engine trees, first decides: priority, growth, youngest, largest",
+    )
+    kill_priority: list[str] = Field(
+        default_factory=list, description="'priority=regex': trees matching die earlier (higher) or later (negative)"
+    )
+    never_kill: list[str] = Field(default_factory=list, description="regexes: matching engine trees are never killed")
+    kill_settle_s: float = Field(
+        1.0, gt=0, le=10, description="after a victim is reaped, wait this long for memory before the next tree"
+    )
 
     # --- telemetry and its outputs
     telemetry_interval_s: float = Field(1.0, gt=0, le=60)
@@ -201,6 +213,24 @@ class Settings(BaseSettings):
     @classmethod
     def _check_protect_patterns(cls, value: list[str]) -> list[str]:
         compile_protect_patterns(value)
+        return value
+
+    @field_validator("kill_order")
+    @classmethod
+    def _check_kill_order(cls, value: list[str]) -> list[str]:
+        parse_kill_order(value)
+        return value
+
+    @field_validator("kill_priority")
+    @classmethod
+    def _check_kill_priority(cls, value: list[str]) -> list[str]:
+        parse_kill_priority(value)
+        return value
+
+    @field_validator("never_kill")
+    @classmethod
+    def _check_never_kill(cls, value: list[str]) -> list[str]:
+        compile_never_kill(value)
         return value
 
     @model_validator(mode="after")

@@ -57,6 +57,14 @@ class GuardSettings(EngineSettings, Protocol):
     @property
     def proc_root(self) -> Path: ...
     @property
+    def kill_order(self) -> Sequence[str]: ...
+    @property
+    def kill_priority(self) -> Sequence[str]: ...
+    @property
+    def never_kill(self) -> Sequence[str]: ...
+    @property
+    def kill_settle_s(self) -> float: ...
+    @property
     def kernel_log_corroboration(self) -> bool: ...
     @property
     def kernel_log_path(self) -> Path: ...
@@ -94,6 +102,10 @@ class GuardConfig:
     engine_patterns: tuple[str, ...]
     protect_patterns: tuple[str, ...]
     guard_gpu_holders: bool
+    kill_order: tuple[str, ...]
+    kill_priority: tuple[str, ...]
+    never_kill: tuple[str, ...]
+    kill_settle_s: float
     proc_root: Path
     state_dir: Path
     events_max_bytes: int
@@ -123,6 +135,10 @@ class GuardConfig:
                 engine_patterns=tuple(str(p) for p in wire["engine_patterns"]),
                 protect_patterns=tuple(str(p) for p in wire["protect_patterns"]),
                 guard_gpu_holders=bool(wire["guard_gpu_holders"]),
+                kill_order=tuple(str(x) for x in wire["kill_order"]),
+                kill_priority=tuple(str(x) for x in wire["kill_priority"]),
+                never_kill=tuple(str(x) for x in wire["never_kill"]),
+                kill_settle_s=float(wire["kill_settle_s"]),
                 proc_root=Path(wire["proc_root"]),
                 state_dir=Path(wire["state_dir"]),
                 events_max_bytes=int(wire["events_max_bytes"]),

@@ -7,25 +7,42 @@ from itertools import pairwise
 from hypothesis import given
 from hypothesis import strategies as st
 
-from sparkwatch.core.guard import GuardParams, GuardState, next_interval, seconds_to_floor, step
+from sparkwatch.core.guard import (
+    GuardParams,
+    GuardState,
+    Outcome,
+    fired,
+    next_interval,
+    reaped,
+    seconds_to_floor,
+    step,
+)
 from sparkwatch.units import GiB, MiB
 
 P = GuardParams(floor_bytes=8 * GiB)
 
 
 def run(samples: list[tuple[float, int]], params: GuardParams = P) -> list[str | None]:
+    """Every firing kills a tree that is reaped at once (one engine per firing, plenty of engines)."""
     state = GuardState()
     out = []
     for t, avail in samples:
         state, decision = step(state, params, t, avail)
         out.append(decision.trigger)
+        if decision.trigger is not None:
+            state = reaped(fired(state, params, t, Outcome.KILLED, teardown_s=5.0), params, t)
     return out
+
+
+def first_firings(triggers: list[str | None]) -> int:
+    """Firings that open an episode (the floor or the prediction), not the escalations inside one."""
+    return sum(t in ("floor", "predicted") for t in triggers)
 
 
 def test_floor_fires_after_debounce_once() -> None:
     samples = [(0.0, 20 * GiB), (1.0, 20 * GiB), (1.05, 7 * GiB), (1.10, 7 * GiB), (1.15, 6 * GiB), (1.2, 5 * GiB)]
     triggers = run(samples)
-    assert triggers.count("floor") + triggers.count("predicted") == 1
+    assert first_firings(triggers) == 1
     assert triggers[3] in ("floor", "predicted")
 
 
@@ -45,17 +62,20 @@ def test_fast_fill_is_predicted_before_the_floor() -> None:
     assert samples[first][1] > P.floor_bytes  # fired with memory to spare
 
 
-def test_never_fires_twice_per_episode_and_rearms_after_recovery() -> None:
-    below = [(1 + i * 0.05, 6 * GiB) for i in range(40)]
+def test_one_episode_escalates_after_each_settle_and_rearms_after_recovery() -> None:
+    below = [(1 + i * 0.05, 6 * GiB) for i in range(40)]  # 2 s under the floor: the kills free nothing
     recovered = [(3 + i * 0.05, 30 * GiB) for i in range(5)]
     again = [(4 + i * 0.05, 6 * GiB) for i in range(5)]
     triggers = run([(0.0, 30 * GiB), *below, *recovered, *again])
-    assert sum(t is not None for t in triggers) == 2
-    assert sum(t is not None for t in triggers[: 1 + len(below) + len(recovered)]) == 1
+    first_episode = triggers[: 1 + len(below) + len(recovered)]
+    assert first_firings(first_episode) == 1
+    # Reaped at once, settle 1 s, still under the floor: the next tree, once per settle time, never more often.
+    assert first_episode.count("escalate") == 1
+    assert first_firings(triggers) == 2
 
 
 def test_no_rearm_until_memory_clears_floor_plus_headroom() -> None:
-    state = GuardState(armed=False)
+    state = GuardState(in_episode=True)
     state, d = step(state, P, 0.0, P.floor_bytes + P.rearm_headroom_bytes - 1)
     assert not state.armed and not d.rearmed
     state, d = step(state, P, 0.1, P.floor_bytes + P.rearm_headroom_bytes)

@@ -289,15 +289,18 @@ def test_reaper_reports_a_process_that_does_not_exit(spawner: Spawner) -> None:
     """A victim stuck in D state never becomes readable on its pidfd: the wait gives up, it never hangs."""
     stubborn = spawner.popen(["sleep", "600"])
     fd = os.pidfd_open(stubborn.pid)
-    try:
-        from sparkwatch.actuators.killer import Victim
+    from sparkwatch.actuators.killer import Victim
 
-        tree = trees_now()  # no engine needed: exercise the wait directly
-        assert isinstance(tree, list)
-        victim = Victim(proc=ProcScanner().read_proc(stubborn.pid), engine="test", pidfd=fd, tree_root=stubborn.pid)  # type: ignore[arg-type]
-        t0 = time.monotonic()
-        left = Reaper._wait_exit([victim], time.monotonic() + 0.3)
-        assert time.monotonic() - t0 < 1.0
-        assert left == [victim]
-    finally:
-        os.close(fd)
+    proc = ProcScanner().read_proc(stubborn.pid)
+    assert proc is not None
+    victim = Victim(proc=proc, engine="test", pidfd=fd, tree_root=stubborn.pid)
+    facts = KillFacts(
+        trigger="floor", mem=MEM, floor_bytes=1 << 31, fill_rate_bytes_per_s=0.0, dry_run=False, trees=(), victims=()
+    )
+    reaper = Reaper(Path("/proc"), announce=lambda job: None, finish=lambda job, facts: None, wait_s=0.3, settle_s=0.05)
+    t0 = time.monotonic()
+    out = reaper.reap(KillJob(facts, [victim], t0, t0, MEM.available_bytes))  # "signalled", never exits
+    assert time.monotonic() - t0 < 1.5
+    assert out.survivors == (stubborn.pid,)
+    assert out.signal_to_reaped_ms is None
+    assert out.available_after_settle_bytes is not None

@@ -66,6 +66,7 @@ def test_engines_draws_root_workers_and_compilers(tmp_path: Path) -> None:
     assert lines[0].startswith(f"vllm  root {root}  6 processes  ")
     assert lines[0].endswith(" RSS")
     assert lines[1].split() == ["PID", "RSS", "ROLE", "NAME"]
+    lines = lines[: lines.index("")]  # the tree; the kill order follows after a blank line
     body = [line.split() for line in lines[2:]]
     assert body[0][0] == str(root) and body[0][3:] == ["root", "VLLM::EngineCore"]
     assert body[1][:2] == ["├─", str(tp0)] and body[1][4:] == ["worker", "VLLM::Worker_TP0"]

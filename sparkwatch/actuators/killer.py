@@ -229,8 +229,26 @@ class Killer:
         return True
 
 
+@dataclass
+class _Pending:
+    job: KillJob
+    deadline: float  # give up waiting for exits at this monotonic time
+    reaped_at: float | None = None  # all exited (or deadline passed) at this time; then the settle time runs
+    survivors: list[Victim] = field(default_factory=list)
+
+
+# While kills are pending, the reaper looks at their pidfds every 5 ms: the reap time it reports is that precise, and
+# 200 polls a second of a handful of fds cost nothing next to a kill.
+PENDING_POLL_S = 0.005
+
+
 class Reaper:
-    """Finishes each kill off the guard's thread: mrelease, wait for exit, measure, record."""
+    """Finishes each kill off the guard's thread: mrelease, announce, wait for exit, measure, record.
+
+    It also writes the guard's other log lines, in the order the guard sent them: the KILL line is announced as soon
+    as its job arrives (right after mrelease), so nothing the guard logs later can land before it. Several kills may
+    be pending at once (an escalation during a slow teardown): each is announced at once and finished on its own.
+    """
 
     def __init__(
         self,
@@ -240,11 +258,11 @@ class Reaper:
         wait_s: float = 10.0,
         settle_s: float = 0.5,
     ) -> None:
-        self._queue: queue.SimpleQueue[KillJob | None] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[KillJob | Callable[[], None] | None] = queue.SimpleQueue()
         self._announce = announce
         self._finish = finish
         self.wait_s = wait_s
-        self._settle_s = settle_s
+        self.settle_s = settle_s
         self._meminfo = MeminfoReader(proc_root)
         self._thread = threading.Thread(target=self._run, name="sparkwatch-reaper", daemon=True)
         self.mrelease_supported: bool | None = None
@@ -255,21 +273,98 @@ class Reaper:
     def submit(self, job: KillJob) -> None:
         self._queue.put(job)
 
+    def call(self, fn: Callable[[], None]) -> None:
+        """Run `fn` on the reaper's thread, in order with the kills submitted before it (a log line, an event)."""
+        self._queue.put(fn)
+
     def stop(self, timeout: float = 5.0) -> None:
         self._queue.put(None)
         self._thread.join(timeout)
 
     def _run(self) -> None:
+        pending: list[_Pending] = []
         while True:
-            job = self._queue.get()
-            if job is None:
-                return
+            items: list[KillJob | Callable[[], None] | None] = []
+            if pending:
+                self._poll(pending, PENDING_POLL_S)
+                while True:
+                    try:
+                        items.append(self._queue.get_nowait())
+                    except queue.Empty:
+                        break
+            else:
+                items.append(self._queue.get())
+            for item in items:
+                if item is None:
+                    for p in pending:
+                        self._close(p.job)
+                    return
+                try:
+                    if isinstance(item, KillJob):
+                        self._release(item)  # memory first, words second
+                        self._announce(item)
+                        if item.signaled_at is None:  # dry run or no victim: nothing to wait for
+                            self._finish(item, item.facts)
+                        else:
+                            pending.append(_Pending(item, deadline=item.signaled_at + self.wait_s))
+                    else:
+                        item()
+                except Exception as exc:  # the reaper must outlive any one bad job
+                    print(f"sparkwatch: reaper error: {exc!r}", file=sys.stderr)
+            for p in self._done(pending):
+                pending.remove(p)
+                try:
+                    self._finish(p.job, self._facts(p))
+                except Exception as exc:
+                    print(f"sparkwatch: reaper error: {exc!r}", file=sys.stderr)
+                finally:
+                    self._close(p.job)
+
+    def _poll(self, pending: list[_Pending], timeout_s: float) -> None:
+        """Mark exited victims; a pidfd reports POLLIN when its process has exited."""
+        poller = select.poll()
+        fds = {v.pidfd: v for p in pending if p.reaped_at is None for v in p.job.victims}
+        for fd in fds:
+            poller.register(fd, select.POLLIN)
+        exited = {fd for fd, _ in poller.poll(timeout_s * 1000)} if fds else set()
+        if not fds:
+            time.sleep(timeout_s)
+        now = time.monotonic()
+        for p in pending:
+            if p.reaped_at is not None:
+                continue
+            alive = [v for v in p.job.victims if v.pidfd not in exited]
+            if not alive or now >= p.deadline:
+                p.reaped_at, p.survivors = now, alive
+
+    def _done(self, pending: list[_Pending]) -> list[_Pending]:
+        now = time.monotonic()
+        return [p for p in pending if p.reaped_at is not None and now >= p.reaped_at + self.settle_s]
+
+    def _facts(self, p: _Pending) -> KillFacts:
+        job = p.job
+        assert job.signaled_at is not None and p.reaped_at is not None
+        try:
+            after: int | None = self._meminfo.read().available_bytes
+        except MeminfoError:
+            after = None
+        return replace(
+            job.facts,
+            detect_to_signal_ms=(job.signaled_at - job.detected_at) * 1000,
+            signal_to_reaped_ms=None if p.survivors else (p.reaped_at - job.signaled_at) * 1000,
+            reclaimed_bytes=None if after is None else after - job.available_at_signal,
+            available_after_settle_bytes=after,
+            settle_s=self.settle_s,
+            survivors=tuple(v.proc.pid for v in p.survivors),
+        )
+
+    @staticmethod
+    def _close(job: KillJob) -> None:
+        for v in job.victims:
             try:
-                self._release(job)  # memory first, words second
-                self._announce(job)
-                self._finish(job, self.reap(job))
-            except Exception as exc:  # the reaper must outlive any one bad job
-                print(f"sparkwatch: reaper error: {exc!r}", file=sys.stderr)
+                os.close(v.pidfd)
+            except OSError:
+                pass
 
     def _release(self, job: KillJob) -> None:
         """process_mrelease every victim, largest first: it frees anonymous memory even for a victim stuck in D."""
@@ -282,48 +377,13 @@ class Reaper:
             self.mrelease_supported = True
 
     def reap(self, job: KillJob) -> KillFacts:
-        if job.signaled_at is None:  # dry run: nothing to wait for
+        """The same measurement as the thread's, for one job, blocking (tests and one-shot callers)."""
+        if job.signaled_at is None:
             return job.facts
-        survivors = self._wait_exit(job.victims, job.signaled_at + self.wait_s)
-        reaped_at = time.monotonic()
-        reclaimed = self._reclaimed(job.available_at_signal)
-        for v in job.victims:
-            os.close(v.pidfd)
-        return replace(
-            job.facts,
-            detect_to_signal_ms=(job.signaled_at - job.detected_at) * 1000,
-            signal_to_reaped_ms=None if survivors else (reaped_at - job.signaled_at) * 1000,
-            reclaimed_bytes=reclaimed,
-            survivors=tuple(v.proc.pid for v in survivors),
-        )
-
-    @staticmethod
-    def _wait_exit(victims: list[Victim], deadline: float) -> list[Victim]:
-        """Wait until every pidfd reports exit (POLLIN) or the deadline passes; returns those still alive."""
-        poller = select.poll()
-        pending = {v.pidfd: v for v in victims}
-        for fd in pending:
-            poller.register(fd, select.POLLIN)
-        while pending:
-            remaining_ms = int((deadline - time.monotonic()) * 1000)
-            if remaining_ms <= 0:
-                break
-            for fd, _ in poller.poll(remaining_ms):
-                pending.pop(fd, None)
-                poller.unregister(fd)
-        return list(pending.values())
-
-    def _reclaimed(self, available_at_signal: int) -> int | None:
-        """MemAvailable gained since the signal, best of a few looks over settle_s: the pool returns with a lag."""
-        best: int | None = None
-        deadline = time.monotonic() + self._settle_s
-        while True:
-            try:
-                avail = self._meminfo.read().available_bytes
-                best = avail if best is None else max(best, avail)
-            except MeminfoError:
-                pass
-            if time.monotonic() >= deadline:
-                break
-            time.sleep(0.05)
-        return None if best is None else best - available_at_signal
+        p = _Pending(job, deadline=job.signaled_at + self.wait_s)
+        while p.reaped_at is None:
+            self._poll([p], PENDING_POLL_S)
+        time.sleep(max(p.reaped_at + self.settle_s - time.monotonic(), 0))
+        facts = self._facts(p)
+        self._close(job)
+        return facts

@@ -12,6 +12,11 @@ from sparkwatch.model import EngineTree, GpuHolder
 if TYPE_CHECKING:
     from sparkwatch.config import Settings
 
+if TYPE_CHECKING:
+    from sparkwatch.config import Settings
+    from sparkwatch.core.policy import Candidate
+    from sparkwatch.sources.engines import EngineFinder
+
 
 def add_parser(sub: Any, parent: argparse.ArgumentParser) -> None:
     p = sub.add_parser("engines", parents=[parent], help="list the engine trees the guard would kill now")
@@ -20,6 +25,9 @@ def add_parser(sub: Any, parent: argparse.ArgumentParser) -> None:
         "--all",
         action="store_true",
         help="also list processes NVML says hold GPU memory that no engine rule names (the guard does not kill them)",
+    )
+    p.add_argument(
+        "--window", type=float, default=1.0, metavar="S", help="seconds to watch for growth before ranking (0: none)"
     )
     p.set_defaults(handler=handle)
 
@@ -90,19 +98,47 @@ def handle(args: argparse.Namespace) -> int:
         used, note = _gpu_used(settings)
         procs, _ = finder.scan()
         keys = frozenset(p.key for p in procs if p.pid in used)
-        procs, trees = finder.scan(keys)
-        holders = unknown_gpu_holders(procs, trees, used, finder.rules)
-    else:
-        trees = finder.find()
+        procs, holder_trees = finder.scan(keys)
+        holders = unknown_gpu_holders(procs, holder_trees, used, finder.rules)
+    trees, ranking = kill_order_now(finder, settings, max(args.window, 0.0))
+    from sparkwatch.tui.kill_order_view import kill_order_json, kill_order_view
+
     if args.json:
-        out: dict[str, object] = {"engines": [tree_json(t) for t in trees]}
+        out: dict[str, object] = {"engines": [tree_json(t) for t in trees], "kill_order": kill_order_json(ranking)}
         if holders is not None:
             out["gpu_unknown"] = [holder_json(h) for h in holders]
             out["gpu_note"] = note
         print(json.dumps(out, indent=2))
         return 0
+    from rich.console import Group
+    from rich.text import Text
+
     from sparkwatch.tui.console import emit
     from sparkwatch.tui.engines_view import engines_view
 
-    emit(engines_view(trees, finder.rules, holders, note))
+    emit(
+        Group(
+            engines_view(trees, finder.rules, holders, note),
+            *((Text(""), kill_order_view(ranking)) if trees else ()),
+        )
+    )
     return 0
+
+
+def kill_order_now(
+    finder: EngineFinder, settings: Settings, window_s: float
+) -> tuple[list[EngineTree], tuple[Candidate, ...]]:
+    """Two scans `window_s` apart, ranked as the guard ranks (core.policy; no GPU bytes: this command has no NVML)."""
+    import time
+
+    from sparkwatch.core import policy
+
+    params = policy.PolicyParams.build(settings.kill_order, settings.kill_priority, settings.never_kill)
+    history = policy.GrowthHistory()
+    if window_s > 0:
+        history = policy.observe(history, time.monotonic(), finder.find(), None)
+        time.sleep(window_s)
+    now = time.monotonic()
+    trees = finder.find()
+    history = policy.observe(history, now, trees, None)
+    return trees, policy.rank(trees, history, now, None, params)

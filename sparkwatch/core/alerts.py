@@ -18,6 +18,7 @@ from sparkwatch.model import DriverReport
 ALERT_MIN_INTERVAL_S: Mapping[EventKind, float] = {
     EventKind.KILL: 0.0,
     EventKind.NO_VICTIM: 0.0,  # the guard fired and found no engine to kill: the box is on its own, a human must look
+    EventKind.KILL_LOOP: 0.0,  # one event per loop is decided upstream (core.killloop): something restarts the engine
     EventKind.DRIVER_STRANDED: 0.0,  # episodes are cut upstream (driver_step): one event per episode
     EventKind.DRIVER_WILL_STRAND: 0.0,
     EventKind.DRIVER_VERSION_MISMATCH: 0.0,

@@ -26,11 +26,23 @@ class KillFacts:
     reclaimed_bytes: int | None = None
     survivors: tuple[int, ...] = ()  # pids not reaped within the wait (D state, or not ours)
     method: str = "pidfd"
+    # What the victims held when they were signalled: RSS from the scan, GPU bytes from telemetry's last per-pid
+    # reading (None: no fresh reading; on a GB10 RSS misses the GPU share: a 77 GiB engine showed 1.8 GiB RSS).
+    victim_rss_bytes: int | None = None
+    victim_gpu_bytes: int | None = None
+    # MemAvailable settle_s after the reap. Not "what came back": on this project's VM MemAvailable read 0-125 MiB
+    # higher 0.5 s after a 1.3 GiB tree was reaped (freed pages sit in per-CPU lists), so the record gives both figures.
+    available_after_settle_bytes: int | None = None
+    settle_s: float | None = None
+    why_this_tree: tuple[str, ...] = ()  # the ranking's reasons for the victim
+    ranking: tuple[tuple[int, str, tuple[str, ...]], ...] = ()  # (root pid, kind, reasons) in kill order
 
 
 def _reason(facts: KillFacts) -> str:
     avail = facts.mem.available_bytes // MiB
     floor = facts.floor_bytes // MiB
+    if facts.trigger == "escalate":
+        return f"MemAvailable {avail} MiB still <= floor {floor} MiB after the last kill"
     if facts.trigger == "predicted":
         return (
             f"MemAvailable {avail} MiB falling {format_size(facts.fill_rate_bytes_per_s)}/s, "
@@ -47,7 +59,8 @@ def kill_line(facts: KillFacts) -> str:
     if not facts.trees:
         return f"sparkwatch: NO ENGINE TO KILL: {_reason(facts)}"
     parts = [f"{t.kind} tree root={t.root.pid} ({len(t.members)} processes)" for t in facts.trees]
-    return f"sparkwatch: {verb} {', '.join(parts)}: {_reason(facts)}"
+    why = f" [{'; '.join(facts.why_this_tree)}]" if facts.why_this_tree else ""
+    return f"sparkwatch: {verb} {', '.join(parts)}: {_reason(facts)}{why}"
 
 
 def kill_summary(facts: KillFacts) -> str:
@@ -56,8 +69,14 @@ def kill_summary(facts: KillFacts) -> str:
     names = ", ".join(f"{t.kind} (root pid {t.root.pid}, {len(t.members)} processes)" for t in facts.trees)
     head = "Would have killed" if facts.dry_run else "Killed"
     tail = ""
-    if facts.reclaimed_bytes is not None and not facts.dry_run:
-        tail = f"; {format_size(facts.reclaimed_bytes)} came back"
+    if facts.victim_rss_bytes is not None:
+        gpu = "" if facts.victim_gpu_bytes is None else f" and {format_size(facts.victim_gpu_bytes)} of GPU memory"
+        tail = f"; {'they' if facts.dry_run else 'the victims'} held {format_size(facts.victim_rss_bytes)} RSS{gpu}"
+    if facts.available_after_settle_bytes is not None and not facts.dry_run:
+        tail += (
+            f"; MemAvailable was {format_size(facts.available_after_settle_bytes)} "
+            f"{facts.settle_s or 0:.1f} s after the reap"
+        )
     if facts.survivors:
         tail += f"; {len(facts.survivors)} process(es) had not exited yet"
     return f"{head} {names}: {_reason(facts)}{tail}."
@@ -85,6 +104,11 @@ def kill_fields(facts: KillFacts) -> dict[str, object]:
         "signal_to_reaped_ms": _ms(facts.signal_to_reaped_ms),
         "reclaimed_bytes": facts.reclaimed_bytes,
         "survivors": list(facts.survivors),
+        "victim_rss_bytes": facts.victim_rss_bytes,
+        "victim_gpu_bytes": facts.victim_gpu_bytes,
+        "mem_available_after_settle_bytes": facts.available_after_settle_bytes,
+        "why": list(facts.why_this_tree),
+        "ranking": [{"root_pid": pid, "engine": kind, "why": list(why)} for pid, kind, why in facts.ranking],
     }
 
 

@@ -225,7 +225,21 @@ class SparkwatchCollector(Collector):
             sum_value=s.kill_duration_sum_s,
         )
         yield GaugeMetricFamily(P + "guard_dry_run", "1 if the guard decides but signals nothing", 1 if dry_run else 0)
-        yield GaugeMetricFamily(P + "guard_armed", "0 while waiting for memory to come back after a kill", int(s.armed))
+        yield GaugeMetricFamily(
+            P + "guard_armed",
+            "0 during a kill episode (until memory is back above floor + rearm_headroom)",
+            int(s.armed),
+        )
+        yield CounterMetricFamily(
+            P + "guard_kills_cancelled",
+            "Firings cancelled because MemAvailable recovered between the decision and the signal",
+            value=s.cancelled_total,
+        )
+        yield CounterMetricFamily(
+            P + "guard_kill_loops",
+            "Kill loops detected (an engine restarted into the same spike)",
+            value=s.kill_loops_total,
+        )
         yield CounterMetricFamily(
             P + "guard_meminfo_errors", "/proc/meminfo reads or parses that failed", value=s.meminfo_errors_total
         )

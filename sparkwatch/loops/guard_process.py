@@ -88,7 +88,10 @@ class GuardProcess:
         self.sd = ServiceNotifier(Notifier(), self.status_line, poll_max_s=config.poll_max_s)
         self.guard = Guard(config, self.events, heartbeat=self.sd.beat)
         self.supervisor = TelemetrySupervisor(config, self.events, self.state, command=telemetry or telemetry_command)
-        self.guard.gpu_holders = self.supervisor.gpu.holder_keys  # NVML's GPU holders, from telemetry's last cycle
+        # From telemetry's last cycle, over the channel: NVML's GPU holders and per-pid GPU bytes (the guard never
+        # loads NVML itself; a stale or missing reading never delays a kill: the policy ranks without it).
+        self.guard.gpu_holders = self.supervisor.gpu.holder_keys
+        self.guard.gpu_bytes_by_pid = self.supervisor.gpu.latest
         self.events.subscribe(self.supervisor.forward)
         self.parts: list[Part[GuardConfig]] = [
             Part(

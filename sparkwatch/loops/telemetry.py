@@ -293,6 +293,22 @@ def _gpu_busy(gpu: object) -> bool:
     return any(d.utilization_ratio is not None and d.utilization_ratio > GPU_BUSY_RATIO for d in gpu.devices)
 
 
+def gpu_bytes_by_pid(snapshot: Snapshot | None) -> tuple[float, dict[int, int]] | None:
+    """Per-pid GPU bytes from a snapshot, for the guard's ranking: (monotonic time of the reading, pid -> bytes).
+
+    None when there is no snapshot or NVML is down. A pid whose share NVML cannot tell (NOT_AVAILABLE) is left out.
+    The snapshot's wall-clock time is turned into monotonic time, so the guard can tell a stale reading.
+    """
+    if snapshot is None or snapshot.gpu is None or not snapshot.gpu.up:
+        return None
+    age_s = max(time.time() - snapshot.ts, 0.0)
+    by_pid: dict[int, int] = {}
+    for pid, used, _gpu in snapshot.gpu.processes:
+        if used is not None:
+            by_pid[pid] = by_pid.get(pid, 0) + used
+    return time.monotonic() - age_s, by_pid
+
+
 class TelemetryLoop:
     """Runs `collect()` about every `interval_s` in its own thread; `latest` is the last Snapshot (None at first).
 

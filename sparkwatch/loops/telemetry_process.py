@@ -36,7 +36,7 @@ from sparkwatch.loops.driverwatch import DriverWatcher
 from sparkwatch.loops.guard import GuardStats
 from sparkwatch.loops.headroom import HeadroomWatcher
 from sparkwatch.loops.kernlog import KernelLogStats
-from sparkwatch.loops.telemetry import Telemetry, TelemetryLoop
+from sparkwatch.loops.telemetry import Telemetry, TelemetryLoop, gpu_bytes_by_pid
 from sparkwatch.model import Event, MemInfo, NvmlFacts, Snapshot
 from sparkwatch.sources.nvml_preflight import NvmlOff, nvml_hang_reason
 from sparkwatch.sources.udev import UdevWatcher
@@ -345,11 +345,8 @@ class TelemetryProcess:
             self._send("tel", engines=None, compile_jobs=None, gpu_ts=None, gpu_pids={})  # alive, nothing yet
             return
         self._last_sent = snap
-        pids: dict[str, int] = {}
-        if snap.gpu is not None and snap.gpu.up:
-            for pid, used, _gpu in snap.gpu.processes:
-                if used is not None:
-                    pids[str(pid)] = pids.get(str(pid), 0) + used
+        reading = gpu_bytes_by_pid(snap)
+        pids = {str(pid): used for pid, used in reading[1].items()} if reading is not None else {}
         self._send(
             "tel",
             engines=len(snap.engines),

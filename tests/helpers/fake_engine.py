@@ -11,7 +11,9 @@ Roles:
 - worker: sleeps; with --ignore-term ignores SIGTERM like an engine mid-allocation.
 - compiler: a ninja -> nvcc -> cicc shaped chain of sleeping processes with -gencode arch=compute_121a arguments.
 - forker: keeps forking short-lived children (a ninja still spawning nvcc); each child records its pid.
-- hog: allocates and touches anonymous memory at a target rate up to a limit, then holds it.
+- hog: allocates and touches anonymous memory at a target rate up to a limit, then holds it. With --hog-memfd it
+  writes the memory into an unmapped memfd instead: shmem pages that drain MemAvailable but show in neither RSS nor
+  oom_score, as a GB10's GPU allocations (driver-held system memory) do not.
 """
 
 from __future__ import annotations
@@ -49,16 +51,20 @@ def spawn(args: list[str], title: str, pidfile: str | None, extra: list[str] | N
     return subprocess.Popen(cmd + (extra or []))
 
 
-def hog(rate_mib: float, limit_mib: int, chunk_mib: int = 32) -> None:
+def hog(rate_mib: float, limit_mib: int, chunk_mib: int = 32, memfd: bool = False) -> None:
     """Touch `limit_mib` of anonymous memory at about `rate_mib` MiB/s, then hold it."""
     chunks = []
     block = b"\xa5" * (chunk_mib * MiB)
     start = time.monotonic()
     done = 0
+    fd = os.memfd_create("sw-gpu-like") if memfd else -1
     while done < limit_mib:
-        mm = mmap.mmap(-1, chunk_mib * MiB, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        mm.write(block)  # writing every byte faults every page in: real RSS, real MemAvailable drop
-        chunks.append(mm)
+        if memfd:
+            os.write(fd, block)  # shmem, never mapped: MemAvailable drops, RSS and oom_score do not see it
+        else:
+            mm = mmap.mmap(-1, chunk_mib * MiB, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            mm.write(block)  # writing every byte faults every page in: real RSS, real MemAvailable drop
+            chunks.append(mm)
         done += chunk_mib
         ahead = done / rate_mib - (time.monotonic() - start)
         if ahead > 0:
@@ -77,6 +83,8 @@ def main() -> None:
     ap.add_argument("--ignore-term", action="store_true")
     ap.add_argument("--hog-rate-mib", type=float, default=0)
     ap.add_argument("--hog-limit-mib", type=int, default=0)
+    ap.add_argument("--hog-memfd", action="store_true")
+    ap.add_argument("--hog-title", default="sw-hog")
     ap.add_argument("--pidfile")
     ap.add_argument("--depth", type=int, default=0)
     args, _compiler_args = ap.parse_known_args()  # compiler-shaped argv after '--' is only for show
@@ -96,8 +104,16 @@ def main() -> None:
             spawn(["forker", *term], "ninja", args.pidfile)
         if args.hog_limit_mib:
             spawn(
-                ["hog", "--hog-rate-mib", str(args.hog_rate_mib), "--hog-limit-mib", str(args.hog_limit_mib)],
-                "sw-hog",
+                [
+                    "hog",
+                    *term,
+                    "--hog-rate-mib",
+                    str(args.hog_rate_mib),
+                    "--hog-limit-mib",
+                    str(args.hog_limit_mib),
+                    *(["--hog-memfd"] if args.hog_memfd else []),
+                ],
+                args.hog_title,
                 args.pidfile,
             )
     elif args.role == "ninja":
@@ -118,7 +134,7 @@ def main() -> None:
     elif args.role == "hog":
         with open(f"/proc/{os.getpid()}/oom_score_adj", "w", encoding="ascii") as fh:
             fh.write("1000")  # if anything must die for this test's memory, let it be this
-        hog(args.hog_rate_mib, args.hog_limit_mib)
+        hog(args.hog_rate_mib, args.hog_limit_mib, memfd=args.hog_memfd)
     while True:
         time.sleep(60)
 

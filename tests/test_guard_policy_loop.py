@@ -1,0 +1,109 @@
+"""The guard loop's kill path with a fixture meminfo and real engine processes.
+
+The fixture /proc holds a meminfo file the test rewrites, and links to the real /proc/<pid> of the engine trees this
+test started (nothing else), so the guard scans, pins and signals real processes while the test decides what
+MemAvailable reads. GPU bytes come through the guard's injection point, as telemetry provides them.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from sparkwatch.actuators.events import EventLog, read_events
+from sparkwatch.config import load_settings
+from sparkwatch.core import policy
+from sparkwatch.loops.guard import Guard
+from sparkwatch.units import GiB
+from tests.conftest import Spawner, alive, pids_in, rewrite_in_place, wait_until
+
+GB10 = (Path(__file__).parent / "fixtures" / "proc" / "meminfo.gb10-idle").read_text()
+LOW = GB10.replace("118566368", str(4839424))  # 4.6 GiB: under an 8 GiB floor
+
+
+@pytest.fixture
+def proc_root(tmp_path: Path) -> Path:
+    root = tmp_path / "proc"
+    root.mkdir()
+    (root / "meminfo").write_text(GB10)
+    return root
+
+
+def link_tree(proc_root: Path, pidfile: Path) -> dict[int, tuple[int, str]]:
+    pids = pids_in(pidfile)
+    for pid in pids:
+        (proc_root / str(pid)).symlink_to(f"/proc/{pid}")
+    return pids
+
+
+def make_guard(proc_root: Path, state_dir: Path) -> Guard:
+    settings = load_settings(
+        overrides={
+            "proc_root": proc_root,
+            "state_dir": state_dir,
+            "floor": "8GiB",
+            "mlock": False,
+            "ancestor_pid": os.getpid(),
+        }
+    )
+    return Guard(settings, EventLog(settings.events_path))
+
+
+def test_memory_recovered_while_choosing_cancels_the_kill(spawner: Spawner, proc_root: Path, tmp_path: Path) -> None:
+    pidfile = tmp_path / "tree.pids"
+    spawner.engine("--worker", "VLLM::Worker_TP0", pidfile=pidfile, wait_for=2)
+    pids = link_tree(proc_root, pidfile)
+    guard = make_guard(proc_root, tmp_path / "state")
+
+    def gpu_and_recovery() -> policy.GpuBytes | None:
+        # Called while the guard ranks its victims: memory comes back right then (an engine freed its cache).
+        rewrite_in_place(proc_root / "meminfo", GB10)
+        return None
+
+    guard.gpu_bytes_by_pid = gpu_and_recovery
+    guard.reaper.start()
+    try:
+        rewrite_in_place(proc_root / "meminfo", LOW)
+        for _ in range(3):
+            guard.tick()
+            if not guard.stats.cancelled_total:
+                rewrite_in_place(proc_root / "meminfo", LOW)
+        assert guard.stats.cancelled_total == 1
+        assert wait_until(lambda: bool(read_events(guard.settings.events_path)), 5)
+        time.sleep(0.3)
+        kinds = [e["kind"] for e in read_events(guard.settings.events_path)]
+        assert kinds == ["kill_cancelled"]
+        (event,) = read_events(guard.settings.events_path)
+        assert int(event["mem_available_now_bytes"]) == 118566368 * 1024  # type: ignore[call-overload]
+        assert all(alive(pid, ticks) for pid, (ticks, _) in pids.items())  # nothing was signalled
+        assert guard.state.phase == "watch"
+    finally:
+        guard.reaper.stop()
+
+
+def test_the_kill_record_holds_the_victims_rss_and_gpu_bytes(spawner: Spawner, proc_root: Path, tmp_path: Path) -> None:
+    pidfile = tmp_path / "tree.pids"
+    spawner.engine("--worker", "VLLM::Worker_TP0", "--ignore-term", pidfile=pidfile, wait_for=2)
+    pids = link_tree(proc_root, pidfile)
+    worker = next(pid for pid, (_t, role) in pids.items() if role == "worker")
+    guard = make_guard(proc_root, tmp_path / "state")
+    # Telemetry's last per-pid reading: the worker holds 20 GiB of GPU memory; a pid outside the tree is ignored.
+    guard.gpu_bytes_by_pid = lambda: (time.monotonic(), {worker: 20 * GiB, 1: 5 * GiB})
+    guard.reaper.start()
+    try:
+        rewrite_in_place(proc_root / "meminfo", LOW)
+        for _ in range(3):
+            guard.tick()
+        assert wait_until(lambda: not any(alive(p, t) for p, (t, _) in pids.items()), 10)
+        assert wait_until(lambda: any(e["kind"] == "kill" for e in read_events(guard.settings.events_path)), 10)
+        (kill,) = [e for e in read_events(guard.settings.events_path) if e["kind"] == "kill"]
+        assert kill["victim_gpu_bytes"] == 20 * GiB
+        assert int(kill["victim_rss_bytes"]) > 0  # type: ignore[call-overload]
+        assert kill["mem_available_after_settle_bytes"] == 4839424 * 1024  # what MemAvailable read, not a guess
+        assert "GPU 20.0 GiB" in " ".join(kill["why"])  # type: ignore[arg-type]
+        assert "the victims held" in str(kill["summary"]) and "20.0 GiB of GPU memory" in str(kill["summary"])
+    finally:
+        guard.reaper.stop()
