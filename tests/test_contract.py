@@ -83,6 +83,9 @@ class StaticOutbox:
     delivered_total = 3
     failed_attempts_total = 2
     spool_errors_total = 0
+    dropped_total = 1
+    quarantined_total = 1
+    worker_restarts_total = 0
     last_delivery_timestamp_s: float | None = FIXED_MTIME + 90.0
 
 
@@ -241,6 +244,12 @@ def golden_kill() -> Event:
         detect_to_signal_ms=1.734,
         signal_to_reaped_ms=212.5,
         reclaimed_bytes=63 * GiB,
+        victim_rss_bytes=63 * GiB,
+        victim_gpu_bytes=71 * GiB,
+        available_after_settle_bytes=66 * GiB,
+        settle_s=1.0,
+        why_this_tree=("grew 6.2 GiB in 4.0 s", "RSS 63.0 GiB, GPU 71.0 GiB"),
+        ranking=((41234, "vllm", ("grew 6.2 GiB in 4.0 s", "RSS 63.0 GiB, GPU 71.0 GiB")), (40001, "vllm", ("steady",))),
     )
     event = make_event(EventKind.KILL, kill_summary(facts), kill_fields(facts), ts=1_763_483_861.25, node="spark-a")
     # The id is made of the time and 12 random hex digits: fix the random part, check the shape.

@@ -72,6 +72,20 @@ METRICS: tuple[MetricSpec, ...] = (
     _m("memory_pressure_stalled_seconds_total", "counter", "kind", "psi", 'PSI stall time, kind="some|full"'),
     _m("guard_poll_interval_seconds", "gauge", "", "guard", "the guard's current poll interval"),
     _m("guard_kills_total", "counter", "trigger", "guard", "kills of engine trees, by trigger (each exported at 0)"),
+    _m(
+        "guard_kills_cancelled_total",
+        "counter",
+        "",
+        "guard",
+        "firings cancelled: MemAvailable recovered between the choice of a victim and the signal",
+    ),
+    _m(
+        "guard_kill_loops_total",
+        "counter",
+        "",
+        "guard",
+        "kill loops: the same engine killed again and again (a supervisor restarting it into the spike)",
+    ),
     _m("guard_killed_processes_total", "counter", "", "guard", "processes SIGKILLed by the guard"),
     _m("guard_last_kill_timestamp_seconds", "gauge", "", "kill", "when the guard last fired"),
     _m("guard_kill_duration_seconds", "histogram", "", "guard", "from detection to the last victim reaped"),
@@ -97,6 +111,15 @@ METRICS: tuple[MetricSpec, ...] = (
     _m(
         "alert_spool_errors_total", "counter", "", "outbox", "alerts that could not be spooled to disk (kept in memory)"
     ),
+    _m("alerts_dropped_total", "counter", "", "outbox", "undelivered alerts dropped, oldest first, at the outbox cap"),
+    _m(
+        "alert_spool_quarantined_total",
+        "counter",
+        "",
+        "outbox",
+        "spool files moved to outbox/bad/ (not an event id, unparseable)",
+    ),
+    _m("alert_outbox_restarts_total", "counter", "", "outbox", "times the outbox worker crashed and was restarted"),
     _m("alert_last_delivery_timestamp_seconds", "gauge", "", "delivered", "when the webhook last acknowledged one"),
     # engines, compilers, JIT caches (the telemetry)
     _m("engine_processes", "gauge", "engine", "telemetry", "processes in engine trees, by engine kind"),
