@@ -23,7 +23,8 @@ from prometheus_client.core import Metric
 
 from sparkwatch import __version__
 from sparkwatch.actuators.events import EventLog, make_event
-from sparkwatch.actuators.outbox import AlertRouter, Outbox
+from sparkwatch.actuators.outbox import Outbox
+from sparkwatch.actuators.spool import AlertRouter
 from sparkwatch.actuators.systemd import EVENT_PRIORITY, PRIORITY_NOTICE
 from sparkwatch.cli import build_parser
 from sparkwatch.config import Settings

@@ -12,8 +12,10 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from sparkwatch.core.eventkinds import EventKind
 from sparkwatch.actuators.events import EventLog, make_event
-from sparkwatch.actuators.outbox import AlertRouter, Outbox, alert_payload
+from sparkwatch.actuators.outbox import Outbox
+from sparkwatch.actuators.spool import AlertRouter, alert_payload
 from sparkwatch.config import load_settings
 from sparkwatch.exporter.server import build_registry, render
 from tests.conftest import require_tool
@@ -230,14 +232,14 @@ def test_router_alerts_and_rate_limits(tmp_path: Path, receiver: Receiver) -> No
     events.subscribe(router)
     box.start()
     try:
-        events.append(make_event("kill", "kill 1"))
-        events.append(make_event("kill", "kill 2"))  # every kill alerts
-        events.append(make_event("low_headroom", "low 1"))
-        events.append(make_event("low_headroom", "low 2"))  # within 15 min: suppressed
-        events.append(make_event("jit_state", "not an alert kind"))
-        events.append(make_event("no_victim", "nothing to kill"))  # the guard fired and found no engine
+        events.append(make_event(EventKind.KILL, "kill 1"))
+        events.append(make_event(EventKind.KILL, "kill 2"))  # every kill alerts
+        events.append(make_event(EventKind.LOW_HEADROOM, "low 1"))
+        events.append(make_event(EventKind.LOW_HEADROOM, "low 2"))  # within 15 min: suppressed
+        events.append(make_event(EventKind.JIT_STATE, "not an alert kind"))
+        events.append(make_event(EventKind.NO_VICTIM, "nothing to kill"))  # the guard fired and found no engine
         now[0] += 901
-        events.append(make_event("low_headroom", "low 3"))
+        events.append(make_event(EventKind.LOW_HEADROOM, "low 3"))
         assert wait_until(lambda: box.delivered_total == 5)
     finally:
         box.stop()

@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 
 from sparkwatch.actuators.events import EventLog, make_event, read_events
-from sparkwatch.actuators.outbox import AlertRouter, DeliveryError, Outbox, alert_payload
+from sparkwatch.actuators.outbox import DeliveryError, Outbox
+from sparkwatch.actuators.spool import AlertRouter, alert_payload
 from sparkwatch.config import load_settings
 from sparkwatch.core.eventkinds import EventKind
 from sparkwatch.exporter.server import build_registry, render
@@ -151,7 +152,8 @@ import os, signal, sys
 from pathlib import Path
 from sparkwatch.actuators.durable import append_durable
 from sparkwatch.actuators.events import make_event
-from sparkwatch.actuators.outbox import AlertRouter, Outbox
+from sparkwatch.actuators.outbox import Outbox
+from sparkwatch.actuators.spool import AlertRouter
 from sparkwatch.config import load_settings
 from sparkwatch.core.eventkinds import EventKind
 from sparkwatch.exporter.server import build_registry, render
@@ -188,3 +190,37 @@ def test_crash_between_event_and_spool_loses_nothing(tmp_path: Path, receiver: R
     assert ids.count(event_id) == 1  # the record exists exactly once: restored, or found and not duplicated
     assert list((state / "outbox").glob("*.json")) == []
     assert os.stat(state).st_mode & 0o077 == 0
+
+
+GUARD_CRASHER = """
+import os, signal, sys
+from pathlib import Path
+from sparkwatch.actuators.events import EventLog, make_event
+from sparkwatch.actuators.spool import AlertRouter, FileSpool
+from sparkwatch.core.eventkinds import EventKind
+
+state = Path(sys.argv[1])
+log = EventLog(state / "events.jsonl")
+log.subscribe(AlertRouter(FileSpool(state / "outbox")))  # as the guard process wires it when a webhook is set
+log.subscribe(lambda event: os.kill(os.getpid(), signal.SIGKILL))  # dies where it hands the event to telemetry
+event = make_event(EventKind.KILL, "killed just before the guard died", {"engine": "vllm"})
+print(event.id, flush=True)
+log.append(event)
+"""
+
+
+def test_guard_dying_before_the_hand_over_loses_no_alert(tmp_path: Path, receiver: Receiver) -> None:
+    """The guard process writes a kill, then dies before telemetry has it: its own spool file carries the alert."""
+    state = tmp_path / "state"
+    state.mkdir()
+    crashed = subprocess.run(
+        [sys.executable, "-c", GUARD_CRASHER, str(state)], capture_output=True, text=True, timeout=60
+    )
+    assert crashed.returncode == -signal.SIGKILL, crashed.stderr
+    event_id = crashed.stdout.strip()
+    assert [p.name for p in (state / "outbox").iterdir()] == [f"{event_id}.json"]
+    env = {"SPARKWATCH_WEBHOOK_URL": receiver.url_base + "/hook", "SPARKWATCH_MLOCK": "false"}
+    with sparkwatch_run(tmp_path, env=env):
+        assert wait_until(lambda: event_id in receiver.ids(), timeout_s=30)
+    assert [e["id"] for e in read_events(state / "events.jsonl")].count(event_id) == 1
+    assert list((state / "outbox").glob("*.json")) == []

@@ -23,7 +23,6 @@ target is shown as scheme://host only, and error text is scrubbed of both.
 from __future__ import annotations
 
 import base64
-import errno
 import hashlib
 import hmac
 import http.client
@@ -39,7 +38,6 @@ import urllib.parse
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
 
 from sparkwatch import __version__
 from sparkwatch.actuators.durable import (
@@ -48,15 +46,13 @@ from sparkwatch.actuators.durable import (
     open_regular,
     private_dir,
     read_regular,
-    write_atomic,
 )
 from sparkwatch.actuators.events import make_event
-from sparkwatch.core.alerts import RateState, alert_text, dedup_key, is_alerting, rate_limit
+from sparkwatch.actuators.spool import PENDING, SAFE_ID, TMP, commit_file, prepare_file
 from sparkwatch.core.eventkinds import EventKind
 from sparkwatch.core.redact import redact_url, safe_text
 from sparkwatch.model import Event
 
-_SAFE_ID = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
 EVENTS_SCAN_BYTES = 4 << 20  # how much of events.jsonl's end start-up recovery searches for a prepared alert's id
 TIMED_OUT = "timed out: no complete answer within {:g} s"
 _RESPONSE_READ_MAX = 65536  # a receiver's answer is read (so the connection ends cleanly) but never trusted
@@ -65,13 +61,6 @@ _RESPONSE_READ_MAX = 65536  # a receiver's answer is read (so the connection end
 def sign(secret: bytes, body: bytes) -> str:
     """The X-Sparkwatch-Signature value: sha256=<hex HMAC-SHA256 of the exact body bytes>."""
     return "sha256=" + hmac.new(secret, body, hashlib.sha256).hexdigest()
-
-
-def alert_payload(event: Event) -> dict[str, object]:
-    """The event JSON plus `text`, so Slack-compatible receivers show it as is."""
-    data = event.to_json_dict()
-    data["text"] = alert_text(event.kind, event.node, event.summary)
-    return data
 
 
 class DeliveryError(Exception):
@@ -94,12 +83,10 @@ class _Item:
 OUTBOX_MAX_ALERTS = 1000  # spooled alerts kept; past this the oldest is dropped (counted, alerted once)
 SPOOL_FILE_MAX_BYTES = 1 << 20  # an alert is ~1-2 KiB of JSON; a bigger spool file is not ours
 SUPERVISE_BACKOFF_S = (0.1, 30.0)  # the worker restarts after a crash, backing off to 30 s if it keeps crashing
-_PENDING = ".pending-"  # spooled before its event was written; promoted once the event is durable
-_TMP = ".tmp-"
 
 
 def _spool_name_ok(name: str) -> bool:
-    return name.endswith(".json") and _SAFE_ID.match(name[: -len(".json")]) is not None
+    return name.endswith(".json") and SAFE_ID.match(name[: -len(".json")]) is not None
 
 
 class Outbox:
@@ -195,14 +182,14 @@ class Outbox:
             if name == self.bad_dir.name:
                 continue
             path = self.spool_dir / name
-            if name.startswith(_TMP):
+            if name.startswith(TMP):
                 try:
                     path.unlink()  # torn write of a crash before its rename: never acknowledged to anyone
                 except OSError:
                     pass
                 continue
-            pending = name.startswith(_PENDING)
-            final = name[len(_PENDING) :] if pending else name
+            pending = name.startswith(PENDING)
+            final = name[len(PENDING) :] if pending else name
             if not _spool_name_ok(final):
                 self._quarantine(path, "a name that is not an event id")
                 continue
@@ -291,33 +278,19 @@ class Outbox:
     # --- producers
     def prepare(self, payload: Mapping[str, object]) -> Callable[[], None]:
         """Spool one alert as pending (before its event is written); the returned commit makes it deliverable."""
-        raw_id = str(payload.get("id") or "")
-        event_id = raw_id if _SAFE_ID.match(raw_id) else hashlib.sha256(raw_id.encode()).hexdigest()[:32]
-        body = json.dumps(payload, separators=(",", ":"), default=str).encode()
-        final = self.spool_dir / f"{event_id}.json"
-        pending = self.spool_dir / f"{_PENDING}{event_id}.json"
-        spooled = True
-        try:
-            private_dir(self.spool_dir)
-            write_atomic(pending, body)
-        except OSError as exc:
-            spooled = False
-            self._spool_error(
-                f"outbox: could not spool alert {event_id} under {self.spool_dir}: "
-                f"{exc.strerror or exc}; keeping it in memory only"
-                + (" (disk full)" if exc.errno == errno.ENOSPC else "")
-            )
+        prepared = prepare_file(self.spool_dir, payload)
+        if prepared.error is not None:
+            self._spool_error(f"outbox: {prepared.error}; keeping it in memory only")
+        event_id, body = prepared.event_id, prepared.body
 
         def commit() -> None:
             path: Path | None = None
-            if spooled:
+            if prepared.error is None:
                 try:
-                    os.rename(pending, final)
-                    fsync_dir(self.spool_dir)
-                    path = final
+                    path = commit_file(prepared)
                 except OSError as exc:
                     self._spool_error(f"outbox: could not commit alert {event_id}: {exc.strerror or exc}")
-                    path = pending if pending.exists() else None
+                    path = prepared.pending if prepared.pending.exists() else None
             with self._lock:
                 if event_id not in self._items:
                     self._items[event_id] = _Item(event_id, body, path)
@@ -325,6 +298,14 @@ class Outbox:
             self._enforce_cap()
 
         return commit
+
+    def spool_error(self, message: str) -> None:
+        """The Spooler interface (actuators.spool.AlertRouter reports routing errors here)."""
+        self._spool_error(message)
+
+    def attach_recorder(self, record: Callable[[Event], None]) -> None:
+        """Where the outbox records its own drop/quarantine events (the EventLog it is a stage of)."""
+        self._record = record
 
     def submit(self, payload: Mapping[str, object]) -> None:
         """Spool one alert durably (or keep it in memory if the disk refuses) and wake the worker. Never raises."""
@@ -550,52 +531,3 @@ class Outbox:
                 self._last_logged.clear()
             self._last_logged[key] = now
             self._log(line)
-
-
-class AlertRouter:
-    """The EventLog stage: picks the alerting events, rate-limits them, and spools them in the outbox.
-
-    EventLog calls `prepare` before it writes the event (a pending spool file) and the returned commit after the
-    fsync (the file becomes deliverable); `attach` lets the outbox record its own drop/quarantine events.
-    """
-
-    def __init__(self, outbox: Outbox, clock: Callable[[], float] = time.monotonic) -> None:
-        self.outbox = outbox
-        self._clock = clock
-        self._lock = threading.Lock()
-        self._state = RateState()
-        self.suppressed_total = 0
-        self.errors_total = 0
-
-    def attach(self, events: _Recorder) -> None:
-        self.outbox._record = events.append
-
-    def __call__(self, event: Event) -> None:
-        """Route and spool at once (no event log in between)."""
-        commit = self.prepare(event)
-        if commit is not None:
-            commit()
-
-    def prepare(self, event: Event) -> Callable[[], None] | None:
-        # Runs on whichever thread appends the event (the guard's reaper for a kill): it must never raise into it.
-        try:
-            return self._route(event)
-        except Exception as exc:
-            self.errors_total += 1
-            self.outbox._spool_error(f"outbox: could not route {event.kind} event {event.id}: {exc}")
-            return None
-
-    def _route(self, event: Event) -> Callable[[], None] | None:
-        if not is_alerting(event.kind):
-            return None
-        key = dedup_key(event.kind, {"id": event.id, **event.fields})
-        with self._lock:
-            self._state, send = rate_limit(self._state, event.kind, key, self._clock())
-            if not send:
-                self.suppressed_total += 1
-                return None
-        return self.outbox.prepare(alert_payload(event))
-
-
-class _Recorder(Protocol):
-    def append(self, event: Event) -> None: ...

@@ -29,6 +29,7 @@ from typing import Any
 
 from sparkwatch import logs, syscalls
 from sparkwatch.actuators.events import EventLog
+from sparkwatch.actuators.spool import AlertRouter, FileSpool
 from sparkwatch.actuators.systemd import JournalSink, Notifier, ServiceNotifier
 from sparkwatch.channel import rss_bytes
 from sparkwatch.component import Part
@@ -92,6 +93,13 @@ class GuardProcess:
         # loads NVML itself; a stale or missing reading never delays a kill: the policy ranks without it).
         self.guard.gpu_holders = self.supervisor.gpu.holder_keys
         self.guard.gpu_bytes_by_pid = self.supervisor.gpu.latest
+        # With a webhook, the guard spools its own alerts (kills, kernel-log events) before each event is written, so
+        # a guard that dies between the event and the hand-over to telemetry loses none: telemetry's outbox finds the
+        # file when it starts (actuators.spool).
+        self.spool: FileSpool | None = None
+        if config.wire.get("webhook_url"):
+            self.spool = FileSpool(config.state_dir / "outbox")
+            self.events.subscribe(AlertRouter(self.spool))
         self.events.subscribe(self.supervisor.forward)
         self.parts: list[Part[GuardConfig]] = [
             Part(
@@ -117,6 +125,7 @@ class GuardProcess:
                     "event_write_errors": self.events.write_errors_total,
                     "journal_send_errors": self.journal.send_errors_total,
                     "log_send_errors": logs.send_errors_total(self.log_handler),
+                    "alert_spool_errors": self.spool.spool_errors_total if self.spool is not None else 0,
                 },
             ),
         ]

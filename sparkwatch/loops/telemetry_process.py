@@ -24,7 +24,8 @@ from typing import Any
 
 from sparkwatch import logs, syscalls
 from sparkwatch.actuators.events import EventLog
-from sparkwatch.actuators.outbox import AlertRouter, Outbox
+from sparkwatch.actuators.outbox import Outbox
+from sparkwatch.actuators.spool import AlertRouter
 from sparkwatch.actuators.systemd import JournalSink
 from sparkwatch.channel import Channel, ChannelClosed, rss_bytes
 from sparkwatch.component import Part
