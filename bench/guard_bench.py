@@ -78,7 +78,9 @@ class Episode:
     own_detect_to_reaped_ms: float | None = None  # sparkwatch's own record: detect -> signal -> last reaped
 
 
-def start_contender(name: str, floor: int, tmp: Path, prefer: str = "^sw-hog$") -> subprocess.Popen[bytes]:
+def start_contender(
+    name: str, floor: int, tmp: Path, prefer: str = "^sw-hog$"
+) -> subprocess.Popen[str] | subprocess.Popen[bytes]:
     if name == "sparkwatch":
         env = {k: v for k, v in os.environ.items() if not k.startswith("SPARKWATCH_")}
         env.update(
@@ -91,19 +93,19 @@ def start_contender(name: str, floor: int, tmp: Path, prefer: str = "^sw-hog$") 
                 "PYTHONUNBUFFERED": "1",
             }
         )
-        proc = subprocess.Popen(
+        daemon = subprocess.Popen(
             [str(ROOT / ".venv/bin/python"), "-m", "sparkwatch", "run"],
             env=env,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
             text=True,
         )
-        assert proc.stderr is not None
-        for line in proc.stderr:  # wait until it polls
+        assert daemon.stderr is not None
+        for line in daemon.stderr:  # wait until it polls
             if "sparkwatch: running:" in line:
                 break
-        threading.Thread(target=lambda: proc.stderr.read() if proc.stderr else None, daemon=True).start()
-        return proc  # type: ignore[return-value]
+        threading.Thread(target=lambda: daemon.stderr.read() if daemon.stderr else None, daemon=True).start()
+        return daemon
     kib = floor // 1024
     # -M term,kill in KiB, both at the floor, so earlyoom goes straight to SIGKILL like sparkwatch.
     proc = subprocess.Popen(
@@ -364,11 +366,11 @@ def two_engine_report(episodes: list[TwoEngineEpisode], argv: list[str]) -> str:
     ]
     for c in ("sparkwatch", "earlyoom"):
         eps = [e for e in episodes if e.contender == c and (e.crossed or e.killed)]  # the box was in danger
-        safe = [e.safe_after_s * 1000 for e in eps if e.safe_after_s is not None]
+        safe_ms = [e.safe_after_s * 1000 for e in eps if e.safe_after_s is not None]
         lines.append(
             f"| {c} | {sum(e.spared for e in eps)}/{len(eps)} | "
-            f"{statistics.median(safe):,.0f} ({len(safe)}/{len(eps)} safe) | "
-            if safe
+            f"{statistics.median(safe_ms):,.0f} ({len(safe_ms)}/{len(eps)} safe) | "
+            if safe_ms
             else f"| {c} | {sum(e.spared for e in eps)}/{len(eps)} | - (0/{len(eps)} safe) | "
         )
         lines[-1] += (

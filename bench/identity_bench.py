@@ -45,8 +45,8 @@ def ms(s: float) -> str:
 def episode(with_facts: bool) -> dict[str, float]:
     real_exe, real_cgroup = procs_mod._read_exe, procs_mod._read_cgroup
     if not with_facts:
-        procs_mod._read_exe = lambda base: None  # type: ignore[assignment]
-        procs_mod._read_cgroup = lambda base: None  # type: ignore[assignment]
+        procs_mod._read_exe = lambda base: None
+        procs_mod._read_cgroup = lambda base: None
     try:
         scanner = ProcScanner()
         cold_scan = cpu_of(scanner.scan)

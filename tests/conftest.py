@@ -96,7 +96,7 @@ class Spawner:
         self.pidfiles: list[Path] = []
 
     def popen(self, argv: list[str], **kw: object) -> subprocess.Popen[bytes]:
-        proc = subprocess.Popen(argv, **kw)  # type: ignore[call-overload]
+        proc: subprocess.Popen[bytes] = subprocess.Popen(argv, **kw)  # type: ignore[call-overload]
         self.procs.append(proc)
         return proc
 

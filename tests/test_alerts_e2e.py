@@ -12,11 +12,13 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import cast
 
 import pytest
 
 from sparkwatch.actuators.events import read_events
 from sparkwatch.core.alerts import is_alerting
+from sparkwatch.core.eventkinds import EventKind
 from tests import driverroot as fx
 from tests.receiver import Receiver, wait_until
 
@@ -97,7 +99,11 @@ def setup(tmp_path: Path) -> Iterator[tuple[fx.DriverRoot, Sparkwatch, Receiver,
 
 
 def alert_events(state: Path, kind: str | None = None) -> list[dict[str, object]]:
-    return [e for e in read_events(state / "events.jsonl") if is_alerting(str(e["kind"])) and kind in (None, e["kind"])]
+    return [
+        e
+        for e in read_events(state / "events.jsonl")
+        if is_alerting(cast(EventKind, str(e["kind"]))) and kind in (None, e["kind"])
+    ]
 
 
 def set_stranded(root: fx.DriverRoot, stranded: bool) -> None:

@@ -250,7 +250,10 @@ def golden_kill() -> Event:
         available_after_settle_bytes=66 * GiB,
         settle_s=1.0,
         why_this_tree=("grew 6.2 GiB in 4.0 s", "RSS 63.0 GiB, GPU 71.0 GiB"),
-        ranking=((41234, "vllm", ("grew 6.2 GiB in 4.0 s", "RSS 63.0 GiB, GPU 71.0 GiB")), (40001, "vllm", ("steady",))),
+        ranking=(
+            (41234, "vllm", ("grew 6.2 GiB in 4.0 s", "RSS 63.0 GiB, GPU 71.0 GiB")),
+            (40001, "vllm", ("steady",)),
+        ),
     )
     event = make_event(EventKind.KILL, kill_summary(facts), kill_fields(facts), ts=1_763_483_861.25, node="spark-a")
     # The id is made of the time and 12 random hex digits: fix the random part, check the shape.

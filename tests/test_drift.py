@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shutil
+from collections.abc import Iterable
 from dataclasses import replace
 from pathlib import Path
 
@@ -11,18 +12,18 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sparkwatch.core import drift
-from sparkwatch.model import DriverFacts, NvmlFacts
+from sparkwatch.model import Check, DpkgPackage, DriverFacts, DriverReport, NvmlFacts
 from sparkwatch.sources.system import parse_dpkg_status, parse_grubenv, parse_nvrm_version, read_driver_facts
 from tests import driverroot as fx
 from tests.driverroot import DRIVER, NEW_KERNEL, NEWER_DRIVER, OLD_KERNEL, DriverRoot, Pkg
 
 
-def judge_root(root: DriverRoot) -> tuple[DriverFacts, drift.DriverReport]:
+def judge_root(root: DriverRoot) -> tuple[DriverFacts, DriverReport]:
     facts = read_driver_facts(root.write())
     return facts, drift.judge(facts)
 
 
-def checks_by_id(root: DriverRoot) -> dict[str, drift.Check]:
+def checks_by_id(root: DriverRoot) -> dict[str, Check]:
     facts, report = judge_root(root)
     return {c.id: c for c in drift.driver_checks(report, facts, nvml_asked=False)}
 
@@ -288,7 +289,12 @@ def test_dpkg_status_is_parsed_again_only_when_it_changes(tmp_path: Path, monkey
     assert [p.name for p in first[0]] == ["nvidia-dkms-580-open"]
     parsed: list[str] = []
     real_parse = system.parse_dpkg_lines
-    monkeypatch.setattr(system, "parse_dpkg_lines", lambda lines: parsed.append("parse") or real_parse(lines))
+
+    def counting_parse(lines: Iterable[str]) -> tuple[tuple[DpkgPackage, ...], str | None]:
+        parsed.append("parse")
+        return real_parse(lines)
+
+    monkeypatch.setattr(system, "parse_dpkg_lines", counting_parse)
     assert system.read_dpkg_status(status, []) == first  # unchanged file: served from the cache
     assert parsed == []
     with status.open("a") as fh:  # apt ran

@@ -14,6 +14,8 @@ from sparkwatch.actuators.events import EventLog, read_events
 from sparkwatch.config import load_settings
 from sparkwatch.core.alerts import RateState, dedup_key, driver_step, headroom_step, rate_limit
 from sparkwatch.core.drift import judge
+from sparkwatch.core.eventkinds import EventKind
+from sparkwatch.core.states import DriverProblem
 from sparkwatch.loops.driverwatch import DriverWatcher
 from sparkwatch.loops.guard import Guard
 from sparkwatch.loops.headroom import HeadroomWatcher
@@ -81,7 +83,7 @@ def test_will_strand_then_mismatch_each_alert(tmp_path: Path) -> None:
     _, alerts = driver_step(frozenset(), judge(read_driver_facts(root.write())))
     assert [a.kind for a in alerts] == ["driver_will_strand"]
     opened, alerts = driver_step(
-        frozenset({"will_strand"}), judge(read_driver_facts(fx.version_mismatch(root.path).write()))
+        frozenset({DriverProblem.WILL_STRAND}), judge(read_driver_facts(fx.version_mismatch(root.path).write()))
     )
     assert [a.kind for a in alerts] == ["driver_version_mismatch"] and opened == {"version_mismatch"}
     assert not state.exists()
@@ -200,14 +202,14 @@ def test_headroom_and_rate_limit_rules() -> None:
     assert headroom_step(False, 11 * GiB, 8 * GiB, 4 * GiB, GiB) == (True, True)
     assert headroom_step(True, 12 * GiB + 1, 8 * GiB, 4 * GiB, GiB) == (True, False)
     assert headroom_step(True, 13 * GiB + 1, 8 * GiB, 4 * GiB, GiB) == (False, False)
-    state, sent = rate_limit(RateState(), "jit_stalled", "jit_stalled:pid=5", 0.0)
+    state, sent = rate_limit(RateState(), EventKind.JIT_STALLED, "jit_stalled:pid=5", 0.0)
     assert sent
-    state, sent = rate_limit(state, "jit_stalled", "jit_stalled:pid=5", 100.0)
+    state, sent = rate_limit(state, EventKind.JIT_STALLED, "jit_stalled:pid=5", 100.0)
     assert not sent
-    state, sent = rate_limit(state, "jit_stalled", "jit_stalled:pid=6", 100.0)
+    state, sent = rate_limit(state, EventKind.JIT_STALLED, "jit_stalled:pid=6", 100.0)
     assert sent
-    assert rate_limit(state, "not_an_alert", "x", 0.0)[1] is False
-    assert dedup_key("kill", {"id": "a"}) != dedup_key("kill", {"id": "b"})
+    assert rate_limit(state, "not_an_alert", "x", 0.0)[1] is False  # type: ignore[arg-type]  # deliberately not an EventKind
+    assert dedup_key(EventKind.KILL, {"id": "a"}) != dedup_key(EventKind.KILL, {"id": "b"})
 
 
 @pytest.mark.parametrize(
@@ -268,7 +270,7 @@ def test_unknown_running_kernel_keeps_the_stranded_episode_open(tmp_path: Path) 
     root.running = None
     root.boot = [fx.OLD_KERNEL]
     report = judge(read_driver_facts(root.write()))
-    opened, alerts = driver_step(frozenset({"stranded"}), report)
+    opened, alerts = driver_step(frozenset({DriverProblem.STRANDED}), report)
     assert "stranded" in opened and [a.kind for a in alerts if a.kind == "driver_recovered"] == []
 
 

@@ -35,10 +35,10 @@ def case(kit: ShapeKit, name: str) -> Node:
     py = sys.executable
 
     def script(name: str, *args: str, expect: str, children: list[Node] | None = None, **kw: str) -> Node:
-        return Node([str(kit.bin(name)), *args], expect, shebang=py, children=children or [], **kw)  # type: ignore[arg-type]
+        return Node([str(kit.bin(name)), *args], expect, shebang=py, children=children or [], **kw)
 
     def module(mod: str, *args: str, expect: str, children: list[Node] | None = None, **kw: str) -> Node:
-        return Node([py, "-m", mod, *args], expect, children=children or [], **kw)  # type: ignore[arg-type]
+        return Node([py, "-m", mod, *args], expect, children=children or [], **kw)
 
     def binary(rel: str, *args: str, expect: str, children: list[Node] | None = None) -> Node:
         return Node([kit.binary(rel), *args], expect, children=children or [])

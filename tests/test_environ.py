@@ -21,7 +21,13 @@ def test_setproctitle_clobbers_environ_so_max_jobs_is_unknown(spawner: Spawner) 
     env = {**os.environ, "MAX_JOBS": "3"}
     plain = spawner.popen([sys.executable, "-c", CODE], env=env)
     titled = spawner.popen([sys.executable, "-c", CODE, "VLLM::EngineCore"], env=env)
-    assert wait_until(lambda: (ProcScanner().read_proc(titled.pid) or plain).comm.startswith("VLLM::"))
+
+    def retitled() -> bool:
+        proc = ProcScanner().read_proc(titled.pid)
+        assert proc is not None  # was `or plain`: a Popen has no .comm, so a vanished process failed here too
+        return proc.comm.startswith("VLLM::")
+
+    assert wait_until(retitled)
     reader = EnvironReader(Path("/proc"), ["MAX_JOBS"])
     assert reader.read(plain.pid, read_start_ticks("/proc", plain.pid) or 0) == {"MAX_JOBS": "3"}
     # setproctitle reuses the environ area for the title: all NULs now. Unknown, not "unset".

@@ -30,7 +30,7 @@ import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import yaml
@@ -106,7 +106,9 @@ def wait_until(what: str, predicate: Any, timeout_s: float, procs: list[subproce
     last: Exception | None = None
     while time.monotonic() < deadline:
         for p in procs:
-            assert p.poll() is None, f"{p.args[0]} exited with {p.returncode} while waiting for {what}"
+            assert p.poll() is None, (
+                f"{cast('list[str]', p.args)[0]} exited with {p.returncode} while waiting for {what}"
+            )
         try:
             value = predicate()
             if value:

@@ -46,12 +46,12 @@ def test_garbled_meminfo_is_reported_never_a_kill(proc_root: Path, tmp_path: Pat
         assert guard.stats.last_error is not None and "meminfo" in guard.stats.last_error
         assert guard.state.below_count == 0  # errors do not count toward the debounce
         time.sleep(0.2)
-        assert read_events(guard.settings.events_path) == []
+        assert read_events(guard.events.path) == []
         # The guard is still alive and acts on the next good sample.
         rewrite_in_place(proc_root / "meminfo", low(4839424))
         assert {guard.tick() for _ in range(3)}
-        assert wait_until(lambda: bool(read_events(guard.settings.events_path)), 5)
-        (event,) = read_events(guard.settings.events_path)
+        assert wait_until(lambda: bool(read_events(guard.events.path)), 5)
+        (event,) = read_events(guard.events.path)
         assert event["kind"] == "no_victim"  # no engine in a fixture /proc: said so, nothing signalled
         assert event["mem_available_bytes"] == 4839424 * 1024
     finally:

@@ -72,12 +72,12 @@ def test_memory_recovered_while_choosing_cancels_the_kill(spawner: Spawner, proc
             if not guard.stats.cancelled_total:
                 rewrite_in_place(proc_root / "meminfo", LOW)
         assert guard.stats.cancelled_total == 1
-        assert wait_until(lambda: bool(read_events(guard.settings.events_path)), 5)
+        assert wait_until(lambda: bool(read_events(guard.events.path)), 5)
         time.sleep(0.3)
-        kinds = [e["kind"] for e in read_events(guard.settings.events_path)]
+        kinds = [e["kind"] for e in read_events(guard.events.path)]
         assert kinds == ["kill_cancelled"]
-        (event,) = read_events(guard.settings.events_path)
-        assert int(event["mem_available_now_bytes"]) == 118566368 * 1024  # type: ignore[call-overload]
+        (event,) = read_events(guard.events.path)
+        assert int(event["mem_available_now_bytes"]) == 118566368 * 1024
         assert all(alive(pid, ticks) for pid, (ticks, _) in pids.items())  # nothing was signalled
         assert guard.state.phase == "watch"
     finally:
@@ -98,12 +98,12 @@ def test_the_kill_record_holds_the_victims_rss_and_gpu_bytes(spawner: Spawner, p
         for _ in range(3):
             guard.tick()
         assert wait_until(lambda: not any(alive(p, t) for p, (t, _) in pids.items()), 10)
-        assert wait_until(lambda: any(e["kind"] == "kill" for e in read_events(guard.settings.events_path)), 10)
-        (kill,) = [e for e in read_events(guard.settings.events_path) if e["kind"] == "kill"]
+        assert wait_until(lambda: any(e["kind"] == "kill" for e in read_events(guard.events.path)), 10)
+        (kill,) = [e for e in read_events(guard.events.path) if e["kind"] == "kill"]
         assert kill["victim_gpu_bytes"] == 20 * GiB
-        assert int(kill["victim_rss_bytes"]) > 0  # type: ignore[call-overload]
+        assert int(kill["victim_rss_bytes"]) > 0
         assert kill["mem_available_after_settle_bytes"] == 4839424 * 1024  # what MemAvailable read, not a guess
-        assert "GPU 20.0 GiB" in " ".join(kill["why"])  # type: ignore[arg-type]
+        assert "GPU 20.0 GiB" in " ".join(kill["why"])
         assert "the victims held" in str(kill["summary"]) and "20.0 GiB of GPU memory" in str(kill["summary"])
     finally:
         guard.reaper.stop()

@@ -10,6 +10,7 @@ import os
 import threading
 import time
 from pathlib import Path
+from typing import cast
 
 import pytest
 
@@ -68,7 +69,7 @@ def test_real_pressure_kills_the_whole_tree_near_the_floor(spawner: Spawner, tmp
         assert wait_until(lambda: not any(alive(pid, t) for pid, (t, _) in recorded.items()), 10)
         assert event["trigger"] in ("floor", "predicted")
         assert event["dry_run"] is False
-        victims = {v["pid"] for v in event["victims"]}  # type: ignore[union-attr]
+        victims = {v["pid"] for v in cast("list[dict[str, object]]", event["victims"])}
         assert set(recorded) <= victims
         assert event["signal_to_reaped_ms"] is not None
         overshoot = floor - tracker.min_available

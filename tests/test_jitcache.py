@@ -175,10 +175,10 @@ def collect_as(uid: int, base: Path) -> list[dict[str, object]]:
             os._exit(code)
     os.close(w)
     with os.fdopen(r, "rb") as fh:
-        data = fh.read()
+        raw = fh.read()
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
-    result: list[dict[str, object]] = json.loads(data)
+    result: list[dict[str, object]] = json.loads(raw)
     return result
 
 

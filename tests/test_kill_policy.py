@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import cast
 
 import pytest
 
@@ -178,7 +179,7 @@ def test_memory_still_under_the_floor_kills_the_next_engine_never_the_allocator(
         stress_pids = {stress.pid, *descendants(stress.pid)}
         assert len(stress_pids) >= 2 and stress.poll() is None
         for event in kills:
-            assert not stress_pids & {v["pid"] for v in event["victims"]}  # type: ignore[union-attr]
+            assert not stress_pids & {v["pid"] for v in cast("list[dict[str, object]]", event["victims"])}
         if dry_run:
             assert tree_alive(old) and tree_alive(new)
             assert sum("DRY-RUN would KILL vllm tree" in line for line in daemon.stderr_lines) == 2
@@ -225,7 +226,7 @@ def test_an_engine_started_under_the_floor_dies_as_soon_as_it_is_found(spawner: 
         assert kill["trigger"] in ("hunt", "floor")  # "floor" only if others' frees briefly lifted the box over it
         assert float(kill["detect_to_signal_ms"]) < 1000  # type: ignore[arg-type]
         assert took_s < 5, f"the late engine lived {took_s:.1f} s under the floor"
-        assert root_of(pidfile)[0] in {v["pid"] for v in kill["victims"]}  # type: ignore[union-attr]
+        assert root_of(pidfile)[0] in {v["pid"] for v in cast("list[dict[str, object]]", kill["victims"])}
         assert tree_alive(hog)  # no engine, never touched
         assert len(events(daemon, "no_victim")) == 1  # one record of the empty look, not one per look
 

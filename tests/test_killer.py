@@ -125,7 +125,7 @@ def test_decoys_and_protected_processes_survive(spawner: Spawner, tmp_path: Path
     kill_and_reap(trees)
     assert wait_until(lambda: not alive(root_pid))
     for decoy in [*decoys, protected_child]:
-        assert decoy.poll() is None, f"decoy {decoy.args} was killed"
+        assert decoy.poll() is None, f"decoy {decoy.args!r} was killed"
 
 
 def test_protection_inside_an_engine_tree_is_by_executable_not_by_name(spawner: Spawner, tmp_path: Path) -> None:

@@ -11,6 +11,7 @@ import time
 import urllib.request
 import uuid
 from pathlib import Path
+from typing import cast
 
 import pytest
 
@@ -80,7 +81,7 @@ def test_alloc_failure_within_warn_headroom_kills_the_engine(spawner: Spawner, t
         kill = wait_for_event(daemon.events_path, "kill", timeout_s=15)
         seen_s = time.monotonic() - t0
         assert kill["trigger"] == "driver_alloc_failed"
-        victims = {v["pid"] for v in kill["victims"]}  # type: ignore[union-attr]
+        victims = {v["pid"] for v in cast("list[dict[str, object]]", kill["victims"])}
         assert set(members) <= victims
         assert wait_until(lambda: not any(alive(pid, t) for pid, (t, _) in members.items()), 10)
         failed = wait_for_event(daemon.events_path, "driver_alloc_failed", timeout_s=10)

@@ -140,8 +140,8 @@ def test_dmesg_restrict_says_why_for_an_unprivileged_user() -> None:
     with os.fdopen(r) as fh:
         out = fh.read()
     os.waitpid(pid, 0)
-    opened, reason, polled = out.splitlines()
-    assert opened == "False" and polled == "[]"
+    opened_out, reason, polled = out.splitlines()
+    assert opened_out == "False" and polled == "[]"
     assert "dmesg_restrict" in reason and "install-service --system" in reason
 
 

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from sparkwatch.core.drift import judge
+from sparkwatch.model import NvmlFacts
 from sparkwatch.sources.nvml import probe_nvml
 from sparkwatch.sources.system import read_driver_facts
 
@@ -57,9 +58,9 @@ def test_a_hung_probe_is_not_piled_up(monkeypatch: pytest.MonkeyPatch) -> None:
 
     release = threading.Event()
 
-    def hang() -> nvml.NvmlFacts:
+    def hang() -> NvmlFacts:
         release.wait(10)
-        return nvml.NvmlFacts(library_version="12.580.95.05")
+        return NvmlFacts(library_version="12.580.95.05")
 
     monkeypatch.setattr(nvml, "_ask_nvml", hang)
     # A probe thread another test abandoned (a hanging fake NVML) may still be alive: start from none of ours.

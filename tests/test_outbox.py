@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from sparkwatch.core.eventkinds import EventKind
 from sparkwatch.actuators.events import EventLog, make_event
 from sparkwatch.actuators.outbox import Outbox
 from sparkwatch.actuators.spool import AlertRouter, alert_payload
 from sparkwatch.config import load_settings
+from sparkwatch.core.eventkinds import EventKind
 from sparkwatch.exporter.server import build_registry, render
 from tests.conftest import require_tool
 from tests.receiver import GarbageServer, Receiver, wait_until
@@ -32,12 +32,11 @@ def receiver() -> Iterator[Receiver]:
     r.stop()
 
 
-def make_outbox(spool: Path, url: str, logs: list[str], **kw: float) -> Outbox:
-    params: dict[str, float] = {"timeout_s": 1.0, "backoff_min_s": 0.02, "backoff_max_s": 0.2, **kw}
-    return Outbox(spool, url, SECRET, log=logs.append, **params)
+def make_outbox(spool: Path, url: str, logs: list[str], timeout_s: float = 1.0) -> Outbox:
+    return Outbox(spool, url, SECRET, log=logs.append, timeout_s=timeout_s, backoff_min_s=0.02, backoff_max_s=0.2)
 
 
-def payload(i: int, kind: str = "kill") -> dict[str, object]:
+def payload(i: int, kind: EventKind = EventKind.KILL) -> dict[str, object]:
     return alert_payload(make_event(kind, f"test event {i}", {"n": i}, node="spark-a"))
 
 

@@ -111,7 +111,7 @@ def test_only_the_allocating_actor_dies_and_ray_restarts_it(ray_cluster: Any, tm
             ray.get(ref, timeout=120)
         assert wait_until(lambda: any(e["kind"] == "kill" for e in read_events(daemon.events_path)), 30)
         kills = [e for e in read_events(daemon.events_path) if e["kind"] == "kill"]
-        victims = {v["pid"] for k in kills for v in k["victims"]}  # type: ignore[union-attr]
+        victims = {v["pid"] for k in kills for v in k["victims"]}
         assert first_pid in victims
         assert bystander_pid not in victims
         assert all(alive(pid, ticks) for pid, ticks in raylets.items()), "the raylet must survive"

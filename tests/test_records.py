@@ -12,9 +12,10 @@ from pathlib import Path
 import pytest
 
 from sparkwatch.actuators.events import EventLog, EventLogError, make_event, read_events
+from sparkwatch.core.eventkinds import EventKind
 from sparkwatch.core.killrecord import KillFacts, kill_fields, kill_line
 from sparkwatch.core.redact import REDACTED, safe_cmdline
-from sparkwatch.model import EngineTree, MemInfo, Proc
+from sparkwatch.model import EngineTree, Event, MemInfo, Proc
 from sparkwatch.units import MiB
 
 
@@ -85,9 +86,9 @@ def test_kill_line_matches_the_field_grep() -> None:
 
 def test_kill_event_has_the_contract_fields(tmp_path: Path) -> None:
     log = EventLog(tmp_path / "state" / "events.jsonl")
-    seen = []
+    seen: list[Event] = []
     log.subscribe(seen.append)
-    event = make_event("kill", "Killed vllm.", kill_fields(facts()))
+    event = make_event(EventKind.KILL, "Killed vllm.", kill_fields(facts()))
     log.append(event)
     (line,) = (tmp_path / "state" / "events.jsonl").read_text().splitlines()
     data = json.loads(line)
@@ -124,9 +125,9 @@ def test_unwritable_state_dir_is_an_error_not_a_crash(tmp_path: Path) -> None:
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")
     log = EventLog(blocker / "events.jsonl")
-    heard = []
+    heard: list[Event] = []
     log.subscribe(heard.append)
-    event = make_event("kill", "x")
+    event = make_event(EventKind.KILL, "x")
     with pytest.raises(EventLogError):
         log.append(event)
     assert log.write_errors_total == 1
@@ -138,7 +139,7 @@ def test_read_events_tail_skips_torn_lines(tmp_path: Path) -> None:
     path = tmp_path / "events.jsonl"
     log = EventLog(path)
     for i in range(50):
-        log.append(make_event("low_headroom", f"event {i}"))
+        log.append(make_event(EventKind.LOW_HEADROOM, f"event {i}"))
     with open(path, "a") as fh:
         fh.write('{"kind": "kill", "summ')  # a torn final write
     last = read_events(path, 5)
@@ -149,7 +150,7 @@ def test_read_events_tail_skips_torn_lines(tmp_path: Path) -> None:
 
 def test_events_cli(tmp_path: Path) -> None:
     log = EventLog(tmp_path / "events.jsonl")
-    log.append(make_event("kill", "Killed vllm (root pid 1234, 9 processes)."))
+    log.append(make_event(EventKind.KILL, "Killed vllm (root pid 1234, 9 processes)."))
     env = {**os.environ, "SPARKWATCH_STATE_DIR": str(tmp_path)}
     out = subprocess.run(
         [sys.executable, "-m", "sparkwatch", "events", "-n", "5"], capture_output=True, text=True, env=env, timeout=60

@@ -157,7 +157,7 @@ def test_no_canary_reaches_any_output(spawner: Spawner, tmp_path: Path) -> None:
         outputs["webhook bodies"] = "\n".join(d.body.decode(errors="replace") for d in receiver.deliveries)
         assert "sparkwatch: KILL vllm tree" in outputs["stderr"]
         kill = next(e for e in read_events(daemon.events_path) if e["kind"] == "kill")
-        assert len(kill["victims"]) >= 3  # type: ignore[arg-type]  # root, worker, shell (and its sleep)
+        assert len(kill["victims"]) >= 3  # root, worker, shell (and its sleep)
         found = {where: leaks(text) for where, text in outputs.items() if leaks(text)}
         assert found == {}, found
     finally:

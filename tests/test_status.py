@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 
 from sparkwatch.actuators.events import EventLog, make_event
+from sparkwatch.core.eventkinds import EventKind
 from sparkwatch.sources.procs import read_children
 from sparkwatch.tui.status_view import FLOOR_MARK, WARN_MARK
 from sparkwatch.units import GiB
@@ -128,7 +129,7 @@ def test_once_during_a_real_nvcc_build(tmp_path: Path, mount_namespace: None) ->
     kill_ts = time.time() - 3 * 3600
     EventLog(tmp_path / "state" / "events.jsonl").append(
         make_event(
-            "kill",
+            EventKind.KILL,
             "Killed vllm (root pid 4242, 9 processes): MemAvailable 4726 MiB <= floor 8192 MiB.",
             {"dry_run": False},
             ts=kill_ts,

@@ -7,6 +7,7 @@ from datetime import UTC
 
 from rich.console import Console
 
+from sparkwatch.core.states import JitState, MaxJobsState
 from sparkwatch.core.trend import BuildRate, PoolTrend, build_rate, pool_trend, slope_per_s
 from sparkwatch.model import (
     CollectorStatus,
@@ -169,11 +170,13 @@ def _frame(**changes: object) -> StatusFrame:
             parallel_jobs=8,
             archs={"121a": 8},
             engines=(
-                EngineCompile("vllm", 4242, {"nvcc": 4, "cicc": 4, "ninja": 1}, 20 * GiB, "unset", None, "raylet"),
+                EngineCompile(
+                    "vllm", 4242, {"nvcc": 4, "cicc": 4, "ninja": 1}, 20 * GiB, MaxJobsState.UNSET, None, "raylet"
+                ),
             ),
         ),
         jit=(cache,),
-        jit_states=(JitEngineState("vllm", 4242, "compiling", 1_795_000_000.0 - 192, "9 compiler processes"),),
+        jit_states=(JitEngineState("vllm", 4242, JitState.COMPILING, 1_795_000_000.0 - 192, "9 compiler processes"),),
         collectors=(CollectorStatus("gpu", False, 0.01, "NVMLError_LibraryNotFound"),),
     )
     fields: dict[str, object] = {

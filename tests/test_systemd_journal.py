@@ -25,6 +25,7 @@ from sparkwatch.actuators.systemd import (
     journal_fields,
     stderr_is_journal,
 )
+from sparkwatch.core.eventkinds import EventKind
 from sparkwatch.sources.meminfo import MeminfoReader
 from tests.conftest import require
 from tests.sdtools import (
@@ -63,7 +64,9 @@ def multi(fields: list[tuple[str, str]]) -> dict[str, list[str]]:
 
 def test_kill_event_flattens_to_journal_fields() -> None:
     event = make_event(
-        "kill", "Killed vllm (root pid 1234, 2 processes): MemAvailable 4726 MiB <= floor 8192 MiB.", KILL_FIELDS
+        EventKind.KILL,
+        "Killed vllm (root pid 1234, 2 processes): MemAvailable 4726 MiB <= floor 8192 MiB.",
+        KILL_FIELDS,
     )
     f = multi(journal_fields(event))
     assert f["PRIORITY"] == ["3"]  # err: `journalctl -p err` shows every kill
@@ -83,9 +86,10 @@ def test_kill_event_flattens_to_journal_fields() -> None:
 
 
 def test_priorities_by_kind() -> None:
-    assert multi(journal_fields(make_event("low_headroom", "x")))["PRIORITY"] == ["4"]
-    assert multi(journal_fields(make_event("driver_recovered", "x")))["PRIORITY"] == ["5"]
-    assert multi(journal_fields(make_event("something_new", "x")))["PRIORITY"] == ["5"]
+    assert multi(journal_fields(make_event(EventKind.LOW_HEADROOM, "x")))["PRIORITY"] == ["4"]
+    assert multi(journal_fields(make_event(EventKind.DRIVER_RECOVERED, "x")))["PRIORITY"] == ["5"]
+    unknown = make_event("something_new", "x")  # type: ignore[arg-type]  # deliberately not an EventKind
+    assert multi(journal_fields(unknown))["PRIORITY"] == ["5"]
 
 
 def test_native_encoding_round_trips_newlines_and_binary_lengths() -> None:
@@ -112,7 +116,7 @@ def recv_fields(path: Path, sink_call: Callable[[], None]) -> dict[str, list[str
 def test_native_backend_sends_structured_fields(tmp_path: Path) -> None:
     path = tmp_path / "journal.socket"
     sink = JournalSink(backend="native", socket_path=path)
-    event = make_event("kill", "Killed vllm.\nSecond line.", KILL_FIELDS)
+    event = make_event(EventKind.KILL, "Killed vllm.\nSecond line.", KILL_FIELDS)
     f = recv_fields(path, lambda: sink(event))
     assert f["MESSAGE"] == ["Killed vllm.\nSecond line."]
     assert f["SPARKWATCH_EVENT"] == ["kill"] and f["PRIORITY"] == ["3"]
@@ -124,7 +128,7 @@ def test_failed_send_falls_back_to_stderr(tmp_path: Path) -> None:
     out = tmp_path / "stderr.txt"
     with out.open("w") as stream:
         sink = JournalSink(backend="native", socket_path=tmp_path / "nobody-listens", stream=stream, env={})
-        sink(make_event("kill", "Killed vllm.", KILL_FIELDS))
+        sink(make_event(EventKind.KILL, "Killed vllm.", KILL_FIELDS))
     assert sink.send_errors_total == 1
     assert out.read_text() == "sparkwatch: event kill: Killed vllm.\n"  # not the journal: no <N> prefix
 
@@ -136,12 +140,12 @@ def test_stderr_lines_get_priority_prefix_only_when_stderr_is_the_journal(tmp_pa
         stream = os.fdopen(os.dup(a.fileno()), "w")
         env = {"JOURNAL_STREAM": f"{st.st_dev}:{st.st_ino}"}
         assert stderr_is_journal(env, stream)
-        JournalSink(backend="stderr", stream=stream, env=env)(make_event("kill", "Killed vllm.", KILL_FIELDS))
-        JournalSink(backend="stderr", stream=stream, env=env)(make_event("low_headroom", "Low."))
+        JournalSink(backend="stderr", stream=stream, env=env)(make_event(EventKind.KILL, "Killed vllm.", KILL_FIELDS))
+        JournalSink(backend="stderr", stream=stream, env=env)(make_event(EventKind.LOW_HEADROOM, "Low."))
         # Another stream than the one $JOURNAL_STREAM names: plain lines.
         other = (tmp_path / "plain.txt").open("w")
         assert not stderr_is_journal(env, other)
-        JournalSink(backend="stderr", stream=other, env=env)(make_event("kill", "Killed vllm.", KILL_FIELDS))
+        JournalSink(backend="stderr", stream=other, env=env)(make_event(EventKind.KILL, "Killed vllm.", KILL_FIELDS))
         other.close()
         stream.close()
         b.settimeout(2)
@@ -159,7 +163,7 @@ def test_systemd_python_backend_speaks_native_protocol(tmp_path: Path) -> None:
     require(has_systemd_python(), "systemd-python is not installed (pip install '.[systemd]')")
     with real_journal_path() as rx:
         sink = JournalSink(backend="systemd-python")
-        sink(make_event("kill", "Killed vllm (root pid 1234).", KILL_FIELDS))
+        sink(make_event(EventKind.KILL, "Killed vllm (root pid 1234).", KILL_FIELDS))
         f = rx.fields_from(os.getpid(), timeout_s=5)
     assert sink.send_errors_total == 0
     assert f["SPARKWATCH_EVENT"] == ["kill"] and f["PRIORITY"] == ["3"]

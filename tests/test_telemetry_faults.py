@@ -81,10 +81,10 @@ def test_unreadable_cache_keeps_the_rest(tmp_path: Path, monkeypatch: object) ->
     bad = arch / "batch_prefill"
     real_scandir = os.scandir
 
-    def failing_scandir(path: object) -> object:
+    def failing_scandir(path: str | Path) -> object:
         if str(path) == str(bad):
             raise PermissionError(13, "Permission denied", str(path))
-        return real_scandir(path)  # type: ignore[arg-type]
+        return real_scandir(path)
 
     monkeypatch.setattr("sparkwatch.sources.jitcache.os.scandir", failing_scandir)  # type: ignore[attr-defined]
     os.utime(bad, (time.time(), time.time()))  # changed: it must be re-read, and cannot be

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from sparkwatch.actuators.events import EventLog, make_event
 from sparkwatch.core.engines import EngineRules
+from sparkwatch.core.eventkinds import EventKind
 from sparkwatch.core.proctree import tree_rows
 from sparkwatch.model import EngineTree, Proc
 from sparkwatch.tui.events_view import event_lines, local_time
@@ -126,14 +127,14 @@ def test_events_one_line_each_in_local_time(tmp_path: Path) -> None:
     ts = 1_795_000_000.0  # 2026-11-18T11:06:40Z
     log.append(
         make_event(
-            "kill",
+            EventKind.KILL,
             "Killed vllm (root pid 4242, 9 processes): MemAvailable 4726 MiB <= floor 8192 MiB.",
             {"trigger": "floor"},
             ts=ts,
             node="spark-a",
         )
     )
-    log.append(make_event("compile_burst", "compiler burst:\n 20 parallel jobs", ts=ts + 61, node="spark-a"))
+    log.append(make_event(EventKind.COMPILE_BURST, "compiler burst:\n 20 parallel jobs", ts=ts + 61, node="spark-a"))
     # A zone without tzdata: POSIX TZ "IST-5:30" is UTC+05:30.
     out = sparkwatch("events", "--state-dir", str(tmp_path), env=scoped_env(TZ="IST-5:30"))
     assert out.returncode == 0, out.stderr
