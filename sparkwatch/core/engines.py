@@ -313,7 +313,8 @@ def compile_engine_patterns(patterns: Iterable[str]) -> tuple[tuple[str, re.Patt
     return tuple(out)
 
 
-def compile_protect_patterns(patterns: Iterable[str]) -> tuple[re.Pattern[str], ...]:
+def compile_regexes(patterns: Iterable[str]) -> tuple[re.Pattern[str], ...]:
+    """Compile user regexes (protect_patterns, never_kill). Raises ValueError naming the bad pattern."""
     out = []
     for text in patterns:
         try:
@@ -321,6 +322,9 @@ def compile_protect_patterns(patterns: Iterable[str]) -> tuple[re.Pattern[str], 
         except re.error as exc:
             raise ValueError(f"{text!r} is not a valid regex: {exc}") from None
     return tuple(out)
+
+
+compile_protect_patterns = compile_regexes
 
 
 def _python_entry(argv: Sequence[str]) -> tuple[str, str, tuple[str, ...]]:

@@ -20,6 +20,7 @@ import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from sparkwatch.core.engines import compile_regexes
 from sparkwatch.model import EngineTree
 from sparkwatch.units import MiB, format_size
 
@@ -134,14 +135,7 @@ def parse_kill_priority(patterns: Iterable[str]) -> tuple[tuple[int, re.Pattern[
     return tuple(out)
 
 
-def compile_never_kill(patterns: Iterable[str]) -> tuple[re.Pattern[str], ...]:
-    out = []
-    for text in patterns:
-        try:
-            out.append(re.compile(text))
-        except re.error as exc:
-            raise ValueError(f"{text!r} is not a valid regex: {exc}") from None
-    return tuple(out)
+compile_never_kill = compile_regexes
 
 
 def policy_strings(tree: EngineTree) -> tuple[str, ...]:
