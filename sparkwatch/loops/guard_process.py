@@ -97,9 +97,11 @@ class GuardProcess:
         # a guard that dies between the event and the hand-over to telemetry loses none: telemetry's outbox finds the
         # file when it starts (actuators.spool).
         self.spool: FileSpool | None = None
+        self.router: AlertRouter | None = None
         if config.wire.get("webhook_url"):
             self.spool = FileSpool(config.state_dir / "outbox")
-            self.events.subscribe(AlertRouter(self.spool))
+            self.router = AlertRouter(self.spool)
+            self.events.subscribe(self.router)
         self.events.subscribe(self.supervisor.forward)
         self.parts: list[Part[GuardConfig]] = [
             Part(
@@ -126,6 +128,9 @@ class GuardProcess:
                     "journal_send_errors": self.journal.send_errors_total,
                     "log_send_errors": logs.send_errors_total(self.log_handler),
                     "alert_spool_errors": self.spool.spool_errors_total if self.spool is not None else 0,
+                    "alerts_suppressed": self.router.suppressed_total if self.router is not None else 0,
+                    "router_errors": self.router.errors_total if self.router is not None else 0,
+                    "kernel_log_events_dropped": self.guard.kernlog.stats.events_dropped_total,
                 },
             ),
         ]

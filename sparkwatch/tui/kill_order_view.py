@@ -9,6 +9,7 @@ from rich.table import Table
 from rich.text import Text
 
 from sparkwatch.core.policy import Candidate
+from sparkwatch.core.redact import redact
 
 
 def kill_order_json(ranking: Sequence[Candidate]) -> list[dict[str, object]]:
@@ -17,14 +18,14 @@ def kill_order_json(ranking: Sequence[Candidate]) -> list[dict[str, object]]:
             "order": None if c.never_kill is not None else i + 1,
             "root_pid": c.tree.root.pid,
             "engine": c.tree.kind,
-            "name": c.tree.root.display_name,
+            "name": redact(c.tree.root.display_name),
             "growing": c.growing,
             "growth_bytes": c.growth_bytes,
             "rss_bytes": c.rss_bytes,
             "gpu_bytes": c.gpu_bytes,
             "kill_priority": c.priority,
-            "never_kill": c.never_kill,
-            "why": list(c.reasons),
+            "never_kill": None if c.never_kill is None else redact(c.never_kill),
+            "why": [redact(r) for r in c.reasons],
         }
         for i, c in enumerate(ranking)
     ]
@@ -43,7 +44,8 @@ def kill_order_view(ranking: Sequence[Candidate]) -> RenderableType:
             if c.never_kill is not None
             else Text(str(i + 1), style="bold red" if i == 0 else "")
         )
-        table.add_row(order, str(c.tree.root.pid), c.tree.kind, c.tree.root.display_name, "; ".join(c.reasons))
+        name, why = redact(c.tree.root.display_name), redact("; ".join(c.reasons))  # titles are the user's: no secrets
+        table.add_row(order, str(c.tree.root.pid), c.tree.kind, Text(name), Text(why))
     return Group(
         Text("kill order (one tree per firing, the next only if memory stays under the floor)", style="bold"), table
     )
