@@ -209,12 +209,14 @@ def ballast(spawner: Spawner, tmp_path: Path, size_bytes: int) -> Path:
 @pytest.mark.pressure
 def test_an_engine_started_under_the_floor_dies_as_soon_as_it_is_found(spawner: Spawner, tmp_path: Path) -> None:
     floor_or_skip()
-    hog = ballast(spawner, tmp_path, 512 * MiB)
+    hog = ballast(spawner, tmp_path, 2 * GiB)
     time.sleep(1.0)  # the ballast holds its memory
     # The floor sits 1 GiB above what is available now (the ballast took its share): the box is under the floor
     # with no engine from the start, whatever others on this shared box free meanwhile. Nothing more is allocated.
+    # The ballast keeps floor + rearm_headroom under MemTotal on an idle box, which the config requires.
     floor = available_bytes() + GiB
-    with sparkwatch_run(tmp_path, env={"SPARKWATCH_FLOOR": str(floor)}) as daemon:
+    env = {"SPARKWATCH_FLOOR": str(floor), "SPARKWATCH_REARM_HEADROOM": "512MiB"}
+    with sparkwatch_run(tmp_path, env=env) as daemon:
         assert wait_until(lambda: bool(events(daemon, "no_victim")), 60), "\n".join(daemon.stderr_lines)
         pidfile = tmp_path / "late.pids"
         spawner.engine("--worker", "VLLM::Worker_TP0", pidfile=pidfile, wait_for=1)

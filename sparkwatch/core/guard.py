@@ -213,12 +213,14 @@ def reaped(state: GuardState, params: GuardParams, t: float) -> GuardState:
 
 def should_cancel(trigger: str, floor_bytes: int, decided_available_bytes: int, available_now_bytes: int) -> bool:
     """Re-read right before the signal, as earlyoom does: cancel when memory recovered since the decision. For the
-    floor, escalation and hunting: MemAvailable is above the floor now. For a prediction or a driver allocation
-    failure (both made above the floor): MemAvailable stopped falling."""
+    floor, escalation and hunting: MemAvailable is above the floor now. For a prediction (made above the floor):
+    MemAvailable stopped falling. A driver allocation failure is never cancelled."""
     if available_now_bytes <= floor_bytes:
         return False
-    if trigger in ("predicted", "driver_alloc_failed"):
-        # Both are made above the floor (a driver allocation failure counts within warn_headroom of it): cancel only
-        # when memory stopped falling since the decision.
+    if trigger == "driver_alloc_failed":
+        # The driver already failed an allocation: MemAvailable is what lags there (a box showed 22.5 GiB available
+        # while the driver logged NV_ERR_NO_MEMORY at 119.2 of 121.7 GiB used), so a re-read cannot cancel it.
+        return False
+    if trigger == "predicted":
         return available_now_bytes >= decided_available_bytes
     return True
