@@ -71,6 +71,18 @@ class _Quiet(BaseHTTPRequestHandler):
     received = 0
 
 
+def child_pids(pid: int) -> list[int]:
+    """The direct children of `pid` (the guard process's telemetry process)."""
+    out: list[int] = []
+    try:
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{task}/children", encoding="ascii") as fh:
+                out += [int(x) for x in fh.read().split()]
+    except (OSError, ValueError):
+        pass
+    return out
+
+
 def slope_mib_per_hour(samples: list[tuple[float, int]]) -> float:
     if len(samples) < 2:
         return float("nan")
@@ -117,7 +129,8 @@ def main() -> int:
     log = (tmp / "daemon.log").open("w")
     daemon = subprocess.Popen([sys.executable, "-m", "sparkwatch", "run"], env=env, stderr=log, stdout=log)
     children: list[subprocess.Popen[bytes]] = []
-    samples: list[tuple[float, int]] = []
+    samples: list[tuple[float, int]] = []  # the whole agent: the guard process and its telemetry process
+    by_process: dict[str, list[tuple[float, int]]] = {"guard": [], "telemetry": []}
     scrapes_ok = scrapes_failed = spawned = 0
     t0 = time.monotonic()
     next_sample = next_scrape = t0
@@ -147,10 +160,19 @@ def main() -> int:
                     scrapes_failed += 1
                 next_scrape += 1.0
             if now >= next_sample:
-                kib = vm_rss_kib(daemon.pid)
-                if kib is not None:
+                guard_kib = vm_rss_kib(daemon.pid)
+                telemetry_kib = sum(vm_rss_kib(c) or 0 for c in child_pids(daemon.pid))
+                if guard_kib is not None:
+                    kib = guard_kib + telemetry_kib
                     samples.append((now - t0, kib))
-                    print(f"{now - t0:7.0f} s  RSS {kib / 1024:7.2f} MiB  spawned {spawned}", flush=True)
+                    by_process["guard"].append((now - t0, guard_kib))
+                    if telemetry_kib:
+                        by_process["telemetry"].append((now - t0, telemetry_kib))
+                    print(
+                        f"{now - t0:7.0f} s  RSS {kib / 1024:7.2f} MiB (guard {guard_kib / 1024:.2f}, telemetry "
+                        f"{telemetry_kib / 1024:.2f})  spawned {spawned}",
+                        flush=True,
+                    )
                 next_sample += 10.0
             time.sleep(max(0.0, min(next_spawn, next_scrape, next_sample) - time.monotonic()))
     finally:
@@ -173,7 +195,7 @@ def main() -> int:
     peak = max((k for _, k in samples), default=0) / 1024
     cmd = "    .venv/bin/python bench/soak_bench.py " + " ".join(sys.argv[1:])
     rows = [
-        "# Soak: RSS of a real `sparkwatch run` under process churn and 1 Hz scrapes",
+        "# Soak: RSS of a real `sparkwatch run` (guard and telemetry processes) under process churn and 1 Hz scrapes",
         "",
         "Command (from the repository root):",
         "",
@@ -191,6 +213,12 @@ def main() -> int:
         f"| RSS after warm-up, first / last | {first:.2f} / {last:.2f} MiB |",
         f"| RSS peak | {peak:.2f} MiB |",
         f"| RSS growth after warm-up (least-squares slope) | {growth:+.2f} MiB/hour (target <= 1) |",
+        *(
+            f"| {name} process: RSS first / last, slope after warm-up | {after_p[0][1] / 1024:.2f} / "
+            f"{after_p[-1][1] / 1024:.2f} MiB, {slope_mib_per_hour(after_p):+.2f} MiB/hour |"
+            for name, series in by_process.items()
+            if (after_p := [(t, k) for t, k in series if t >= args.warmup_s])
+        ),
         f"| daemon exit | {daemon.returncode} |",
         "",
     ]
