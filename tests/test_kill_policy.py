@@ -109,7 +109,9 @@ def test_two_trees_the_spiking_one_dies_the_old_steady_one_lives(spawner: Spawne
     with sparkwatch_run(tmp_path, env=env) as daemon:
         old = steady_engine(spawner, tmp_path, "old")
         time.sleep(2.5)  # the scout has seen it steady for a few scans
-        new = spiking_engine(spawner, tmp_path, "new", rate_mib=512, limit_mib=(HEADROOM_BYTES + GiB) // MiB)
+        # 1 GiB past the floor from what is available now: others on the box may have freed memory since the start.
+        past_floor = max(HEADROOM_BYTES, available_bytes() - floor) + GiB
+        new = spiking_engine(spawner, tmp_path, "new", rate_mib=512, limit_mib=past_floor // MiB)
         assert wait_until(lambda: bool(events(daemon, "kill")), 60)
         assert wait_until(lambda: tree_dead(new), 15)
         assert wait_until(lambda: available_bytes() > floor + 512 * MiB, 15)
@@ -166,7 +168,10 @@ def test_memory_still_under_the_floor_kills_the_next_engine_never_the_allocator(
         time.sleep(2.5)
         new = spiking_engine(spawner, tmp_path, "new", rate_mib=256, limit_mib=1024)
         time.sleep(1.5)  # it grows under the scout's eyes
-        stress = start_stress_ng(spawner, stress_ng, HEADROOM_BYTES + 768 * MiB)  # margin: others may free memory
+        # Enough that memory stays 768 MiB under the floor once both engines are gone (they hold 1 GiB + 256 MiB),
+        # from what is available now: others on the box may have freed memory since the floor was set.
+        engines_hold = (1024 + STEADY_MIB) * MiB
+        stress = start_stress_ng(spawner, stress_ng, max(0, available_bytes() - floor) + engines_hold + 768 * MiB)
         assert wait_until(lambda: len(events(daemon, "kill")) >= 2, 60), daemon.stderr_lines[-20:]
         assert wait_until(lambda: bool(events(daemon, "no_victim")), 15)  # then it keeps looking, finds nothing
         kills = events(daemon, "kill")
@@ -245,7 +250,7 @@ def test_a_supervisor_restarting_into_the_spike_gets_one_loop_alert(spawner: Spa
         "--hog-rate-mib",
         "1024",
         "--hog-limit-mib",
-        str((HEADROOM_BYTES + GiB) >> 20),
+        str((HEADROOM_BYTES + 2 * GiB) >> 20),  # 2 GiB past the floor: a margin for what others free meanwhile
         "--pidfile",
         str(pidfile),
     ]

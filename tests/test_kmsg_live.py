@@ -161,6 +161,7 @@ def test_xid_naming_a_pid_is_attributed_to_its_engine_tree(spawner: Spawner, tmp
 def test_unreadable_kernel_log_is_said_once_and_the_guard_runs(tmp_path: Path) -> None:
     with sparkwatch_run(tmp_path, env={"SPARKWATCH_MLOCK": "false"}) as daemon:  # daemon.py points it nowhere
         assert wait_until(lambda: metric(daemon.port, "sparkwatch_kernel_log_readable") == 0.0, 15)
-        assert metric(daemon.port, "sparkwatch_guard_loop_age_seconds") is not None
+        # The guard's series arrive with its first state message over the channel (every 0.25 s).
+        assert wait_until(lambda: metric(daemon.port, "sparkwatch_guard_loop_age_seconds") is not None, 15)
         said = [line for line in daemon.stderr_lines if "kernel log not readable" in line]
         assert len(said) == 1 and "no such device" in said[0]
