@@ -12,7 +12,7 @@ import os
 import socket
 import tomllib
 import urllib.parse
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -23,6 +23,7 @@ from pydantic import (
     PlainSerializer,
     SecretStr,
     ValidationError,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -83,6 +84,16 @@ def default_vllm_cache_dirs() -> list[Path]:
 
 class ConfigError(Exception):
     """A configuration mistake, already phrased for a human in one line."""
+
+
+# The list keys and the core function that parses each: it raises ValueError naming the bad entry.
+_LIST_CHECKS: dict[str, Callable[[list[str]], object]] = {
+    "engine_patterns": compile_engine_patterns,
+    "protect_patterns": compile_protect_patterns,
+    "kill_order": parse_kill_order,
+    "kill_priority": parse_kill_priority,
+    "never_kill": compile_never_kill,
+}
 
 
 class Settings(BaseSettings):
@@ -203,34 +214,11 @@ class Settings(BaseSettings):
             raise ValueError("is empty, so alerts would go out unsigned; set a secret or remove the key")
         return value
 
-    @field_validator("engine_patterns")
+    @field_validator(*_LIST_CHECKS)
     @classmethod
-    def _check_engine_patterns(cls, value: list[str]) -> list[str]:
-        compile_engine_patterns(value)  # raises ValueError with the offending pattern
-        return value
-
-    @field_validator("protect_patterns")
-    @classmethod
-    def _check_protect_patterns(cls, value: list[str]) -> list[str]:
-        compile_protect_patterns(value)
-        return value
-
-    @field_validator("kill_order")
-    @classmethod
-    def _check_kill_order(cls, value: list[str]) -> list[str]:
-        parse_kill_order(value)
-        return value
-
-    @field_validator("kill_priority")
-    @classmethod
-    def _check_kill_priority(cls, value: list[str]) -> list[str]:
-        parse_kill_priority(value)
-        return value
-
-    @field_validator("never_kill")
-    @classmethod
-    def _check_never_kill(cls, value: list[str]) -> list[str]:
-        compile_never_kill(value)
+    def _check_lists(cls, value: list[str], info: ValidationInfo) -> list[str]:
+        """Each pattern list parsed by its owner (core.engines, core.policy): a bad entry is named in the error."""
+        _LIST_CHECKS[str(info.field_name)](value)
         return value
 
     @model_validator(mode="after")

@@ -16,6 +16,8 @@ import os
 import stat
 from pathlib import Path
 
+from sparkwatch.sources.procs import read_fd
+
 _OPEN_FLAGS = os.O_CLOEXEC | os.O_NOFOLLOW
 
 
@@ -111,15 +113,7 @@ def read_regular(path: Path, limit: int) -> bytes:
     """
     fd = open_regular(path)
     try:
-        chunks = []
-        size = 0
-        while size < limit:
-            chunk = os.read(fd, min(1 << 20, limit - size))
-            if not chunk:
-                break
-            chunks.append(chunk)
-            size += len(chunk)
-        return b"".join(chunks)
+        return read_fd(fd, limit)
     finally:
         os.close(fd)
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from sparkwatch.sources.procs import read_fd
+
 _ENVIRON_MAX = 1 << 20  # environments of a few KiB are normal; a MiB bounds a hostile one
 
 
@@ -24,15 +26,7 @@ def read_environ(proc_root: Path | str, pid: int) -> dict[str, str] | None:
     except OSError:
         return None
     try:
-        chunks = []
-        size = 0
-        while size < _ENVIRON_MAX:
-            chunk = os.read(fd, 65536)
-            if not chunk:
-                break
-            chunks.append(chunk)
-            size += len(chunk)
-        return parse_environ(b"".join(chunks))
+        return parse_environ(read_fd(fd, _ENVIRON_MAX))
     except OSError:
         return None
     finally:

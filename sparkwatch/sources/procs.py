@@ -53,20 +53,26 @@ def _read(path: str, size: int = 4096) -> bytes:
 _CHILDREN_MAX = 4 << 20  # 4 MiB: a pid list of half a million children; more is not a process tree
 
 
+def read_fd(fd: int, limit: int) -> bytes:
+    """What `fd` holds up to EOF, at most `limit` bytes (the caller closes it). The one bounded read loop: procfs seq
+    files hand out at most one page (4 KiB) a read, so a single read of /proc/PID/task/TID/children stops at ~680
+    children and misses the newest ones; state files are read the same way with their own limits."""
+    chunks = []
+    size = 0
+    while size < limit:
+        chunk = os.read(fd, min(1 << 20, limit - size))
+        if not chunk:
+            break
+        chunks.append(chunk)
+        size += len(chunk)
+    return b"".join(chunks)
+
+
 def _read_all(path: str, limit: int = _CHILDREN_MAX) -> bytes:
-    """The whole file, read until EOF. procfs seq files hand out at most one page (4 KiB) a read: /proc/PID/task/TID/
-    children of a root with more than ~680 children stops there, and a single read would miss the newest ones."""
+    """The whole file, read until EOF (see read_fd)."""
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
-        chunks = []
-        size = 0
-        while size < limit:
-            chunk = os.read(fd, 65536)
-            if not chunk:
-                break
-            chunks.append(chunk)
-            size += len(chunk)
-        return b"".join(chunks)
+        return read_fd(fd, limit)
     finally:
         os.close(fd)
 
