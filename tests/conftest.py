@@ -88,6 +88,26 @@ def wait_until(predicate: Callable[[], bool], timeout_s: float = 10.0, step_s: f
     return predicate()
 
 
+def settled_available_bytes(timeout_s: float = 30.0, span_bytes: int = 128 << 20) -> int:
+    """MemAvailable once it has held still (within span_bytes over 2 s), for a floor set relative to it.
+
+    A test that sets its floor while an earlier test's processes still give memory back (a Ray cluster's teardown
+    frees its gigabytes over seconds) would find the box gigabytes above that floor when its own spike comes.
+    """
+    from sparkwatch.sources.meminfo import MeminfoReader
+
+    samples: list[int] = []
+    deadline = time.monotonic() + timeout_s
+    with MeminfoReader() as reader:
+        while True:
+            samples = [*samples[-3:], reader.read().available_bytes]
+            if len(samples) == 4 and max(samples) - min(samples) <= span_bytes:
+                return samples[-1]
+            if time.monotonic() >= deadline:
+                return max(samples)
+            time.sleep(0.5)
+
+
 class Spawner:
     """Starts processes for a test and, at teardown, SIGKILLs exactly those and their descendants."""
 

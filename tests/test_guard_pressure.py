@@ -16,7 +16,7 @@ import pytest
 
 from sparkwatch.sources.meminfo import MeminfoReader
 from sparkwatch.units import GiB, MiB
-from tests.conftest import Spawner, alive, pids_in, wait_until
+from tests.conftest import Spawner, alive, pids_in, settled_available_bytes, wait_until
 from tests.daemon import sparkwatch_run, wait_for_event
 
 HEADROOM_BYTES = int(1.5 * GiB)  # floor = MemAvailable now - this
@@ -40,8 +40,7 @@ class MinTracker(threading.Thread):
 
 @pytest.mark.pressure
 def test_real_pressure_kills_the_whole_tree_near_the_floor(spawner: Spawner, tmp_path: Path) -> None:
-    with MeminfoReader() as reader:
-        available = reader.read().available_bytes
+    available = settled_available_bytes()
     if available < 6 * GiB:
         pytest.skip(f"only {available >> 20} MiB available; this test wants 6 GiB")
     floor = available - HEADROOM_BYTES
@@ -81,8 +80,7 @@ def test_real_pressure_kills_the_whole_tree_near_the_floor(spawner: Spawner, tmp
 
 @pytest.mark.pressure
 def test_dry_run_under_real_pressure_records_but_signals_nothing(spawner: Spawner, tmp_path: Path) -> None:
-    with MeminfoReader() as reader:
-        available = reader.read().available_bytes
+    available = settled_available_bytes()
     if available < 6 * GiB:
         pytest.skip(f"only {available >> 20} MiB available; this test wants 6 GiB")
     floor = available - 1 * GiB

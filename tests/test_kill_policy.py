@@ -18,7 +18,16 @@ import pytest
 from sparkwatch.actuators.events import read_events
 from sparkwatch.sources.meminfo import MeminfoReader
 from sparkwatch.units import GiB, MiB
-from tests.conftest import FAKE_ENGINE, Spawner, alive, descendants, pids_in, require_tool, wait_until
+from tests.conftest import (
+    FAKE_ENGINE,
+    Spawner,
+    alive,
+    descendants,
+    pids_in,
+    require_tool,
+    settled_available_bytes,
+    wait_until,
+)
 from tests.daemon import RunningDaemon, sparkwatch_run
 
 HEADROOM_BYTES = int(1.5 * GiB)  # floor = MemAvailable now - this
@@ -31,7 +40,7 @@ def available_bytes() -> int:
 
 
 def floor_or_skip(want_bytes: int = 6 * GiB) -> int:
-    available = available_bytes()
+    available = settled_available_bytes()
     if available < want_bytes:
         pytest.skip(f"only {available >> 20} MiB available; this test wants {want_bytes >> 20} MiB")
     return available - HEADROOM_BYTES
@@ -219,7 +228,7 @@ def test_an_engine_started_under_the_floor_dies_as_soon_as_it_is_found(spawner: 
     # The floor sits 1 GiB above what is available now (the ballast took its share): the box is under the floor
     # with no engine from the start, whatever others on this shared box free meanwhile. Nothing more is allocated.
     # The ballast keeps floor + rearm_headroom under MemTotal on an idle box, which the config requires.
-    floor = available_bytes() + GiB
+    floor = settled_available_bytes() + GiB
     env = {"SPARKWATCH_FLOOR": str(floor), "SPARKWATCH_REARM_HEADROOM": "512MiB"}
     with sparkwatch_run(tmp_path, env=env) as daemon:
         assert wait_until(lambda: bool(events(daemon, "no_victim")), 60), "\n".join(daemon.stderr_lines)
