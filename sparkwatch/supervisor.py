@@ -33,6 +33,7 @@ HEALTHY_RUN_S = 60.0  # a run this long resets the backoff
 STOP_GRACE_S = 5.0
 NVML_OFF_AFTER_STALLS = 2
 MAX_UNACKED_EVENTS = 256
+RELOAD_RESEND_S = 2.0  # a reload telemetry has not acknowledged is sent again this often
 log = logs.get("supervisor")
 
 
@@ -90,7 +91,8 @@ class TelemetrySupervisor:
         self._reply: dict[str, Any] | None = None
         self._replied = threading.Event()
         self._waiting_reply = False
-        self._settings_dirty = False
+        self._settings_dirty = False  # a reload telemetry has not acknowledged yet
+        self._settings_sent_at = 0.0
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -123,6 +125,7 @@ class TelemetrySupervisor:
             self._reply = None
             self._replied.clear()
             self._settings_dirty = True
+            self._settings_sent_at = -RELOAD_RESEND_S  # send at the next tick
             self._waiting_reply = True
         try:
             if not self._replied.wait(timeout_s):
@@ -203,13 +206,15 @@ class TelemetrySupervisor:
                     channel.send("state", **self.state())
                     self._flush_events(channel)
                     with self._lock:
-                        dirty, config = self._settings_dirty, self.config
-                        self._settings_dirty = False
-                    if dirty and not channel.send(
-                        "settings", wire=dict(config.wire), public=dict(config.public), reload=True
-                    ):
-                        with self._lock:  # the channel was full (telemetry busy): a reload is never lost, resend
-                            self._settings_dirty = True
+                        config = self.config
+                        # A reload is sent until telemetry answers `applied`, again every RELOAD_RESEND_S: a message
+                        # refused by a full channel, or lost while telemetry was starting, is never the end of it
+                        # (applying the same settings twice changes nothing).
+                        due = self._settings_dirty and now >= self._settings_sent_at + RELOAD_RESEND_S
+                        if due:
+                            self._settings_sent_at = now
+                    if due:
+                        channel.send("settings", wire=dict(config.wire), public=dict(config.public), reload=True)
                 for msg in channel.receive(STATE_EVERY_S):
                     self.last_heard_monotonic = time.monotonic()
                     self.consecutive_stalls = 0
@@ -274,6 +279,8 @@ class TelemetrySupervisor:
             for event_id in msg.get("ids", []):
                 self._unacked.pop(str(event_id), None)
         elif kind == "applied":
+            with self._lock:
+                self._settings_dirty = False  # telemetry has the new settings: stop resending them
             if self._waiting_reply:
                 self._reply = dict(msg)
                 self._replied.set()
