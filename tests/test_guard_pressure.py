@@ -36,6 +36,7 @@ class MinTracker(threading.Thread):
     def run(self) -> None:
         while not self.stop.wait(0.005):
             self.min_available = min(self.min_available, self.reader.read().available_bytes)
+        self.reader.close()
 
 
 @pytest.mark.pressure

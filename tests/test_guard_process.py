@@ -15,7 +15,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 import urllib.request
 from collections.abc import Callable
@@ -36,6 +35,7 @@ from tests.sdtools import (
     free_port,
     notify_rx_fixture,  # noqa: F401 - the `notify_rx` fixture
 )
+from tests.test_guard_pressure import MinTracker
 
 HANG_IN_INIT = r"""
 #include <unistd.h>
@@ -95,21 +95,6 @@ def mapped_by_children(lib: str, pid: int) -> bool:
 HEADROOM_BYTES = int(1.5 * GiB)  # floor = MemAvailable now - this
 HOG_EXTRA_BYTES = int(1.5 * GiB)  # the hog would go this far under the floor if nobody stopped it
 OVERSHOOT_MARGIN_BYTES = 1 * GiB  # the same stated margin as tests/test_guard_pressure.py
-
-
-class MinTracker(threading.Thread):
-    """Samples MemAvailable every 5 ms and keeps the minimum."""
-
-    def __init__(self) -> None:
-        super().__init__(daemon=True)
-        self.reader = MeminfoReader()
-        self.min_available = self.reader.read().available_bytes
-        self.stop = threading.Event()
-
-    def run(self) -> None:
-        while not self.stop.wait(0.005):
-            self.min_available = min(self.min_available, self.reader.read().available_bytes)
-        self.reader.close()
 
 
 def kill_under_pressure(
