@@ -5,20 +5,36 @@ the keys it applied), and the internal counters it exports (`counters()`: name â
 `sparkwatch_internal_errors_total{process,component,counter}` unless the component already has its own metric).
 The objects themselves (Guard, TelemetryLoop, Outbox, â€¦) keep their own method names; a Part adapts them, so the
 reload log's "applied live" and "needs a restart" lists come from the components, not from a list kept elsewhere.
+
+Both processes start, stop and reload their parts the same way, through `start_parts`, `stop_parts` and `apply_parts`
+here: in order, each failure logged with the part's name, the rest carrying on.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, Protocol, TypeVar
 
+from sparkwatch import logs
+
 S = TypeVar("S")
+log = logs.get("parts")
 
 
 class Lifecycle(Protocol):
     def start(self) -> None: ...
     def stop(self) -> None: ...
+
+
+class Passive:
+    """The lifecycle of a part that only exports counters (the event log, the channel): nothing to start or stop."""
+
+    def start(self) -> None:
+        pass
+
+    def stop(self) -> None:
+        pass
 
 
 def _no_counters() -> Mapping[str, int]:
@@ -47,3 +63,47 @@ class Part(Generic[S]):
         if isinstance(result, (set, frozenset)):
             return frozenset(str(k) for k in result)
         return self.live_keys
+
+
+def start_parts(parts: Sequence[Part[S]], *, essential: Collection[str] = ()) -> list[Part[S]]:
+    """Start each part in order and return those that started. A part that fails is logged and left out, and the rest
+    start; if it is `essential`, the parts already started are stopped again and its exception propagates."""
+    started: list[Part[S]] = []
+    for part in parts:
+        try:
+            part.start()
+        except Exception as exc:
+            if part.name in essential:
+                log.error("%s did not start: %s", part.name, exc)
+                stop_parts(started)
+                raise
+            log.error("%s did not start: %s; running without it", part.name, exc)
+            continue
+        started.append(part)
+    return started
+
+
+def stop_parts(started: Sequence[Part[S]]) -> None:
+    """Stop the parts in reverse order; one that fails to stop is logged and the others still stop."""
+    for part in reversed(started):
+        try:
+            part.stop()
+        except Exception as exc:
+            log.error("stopping %s: %s", part.name, exc)
+
+
+def apply_parts(
+    parts: Sequence[Part[S]], settings: S, *, skip: Collection[str] = ()
+) -> tuple[dict[str, frozenset[str]], list[str]]:
+    """Apply new settings to each part (but those in `skip`): the keys each applied, and one line per part that
+    failed (that part keeps its old settings; the others still apply theirs)."""
+    applied: dict[str, frozenset[str]] = {}
+    errors: list[str] = []
+    for part in parts:
+        if part.name in skip:
+            continue
+        try:
+            applied[part.name] = part.apply(settings)
+        except Exception as exc:
+            errors.append(f"{part.name} could not apply the new config: {exc}")
+    return applied, errors

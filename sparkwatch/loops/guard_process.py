@@ -32,7 +32,7 @@ from sparkwatch.actuators.events import EventLog
 from sparkwatch.actuators.spool import AlertRouter, FileSpool
 from sparkwatch.actuators.systemd import JournalSink, Notifier, ServiceNotifier
 from sparkwatch.channel import rss_bytes
-from sparkwatch.component import Part
+from sparkwatch.component import Part, Passive, apply_parts, start_parts, stop_parts
 from sparkwatch.core.redact import remember_secrets
 from sparkwatch.core.status import status_line
 from sparkwatch.entry import DAEMON_SIGNALS
@@ -120,7 +120,7 @@ class GuardProcess:
             ),
             Part(
                 "events",
-                _Nothing(),
+                Passive(),
                 frozenset(),
                 None,
                 lambda: {
@@ -211,14 +211,9 @@ class GuardProcess:
             if not changes:
                 log.info("reload: config unchanged")
                 return True
-            applied: dict[str, frozenset[str]] = {}
-            for part in self.parts:
-                if part.name == "telemetry":
-                    continue
-                try:
-                    applied[part.name] = part.apply(new)
-                except Exception as exc:
-                    log.error("reload: %s could not apply the new config: %s", part.name, exc)
+            applied, errors = apply_parts(self.parts, new, skip={"telemetry"})  # telemetry's answer comes below
+            for error in errors:
+                log.error("reload: %s", error)
             self.config = new
             telemetry_keys = self.supervisor.apply(new, TELEMETRY_REPLY_S)
             if telemetry_keys is not None:
@@ -269,15 +264,7 @@ class GuardProcess:
 
     def run(self) -> int:
         self._protect_self()
-        started: list[Part[GuardConfig]] = []
-        for part in self.parts:
-            try:
-                part.start()
-                started.append(part)
-            except Exception as exc:
-                if part.name == "guard":
-                    raise
-                log.error("%s did not start: %s; the guard keeps running", part.name, exc)
+        started = start_parts(self.parts, essential={"guard"})
         c = self.config
         log.info(
             "running: floor %d MiB, metrics on %s, events in %s%s; journal via %s%s; telemetry in its own process",
@@ -297,20 +284,8 @@ class GuardProcess:
                 self.reload()
         self.sd.stopping()  # first, so systemd knows the exit that follows is wanted
         log.info("stopping")
-        for part in reversed(started):
-            try:
-                part.stop()
-            except Exception as exc:
-                log.error("stopping %s: %s", part.name, exc)
+        stop_parts(started)
         return 0
-
-
-class _Nothing:
-    def start(self) -> None:
-        pass
-
-    def stop(self) -> None:
-        pass
 
 
 def read_settings_fd(fd: int) -> Mapping[str, Any]:

@@ -28,7 +28,7 @@ from sparkwatch.actuators.outbox import Outbox
 from sparkwatch.actuators.spool import AlertRouter
 from sparkwatch.actuators.systemd import JournalSink
 from sparkwatch.channel import Channel, ChannelClosed, rss_bytes
-from sparkwatch.component import Part
+from sparkwatch.component import Part, Passive, apply_parts, start_parts, stop_parts
 from sparkwatch.config import ConfigError, Settings, settings_from_wire
 from sparkwatch.core.eventkinds import EventKind
 from sparkwatch.exporter.internal import InternalCollector
@@ -130,14 +130,6 @@ class _EventErrors:
     @write_errors_total.setter
     def write_errors_total(self, _value: int) -> None:  # the exporter only reads; the protocol says "attribute"
         raise AttributeError("read-only")
-
-
-class _Nothing:
-    def start(self) -> None:
-        pass
-
-    def stop(self) -> None:
-        pass
 
 
 def event_from_json(data: Mapping[str, Any]) -> Event:
@@ -250,7 +242,7 @@ class TelemetryProcess:
         self.parts.append(
             Part(
                 "events",
-                _Nothing(),
+                Passive(),
                 counters=lambda: {
                     "event_write_errors": self.events.write_errors_total,
                     "journal_send_errors": self.journal.send_errors_total,
@@ -261,7 +253,7 @@ class TelemetryProcess:
         if channel is not None:
             ch = channel
             self.parts.append(
-                Part("channel", _Nothing(), counters=lambda: {"dropped": ch.dropped_total, "bad": ch.bad_total})
+                Part("channel", Passive(), counters=lambda: {"dropped": ch.dropped_total, "bad": ch.bad_total})
             )
         self._apply_lock = threading.Lock()
         self._stop = threading.Event()
@@ -295,18 +287,12 @@ class TelemetryProcess:
         return frozenset({"driver_check_interval_s"})
 
     def apply(self, settings: Settings) -> tuple[frozenset[str], list[str]]:
-        keys: set[str] = set()
-        errors: list[str] = []
         with self._apply_lock:
-            for part in self.parts:
-                try:
-                    keys |= part.apply(settings)
-                except Exception as exc:
-                    errors.append(f"{part.name} could not apply the new config: {exc}")
+            applied, errors = apply_parts(self.parts, settings)
             self.settings = settings
             with self.remote.lock:
                 self.remote.settings = settings
-        return frozenset(keys), errors
+        return frozenset().union(*applied.values()), errors
 
     # --- the channel
     def handle(self, msg: Mapping[str, Any]) -> None:
@@ -361,19 +347,13 @@ class TelemetryProcess:
         self._stop.set()
 
     def run(self) -> int:
-        started: list[Part[Settings]] = []
-        for part in self.parts:
-            try:
-                part.start()
-                started.append(part)
-            except Exception as exc:
-                log.error("%s did not start: %s", part.name, exc)
-                if part.obj is self.metrics:
-                    # Usually the port of a telemetry process that is still going away: exit, and let the guard's
-                    # supervisor try again after its backoff, rather than run on with no endpoint.
-                    for done in reversed(started):
-                        done.stop()
-                    return 3
+        try:
+            # The metrics server failing to start is usually the port of a telemetry process that is still going
+            # away: exit, and let the guard's supervisor try again after its backoff, rather than run on with no
+            # endpoint.
+            started = start_parts(self.parts, essential={"metrics"})
+        except Exception:
+            return 3
         log.info(
             "telemetry running (pid %d): %s",
             os.getpid(),
@@ -395,11 +375,7 @@ class TelemetryProcess:
             if now >= next_report:
                 next_report = now + min(1.0, self.settings.telemetry_interval_s)
                 self.report()
-        for part in reversed(started):
-            try:
-                part.stop()
-            except Exception as exc:
-                log.error("stopping %s: %s", part.name, exc)
+        stop_parts(started)
         return 0
 
 
