@@ -14,8 +14,8 @@ Also the one place engine rules and the guard's scope are built from settings (`
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -87,7 +87,9 @@ def engine_scope(settings: EngineSettings, *, any_user: bool = False) -> Scope:
 
 @dataclass(frozen=True)
 class GuardConfig:
-    """The validated settings as the guard process holds them. Built only from `wire` (already validated)."""
+    """The validated settings as the guard process holds them. Built only from `wire` (already validated): each
+    field is read from the wire key of its own name, converted by its type (`_FROM_WIRE`), so a new guard key is one
+    line here (and one in `GuardSettings` if the guard loop reads it)."""
 
     floor: int
     warn_headroom: int
@@ -121,40 +123,28 @@ class GuardConfig:
     @classmethod
     def from_wire(cls, wire: Mapping[str, Any], public: Mapping[str, Any] | None = None) -> GuardConfig:
         try:
-            return cls(
-                floor=int(wire["floor"]),
-                warn_headroom=int(wire["warn_headroom"]),
-                kill_budget_s=float(wire["kill_budget_s"]),
-                debounce_samples=int(wire["debounce_samples"]),
-                poll_min_s=float(wire["poll_min_s"]),
-                poll_max_s=float(wire["poll_max_s"]),
-                rearm_headroom=int(wire["rearm_headroom"]),
-                dry_run=bool(wire["dry_run"]),
-                mlock=bool(wire["mlock"]),
-                ancestor_pid=int(wire["ancestor_pid"]),
-                engine_patterns=tuple(str(p) for p in wire["engine_patterns"]),
-                protect_patterns=tuple(str(p) for p in wire["protect_patterns"]),
-                guard_gpu_holders=bool(wire["guard_gpu_holders"]),
-                kill_order=tuple(str(x) for x in wire["kill_order"]),
-                kill_priority=tuple(str(x) for x in wire["kill_priority"]),
-                never_kill=tuple(str(x) for x in wire["never_kill"]),
-                kill_settle_s=float(wire["kill_settle_s"]),
-                proc_root=Path(wire["proc_root"]),
-                state_dir=Path(wire["state_dir"]),
-                events_max_bytes=int(wire["events_max_bytes"]),
-                listen=str(wire["listen"]),
-                telemetry_interval_s=float(wire["telemetry_interval_s"]),
-                kernel_log_corroboration=bool(wire["kernel_log_corroboration"]),
-                kernel_log_path=Path(wire["kernel_log_path"]),
-                wire=dict(wire),
-                public=dict(public or {}),
-            )
+            values: dict[str, Any] = {
+                f.name: _FROM_WIRE[str(f.type)](wire[f.name]) for f in fields(cls) if f.name in _FROM_WIRE_KEYS
+            }
+            return cls(**values, wire=dict(wire), public=dict(public or {}))
         except (KeyError, TypeError, ValueError) as exc:  # a wire form from another version of sparkwatch
             raise ValueError(f"settings wire form unusable: {type(exc).__name__}: {exc}") from None
 
     @property
     def events_path(self) -> Path:
         return self.state_dir / "events.jsonl"
+
+
+# How each field type of GuardConfig is rebuilt from its JSON value; the field list itself is the dataclass's.
+_FROM_WIRE: dict[str, Callable[[Any], object]] = {
+    "int": int,
+    "float": float,
+    "bool": bool,
+    "str": str,
+    "Path": Path,
+    "tuple[str, ...]": lambda values: tuple(str(v) for v in values),
+}
+_FROM_WIRE_KEYS = frozenset(f.name for f in fields(GuardConfig)) - {"wire", "public"}
 
 
 def describe_wire_changes(
