@@ -115,6 +115,15 @@ def test_scrapes_and_guard_survive_200_idle_connections_under_a_task_limit(tmp_p
                 if line.startswith("sparkwatch_guard_loop_age_seconds")
             )
             assert age < 5.0, age  # the guard kept polling (its interval is at most 1 s)
+            # The evictions are counted where an owner sees them (at most 64 connections are kept: 200 opened).
+            evicted = next(
+                float(line.split()[-1])
+                for line in text.splitlines()
+                if line.startswith("sparkwatch_internal_errors_total{")
+                and 'component="metrics"' in line
+                and 'counter="connections_evicted"' in line
+            )
+            assert evicted >= 200 - 64, evicted  # MAX_CONNECTIONS
         assert d.proc.poll() is None
         assert not any("can't start new thread" in line for line in d.stderr_lines), d.stderr_lines
         assert int((cg / "pids.current").read_text()) <= tasks + 4

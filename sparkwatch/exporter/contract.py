@@ -239,7 +239,8 @@ METRICS: tuple[MetricSpec, ...] = (
         "counter",
         "process component counter",
         "daemon",
-        "every error or drop a component counted and survived (journal, notify, events, driver, outbox, channel...)",
+        "every error or drop a component counted and survived (journal, notify, events, driver, outbox, channel, "
+        "metrics endpoint...)",
     ),
     _m("process_resident_bytes", "gauge", "process", "daemon", "resident set size of each process (guard, telemetry)"),
     _m("telemetry_restarts_total", "counter", "", "daemon", "times the guard restarted the telemetry process"),

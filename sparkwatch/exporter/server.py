@@ -341,6 +341,19 @@ class MetricsServer:
             return self.settings.listen_port
         return int(self._server.server_address[1])
 
+    def counters(self) -> dict[str, int]:
+        """What the endpoint closed unanswered and why, for sparkwatch_internal_errors_total: a rising count of
+        evictions means something holds connections open (a scanner, a stuck scraper), timeouts a client too slow
+        to take its answer."""
+        server = self._server
+        if server is None:
+            return {}
+        return {
+            "connections_evicted": server.evicted_total,
+            "request_timeouts": server.timeouts_total,
+            "connection_errors": server.errors_total,
+        }
+
     def ssl_context(self) -> ssl.SSLContext | None:
         s = self.settings
         if s.tls_cert_file is None or s.tls_key_file is None:

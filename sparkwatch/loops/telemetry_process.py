@@ -238,7 +238,7 @@ class TelemetryProcess:
             InternalCollector(self.all_counters, self.rss, self.psi_trigger, self.telemetry_restarts)
         )
         self.metrics = MetricsServer(settings, self.registry)
-        self.parts.append(Part("metrics", self.metrics))
+        self.parts.append(Part("metrics", self.metrics, counters=self.metrics.counters))
         self.parts.append(
             Part(
                 "events",
