@@ -34,6 +34,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -124,10 +125,8 @@ def run_episode(contender: str, target_rate: int, tmp: Path) -> Episode:
     sampler = Sampler()
     sampler.start()
     pidfile = tmp / f"tree-{time.monotonic_ns()}.pids"
-    engine = subprocess.Popen(
+    engine = _engine(
         [
-            sys.executable,
-            str(FAKE_ENGINE),
             "--worker",
             "VLLM::Worker_TP0",
             "--compiler",
@@ -136,25 +135,12 @@ def run_episode(contender: str, target_rate: int, tmp: Path) -> Episode:
             str(target_rate * 1024),
             "--hog-limit-mib",
             str((HEADROOM + HOG_EXTRA) // MiB),
-            "--pidfile",
-            str(pidfile),
-        ]
+        ],
+        pidfile,
+        lambda recorded: "hog" in (role for _ticks, role in recorded.values()),
     )
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline and not (pidfile.exists() and "hog" in pidfile.read_text()):
-        time.sleep(0.01)
-    recorded = pids_in(pidfile)
-    hog_pid = next(pid for pid, (_, role) in recorded.items() if role == "hog")
-    fds = {}
-    for pid, (ticks, _) in recorded.items():
-        try:
-            fd = os.pidfd_open(pid)
-        except ProcessLookupError:
-            continue
-        if read_start_ticks("/proc", pid) == ticks:
-            fds[fd] = pid
-        else:
-            os.close(fd)
+    hog_pid = next(pid for pid, (_, role) in pids_in(pidfile).items() if role == "hog")
+    fds = _pidfds(pidfile)
     # earlyoom kills only the hog; sparkwatch the whole tree: wait for what each is supposed to kill.
     watch = fds if contender == "sparkwatch" else {fd: pid for fd, pid in fds.items() if pid == hog_pid}
     poller = select.poll()
@@ -234,10 +220,13 @@ class TwoEngineEpisode:
     overshoot: int
 
 
-def _engine(args: list[str], pidfile: Path, wait_roles: int) -> subprocess.Popen[bytes]:
+def _engine(
+    args: list[str], pidfile: Path, ready: Callable[[dict[int, tuple[int, str]]], bool]
+) -> subprocess.Popen[bytes]:
+    """A fake engine tree (tests/helpers/fake_engine.py), once its pidfile shows it `ready` (20 s at most)."""
     proc = subprocess.Popen([sys.executable, str(FAKE_ENGINE), *args, "--pidfile", str(pidfile)])
     deadline = time.monotonic() + 20
-    while time.monotonic() < deadline and not (pidfile.exists() and len(pids_in(pidfile)) >= wait_roles):
+    while time.monotonic() < deadline and not (pidfile.exists() and ready(pids_in(pidfile))):
         time.sleep(0.01)
     return proc
 
@@ -260,7 +249,9 @@ def run_two_engine_episode(contender: str, target_rate: int, tmp: Path) -> TwoEn
     stamp = time.monotonic_ns()
     serve_file, spike_file = tmp / f"serve-{stamp}.pids", tmp / f"spike-{stamp}.pids"
     serve = _engine(
-        ["--hog-title", "VLLM::Worker_TP0", "--hog-rate-mib", "2048", "--hog-limit-mib", str(SERVE_MIB)], serve_file, 2
+        ["--hog-title", "VLLM::Worker_TP0", "--hog-rate-mib", "2048", "--hog-limit-mib", str(SERVE_MIB)],
+        serve_file,
+        lambda recorded: len(recorded) >= 2,
     )
     time.sleep(1.0)  # weights loaded
     floor = MeminfoReader().read().available_bytes - HEADROOM
@@ -280,7 +271,7 @@ def run_two_engine_episode(contender: str, target_rate: int, tmp: Path) -> TwoEn
             str((HEADROOM + HOG_EXTRA) // MiB),
         ],
         spike_file,
-        2,
+        lambda recorded: len(recorded) >= 2,
     )
     serve_fds, spike_fds = _pidfds(serve_file), _pidfds(spike_file)
     holder = next((fd for fd, pid in spike_fds.items() if pids_in(spike_file)[pid][1] == "hog"), None)
