@@ -100,6 +100,7 @@ def test_root_with_1000_children_that_keeps_forking_leaves_no_orphan(
 def test_engine_kind_cache_stays_bounded_under_churn() -> None:
     """Every new argv is a new cache key; the cache forgets the dead ones instead of growing to its hard cap."""
     from sparkwatch.core.engines import EngineRules, Scope, find_engine_trees
+    from sparkwatch.core.livecache import DEAD_SLACK
     from sparkwatch.model import Proc
 
     rules = EngineRules.build()
@@ -110,4 +111,4 @@ def test_engine_kind_cache_stays_bounded_under_churn() -> None:
                          argv=("sleep", f"{i}.5")))  # fmt: skip
         live = live[-100:]
         find_engine_trees(live, rules, scope)
-        assert len(rules.kind_cache) <= 2 * len(live) + 257
+        assert len(rules.kind_cache) <= len(live) + DEAD_SLACK + 1

@@ -22,6 +22,7 @@ from collections import defaultdict
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from sparkwatch.core.livecache import LiveCache
 from sparkwatch.model import EngineTree, GpuHolder, Proc
 
 
@@ -273,9 +274,9 @@ class EngineRules:
     gpu_holders_are_engines: bool = False  # `guard_gpu_holders`: an unmatched NVML GPU holder is an engine ("gpu")
     # (comm, argv, engine_lib) -> shape index or -1. Identity is a pure function of these, and matching every
     # pattern against every process was half of a 2,000-process telemetry cycle (~25 ms); a dict hit is ~0.2 µs.
-    # Bounded: cleared when large.
-    kind_cache: dict[tuple[str, tuple[str, ...], str | None], int] = field(
-        default_factory=dict, compare=False, hash=False, repr=False
+    # Forgets processes that are gone (core.livecache).
+    kind_cache: LiveCache[tuple[str, tuple[str, ...], str | None], int] = field(
+        default_factory=LiveCache, compare=False, hash=False, repr=False
     )
 
     @classmethod
@@ -389,20 +390,13 @@ def identity_strings(proc: Proc) -> tuple[str, ...]:
     return tuple(out)
 
 
-_KIND_CACHE_MAX = 8192
-
-
 def forget_dead_kinds(rules: EngineRules, procs: Sequence[Proc]) -> None:
-    """Drop cached kinds of processes no longer in `procs` once the cache holds many more than that.
+    """Drop cached kinds of processes no longer in `procs` (core.livecache's rule).
 
     Under churn every new argv is a new key (1,000 processes a minute in the soak bench): without this the cache
-    grew by ~0.2 MiB a minute until _KIND_CACHE_MAX, the largest part of the daemon's RSS growth.
+    grew by ~0.2 MiB a minute until its hard cap, the largest part of the daemon's RSS growth.
     """
-    cache = rules.kind_cache
-    if len(cache) > 2 * len(procs) + 256:
-        live = {(p.comm, p.argv, p.engine_lib) for p in procs}
-        for key in [k for k in list(cache) if k not in live]:
-            cache.pop(key, None)
+    rules.kind_cache.forget_dead(lambda: {(p.comm, p.argv, p.engine_lib) for p in procs})
 
 
 def classify(proc: Proc, rules: EngineRules) -> Shape | None:
@@ -419,9 +413,7 @@ def classify(proc: Proc, rules: EngineRules) -> Shape | None:
             if any(pattern.match(s) for s in ids):
                 index = i
                 break
-        if len(cache) >= _KIND_CACHE_MAX:
-            cache.clear()
-        cache[key] = index
+        cache.put(key, index)
     return None if index < 0 else rules.shapes[index][0]
 
 

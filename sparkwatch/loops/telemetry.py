@@ -206,7 +206,7 @@ class Telemetry:
             proc = by_pid.get(pid)
             if proc is not None:
                 environ[pid] = compile_core.EnvReading(self.environ.read(pid, proc.start_ticks))
-        self.environ.forget_except({p.key for p in procs})
+        self.environ.forget_dead(procs)
         return compile_core.census(procs, trees, environ)
 
     def _jit_states(

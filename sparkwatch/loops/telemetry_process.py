@@ -401,6 +401,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.guard_pid and os.getppid() != args.guard_pid:
         return 0  # the guard is already gone
     syscalls.set_comm("sparkwatch-tel")
+    # Before any thread starts (the guard process does the same): glibc gives each thread that mallocs its own arena
+    # (up to 8 per core), and memory freed in one arena is not reused by the others.
+    syscalls.limit_malloc_arenas(2)
     handler = logs.setup("telemetry")
     channel = Channel.from_fd(args.channel_fd)
     settings: Settings | None = None

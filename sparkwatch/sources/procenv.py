@@ -8,9 +8,11 @@ process lifetime is enough: results are cached per (pid, start time). It is read
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
+from sparkwatch.core.livecache import LiveCache
+from sparkwatch.model import Proc
 from sparkwatch.sources.environ import read_environ
 
 
@@ -20,22 +22,22 @@ class EnvironReader:
     def __init__(self, proc_root: Path, names: Iterable[str]) -> None:
         self.proc_root = proc_root
         self.names = tuple(names)
-        self._cache: dict[tuple[int, int], dict[str, str] | None] = {}
+        self._cache: LiveCache[tuple[int, int], dict[str, str] | None] = LiveCache()
 
     def read(self, pid: int, start_ticks: int) -> dict[str, str] | None:
         key = (pid, start_ticks)
         if key in self._cache:
-            return self._cache[key]
+            return self._cache.get(key)
         env = read_environ(self.proc_root, pid)
         # None: EACCES (another user, hidepid) or gone. Empty: a zombie or kernel thread has no environment to judge
         # (a live process started with `env -i` has at least what its runtime sets, and is rare enough to call unknown).
         values = {n: env[n] for n in self.names if n in env} if env else None
-        self._cache[key] = values
+        self._cache.put(key, values)
         return values
 
-    def forget_except(self, live: set[tuple[int, int]]) -> None:
-        if len(self._cache) > 2 * len(live) + 64:
-            self._cache = {k: v for k, v in self._cache.items() if k in live}
+    def forget_dead(self, procs: Sequence[Proc]) -> None:
+        """Drop the entries of processes not in `procs` (core.livecache's rule)."""
+        self._cache.forget_dead(lambda: {p.key for p in procs})
 
 
 def read_wchan(proc_root: Path | str, pid: int) -> str | None:

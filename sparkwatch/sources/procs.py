@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from sparkwatch.core.engines import ENGINE_LIBRARIES, wants_maps
+from sparkwatch.core.livecache import LiveCache
 from sparkwatch.model import Proc
 
 PF_KTHREAD = 0x00200000
@@ -177,7 +178,7 @@ class ProcScanner:
 
     def __init__(self, proc_root: Path = Path("/proc")) -> None:
         self.proc_root = str(proc_root)
-        self._cache: dict[tuple[int, int, str], _Facts] = {}
+        self._cache: LiveCache[tuple[int, int, str], _Facts] = LiveCache()
 
     def read_proc(self, pid: int) -> Proc | None:
         """One process, or None if it is gone. Raises ProcParseError on garbage."""
@@ -193,7 +194,7 @@ class ProcScanner:
                 argv = parse_cmdline(_read(f"{base}/cmdline", _CMDLINE_MAX))
                 lib = find_engine_lib(f"{base}/maps") if wants_maps(comm, argv) else None
                 facts = _Facts(argv, _read_exe(base), _read_cgroup(base), lib)
-                self._cache[key] = facts
+                self._cache.put(key, facts)
         except (FileNotFoundError, ProcessLookupError):
             return None
         except PermissionError:
@@ -240,10 +241,8 @@ class ProcScanner:
                 vanished += 1
             else:
                 procs.append(proc)
-        if len(self._cache) > 4 * len(procs) + 256:
-            live = {(p.pid, p.start_ticks, p.comm) for p in procs}
-            # list() copies the items in one step: the guard and its scout thread may share this scanner.
-            self._cache = {k: v for k, v in list(self._cache.items()) if k in live}
+        # The guard and its scout thread may share this scanner: core.livecache says why that is safe.
+        self._cache.forget_dead(lambda: {(p.pid, p.start_ticks, p.comm) for p in procs})
         return ScanResult(tuple(procs), vanished, errors, reads)
 
 
