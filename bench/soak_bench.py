@@ -22,6 +22,7 @@ import os
 import platform
 import random
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -100,6 +101,9 @@ def main() -> int:
     ap.add_argument("--churn-per-min", type=int, default=1000)
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
+    # A bench started with nohup in the background ignores SIGINT: SIGTERM stops it cleanly too (the daemon and the
+    # churn are stopped in the `finally` below).
+    signal.signal(signal.SIGTERM, lambda _signum, _frame: sys.exit(143))
 
     tmp = Path(tempfile.mkdtemp(prefix="sparkwatch-soak-"))
     bindir = tmp / "bin"
