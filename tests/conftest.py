@@ -108,6 +108,18 @@ def settled_available_bytes(timeout_s: float = 30.0, span_bytes: int = 128 << 20
             time.sleep(0.5)
 
 
+def floor_that_fires_at_once() -> int:
+    """A floor the guard is under from its first sample, whatever an earlier test still gives back: 64 MiB under
+    MemTotal (the config refuses a floor at or above it). MemAvailable never comes that close on a running box: the
+    kernel's slab and page tables and the test's own processes hold more (524 MiB here with the suite idle). A floor
+    set halfway between MemAvailable and MemTotal could not promise that: on a box where the two are 0.5 GiB apart,
+    an earlier test's processes giving 300 MiB back lifted MemAvailable over it and the guard never fired."""
+    from sparkwatch.sources.meminfo import MeminfoReader
+
+    with MeminfoReader() as reader:
+        return reader.read().total_bytes - (64 << 20)
+
+
 class Spawner:
     """Starts processes for a test and, at teardown, SIGKILLs exactly those and their descendants."""
 

@@ -18,8 +18,7 @@ from sparkwatch.actuators.events import EventLog, make_event, read_events
 from sparkwatch.actuators.systemd import JournalSink
 from sparkwatch.core.eventkinds import EventKind
 from sparkwatch.core.redact import redact, remember_secrets
-from sparkwatch.sources.meminfo import MeminfoReader
-from tests.conftest import Spawner, wait_until
+from tests.conftest import Spawner, floor_that_fires_at_once, wait_until
 from tests.daemon import sparkwatch_run
 from tests.receiver import Receiver
 
@@ -119,9 +118,7 @@ def test_no_canary_reaches_any_output(spawner: Spawner, tmp_path: Path) -> None:
     try:
         root = spawner.popen([sys.executable, "-c", ROOT], stdout=subprocess.PIPE)
         assert root.stdout is not None and root.stdout.readline() == b"up\n"
-        with MeminfoReader() as reader:
-            mem = reader.read()
-        floor = mem.available_bytes + (mem.total_bytes - mem.available_bytes) // 2  # fires at once, under MemTotal
+        floor = floor_that_fires_at_once()
         cfg = tmp_path / "config.toml"
         cfg.write_text(
             f'webhook_url = "{receiver.url_base}/services/T0/B0/{C["hook_path"]}"\n'

@@ -26,8 +26,7 @@ from sparkwatch.actuators.systemd import (
     stderr_is_journal,
 )
 from sparkwatch.core.eventkinds import EventKind
-from sparkwatch.sources.meminfo import MeminfoReader
-from tests.conftest import require
+from tests.conftest import floor_that_fires_at_once, require
 from tests.sdtools import (
     Daemon,
     clean_env,
@@ -237,9 +236,7 @@ def test_real_daemon_kill_event_reaches_journal_socket(
         "time.sleep(60)"
     )
     # A floor above what is available (but under MemTotal, which the config refuses): the guard fires at once.
-    with MeminfoReader() as reader:
-        mem = reader.read()
-    floor = mem.available_bytes + (mem.total_bytes - mem.available_bytes) // 2
+    floor = floor_that_fires_at_once()
     env["SPARKWATCH_REARM_HEADROOM"] = "1MiB"
     engine = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE)
     try:
