@@ -237,6 +237,13 @@ class _Pending:
     survivors: list[Victim] = field(default_factory=list)
 
 
+def _exited(pidfd: int) -> bool:
+    """Whether the process behind `pidfd` has exited (its pidfd polls readable), without waiting."""
+    poller = select.poll()
+    poller.register(pidfd, select.POLLIN)
+    return bool(poller.poll(0))
+
+
 # While kills are pending, the reaper looks at their pidfds every 5 ms: the reap time it reports is that precise, and
 # 200 polls a second of a handful of fds cost nothing next to a kill.
 PENDING_POLL_S = 0.005
@@ -296,8 +303,7 @@ class Reaper:
                 items.append(self._queue.get())
             for item in items:
                 if item is None:
-                    for p in pending:
-                        self._close(p.job)
+                    self._finish_now(pending)
                     return
                 try:
                     if isinstance(item, KillJob):
@@ -337,11 +343,28 @@ class Reaper:
             if not alive or now >= p.deadline:
                 p.reaped_at, p.survivors = now, alive
 
+    def _finish_now(self, pending: list[_Pending]) -> None:
+        """Stopping in the middle of a teardown or settle time (SIGTERM, a restart): record every pending kill now with
+        what is known (victims still alive are its survivors, MemAvailable is read now), so that no kill that was
+        signalled goes without its event."""
+        now = time.monotonic()
+        for p in pending:
+            try:
+                if p.reaped_at is None:
+                    p.reaped_at, p.survivors = now, [v for v in p.job.victims if not _exited(v.pidfd)]
+                self._finish(p.job, self._facts(p, settle_s=now - p.reaped_at))
+            except Exception as exc:
+                print(f"sparkwatch: reaper error: {exc!r}", file=sys.stderr)
+            finally:
+                self._close(p.job)
+
     def _done(self, pending: list[_Pending]) -> list[_Pending]:
         now = time.monotonic()
         return [p for p in pending if p.reaped_at is not None and now >= p.reaped_at + self.settle_s]
 
-    def _facts(self, p: _Pending) -> KillFacts:
+    def _facts(self, p: _Pending, settle_s: float | None = None) -> KillFacts:
+        """The kill's measured facts, MemAvailable read `settle_s` after the reap (the configured settle time unless
+        the reaper is stopping sooner)."""
         job = p.job
         assert job.signaled_at is not None and p.reaped_at is not None
         try:
@@ -354,7 +377,7 @@ class Reaper:
             signal_to_reaped_ms=None if p.survivors else (p.reaped_at - job.signaled_at) * 1000,
             reclaimed_bytes=None if after is None else after - job.available_at_signal,
             available_after_settle_bytes=after,
-            settle_s=self.settle_s,
+            settle_s=self.settle_s if settle_s is None else settle_s,
             survivors=tuple(v.proc.pid for v in p.survivors),
         )
 
