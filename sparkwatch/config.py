@@ -123,6 +123,11 @@ class Settings(BaseSettings):
         "of the floor counts as a floor crossing; needs a readable kernel log (system unit or dmesg_restrict=0)",
     )
     kernel_log_path: Path = Field(Path("/dev/kmsg"), description="the kernel log device read for NVRM and Xid lines")
+    kernel_log_accept_injected: bool = Field(
+        False,
+        description="also act on NVRM and Xid lines a root process wrote into the kernel log (the kernel marks them "
+        "facility user; the driver's own are facility kernel): only to try an alert route end to end",
+    )
     protect_patterns: list[str] = Field(
         default_factory=list, description="extra protected processes, regexes on comm, entry point or executable path"
     )

@@ -68,6 +68,8 @@ class GuardSettings(EngineSettings, Protocol):
     def kernel_log_corroboration(self) -> bool: ...
     @property
     def kernel_log_path(self) -> Path: ...
+    @property
+    def kernel_log_accept_injected(self) -> bool: ...
 
 
 def engine_rules(settings: EngineSettings) -> EngineRules:
@@ -115,6 +117,7 @@ class GuardConfig:
     telemetry_interval_s: float
     kernel_log_corroboration: bool
     kernel_log_path: Path
+    kernel_log_accept_injected: bool
     # The whole validated config, for the telemetry process, and as check-config shows it (secrets masked), for
     # the reload log. Excluded from ==: two configs are equal when their values are.
     wire: Mapping[str, Any] = field(repr=False, compare=False, default_factory=dict)

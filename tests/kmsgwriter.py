@@ -2,7 +2,8 @@
 
 Only root may write /dev/kmsg. With the default `kernel.printk_devkmsg=ratelimit` the kernel keeps 10 lines per
 open file per 5 s and suppresses the rest, so every 10 lines get a new open file. Lines written this way carry the
-user facility (1) where the driver's carry the kernel's (0); sparkwatch reads both alike.
+user facility (1) where the driver's carry the kernel's (0): sparkwatch ignores them unless
+`kernel_log_accept_injected` is set, as these tests set it.
 """
 
 from __future__ import annotations

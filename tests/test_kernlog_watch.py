@@ -71,6 +71,27 @@ def test_one_failure_fires_once_and_records_once(tmp_path: Path) -> None:
         w.stop()
 
 
+def test_a_line_written_from_userspace_is_ignored_unless_accepted(tmp_path: Path) -> None:
+    """The same failure with the user facility (what the kernel gives any line a process writes into /dev/kmsg) fires
+    nothing and records nothing, and is counted; with kernel_log_accept_injected it fires like the driver's."""
+    from dataclasses import replace
+
+    injected = [replace(r, facility=1) for r in public(1001, 1002, 1003)]
+    w, source, events = watch(tmp_path / "a")
+    try:
+        source.queued = list(injected)
+        assert w.poll(time.monotonic(), 10 * GiB, 8 * GiB, 4 * GiB, armed=True) is None
+        with w.lock:
+            assert w.stats.injected_ignored_total == 3 and w.stats.nvrm_errors_total["no_memory"] == 0
+        w.accept_injected = True  # as a reload applies it
+        source.queued = list(injected)
+        assert w.poll(time.monotonic(), 10 * GiB, 8 * GiB, 4 * GiB, armed=True) == "driver_alloc_failed"
+        assert wait_until(lambda: len(read_events(events.path)) == 1, 5)
+        assert read_events(events.path)[0]["kind"] == "driver_alloc_failed"
+    finally:
+        w.stop()
+
+
 def test_outside_the_band_or_disabled_it_alerts(tmp_path: Path) -> None:
     w, source, events = watch(tmp_path / "a")
     off, off_source, off_events = watch(tmp_path / "b", enabled=False)

@@ -43,6 +43,9 @@ def _kmsg_writable() -> None:
 def kernel_env(warn_headroom_bytes: int, **extra: str) -> dict[str, str]:
     return {
         "SPARKWATCH_KERNEL_LOG_PATH": str(KMSG),
+        # The test's lines come from a process (facility user), not from the driver: a daemon ignores them unless
+        # told otherwise (test_injected_lines_are_ignored_by_default).
+        "SPARKWATCH_KERNEL_LOG_ACCEPT_INJECTED": "true",
         "SPARKWATCH_FLOOR": str(256 * MiB),  # far under MemAvailable here: memory alone never fires
         "SPARKWATCH_WARN_HEADROOM": str(warn_headroom_bytes),
         "SPARKWATCH_MLOCK": "false",
@@ -104,6 +107,24 @@ def test_alloc_failure_within_warn_headroom_kills_the_engine(spawner: Spawner, t
     # "Within a second" of the line, with a 2-core machine shared by other test runs: the kill event is fsynced by
     # the reaper after the tree is reaped, so allow the tree's reaping on top.
     assert seen_s < 5.0, seen_s
+
+
+def test_injected_lines_are_ignored_by_default(spawner: Spawner, tmp_path: Path) -> None:
+    """With the default settings, the same lines written from userspace (the kernel marks them facility user) page
+    nobody and fire nothing: a driver allocation failure in the band, and an Xid 79 "fallen off the bus"."""
+    env = kernel_env(available_bytes() + 64 * GiB)
+    del env["SPARKWATCH_KERNEL_LOG_ACCEPT_INJECTED"]
+    with sparkwatch_run(tmp_path, env=env) as daemon:
+        assert wait_until(lambda: metric(daemon.port, "sparkwatch_kernel_log_readable") == 1.0, 15)
+        members = start_engine(spawner, tmp_path)
+        write_kmsg([*NO_MEMORY, "NVRM: Xid (PCI:0000:01:00): 79, pid=1234, name=python3, GPU has fallen off the bus."])
+        assert wait_until(lambda: metric(daemon.port, "sparkwatch_kernel_log_injected_lines_total") == 4.0, 10)
+        assert wait_until(lambda: any("ignoring NVRM lines written into the kernel log" in line
+                                      for line in daemon.stderr_lines), 5)  # fmt: skip
+        time.sleep(1.0)
+        assert all(alive(pid, t) for pid, (t, _) in members.items())
+        assert read_events(daemon.events_path) == []
+        assert metric(daemon.port, "sparkwatch_kernel_nvrm_errors_total", kind="no_memory") == 0.0
 
 
 def test_alloc_failure_above_the_band_alerts_and_kills_nothing(spawner: Spawner, tmp_path: Path) -> None:

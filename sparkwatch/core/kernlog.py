@@ -20,6 +20,11 @@ from dataclasses import dataclass, replace
 # --- /dev/kmsg records
 
 
+# The kernel's own lines; a line written into /dev/kmsg from userspace always gets another facility (the kernel sets
+# LOG_USER when the writer asks for 0: kernel/printk/printk.c, devkmsg_write), so the two can be told apart.
+KERNEL_FACILITY = 0
+
+
 @dataclass(frozen=True, slots=True)
 class KmsgRecord:
     """One /dev/kmsg record: "<prio>,<seq>,<usec>,<flags>[,caller=T<tid>];<text>" (Documentation/ABI/testing/

@@ -415,7 +415,7 @@ def _kernel_log_families(source: KernelLogLike) -> Iterator[Metric]:
     """NVRM and Xid lines from /dev/kmsg (loops.kernlog). Known kinds and catalogued Xid codes are exported at 0."""
     with source.lock:
         s = source.stats
-        readable, lines, dropped = s.readable, s.lines_total, s.dropped_total
+        readable, lines, dropped, injected = s.readable, s.lines_total, s.dropped_total, s.injected_ignored_total
         nvrm, xids = dict(s.nvrm_errors_total), dict(s.xid_total)
     yield GaugeMetricFamily(
         P + "kernel_log_readable",
@@ -427,6 +427,12 @@ def _kernel_log_families(source: KernelLogLike) -> Iterator[Metric]:
         P + "kernel_log_dropped_lines",
         "Kernel log records not read: overwritten in the ring, or skipped over the line-rate bound",
         value=dropped,
+    )
+    yield CounterMetricFamily(
+        P + "kernel_log_injected_lines",
+        "NVRM lines written into the kernel log by a process, not printed by the driver: ignored (a test, logger, "
+        "or someone pretending)",
+        value=injected,
     )
     errors = CounterMetricFamily(
         P + "kernel_nvrm_errors",

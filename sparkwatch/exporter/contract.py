@@ -226,6 +226,13 @@ METRICS: tuple[MetricSpec, ...] = (
         "kernel log records lost: overwritten in the ring or skipped over the rate bound",
     ),
     _m(
+        "kernel_log_injected_lines_total",
+        "counter",
+        "",
+        "guard",
+        "NVRM lines a process wrote into the kernel log (not the driver), ignored unless kernel_log_accept_injected",
+    ),
+    _m(
         "kernel_nvrm_errors_total",
         "counter",
         "kind",

@@ -166,6 +166,7 @@ class Guard:
             settings.proc_root,
             lambda: (self.rules, self.scope),
             enabled=settings.kernel_log_corroboration,
+            accept_injected=settings.kernel_log_accept_injected,
             source=KmsgSource(settings.kernel_log_path),
         )
 
@@ -183,6 +184,7 @@ class Guard:
             "engine_patterns",
             "protect_patterns",
             "kernel_log_corroboration",
+            "kernel_log_accept_injected",
             "guard_gpu_holders",
             "kill_order",
             "kill_priority",
@@ -208,6 +210,7 @@ class Guard:
             self.killer.rules = rules
             self.killer.scope = scope
             self.kernlog.enabled = settings.kernel_log_corroboration
+            self.kernlog.accept_injected = settings.kernel_log_accept_injected
         self._wake()  # a new floor or poll interval takes effect now, not after the current sleep
         return self.LIVE_KEYS
 

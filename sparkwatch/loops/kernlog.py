@@ -39,6 +39,7 @@ class KernelLogStats:
     xid_total: dict[int, int] = field(default_factory=dict)
     corroborated_fires_total: int = 0
     events_dropped_total: int = 0
+    injected_ignored_total: int = 0  # NVRM lines a process wrote into the kernel log, ignored (not the driver's)
     recent_xids: list[tuple[float, int, str]] = field(default_factory=list)  # (wall time, code, name), last 16
 
 
@@ -65,12 +66,15 @@ class KernelLogWatch:
         scope: Callable[[], tuple[EngineRules, Scope]],
         *,
         enabled: bool = True,
+        accept_injected: bool = False,
         source: KmsgSource | None = None,
         wall_clock: Callable[[], float] | None = None,
     ) -> None:
         self.events = events
         self.source = source if source is not None else KmsgSource()
         self.enabled = enabled  # kernel_log_corroboration: off, lines are still counted and recorded, never fire
+        self.accept_injected = accept_injected  # kernel_log_accept_injected: see poll()
+        self._injected_logged = False
         self.stats = KernelLogStats()
         self.lock = threading.Lock()
         self.state = core.CorroborationState()
@@ -78,7 +82,7 @@ class KernelLogWatch:
         self._proc_root = proc_root
         self._scanner = ProcScanner(proc_root)  # the recorder thread's own: the guard's scanner stays the guard's
         self._wall = wall_clock or time.time
-        self._jobs: queue.Queue[_Job | None] = queue.Queue(RECORD_QUEUE_MAX)
+        self._jobs: queue.Queue[_Job | str | None] = queue.Queue(RECORD_QUEUE_MAX)  # str: a line to log
         self._thread: threading.Thread | None = None
 
     # --- lifecycle
@@ -112,6 +116,19 @@ class KernelLogWatch:
         parsed: list[core.XidLine | core.NvrmError] = []
         for record in records:
             if "NVRM" not in record.text:
+                continue
+            if record.facility != core.KERNEL_FACILITY and not self.accept_injected:
+                # Written into /dev/kmsg by a process, not printed by the driver: the kernel gives every such line a
+                # userspace facility so it can be told apart. A test suite, `logger --kmsg` or an attacker with root
+                # must not page anyone with "GPU has fallen off the bus" or make the guard fire.
+                with self.lock:
+                    self.stats.injected_ignored_total += 1
+                if not self._injected_logged:
+                    self._injected_logged = True
+                    self._log_later(
+                        f"sparkwatch: ignoring NVRM lines written into the kernel log by a process (facility "
+                        f"{record.facility}, not the kernel's); kernel_log_accept_injected = true acts on them"
+                    )
                 continue
             line = core.parse_nvrm(record.text, record.level)
             if line is None:
@@ -210,12 +227,22 @@ class KernelLogWatch:
             with self.lock:
                 self.stats.events_dropped_total += 1
 
+    def _log_later(self, line: str) -> None:
+        """Log `line` from the recorder's thread: the guard's thread never writes to stderr or the journal itself."""
+        try:
+            self._jobs.put_nowait(line)
+        except queue.Full:
+            pass
+
     # --- on the recorder's thread
     def _record_run(self) -> None:
         while True:
             job = self._jobs.get()
             if job is None:
                 return
+            if isinstance(job, str):
+                _log(job)
+                continue
             try:
                 self._record(job)
             except Exception as exc:  # a record that fails must not end the thread
