@@ -278,6 +278,24 @@ def test_kernel_log_of_a_healthy_h200_and_of_one_in_trouble(tmp_path: Path) -> N
     assert "Xid 31 PCI:0000:01:00: GPU memory page fault pid 2913 (python3) -> check_app" in xids["detail"]
 
 
+def test_lines_written_into_the_kernel_log_by_a_process_are_not_the_drivers(tmp_path: Path) -> None:
+    """The public NVRM/Xid records as a process writing /dev/kmsg would leave them (the kernel turns their facility
+    into LOG_USER: prefix 11 for level 3, 12 for level 4): a healthy report that says it ignored them."""
+    root = fx.healthy(tmp_path / "root").write()
+    (root / "dev").mkdir(exist_ok=True)
+    injected = []
+    for line in (KMSG_FIX / "nvrm-public.txt").read_bytes().splitlines(keepends=True):
+        head, sep, rest = line.partition(b",")
+        injected.append(str(int(head) | 8).encode() + sep + rest if head.isdigit() else line)
+    (root / "dev" / "kmsg").write_bytes(b"".join(injected))
+    code, data = doctor_json(tmp_path, root)
+    checks = by_id(data)
+    assert code == 0, data
+    assert checks["kernel-log"]["status"] == "ok" and "0 NVRM lines" in checks["kernel-log"]["summary"]
+    assert "written by processes, not the driver: ignored" in checks["kernel-log"]["summary"]
+    assert checks["recent-xids"]["status"] == "ok" and checks["recent-xids"]["summary"] == "no Xid in the kernel log"
+
+
 def test_unreadable_kernel_log_says_why(tmp_path: Path) -> None:
     root = fx.healthy(tmp_path / "root").write()
     code, data = doctor_json(tmp_path, root)

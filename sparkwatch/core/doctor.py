@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from sparkwatch.core.engines import EngineRules, engine_kind
-from sparkwatch.core.kernlog import KmsgRecord, NvrmError, XidLine, parse_nvrm, xid_info
+from sparkwatch.core.kernlog import KmsgRecord, NvrmError, XidLine, is_from_kernel, parse_nvrm, xid_info
 from sparkwatch.core.redact import redact
 from sparkwatch.core.states import CheckStatus
 from sparkwatch.model import Check, MemInfo, Proc
@@ -213,9 +213,12 @@ def kernel_log_check(records: Sequence[KmsgRecord], why_not: str | None) -> Chec
             fix="sudo sparkwatch install-service --system   # or: sudo sysctl kernel.dmesg_restrict=0",
             detail="without it sparkwatch sees no NV_ERR_NO_MEMORY and no Xid: the guard watches MemAvailable alone",
         )
-    nvrm = [r for r in records if "NVRM" in r.text]
+    nvrm = [r for r in records if "NVRM" in r.text and is_from_kernel(r)]
+    injected = sum(1 for r in records if "NVRM" in r.text and not is_from_kernel(r))
     alloc = [r for r in nvrm if isinstance((p := parse_nvrm(r.text, r.level)), NvrmError) and p.is_alloc_failure]
     summary = f"readable: {len(records)} records in the ring, {len(nvrm)} NVRM lines"
+    if injected:
+        summary += f" ({injected} more written by processes, not the driver: ignored)"
     if alloc:
         return Check(
             "kernel-log",
@@ -231,7 +234,9 @@ def xid_check(records: Sequence[KmsgRecord], why_not: str | None) -> Check:
     if why_not is not None:
         return Check("recent-xids", CheckStatus.SKIP, "kernel log not readable: cannot list Xids")
     xids: list[tuple[KmsgRecord, XidLine]] = [
-        (r, line) for r in records if "Xid" in r.text and isinstance((line := parse_nvrm(r.text, r.level)), XidLine)
+        (r, line)
+        for r in records
+        if "Xid" in r.text and is_from_kernel(r) and isinstance((line := parse_nvrm(r.text, r.level)), XidLine)
     ]
     if not xids:
         return Check("recent-xids", CheckStatus.OK, "no Xid in the kernel log")

@@ -38,6 +38,11 @@ class KmsgRecord:
     caller_tid: int | None = None  # CONFIG_PRINTK_CALLER kernels: the task that printed (the ioctl's caller)
 
 
+def is_from_kernel(record: KmsgRecord) -> bool:
+    """Printed by the kernel (a driver), not written into /dev/kmsg by a process."""
+    return record.facility == KERNEL_FACILITY
+
+
 def parse_kmsg_record(data: bytes) -> KmsgRecord | None:
     """None for anything that is not a record (a torn read, garbage): a parse error is never a reason to act."""
     head, sep, rest = data.partition(b";")

@@ -117,7 +117,7 @@ class KernelLogWatch:
         for record in records:
             if "NVRM" not in record.text:
                 continue
-            if record.facility != core.KERNEL_FACILITY and not self.accept_injected:
+            if not core.is_from_kernel(record) and not self.accept_injected:
                 # Written into /dev/kmsg by a process, not printed by the driver: the kernel gives every such line a
                 # userspace facility so it can be told apart. A test suite, `logger --kmsg` or an attacker with root
                 # must not page anyone with "GPU has fallen off the bus" or make the guard fire.
