@@ -123,7 +123,8 @@ def test_injected_lines_are_ignored_by_default(spawner: Spawner, tmp_path: Path)
                                       for line in daemon.stderr_lines), 5)  # fmt: skip
         time.sleep(1.0)
         assert all(alive(pid, t) for pid, (t, _) in members.items())
-        assert read_events(daemon.events_path) == []
+        kinds = {e["kind"] for e in read_events(daemon.events_path)}
+        assert not kinds & {"kill", "driver_alloc_failed", "xid"}, kinds  # low_headroom: the band is the whole pool
         assert metric(daemon.port, "sparkwatch_kernel_nvrm_errors_total", kind="no_memory") == 0.0
 
 
