@@ -3,9 +3,9 @@
 Under churn every new process is a new key: 1,000 processes a minute in the soak bench (bench/soak_bench.py). A
 `LiveCache` is cut back to the entries of live processes once `DEAD_SLACK` entries were added since its last cut, so
 it never holds more than its live entries at the last cut plus DEAD_SLACK. The caches used to be cut only at 2-4x the
-process count plus 256, a sawtooth that kept up to ~1,000 dead processes' argv tuples alive between cuts; in a soak
-the telemetry process's pymalloc arenas kept growing (~0.9 MiB in 10 minutes) as each new peak of the sawtooth
-landed in fresh pools (bench/RESULTS-soak.md).
+process count plus 256: a sawtooth that kept up to ~1,000 dead processes' argv tuples alive between cuts, under
+three different rules. (Measured: this alone did not flatten the telemetry process's RSS under churn;
+bench/RESULTS-soak.md has what did.)
 
 A cut builds a new dict from a copy of the items (`list(d.items())` is one step under the GIL), so a second thread
 that reads or inserts meanwhile (the guard's scout shares the kill path's cache) loses at most one insert, which
