@@ -43,6 +43,17 @@ def telemetry_command(fd: int, nvml: bool = True) -> list[str]:
     return argv if nvml else [*argv, "--no-nvml"]
 
 
+def telemetry_env(environ: Mapping[str, str]) -> dict[str, str]:
+    """The telemetry process's environment: ours, with CPython's small-object allocator off (unless the user chose
+    one). Under 1,000 processes a minute its pymalloc arenas and glibc heap kept growing slowly (bench/RESULTS-soak.md)
+    while its live Python objects did not (tracemalloc); with every object in glibc's heap the once-a-minute
+    malloc_trim (loops/telemetry.py) hands back free pages wherever they are. The guard keeps pymalloc: it allocates
+    little, and its memory is locked."""
+    env = dict(environ)
+    env.setdefault("PYTHONMALLOC", "malloc")
+    return env
+
+
 # Telemetry's main thread answers every 0.25-1 s whatever its cycle does; only a process-wide stop (a C call holding
 # the GIL, such as a dlopen of a hung libnvidia-ml) or a reload waiting behind a slow cycle silences it.
 STALL_MIN_S = 15.0
@@ -184,6 +195,7 @@ class TelemetrySupervisor:
                 pass_fds=(theirs.fileno(),),
                 stdin=subprocess.DEVNULL,
                 close_fds=True,
+                env=telemetry_env(os.environ),
             )
         finally:
             theirs.close()

@@ -90,3 +90,10 @@ def test_unacknowledged_events_go_to_the_next_telemetry_process(tmp_path: Path) 
     finally:
         guard.close()
         telemetry.close()
+
+
+def test_telemetry_environment_turns_pymalloc_off_unless_the_user_chose() -> None:
+    from sparkwatch.supervisor import telemetry_env
+
+    assert telemetry_env({"PATH": "/usr/bin"}) == {"PATH": "/usr/bin", "PYTHONMALLOC": "malloc"}
+    assert telemetry_env({"PYTHONMALLOC": "pymalloc_debug"})["PYTHONMALLOC"] == "pymalloc_debug"

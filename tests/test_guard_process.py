@@ -192,6 +192,10 @@ def test_telemetry_restarted_with_an_event(tmp_path: Path, daemons: Callable[...
     d.wait_stderr("telemetry running")
     assert Path(f"/proc/{first}/comm").read_text().strip() == "sparkwatch-tel"
     assert Path(f"/proc/{d.proc.pid}/comm").read_text().strip() == "sparkwatch"
+    if "PYTHONMALLOC" not in env:  # telemetry runs on glibc's allocator (supervisor.telemetry_env); the guard does not
+        tel_env, guard_env = (Path(f"/proc/{pid}/environ").read_bytes().split(b"\0") for pid in (first, d.proc.pid))
+        assert b"PYTHONMALLOC=malloc" in tel_env
+        assert not any(v.startswith(b"PYTHONMALLOC=") for v in guard_env)
     os.kill(first, signal.SIGKILL)  # our own grandchild: the test started the daemon
     d.wait_stderr("restarting it in 1 s", 20)
     assert wait_until(lambda: children_of(d.proc.pid) not in ([], [first]), 20)
