@@ -15,6 +15,7 @@ is this test's process tree, so it can never fire.
 
 from __future__ import annotations
 
+import gc
 import http.server
 import json
 import os
@@ -104,7 +105,7 @@ def http_get(url: str, timeout: float = 5.0) -> bytes:
 
 def wait_until(what: str, predicate: Any, timeout_s: float, procs: list[subprocess.Popen[bytes]]) -> Any:
     deadline = time.monotonic() + timeout_s
-    last: Exception | None = None
+    last = "none"
     while time.monotonic() < deadline:
         for p in procs:
             assert p.poll() is None, (
@@ -115,7 +116,12 @@ def wait_until(what: str, predicate: Any, timeout_s: float, procs: list[subproce
             if value:
                 return value
         except (OSError, ValueError, KeyError) as exc:
-            last = exc
+            # Keep the text, not the exception: a stored exception is a cycle (its traceback holds this frame),
+            # and an HTTPError in it holds an open socket until a later GC pass finds it, inside whichever test runs
+            # then, as an unraisable ResourceWarning (CI failed on exactly that, in a Grafana test).
+            last = f"{type(exc).__name__}: {exc}"
+            if isinstance(exc, urllib.error.HTTPError):
+                exc.close()
         time.sleep(0.25)
     raise AssertionError(f"timed out after {timeout_s} s waiting for {what} (last error: {last})")
 
@@ -185,7 +191,8 @@ class Stack:
         try:
             body = http_get(url)
         except urllib.error.HTTPError as exc:  # 400 with a JSON error for a bad expression
-            body = exc.read()
+            with exc:
+                body = exc.read()
         data: dict[str, Any] = json.loads(body)
         return data
 
@@ -489,3 +496,29 @@ def test_queries_cover_every_panel() -> None:
     n_annotations = sum(1 for a in dash["annotations"]["list"] if "expr" in a)
     assert len(dashboard_queries(dash)) == n_targets + n_annotations
     assert all(isinstance(q, Query) for q in dashboard_queries(dash))
+
+
+def test_wait_until_leaves_no_open_socket_behind() -> None:
+    """Prometheus and Grafana answer 503 while they start. wait_until must not keep that HTTPError (its open
+    response) in a cycle for a later GC pass: pytest then fails whichever test is running, as it did once in CI."""
+
+    class Starting(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(503)
+            self.send_header("Content-Length", "8")
+            self.end_headers()
+            self.wfile.write(b"starting")
+
+        def log_message(self, format: str, *args: Any) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Starting)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}/-/ready"
+        with pytest.raises(AssertionError, match="503"):
+            wait_until("ready", lambda: http_get(url), 0.6, [])
+    finally:
+        server.shutdown()
+        server.server_close()
+    gc.collect()  # an unclosed socket found here is an unraisable ResourceWarning: an error under filterwarnings
