@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import shutil
 import signal
@@ -168,6 +169,23 @@ class Spawner:
             for stream in (proc.stdin, proc.stdout, proc.stderr):
                 if stream is not None:
                     stream.close()
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Freeze what imports and collection made (modules, Ray, hypothesis), so each teardown's collect below scans only
+    what tests make. Measured on test_core_engines and test_config (73 tests): the collects cost 4.1 s unfrozen, 0.8 s
+    frozen."""
+    gc.collect()
+    gc.freeze()
+
+
+@pytest.fixture(autouse=True)
+def _collect_cycles_after_each_test() -> Iterator[None]:
+    """A socket or file left open inside a reference cycle is found only by a later GC pass, and pytest reports it
+    (filterwarnings = error) in whichever test runs then. Collecting at every teardown fails the test that leaked it.
+    CI once failed a Grafana test on a socket that another helper had left in a cycle."""
+    yield
+    gc.collect()
 
 
 @pytest.fixture
