@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
@@ -226,11 +226,41 @@ TestGuardMachine = GuardMachine.TestCase
 
 
 def test_should_cancel_rereads_like_earlyoom() -> None:
-    floor = 8 * GiB
-    assert not g.should_cancel("floor", floor, 7 * GiB, 7 * GiB)
-    assert g.should_cancel("floor", floor, 7 * GiB, 9 * GiB)
-    assert not g.should_cancel("predicted", floor, 9 * GiB, 9 * GiB - 50 * MiB)  # still falling
-    assert g.should_cancel("predicted", floor, 9 * GiB, 9 * GiB + 1)  # stopped falling
+    params = g.GuardParams(floor_bytes=8 * GiB)  # kill budget 0.25 s
+    rate = 400.0 * MiB  # the smoothed fill rate the decision used
+    assert not g.should_cancel("floor", params, 7 * GiB, 7 * GiB, rate)
+    assert g.should_cancel("floor", params, 7 * GiB, 9 * GiB, rate)
+    assert not g.should_cancel("driver_alloc_failed", params, 20 * GiB, 30 * GiB, rate)
+    decided = 8 * GiB + 80 * MiB  # 0.2 s from the floor at 400 MiB/s: a prediction
+    assert not g.should_cancel("predicted", params, decided, decided - 50 * MiB, rate)  # still falling
+    assert not g.should_cancel("predicted", params, decided, decided, rate)  # a pause in a bursty fill
+    assert not g.should_cancel("predicted", params, decided, decided + 100 * MiB, rate)  # 0.45 s away: not back yet
+    assert g.should_cancel("predicted", params, decided, decided + 150 * MiB, rate)  # 0.575 s away: came back
+
+
+@given(
+    decided_over_floor=st.integers(1, 4 * 1024),
+    rise=st.integers(-1024, 8 * 1024),
+    more=st.integers(1, 8 * 1024),
+    rate_mib_s=st.floats(1.0, 20_000.0),
+)
+def test_a_prediction_is_cancelled_only_by_memory_coming_back(
+    decided_over_floor: int, rise: int, more: int, rate_mib_s: float
+) -> None:
+    params = g.GuardParams(floor_bytes=8 * GiB)
+    assume(decided_over_floor <= rate_mib_s * params.kill_budget_s)  # a prediction: the floor within one budget
+    decided = params.floor_bytes + decided_over_floor * MiB
+    now = decided + rise * MiB
+
+    def cancel(available_now: int) -> bool:
+        return g.should_cancel("predicted", params, decided, available_now, rate_mib_s * MiB)
+
+    if rise <= 0:
+        assert not cancel(now)  # still falling, or paused: the kill goes ahead
+    if cancel(now):
+        assert cancel(now + more * MiB)  # more memory back never un-cancels it
+    if now - params.floor_bytes > rate_mib_s * MiB:  # a whole second of fill away from the floor: clearly back
+        assert cancel(now)
 
 
 def test_teardown_deadline_follows_the_measured_release_rate() -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -17,7 +18,7 @@ from sparkwatch.actuators.events import EventLog, read_events
 from sparkwatch.config import load_settings
 from sparkwatch.core import policy
 from sparkwatch.loops.guard import Guard
-from sparkwatch.units import GiB
+from sparkwatch.units import GiB, MiB
 from tests.conftest import Spawner, alive, pids_in, rewrite_in_place, wait_until
 
 GB10 = (Path(__file__).parent / "fixtures" / "proc" / "meminfo.gb10-idle").read_text()
@@ -80,6 +81,55 @@ def test_memory_recovered_while_choosing_cancels_the_kill(spawner: Spawner, proc
         assert int(event["mem_available_now_bytes"]) == 118566368 * 1024
         assert all(alive(pid, ticks) for pid, (ticks, _) in pids.items())  # nothing was signalled
         assert guard.state.phase == "watch"
+    finally:
+        guard.reaper.stop()
+
+
+def meminfo_at(available_bytes: int) -> str:
+    return GB10.replace("118566368", str(available_bytes // 1024))
+
+
+@pytest.mark.parametrize(
+    ("moved_mib", "cancelled"),
+    [
+        (0, False),  # a pause in a bursty fill: the first rule ("stopped falling") cancelled here, and the floor fell
+        (16, False),  # noise
+        (2048, True),  # memory came back: at the fill rate, the floor is now about a second away
+    ],
+)
+def test_a_predicted_kill_is_cancelled_only_when_memory_came_back(
+    spawner: Spawner, proc_root: Path, tmp_path: Path, moved_mib: int, cancelled: bool
+) -> None:
+    pidfile = tmp_path / "tree.pids"
+    spawner.engine("--worker", "VLLM::Worker_TP0", pidfile=pidfile, wait_for=2)
+    pids = link_tree(proc_root, pidfile)
+    guard = make_guard(proc_root, tmp_path / "state")
+    floor = guard.params.floor_bytes
+    decided = floor + 200 * MiB  # at ~2 GiB/s the floor is 0.1 s away: within the 0.25 s kill budget
+
+    def moved_while_choosing() -> policy.GpuBytes | None:
+        rewrite_in_place(proc_root / "meminfo", meminfo_at(decided + moved_mib * MiB))
+        return None
+
+    guard.gpu_bytes_by_pid = moved_while_choosing
+    guard.reaper.start()
+    try:
+        rewrite_in_place(proc_root / "meminfo", meminfo_at(decided))
+        # The state after one predicted sample of a fill at ~2 GiB/s (100 MiB in the last 50 ms): the next one fires.
+        guard.state = replace(
+            guard.state,
+            last_t=time.monotonic() - 0.05,
+            last_available_bytes=decided + 100 * MiB,
+            fill_rate_bytes_per_s=2.0 * GiB,
+            predict_count=1,
+        )
+        guard.tick()
+        assert guard.stats.cancelled_total == int(cancelled)
+        assert guard.stats.kills_total == ({} if cancelled else {"predicted": 1})
+        if cancelled:
+            assert all(alive(pid, ticks) for pid, (ticks, _) in pids.items())
+        else:
+            assert wait_until(lambda: not any(alive(p, t) for p, (t, _) in pids.items()), 10)
     finally:
         guard.reaper.stop()
 

@@ -211,16 +211,35 @@ def reaped(state: GuardState, params: GuardParams, t: float) -> GuardState:
     return replace(state, phase=Phase.SETTLE, phase_until=t + params.settle_s)
 
 
-def should_cancel(trigger: str, floor_bytes: int, decided_available_bytes: int, available_now_bytes: int) -> bool:
+# A prediction is cancelled only when memory came back, not when it paused. A hog's fill comes in bursts (250-1,700
+# MiB/s on these VMs, with pauses between), and between the decision and the re-read (~10 ms) MemAvailable often does
+# not move at all. The first rule, "cancel once it stopped falling", cancelled a kill in 4 of 6 episodes of
+# bench/guard_bench.py, and in 4 of 15 the floor was then crossed (by 12-43 MiB), where earlier builds never crossed
+# it. The prediction fired with the floor at most one kill budget away at the smoothed fill rate; it is cancelled when
+# the re-read puts the floor more than this many budgets away at that rate (a rise of at least one budget's fill).
+RECOVERED_AFTER_BUDGETS = 2.0
+
+
+def should_cancel(
+    trigger: str,
+    params: GuardParams,
+    decided_available_bytes: int,
+    available_now_bytes: int,
+    fill_rate_bytes_per_s: float,
+) -> bool:
     """Re-read right before the signal, as earlyoom does: cancel when memory recovered since the decision. For the
-    floor, escalation and hunting: MemAvailable is above the floor now. For a prediction (made above the floor):
-    MemAvailable stopped falling. A driver allocation failure is never cancelled."""
-    if available_now_bytes <= floor_bytes:
+    floor, escalation and hunting: MemAvailable is above the floor now. For a prediction (made above the floor): at
+    the fill rate it was made with, the floor is now more than RECOVERED_AFTER_BUDGETS kill budgets away. A driver
+    allocation failure is never cancelled."""
+    if available_now_bytes <= params.floor_bytes:
         return False
     if trigger == "driver_alloc_failed":
         # The driver already failed an allocation: MemAvailable is what lags there (a box showed 22.5 GiB available
         # while the driver logged NV_ERR_NO_MEMORY at 119.2 of 121.7 GiB used), so a re-read cannot cancel it.
         return False
     if trigger == "predicted":
-        return available_now_bytes >= decided_available_bytes
+        if available_now_bytes <= decided_available_bytes:
+            return False  # still falling, or a pause in a bursty fill
+        eta = seconds_to_floor(available_now_bytes, params.floor_bytes, fill_rate_bytes_per_s)
+        return eta is None or eta > RECOVERED_AFTER_BUDGETS * params.kill_budget_s
     return True

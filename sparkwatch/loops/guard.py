@@ -417,7 +417,7 @@ class Guard:
             available_now = self.meminfo.read().available_bytes
         except MeminfoError:
             available_now = mem.available_bytes  # the decision stands on the last good sample
-        if core.should_cancel(trigger, params.floor_bytes, mem.available_bytes, available_now):
+        if core.should_cancel(trigger, params, mem.available_bytes, available_now, self.state.fill_rate_bytes_per_s):
             self.state = core.fired(self.state, params, time.monotonic(), core.Outcome.CANCELLED)
             self._record_cancelled(facts, victim, available_now)
             return
