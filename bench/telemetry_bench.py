@@ -8,7 +8,8 @@
 3. JIT cache: a flashinfer-shaped cache of F files (M modules x F/M files, each dir with a build.ninja), the first
    walk, then the steady-state cost per cycle once watched (target <= 5 ms), and the number of stats per cycle.
 
-    .venv/bin/python bench/telemetry_bench.py --procs 2000 --files 100000 --out bench/RESULTS-telemetry.md
+    PYTHONMALLOC=malloc .venv/bin/python bench/telemetry_bench.py --procs 2000 --files 100000 --scrapes 5000 \
+        --out bench/RESULTS-telemetry.md
 """
 
 from __future__ import annotations
@@ -38,19 +39,18 @@ from tests.helpers.proctree import pin_mtimes  # noqa: E402
 from tests.helpers.scenario import StaticEvents, StaticGuard, build_scenario, guard_stats  # noqa: E402
 
 NOTES = """Notes:
-- Measured on a shared 2-vCPU x86_64 VM (not a Spark), with other engineers' tests running at the same time; the
-  Spark's 20 Grace cores make the per-process costs smaller, not larger.
-- The cycle: before the incremental process table and the engine-kind cache the same bench read 56.7 ms CPU median
-  for 2,000 processes (a full stat/cmdline read of every process, and every engine pattern matched against every
-  process). Now new and hot pids (engine members, compilers) are read every cycle and the rest in fifths, so a
-  process retitled after start (vLLM's setproctitle) is seen within 5 cycles. The first cycle reads everything.
-- The scrape tail is the shared VM and the GIL, not the render (0.6 ms): a scrape that lands during a telemetry cycle
-  can wait up to the interpreter's switch interval (5 ms by default) before the server thread runs. Across five runs
-  of this bench on this VM the HTTP p99 ranged 1.7-5.3 ms (--switch-interval-ms 1 gave 3.4 ms in one run: within
-  the noise), p50 always 1.2-1.6 ms.
-- The JIT cache's first walk stats every file once (0.8 s CPU for 100,000 files, at start-up or when a cache
-  appears); after that a cycle stats the directories that changed within 120 s plus 256 others in turn, so a change
-  in a cold directory shows within (directories / 256) cycles: 8 s for 2,000 module directories.
+- Measured on a shared 2-vCPU x86_64 VM (not a Spark); its speed varies from day to day (the same build's cycle
+  measured 14 ms on 2026-11-29 and 36 ms on 2026-11-30), so compare builds only within one day's runs. The Spark's
+  20 Grace cores make the per-process costs smaller, not larger.
+- The telemetry process runs with PYTHONMALLOC=malloc (supervisor.telemetry_env): run the bench the same way.
+- The cycle: new and hot pids (engine members, compilers) are read every cycle and the rest in fifths, so a process
+  retitled after start (vLLM's setproctitle) is seen within 5 cycles. The first cycle reads everything, including
+  each process's /proc/<pid>/exe and cgroup (what protection is judged by).
+- The scrape tail is the shared VM and the GIL more than the render: a scrape that lands during a telemetry cycle
+  can wait up to the interpreter's switch interval (5 ms by default) before the server thread runs.
+- The JIT cache's first walk stats every file once (at start-up or when a cache appears); after that a cycle stats
+  the directories that changed within 120 s plus 256 others in turn, so a change in a cold directory shows within
+  (directories / 256) cycles: 8 s for 2,000 module directories.
 """
 
 
@@ -222,7 +222,8 @@ def main() -> None:
         rows += bench_jit(args.files, args.files_per_dir, args.cycles, tmp)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    cmd = "  .venv/bin/python bench/telemetry_bench.py " + " ".join(sys.argv[1:])
+    allocator = f"PYTHONMALLOC={os.environ['PYTHONMALLOC']} " if os.environ.get("PYTHONMALLOC") else ""
+    cmd = f"  {allocator}.venv/bin/python bench/telemetry_bench.py " + " ".join(sys.argv[1:])
     table = ["| measurement | result |", "| --- | --- |", *[f"| {k} | {v} |" for k, v in rows]]
     text = "\n".join(
         [
