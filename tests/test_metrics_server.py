@@ -149,3 +149,38 @@ def test_tls_connection_without_client_hello_does_not_block_https_scrapes(tmp_pa
             assert "sparkwatch_build_info" in get(f"https://127.0.0.1:{d.port}/metrics", context, timeout=10)
         assert all(s.fileno() >= 0 for s in silent)
         assert os.path.exists(pki / "server.pem")
+
+
+def test_a_taken_port_leaves_telemetry_running_and_serves_once_free(tmp_path: Path) -> None:
+    """Another program holds the metrics port. Telemetry must run on (alerts, driver checks) and bind once the port
+    is free, not exit and be restarted with backoff for as long as the port stays taken."""
+    blocker = socket.socket()
+    blocker.bind(("127.0.0.1", 0))
+    blocker.listen(1)
+    port = int(blocker.getsockname()[1])
+    try:
+        with sparkwatch_run(tmp_path, env={"SPARKWATCH_LISTEN": f"127.0.0.1:{port}"}) as d:
+            assert any(f"127.0.0.1:{port} is in use" in line for line in d.stderr_lines), d.stderr_lines
+            time.sleep(2.0)  # the old code had exited and been restarted by now (backoff 1 s)
+            assert not any("restarting it" in line for line in d.stderr_lines), d.stderr_lines
+            blocker.close()
+            url = f"http://127.0.0.1:{port}/metrics"
+            deadline = time.monotonic() + 15  # BIND_RETRY_S is 5 s
+            text = ""
+            while time.monotonic() < deadline and "sparkwatch_build_info" not in text:
+                try:
+                    text = get(url)
+                except OSError:
+                    time.sleep(0.25)
+            assert "sparkwatch_build_info" in text
+            taken = [
+                float(line.split()[-1])
+                for line in text.splitlines()
+                if line.startswith("sparkwatch_internal_errors_total{") and 'counter="port_in_use"' in line
+            ]
+            assert taken and taken[0] >= 1, taken
+            assert any(f"metrics on 127.0.0.1:{port}" in line for line in d.stderr_lines)
+            assert not any("restarting it" in line for line in d.stderr_lines), d.stderr_lines
+            assert d.proc.poll() is None
+    finally:
+        blocker.close()

@@ -20,6 +20,7 @@ time and add names outside the contract). Encoding (text or OpenMetrics, by the 
 
 from __future__ import annotations
 
+import errno
 import os
 import queue
 import selectors
@@ -43,6 +44,11 @@ WORKERS = 2  # scrapes render in ~1 ms; two workers keep one slow client from de
 REQUEST_TIMEOUT_S = 5.0  # handshake + request + answer, in all, for one connection
 IDLE_TIMEOUT_S = 10.0  # a connection that sends nothing for this long is closed
 REQUEST_HEAD_MAX_BYTES = 16384
+# The port in use at start: usually the telemetry process before this one, still going away (a second or two), but
+# it can be another program for good. Telemetry runs on meanwhile (alerts, driver checks, the guard's GPU figures)
+# and binds again this often; before, the process exited and the guard restarted it, with backoff, for as long as
+# the port stayed taken, and no alert went out all that time.
+BIND_RETRY_S = 5.0
 EVICT_MIN_IDLE_S = 0.2  # a connection younger than this is not evicted for a newer one (a scrape sends at once)
 
 
@@ -107,9 +113,13 @@ class BoundedHTTPServer:
         self.idle_timeout_s = idle_timeout_s
         info = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
         self._listener = socket.socket(info[0], socket.SOCK_STREAM)
-        self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._listener.bind(info[4])
-        self._listener.listen(128)
+        try:
+            self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            self._listener.bind(info[4])
+            self._listener.listen(128)
+        except OSError:
+            self._listener.close()  # the address is taken (MetricsServer tries again): no socket left behind
+            raise
         self._listener.setblocking(False)
         self.server_address = self._listener.getsockname()
         self._selector = selectors.DefaultSelector()
@@ -329,10 +339,15 @@ def _parse_head(data: bytes) -> tuple[str, str, dict[str, str]] | None:
 class MetricsServer:
     """A daemon component: serves `registry` on settings.listen until stopped."""
 
-    def __init__(self, settings: Settings, registry: CollectorRegistry) -> None:
+    def __init__(self, settings: Settings, registry: CollectorRegistry, bind_retry_s: float = BIND_RETRY_S) -> None:
         self.settings = settings
         self.registry = registry
+        self.bind_retry_s = bind_retry_s
+        self.port_in_use_total = 0  # binds refused because the address was taken
         self._server: BoundedHTTPServer | None = None
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._retry: threading.Thread | None = None
 
     @property
     def port(self) -> int:
@@ -347,11 +362,12 @@ class MetricsServer:
         to take its answer."""
         server = self._server
         if server is None:
-            return {}
+            return {"port_in_use": self.port_in_use_total}
         return {
             "connections_evicted": server.evicted_total,
             "request_timeouts": server.timeouts_total,
             "connection_errors": server.errors_total,
+            "port_in_use": self.port_in_use_total,
         }
 
     def ssl_context(self) -> ssl.SSLContext | None:
@@ -375,13 +391,57 @@ class MetricsServer:
         return 200, content_type, encoder(self.registry)
 
     def start(self) -> None:
+        """Serve, or, if the address is taken, keep trying every bind_retry_s on a thread of its own. Any other
+        failure (TLS files, an address this host does not have) raises."""
         s = self.settings
         for warning in s.warnings():
             print(f"sparkwatch: WARNING {warning}", file=sys.stderr, flush=True)
-        self._server = BoundedHTTPServer(s.listen_host, s.listen_port, self.handle, self.ssl_context())
-        self._server.start()
+        self._stop.clear()
+        if self._bind():
+            return
+        print(
+            f"sparkwatch: ERROR metrics: {s.listen} is in use by another process; trying again every "
+            f"{self.bind_retry_s:.0f} s (alerts and checks run meanwhile)",
+            file=sys.stderr,
+            flush=True,
+        )
+        self._retry = threading.Thread(target=self._keep_binding, name="sparkwatch-metrics-bind", daemon=True)
+        self._retry.start()
+
+    def _bind(self) -> bool:
+        """True once serving; False while the address is in use."""
+        s = self.settings
+        try:
+            server = BoundedHTTPServer(s.listen_host, s.listen_port, self.handle, self.ssl_context())
+        except OSError as exc:
+            if exc.errno != errno.EADDRINUSE:
+                raise
+            self.port_in_use_total += 1
+            return False
+        with self._lock:
+            if self._stop.is_set():
+                server.stop()
+                return True
+            server.start()
+            self._server = server
+        return True
+
+    def _keep_binding(self) -> None:
+        while not self._stop.wait(self.bind_retry_s):
+            try:
+                if self._bind():
+                    if not self._stop.is_set():
+                        print(f"sparkwatch: metrics on {self.settings.listen}", file=sys.stderr, flush=True)
+                    return
+            except Exception as exc:  # e.g. the TLS files went away meanwhile: say so, keep trying
+                print(f"sparkwatch: ERROR metrics: {exc}", file=sys.stderr, flush=True)
 
     def stop(self) -> None:
-        if self._server is not None:
-            self._server.stop()
-            self._server = None
+        self._stop.set()
+        if self._retry is not None:
+            self._retry.join(5)
+            self._retry = None
+        with self._lock:
+            server, self._server = self._server, None
+        if server is not None:
+            server.stop()

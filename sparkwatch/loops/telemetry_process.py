@@ -348,9 +348,9 @@ class TelemetryProcess:
 
     def run(self) -> int:
         try:
-            # The metrics server failing to start is usually the port of a telemetry process that is still going
-            # away: exit, and let the guard's supervisor try again after its backoff, rather than run on with no
-            # endpoint.
+            # A port in use is not a failure here: the server keeps trying to bind on its own thread (BIND_RETRY_S)
+            # while the rest runs. Any other failure to start the endpoint (unreadable TLS files) exits, and the
+            # guard's supervisor tries again after its backoff.
             started = start_parts(self.parts, essential={"metrics"})
         except Exception:
             return 3
