@@ -161,6 +161,7 @@ def test_a_taken_port_leaves_telemetry_running_and_serves_once_free(tmp_path: Pa
     try:
         with sparkwatch_run(tmp_path, env={"SPARKWATCH_LISTEN": f"127.0.0.1:{port}"}) as d:
             assert any(f"127.0.0.1:{port} is in use" in line for line in d.stderr_lines), d.stderr_lines
+            assert any(f"metrics waiting for 127.0.0.1:{port}" in line for line in d.stderr_lines), d.stderr_lines
             time.sleep(2.0)  # the old code had exited and been restarted by now (backoff 1 s)
             assert not any("restarting it" in line for line in d.stderr_lines), d.stderr_lines
             blocker.close()

@@ -426,15 +426,22 @@ class MetricsServer:
             self._server = server
         return True
 
+    @property
+    def serving(self) -> bool:
+        return self._server is not None
+
     def _keep_binding(self) -> None:
+        said = ""
         while not self._stop.wait(self.bind_retry_s):
             try:
                 if self._bind():
                     if not self._stop.is_set():
                         print(f"sparkwatch: metrics on {self.settings.listen}", file=sys.stderr, flush=True)
                     return
-            except Exception as exc:  # e.g. the TLS files went away meanwhile: say so, keep trying
-                print(f"sparkwatch: ERROR metrics: {exc}", file=sys.stderr, flush=True)
+            except Exception as exc:  # e.g. the TLS files went away meanwhile: say so (once), keep trying
+                if str(exc) != said:
+                    said = str(exc)
+                    print(f"sparkwatch: ERROR metrics: {exc}", file=sys.stderr, flush=True)
 
     def stop(self) -> None:
         self._stop.set()

@@ -354,12 +354,11 @@ class TelemetryProcess:
             started = start_parts(self.parts, essential={"metrics"})
         except Exception:
             return 3
-        log.info(
-            "telemetry running (pid %d): %s",
-            os.getpid(),
-            ", ".join(part.name for part in started)
-            + (f"; metrics on {self.settings.listen}" if self.metrics in [p.obj for p in started] else ""),
-        )
+        endpoint = ""
+        if self.metrics in [p.obj for p in started]:
+            listen = self.settings.listen
+            endpoint = f"; metrics on {listen}" if self.metrics.serving else f"; metrics waiting for {listen}"
+        log.info("telemetry running (pid %d): %s%s", os.getpid(), ", ".join(part.name for part in started), endpoint)
         next_report = 0.0
         while not self._stop.is_set():
             if self.channel is None:
