@@ -241,6 +241,21 @@ def test_bad_config_is_exit_2(tmp_path: Path) -> None:
 
 
 @pytest.fixture
+def ctrl_c_reaches_children() -> Iterator[None]:
+    """A suite started as a background job of a script (`nohup scripts/test &`) inherits SIGINT ignored, and so would
+    the viewer: Python then installs no Ctrl-C handler and the test's Ctrl-C does nothing (both live tests timed out
+    that way). A handler here is reset to the default at exec, so the viewer gets a working Ctrl-C."""
+    previous = signal.getsignal(signal.SIGINT)
+    if previous == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)
+
+
+@pytest.fixture
 def pty_pair() -> Iterator[tuple[int, int]]:
     main_fd, sub_fd = pty.openpty()
     # 120 columns, 60 rows: the whole frame fits, so rich redraws it in place rather than cropping.
@@ -284,7 +299,9 @@ def read_until(fd: int, needle: bytes, timeout_s: float) -> bytes:
     return data
 
 
-def test_live_frames_update_in_place(tmp_path: Path, mount_namespace: None, pty_pair: tuple[int, int]) -> None:
+def test_live_frames_update_in_place(
+    tmp_path: Path, mount_namespace: None, pty_pair: tuple[int, int], ctrl_c_reaches_children: None
+) -> None:
     main_fd, sub_fd = pty_pair
     meminfo = tmp_path / "meminfo"
     available = 40 * GiB
@@ -334,7 +351,9 @@ def test_live_frames_update_in_place(tmp_path: Path, mount_namespace: None, pty_
     assert per_frame < 8192
 
 
-def test_live_build_progress_gets_a_rate_and_an_eta(tmp_path: Path, pty_pair: tuple[int, int]) -> None:
+def test_live_build_progress_gets_a_rate_and_an_eta(
+    tmp_path: Path, pty_pair: tuple[int, int], ctrl_c_reaches_children: None
+) -> None:
     """The "is it hung?" row over time: objects finishing give a rate and an ETA, then the module is done."""
     require_tool("nvcc")
     require_tool("ninja")
