@@ -499,7 +499,7 @@ def test_queries_cover_every_panel() -> None:
 
 
 def test_wait_until_leaves_no_open_socket_behind() -> None:
-    """Prometheus and Grafana answer 503 while they start. wait_until must not keep that HTTPError (its open
+    """Prometheus and Alertmanager answer 503 while they start. wait_until must not keep that HTTPError (its open
     response) in a cycle for a later GC pass: pytest then fails whichever test is running, as it did once in CI."""
 
     class Starting(http.server.BaseHTTPRequestHandler):
