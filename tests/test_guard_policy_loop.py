@@ -94,7 +94,7 @@ def meminfo_at(available_bytes: int) -> str:
     [
         (0, False),  # a pause in a bursty fill: the first rule ("stopped falling") cancelled here, and the floor fell
         (16, False),  # noise
-        (2048, True),  # memory came back: at the fill rate, the floor is now about a second away
+        (8192, True),  # memory came back: at the fill rate, the floor is now seconds away
     ],
 )
 def test_a_predicted_kill_is_cancelled_only_when_memory_came_back(
@@ -105,7 +105,7 @@ def test_a_predicted_kill_is_cancelled_only_when_memory_came_back(
     pids = link_tree(proc_root, pidfile)
     guard = make_guard(proc_root, tmp_path / "state")
     floor = guard.params.floor_bytes
-    decided = floor + 200 * MiB  # at ~2 GiB/s the floor is 0.1 s away: within the 0.25 s kill budget
+    decided = floor + 64 * MiB  # a few GiB/s of fill: the floor is well within the 0.25 s kill budget
 
     def moved_while_choosing() -> policy.GpuBytes | None:
         rewrite_in_place(proc_root / "meminfo", meminfo_at(decided + moved_mib * MiB))
@@ -115,11 +115,12 @@ def test_a_predicted_kill_is_cancelled_only_when_memory_came_back(
     guard.reaper.start()
     try:
         rewrite_in_place(proc_root / "meminfo", meminfo_at(decided))
-        # The state after one predicted sample of a fill at ~2 GiB/s (100 MiB in the last 50 ms): the next one fires.
+        # The state after one predicted sample of a fast fill (2 GiB/s, and 1 GiB in the last 50 ms): the next one
+        # fires. The margins hold if this test is descheduled for up to a second before the tick (a loaded box).
         guard.state = replace(
             guard.state,
             last_t=time.monotonic() - 0.05,
-            last_available_bytes=decided + 100 * MiB,
+            last_available_bytes=decided + GiB,
             fill_rate_bytes_per_s=2.0 * GiB,
             predict_count=1,
         )
