@@ -116,7 +116,7 @@ def test_a_predicted_kill_is_cancelled_only_when_memory_came_back(
     try:
         rewrite_in_place(proc_root / "meminfo", meminfo_at(decided))
         # The state after one predicted sample of a fast fill (2 GiB/s, and 1 GiB in the last 50 ms): the next one
-        # fires. The margins hold if this test is descheduled for up to a second before the tick (a loaded box).
+        # fires. The margins hold if this test is descheduled for up to 2 s before the tick (a loaded box).
         guard.state = replace(
             guard.state,
             last_t=time.monotonic() - 0.05,
