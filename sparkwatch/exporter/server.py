@@ -356,19 +356,21 @@ class MetricsServer:
             return self.settings.listen_port
         return int(self._server.server_address[1])
 
+    @property
+    def serving(self) -> bool:
+        return self._server is not None
+
     def counters(self) -> dict[str, int]:
         """What the endpoint closed unanswered and why, for sparkwatch_internal_errors_total: a rising count of
         evictions means something holds connections open (a scanner, a stuck scraper), timeouts a client too slow
-        to take its answer."""
+        to take its answer, port_in_use another program holding the address at start."""
+        counts = {"port_in_use": self.port_in_use_total}
         server = self._server
-        if server is None:
-            return {"port_in_use": self.port_in_use_total}
-        return {
-            "connections_evicted": server.evicted_total,
-            "request_timeouts": server.timeouts_total,
-            "connection_errors": server.errors_total,
-            "port_in_use": self.port_in_use_total,
-        }
+        if server is not None:
+            counts["connections_evicted"] = server.evicted_total
+            counts["request_timeouts"] = server.timeouts_total
+            counts["connection_errors"] = server.errors_total
+        return counts
 
     def ssl_context(self) -> ssl.SSLContext | None:
         s = self.settings
@@ -425,10 +427,6 @@ class MetricsServer:
             server.start()
             self._server = server
         return True
-
-    @property
-    def serving(self) -> bool:
-        return self._server is not None
 
     def _keep_binding(self) -> None:
         said = ""
