@@ -43,8 +43,8 @@ import psutil
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from sparkwatch.sources.meminfo import MeminfoReader  # noqa: E402
-from sparkwatch.sources.procs import read_start_ticks  # noqa: E402
+from sparkwatch.common.sources.meminfo import MeminfoReader  # noqa: E402
+from sparkwatch.common.sources.procs import read_start_ticks  # noqa: E402
 from tests.conftest import FAKE_ENGINE, pids_in  # noqa: E402
 from tests.daemon import free_port  # noqa: E402
 
@@ -186,7 +186,7 @@ def run_episode(contender: str, target_rate: int, tmp: Path) -> Episode:
             rate = (window[0][1] - window[-1][1]) / (window[-1][0] - window[0][0])
     own = None
     if contender == "sparkwatch":
-        from sparkwatch.actuators.events import read_events
+        from sparkwatch.common.events import read_events
 
         kills = [e for e in read_events(tmp / "state" / "events.jsonl") if e["kind"] == "kill"]
         if kills and kills[-1].get("signal_to_reaped_ms") is not None:

@@ -1,6 +1,6 @@
 """Kernel-log benchmark: what reading /dev/kmsg costs the guard, idle and under a 10,000 lines/s burst.
 
-A real Guard runs in this process on a fixture /proc whose MemAvailable sits inside the warning band, with its poll
+A real PoolWatch runs in this process on a fixture /proc whose MemAvailable sits inside the warning band, with its poll
 interval pinned to 50 ms (the guard's fastest, the worst case for a per-tick read). A separate writer process floods
 the real /dev/kmsg at the target rate (99 % other subsystems' lines, 1 % NVRM assertion lines that are parsed and
 counted but never acted on). Episodes alternate A B A B:
@@ -33,9 +33,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from sparkwatch.actuators.events import EventLog  # noqa: E402
-from sparkwatch.config import load_settings  # noqa: E402
-from sparkwatch.loops.guard import Guard  # noqa: E402
+from sparkwatch.common.events import EventLog  # noqa: E402
+from sparkwatch.config.settings import load_settings  # noqa: E402
+from sparkwatch.guard.poolwatch import PoolWatch  # noqa: E402
 
 GB10 = (ROOT / "tests" / "fixtures" / "proc" / "meminfo.gb10-idle").read_text()
 POLL_S = 0.05
@@ -74,8 +74,8 @@ class Episode:
     lateness_ms: list[float] = field(default_factory=list)
 
 
-class TimedGuard(Guard):
-    """The real Guard, with tick starts and the kernel-log poll's thread CPU recorded."""
+class TimedGuard(PoolWatch):
+    """The real PoolWatch, with tick starts and the kernel-log poll's thread CPU recorded."""
 
     def __init__(self, *args: object, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]

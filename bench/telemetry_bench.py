@@ -29,11 +29,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from sparkwatch.config import load_settings  # noqa: E402
-from sparkwatch.exporter.server import MetricsServer, build_registry, render  # noqa: E402
-from sparkwatch.loops.guard import GuardStats  # noqa: E402
-from sparkwatch.loops.telemetry import Telemetry, TelemetryLoop  # noqa: E402
-from sparkwatch.sources.jitcache import JitCacheSource  # noqa: E402
+from sparkwatch.common.stats import GuardStats  # noqa: E402
+from sparkwatch.config.settings import load_settings  # noqa: E402
+from sparkwatch.telemetry.exporter.server import MetricsServer, build_registry, render  # noqa: E402
+from sparkwatch.telemetry.loop import Telemetry, TelemetryLoop  # noqa: E402
+from sparkwatch.telemetry.sources.jitcache import JitCacheSource  # noqa: E402
 from tests.daemon import free_port  # noqa: E402
 from tests.helpers.proctree import pin_mtimes  # noqa: E402
 from tests.helpers.scenario import StaticEvents, StaticGuard, build_scenario, guard_stats  # noqa: E402

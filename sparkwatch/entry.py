@@ -3,7 +3,7 @@
 `sparkwatch run` blocks SIGHUP, SIGTERM and SIGINT before anything else is imported. Loading and validating the
 config takes a few hundred ms (pydantic); with the default dispositions a SIGHUP in that window (systemd's
 ExecReload right after start) would kill the daemon. Blocked signals stay pending across the exec into the guard
-process (`sparkwatch.loops.guard_process`), which installs its handlers first and only then unblocks them, so an
+process (`sparkwatch.guard`), which installs its handlers first and only then unblocks them, so an
 early SIGHUP becomes a reload and an early SIGTERM a clean stop.
 """
 
@@ -13,7 +13,7 @@ import signal
 import sys
 from collections.abc import Sequence
 
-DAEMON_SIGNALS = frozenset({signal.SIGHUP, signal.SIGTERM, signal.SIGINT})
+from sparkwatch.common.signals import DAEMON_SIGNALS
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from sparkwatch.sources.procs import read_children, read_start_ticks
+from sparkwatch.common.sources.procs import read_children, read_start_ticks
 
 ROOT = Path(__file__).resolve().parent.parent
 FAKE_ENGINE = ROOT / "tests" / "helpers" / "fake_engine.py"
@@ -95,7 +95,7 @@ def settled_available_bytes(timeout_s: float = 30.0, span_bytes: int = 128 << 20
     A test that sets its floor while an earlier test's processes still give memory back (a Ray cluster's teardown
     frees its gigabytes over seconds) would find the box gigabytes above that floor when its own spike comes.
     """
-    from sparkwatch.sources.meminfo import MeminfoReader
+    from sparkwatch.common.sources.meminfo import MeminfoReader
 
     samples: list[int] = []
     deadline = time.monotonic() + timeout_s
@@ -115,7 +115,7 @@ def floor_that_fires_at_once() -> int:
     kernel's slab and page tables and the test's own processes hold more (524 MiB here with the suite idle). A floor
     set halfway between MemAvailable and MemTotal could not promise that: on a box where the two are 0.5 GiB apart,
     an earlier test's processes giving 300 MiB back lifted MemAvailable over it and the guard never fired."""
-    from sparkwatch.sources.meminfo import MeminfoReader
+    from sparkwatch.common.sources.meminfo import MeminfoReader
 
     with MeminfoReader() as reader:
         return reader.read().total_bytes - (64 << 20)

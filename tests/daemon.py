@@ -92,7 +92,7 @@ def sparkwatch_run(tmp_path: Path, *args: str, env: dict[str, str] | None = None
 
 
 def wait_for_event(path: Path, kind: str, timeout_s: float = 30) -> dict[str, object]:
-    from sparkwatch.actuators.events import read_events
+    from sparkwatch.common.events import read_events
 
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:

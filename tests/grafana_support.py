@@ -1,7 +1,7 @@
 """What the Grafana/Prometheus tests share: the committed artefacts, their queries, and the metric contract.
 
-The contract is sparkwatch/exporter/contract.py's METRICS: the one list of families, which the exporter is held to as
-well (tests/test_contract.py).
+The contract is sparkwatch/telemetry/exporter/contract.py's METRICS: the one list of families, which the exporter is
+held to as well (tests/test_contract.py).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any
 
 import yaml
 
-from sparkwatch.exporter.contract import METRICS, series_names
+from sparkwatch.telemetry.exporter.contract import METRICS, series_names
 
 REPO = Path(__file__).resolve().parent.parent
 GRAFANA = REPO / "grafana"

@@ -16,7 +16,7 @@ from typing import cast
 
 import pytest
 
-from sparkwatch.actuators.events import read_events
+from sparkwatch.common.events import read_events
 from sparkwatch.core.alerts import is_alerting
 from sparkwatch.core.eventkinds import EventKind
 from tests import driverroot as fx

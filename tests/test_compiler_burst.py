@@ -9,10 +9,10 @@ import sys
 import time
 from pathlib import Path
 
-from sparkwatch.config import load_settings
+from sparkwatch.config.settings import load_settings
 from sparkwatch.core.jit import JitParams
-from sparkwatch.loops.telemetry import Telemetry, TelemetryLoop
-from sparkwatch.model import Event, Snapshot
+from sparkwatch.core.model import Event, Snapshot
+from sparkwatch.telemetry.loop import Telemetry, TelemetryLoop
 from tests.conftest import Spawner, require_tool, wait_until
 
 JIT_ENGINE = Path(__file__).parent / "helpers" / "jit_engine.py"

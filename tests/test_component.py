@@ -1,4 +1,4 @@
-"""The one start/stop/reload sequence both processes use for their parts (sparkwatch/component.py)."""
+"""The one start/stop/reload sequence both processes use for their parts (sparkwatch/common/lifecycle.py)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,10 @@ import logging
 
 import pytest
 
-from sparkwatch.component import Part, apply_parts, start_parts, stop_parts
+from sparkwatch.common.lifecycle import Component as Part
+from sparkwatch.common.lifecycle import apply_all as apply_parts
+from sparkwatch.common.lifecycle import start_all as start_parts
+from sparkwatch.common.lifecycle import stop_all as stop_parts
 
 
 class Recorder:
@@ -59,10 +62,10 @@ def test_apply_collects_keys_per_part_skips_and_reports_failures() -> None:
 
     noop = Recorder("x", [])
     plan: list[Part[int]] = [
-        Part("live", noop, frozenset({"floor"}), applier=lambda s: None),
-        Part("chooses", noop, frozenset({"a", "b"}), applier=lambda s: {"a"} if s > 1 else set()),
-        Part("fails", noop, frozenset({"z"}), applier=boom),
-        Part("remote", noop, frozenset({"r"}), applier=lambda s: {"r"}),
+        Part("live", noop, frozenset({"floor"}), apply_settings=lambda s: None),
+        Part("chooses", noop, frozenset({"a", "b"}), apply_settings=lambda s: {"a"} if s > 1 else set()),
+        Part("fails", noop, frozenset({"z"}), apply_settings=boom),
+        Part("remote", noop, frozenset({"r"}), apply_settings=lambda s: {"r"}),
         Part("static", noop),
     ]
     applied, errors = apply_parts(plan, 2, skip={"remote"})

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from sparkwatch.config import ConfigError, load_settings
-from sparkwatch.units import GiB, MiB, format_size, parse_size
+from sparkwatch.config.settings import ConfigError, load_settings
+from sparkwatch.core.units import GiB, MiB, format_size, parse_size
 
 
 @pytest.fixture(autouse=True)

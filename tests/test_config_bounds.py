@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from sparkwatch.config import ConfigError, load_settings
-from sparkwatch.units import GiB
+from sparkwatch.config.settings import ConfigError, load_settings
+from sparkwatch.core.units import GiB
 from tests.daemon import sparkwatch_run
 
 

@@ -22,23 +22,23 @@ import pytest
 from prometheus_client.core import Metric
 
 from sparkwatch import __version__
-from sparkwatch.actuators.events import EventLog, make_event
-from sparkwatch.actuators.outbox import Outbox
-from sparkwatch.actuators.spool import AlertRouter
-from sparkwatch.actuators.systemd import EVENT_PRIORITY, PRIORITY_NOTICE
 from sparkwatch.cli import build_parser
-from sparkwatch.config import Settings
+from sparkwatch.common.events import EventLog, make_event
+from sparkwatch.common.spool import AlertRouter
+from sparkwatch.common.stats import KernelLogStats
+from sparkwatch.common.systemd import EVENT_PRIORITY, PRIORITY_NOTICE
+from sparkwatch.config.settings import Settings
 from sparkwatch.core.alerts import ALERT_MIN_INTERVAL_S
+from sparkwatch.core.enums import CheckStatus, DriverVerdict
 from sparkwatch.core.eventkinds import EventKind
 from sparkwatch.core.killrecord import KillFacts, kill_fields, kill_summary, victims_of
+from sparkwatch.core.model import EngineTree, Event, GpuDevice, GpuReport, MemInfo, Proc
 from sparkwatch.core.nvmlcodes import NvmlReturn
-from sparkwatch.core.states import CheckStatus, DriverVerdict
-from sparkwatch.exporter.contract import BY_NAME, METRICS, MetricSpec, markdown_table, presence_table
-from sparkwatch.exporter.internal import InternalCollector
-from sparkwatch.exporter.server import build_registry
-from sparkwatch.loops.kernlog import KernelLogStats
-from sparkwatch.loops.telemetry import Telemetry
-from sparkwatch.model import EngineTree, Event, GpuDevice, GpuReport, MemInfo, Proc
+from sparkwatch.telemetry.exporter.contract import BY_NAME, METRICS, MetricSpec, markdown_table, presence_table
+from sparkwatch.telemetry.exporter.internal import InternalCollector
+from sparkwatch.telemetry.exporter.server import build_registry
+from sparkwatch.telemetry.loop import Telemetry
+from sparkwatch.telemetry.outbox import Outbox
 from tests.conftest import wait_until
 from tests.helpers.proctree import FIXED_MTIME
 from tests.helpers.scenario import (
@@ -71,7 +71,7 @@ def family_name(metric: Metric) -> str:
 def check_family(metric: Metric) -> MetricSpec:
     name = family_name(metric)
     spec = BY_NAME.get(name)
-    assert spec is not None, f"{name} is exported but not in sparkwatch/exporter/contract.py"
+    assert spec is not None, f"{name} is exported but not in sparkwatch/telemetry/exporter/contract.py"
     assert metric.type == spec.type, (name, metric.type, spec.type)
     assert metric.samples, name
     for sample in metric.samples:

@@ -15,7 +15,7 @@ from sparkwatch.core.engines import (
     may_touch,
     unknown_gpu_holders,
 )
-from sparkwatch.model import Proc
+from sparkwatch.core.model import Proc
 
 RULES = EngineRules.build()
 

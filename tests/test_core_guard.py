@@ -7,7 +7,7 @@ from itertools import pairwise
 from hypothesis import given
 from hypothesis import strategies as st
 
-from sparkwatch.core.guard import (
+from sparkwatch.core.trigger import (
     GuardParams,
     GuardState,
     Outcome,
@@ -17,7 +17,7 @@ from sparkwatch.core.guard import (
     seconds_to_floor,
     step,
 )
-from sparkwatch.units import GiB, MiB
+from sparkwatch.core.units import GiB, MiB
 
 P = GuardParams(floor_bytes=8 * GiB)
 

@@ -7,11 +7,11 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from sparkwatch.core import guard as g
 from sparkwatch.core import policy
+from sparkwatch.core import trigger as g
 from sparkwatch.core.killloop import LOOP_KILLS, LOOP_WINDOW_S, LoopState, note_kill
-from sparkwatch.model import EngineTree, Proc
-from sparkwatch.units import GiB, MiB
+from sparkwatch.core.model import EngineTree, Proc
+from sparkwatch.core.units import GiB, MiB
 
 
 def proc(pid: int, title: str, rss_mib: int, start: int, argv: tuple[str, ...] = ()) -> Proc:

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from sparkwatch.core.doctor import floor_check, swap_check
-from sparkwatch.model import MemInfo
+from sparkwatch.core.model import MemInfo
 from tests import driverroot as fx
 
 GiB = 1 << 30

@@ -10,17 +10,17 @@ from pathlib import Path
 
 import pytest
 
-from sparkwatch.actuators.events import EventLog, read_events
-from sparkwatch.config import load_settings
+from sparkwatch.common.events import EventLog, read_events
+from sparkwatch.config.settings import load_settings
 from sparkwatch.core.alerts import RateState, dedup_key, driver_step, headroom_step, rate_limit
-from sparkwatch.core.drift import judge
+from sparkwatch.core.driver import judge
+from sparkwatch.core.enums import DriverProblem
 from sparkwatch.core.eventkinds import EventKind
-from sparkwatch.core.states import DriverProblem
-from sparkwatch.loops.driverwatch import DriverWatcher
-from sparkwatch.loops.guard import Guard
-from sparkwatch.loops.headroom import HeadroomWatcher
-from sparkwatch.sources.system import read_driver_facts
-from sparkwatch.sources.udev import UdevWatcher, is_driver_uevent
+from sparkwatch.guard.poolwatch import PoolWatch
+from sparkwatch.telemetry.driver import DriverWatcher
+from sparkwatch.telemetry.headroom import HeadroomWatcher
+from sparkwatch.telemetry.sources.driver import read_driver_facts
+from sparkwatch.telemetry.sources.udev import UdevWatcher, is_driver_uevent
 from tests import driverroot as fx
 from tests.receiver import wait_until
 
@@ -173,7 +173,7 @@ def test_low_headroom_alerts_on_entering_the_band(tmp_path: Path) -> None:
         },
     )
     events = EventLog(settings.events_path)
-    guard = Guard(settings, events)
+    guard = PoolWatch(settings, events)
     watch = HeadroomWatcher(
         settings, lambda: None if guard.stats.mem is None else guard.stats.mem.available_bytes, events
     )

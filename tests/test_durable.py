@@ -6,7 +6,7 @@ import os
 import stat
 from pathlib import Path
 
-from sparkwatch.actuators.durable import private_dir
+from sparkwatch.common.durable import private_dir
 
 
 def test_a_state_dir_is_made_private(tmp_path: Path) -> None:

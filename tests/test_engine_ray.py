@@ -19,10 +19,10 @@ from pathlib import Path
 
 import pytest
 
-from sparkwatch.actuators.killer import Killer
+from sparkwatch.common.sources.procs import ProcScanner, read_start_ticks
 from sparkwatch.core.engines import EngineRules, Scope, find_engine_trees, is_infrastructure
-from sparkwatch.model import EngineTree, Proc
-from sparkwatch.sources.procs import ProcScanner, read_start_ticks
+from sparkwatch.core.model import EngineTree, Proc
+from sparkwatch.guard.killer import Killer
 from tests.conftest import alive, descendants, require, wait_until
 
 DRIVER = Path(__file__).resolve().parent / "helpers" / "ray_driver.py"

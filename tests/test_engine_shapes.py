@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
+from sparkwatch.common.sources.procs import ProcScanner
 from sparkwatch.core.engines import EngineRules, Scope, find_engine_trees
-from sparkwatch.model import EngineTree, Proc
-from sparkwatch.sources.procs import ProcScanner
+from sparkwatch.core.model import EngineTree, Proc
 from tests.conftest import Spawner, descendants, require_tool, wait_until
 from tests.helpers.shapes import RUN_HELPER, Node, ShapeKit, spawn_child
 

@@ -6,12 +6,12 @@ import os
 import sys
 from pathlib import Path
 
+from sparkwatch.common.sources.procs import ProcScanner, read_start_ticks
 from sparkwatch.core.compile import tool_of
 from sparkwatch.core.engines import EngineRules
+from sparkwatch.core.model import EngineTree, Proc
 from sparkwatch.core.proctree import tree_rows
-from sparkwatch.model import EngineTree, Proc
-from sparkwatch.sources.procenv import EnvironReader
-from sparkwatch.sources.procs import ProcScanner, read_start_ticks
+from sparkwatch.telemetry.sources.procenv import EnvironReader
 from tests.conftest import Spawner, wait_until
 
 CODE = "import setproctitle, sys, time; sys.argv[1:] and setproctitle.setproctitle(sys.argv[1]); time.sleep(600)"

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from sparkwatch.sources.procs import ProcScanner, read_children
+from sparkwatch.common.sources.procs import ProcScanner, read_children
 from tests.conftest import Spawner, alive, pids_in, wait_until
 from tests.test_killer import kill_and_reap, trees_now
 
@@ -101,7 +101,7 @@ def test_engine_kind_cache_stays_bounded_under_churn() -> None:
     """Every new argv is a new cache key; the cache forgets the dead ones instead of growing to its hard cap."""
     from sparkwatch.core.engines import EngineRules, Scope, find_engine_trees
     from sparkwatch.core.livecache import DEAD_SLACK
-    from sparkwatch.model import Proc
+    from sparkwatch.core.model import Proc
 
     rules = EngineRules.build()
     scope = Scope(self_pid=os.getpid(), own_uid=os.geteuid(), ancestor_pid=os.getpid())

@@ -18,9 +18,9 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
-from sparkwatch.exporter.gpu import gpu_families
-from sparkwatch.model import GpuReport
-from sparkwatch.sources.nvml import NvmlSource
+from sparkwatch.core.model import GpuReport
+from sparkwatch.telemetry.exporter.gpu import gpu_families
+from sparkwatch.telemetry.sources.nvml import NvmlSource
 from tests.conftest import require_tool
 from tests.helpers.fake_nvml import Err, FakeNvml, gb10, h200_like
 

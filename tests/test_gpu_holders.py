@@ -19,10 +19,10 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from sparkwatch.config import Settings, load_settings
-from sparkwatch.exporter.collector import SparkwatchCollector
-from sparkwatch.loops.telemetry import Telemetry
-from sparkwatch.sources.nvml import NvmlSource
+from sparkwatch.config.settings import Settings, load_settings
+from sparkwatch.telemetry.exporter.collector import SparkwatchCollector
+from sparkwatch.telemetry.loop import Telemetry
+from sparkwatch.telemetry.sources.nvml import NvmlSource
 from tests.conftest import Spawner, wait_until
 from tests.helpers.fake_nvml import FakeNvml, gb10
 

@@ -220,7 +220,7 @@ def test_kill_annotation(dash: dict[str, Any]) -> None:
 
 
 def test_metric_names_are_the_contract() -> None:
-    """Every sparkwatch_* series a panel or a rule queries is in the contract (sparkwatch/exporter/contract.py)."""
+    """Every sparkwatch_* series a panel or a rule queries is in the contract (telemetry/exporter/contract.py)."""
     contract = contract_series()
     assert "sparkwatch_guard_kill_duration_seconds_bucket" in contract and "sparkwatch_jit_state" in contract
     used: set[str] = set()
@@ -228,4 +228,4 @@ def test_metric_names_are_the_contract() -> None:
         used |= metric_names(q.expr)
     assert used, "no query parsed"
     unknown = used - contract
-    assert not unknown, f"not in the metrics contract (sparkwatch/exporter/contract.py): {sorted(unknown)}"
+    assert not unknown, f"not in the metrics contract (sparkwatch/telemetry/exporter/contract.py): {sorted(unknown)}"

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from sparkwatch.actuators.events import EventLog, read_events
-from sparkwatch.config import load_settings
-from sparkwatch.loops.guard import Guard
+from sparkwatch.common.events import EventLog, read_events
+from sparkwatch.config.settings import load_settings
+from sparkwatch.guard.poolwatch import PoolWatch
 from tests.conftest import rewrite_in_place, wait_until
 
 GB10 = (Path(__file__).parent / "fixtures" / "proc" / "meminfo.gb10-idle").read_text()
@@ -27,11 +27,11 @@ def proc_root(tmp_path: Path) -> Path:
     return root
 
 
-def make_guard(proc_root: Path, state_dir: Path, **overrides: object) -> Guard:
+def make_guard(proc_root: Path, state_dir: Path, **overrides: object) -> PoolWatch:
     settings = load_settings(
         overrides={"proc_root": proc_root, "state_dir": state_dir, "floor": "8GiB", "mlock": False, **overrides}
     )
-    return Guard(settings, EventLog(settings.events_path))
+    return PoolWatch(settings, EventLog(settings.events_path))
 
 
 def test_garbled_meminfo_is_reported_never_a_kill(proc_root: Path, tmp_path: Path) -> None:

@@ -14,11 +14,11 @@ from pathlib import Path
 
 import pytest
 
-from sparkwatch.actuators.events import EventLog, read_events
-from sparkwatch.config import load_settings
+from sparkwatch.common.events import EventLog, read_events
+from sparkwatch.config.settings import load_settings
 from sparkwatch.core import policy
-from sparkwatch.loops.guard import Guard
-from sparkwatch.units import GiB, MiB
+from sparkwatch.core.units import GiB, MiB
+from sparkwatch.guard.poolwatch import PoolWatch
 from tests.conftest import Spawner, alive, pids_in, rewrite_in_place, wait_until
 
 GB10 = (Path(__file__).parent / "fixtures" / "proc" / "meminfo.gb10-idle").read_text()
@@ -40,7 +40,7 @@ def link_tree(proc_root: Path, pidfile: Path) -> dict[int, tuple[int, str]]:
     return pids
 
 
-def make_guard(proc_root: Path, state_dir: Path) -> Guard:
+def make_guard(proc_root: Path, state_dir: Path) -> PoolWatch:
     settings = load_settings(
         overrides={
             "proc_root": proc_root,
@@ -50,7 +50,7 @@ def make_guard(proc_root: Path, state_dir: Path) -> Guard:
             "ancestor_pid": os.getpid(),
         }
     )
-    return Guard(settings, EventLog(settings.events_path))
+    return PoolWatch(settings, EventLog(settings.events_path))
 
 
 def test_memory_recovered_while_choosing_cancels_the_kill(spawner: Spawner, proc_root: Path, tmp_path: Path) -> None:

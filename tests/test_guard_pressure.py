@@ -14,8 +14,8 @@ from typing import cast
 
 import pytest
 
-from sparkwatch.sources.meminfo import MeminfoReader
-from sparkwatch.units import GiB, MiB
+from sparkwatch.common.sources.meminfo import MeminfoReader
+from sparkwatch.core.units import GiB, MiB
 from tests.conftest import Spawner, alive, pids_in, settled_available_bytes, wait_until
 from tests.daemon import sparkwatch_run, wait_for_event
 

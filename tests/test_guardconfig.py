@@ -1,4 +1,4 @@
-"""The guard process's pydantic-free view of Settings (sparkwatch/guardconfig.py) holds the same values."""
+"""The guard process's pydantic-free view of Settings (sparkwatch/common/guardconfig.py) holds the same values."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from sparkwatch.config import Settings, load_settings, settings_to_wire
-from sparkwatch.guardconfig import GuardConfig
+from sparkwatch.common.guardconfig import GuardConfig
+from sparkwatch.config.settings import Settings, load_settings, settings_to_wire
 
 
 def test_every_guard_field_round_trips_from_a_validated_settings(tmp_path: Path) -> None:

@@ -6,8 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 from types import SimpleNamespace
 
-from sparkwatch.actuators.events import EventLog, read_events
-from sparkwatch.loops.headroom import HeadroomWatcher
+from sparkwatch.common.events import EventLog, read_events
+from sparkwatch.telemetry.headroom import HeadroomWatcher
 
 GiB = 1 << 30
 

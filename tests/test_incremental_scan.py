@@ -5,8 +5,8 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+from sparkwatch.common.sources.procs import IncrementalScanner, ProcScanner
 from sparkwatch.core.engines import EngineRules, engine_kind
-from sparkwatch.sources.procs import IncrementalScanner, ProcScanner
 from tests.helpers.proctree import PAGE, FakeProc, write_proc
 
 
@@ -48,7 +48,7 @@ def test_incremental_matches_full_scan_and_sees_changes_within_a_sweep(tmp_path:
 
 
 def test_kind_cache_follows_a_new_title() -> None:
-    from sparkwatch.model import Proc
+    from sparkwatch.core.model import Proc
 
     rules = EngineRules.build()
     before = Proc(5, 1, 0, "python3", "S", 1, 0, ("python3", "-c", "pass"))

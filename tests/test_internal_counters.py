@@ -10,12 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from sparkwatch.channel import Channel, socketpair
-from sparkwatch.config import load_settings, settings_to_wire
-from sparkwatch.exporter.server import render
-from sparkwatch.guardconfig import GuardConfig
-from sparkwatch.loops.guard_process import GuardProcess
-from sparkwatch.loops.telemetry_process import RemoteGuard, TelemetryProcess
+from sparkwatch.common.channel import Channel, socketpair
+from sparkwatch.common.guardconfig import GuardConfig
+from sparkwatch.config.settings import load_settings, settings_to_wire
+from sparkwatch.guard.process import GuardProcess
+from sparkwatch.telemetry.exporter.server import render
+from sparkwatch.telemetry.process import TelemetryProcess
+from sparkwatch.telemetry.remote import RemoteGuard
 
 # Attribute names that count something going wrong (errors, drops, suppressions, stalls, restarts, timeouts).
 COUNTER = re.compile(
@@ -93,7 +94,7 @@ def test_every_internal_counter_reaches_the_exposition(tmp_path: Path, monkeypat
             values[f"{type(obj).__name__}.{name}#{i}"] = value
         gp.guard.stats.psi_trigger = True
         # The guard's state crosses a real socketpair, as the supervisor sends it.
-        assert guard_end.send("state", **gp.state())
+        assert guard_end.send(gp.state())
         for msg in telemetry_end.receive(5.0):
             tp.handle(msg)
         text = render(tp.registry).decode()

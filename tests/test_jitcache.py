@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from sparkwatch.sources import jitcache
-from sparkwatch.sources.jitcache import CacheTree, JitCacheSource
+from sparkwatch.telemetry.sources import jitcache
+from sparkwatch.telemetry.sources.jitcache import CacheTree, JitCacheSource
 from tests.helpers.proctree import pin_mtimes, write_module
 
 

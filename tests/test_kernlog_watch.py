@@ -11,11 +11,11 @@ import os
 import time
 from pathlib import Path
 
-from sparkwatch.actuators.events import EventLog, read_events
+from sparkwatch.common.events import EventLog, read_events
+from sparkwatch.common.sources.kmsg import KmsgSource
 from sparkwatch.core.engines import EngineRules, Scope
 from sparkwatch.core.kernlog import KmsgRecord, parse_kmsg_record
-from sparkwatch.loops.kernlog import KernelLogWatch
-from sparkwatch.sources.kmsg import KmsgSource
+from sparkwatch.guard.kernlog import KernelLogWatch
 from tests.conftest import Spawner, pids_in, wait_until
 
 GiB = 1 << 30

@@ -15,9 +15,9 @@ from typing import cast
 
 import pytest
 
-from sparkwatch.actuators.events import read_events
-from sparkwatch.sources.meminfo import MeminfoReader
-from sparkwatch.units import GiB, MiB
+from sparkwatch.common.events import read_events
+from sparkwatch.common.sources.meminfo import MeminfoReader
+from sparkwatch.core.units import GiB, MiB
 from tests.conftest import (
     FAKE_ENGINE,
     Spawner,

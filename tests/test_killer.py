@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from sparkwatch.actuators.killer import Killer, KillJob, Reaper, find_cgroup2_mount
+from sparkwatch.common.sources.procs import ProcScanner, read_start_ticks
 from sparkwatch.core.engines import EngineRules, Scope, find_engine_trees
 from sparkwatch.core.killrecord import KillFacts
-from sparkwatch.model import EngineTree, MemInfo
-from sparkwatch.sources.procs import ProcScanner, read_start_ticks
+from sparkwatch.core.model import EngineTree, MemInfo
+from sparkwatch.guard.killer import Killer, KillJob, Reaper, find_cgroup2_mount
 from tests.conftest import Spawner, alive, pids_in, require_tool, wait_until
 
 RULES = EngineRules.build()
@@ -289,7 +289,7 @@ def test_reaper_reports_a_process_that_does_not_exit(spawner: Spawner) -> None:
     """A victim stuck in D state never becomes readable on its pidfd: the wait gives up, it never hangs."""
     stubborn = spawner.popen(["sleep", "600"])
     fd = os.pidfd_open(stubborn.pid)
-    from sparkwatch.actuators.killer import Victim
+    from sparkwatch.guard.killer import Victim
 
     proc = ProcScanner().read_proc(stubborn.pid)
     assert proc is not None

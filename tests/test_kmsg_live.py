@@ -15,8 +15,8 @@ from typing import cast
 
 import pytest
 
-from sparkwatch.actuators.events import read_events
-from sparkwatch.sources.meminfo import MeminfoReader
+from sparkwatch.common.events import read_events
+from sparkwatch.common.sources.meminfo import MeminfoReader
 from tests.conftest import Spawner, alive, pids_in, wait_until
 from tests.daemon import sparkwatch_run, wait_for_event
 from tests.kmsgwriter import KMSG, kmsg_writable_reason, write_kmsg

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from sparkwatch.common.sources.buddyinfo import read_buddyinfo
+from sparkwatch.common.sources.kmsg import KmsgSource, read_kmsg_ring
 from sparkwatch.core.kernlog import parse_nvrm
-from sparkwatch.sources.buddyinfo import read_buddyinfo
-from sparkwatch.sources.kmsg import KmsgSource, read_kmsg_ring
 from tests.kmsgwriter import kernel_ring_bytes, kmsg_writable_reason, write_kmsg
 
 FIX = Path(__file__).parent / "fixtures" / "kmsg"

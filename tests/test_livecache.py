@@ -5,9 +5,9 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
+from sparkwatch.common.sources.procs import ProcScanner
 from sparkwatch.core.livecache import DEAD_SLACK, LiveCache
-from sparkwatch.sources.procenv import EnvironReader
-from sparkwatch.sources.procs import ProcScanner
+from sparkwatch.telemetry.sources.procenv import EnvironReader
 
 
 def test_a_cut_waits_for_the_slack_and_builds_live_keys_only_then() -> None:

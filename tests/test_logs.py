@@ -7,8 +7,8 @@ import logging
 import socket
 from pathlib import Path
 
-from sparkwatch import logs
-from sparkwatch.actuators.systemd import decode_native
+from sparkwatch.common import logs
+from sparkwatch.common.systemd import decode_native
 
 
 def test_journal_handler_sets_priority_and_keeps_the_kill_line(tmp_path: Path) -> None:
@@ -21,7 +21,7 @@ def test_journal_handler_sets_priority_and_keeps_the_kill_line(tmp_path: Path) -
         logger.addHandler(handler)
         logger.propagate = False
         try:
-            logs.legacy("sparkwatch: KILL vllm tree root=1234 (9 processes): MemAvailable 4726 MiB", "test-journal")
+            logger.error("sparkwatch: KILL vllm tree root=1234 (9 processes): MemAvailable 4726 MiB")
             logger.warning("mlockall not permitted")
             logger.info("running: floor 8192 MiB")
             got = [dict(decode_native(rx.recv(65536))) for _ in range(3)]
@@ -57,7 +57,7 @@ def test_plain_stderr_without_a_journal() -> None:
     try:
         assert isinstance(handler, logs.StderrHandler)
         logs.get("daemon").info("running: floor %d MiB", 8192)
-        logs.legacy("sparkwatch: ERROR could not record kill event: disk full")
+        logs.get("guard").error("ERROR could not record kill event: disk full")
     finally:
         logs.setup("guard", env={})  # back to the process's own stderr for the tests that follow
     assert err.getvalue().splitlines() == [

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from sparkwatch.actuators.killer import find_cgroup2_mount
-from sparkwatch.exporter.server import BoundedHTTPServer
+from sparkwatch.guard.killer import find_cgroup2_mount
+from sparkwatch.telemetry.exporter.server import BoundedHTTPServer
 from tests.conftest import require
 from tests.daemon import sparkwatch_run
 from tests.test_telemetry_live import make_pki

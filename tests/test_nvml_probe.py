@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from sparkwatch.core.drift import judge
-from sparkwatch.model import NvmlFacts
-from sparkwatch.sources.nvml import probe_nvml
-from sparkwatch.sources.system import read_driver_facts
+from sparkwatch.core.driver import judge
+from sparkwatch.core.model import NvmlFacts
+from sparkwatch.telemetry.sources.driver import read_driver_facts
+from sparkwatch.telemetry.sources.nvml import probe_nvml
 
 
 def test_probe_without_a_driver_answers_quickly() -> None:
@@ -54,7 +54,7 @@ def test_a_hung_probe_is_not_piled_up(monkeypatch: pytest.MonkeyPatch) -> None:
     """A driver call that never returns (a wedged GPU) costs one thread, not one a minute."""
     import threading
 
-    from sparkwatch.sources import nvml
+    from sparkwatch.telemetry.sources import nvml
 
     release = threading.Event()
 
@@ -77,7 +77,7 @@ def test_a_hung_probe_is_not_piled_up(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def wait_for_thread_exit() -> bool:
-    from sparkwatch.sources import nvml
+    from sparkwatch.telemetry.sources import nvml
 
     thread = nvml._last_probe.get("thread")
     if thread is not None:

@@ -12,8 +12,8 @@ from pathlib import Path
 import pynvml
 import pytest
 
-from sparkwatch.model import GpuProcess
-from sparkwatch.sources.nvml import UNIFIED_TOLERANCE, NvmlSource, is_unified
+from sparkwatch.core.model import GpuProcess
+from sparkwatch.telemetry.sources.nvml import UNIFIED_TOLERANCE, NvmlSource, is_unified
 from tests.helpers.fake_nvml import NOT_SUPPORTED, Err, FakeNvml, gb10
 
 FIXTURES = Path(__file__).parent / "fixtures" / "gpu"

@@ -12,12 +12,12 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from sparkwatch.actuators.events import EventLog, make_event
-from sparkwatch.actuators.outbox import Outbox
-from sparkwatch.actuators.spool import AlertRouter, alert_payload
-from sparkwatch.config import load_settings
+from sparkwatch.common.events import EventLog, make_event
+from sparkwatch.common.spool import AlertRouter, alert_payload
+from sparkwatch.config.settings import load_settings
 from sparkwatch.core.eventkinds import EventKind
-from sparkwatch.exporter.server import build_registry, render
+from sparkwatch.telemetry.exporter.server import build_registry, render
+from sparkwatch.telemetry.outbox import Outbox
 from tests.conftest import require_tool
 from tests.receiver import GarbageServer, Receiver, wait_until
 
@@ -33,7 +33,15 @@ def receiver() -> Iterator[Receiver]:
 
 
 def make_outbox(spool: Path, url: str, logs: list[str], timeout_s: float = 1.0) -> Outbox:
-    return Outbox(spool, url, SECRET, log=logs.append, timeout_s=timeout_s, backoff_min_s=0.02, backoff_max_s=0.2)
+    return Outbox(
+        spool,
+        url,
+        SECRET,
+        log=lambda _level, line: logs.append(line),
+        timeout_s=timeout_s,
+        backoff_min_s=0.02,
+        backoff_max_s=0.2,
+    )
 
 
 def payload(i: int, kind: EventKind = EventKind.KILL) -> dict[str, object]:

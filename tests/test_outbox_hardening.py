@@ -14,12 +14,12 @@ from pathlib import Path
 
 import pytest
 
-from sparkwatch.actuators.events import EventLog, make_event, read_events
-from sparkwatch.actuators.outbox import DeliveryError, Outbox
-from sparkwatch.actuators.spool import AlertRouter, alert_payload
-from sparkwatch.config import load_settings
+from sparkwatch.common.events import EventLog, make_event, read_events
+from sparkwatch.common.spool import AlertRouter, alert_payload
+from sparkwatch.config.settings import load_settings
 from sparkwatch.core.eventkinds import EventKind
-from sparkwatch.exporter.server import build_registry, render
+from sparkwatch.telemetry.exporter.server import build_registry, render
+from sparkwatch.telemetry.outbox import DeliveryError, Outbox
 from tests.daemon import sparkwatch_run
 from tests.receiver import Receiver, wait_until
 
@@ -33,7 +33,7 @@ def receiver() -> Iterator[Receiver]:
 
 def outbox(spool: Path, url: str, logs: list[str], **kw: object) -> Outbox:
     params: dict[str, object] = {"timeout_s": 1.0, "backoff_min_s": 0.02, "backoff_max_s": 0.2, **kw}
-    return Outbox(spool, url, "hardening-test-secret", log=logs.append, **params)  # type: ignore[arg-type]
+    return Outbox(spool, url, "hardening-test-secret", log=lambda _level, line: logs.append(line), **params)  # type: ignore[arg-type]
 
 
 def test_slow_body_cannot_hold_a_delivery(tmp_path: Path, receiver: Receiver) -> None:
@@ -150,13 +150,13 @@ def test_full_outbox_drops_oldest_first_counted_and_alerted_once(tmp_path: Path)
 CRASHER = """
 import os, signal, sys
 from pathlib import Path
-from sparkwatch.actuators.durable import append_durable
-from sparkwatch.actuators.events import make_event
-from sparkwatch.actuators.outbox import Outbox
-from sparkwatch.actuators.spool import AlertRouter
-from sparkwatch.config import load_settings
+from sparkwatch.common.durable import append_durable
+from sparkwatch.common.events import make_event
+from sparkwatch.telemetry.outbox import Outbox
+from sparkwatch.common.spool import AlertRouter
+from sparkwatch.config.settings import load_settings
 from sparkwatch.core.eventkinds import EventKind
-from sparkwatch.exporter.server import build_registry, render
+from sparkwatch.telemetry.exporter.server import build_registry, render
 import json
 
 state = Path(sys.argv[1])
@@ -195,8 +195,8 @@ def test_crash_between_event_and_spool_loses_nothing(tmp_path: Path, receiver: R
 GUARD_CRASHER = """
 import os, signal, sys
 from pathlib import Path
-from sparkwatch.actuators.events import EventLog, make_event
-from sparkwatch.actuators.spool import AlertRouter, FileSpool
+from sparkwatch.common.events import EventLog, make_event
+from sparkwatch.common.spool import AlertRouter, FileSpool
 from sparkwatch.core.eventkinds import EventKind
 
 state = Path(sys.argv[1])

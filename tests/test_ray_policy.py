@@ -16,10 +16,10 @@ from typing import Any
 
 import pytest
 
-from sparkwatch.actuators.events import read_events
-from sparkwatch.sources.meminfo import MeminfoReader
-from sparkwatch.sources.procs import ProcScanner
-from sparkwatch.units import GiB, MiB
+from sparkwatch.common.events import read_events
+from sparkwatch.common.sources.meminfo import MeminfoReader
+from sparkwatch.common.sources.procs import ProcScanner
+from sparkwatch.core.units import GiB, MiB
 from tests.conftest import alive, require, wait_until
 from tests.daemon import sparkwatch_run
 

@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from sparkwatch.actuators.events import EventLog, EventLogError, make_event, read_events
+from sparkwatch.common.events import EventLog, EventLogError, make_event, read_events
 from sparkwatch.core.eventkinds import EventKind
 from sparkwatch.core.killrecord import KillFacts, kill_fields, kill_line
+from sparkwatch.core.model import EngineTree, Event, MemInfo, Proc
 from sparkwatch.core.redact import REDACTED, safe_cmdline
-from sparkwatch.model import EngineTree, Event, MemInfo, Proc
-from sparkwatch.units import MiB
+from sparkwatch.core.units import MiB
 
 
 def test_secrets_are_stripped_from_cmdlines() -> None:

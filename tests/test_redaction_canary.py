@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from sparkwatch.actuators.events import EventLog, make_event, read_events
-from sparkwatch.actuators.systemd import JournalSink
+from sparkwatch.common.events import EventLog, make_event, read_events
+from sparkwatch.common.systemd import JournalSink
 from sparkwatch.core.eventkinds import EventKind
 from sparkwatch.core.redact import redact, remember_secrets
 from tests.conftest import Spawner, floor_that_fires_at_once, wait_until

@@ -14,7 +14,7 @@ from sparkwatch.core.settle import (
     settle_step,
     steady_suffix,
 )
-from sparkwatch.units import GiB, MiB
+from sparkwatch.core.units import GiB, MiB
 
 PARAMS = SettleParams(quiet_for_s=5.0, tolerance_bytes=256 * MiB)
 

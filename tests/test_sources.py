@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from sparkwatch.sources.meminfo import MeminfoError, MeminfoReader, parse_meminfo
-from sparkwatch.sources.procs import ProcParseError, ProcScanner, parse_cmdline, parse_stat
+from sparkwatch.common.sources.meminfo import MeminfoError, MeminfoReader, parse_meminfo
+from sparkwatch.common.sources.procs import ProcParseError, ProcScanner, parse_cmdline, parse_stat
 
 FIXTURES = Path(__file__).parent / "fixtures" / "proc"
 

@@ -23,11 +23,11 @@ from pathlib import Path
 
 import pytest
 
-from sparkwatch.actuators.events import EventLog, make_event
+from sparkwatch.common.events import EventLog, make_event
+from sparkwatch.common.sources.procs import read_children
 from sparkwatch.core.eventkinds import EventKind
-from sparkwatch.sources.procs import read_children
+from sparkwatch.core.units import GiB
 from sparkwatch.tui.status_view import FLOOR_MARK, WARN_MARK
-from sparkwatch.units import GiB
 from tests.conftest import require, require_tool, rewrite_in_place
 from tests.helpers.engine_tree import staged_engine
 from tests.helpers.jit_build import flashinfer_module

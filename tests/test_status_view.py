@@ -7,9 +7,8 @@ from datetime import UTC
 
 from rich.console import Console
 
-from sparkwatch.core.states import JitState, MaxJobsState
-from sparkwatch.core.trend import BuildRate, PoolTrend, build_rate, pool_trend, slope_per_s
-from sparkwatch.model import (
+from sparkwatch.core.enums import JitState, MaxJobsState
+from sparkwatch.core.model import (
     CollectorStatus,
     CompileCensus,
     EngineCompile,
@@ -22,6 +21,8 @@ from sparkwatch.model import (
     Proc,
     Snapshot,
 )
+from sparkwatch.core.trend import BuildRate, PoolTrend, build_rate, pool_trend, slope_per_s
+from sparkwatch.core.units import GiB, MiB
 from sparkwatch.tui.status_view import (
     CACHE,
     FLOOR_MARK,
@@ -34,7 +35,6 @@ from sparkwatch.tui.status_view import (
     render,
     trend_line,
 )
-from sparkwatch.units import GiB, MiB
 from tests.helpers.scenario import stranded_driver
 
 GB10 = MemInfo(

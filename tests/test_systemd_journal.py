@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from sparkwatch.actuators.events import make_event
-from sparkwatch.actuators.systemd import (
+from sparkwatch.common.events import make_event
+from sparkwatch.common.systemd import (
     JOURNAL_SOCKET,
     JournalSink,
     decode_native,

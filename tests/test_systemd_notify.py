@@ -1,5 +1,5 @@
 """sd_notify pieces in-process, over real sockets: addresses (path and abstract), the watchdog's environment,
-the STATUS line, Guard.reconfigure and what a reload reports."""
+the STATUS line, PoolWatch.reconfigure and what a reload reports."""
 
 from __future__ import annotations
 
@@ -11,12 +11,14 @@ from pathlib import Path
 
 import pytest
 
-from sparkwatch.actuators.events import EventLog
-from sparkwatch.actuators.systemd import Notifier, ServiceNotifier, notify_address, watchdog_interval_s
-from sparkwatch.config import load_settings
+from sparkwatch.common.events import EventLog
+from sparkwatch.common.guardconfig import describe_wire_changes
+from sparkwatch.common.messages import TelMsg
+from sparkwatch.common.systemd import Notifier, ServiceNotifier, notify_address, watchdog_interval_s
+from sparkwatch.config.settings import Settings, load_settings, settings_to_wire
+from sparkwatch.core.policy import fresh_gpu
 from sparkwatch.core.status import status_line
-from sparkwatch.daemon import describe_changes
-from sparkwatch.loops.guard import Guard
+from sparkwatch.guard.poolwatch import PoolWatch
 from tests.conftest import require
 from tests.sdtools import has_systemd_python
 
@@ -172,7 +174,7 @@ def test_status_line() -> None:
 @pytest.mark.usefixtures("no_sparkwatch_env")
 def test_guard_reconfigure_applies_live(tmp_path: Path) -> None:
     settings = load_settings(None, {"state_dir": tmp_path, "floor": "8GiB", "dry_run": True, "mlock": False})
-    guard = Guard(settings, EventLog(settings.events_path))
+    guard = PoolWatch(settings, EventLog(settings.events_path))
     try:
         new = load_settings(
             None,
@@ -186,6 +188,11 @@ def test_guard_reconfigure_applies_live(tmp_path: Path) -> None:
         assert guard.killer.rules is guard.rules and guard.killer.scope is guard.scope
     finally:
         guard.meminfo.close()  # never started: nothing else to stop
+
+
+def describe_changes(old: Settings, new: Settings) -> list[tuple[str, str]]:
+    """What the guard process logs on reload, from two configs as their wire forms carry them."""
+    return describe_wire_changes(settings_to_wire(old), settings_to_wire(new), old.public_dict(), new.public_dict())
 
 
 @pytest.mark.usefixtures("no_sparkwatch_env")
@@ -214,11 +221,11 @@ def test_describe_changes_masks_secrets(tmp_path: Path) -> None:
 def test_daemon_status_line_takes_telemetry_parts_when_present(tmp_path: Path) -> None:
     """STATUS= uses the guard's MemAvailable and floor, and engines and compile jobs as the telemetry process sends
     them over the channel (a real socketpair)."""
-    from sparkwatch.channel import Channel, socketpair
-    from sparkwatch.config import settings_to_wire
-    from sparkwatch.guardconfig import GuardConfig
-    from sparkwatch.loops.guard_process import GuardProcess
-    from sparkwatch.model import MemInfo
+    from sparkwatch.common.channel import Channel, socketpair
+    from sparkwatch.common.guardconfig import GuardConfig
+    from sparkwatch.config.settings import settings_to_wire
+    from sparkwatch.core.model import MemInfo
+    from sparkwatch.guard.process import GuardProcess
 
     settings = load_settings(None, {"state_dir": tmp_path, "floor": "8GiB", "mlock": False})
     daemon = GuardProcess(GuardConfig.from_wire(settings_to_wire(settings), settings.public_dict()), telemetry=None)
@@ -238,12 +245,15 @@ def test_daemon_status_line_takes_telemetry_parts_when_present(tmp_path: Path) -
         with daemon.guard.lock:
             daemon.guard.stats.mem = mem
         assert daemon.status_line() == "MemAvailable 61.2 GiB, floor 8 GiB"
-        assert telemetry_end.send("tel", engines=1, compile_jobs=7, gpu_ts=1000.0, gpu_pids={"10": 5 * GiB})
+        read_at = time.time() - 10.0  # NVML read 10 s ago
+        assert telemetry_end.send(TelMsg(engines=1, compile_jobs=7, gpu_ts=read_at, gpu_pids={10: 5 * GiB}))
         for msg in guard_end.receive(5.0):
             daemon.supervisor._handle(msg)
         assert daemon.status_line() == "MemAvailable 61.2 GiB, floor 8 GiB, 1 engine, compiling 7 jobs"
-        assert daemon.supervisor.gpu.fresh(60.0, now_s=1010.0) == {10: 5 * GiB}
-        assert daemon.supervisor.gpu.fresh(5.0, now_s=1010.0) == {}  # too old for the kill policy
+        reading = daemon.supervisor.gpu.latest()
+        assert reading is not None and reading[1] == {10: 5 * GiB}
+        assert fresh_gpu(reading, time.monotonic()) is None  # too old for the kill policy (GPU_STALE_S)
+        assert fresh_gpu(reading, reading[0] + 1.0) == {10: 5 * GiB}
     finally:
         guard_end.close()
         telemetry_end.close()

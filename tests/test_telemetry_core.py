@@ -8,9 +8,9 @@ from sparkwatch.core import compile as cc
 from sparkwatch.core import jit
 from sparkwatch.core.alerts import dedup_key, is_alerting
 from sparkwatch.core.engines import EngineRules, Scope, find_engine_trees
+from sparkwatch.core.enums import MaxJobsState
 from sparkwatch.core.eventkinds import EventKind
-from sparkwatch.core.states import MaxJobsState
-from sparkwatch.model import CompileCensus, Proc
+from sparkwatch.core.model import CompileCensus, Proc
 
 
 def proc(pid: int, ppid: int, comm: str, argv: tuple[str, ...] = (), *, rss: int = 0, state: str = "S") -> Proc:

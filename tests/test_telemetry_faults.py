@@ -9,13 +9,13 @@ from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from sparkwatch.actuators.events import EventLog, read_events
-from sparkwatch.config import load_settings
-from sparkwatch.exporter.server import build_registry, render
-from sparkwatch.loops.guard import Guard
-from sparkwatch.loops.telemetry import Telemetry, TelemetryLoop
-from sparkwatch.model import GpuReport, Snapshot
-from sparkwatch.sources.meminfo import MeminfoReader
+from sparkwatch.common.events import EventLog, read_events
+from sparkwatch.common.sources.meminfo import MeminfoReader
+from sparkwatch.config.settings import load_settings
+from sparkwatch.core.model import GpuReport, Snapshot
+from sparkwatch.guard.poolwatch import PoolWatch
+from sparkwatch.telemetry.exporter.server import build_registry, render
+from sparkwatch.telemetry.loop import Telemetry, TelemetryLoop
 from tests.conftest import Spawner, alive, pids_in, wait_until
 from tests.helpers.proctree import FIXED_MTIME, GB10_MEMINFO, write_module
 from tests.helpers.scenario import build_scenario
@@ -86,7 +86,7 @@ def test_unreadable_cache_keeps_the_rest(tmp_path: Path, monkeypatch: object) ->
             raise PermissionError(13, "Permission denied", str(path))
         return real_scandir(path)
 
-    monkeypatch.setattr("sparkwatch.sources.jitcache.os.scandir", failing_scandir)  # type: ignore[attr-defined]
+    monkeypatch.setattr("sparkwatch.telemetry.sources.jitcache.os.scandir", failing_scandir)  # type: ignore[attr-defined]
     os.utime(bad, (time.time(), time.time()))  # changed: it must be re-read, and cannot be
     snap = telemetry.collect()
     (jit,) = [c for c in snap.collectors if c.name == "jitcache"]
@@ -183,7 +183,7 @@ def test_scrape_during_a_kill(spawner: Spawner, tmp_path: Path) -> None:
     spawner.engine("--worker", "VLLM::Worker_TP0", "--worker", "VLLM::Worker_TP1", pidfile=pidfile, wait_for=3)
     members = pids_in(pidfile)
     events = EventLog(settings.events_path)
-    guard = Guard(settings, events)
+    guard = PoolWatch(settings, events)
     loop = TelemetryLoop(Telemetry(settings), 0.05)
     loop.run_once()
     registry = build_registry(settings, lambda: loop.latest, guard, events)

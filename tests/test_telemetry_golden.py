@@ -11,10 +11,10 @@ from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from sparkwatch.exporter.contract import BY_NAME, METRICS
-from sparkwatch.exporter.internal import InternalCollector
-from sparkwatch.exporter.server import build_registry, render
-from sparkwatch.loops.telemetry import Telemetry
+from sparkwatch.telemetry.exporter.contract import BY_NAME, METRICS
+from sparkwatch.telemetry.exporter.internal import InternalCollector
+from sparkwatch.telemetry.exporter.server import build_registry, render
+from sparkwatch.telemetry.loop import Telemetry
 from tests.conftest import require_tool
 from tests.helpers.proctree import FIXED_MTIME
 from tests.helpers.scenario import (
@@ -75,7 +75,7 @@ def test_golden_passes_promtool(tmp_path: Path) -> None:
 
 
 def test_golden_names_follow_the_contract() -> None:
-    """Every family in the golden file is in the one list (sparkwatch/exporter/contract.py) with its type and labels,
+    """Every family in the golden file is in the one list (telemetry/exporter/contract.py) with its type and labels,
     and every family the list promises for this scenario (no outbox, no discrete GPU) is there."""
     families = {f.name: f for f in text_string_to_metric_families(GOLDEN.read_text())}
     for family in families.values():

@@ -6,11 +6,11 @@ from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from sparkwatch.actuators.events import EventLog
-from sparkwatch.exporter.server import build_registry, render
-from sparkwatch.loops.guard import Guard
-from sparkwatch.loops.telemetry import Telemetry, TelemetryLoop
-from sparkwatch.model import Event
+from sparkwatch.common.events import EventLog
+from sparkwatch.core.model import Event
+from sparkwatch.guard.poolwatch import PoolWatch
+from sparkwatch.telemetry.exporter.server import build_registry, render
+from sparkwatch.telemetry.loop import Telemetry, TelemetryLoop
 from tests.helpers.proctree import write_module
 from tests.helpers.scenario import StaticGpu, build_scenario
 
@@ -46,7 +46,7 @@ def test_reload_applies_between_cycles(tmp_path: Path) -> None:
 def test_exporter_follows_the_guards_live_floor(tmp_path: Path) -> None:
     settings = build_scenario(tmp_path)
     events = EventLog(settings.events_path)
-    guard = Guard(settings, events)
+    guard = PoolWatch(settings, events)
     registry = build_registry(settings, lambda: None, guard, events)
     assert value(render(registry), "sparkwatch_memory_floor_bytes") == 8 << 30
     assert value(render(registry), "sparkwatch_guard_dry_run") == 0

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from sparkwatch.loops.telemetry import Telemetry
-from sparkwatch.sources.procenv import EnvironReader, read_wchan
-from sparkwatch.sources.procs import read_start_ticks
-from sparkwatch.sources.psi import PsiParseError, parse_psi, read_psi
+from sparkwatch.common.sources.procs import read_start_ticks
+from sparkwatch.common.sources.psi import PsiParseError, parse_psi, read_psi
+from sparkwatch.telemetry.loop import Telemetry
+from sparkwatch.telemetry.sources.procenv import EnvironReader, read_wchan
 from tests.helpers.scenario import build_scenario
 
 

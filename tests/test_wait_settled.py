@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from sparkwatch.units import GiB
+from sparkwatch.core.units import GiB
 from tests.conftest import rewrite_in_place
 from tests.helpers.engine_tree import staged_engine
 

@@ -13,9 +13,9 @@ from pathlib import Path
 
 from prometheus_client import CollectorRegistry, generate_latest
 
-from sparkwatch.exporter.gpu import gpu_families
-from sparkwatch.model import GpuReport
-from sparkwatch.sources.nvml import NvmlSource
+from sparkwatch.telemetry.exporter.gpu import gpu_families
+from sparkwatch.core.model import GpuReport
+from sparkwatch.telemetry.sources.nvml import NvmlSource
 
 
 class _One:

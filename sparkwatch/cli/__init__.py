@@ -1,4 +1,5 @@
-"""The `sparkwatch` command. Each subcommand lives in its own module with `add_parser` and `run`."""
+"""The `sparkwatch` command. Each subcommand lives in its own module with `add_parser` (its arguments) and `handle`
+(what it does); `COMMANDS` lists them, in the order `--help` shows them."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from types import ModuleType
 from typing import Any
 
 from sparkwatch import __version__
-from sparkwatch.config import ConfigError, Settings, load_settings
+from sparkwatch.config.settings import ConfigError, Settings, load_settings
 
 from . import check_config, doctor, engines, events, install_service, run, status, wait_settled
 

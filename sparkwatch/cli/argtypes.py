@@ -6,7 +6,7 @@ import argparse
 import math
 from collections.abc import Callable
 
-from sparkwatch.units import parse_size
+from sparkwatch.core.units import parse_size
 
 
 def seconds(low: float = 0.0, high: float = math.inf) -> Callable[[str], float]:

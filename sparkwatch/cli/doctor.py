@@ -13,8 +13,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from sparkwatch.core.states import CheckStatus
-from sparkwatch.model import Check
+from sparkwatch.core.enums import CheckStatus
+from sparkwatch.core.model import Check
 
 _STATUS_STYLE: dict[CheckStatus, tuple[str, str]] = {
     CheckStatus.OK: ("ok", "32"),
@@ -35,6 +35,10 @@ def add_parser(sub: Any, parent: argparse.ArgumentParser) -> None:
 
 def run_checks(args: argparse.Namespace) -> tuple[list[Check], Path, bool]:
     from sparkwatch.cli import settings_from
+    from sparkwatch.common.guardconfig import engine_rules
+    from sparkwatch.common.sources.kmsg import read_kmsg_ring
+    from sparkwatch.common.sources.meminfo import MeminfoError, parse_meminfo
+    from sparkwatch.common.sources.procs import ProcScanner
     from sparkwatch.core.doctor import (
         env_targets,
         floor_check,
@@ -44,14 +48,10 @@ def run_checks(args: argparse.Namespace) -> tuple[list[Check], Path, bool]:
         swap_check,
         xid_check,
     )
-    from sparkwatch.core.drift import driver_checks, judge
-    from sparkwatch.guardconfig import engine_rules
-    from sparkwatch.sources.environ import read_environ
-    from sparkwatch.sources.kmsg import read_kmsg_ring
-    from sparkwatch.sources.meminfo import MeminfoError, parse_meminfo
-    from sparkwatch.sources.nvml import probe_nvml
-    from sparkwatch.sources.procs import ProcScanner
-    from sparkwatch.sources.system import read_driver_facts
+    from sparkwatch.core.driver import driver_checks, judge
+    from sparkwatch.telemetry.sources.driver import read_driver_facts
+    from sparkwatch.telemetry.sources.environ import read_environ
+    from sparkwatch.telemetry.sources.nvml import probe_nvml
 
     settings = settings_from(args)
     root = settings.root
@@ -59,8 +59,8 @@ def run_checks(args: argparse.Namespace) -> tuple[list[Check], Path, bool]:
     # --root DIR reads DIR/proc for doctor (a fixture root carries its own proc); an explicit --proc-root still wins.
     proc_root = args.proc_root if args.proc_root is not None else (settings.proc_root if live else root / "proc")
 
-    from sparkwatch.model import NvmlFacts
-    from sparkwatch.sources.nvml_preflight import nvml_hang_reason
+    from sparkwatch.core.model import NvmlFacts
+    from sparkwatch.telemetry.sources.nvml_preflight import nvml_hang_reason
 
     # A hung libnvidia-ml load would freeze this process (it holds the GIL): check in a child first.
     nvml_off = nvml_hang_reason() if live else None

@@ -6,16 +6,16 @@ import argparse
 import json
 from typing import TYPE_CHECKING, Any
 
+from sparkwatch.core.model import EngineTree, GpuHolder
 from sparkwatch.core.redact import redact, safe_cmdline
-from sparkwatch.model import EngineTree, GpuHolder
 
 if TYPE_CHECKING:
-    from sparkwatch.config import Settings
+    from sparkwatch.config.settings import Settings
 
 if TYPE_CHECKING:
-    from sparkwatch.config import Settings
+    from sparkwatch.common.sources.engines import EngineFinder
+    from sparkwatch.config.settings import Settings
     from sparkwatch.core.policy import Candidate
-    from sparkwatch.sources.engines import EngineFinder
 
 
 def add_parser(sub: Any, parent: argparse.ArgumentParser) -> None:
@@ -62,14 +62,14 @@ def holder_json(holder: GpuHolder) -> dict[str, object]:
 
 def gpu_source(settings: Settings) -> Any:
     """The NVML source `--all` reads (a seam for tests, which hand in a fake NVML)."""
-    from sparkwatch.sources.nvml import NvmlSource
+    from sparkwatch.telemetry.sources.nvml import NvmlSource
 
     return NvmlSource(proc_root=settings.proc_root)
 
 
 def _gpu_used(settings: Settings) -> tuple[dict[int, int | None], str | None]:
     """pid -> GPU memory NVML reports, or a note saying why there is none."""
-    from sparkwatch.model import GpuReport
+    from sparkwatch.core.model import GpuReport
 
     source = gpu_source(settings)
     try:
@@ -86,12 +86,12 @@ def _gpu_used(settings: Settings) -> tuple[dict[int, int | None], str | None]:
 
 def handle(args: argparse.Namespace) -> int:
     from sparkwatch.cli import settings_from
+    from sparkwatch.common.sources.engines import EngineFinder
     from sparkwatch.core.engines import unknown_gpu_holders
-    from sparkwatch.sources.engines import EngineFinder
 
     # The trees the guard would kill now: this user's engines, or every user's when run as root.
     settings = settings_from(args)
-    finder = EngineFinder.from_settings(settings)
+    finder = EngineFinder.from_settings(settings, settings.proc_root)
     holders: tuple[GpuHolder, ...] | None = None
     note: str | None = None
     if args.all:

@@ -16,8 +16,8 @@ def add_parser(sub: Any, parent: argparse.ArgumentParser) -> None:
 
 
 def handle(args: argparse.Namespace) -> int:
-    from sparkwatch.actuators.events import read_events
     from sparkwatch.cli import settings_from
+    from sparkwatch.common.events import read_events
     from sparkwatch.tui.events_view import event_lines
 
     settings = settings_from(args, state_dir=args.state_dir)

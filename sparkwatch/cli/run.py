@@ -1,16 +1,15 @@
 """`sparkwatch run [--dry-run]`: the daemon.
 
-This process validates the whole config (the one loader, `sparkwatch.config`), then execs into the guard process
-(`sparkwatch.loops.guard_process`), keeping its PID, so systemd's main PID is the guard. The validated values travel
-on a memfd; the daemon signals stay blocked across the exec (`sparkwatch.entry`). `--print-settings` (used by the
-guard on SIGHUP) validates the same way and prints the values as JSON instead.
+This process validates the whole config (the one loader, `sparkwatch.config.settings`), then execs into the guard
+process (`python -m sparkwatch.guard`, through guard.start), keeping its PID, so systemd's main PID is the guard. The
+validated values travel on a memfd; the daemon signals stay blocked across the exec (`sparkwatch.entry`).
+`--print-settings` (used by the guard on SIGHUP) validates the same way and prints the values as JSON instead.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from typing import Any
 
@@ -27,7 +26,7 @@ def add_parser(sub: Any, parent: argparse.ArgumentParser) -> None:
 
 def handle(args: argparse.Namespace) -> int:
     from sparkwatch.cli import settings_from
-    from sparkwatch.config import settings_to_wire
+    from sparkwatch.config.settings import settings_to_wire
 
     # The same file, environment and flags as at start: SIGHUP re-runs exactly this (with --print-settings).
     settings = settings_from(
@@ -39,17 +38,12 @@ def handle(args: argparse.Namespace) -> int:
         state_dir=args.state_dir,
     )
     # `secrets`: what the guard process's log redaction must know (the webhook URL's secret parts, the HMAC key).
-    payload = json.dumps(
-        {"wire": settings_to_wire(settings), "public": settings.public_dict(), "secrets": settings.secrets()}
-    ).encode()
+    payload = {"wire": settings_to_wire(settings), "public": settings.public_dict(), "secrets": settings.secrets()}
     if args.print_settings:
-        sys.stdout.buffer.write(payload)
+        sys.stdout.buffer.write(json.dumps(payload).encode())
         sys.stdout.flush()
         return 0
-    cli_args = [a for a in getattr(args, "cli_argv", ["run"]) if a != "--print-settings"]
-    fd = os.memfd_create("sparkwatch-settings", 0)  # not CLOEXEC: the guard process reads it after the exec
-    os.write(fd, payload)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    argv = [sys.executable, "-m", "sparkwatch.loops.guard_process", "--settings-fd", str(fd), "--", *cli_args]
-    os.execv(sys.executable, argv)
+    from sparkwatch.guard.start import exec_guard
+
+    exec_guard(payload, [a for a in getattr(args, "cli_argv", ["run"]) if a != "--print-settings"])
+    return 1  # exec_guard does not return

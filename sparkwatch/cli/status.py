@@ -20,9 +20,9 @@ from pathlib import Path
 from typing import Any
 
 from sparkwatch.cli import argtypes
-from sparkwatch.config import Settings
+from sparkwatch.config.settings import Settings
+from sparkwatch.core.model import DriverReport
 from sparkwatch.core.trend import build_rate, pool_trend
-from sparkwatch.model import DriverReport
 from sparkwatch.tui.status_view import BuildView, StatusFrame
 
 # History kept for the rates: 5 s of MemAvailable (the span a Spark's ~100 MiB noise was measured over); 60 s of
@@ -53,12 +53,12 @@ class StatusApp:
     """Collects a snapshot a cycle and keeps the short histories the rates need. Reads only."""
 
     def __init__(self, settings: Settings, clock: Callable[[], float] = time.monotonic) -> None:
-        from sparkwatch.loops.telemetry import Telemetry
+        from sparkwatch.telemetry.loop import Telemetry
 
         self.settings = settings
         self.clock = clock
         # The daemon hands Telemetry its drift watcher's latest report; here a once-a-minute check stands in for it.
-        from sparkwatch.sources.nvml_preflight import NvmlOff, nvml_hang_reason
+        from sparkwatch.telemetry.sources.nvml_preflight import NvmlOff, nvml_hang_reason
 
         # A hung libnvidia-ml load would freeze this whole process (it holds the GIL): check in a child first.
         nvml_off = nvml_hang_reason()
@@ -112,7 +112,7 @@ class StatusApp:
         )
 
     def _read_last_kill(self) -> Mapping[str, Any] | None:
-        from sparkwatch.actuators.events import read_events
+        from sparkwatch.common.events import read_events
 
         path = self.settings.events_path
         try:
@@ -129,8 +129,8 @@ class StatusApp:
 
     def _driver_report(self) -> DriverReport | None:
         """Called by Telemetry.collect(): never raises, re-reads the facts at most once a DRIVER_CHECK_S."""
-        from sparkwatch.core.drift import judge
-        from sparkwatch.sources.system import read_driver_facts
+        from sparkwatch.core.driver import judge
+        from sparkwatch.telemetry.sources.driver import read_driver_facts
 
         now = self.clock()
         if now - self._driver_checked >= DRIVER_CHECK_S:

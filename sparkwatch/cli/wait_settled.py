@@ -29,7 +29,7 @@ from sparkwatch.core.settle import (
     describe,
     settle_step,
 )
-from sparkwatch.units import format_size
+from sparkwatch.core.units import format_size
 
 # Half a second between looks: ten samples per default quiet window, and a /proc scan costs a few ms.
 DEFAULT_INTERVAL_S = 0.5
@@ -125,12 +125,12 @@ def _progress_key(verdict: SettleVerdict, params: SettleParams) -> object:
 
 def handle(args: argparse.Namespace) -> int:
     from sparkwatch.cli import settings_from
-    from sparkwatch.sources.engines import EngineFinder, live_members
-    from sparkwatch.sources.meminfo import MeminfoError, MeminfoReader
+    from sparkwatch.common.sources.engines import EngineFinder, live_members
+    from sparkwatch.common.sources.meminfo import MeminfoError, MeminfoReader
 
     settings = settings_from(args)
     params = SettleParams(quiet_for_s=args.quiet_for, tolerance_bytes=args.tolerance)
-    finder = EngineFinder.from_settings(settings)  # the guard's scope: only engines we could act on
+    finder = EngineFinder.from_settings(settings, settings.proc_root)  # the guard's scope: only engines we could act on
     progress = ProgressLine(sys.stderr, quiet=args.quiet)
     try:
         reader = MeminfoReader(settings.proc_root)

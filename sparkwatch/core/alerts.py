@@ -10,9 +10,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from sparkwatch.core.enums import DriverProblem, DriverVerdict
 from sparkwatch.core.eventkinds import EventKind
-from sparkwatch.core.states import DriverProblem, DriverVerdict
-from sparkwatch.model import DriverReport
+from sparkwatch.core.model import DriverReport
 
 # Event kind -> minimum seconds between two alerts with the same dedup key. 0: every event alerts.
 ALERT_MIN_INTERVAL_S: Mapping[EventKind, float] = {

@@ -16,9 +16,9 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from sparkwatch.core.enums import EnvSource, MaxJobsState
 from sparkwatch.core.eventkinds import EventKind
-from sparkwatch.core.states import EnvSource, MaxJobsState
-from sparkwatch.model import CompileCensus, EngineCompile, EngineTree, Proc
+from sparkwatch.core.model import CompileCensus, EngineCompile, EngineTree, Proc
 
 # Every tool the census reports, in exposition order; each is exported even at 0, so "none" is visible.
 CUDA_TOOLS: tuple[str, ...] = ("nvcc", "cicc", "ptxas", "fatbinary", "nvlink", "cudafe++")

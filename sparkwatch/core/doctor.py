@@ -11,10 +11,10 @@ from dataclasses import dataclass
 from typing import Literal
 
 from sparkwatch.core.engines import EngineRules, engine_kind
+from sparkwatch.core.enums import CheckStatus
 from sparkwatch.core.kernlog import KmsgRecord, NvrmError, XidLine, is_from_kernel, parse_nvrm, xid_info
+from sparkwatch.core.model import Check, MemInfo, Proc
 from sparkwatch.core.redact import redact
-from sparkwatch.core.states import CheckStatus
-from sparkwatch.model import Check, MemInfo, Proc
 
 GiB = 1 << 30
 # Below 2 GiB the guard cannot win the race: a start-up spike went 34.0 -> 12.7 GiB in ~1.5 s on a Spark.

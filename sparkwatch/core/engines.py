@@ -23,7 +23,7 @@ from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from sparkwatch.core.livecache import LiveCache
-from sparkwatch.model import EngineTree, GpuHolder, Proc
+from sparkwatch.core.model import EngineTree, GpuHolder, Proc
 
 
 @dataclass(frozen=True, slots=True)
@@ -527,10 +527,6 @@ def _ancestors(pid: int, by_pid: Mapping[int, Proc]) -> list[int]:
         seen.add(cur.ppid)
         cur = by_pid.get(cur.ppid)
     return chain
-
-
-def ancestors_of(pid: int, procs: Sequence[Proc]) -> frozenset[int]:
-    return frozenset(_ancestors(pid, {p.pid: p for p in procs}))
 
 
 def _adoptable_parent(parent: Proc, rules: EngineRules) -> bool:

@@ -14,8 +14,8 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from sparkwatch.core.states import JitState
-from sparkwatch.model import JitEngineState
+from sparkwatch.core.enums import JitState
+from sparkwatch.core.model import JitEngineState
 
 IDLE, COMPILING, STALLED = JitState.IDLE, JitState.COMPILING, JitState.STALLED
 STATES: tuple[JitState, ...] = tuple(JitState)
@@ -183,8 +183,3 @@ def jit_step(
         out[key] = JitTrack(state, since, last_activity, last_awake, reason)
         states.append(JitEngineState(obs.kind, obs.root_pid, state, since, reason))
     return out, tuple(states), tuple(changes)
-
-
-def progress_done(targets: Sequence[str], existing: Mapping[str, int]) -> int:
-    """How many object targets exist with a non-empty file (`existing`: path -> size)."""
-    return sum(1 for t in targets if existing.get(t, 0) > 0)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from sparkwatch.model import EngineTree
+from sparkwatch.core.model import EngineTree
 
 # Three kills of the same engine within ten minutes is a loop: one kill is a spike, two can be an owner retrying by
 # hand after a kill (the field saw a relaunch 3 s after a kill fail, and one 30 s later succeed), three is a machine.

@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from sparkwatch.core.model import EngineTree, MemInfo, Proc
 from sparkwatch.core.redact import safe_cmdline
-from sparkwatch.model import EngineTree, MemInfo, Proc
-from sparkwatch.units import MiB, format_size
+from sparkwatch.core.units import MiB, format_size
 
 
 @dataclass(frozen=True, slots=True)

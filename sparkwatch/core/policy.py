@@ -21,8 +21,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from sparkwatch.core.engines import compile_regexes
-from sparkwatch.model import EngineTree
-from sparkwatch.units import MiB, format_size
+from sparkwatch.core.model import EngineTree
+from sparkwatch.core.units import MiB, format_size
 
 # A tree's identity across scans: its root's pid and start time (a reused pid has a new start time).
 TreeKey = tuple[int, int]

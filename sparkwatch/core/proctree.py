@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 from sparkwatch.core.compile import is_compiler
 from sparkwatch.core.engines import EngineRules, engine_kind
-from sparkwatch.core.states import ProcRole
-from sparkwatch.model import EngineTree, Proc
+from sparkwatch.core.enums import ProcRole
+from sparkwatch.core.model import EngineTree, Proc
 
 
 def role_of(proc: Proc, tree: EngineTree, rules: EngineRules) -> ProcRole:

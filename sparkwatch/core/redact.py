@@ -20,7 +20,6 @@ like a secret goes.
 from __future__ import annotations
 
 import re
-import urllib.parse
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -102,16 +101,6 @@ def redact_argv(argv: Sequence[str]) -> list[str]:
 def safe_cmdline(argv: Sequence[str], limit: int = CMDLINE_MAX_CHARS) -> str:
     text = " ".join(redact_argv(argv)).strip()  # setproctitle pads the title with spaces
     return text if len(text) <= limit else text[: limit - 1] + "…"
-
-
-def redact_url(url: str) -> str:
-    """scheme://host[:port] only: a Slack-style webhook URL carries its secret in the path (and userinfo may too)."""
-    parts = urllib.parse.urlsplit(url)
-    try:
-        port = parts.port
-    except ValueError:
-        port = None
-    return f"{parts.scheme}://{parts.hostname or '?'}" + (f":{port}" if port else "")
 
 
 # C0 and C1 controls (ESC starts terminal escape sequences; CR/LF forge log lines), DEL, and the Unicode line and

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from sparkwatch.units import MiB, format_size
+from sparkwatch.core.units import MiB, format_size
 
 # Quiet period. MemAvailable noise on a Spark was measured at ~100 MiB per 5 s, so a 5 s window is the span the
 # noise figure was measured over; a teardown returns memory in a burst of GiB per second, which a 5 s flat stretch

@@ -6,7 +6,7 @@ run) are left out rather than shown as zero: a zero would be a claim.
 
 from __future__ import annotations
 
-from sparkwatch.units import GiB, MiB
+from sparkwatch.core.units import GiB, MiB
 
 # systemd shows STATUS= in one line of `systemctl status`; it truncates nothing but a terminal does. Keep it short.
 STATUS_MAX_CHARS = 200

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from sparkwatch.core.guard import seconds_to_floor
+from sparkwatch.core.trigger import seconds_to_floor
 
 # A slope needs this much history before it is shown at all: two samples 0.1 s apart are mostly noise.
 MIN_SPAN_S = 1.5

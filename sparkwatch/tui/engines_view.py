@@ -10,10 +10,10 @@ from rich.table import Table
 from rich.text import Text
 
 from sparkwatch.core.engines import EngineRules
+from sparkwatch.core.model import EngineTree, GpuHolder
 from sparkwatch.core.proctree import tree_rows
 from sparkwatch.core.redact import redact
-from sparkwatch.model import EngineTree, GpuHolder
-from sparkwatch.units import format_size
+from sparkwatch.core.units import format_size
 
 ROLE_STYLE = {"root": "bold", "worker": "cyan", "compiler": "yellow", "process": "dim"}
 

@@ -19,10 +19,8 @@ from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
-from sparkwatch.core.redact import redact
-from sparkwatch.core.states import DriverVerdict, JitState, MaxJobsState
-from sparkwatch.core.trend import BuildRate, PoolTrend
-from sparkwatch.model import (
+from sparkwatch.core.enums import DriverVerdict, JitState, MaxJobsState
+from sparkwatch.core.model import (
     CompileCensus,
     DriverReport,
     EngineTree,
@@ -33,8 +31,10 @@ from sparkwatch.model import (
     MemInfo,
     Snapshot,
 )
+from sparkwatch.core.redact import redact
+from sparkwatch.core.trend import BuildRate, PoolTrend
+from sparkwatch.core.units import GiB, MiB, format_size
 from sparkwatch.tui.events_view import local_time
-from sparkwatch.units import GiB, MiB, format_size
 
 USED, CACHE, FREE, FLOOR_MARK, WARN_MARK = "█", "▒", "░", "┃", "│"
 BAR_DONE, BAR_TODO = "█", "░"

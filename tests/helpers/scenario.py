@@ -7,11 +7,10 @@ import dataclasses
 import threading
 from pathlib import Path
 
-from sparkwatch.config import Settings, load_settings
-from sparkwatch.core.states import DriverVerdict
-from sparkwatch.loops.guard import GuardStats
-from sparkwatch.loops.kernlog import KernelLogStats
-from sparkwatch.model import DriverReport, GpuDevice, GpuProcess, GpuReport, Snapshot
+from sparkwatch.common.stats import GuardStats, KernelLogStats
+from sparkwatch.config.settings import Settings, load_settings
+from sparkwatch.core.enums import DriverVerdict
+from sparkwatch.core.model import DriverReport, GpuDevice, GpuProcess, GpuReport, Snapshot
 from tests.helpers.proctree import FIXED_MTIME, PSI_MEMORY, FakeProc, pin_mtimes, write_module, write_proc
 
 GiB = 1 << 30

@@ -1,0 +1,134 @@
+"""The one way sparkwatch writes and reads its state files: durable, never through a symlink, never unbounded.
+
+Writes: `write_atomic` (temporary file, fsync, rename, fsync the directory) for whole files (outbox spool, driver
+state); `append_durable` (O_APPEND, fsync, and the directory when the file is new) for events.jsonl. Every open uses
+O_NOFOLLOW: a symlink planted in the state dir (say events.jsonl -> /etc/cron.d/x) is refused with ELOOP, never
+followed by a daemon that may run as root. `private_dir` creates the state dir 0700 and tightens one found looser.
+
+Reads: `read_regular` opens with O_NOFOLLOW | O_NONBLOCK (a FIFO planted as events.jsonl cannot hang a reader),
+refuses anything that is not a regular file, and reads at most `limit` bytes.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+from pathlib import Path
+
+from sparkwatch.common.sources.procs import read_fd
+
+_OPEN_FLAGS = os.O_CLOEXEC | os.O_NOFOLLOW
+
+
+class StateFileError(OSError):
+    """A state file that is not what it must be (a symlink, a FIFO, a directory). Carries the path and one line."""
+
+
+def private_dir(path: Path) -> None:
+    """Create `path` (and parents) 0700; tighten it to 0700 if we own it and it is group/world accessible."""
+    path.mkdir(parents=True, exist_ok=True, mode=0o700)
+    st = os.stat(path, follow_symlinks=False)
+    if stat.S_ISLNK(st.st_mode):
+        raise StateFileError(errno.ELOOP, "is a symlink; the state dir must be a real directory", str(path))
+    # Never a shared directory: a root daemon whose state_dir (or outbox parent) is /tmp must not make /tmp 0700 for
+    # every other user on the box (seen: a test's spool directory under /tmp did exactly that). Sticky means shared.
+    if st.st_mode & 0o077 and st.st_uid == os.geteuid() and not st.st_mode & stat.S_ISVTX:
+        os.chmod(path, 0o700)
+
+
+def fsync_dir(path: Path) -> None:
+    dfd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
+
+
+def _explain(exc: OSError, path: Path) -> OSError:
+    if exc.errno == errno.ELOOP:
+        return StateFileError(errno.ELOOP, "is a symlink; refused (state files are never followed)", str(path))
+    return exc
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
+
+
+def write_atomic(path: Path, data: bytes, mode: int = 0o600) -> None:
+    """Replace `path` with `data` so that a crash leaves the old or the new file, never a torn one."""
+    tmp = path.with_name(f".tmp-{path.name}")
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _OPEN_FLAGS, mode)
+    except OSError as exc:
+        raise _explain(exc, tmp) from None
+    try:
+        _write_all(fd, data)
+        os.fsync(fd)
+    except OSError:
+        os.close(fd)
+        try:
+            tmp.unlink()
+        except OSError:
+            pass
+        raise
+    os.close(fd)
+    os.rename(tmp, path)  # rename replaces a symlink at `path` itself; it never writes through one
+    fsync_dir(path.parent)
+
+
+def append_durable(path: Path, data: bytes, mode: int = 0o600) -> int:
+    """Append `data` and fsync; fsync the directory too when the file is new. Returns the file's size after."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | _OPEN_FLAGS, mode)
+        created = False
+    except FileNotFoundError:
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_EXCL | _OPEN_FLAGS, mode)
+        except OSError as exc:
+            raise _explain(exc, path) from None
+        created = True
+    except OSError as exc:
+        raise _explain(exc, path) from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise StateFileError(errno.EINVAL, "is not a regular file", str(path))
+        _write_all(fd, data)
+        os.fsync(fd)
+        size = os.fstat(fd).st_size
+    finally:
+        os.close(fd)
+    if created:
+        fsync_dir(path.parent)
+    return size
+
+
+def read_regular(path: Path, limit: int) -> bytes:
+    """At most `limit` bytes of a regular file, never through a symlink, never blocking on a FIFO.
+
+    Raises FileNotFoundError when absent and StateFileError (one clear line) when it is anything but a regular file.
+    """
+    fd = open_regular(path)
+    try:
+        return read_fd(fd, limit)
+    finally:
+        os.close(fd)
+
+
+def open_regular(path: Path) -> int:
+    """An fd of a regular file for reading (the caller closes it), with read_regular's refusals."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | _OPEN_FLAGS)
+    except IsADirectoryError:
+        raise StateFileError(errno.EISDIR, "is a directory, not a file", str(path)) from None
+    except OSError as exc:
+        raise _explain(exc, path) from None
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        kind = "a directory" if stat.S_ISDIR(st.st_mode) else "not a regular file (a FIFO or device?)"
+        raise StateFileError(errno.EINVAL, f"is {kind}", str(path))
+    return fd

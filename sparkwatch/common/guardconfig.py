@@ -1,0 +1,179 @@
+"""The guard process's view of the one Settings object, without pydantic.
+
+`sparkwatch.config.settings.Settings` (pydantic) stays the one schema and the one validation owner. The guard process
+must stay small (pydantic and pydantic-settings alone cost about 21 MiB RSS, measured: bench/RESULTS-guard.md), so it
+never imports them: `sparkwatch run` validates the whole config once with Settings, serialises the validated values
+(`config.settings_to_wire`: plain JSON types, sizes in bytes) and execs into the guard process, which rebuilds them
+here as a frozen dataclass without validating anything again. A reload (SIGHUP) runs the same validation in a short
+child process (`sparkwatch run --print-settings`) and hands back the same wire form. The telemetry process turns
+the wire form back into a Settings (`Settings.model_validate`), so both processes hold the same values.
+
+Also the one place engine rules and the guard's scope are built from settings (`engine_rules`, `engine_scope`).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any, Protocol
+
+from sparkwatch.common.wiretypes import WireError, from_json
+from sparkwatch.core.engines import EngineRules, Scope, rules_for
+
+
+class EngineSettings(Protocol):
+    """What the engine rules and scope are built from (Settings and GuardConfig both have it)."""
+
+    @property
+    def engine_patterns(self) -> Sequence[str]: ...
+    @property
+    def protect_patterns(self) -> Sequence[str]: ...
+    @property
+    def ancestor_pid(self) -> int: ...
+    @property
+    def guard_gpu_holders(self) -> bool: ...
+
+
+class GuardSettings(EngineSettings, Protocol):
+    """The keys the guard loop reads."""
+
+    @property
+    def floor(self) -> int: ...
+    @property
+    def warn_headroom(self) -> int: ...
+    @property
+    def kill_budget_s(self) -> float: ...
+    @property
+    def debounce_samples(self) -> int: ...
+    @property
+    def poll_min_s(self) -> float: ...
+    @property
+    def poll_max_s(self) -> float: ...
+    @property
+    def rearm_headroom(self) -> int: ...
+    @property
+    def dry_run(self) -> bool: ...
+    @property
+    def proc_root(self) -> Path: ...
+    @property
+    def kill_order(self) -> Sequence[str]: ...
+    @property
+    def kill_priority(self) -> Sequence[str]: ...
+    @property
+    def never_kill(self) -> Sequence[str]: ...
+    @property
+    def kill_settle_s(self) -> float: ...
+    @property
+    def kernel_log_corroboration(self) -> bool: ...
+    @property
+    def kernel_log_path(self) -> Path: ...
+    @property
+    def kernel_log_accept_injected(self) -> bool: ...
+
+
+def engine_rules(settings: EngineSettings) -> EngineRules:
+    """The engine and protection rules from settings: every component builds them here and nowhere else."""
+    return rules_for(settings.engine_patterns, settings.protect_patterns, settings.guard_gpu_holders)
+
+
+def engine_scope(settings: EngineSettings, *, any_user: bool = False) -> Scope:
+    """Which processes this process may consider: never itself or its ancestors, only its own uid unless root (or
+    `any_user`, for read-only listings), only under `ancestor_pid` when set."""
+    return Scope(
+        self_pid=os.getpid(),
+        own_uid=0 if any_user else os.geteuid(),
+        ancestor_pid=settings.ancestor_pid,
+    )
+
+
+# A key the guard process applies on SIGHUP without a restart (guard.poolwatch reads it each tick); the others
+# (proc_root, state_dir, …) need a new process. GuardConfig is the one declaration of the guard's keys: their names
+# and types here, their validation in config.settings.Settings, and tests hold the two (and GuardSettings) together.
+LIVE: Mapping[str, bool] = {"live": True}
+
+
+@dataclass(frozen=True)
+class GuardConfig:
+    """The validated settings as the guard process holds them, built only from `wire` (already validated): a new
+    guard key is one line here (with LIVE if the guard applies it on reload), and one in `GuardSettings` if the pool
+    watch reads it."""
+
+    floor: int = field(metadata=LIVE)
+    warn_headroom: int
+    kill_budget_s: float = field(metadata=LIVE)
+    debounce_samples: int = field(metadata=LIVE)
+    poll_min_s: float = field(metadata=LIVE)
+    poll_max_s: float = field(metadata=LIVE)
+    rearm_headroom: int = field(metadata=LIVE)
+    dry_run: bool = field(metadata=LIVE)
+    mlock: bool
+    ancestor_pid: int = field(metadata=LIVE)
+    engine_patterns: tuple[str, ...] = field(metadata=LIVE)
+    protect_patterns: tuple[str, ...] = field(metadata=LIVE)
+    guard_gpu_holders: bool = field(metadata=LIVE)
+    kill_order: tuple[str, ...] = field(metadata=LIVE)
+    kill_priority: tuple[str, ...] = field(metadata=LIVE)
+    never_kill: tuple[str, ...] = field(metadata=LIVE)
+    kill_settle_s: float = field(metadata=LIVE)
+    proc_root: Path
+    state_dir: Path
+    events_max_bytes: int
+    listen: str
+    telemetry_interval_s: float
+    kernel_log_corroboration: bool = field(metadata=LIVE)
+    kernel_log_path: Path
+    kernel_log_accept_injected: bool = field(metadata=LIVE)
+    # The whole validated config, for the telemetry process, and as check-config shows it (secrets masked), for
+    # the reload log. Excluded from ==: two configs are equal when their values are.
+    wire: Mapping[str, Any] = field(repr=False, compare=False, default_factory=dict)
+    public: Mapping[str, Any] = field(repr=False, compare=False, default_factory=dict)
+
+    @classmethod
+    def from_wire(cls, wire: Mapping[str, Any], public: Mapping[str, Any] | None = None) -> GuardConfig:
+        """Each field from the wire key of its own name, by its declared type (common.wiretypes). Raises ValueError
+        for a wire form from another version of sparkwatch."""
+        try:
+            values = {f.name: wire[f.name] for f in fields(cls) if f.name not in ("wire", "public")}
+            built: GuardConfig = from_json(cls, values, "settings")
+        except KeyError as exc:
+            raise ValueError(f"settings wire form unusable: KeyError: {exc}") from None
+        except WireError as exc:
+            raise ValueError(f"settings wire form unusable: {exc}") from None
+        return replace(built, wire=dict(wire), public=dict(public or {}))
+
+    @property
+    def events_path(self) -> Path:
+        return self.state_dir / "events.jsonl"
+
+    @classmethod
+    def live_keys(cls) -> frozenset[str]:
+        return frozenset(f.name for f in fields(cls) if f.metadata.get("live"))
+
+
+def describe_wire_changes(
+    old_wire: Mapping[str, Any],
+    new_wire: Mapping[str, Any],
+    old_public: Mapping[str, Any],
+    new_public: Mapping[str, Any],
+) -> list[tuple[str, str]]:
+    """(key, 'key: old → new') for each changed setting, shown as check-config shows it (secrets masked)."""
+    out: list[tuple[str, str]] = []
+    for key in new_wire:
+        if old_wire.get(key) == new_wire.get(key):
+            continue
+        before, after = old_public.get(key), new_public.get(key)
+        if before == after:  # a secret, or a URL whose hidden part changed
+            out.append((key, f"{key}: changed (value hidden)"))
+        else:
+            out.append((key, f"{key}: {_shown(before)} → {_shown(after)}"))
+    return out
+
+
+def _shown(value: object) -> str:
+    if value is None:
+        return "unset"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)

@@ -1,0 +1,174 @@
+"""Every message between the guard process and the telemetry process: one frozen dataclass per kind, one `encode`,
+one `decode`, and the limits that keep a misbehaving peer from costing the guard memory or time.
+
+A datagram is one JSON object `{"v": VERSION, "t": <kind>, ...fields}`. `decode` rebuilds the dataclass field by
+field with its declared type (common.wiretypes) and raises `BadMessage` for anything else: not JSON, another
+version, an unknown kind, a field of the wrong type, or a collection past its limit. The channel drops and counts
+those; nothing half-parsed ever reaches a component.
+
+guard → telemetry
+- `SettingsMsg`: the whole validated config (config.settings.settings_to_wire; the webhook secret travels here and
+  nowhere else), at start and after each good reload (`reload=True`), resent until telemetry answers.
+- `StateMsg`: the guard's counters (common.stats) and the guard process's own (RSS, event, journal, notify and channel
+  errors, telemetry restarts, watchdog pings), on change: at most once a second far from the floor, four times a
+  second near it (guard.supervisor).
+- `EventMsg`: an event the guard process made durable in events.jsonl (a kill), for the outbox.
+
+telemetry → guard
+- `AppliedMsg`: the answer to a reload: the keys telemetry's components applied live, and their errors.
+- `AckMsg`: events telemetry's outbox now holds; the guard resends unacknowledged ones to the next telemetry process.
+- `TelMsg` (each telemetry cycle): the engine and compile-job counts for the STATUS= line, per-pid GPU bytes (NVML)
+  with the wall-clock time they were read, and the (pid, start time) of every GPU holder. The guard treats all of it
+  as a hint: a holder is checked again in /proc before it can become a kill candidate (guard.gpuboard).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any, ClassVar
+
+from sparkwatch.common.stats import GuardStats, KernelLogStats
+from sparkwatch.common.wiretypes import WireError, from_json, to_json
+from sparkwatch.core.eventkinds import EventKind
+from sparkwatch.core.model import Event
+
+VERSION = 2
+# One datagram's limit: a settings message with long cache-dir lists is a few KiB, a state message about 2 KiB.
+MAX_MESSAGE_BYTES = 1 << 20
+# Collections a peer may send: a box runs a handful of engines and a few thousand processes at most.
+MAX_ITEMS = 4096
+
+
+class Kind(StrEnum):
+    SETTINGS = "settings"
+    STATE = "state"
+    EVENT = "event"
+    APPLIED = "applied"
+    ACK = "ack"
+    TEL = "tel"
+
+
+class BadMessage(ValueError):
+    """A datagram that is not one of our messages (counted and dropped by the channel)."""
+
+
+@dataclass(frozen=True, slots=True)
+class SettingsMsg:
+    KIND: ClassVar[Kind] = Kind.SETTINGS
+    wire: dict[str, Any]
+    public: dict[str, Any]
+    reload: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class StateMsg:
+    KIND: ClassVar[Kind] = Kind.STATE
+    guard: GuardStats
+    kernlog: KernelLogStats
+    counters: dict[str, dict[str, int]] = field(default_factory=dict)
+    rss_bytes: int = 0
+    watchdog_pings_total: int = 0
+    pid: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class EventMsg:
+    KIND: ClassVar[Kind] = Kind.EVENT
+    event: Event
+
+
+@dataclass(frozen=True, slots=True)
+class AppliedMsg:
+    KIND: ClassVar[Kind] = Kind.APPLIED
+    keys: tuple[str, ...] = ()
+    errors: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class AckMsg:
+    KIND: ClassVar[Kind] = Kind.ACK
+    ids: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class TelMsg:
+    KIND: ClassVar[Kind] = Kind.TEL
+    engines: int | None = None
+    compile_jobs: int | None = None
+    gpu_ts: float | None = None  # wall clock of the NVML reading; None: no fresh reading
+    gpu_pids: dict[int, int] = field(default_factory=dict)
+    gpu_holders: tuple[tuple[int, int], ...] = ()
+
+
+Message = SettingsMsg | StateMsg | EventMsg | AppliedMsg | AckMsg | TelMsg
+_BY_KIND: dict[str, type[Any]] = {
+    cls.KIND: cls for cls in (SettingsMsg, StateMsg, EventMsg, AppliedMsg, AckMsg, TelMsg)
+}
+
+
+def encode(msg: Message) -> bytes:
+    if isinstance(msg, EventMsg):
+        body: dict[str, Any] = {"event": to_json(msg.event.to_json_dict())}
+    else:
+        body = to_json(msg)
+    return json.dumps({"v": VERSION, "t": msg.KIND, **body}, separators=(",", ":"), default=str).encode()
+
+
+def decode(data: bytes) -> Message:
+    """The message in one datagram. Raises BadMessage with a short reason."""
+    if len(data) > MAX_MESSAGE_BYTES:
+        raise BadMessage(f"{len(data)} bytes, over {MAX_MESSAGE_BYTES}")
+    try:
+        raw = json.loads(data)
+    except (ValueError, RecursionError):
+        raise BadMessage("not JSON") from None
+    if not isinstance(raw, dict) or raw.get("v") != VERSION:
+        raise BadMessage("not a message of this version")
+    cls = _BY_KIND.get(str(raw.get("t")))
+    if cls is None:
+        raise BadMessage(f"unknown kind {raw.get('t')!r}")
+    body = {k: v for k, v in raw.items() if k not in ("v", "t")}
+    try:
+        if cls is EventMsg:
+            return EventMsg(event_from_json(body.get("event")))
+        msg: Message = from_json(cls, body, cls.KIND.value)
+    except WireError as exc:
+        raise BadMessage(str(exc)) from None
+    _check_sizes(msg)
+    return msg
+
+
+def _check_sizes(msg: Message) -> None:
+    sizes: list[int] = []
+    if isinstance(msg, TelMsg):
+        sizes = [len(msg.gpu_pids), len(msg.gpu_holders)]
+    elif isinstance(msg, AckMsg):
+        sizes = [len(msg.ids)]
+    elif isinstance(msg, StateMsg):
+        sizes = [len(msg.counters), *(len(c) for c in msg.counters.values())]
+    if any(n > MAX_ITEMS for n in sizes):
+        raise BadMessage(f"{msg.KIND}: more than {MAX_ITEMS} items")
+
+
+_EVENT_HEAD = ("id", "ts", "kind", "node", "summary")
+
+
+def event_from_json(data: object) -> Event:
+    """An Event from its events.jsonl form (`Event.to_json_dict`). Raises WireError."""
+    if not isinstance(data, Mapping) or not all(isinstance(data.get(k), str) for k in _EVENT_HEAD):
+        raise WireError("event: expected an object with id, ts, kind, node and summary")
+    try:
+        kind = EventKind(data["kind"])
+    except ValueError:
+        raise WireError(f"event: unknown kind {data['kind']!r}") from None
+    return Event(
+        id=data["id"],
+        ts=data["ts"],
+        kind=kind,
+        node=data["node"],
+        summary=data["summary"],
+        fields={k: v for k, v in data.items() if k not in _EVENT_HEAD},
+    )

@@ -1,0 +1,49 @@
+"""The engine trees on this node now: one /proc scan through ProcScanner, judged by core.engines.
+
+Commands that look repeatedly (`wait-settled`, `status`) keep one finder so the scanner's argv cache is reused
+between scans; one-shot commands (`engines`) build one and call it once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from pathlib import Path
+
+from sparkwatch.common.guardconfig import EngineSettings, engine_rules, engine_scope
+from sparkwatch.common.sources.procs import ProcScanner
+from sparkwatch.core.engines import EngineRules, Scope, find_engine_trees
+from sparkwatch.core.model import EngineTree, Proc
+
+# Process states that hold nothing any more: a zombie has already closed its files (the GPU driver's included) and
+# dropped its memory; only its parent's wait() is missing. Counting it as "left" could wait forever on a careless
+# parent.
+GONE_STATES = frozenset({"Z", "X"})
+
+
+class EngineFinder:
+    def __init__(self, proc_root: Path, rules: EngineRules, scope: Scope) -> None:
+        self.rules = rules
+        self.scope = scope
+        self.scanner = ProcScanner(proc_root)
+
+    @classmethod
+    def from_settings(cls, settings: EngineSettings, proc_root: Path, *, any_user: bool = False) -> EngineFinder:
+        """The guard's view (`any_user=False`: only what this user may kill), or every user's engines.
+
+        Read-only commands that ask "is the pool still held?" pass any_user=True: a root-owned engine in a Docker
+        container holds the same unified pool as one of ours.
+        """
+        return cls(proc_root, engine_rules(settings), engine_scope(settings, any_user=any_user))
+
+    def find(self) -> list[EngineTree]:
+        return self.scan()[1]
+
+    def scan(self, gpu_holders: Collection[tuple[int, int]] = ()) -> tuple[tuple[Proc, ...], list[EngineTree]]:
+        """The process table and the engine trees in it (gpu_holders: see core.engines.find_engine_trees)."""
+        procs = self.scanner.scan().procs
+        return procs, find_engine_trees(procs, self.rules, self.scope, gpu_holders)
+
+
+def live_members(trees: list[EngineTree]) -> int:
+    """Engine-tree processes still alive (zombies excluded: see GONE_STATES)."""
+    return sum(1 for t in trees for p in t.members if p.state not in GONE_STATES)

@@ -1,0 +1,81 @@
+"""The guard process's counters, as the guard keeps them and as the channel carries them to the exporter.
+
+The guard loop and reaper update `GuardStats`, the kernel-log hook `KernelLogStats`, each under its owner's lock; the
+guard process sends copies in every `state` message (common.messages), and the telemetry process renders them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from sparkwatch.core import kernlog as core
+from sparkwatch.core.model import MemInfo
+
+# Bucket edges for guard_kill_duration_seconds (detect -> last member reaped). Target: median <= 150 ms.
+KILL_DURATION_BUCKETS_S = (0.025, 0.05, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
+@dataclass
+class GuardStats:
+    """Counters the guard and reaper update and the exporter reads (under the lock)."""
+
+    mem: MemInfo | None = None
+    fill_rate_bytes_per_s: float = 0.0
+    poll_interval_s: float = 0.0
+    armed: bool = True
+    kills_total: dict[str, int] = field(default_factory=dict)
+    killed_processes_total: int = 0
+    last_kill_timestamp_s: float | None = None
+    kill_duration_bucket_counts: list[int] = field(default_factory=lambda: [0] * (len(KILL_DURATION_BUCKETS_S) + 1))
+    kill_duration_sum_s: float = 0.0
+    kill_duration_count: int = 0
+    meminfo_errors_total: int = 0
+    last_error: str | None = None
+    last_loop_monotonic: float = 0.0
+    psi_trigger: bool = False
+    phase: str = "watch"
+    cancelled_total: int = 0
+    kill_loops_total: int = 0
+
+    def snapshot(self) -> GuardStats:
+        """A copy that shares nothing mutable (taken under the owner's lock, read or sent after it)."""
+        return replace(
+            self,
+            kills_total=dict(self.kills_total),
+            kill_duration_bucket_counts=list(self.kill_duration_bucket_counts),
+        )
+
+    def observe_kill_duration(self, seconds: float) -> None:
+        for i, edge in enumerate(KILL_DURATION_BUCKETS_S):
+            if seconds <= edge:
+                self.kill_duration_bucket_counts[i] += 1
+                break
+        else:
+            self.kill_duration_bucket_counts[-1] += 1
+        self.kill_duration_sum_s += seconds
+        self.kill_duration_count += 1
+
+
+@dataclass
+class KernelLogStats:
+    """What the exporter reads (under `lock`)."""
+
+    readable: bool = False
+    reason: str | None = None
+    lines_total: int = 0
+    dropped_total: int = 0
+    nvrm_errors_total: dict[str, int] = field(default_factory=lambda: dict.fromkeys(core.NVRM_KINDS, 0))
+    xid_total: dict[int, int] = field(default_factory=dict)
+    corroborated_fires_total: int = 0
+    events_dropped_total: int = 0
+    injected_ignored_total: int = 0  # NVRM lines a process wrote into the kernel log, ignored (not the driver's)
+    recent_xids: list[tuple[float, int, str]] = field(default_factory=list)  # (wall time, code, name), last 16
+
+    def snapshot(self) -> KernelLogStats:
+        """A copy that shares nothing mutable (taken under the owner's lock)."""
+        return replace(
+            self,
+            nvrm_errors_total=dict(self.nvrm_errors_total),
+            xid_total=dict(self.xid_total),
+            recent_xids=list(self.recent_xids),
+        )

@@ -1,0 +1,12 @@
+"""The guard process: the unit's main PID, mlocked, small. It keeps the box alive.
+
+What runs here: the pool watch (`poolwatch`: MemAvailable through a kept-open fd, the trigger, the kill policy),
+the killer and reaper (`killer`), the kernel-log hook (`kernlog`), sd_notify and the watchdog, and the supervisor of
+the telemetry process (`supervisor`, with what telemetry reports in `gpuboard`). `process` wires them and handles
+signals and reloads; `python -m sparkwatch.guard` starts it.
+
+What it may import: the standard library, `sparkwatch.core` (pure decisions) and `sparkwatch.common` (stdlib-only
+I/O both processes share). Never pydantic, NVML, prometheus_client, rich, pyudev, HTTP or TLS, nor
+`sparkwatch.telemetry`, `sparkwatch.config`, `sparkwatch.cli` or `sparkwatch.tui`: `scripts/lint` checks it
+transitively (import-linter, pyproject.toml), and a test holds the modules the process really loads to an allow list.
+"""

@@ -1,0 +1,3 @@
+from sparkwatch.guard.process import main
+
+raise SystemExit(main())

@@ -1,0 +1,431 @@
+"""The guard process: the unit's main PID. It guards, feeds the systemd watchdog, and supervises telemetry.
+
+`sparkwatch run` validates the config (pydantic, in `sparkwatch.config`), then execs into `python -m
+sparkwatch.guard` with the validated values on a memfd, so this process never imports pydantic, NVML,
+prometheus_client, HTTP or rich: its RSS is the guard's (bench/RESULTS-idle.md). Threads: the pool watch, the
+reaper, the scout, the kernel-log recorder, the sd_notify sender, the telemetry supervisor; the main thread only
+waits for signals, checks the process's own RSS, and starts reloads. A hung NVML load, a stuck scrape or a thread
+explosion happens in the telemetry process, whose GIL is not ours.
+
+Signals: handlers are installed before anything else starts (`sparkwatch.entry` kept them blocked until then).
+SIGTERM/SIGINT stop cleanly within a second whatever a reload is doing (STOPPING=1 first, exit 0). SIGHUP validates
+the whole config in a short child process (`sparkwatch run --print-settings`, the same loader as at start) on a
+thread of its own, then the guard applies the new values, then the telemetry process gets them over the channel and
+says which keys its components took; the log names what applied and what needs a restart. A bad config is logged
+and the running one kept.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from types import FrameType
+from typing import Any
+
+from sparkwatch.common import logs, syscalls
+from sparkwatch.common.events import make_event
+from sparkwatch.common.guardconfig import GuardConfig, describe_wire_changes
+from sparkwatch.common.lifecycle import Component, CountersOnly, apply_all, start_all, stop_all
+from sparkwatch.common.messages import StateMsg
+from sparkwatch.common.recording import open_recording
+from sparkwatch.common.selfwatch import GUARD_RSS_CAP_BYTES, rss_bytes
+from sparkwatch.common.signals import DAEMON_SIGNALS
+from sparkwatch.common.spool import FileSpool
+from sparkwatch.common.systemd import Notifier, ServiceNotifier
+from sparkwatch.core.eventkinds import EventKind
+from sparkwatch.core.redact import remember_secrets
+from sparkwatch.core.status import status_line
+from sparkwatch.guard.poolwatch import PoolWatch
+from sparkwatch.guard.start import exec_guard
+from sparkwatch.guard.supervisor import TelemetrySupervisor, telemetry_command
+
+log = logs.get("daemon")
+VALIDATE_TIMEOUT_S = 60.0  # the validator imports pydantic: ~0.5 s idle, seconds on a box under pressure
+# Telemetry applies between two cycles; a first cycle on a loaded box (NVML init, a /proc census of thousands of
+# processes) took up to several seconds here.
+TELEMETRY_REPLY_S = 20.0
+RELOAD_JOIN_S = 0.5  # on stop, how long a reload still running is waited for (its validator is killed first)
+
+
+class ReloadError(Exception):
+    """The new config is not valid (or could not be read); the message names the key like check-config does."""
+
+
+class Validator:
+    """Runs `sparkwatch run … --print-settings` and builds the config it printed; `cancel()` kills a run in flight
+    (SIGTERM during a reload must not wait for a validator stuck on a slow box)."""
+
+    def __init__(self, command: Sequence[str]) -> None:
+        self.command = list(command)
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._lock = threading.Lock()
+        self._cancelled = False
+        self.last_secrets: list[str] | None = None  # of the last good validation, for a restart in place
+
+    def __call__(self) -> GuardConfig:
+        with self._lock:
+            if self._cancelled:
+                raise ReloadError("stopping")
+            try:
+                proc = self._proc = subprocess.Popen(
+                    self.command, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+                )
+            except OSError as exc:
+                raise ReloadError(f"could not run the validator: {exc}") from None
+        try:
+            out, err = proc.communicate(timeout=VALIDATE_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
+            raise ReloadError(f"the validator did not finish within {VALIDATE_TIMEOUT_S:.0f} s") from None
+        finally:
+            with self._lock:
+                self._proc = None
+        if self._cancelled:
+            raise ReloadError("stopping")
+        config, self.last_secrets = _parse_validated(proc.returncode, out, err)
+        return config
+
+    def cancel(self) -> None:
+        with self._lock:
+            self._cancelled = True
+            if self._proc is not None and self._proc.poll() is None:
+                self._proc.kill()
+
+
+def _parse_validated(returncode: int, out: bytes, err: bytes) -> tuple[GuardConfig, list[str]]:
+    if returncode != 0:
+        lines = err.decode(errors="replace").strip().splitlines()
+        message = lines[-1] if lines else f"validator exited with status {returncode}"
+        raise ReloadError(message.removeprefix("sparkwatch: ").removeprefix("config error: "))
+    try:
+        data = json.loads(out)
+        secrets = [str(s) for s in data.get("secrets") or []]
+        remember_secrets(secrets)
+        return GuardConfig.from_wire(data["wire"], data["public"]), secrets
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ReloadError(f"validator output unusable: {exc}") from None
+
+
+class GuardProcess:
+    def __init__(
+        self,
+        config: GuardConfig,
+        validate: Callable[[], GuardConfig] | None = None,
+        *,
+        log_handler: Any = None,
+        telemetry: Callable[[int, bool], list[str]] | None = telemetry_command,
+        restart: Callable[[], None] | None = None,
+    ) -> None:
+        self.config = config
+        self.validate = validate  # None: SIGHUP is logged and ignored
+        self.restart = restart  # how to start afresh when over the RSS cap (None: exit 1, and systemd restarts)
+        # With a webhook, the guard spools its own alerts (kills, kernel-log events) before each event is written, so
+        # a guard that dies between the event and the hand-over to telemetry loses none: telemetry's outbox finds the
+        # file when it starts (common.spool).
+        self.spool = FileSpool(config.state_dir / "outbox") if config.wire.get("webhook_url") else None
+        self.recording = open_recording(config.events_path, config.events_max_bytes, self.spool, log_handler)
+        self.events, self.journal, self.router = self.recording.events, self.recording.journal, self.recording.router
+        self.sd = ServiceNotifier(Notifier(), self.status_line, poll_max_s=config.poll_max_s)
+        self.guard = PoolWatch(config, self.events, heartbeat=self.sd.beat)
+        self.supervisor = TelemetrySupervisor(
+            config,
+            self.events,
+            self.state,
+            command=telemetry or telemetry_command,
+            near_floor=lambda: self.guard.near_floor,
+        )
+        # From telemetry's last cycle, over the channel: NVML's GPU holders and per-pid GPU bytes (the guard never
+        # loads NVML itself; a stale or missing reading never delays a kill: the policy ranks without it).
+        self.guard.gpu_holders = self.supervisor.gpu.holder_keys
+        self.guard.gpu_bytes_by_pid = self.supervisor.gpu.latest
+        self.events.subscribe(self.supervisor.forward)
+        self.components: list[Component[GuardConfig]] = [
+            Component(
+                "guard",
+                self.guard,
+                PoolWatch.LIVE_KEYS,
+                self.guard.reconfigure,
+                lambda: {"meminfo_errors": self.guard.stats.meminfo_errors_total},
+            ),
+            Component(
+                "sd_notify",
+                self.sd,
+                frozenset(),
+                self.sd.reconfigure,
+                lambda: {"notify_send_errors": self.sd.notifier.send_errors_total},
+            ),
+            Component("events", CountersOnly(), counters=self._event_counters),
+        ]
+        if telemetry is not None:
+            self.components.append(Component("telemetry", self.supervisor, counters=self.supervisor.counters))
+        self.rss_cap_bytes = GUARD_RSS_CAP_BYTES
+        self._stop = threading.Event()
+        self._reload = threading.Event()
+        self._wake = threading.Event()
+        self._reloading: threading.Thread | None = None
+
+    def _event_counters(self) -> dict[str, int]:
+        router = self.router
+        return {
+            **self.recording.counters(),
+            "alert_spool_errors": self.spool.spool_errors_total if self.spool is not None else 0,
+            "alerts_suppressed": router.suppressed_total if router is not None else 0,
+            "router_errors": router.errors_total if router is not None else 0,
+            "kernel_log_events_dropped": self.guard.kernlog.stats.events_dropped_total,
+        }
+
+    # --- what the channel carries
+    def counters(self) -> dict[str, dict[str, int]]:
+        return {component.name: dict(component.counters()) for component in self.components}
+
+    def state(self) -> StateMsg:
+        g = self.guard
+        with g.lock:
+            stats = g.stats.snapshot()
+        with g.kernlog.lock:
+            kernlog = g.kernlog.stats.snapshot()
+        return StateMsg(
+            guard=stats,
+            kernlog=kernlog,
+            counters=self.counters(),
+            rss_bytes=rss_bytes(),
+            watchdog_pings_total=self.sd.watchdog_pings_total,
+            pid=os.getpid(),
+        )
+
+    # --- signals
+    def request_stop(self) -> None:
+        self._stop.set()
+        self._wake.set()
+
+    def request_reload(self) -> None:
+        self._reload.set()
+        self._wake.set()
+
+    def on_signal(self, signum: int, _frame: FrameType | None) -> None:
+        if signum == signal.SIGHUP:
+            self.request_reload()
+        else:
+            self.request_stop()
+
+    def status_line(self) -> str:
+        g = self.guard
+        with g.lock:
+            mem = g.stats.mem
+            armed = g.stats.armed
+            error = g.stats.last_error if mem is None else None
+            floor = g.params.floor_bytes
+        return status_line(
+            None if mem is None else mem.available_bytes,
+            floor,
+            engines=self.supervisor.engines,
+            compile_jobs=self.supervisor.compile_jobs,
+            dry_run=self.config.dry_run,
+            armed=armed,
+            error=error,
+        )
+
+    # --- reload
+    def reload(self) -> bool:
+        """Validate the whole new config, then apply it: the guard process's components, then telemetry's."""
+        if self.validate is None:
+            log.warning("SIGHUP: this daemon was started without a config loader; nothing reloaded")
+            return False
+        notify = self.sd.notifier
+        notify.notify(f"RELOADING=1\nMONOTONIC_USEC={time.clock_gettime_ns(time.CLOCK_MONOTONIC) // 1000}")
+        try:
+            try:
+                new = self.validate()
+            except ReloadError as exc:
+                if not self._stop.is_set():
+                    log.error("reload: config error: %s; keeping the running config", exc)
+                return False
+            if self._stop.is_set():
+                return False
+            self._apply(new)
+            return True
+        finally:
+            if not self._stop.is_set():
+                notify.notify(f"READY=1\nSTATUS={self.status_line()}")
+
+    def _apply(self, new: GuardConfig) -> None:
+        old = self.config
+        changes = describe_wire_changes(old.wire, new.wire, old.public, new.public)
+        if not changes:
+            log.info("reload: config unchanged")
+            return
+        applied, errors = apply_all(self.components, new, skip={"telemetry"})  # telemetry's answer comes below
+        for error in errors:
+            log.error("reload: %s", error)
+        self.config = new
+        telemetry_keys = self.supervisor.apply(new, TELEMETRY_REPLY_S)
+        if telemetry_keys is not None:
+            applied["telemetry"] = telemetry_keys
+        log.info("reload: %s", "; ".join(text for _key, text in changes))
+        changed = [key for key, _text in changes]
+        for name, keys in applied.items():
+            took = [key for key in changed if key in keys]
+            if took:
+                log.info("reload: %s applied %s", name, ", ".join(took))
+        live = frozenset().union(*applied.values())
+        pending = [key for key in changed if key not in live]
+        if telemetry_keys is None:
+            log.warning(
+                "reload: the telemetry process has not answered in %.0f s; it applies the new config when it "
+                "reads it (or when it restarts), and what it applied is logged then",
+                TELEMETRY_REPLY_S,
+            )
+        if pending and telemetry_keys is None:
+            log.info("reload: not applied yet (telemetry's part, or after a restart): %s", ", ".join(pending))
+        elif pending:
+            log.info("reload: takes effect after a restart: %s", ", ".join(pending))
+
+    def _start_reload(self) -> None:
+        if self._reloading is not None and self._reloading.is_alive():
+            self._reload.set()  # one at a time: this SIGHUP is taken once the running reload is done
+            return
+        self._reloading = threading.Thread(target=self.reload, name="sparkwatch-reload", daemon=True)
+        self._reloading.start()
+
+    # --- run
+    def _protect_self(self) -> None:
+        """Lock our memory so the guard is not paged out under the very pressure it watches (earlyoom does too)."""
+        syscalls.limit_malloc_arenas(2)  # before the threads start: one arena per thread costs RSS for nothing
+        too_small = syscalls.memlock_limit_too_small()
+        if self.config.mlock and too_small is not None:
+            log.warning(
+                "not locking memory: RLIMIT_MEMLOCK is %d MiB. Under a finite limit mlockall(MCL_FUTURE) makes later "
+                "thread stacks fail once the locked address space reaches it. Set LimitMEMLOCK=infinity "
+                "(docs/systemd.md).",
+                too_small >> 20,
+            )
+        elif self.config.mlock:
+            try:
+                log.info("mlockall: %s", syscalls.mlockall())
+            except OSError as exc:
+                log.warning(
+                    "mlockall not permitted (%s); the guard may be paged out under pressure. "
+                    "Raise LimitMEMLOCK in the unit to allow it.",
+                    exc.strerror,
+                )
+
+    def over_rss_cap(self) -> int | None:
+        """Our RSS when it is over the cap, else None."""
+        rss = rss_bytes()
+        return rss if rss > self.rss_cap_bytes else None
+
+    def _over_cap(self, rss: int) -> None:
+        reason = f"guard RSS {rss >> 20} MiB over its {self.rss_cap_bytes >> 20} MiB cap"
+        log.error("ERROR %s: restarting the guard process in place", reason)
+        try:
+            self.events.append(
+                make_event(
+                    EventKind.COMPONENT_RESTARTED,
+                    f"the guard process restarted itself: {reason}",
+                    {"component": "guard", "reason": reason, "rss_bytes": rss, "cap_bytes": self.rss_cap_bytes},
+                )
+            )
+        except OSError as exc:
+            log.error("could not record component_restarted event: %s", exc)
+
+    def run(self) -> int:
+        self._protect_self()
+        started = start_all(self.components, essential={"guard"})
+        c = self.config
+        log.info(
+            "running: floor %d MiB, metrics on %s, events in %s%s; journal via %s%s; telemetry in its own process",
+            c.floor >> 20,
+            c.listen,
+            c.events_path,
+            " (DRY RUN: nothing will be signalled)" if c.dry_run else "",
+            self.journal.backend,
+            f", sd_notify via {self.sd.notifier.backend}" if self.sd.notifier.enabled else "",
+        )
+        syscalls.trim_heap()  # hand back what importing and building everything left free
+        over: int | None = None
+        while not self._stop.is_set():
+            self._wake.wait(1.0)
+            self._wake.clear()
+            if self._reload.is_set() and not self._stop.is_set():
+                self._reload.clear()
+                self._start_reload()
+            over = self.over_rss_cap()
+            if over is not None:
+                break
+        self.sd.stopping()  # first, so systemd knows the exit that follows is wanted
+        log.info("stopping")
+        if isinstance(self.validate, Validator):
+            self.validate.cancel()
+        if self._reloading is not None:
+            self._reloading.join(RELOAD_JOIN_S)
+        if over is not None:
+            self._over_cap(over)
+        stop_all(started)
+        if over is not None:
+            if self.restart is not None:
+                self.restart()  # does not return when it works
+            return 1
+        return 0
+
+
+def read_settings_fd(fd: int) -> Mapping[str, Any]:
+    os.lseek(fd, 0, os.SEEK_SET)
+    chunks = []
+    while chunk := os.read(fd, 65536):
+        chunks.append(chunk)
+    os.close(fd)
+    data = json.loads(b"".join(chunks))
+    if not isinstance(data, dict):
+        raise ValueError("settings payload is not an object")
+    return data
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    # Handlers first, then unblock: a SIGHUP that arrived while `run` loaded the config is delivered now, as a
+    # reload request, and nothing has started yet that it could catch half-built.
+    pending: list[int] = []
+    target: list[GuardProcess] = []
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        if target:
+            target[0].on_signal(signum, frame)
+        else:
+            pending.append(signum)
+
+    for sig in DAEMON_SIGNALS:
+        signal.signal(sig, on_signal)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, DAEMON_SIGNALS)
+    parser = argparse.ArgumentParser(prog="sparkwatch-guard")
+    parser.add_argument("--settings-fd", type=int, required=True)
+    parser.add_argument("cli_args", nargs=argparse.REMAINDER, help="the `sparkwatch run …` arguments, for reloads")
+    args = parser.parse_args(argv)
+    syscalls.set_comm("sparkwatch")
+    handler = logs.setup("guard")
+    try:
+        data = read_settings_fd(args.settings_fd)
+        remember_secrets(data.get("secrets") or [])  # before any line is logged: the log redacts them
+        config = GuardConfig.from_wire(data["wire"], data["public"])
+    except (OSError, ValueError, KeyError) as exc:
+        log.error("config error: cannot read the validated settings: %s", exc)
+        return 2
+    cli_args = [a for a in args.cli_args if a != "--"]
+    validator = Validator([sys.executable, "-m", "sparkwatch", *cli_args, "--print-settings"])
+
+    def restart() -> None:
+        current = process.config
+        secrets = validator.last_secrets if validator.last_secrets is not None else data.get("secrets")
+        exec_guard({"wire": dict(current.wire), "public": dict(current.public), "secrets": secrets}, cli_args)
+
+    process = GuardProcess(config, validator, log_handler=handler, restart=restart)
+    target.append(process)
+    for signum in pending:
+        process.on_signal(signum, None)
+    return process.run()

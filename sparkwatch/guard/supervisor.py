@@ -1,0 +1,351 @@
+"""The guard process's supervision of the telemetry process: spawn it, talk to it, restart it with backoff.
+
+One thread. It spawns `python -m sparkwatch.telemetry --channel-fd N` with its end of a socketpair, sends it the
+validated config, then loops once per tick: send the guard's state when it changed (never blocking), forward the
+guard's events, and read what telemetry says (per-pid GPU bytes and holders into `gpu`, engine and compile-job counts
+for STATUS=, reload replies), a bounded amount of it (common.channel).
+
+A tick is STATE_FAST_S while the guard is near the floor (the exporter's counters then lag a kill by at most that)
+and STATE_SLOW_S otherwise: far from the floor the guard costs one wake-up a second, and sends nothing new when
+nothing changed but a heartbeat every HEARTBEAT_S.
+
+Telemetry is killed and started again, with a `component_restarted` event and a backoff that doubles from 1 s to
+60 s (and resets once a run lasted 60 s), when it exits, when it sends nothing valid for `stall_after_s` (a hung
+NVML load holds its GIL), or when it floods the channel (every receive for `stall_after_s` left datagrams behind):
+the checks run on the supervisor's own clock, whatever the traffic. Nothing here is on the pool watch's thread.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections import OrderedDict, deque
+from collections.abc import Callable, Mapping
+
+from sparkwatch.common import logs
+from sparkwatch.common.channel import Channel, ChannelClosed, socketpair
+from sparkwatch.common.events import EventLog, EventLogError, make_event
+from sparkwatch.common.guardconfig import GuardConfig
+from sparkwatch.common.lifecycle import Backoff, run_with_restarts
+from sparkwatch.common.messages import AckMsg, AppliedMsg, EventMsg, Message, SettingsMsg, StateMsg, TelMsg, encode
+from sparkwatch.core.eventkinds import EventKind
+from sparkwatch.core.model import Event
+from sparkwatch.guard.gpuboard import GpuBoard
+
+BACKOFF_MIN_S = 1.0
+BACKOFF_MAX_S = 60.0
+HEALTHY_RUN_S = 60.0  # a run this long resets the backoff
+STOP_GRACE_S = 5.0
+NVML_OFF_AFTER_STALLS = 2
+MAX_UNACKED_EVENTS = 256
+RELOAD_RESEND_S = 2.0  # a reload telemetry has not acknowledged is sent again this often
+STATE_FAST_S = 0.25  # near the floor: the exporter's counters lag the guard by at most this
+STATE_SLOW_S = 1.0  # far from it: one wake-up a second
+HEARTBEAT_S = 5.0  # an unchanged state is still sent this often, so telemetry sees the guard alive
+log = logs.get("supervisor")
+
+
+def telemetry_command(fd: int, nvml: bool = True) -> list[str]:
+    argv = [sys.executable, "-m", "sparkwatch.telemetry", "--channel-fd", str(fd), "--guard-pid", str(os.getpid())]
+    return argv if nvml else [*argv, "--no-nvml"]
+
+
+def telemetry_env(environ: Mapping[str, str]) -> dict[str, str]:
+    """The telemetry process's environment: ours, with CPython's small-object allocator off (unless the user chose
+    one). Under 1,000 processes a minute its pymalloc arenas and glibc heap kept growing slowly (bench/RESULTS-soak.md)
+    while its live Python objects did not (tracemalloc); with every object in glibc's heap the once-a-minute
+    malloc_trim (telemetry/loop.py) hands back free pages wherever they are. The guard keeps pymalloc: it allocates
+    little, and its memory is locked."""
+    env = dict(environ)
+    env.setdefault("PYTHONMALLOC", "malloc")
+    return env
+
+
+# Telemetry's main thread answers every 0.25-1 s whatever its cycle does; only a process-wide stop (a C call holding
+# the GIL, such as a dlopen of a hung libnvidia-ml) or a reload waiting behind a slow cycle silences it.
+STALL_MIN_S = 15.0
+# Before its first message telemetry imports pydantic, prometheus_client and pynvml and checks that NVML loads (up to
+# 10 s, telemetry/sources/nvml_preflight.py): allow that much more, on a loaded box.
+STARTUP_ALLOWANCE_S = 60.0
+
+
+def stall_after_s(config: GuardConfig) -> float:
+    """Silence from telemetry this long means it is stuck: ten cycles, and never under STALL_MIN_S."""
+    return max(STALL_MIN_S, 10 * config.telemetry_interval_s)
+
+
+class TelemetrySupervisor:
+    """A component of the guard process. `state()` builds the state to send, `near_floor()` picks the tick; `gpu`
+    holds what telemetry reports about the GPU."""
+
+    name = "telemetry"
+    live_keys: frozenset[str] = frozenset()  # telemetry answers for its own keys over the channel
+
+    def __init__(
+        self,
+        config: GuardConfig,
+        events: EventLog,
+        state: Callable[[], StateMsg],
+        *,
+        command: Callable[[int, bool], list[str]] = telemetry_command,
+        near_floor: Callable[[], bool] = lambda: False,
+    ) -> None:
+        self.config = config
+        self.events = events
+        self.state = state
+        self.near_floor = near_floor
+        self.command = command
+        self.gpu = GpuBoard()
+        self.engines: int | None = None
+        self.compile_jobs: int | None = None
+        self.restarts_total = 0
+        self.stalls_total = 0
+        self.floods_total = 0
+        self.consecutive_stalls = 0
+        self.nvml = True  # off once telemetry hung NVML_OFF_AFTER_STALLS times in a row, until sparkwatch restarts
+        self.channel: Channel | None = None
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.last_heard_monotonic: float | None = None
+        self.states_sent_total = 0
+        self._pending: deque[Event] = deque(maxlen=MAX_UNACKED_EVENTS)  # not yet sent (telemetry may be down)
+        # Sent but not yet acknowledged (telemetry acks once its outbox has the alert): resent to the next telemetry
+        # process if this one dies first, so a kill's alert survives a telemetry crash (delivery is at least once).
+        self._unacked: OrderedDict[str, Event] = OrderedDict()
+        self._reply: AppliedMsg | None = None
+        self._replied = threading.Event()
+        self._waiting_reply = False
+        self._settings_dirty = False  # a reload telemetry has not acknowledged yet
+        self._settings_sent_at = 0.0
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._dropped_before = 0
+        self._bad_before = 0
+        self._last_state: bytes | None = None
+        self._last_state_at = 0.0
+
+    # --- component interface
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="sparkwatch-supervisor", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        proc = self.proc
+        if proc is not None and proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(STOP_GRACE_S)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(STOP_GRACE_S)
+        if self._thread is not None:
+            self._thread.join(STOP_GRACE_S)
+
+    def apply(self, config: GuardConfig, timeout_s: float = 5.0) -> frozenset[str] | None:
+        """Hand telemetry the new config; the keys its components applied, or None if it did not answer in time
+        (it is restarting: it will start with the new config)."""
+        with self._lock:
+            self.config = config
+            self._reply = None
+            self._replied.clear()
+            self._settings_dirty = True
+            self._settings_sent_at = -RELOAD_RESEND_S  # send at the next tick
+            self._waiting_reply = True
+        try:
+            if not self._replied.wait(timeout_s):
+                return None
+        finally:
+            self._waiting_reply = False
+        reply = self._reply or AppliedMsg()
+        for error in reply.errors:
+            log.error("reload: telemetry: %s", error)
+        return frozenset(reply.keys)
+
+    def forward(self, event: Event) -> None:
+        """An EventLog listener: queue the event for telemetry's outbox. Never blocks (on the reaper thread)."""
+        self._pending.append(event)
+
+    @property
+    def channel_dropped_total(self) -> int:
+        return self._dropped_before + (self.channel.dropped_total if self.channel is not None else 0)
+
+    @property
+    def channel_bad_total(self) -> int:
+        return self._bad_before + (self.channel.bad_total if self.channel is not None else 0)
+
+    def counters(self) -> dict[str, int]:
+        return {
+            "telemetry_restarts": self.restarts_total,
+            "telemetry_stalls": self.stalls_total,
+            "telemetry_floods": self.floods_total,
+            "channel_dropped": self.channel_dropped_total,
+            "channel_bad": self.channel_bad_total,
+        }
+
+    # --- the thread
+    def _run(self) -> None:
+        run_with_restarts(
+            self._run_once, self._stop, Backoff(BACKOFF_MIN_S, BACKOFF_MAX_S, HEALTHY_RUN_S), self._restarting
+        )
+
+    def _restarting(self, reason: str, backoff_s: float) -> None:
+        self.restarts_total += 1
+        log.error("telemetry process %s; restarting it in %.0f s (the guard keeps running)", reason, backoff_s)
+        self._record_restart(reason, backoff_s)
+
+    def _spawn(self) -> tuple[Channel, subprocess.Popen[bytes]]:
+        ours, theirs = socketpair()
+        try:
+            proc = subprocess.Popen(
+                self.command(theirs.fileno(), self.nvml),
+                pass_fds=(theirs.fileno(),),
+                stdin=subprocess.DEVNULL,
+                close_fds=True,
+                env=telemetry_env(os.environ),
+            )
+        finally:
+            theirs.close()
+        return Channel(ours), proc
+
+    def _run_once(self) -> str | None:
+        """One telemetry process, from spawn to its end: why it ended (None when we are stopping)."""
+        channel, proc = self._spawn()
+        self.channel, self.proc = channel, proc
+        self._requeue_unacked()
+        spawned = time.monotonic()
+        self.last_heard_monotonic = None
+        self.engines = self.compile_jobs = None
+        self._last_state = None
+        flooding_since: float | None = None
+        with self._lock:
+            config = self.config
+            self._settings_dirty = False
+        channel.send(SettingsMsg(dict(config.wire), dict(config.public), reload=False))
+        try:
+            while not self._stop.is_set():
+                tick_s = STATE_FAST_S if self.near_floor() else STATE_SLOW_S
+                tick_ends = time.monotonic() + tick_s
+                self._send_state(channel)
+                self._flush_events(channel)
+                self._resend_settings(channel)
+                for msg in channel.receive(tick_s):
+                    self.last_heard_monotonic = time.monotonic()
+                    self.consecutive_stalls = 0
+                    self._handle(msg)
+                if channel.saturated:  # the rest waits in the kernel's buffer: one receive's worth a tick, no more
+                    self._stop.wait(max(0.0, tick_ends - time.monotonic()))
+                if proc.poll() is not None:
+                    return f"exited with status {proc.returncode}"
+                now = time.monotonic()
+                flooding_since = (flooding_since or now) if channel.saturated else None
+                why = self._misbehaving(spawned, now, flooding_since)
+                if why is not None:
+                    proc.kill()  # a process stuck in a C call (a hung dlopen) does not answer SIGTERM
+                    proc.wait(STOP_GRACE_S)
+                    return why
+            return None
+        except ChannelClosed as exc:
+            try:
+                proc.wait(STOP_GRACE_S)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(STOP_GRACE_S)
+            return f"closed the channel ({exc}), exit status {proc.returncode}"
+        finally:
+            self.engines = self.compile_jobs = None
+            self._dropped_before += channel.dropped_total
+            self._bad_before += channel.bad_total
+            self.channel = None
+            channel.close()  # one socket per telemetry process: never leak one per restart
+
+    def _misbehaving(self, spawned: float, now: float, flooding_since: float | None) -> str | None:
+        """Why this telemetry process must be killed now, or None: silent too long, or flooding too long."""
+        limit_s = stall_after_s(self.config)
+        if flooding_since is not None and now - flooding_since > limit_s:
+            self.floods_total += 1
+            self.stalls_total += 1  # a telemetry process stuck in a loop is as stalled as a silent one
+            return f"flooded the channel for {now - flooding_since:.0f} s (stuck in a loop; killed)"
+        heard = self.last_heard_monotonic
+        silent_s = now - (spawned if heard is None else heard)
+        if silent_s <= (STARTUP_ALLOWANCE_S if heard is None else limit_s):
+            return None
+        self.stalls_total += 1
+        self.consecutive_stalls += 1
+        if self.consecutive_stalls >= NVML_OFF_AFTER_STALLS and self.nvml:
+            self.nvml = False  # the usual culprit: a dlopen or init of libnvidia-ml that never returns
+            log.error("telemetry hung %d times in a row: restarting it without NVML", self.consecutive_stalls)
+        return f"sent nothing for {silent_s:.0f} s (stuck; killed)"
+
+    def _send_state(self, channel: Channel) -> None:
+        """The guard's state, when it changed (or every HEARTBEAT_S): an idle guard sends one small datagram a second
+        at most, and nothing at all while nothing changes."""
+        data = encode(self.state())
+        now = time.monotonic()
+        if data == self._last_state and now - self._last_state_at < HEARTBEAT_S:
+            return
+        if channel.send_bytes(data):
+            self._last_state, self._last_state_at = data, now
+            self.states_sent_total += 1
+
+    def _resend_settings(self, channel: Channel) -> None:
+        # A reload is sent until telemetry answers `applied`, again every RELOAD_RESEND_S: a message refused by a full
+        # channel, or lost while telemetry was starting, is never the end of it (applying twice changes nothing).
+        now = time.monotonic()
+        with self._lock:
+            config = self.config
+            due = self._settings_dirty and now >= self._settings_sent_at + RELOAD_RESEND_S
+            if due:
+                self._settings_sent_at = now
+        if due:
+            channel.send(SettingsMsg(dict(config.wire), dict(config.public), reload=True))
+
+    def _flush_events(self, channel: Channel) -> None:
+        while self._pending:
+            event = self._pending[0]
+            if not channel.send(EventMsg(event)):
+                return  # telemetry busy or gone: keep it for the next try (or the next telemetry process)
+            self._pending.popleft()
+            self._unacked[event.id] = event
+            while len(self._unacked) > MAX_UNACKED_EVENTS:
+                self._unacked.popitem(last=False)
+
+    def _requeue_unacked(self) -> None:
+        """The last telemetry process died before its outbox had these: send them first to the next one."""
+        while self._unacked:
+            _id, event = self._unacked.popitem(last=True)
+            self._pending.appendleft(event)
+
+    def _handle(self, msg: Message) -> None:
+        if isinstance(msg, TelMsg):
+            self.engines, self.compile_jobs = msg.engines, msg.compile_jobs
+            self.gpu.update(msg)
+        elif isinstance(msg, AckMsg):
+            for event_id in msg.ids:
+                self._unacked.pop(event_id, None)
+        elif isinstance(msg, AppliedMsg):
+            with self._lock:
+                self._settings_dirty = False  # telemetry has the new settings: stop resending them
+            if self._waiting_reply:
+                self._reply = msg
+                self._replied.set()
+            else:  # the reload's wait ran out first: say what telemetry applied when it does
+                log.info("reload: telemetry answered late (after the reload's wait)")
+                log.info("reload: telemetry applied %s", ", ".join(msg.keys) or "nothing")
+                for error in msg.errors:
+                    log.error("reload: telemetry: %s", error)
+        # a guard → telemetry kind coming back is a confused peer: ignored
+
+    def _record_restart(self, reason: str, backoff_s: float) -> None:
+        event = make_event(
+            EventKind.COMPONENT_RESTARTED,
+            f"telemetry process {reason}; restarted after {backoff_s:.0f} s",
+            {"component": "telemetry", "reason": reason, "backoff_s": backoff_s, "restarts": self.restarts_total},
+        )
+        try:
+            self.events.append(event)
+        except EventLogError as exc:
+            log.error("could not record component_restarted event: %s", exc)

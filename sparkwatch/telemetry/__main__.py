@@ -1,0 +1,3 @@
+from sparkwatch.telemetry.process import main
+
+raise SystemExit(main())

@@ -1,0 +1,654 @@
+"""The one list of metric families sparkwatch exports: name, type, labels, when it is present, what it means.
+
+The tests hold the exporter to it both ways (every family it exports is listed with this type and these labels, and
+every listed family is exported in the full scenario), hold the dashboard and the alert rules to it (they may only
+query names listed here), and check that docs/contract.md's metrics table is `markdown_table()` verbatim.
+Add a family here in the same change that makes the exporter publish it.
+
+Names are prefixed `sparkwatch_`, in base units; a counter is listed with its `_total` suffix, as Prometheus sees it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from sparkwatch.core.enums import DriverVerdict, JitState, MaxJobsState
+from sparkwatch.core.nvmlcodes import meanings_text
+
+MetricType = Literal["gauge", "counter", "histogram"]
+
+# When a family is present. A series that is not known is absent, never 0.
+Presence = Literal["always", "meminfo", "guard", "guard_loop", "kill", "events", "outbox", "delivered", "telemetry",
+                   "psi", "gpu", "gpu_device", "gpu_field", "driver", "daemon"]  # fmt: skip
+PRESENCE: dict[Presence, str] = {
+    "always": "always",
+    "meminfo": "once /proc/meminfo was read (the guard's read, else the telemetry's)",
+    "guard": "while the guard runs in this process",
+    "guard_loop": "once the guard loop has run",
+    "kill": "after the first kill",
+    "events": "with an event log (the daemon)",
+    "outbox": "with a webhook configured",
+    "delivered": "after the first delivered alert",
+    "telemetry": "once the telemetry has run a cycle",
+    "psi": "when the kernel has PSI (/proc/pressure/memory)",
+    "gpu": "when the GPU source is on (NVML)",
+    "gpu_device": "per GPU, while NVML is up, for each field NVML supports on it (absent on NOT_SUPPORTED, never 0)",
+    "gpu_field": "per GPU and field, while that field fails with another code than NOT_SUPPORTED",
+    "driver": "once the drift watcher has checked",
+    "daemon": "in the daemon (`sparkwatch run`), from both of its processes",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class MetricSpec:
+    name: str
+    type: MetricType
+    labels: tuple[str, ...]
+    present: Presence
+    meaning: str  # docs/contract.md's column: what the series means to someone reading a dashboard
+    help: str  # the exposition's `# HELP` line (the golden file holds it): the collector takes it from here
+
+
+PREFIX = "sparkwatch_"
+
+
+def _m(
+    name: str, type_: MetricType, labels: str, present: Presence, meaning: str, *, help: str | None = None
+) -> MetricSpec:
+    return MetricSpec(PREFIX + name, type_, tuple(labels.split()), present, meaning, help or meaning)
+
+
+_GPU = "gpu uuid"  # per-GPU series carry only these; identity is on gpu_info
+_JIT = "cache version arch"
+
+METRICS: tuple[MetricSpec, ...] = (
+    _m("build_info", "gauge", "version", "always", "sparkwatch version; always 1", help="sparkwatch version, always 1"),
+    # the pool (/proc/meminfo) and the guard
+    _m("memory_total_bytes", "gauge", "", "meminfo", "MemTotal: the unified CPU+GPU pool"),
+    _m("memory_available_bytes", "gauge", "", "meminfo", "MemAvailable: what the guard compares with the floor"),
+    _m("memory_free_bytes", "gauge", "", "meminfo", "MemFree"),
+    _m("memory_cached_bytes", "gauge", "", "meminfo", "Cached (page cache)"),
+    _m(
+        "memory_used_bytes", "gauge", "", "meminfo", "MemTotal - MemAvailable: the honest used figure on a unified pool"
+    ),
+    _m(
+        "memory_floor_bytes",
+        "gauge",
+        "",
+        "always",
+        "the guard's MemAvailable kill floor",
+        help="The guard's MemAvailable kill floor",
+    ),
+    _m(
+        "memory_warn_headroom_bytes",
+        "gauge",
+        "",
+        "always",
+        "low_headroom alerts within this of the floor",
+        help="low_headroom alerts when MemAvailable is within this of the floor",
+    ),
+    _m(
+        "memory_fill_rate_bytes_per_second",
+        "gauge",
+        "",
+        "guard",
+        "smoothed fall rate of MemAvailable (+: filling)",
+        help="Smoothed rate at which MemAvailable falls (positive: filling)",
+    ),
+    _m(
+        "memory_pressure_stalled_seconds_total",
+        "counter",
+        "kind",
+        "psi",
+        'PSI stall time, kind="some|full"',
+        help="Cumulative time tasks stalled on memory (PSI), some or all non-idle tasks",
+    ),
+    _m(
+        "guard_poll_interval_seconds",
+        "gauge",
+        "",
+        "guard",
+        "the guard's current poll interval",
+        help="The guard's current poll interval",
+    ),
+    _m(
+        "guard_kills_total",
+        "counter",
+        "trigger",
+        "guard",
+        "kills of engine trees, by trigger (each exported at 0)",
+        help="Kills of engine trees, by trigger",
+    ),
+    _m(
+        "guard_kills_cancelled_total",
+        "counter",
+        "",
+        "guard",
+        "firings cancelled: MemAvailable recovered between the choice of a victim and the signal",
+        help="Firings cancelled because MemAvailable recovered between the decision and the signal",
+    ),
+    _m(
+        "guard_kill_loops_total",
+        "counter",
+        "",
+        "guard",
+        "kill loops: the same engine killed again and again (a supervisor restarting it into the spike)",
+        help="Kill loops detected (an engine restarted into the same spike)",
+    ),
+    _m(
+        "guard_killed_processes_total",
+        "counter",
+        "",
+        "guard",
+        "processes SIGKILLed by the guard",
+        help="Processes SIGKILLed by the guard",
+    ),
+    _m(
+        "guard_last_kill_timestamp_seconds",
+        "gauge",
+        "",
+        "kill",
+        "when the guard last fired",
+        help="When the guard last fired",
+    ),
+    _m(
+        "guard_kill_duration_seconds",
+        "histogram",
+        "",
+        "guard",
+        "from detection to the last victim reaped",
+        help="From detection to the last victim reaped",
+    ),
+    _m("guard_dry_run", "gauge", "", "guard", "1 if the guard decides but signals nothing"),
+    _m(
+        "guard_armed",
+        "gauge",
+        "",
+        "guard",
+        "0 while waiting for memory to come back after a kill",
+        help="0 during a kill episode (until memory is back above floor + rearm_headroom)",
+    ),
+    _m("guard_meminfo_errors_total", "counter", "", "guard", "/proc/meminfo reads or parses that failed"),
+    _m(
+        "guard_loop_age_seconds",
+        "gauge",
+        "",
+        "guard_loop",
+        "seconds since the guard loop last ran: a stuck guard grows it",
+        help="Seconds since the guard loop last ran (a stuck guard grows this)",
+    ),
+    _m(
+        "event_log_write_errors_total",
+        "counter",
+        "",
+        "events",
+        "events that could not be made durable in events.jsonl",
+        help="Events that could not be made durable in events.jsonl (unwritable or full state dir)",
+    ),
+    # alert delivery
+    _m(
+        "alerts_pending",
+        "gauge",
+        "",
+        "outbox",
+        "alerts spooled and not yet acknowledged by the webhook",
+        help="Alerts spooled and not yet acknowledged by the webhook",
+    ),
+    _m(
+        "alerts_delivered_total",
+        "counter",
+        "",
+        "outbox",
+        "alerts the webhook acknowledged (2xx)",
+        help="Alerts the webhook acknowledged (2xx)",
+    ),
+    _m(
+        "alert_delivery_failures_total",
+        "counter",
+        "",
+        "outbox",
+        "failed delivery attempts (refused, timeout, non-2xx)",
+        help="Failed delivery attempts (refused, timeout, non-2xx)",
+    ),
+    _m(
+        "alert_spool_errors_total",
+        "counter",
+        "",
+        "outbox",
+        "alerts that could not be spooled to disk (kept in memory)",
+        help="Alerts that could not be spooled to disk (kept in memory)",
+    ),
+    _m(
+        "alerts_dropped_total",
+        "counter",
+        "",
+        "outbox",
+        "undelivered alerts dropped, oldest first, at the outbox cap",
+        help="Undelivered alerts dropped, oldest first, at the outbox cap",
+    ),
+    _m(
+        "alert_spool_quarantined_total",
+        "counter",
+        "",
+        "outbox",
+        "spool files moved to outbox/bad/ (not an event id, unparseable)",
+        help="Spool files moved to outbox/bad/ (not an event id, unparseable)",
+    ),
+    _m(
+        "alert_outbox_restarts_total",
+        "counter",
+        "",
+        "outbox",
+        "times the outbox worker crashed and was restarted",
+        help="Times the outbox worker crashed and was restarted",
+    ),
+    _m(
+        "alert_last_delivery_timestamp_seconds",
+        "gauge",
+        "",
+        "delivered",
+        "when the webhook last acknowledged one",
+        help="When the webhook last acknowledged an alert",
+    ),
+    # engines, compilers, JIT caches (the telemetry)
+    _m(
+        "engine_processes",
+        "gauge",
+        "engine",
+        "telemetry",
+        "processes in engine trees, by engine kind",
+        help="Processes in engine trees, by engine",
+    ),
+    _m("engine_rss_bytes", "gauge", "engine", "telemetry", "RSS of engine trees (GPU memory not included)"),
+    _m(
+        "engine_gpu_memory_bytes",
+        "gauge",
+        "engine",
+        "gpu",
+        'NVML per-process GPU memory summed per engine tree (engine="other": in no tree); while NVML is up',
+        help=(
+            "GPU memory of engine trees (NVML per-process, summed per tree; 'other' for the rest): the share of the "
+            "unified pool that RSS and cgroups cannot see"
+        ),
+    ),
+    _m(
+        "compile_processes",
+        "gauge",
+        "tool",
+        "telemetry",
+        "live compiler processes by tool (every tool, 0 when none)",
+        help="Live compiler processes, by tool",
+    ),
+    _m(
+        "compile_rss_bytes",
+        "gauge",
+        "",
+        "telemetry",
+        "total RSS of compiler processes",
+        help="Total RSS of compiler processes",
+    ),
+    _m(
+        "compile_parallel_jobs",
+        "gauge",
+        "",
+        "telemetry",
+        "nvcc + cicc processes: what MAX_JOBS bounds",
+        help="nvcc + cicc processes: the parallelism MAX_JOBS bounds",
+    ),
+    _m(
+        "compile_arch_processes",
+        "gauge",
+        "arch",
+        "telemetry",
+        "compiler processes by target CUDA arch (121a: GB10)",
+        help="Compiler processes by the CUDA arch they target",
+    ),
+    _m(
+        "compile_engine_processes",
+        "gauge",
+        "engine pid",
+        "telemetry",
+        "compiler processes inside each engine tree",
+        help="Compiler processes inside each engine tree",
+    ),
+    _m(
+        "compile_max_jobs",
+        "gauge",
+        "engine pid state",
+        "telemetry",
+        f"MAX_JOBS in the environment an engine's compilers inherit, a state set: state={'|'.join(MaxJobsState)}",
+        help="Whether MAX_JOBS is set in the environment an engine's compilers inherit (state set)",
+    ),
+    _m(
+        "compile_outside_engine_processes",
+        "gauge",
+        "",
+        "telemetry",
+        "compiler processes in no engine tree",
+        help="Compiler processes in no engine tree (a pip build, a make)",
+    ),
+    _m(
+        "jit_cache_bytes",
+        "gauge",
+        _JIT,
+        "telemetry",
+        "bytes in a JIT cache (flashinfer <version>/<arch>, vllm)",
+        help="Bytes in a JIT cache",
+    ),
+    _m("jit_cache_files", "gauge", _JIT, "telemetry", "files in a JIT cache", help="Files in a JIT cache"),
+    _m(
+        "jit_cache_last_change_timestamp_seconds",
+        "gauge",
+        _JIT,
+        "telemetry",
+        "newest mtime in a JIT cache",
+        help="Newest mtime in a JIT cache",
+    ),
+    _m(
+        "jit_build_objects",
+        "gauge",
+        f"{_JIT} state",
+        "telemetry",
+        'build.ninja object targets, state="done|total"',
+        help="Object files built against build.ninja targets",
+    ),
+    _m(
+        "jit_build_modules",
+        "gauge",
+        f"{_JIT} state",
+        "telemetry",
+        'JIT modules, state="built|total"',
+        help="JIT modules (build.ninja dirs) and those linked",
+    ),
+    _m(
+        "jit_state",
+        "gauge",
+        "engine pid state",
+        "telemetry",
+        f"per engine tree, a state set: state={'|'.join(JitState)}",
+        help="Per engine: idle, compiling or stalled (state set)",
+    ),
+    _m("collector_success", "gauge", "collector", "telemetry", "1 if the source worked this cycle"),
+    _m(
+        "collector_duration_seconds",
+        "gauge",
+        "collector",
+        "telemetry",
+        "time the source took this cycle",
+        help="Time the source took this cycle",
+    ),
+    _m(
+        "telemetry_last_cycle_timestamp_seconds",
+        "gauge",
+        "",
+        "telemetry",
+        "when the cycle served here finished",
+        help="When the telemetry cycle served here finished",
+    ),
+    # the GPU (NVML)
+    _m("gpu_up", "gauge", "", "gpu", "1 if NVML answered this cycle", help="1 if NVML answered this cycle, 0 if not."),
+    _m(
+        "gpu_nvml_return_code",
+        "gauge",
+        "",
+        "gpu",
+        f"NVML's code: {meanings_text()}; absent when a call hung",
+        help=(
+            "NVML return code of the last cycle: 0 success, 9 driver not loaded, 12 library not found, 18 "
+            "driver/library version mismatch."
+        ),
+    ),
+    _m(
+        "gpu_nvml_call_timeouts_total",
+        "counter",
+        "",
+        "gpu",
+        "NVML calls that outlived the timeout (a hung driver)",
+        help="NVML calls that did not return within the timeout (a hung driver).",
+    ),
+    _m(
+        "gpu_info",
+        "gauge",
+        "gpu uuid name driver_version bus_id unified",
+        "gpu",
+        'GPU identity; always 1. unified="true": no VRAM, the pool is sparkwatch_memory_*',
+        help="GPU identity; always 1. unified=true: the GPU shares the system memory pool.",
+    ),
+    _m("gpu_power_watts", "gauge", _GPU, "gpu_device", "power draw", help="Power draw of the GPU (NVML power usage)."),
+    _m(
+        "gpu_power_limit_watts",
+        "gauge",
+        _GPU,
+        "gpu_device",
+        "enforced power limit (absent on a GB10)",
+        help="Enforced power limit of the GPU; absent where NVML has none (GB10).",
+    ),
+    _m(
+        "gpu_utilization_ratio",
+        "gauge",
+        _GPU,
+        "gpu_device",
+        "fraction of the sample period a kernel ran (0 to 1)",
+        help="Fraction of the last sample period in which a kernel ran on the GPU (0 to 1).",
+    ),
+    _m("gpu_temperature_celsius", "gauge", _GPU, "gpu_device", "GPU core temperature", help="GPU core temperature."),
+    _m("gpu_sm_clock_hertz", "gauge", _GPU, "gpu_device", "current SM clock", help="Current SM clock."),
+    _m("gpu_sm_clock_max_hertz", "gauge", _GPU, "gpu_device", "maximum SM clock", help="Maximum SM clock."),
+    _m(
+        "gpu_memory_total_bytes",
+        "gauge",
+        _GPU,
+        "gpu_device",
+        "dedicated VRAM (absent on unified memory)",
+        help="Dedicated GPU memory (VRAM); absent on unified memory, where the pool is the sparkwatch_memory_* series.",
+    ),
+    _m(
+        "gpu_memory_used_bytes",
+        "gauge",
+        _GPU,
+        "gpu_device",
+        "VRAM in use (absent on unified memory)",
+        help="Dedicated GPU memory in use; absent on unified memory.",
+    ),
+    _m(
+        "gpu_energy_joules_total",
+        "counter",
+        _GPU,
+        "gpu_device",
+        "energy since the driver loaded",
+        help="Energy the GPU used since the driver loaded.",
+    ),
+    _m(
+        "gpu_process_memory_bytes",
+        "gauge",
+        f"{_GPU} pid",
+        "gpu_device",
+        "GPU memory of a process (NVML lists)",
+        help=(
+            "GPU memory used by a process (NVML compute and graphics lists); on unified memory a share of the pool that"
+            " RSS and cgroups do not see."
+        ),
+    ),
+    _m(
+        "gpu_field_supported",
+        "gauge",
+        f"{_GPU} field",
+        "gpu_device",
+        "1 if NVML answers this field, 0: NOT_SUPPORTED",
+        help=(
+            "1 if NVML answers this field on this GPU, 0 if it says NOT_SUPPORTED (the field's series is then absent)."
+        ),
+    ),
+    _m(
+        "gpu_unknown_holders",
+        "gauge",
+        "",
+        "gpu",
+        "processes NVML lists as holding GPU memory that match no engine rule: the guard would not kill them",
+        help="Processes NVML lists as holding GPU memory that match no engine rule and are in no engine tree",
+    ),
+    _m(
+        "gpu_unknown_holder_memory_bytes",
+        "gauge",
+        "",
+        "gpu",
+        "GPU memory those processes hold (where NVML says)",
+        help="GPU memory held by processes that match no engine rule (NVML per-process, where it says)",
+    ),
+    _m(
+        "gpu_field_error_code",
+        "gauge",
+        f"{_GPU} field",
+        "gpu_field",
+        "NVML code of a field failing this cycle",
+        help="NVML return code of a field that failed this cycle for another reason than NOT_SUPPORTED.",
+    ),
+    # the driver (drift between kernel, next boot and NVIDIA packages)
+    _m(
+        "driver_stranded",
+        "gauge",
+        "",
+        "driver",
+        "1 when the running kernel has no NVIDIA modules",
+        help=(
+            "1 when the running kernel has no NVIDIA modules left (an update removed them): reboot into the new kernel"
+        ),
+    ),
+    _m(
+        "driver_next_boot_ok",
+        "gauge",
+        "",
+        "driver",
+        "1 when the kernel that boots next has NVIDIA modules; absent when unknown",
+        help="1 when the kernel that boots next has NVIDIA modules",
+    ),
+    _m("reboot_required", "gauge", "", "driver", "1 when /run/reboot-required exists"),
+    _m(
+        "driver_version_mismatch",
+        "gauge",
+        "",
+        "driver",
+        "1 when the loaded module and the library differ",
+        help="1 when the loaded module and the user-space library differ (NVML: version mismatch)",
+    ),
+    _m(
+        "driver_info",
+        "gauge",
+        "kernel module_version loaded_version library_version verdict",
+        "driver",
+        f"driver identity and the drift verdict; always 1. verdict={'|'.join(DriverVerdict)}",
+        help="Driver identity and the drift verdict; always 1",
+    ),
+    # the pool as the driver sees it (/proc/buddyinfo) and the kernel log (/dev/kmsg: NVRM and Xid lines)
+    _m(
+        "memory_free_contiguous_bytes",
+        "gauge",
+        "min_block",
+        "telemetry",
+        "bytes free in blocks of at least min_block (2MiB|64KiB), from /proc/buddyinfo",
+        help="Free memory in blocks of at least min_block (/proc/buddyinfo): what a large driver allocation can get",
+    ),
+    _m(
+        "kernel_log_readable",
+        "gauge",
+        "",
+        "guard",
+        "1 when /dev/kmsg can be read; 0: NVRM and Xid lines are not seen",
+        help="1 when sparkwatch can read /dev/kmsg (system unit, or kernel.dmesg_restrict=0); doctor says why not",
+    ),
+    _m("kernel_log_lines_total", "counter", "", "guard", "kernel log records read", help="Kernel log records read"),
+    _m(
+        "kernel_log_dropped_lines_total",
+        "counter",
+        "",
+        "guard",
+        "kernel log records lost: overwritten in the ring or skipped over the rate bound",
+        help="Kernel log records not read: overwritten in the ring, or skipped over the line-rate bound",
+    ),
+    _m(
+        "kernel_log_injected_lines_total",
+        "counter",
+        "",
+        "guard",
+        "NVRM lines a process wrote into the kernel log (not the driver), ignored unless kernel_log_accept_injected",
+        help=(
+            "NVRM lines written into the kernel log by a process, not printed by the driver: ignored (a test, logger, "
+            "or someone pretending)"
+        ),
+    ),
+    _m(
+        "kernel_nvrm_errors_total",
+        "counter",
+        "kind",
+        "guard",
+        "NVRM error lines by kind (no_memory|insufficient_resources|alloc_failed|assertion|other)",
+        help="NVRM error lines by kind (no_memory, insufficient_resources, alloc_failed: allocation failures)",
+    ),
+    _m(
+        "kernel_xid_total",
+        "counter",
+        "code",
+        "guard",
+        "NVIDIA Xid events by code; catalogued codes exported at 0",
+        help="NVIDIA Xid events in the kernel log, by code",
+    ),
+    # the daemon itself: two processes (the guard, main PID; telemetry, which it supervises)
+    _m(
+        "internal_errors_total",
+        "counter",
+        "process component counter",
+        "daemon",
+        "every error or drop a component counted and survived (journal, notify, events, driver, outbox, channel, "
+        "metrics endpoint...)",
+        help="Errors and drops a component counted and survived, by process, component and counter",
+    ),
+    _m(
+        "process_resident_bytes",
+        "gauge",
+        "process",
+        "daemon",
+        "resident set size of each process (guard, telemetry)",
+        help="Resident set size of each process",
+    ),
+    _m(
+        "telemetry_restarts_total",
+        "counter",
+        "",
+        "daemon",
+        "times the guard restarted the telemetry process",
+        help="Times the guard restarted the telemetry process",
+    ),
+    _m("guard_psi_trigger", "gauge", "", "daemon", "1 while the guard also wakes on a PSI memory trigger"),
+)
+
+BY_NAME: dict[str, MetricSpec] = {m.name: m for m in METRICS}
+
+
+def help_of(family: str) -> str:
+    """The `# HELP` text of a family as prometheus_client names it (a counter without its `_total`)."""
+    spec = BY_NAME.get(family) or BY_NAME[family + "_total"]
+    return spec.help
+
+
+def series_names(spec: MetricSpec) -> tuple[str, ...]:
+    """The sample names a family puts in the exposition (a histogram's _bucket/_sum/_count)."""
+    if spec.type == "histogram":
+        return tuple(spec.name + s for s in ("_bucket", "_sum", "_count"))
+    return (spec.name,)
+
+
+def markdown_table() -> str:
+    """The metrics table of docs/contract.md, made from METRICS (a test checks the document holds it verbatim)."""
+    rows = ["| metric | type | labels | present | meaning |", "| --- | --- | --- | --- | --- |"]
+    for m in METRICS:
+        labels = ", ".join(f"`{label}`" for label in m.labels)
+        meaning = m.meaning.replace("|", "\\|")
+        rows.append(f"| `{m.name}` | {m.type} | {labels} | {m.present} | {meaning} |")
+    return "\n".join(rows) + "\n"
+
+
+def presence_table() -> str:
+    rows = ["| present | when |", "| --- | --- |"]
+    rows += [f"| {key} | {text} |" for key, text in PRESENCE.items()]
+    return "\n".join(rows) + "\n"

@@ -1,0 +1,382 @@
+"""The telemetry loop: one Snapshot a cycle (about every second), published by swapping one reference.
+
+`Telemetry.collect()` runs one cycle. It keeps state between cycles (argv and environ caches, the JIT caches' per
+directory totals, each engine's JIT state, the compiler-burst state) but never signals and never writes: `sparkwatch
+status` runs it in a terminal without the daemon. Events it decides on (compile_burst, max_jobs_missing, jit_stalled,
+jit_state) are queued; the daemon's `TelemetryLoop` drains them into the event log, `status` just drops them.
+
+Each source is timed and wrapped: an exception in one becomes `CollectorStatus(success=False, error=…)` and leaves the
+other parts of the Snapshot intact.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from sparkwatch.common import logs, syscalls
+from sparkwatch.common.events import make_event
+from sparkwatch.common.guardconfig import engine_rules, engine_scope
+from sparkwatch.common.sources.buddyinfo import page_size_bytes, read_contiguous_free
+from sparkwatch.common.sources.meminfo import MeminfoReader
+from sparkwatch.common.sources.procs import IncrementalScanner
+from sparkwatch.common.sources.psi import read_psi
+from sparkwatch.config.settings import Settings
+from sparkwatch.core import compile as compile_core
+from sparkwatch.core import jit as jit_core
+from sparkwatch.core.engines import find_engine_trees, unknown_gpu_holders
+from sparkwatch.core.eventkinds import EventKind
+from sparkwatch.core.model import (
+    CollectorStatus,
+    CompileCensus,
+    DriverReport,
+    EngineTree,
+    Event,
+    GpuHolder,
+    GpuReport,
+    JitCacheState,
+    JitEngineState,
+    MemInfo,
+    Proc,
+    Snapshot,
+)
+from sparkwatch.telemetry.sources.jitcache import JitCacheSource
+from sparkwatch.telemetry.sources.nvml import NvmlSource
+from sparkwatch.telemetry.sources.procenv import EnvironReader, read_wchan
+
+log = logs.get("telemetry")
+T = TypeVar("T")
+TRIM_EVERY_CYCLES = 60  # malloc_trim once a minute at the default 1 s interval
+_WCHAN_PROBES_MAX = 64  # members whose wchan is read per engine per cycle; engines have tens of processes
+
+
+class _Failed(Exception):
+    """A source could not run because one it depends on failed this cycle."""
+
+
+class Telemetry:
+    def __init__(
+        self,
+        settings: Settings,
+        gpu_source: Any | None = None,
+        wall_clock: Callable[[], float] = time.time,
+        driver: Callable[[], DriverReport | None] | None = None,
+    ) -> None:
+        """`gpu_source`: anything with collect() -> GpuReport (default NvmlSource). `driver`: the drift watcher's
+        latest report (a reference read, no I/O), put in Snapshot.driver as it is."""
+        self.settings = settings
+        self.wall_clock = wall_clock
+        self.rules = engine_rules(settings)
+        self.scope = engine_scope(settings)
+        self.scanner = IncrementalScanner(settings.proc_root)
+        self._hot: set[int] = set()  # engine members and compilers: re-read every cycle
+        self.environ = EnvironReader(settings.proc_root, compile_core.MAX_JOBS_VARS)
+        self.jitcache = JitCacheSource(list(settings.jit_cache_dirs), list(settings.vllm_cache_dirs))
+        self.jit_params = jit_core.JitParams(stall_s=settings.jit_stall_s)
+        # NvmlSource bounds every NVML call and never raises from collect(); pynvml is imported on its first cycle.
+        self.gpu_source = gpu_source if gpu_source is not None else NvmlSource(proc_root=settings.proc_root)
+        self.driver = driver
+        self.page_size_bytes = page_size_bytes()  # buddyinfo counts pages: 4 KiB, or 64 KiB on some arm64 kernels
+        self._meminfo: MeminfoReader | None = None
+        self._jit_tracks: dict[tuple[int, int], jit_core.JitTrack] = {}
+        self._burst = compile_core.BurstState()
+        self._cache_sizes: dict[str, tuple[int, int]] = {}
+        self._events: list[Event] = []
+        self._lock = threading.Lock()  # collect() is one cycle at a time
+        # (pid, start_ticks) of every process NVML listed last cycle: the guard reads it (a reference swap) when
+        # `guard_gpu_holders` lets unmatched GPU holders be engines; see Guard.gpu_holders.
+        self.gpu_holder_keys: frozenset[tuple[int, int]] = frozenset()
+
+    LIVE_KEYS = frozenset(
+        {
+            "engine_patterns",
+            "protect_patterns",
+            "guard_gpu_holders",
+            "ancestor_pid",
+            "jit_cache_dirs",
+            "vllm_cache_dirs",
+            "compile_jobs_alert",
+            "jit_stall_s",
+        }
+    )
+
+    def reconfigure(self, settings: Settings) -> frozenset[str]:
+        """Apply new settings between two cycles (SIGHUP). Returns the keys applied."""
+        rules = engine_rules(settings)
+        with self._lock:
+            old = self.settings
+            self.settings = settings
+            self.rules = rules
+            self.scope = engine_scope(settings)
+            self.jit_params = jit_core.JitParams(stall_s=settings.jit_stall_s)
+            if (old.jit_cache_dirs, old.vllm_cache_dirs) != (settings.jit_cache_dirs, settings.vllm_cache_dirs):
+                self.jitcache = JitCacheSource(list(settings.jit_cache_dirs), list(settings.vllm_cache_dirs))
+                self._cache_sizes = {}
+        return self.LIVE_KEYS
+
+    # --- one cycle
+    def collect(self) -> Snapshot:
+        with self._lock:
+            return self._collect()
+
+    def _collect(self) -> Snapshot:
+        statuses: list[CollectorStatus] = []
+
+        def run(name: str, fn: Callable[[], T]) -> T | None:
+            t0 = time.perf_counter()
+            try:
+                value = fn()
+            except _Failed as exc:
+                statuses.append(CollectorStatus(name, False, time.perf_counter() - t0, str(exc)))
+                return None
+            except Exception as exc:
+                statuses.append(CollectorStatus(name, False, time.perf_counter() - t0, f"{type(exc).__name__}: {exc}"))
+                return None
+            statuses.append(CollectorStatus(name, True, time.perf_counter() - t0))
+            return value
+
+        mem = run("meminfo", self._read_meminfo)
+        psi = run("psi", lambda: read_psi(self.settings.proc_root))
+        contiguous = run("buddyinfo", lambda: read_contiguous_free(self.settings.proc_root, self.page_size_bytes))
+        procs = run("procs", lambda: self.scanner.scan(self._hot).procs)
+        trees: tuple[EngineTree, ...] = ()
+        if procs is not None:
+            trees = tuple(find_engine_trees(procs, self.rules, self.scope, self.gpu_holder_keys))
+            self._hot = {pid for tree in trees for pid in tree.pids}
+            self._hot.update(p.pid for p in procs if compile_core.is_compiler(p))
+        census = run("compile", lambda: self._census(procs, trees))
+        jit_result = run("jitcache", self.jitcache.collect)
+        jit: tuple[JitCacheState, ...] = jit_result or ()
+        partial = [j.error for j in jit if j.error]
+        if jit_result is not None and partial:
+            # The readable part is exported; the unreadable part is said: collector_success 0 with the reason.
+            last = statuses.pop()
+            statuses.append(CollectorStatus(last.name, False, last.duration_s, "; ".join(e for e in partial if e)))
+        now = self.wall_clock()
+        gpu = run("gpu", self.gpu_source.collect) if self.gpu_source is not None else None
+        gpu_busy = _gpu_busy(gpu)
+        gpu_unknown: tuple[GpuHolder, ...] = ()
+        if isinstance(gpu, GpuReport) and gpu.up and procs is not None:
+            used = {p.pid: p.used_gpu_memory_bytes for p in gpu.processes}
+            self.gpu_holder_keys = frozenset(p.key for p in procs if p.pid in used)
+            gpu_unknown = unknown_gpu_holders(procs, trees, used, self.rules)
+        jit_states = (
+            run("jit_state", lambda: self._jit_states(procs, trees, census, jit_result, now=now, gpu_busy=gpu_busy))
+            or ()
+        )
+        if census is not None:
+            self._burst_events(census, now)
+        driver = self.driver() if self.driver is not None else None
+        return Snapshot(
+            ts=self.wall_clock(),
+            mem=mem,
+            engines=trees,
+            compile=census,
+            jit=jit,
+            gpu=gpu,
+            driver=driver,
+            collectors=tuple(statuses),
+            psi=psi,
+            jit_states=jit_states,
+            free_contiguous=contiguous or (),
+            gpu_unknown=gpu_unknown,
+        )
+
+    def drain_events(self) -> list[Event]:
+        """Events decided since the last drain (compile_burst, max_jobs_missing, jit_*), oldest first."""
+        with self._lock:
+            events, self._events = self._events, []
+        return events
+
+    # --- sources
+    def _read_meminfo(self) -> MemInfo:
+        if self._meminfo is None:
+            self._meminfo = MeminfoReader(self.settings.proc_root)
+        return self._meminfo.read()
+
+    def _census(self, procs: tuple[Proc, ...] | None, trees: tuple[EngineTree, ...]) -> CompileCensus:
+        if procs is None:
+            raise _Failed("no process table this cycle (procs failed)")
+        by_pid = {p.pid: p for p in procs}
+        request = compile_core.environ_request(procs, trees)
+        environ = {}
+        for pid in request.pids:
+            proc = by_pid.get(pid)
+            if proc is not None:
+                environ[pid] = compile_core.EnvReading(self.environ.read(pid, proc.start_ticks))
+        self.environ.forget_dead(procs)
+        return compile_core.census(procs, trees, environ)
+
+    def _jit_states(
+        self,
+        procs: tuple[Proc, ...] | None,
+        trees: tuple[EngineTree, ...],
+        census: CompileCensus | None,
+        jit: tuple[JitCacheState, ...] | None,
+        *,
+        now: float,
+        gpu_busy: bool,
+    ) -> tuple[JitEngineState, ...]:
+        if procs is None or census is None:
+            raise _Failed("no process table or census this cycle")
+        growing = False
+        if jit is not None:
+            sizes = {j.path: (j.bytes, j.files) for j in jit}
+            growing = any(self._cache_sizes.get(path, size) != size for path, size in sizes.items())
+            growing |= any(path not in self._cache_sizes for path in sizes) and bool(self._cache_sizes)
+            self._cache_sizes = sizes
+        compilers = {e.root_pid: sum(e.tools.values()) for e in census.engines}
+        observations = []
+        for tree in trees:
+            n = compilers.get(tree.root.pid, 0)
+            all_asleep = all(p.state != "R" for p in tree.members)
+            pipe_waiting = False
+            track = self._jit_tracks.get((tree.root.pid, tree.root.start_ticks))
+            compiled_before = track is not None and track.last_activity_ts is not None
+            if n == 0 and all_asleep and compiled_before:  # only an engine that compiled can be stalled: no reads else
+                for p in tree.members[:_WCHAN_PROBES_MAX]:
+                    if read_wchan(self.settings.proc_root, p.pid) in jit_core.PIPE_WAIT_WCHANS:
+                        pipe_waiting = True
+                        break
+            observations.append(
+                jit_core.EngineObservation(
+                    kind=tree.kind,
+                    root_pid=tree.root.pid,
+                    root_start_ticks=tree.root.start_ticks,
+                    compilers=n,
+                    pipe_waiting=pipe_waiting,
+                    all_asleep=all_asleep,
+                    gpu_busy=gpu_busy,
+                )
+            )
+        self._jit_tracks, states, changes = jit_core.jit_step(
+            self._jit_tracks, observations, growing, self.jit_params, now
+        )
+        for change in changes:
+            kind = EventKind.JIT_STALLED if change.new == jit_core.STALLED else EventKind.JIT_STATE
+            summary = f"{change.kind} engine {change.root_pid}: JIT {change.old} -> {change.new}: {change.reason}"
+            if change.new == jit_core.STALLED:
+                summary += ". It did compile, and nothing has moved since; check it before killing it."
+            self._events.append(
+                make_event(
+                    kind,
+                    summary,
+                    {"engine": change.kind, "root_pid": change.root_pid, "from": change.old, "to": change.new},
+                    ts=now,
+                )
+            )
+        return states
+
+    def _burst_events(self, census: CompileCensus, now: float) -> None:
+        self._burst, alerts = compile_core.burst_step(self._burst, census, self.settings.compile_jobs_alert, now)
+        for alert in alerts:
+            self._events.append(make_event(alert.kind, alert.summary, alert.fields, ts=now))
+
+    def close(self) -> None:
+        close_gpu = getattr(self.gpu_source, "close", None)
+        if close_gpu is not None:
+            close_gpu()
+        if self._meminfo is not None:
+            self._meminfo.close()
+            self._meminfo = None
+
+
+# A GPU above this utilization is doing work: an engine is not stalled while it runs (decode idles near 0).
+GPU_BUSY_RATIO = 0.05
+
+
+def _gpu_busy(gpu: object) -> bool:
+    if not isinstance(gpu, GpuReport) or not gpu.up:
+        return False
+    return any(d.utilization_ratio is not None and d.utilization_ratio > GPU_BUSY_RATIO for d in gpu.devices)
+
+
+def gpu_bytes_by_pid(snapshot: Snapshot | None) -> tuple[float, dict[int, int]] | None:
+    """Per-pid GPU bytes from a snapshot, for the guard's ranking: (monotonic time of the reading, pid -> bytes).
+
+    None when there is no snapshot or NVML is down. A pid whose share NVML cannot tell (NOT_AVAILABLE) is left out.
+    The snapshot's wall-clock time is turned into monotonic time, so the guard can tell a stale reading.
+    """
+    if snapshot is None or snapshot.gpu is None or not snapshot.gpu.up:
+        return None
+    age_s = max(time.time() - snapshot.ts, 0.0)
+    by_pid: dict[int, int] = {}
+    for pid, used, _gpu in snapshot.gpu.processes:
+        if used is not None:
+            by_pid[pid] = by_pid.get(pid, 0) + used
+    return time.monotonic() - age_s, by_pid
+
+
+class TelemetryLoop:
+    """Runs `collect()` about every `interval_s` in its own thread; `latest` is the last Snapshot (None at first).
+
+    Readers take `loop.latest` once and use that object: the swap of one reference is atomic, so a scrape never sees
+    half a cycle. Events go to `on_event` (the daemon appends them to the event log) on this thread, after the swap.
+    """
+
+    def __init__(
+        self,
+        telemetry: Telemetry,
+        interval_s: float,
+        on_event: Callable[[Event], None] | None = None,
+    ) -> None:
+        self.telemetry = telemetry
+        self.interval_s = interval_s
+        self.on_event = on_event
+        self.latest: Snapshot | None = None
+        self.cycles = 0
+        self.errors_total = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._run, name="sparkwatch-telemetry", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            # A cycle blocked in a /proc read (a process whose mmap lock is held) must not hold up shutdown: the
+            # thread is a daemon thread, and the guard never waits on it.
+            self._thread.join(5)
+        self.telemetry.close()
+
+    def reconfigure(self, settings: Settings) -> frozenset[str]:
+        self.interval_s = settings.telemetry_interval_s
+        return self.telemetry.reconfigure(settings) | {"telemetry_interval_s"}
+
+    def run_once(self) -> Snapshot:
+        snapshot = self.telemetry.collect()
+        self.latest = snapshot
+        self.cycles += 1
+        if self.cycles % TRIM_EVERY_CYCLES == 0:
+            # Each cycle allocates and frees a process table; glibc keeps the freed pages in its arenas, and under
+            # pid churn that showed as slow RSS growth. Handing them back once a minute costs well under 1 ms.
+            syscalls.trim_heap()
+        for event in self.telemetry.drain_events():
+            if self.on_event is None:
+                continue
+            try:
+                self.on_event(event)
+            except Exception as exc:  # an unwritable event log is counted there; the loop goes on
+                self.errors_total += 1
+                log.error("could not record %s event: %s", event.kind, exc)
+        return snapshot
+
+    def _run(self) -> None:
+        next_at = time.monotonic()
+        while not self._stop.is_set():
+            try:
+                self.run_once()
+            except Exception as exc:  # collect() wraps its sources; this is a bug, reported and survived
+                self.errors_total += 1
+                log.error("telemetry cycle failed: %s: %s", type(exc).__name__, exc)
+            next_at += self.interval_s
+            delay = next_at - time.monotonic()
+            if delay < 0:  # a slow cycle: start the next one now rather than bunching up to catch up
+                next_at = time.monotonic()
+                delay = 0
+            self._stop.wait(delay)
