@@ -12,6 +12,7 @@ that is not a message, or larger than MAX_MESSAGE_BYTES, is dropped and counted 
 
 from __future__ import annotations
 
+import os
 import select
 import socket
 import threading
@@ -71,14 +72,26 @@ class Channel:
             return True
 
     def receive(
-        self, timeout_s: float, max_messages: int = RECEIVE_MAX_MESSAGES, max_bytes: int = RECEIVE_MAX_BYTES
+        self,
+        timeout_s: float | None,
+        max_messages: int = RECEIVE_MAX_MESSAGES,
+        max_bytes: int = RECEIVE_MAX_BYTES,
+        *,
+        wake_fd: int | None = None,
     ) -> list[Message]:
-        """The messages waiting now, after waiting up to timeout_s for the first, within the limits. Raises
-        ChannelClosed."""
+        """The messages waiting now, after waiting up to timeout_s (None: for ever) for the first, or for `wake_fd`
+        to become readable (its bytes are drained), within the limits. Raises ChannelClosed."""
         self.saturated = False
-        ready, _, _ = select.select([self.sock], [], [], timeout_s)
+        sock_fd = self.sock.fileno()
+        watched = [sock_fd] if wake_fd is None else [sock_fd, wake_fd]
+        ready, _, _ = select.select(watched, [], [], timeout_s)
         out: list[Message] = []
-        if not ready:
+        if wake_fd is not None and wake_fd in ready:
+            try:
+                os.read(wake_fd, 4096)
+            except BlockingIOError:
+                pass
+        if sock_fd not in ready:
             return out
         taken = taken_bytes = 0
         while taken < max_messages and taken_bytes < max_bytes:

@@ -7,7 +7,6 @@ aarch64: they came after the kernel unified new syscall numbers across architect
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import errno
 import os
 import resource
@@ -18,7 +17,9 @@ MCL_CURRENT = 1
 MCL_FUTURE = 2
 MCL_ONFAULT = 4
 
-_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+# The process's own symbols, libc's among them: ctypes.util.find_library would run ldconfig and import tempfile,
+# shutil and subprocess at the guard's start to find the same library.
+_libc = ctypes.CDLL(None, use_errno=True)
 _libc.syscall.restype = ctypes.c_long
 _libc.mlockall.argtypes = [ctypes.c_int]
 _libc.mlockall.restype = ctypes.c_int

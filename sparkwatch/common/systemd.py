@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any, Protocol, TextIO
 
+from sparkwatch.common.threads import daemon_thread
 from sparkwatch.core.eventkinds import EventKind
 from sparkwatch.core.model import Event
 
@@ -183,7 +184,7 @@ class ServiceNotifier:
     def start(self) -> None:
         if not self.notifier.enabled:
             return
-        self._thread = threading.Thread(target=self._run, name="sparkwatch-sd-notify", daemon=True)
+        self._thread = daemon_thread(self._run, "sparkwatch-sd-notify")
         self._thread.start()
 
     def stopping(self) -> None:

@@ -21,6 +21,7 @@ from sparkwatch.common.events import EventLog, EventLogError, make_event
 from sparkwatch.common.sources.kmsg import KmsgSource
 from sparkwatch.common.sources.procs import ProcScanner
 from sparkwatch.common.stats import KernelLogStats
+from sparkwatch.common.threads import daemon_thread
 from sparkwatch.core import kernlog as core
 from sparkwatch.core.engines import EngineRules, Scope, find_engine_trees
 from sparkwatch.core.eventkinds import EventKind
@@ -74,7 +75,7 @@ class KernelLogWatch:
         with self.lock:
             self.stats.readable = self.source.stats.readable
             self.stats.reason = self.source.stats.reason
-        self._thread = threading.Thread(target=self._record_run, name="sparkwatch-kernlog", daemon=True)
+        self._thread = daemon_thread(self._record_run, "sparkwatch-kernlog")
         self._thread.start()
 
     def stop(self) -> None:

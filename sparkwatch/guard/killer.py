@@ -20,7 +20,6 @@ import os
 import queue
 import select
 import signal
-import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
@@ -29,6 +28,7 @@ from pathlib import Path
 from sparkwatch.common import logs, syscalls
 from sparkwatch.common.sources.meminfo import MeminfoError, MeminfoReader
 from sparkwatch.common.sources.procs import ProcParseError, ProcScanner, read_ancestors, read_children, read_start_ticks
+from sparkwatch.common.threads import daemon_thread
 from sparkwatch.core.engines import EngineRules, Scope, may_touch
 from sparkwatch.core.killrecord import KillFacts
 from sparkwatch.core.model import EngineTree, Proc
@@ -272,7 +272,7 @@ class Reaper:
         self.wait_s = wait_s
         self.settle_s = settle_s
         self._meminfo = MeminfoReader(proc_root)
-        self._thread = threading.Thread(target=self._run, name="sparkwatch-reaper", daemon=True)
+        self._thread = daemon_thread(self._run, "sparkwatch-reaper")
         self.mrelease_supported: bool | None = None
 
     def start(self) -> None:

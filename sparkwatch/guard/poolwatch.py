@@ -26,6 +26,7 @@ from sparkwatch.common.sources.kmsg import KmsgSource
 from sparkwatch.common.sources.meminfo import MeminfoError, MeminfoReader
 from sparkwatch.common.sources.procs import ProcScanner
 from sparkwatch.common.stats import GuardStats
+from sparkwatch.common.threads import daemon_thread
 from sparkwatch.core import policy
 from sparkwatch.core import trigger as core
 from sparkwatch.core.engines import find_engine_trees
@@ -129,6 +130,10 @@ class PoolWatch:
         self._scout: threading.Thread | None = None
         self.warm_scans_total = 0
         self.near_floor = False
+        # Called (on this thread; it must not block) when telemetry should hear from the guard at once: the first
+        # sample, and each entry into the floor's band.
+        self.on_news: Callable[[], None] | None = None
+        self.ticks = 0
         # NVRM/Xid lines from /dev/kmsg, read non-blocking each tick: see _kernel_log.
         self.kernlog = KernelLogWatch(
             events,
@@ -167,9 +172,9 @@ class PoolWatch:
     def start(self) -> None:
         self.reaper.start()
         self.kernlog.start()
-        self._scout = threading.Thread(target=self._scout_run, name="sparkwatch-scout", daemon=True)
+        self._scout = daemon_thread(self._scout_run, "sparkwatch-scout")
         self._scout.start()
-        self._thread = threading.Thread(target=self.run, name="sparkwatch-guard", daemon=True)
+        self._thread = daemon_thread(self.run, "sparkwatch-guard")
         self._thread.start()
 
     def _wake(self) -> None:
@@ -243,6 +248,10 @@ class PoolWatch:
             self.stats.phase = str(self.state.phase)
             self.stats.last_loop_monotonic = now
         near = self._near_floor(mem.available_bytes, decision)
+        first = self.ticks == 0
+        self.ticks += 1
+        if (first or (near and not self.near_floor)) and self.on_news is not None:
+            self.on_news()  # the supervisor tells telemetry now (a pipe write), not at its next heartbeat
         self.near_floor = near  # read by the supervisor: state goes to telemetry four times a second near the floor
         if decision.trigger is None and not self._kernel_log(now, mem) and near:
             self._warm.set()  # the scout rescans (at most once a second); this thread never waits for it

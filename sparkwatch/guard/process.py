@@ -35,10 +35,11 @@ from sparkwatch.common.guardconfig import GuardConfig, describe_wire_changes
 from sparkwatch.common.lifecycle import Component, CountersOnly, apply_all, start_all, stop_all
 from sparkwatch.common.messages import StateMsg
 from sparkwatch.common.recording import open_recording
-from sparkwatch.common.selfwatch import GUARD_RSS_CAP_BYTES, rss_bytes
+from sparkwatch.common.selfwatch import rss_bytes
 from sparkwatch.common.signals import DAEMON_SIGNALS
 from sparkwatch.common.spool import FileSpool
 from sparkwatch.common.systemd import Notifier, ServiceNotifier
+from sparkwatch.common.threads import daemon_thread
 from sparkwatch.core.eventkinds import EventKind
 from sparkwatch.core.redact import remember_secrets
 from sparkwatch.core.status import status_line
@@ -146,6 +147,8 @@ class GuardProcess:
         # loads NVML itself; a stale or missing reading never delays a kill: the policy ranks without it).
         self.guard.gpu_holders = self.supervisor.gpu.holder_keys
         self.guard.gpu_bytes_by_pid = self.supervisor.gpu.latest
+        self.guard.on_news = self.supervisor.wake  # the first sample, and each entry into the floor's band
+        self.supervisor.on_over_cap = self._over_cap_seen
         self.events.subscribe(self.supervisor.forward)
         self.components: list[Component[GuardConfig]] = [
             Component(
@@ -166,7 +169,7 @@ class GuardProcess:
         ]
         if telemetry is not None:
             self.components.append(Component("telemetry", self.supervisor, counters=self.supervisor.counters))
-        self.rss_cap_bytes = GUARD_RSS_CAP_BYTES
+        self._over_cap_rss: int | None = None
         self._stop = threading.Event()
         self._reload = threading.Event()
         self._wake = threading.Event()
@@ -292,7 +295,7 @@ class GuardProcess:
         if self._reloading is not None and self._reloading.is_alive():
             self._reload.set()  # one at a time: this SIGHUP is taken once the running reload is done
             return
-        self._reloading = threading.Thread(target=self.reload, name="sparkwatch-reload", daemon=True)
+        self._reloading = daemon_thread(self.reload, "sparkwatch-reload")
         self._reloading.start()
 
     # --- run
@@ -317,20 +320,25 @@ class GuardProcess:
                     exc.strerror,
                 )
 
-    def over_rss_cap(self) -> int | None:
-        """Our RSS when it is over the cap, else None."""
-        rss = rss_bytes()
-        return rss if rss > self.rss_cap_bytes else None
+    def _over_cap_seen(self, rss: int) -> None:
+        """The supervisor saw our RSS over its cap (in the state it just built): the main thread restarts us."""
+        self._over_cap_rss = rss
+        self._wake.set()
 
     def _over_cap(self, rss: int) -> None:
-        reason = f"guard RSS {rss >> 20} MiB over its {self.rss_cap_bytes >> 20} MiB cap"
+        reason = f"guard RSS {rss >> 20} MiB over its {self.supervisor.rss_cap_bytes >> 20} MiB cap"
         log.error("ERROR %s: restarting the guard process in place", reason)
         try:
             self.events.append(
                 make_event(
                     EventKind.COMPONENT_RESTARTED,
                     f"the guard process restarted itself: {reason}",
-                    {"component": "guard", "reason": reason, "rss_bytes": rss, "cap_bytes": self.rss_cap_bytes},
+                    {
+                        "component": "guard",
+                        "reason": reason,
+                        "rss_bytes": rss,
+                        "cap_bytes": self.supervisor.rss_cap_bytes,
+                    },
                 )
             )
         except OSError as exc:
@@ -350,16 +358,15 @@ class GuardProcess:
             f", sd_notify via {self.sd.notifier.backend}" if self.sd.notifier.enabled else "",
         )
         syscalls.trim_heap()  # hand back what importing and building everything left free
-        over: int | None = None
-        while not self._stop.is_set():
-            self._wake.wait(1.0)
+        # The main thread wakes for a signal (its handler sets _wake) or the supervisor's word that we are over the RSS
+        # cap: it never polls.
+        while not self._stop.is_set() and self._over_cap_rss is None:
+            self._wake.wait()
             self._wake.clear()
             if self._reload.is_set() and not self._stop.is_set():
                 self._reload.clear()
                 self._start_reload()
-            over = self.over_rss_cap()
-            if over is not None:
-                break
+        over = self._over_cap_rss
         self.sd.stopping()  # first, so systemd knows the exit that follows is wanted
         log.info("stopping")
         if isinstance(self.validate, Validator):

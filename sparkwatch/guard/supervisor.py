@@ -5,9 +5,10 @@ validated config, then loops once per tick: send the guard's state when it chang
 guard's events, and read what telemetry says (per-pid GPU bytes and holders into `gpu`, engine and compile-job counts
 for STATUS=, reload replies), a bounded amount of it (common.channel).
 
-A tick is STATE_FAST_S while the guard is near the floor (the exporter's counters then lag a kill by at most that)
-and STATE_SLOW_S otherwise: far from the floor the guard costs one wake-up a second, and sends nothing new when
-nothing changed but a heartbeat every HEARTBEAT_S.
+Near the floor it looks every STATE_FAST_S and sends the state each time (the exporter's counters lag a kill by at
+most that). Far from it, it sleeps until telemetry sends, an event is to be forwarded, or a heartbeat is due every
+HEARTBEAT_S, and sends the state when a counter changed or as that heartbeat: on this VM a wake-up of a Python thread
+costs 0.2-1 ms of CPU, so an idle guard's cost is its wake-ups (bench/RESULTS-idle.md).
 
 Telemetry is killed and started again, with a `component_restarted` event and a backoff that doubles from 1 s to
 60 s (and resets once a run lasted 60 s), when it exits, when it sends nothing valid for `stall_after_s` (a hung
@@ -24,13 +25,16 @@ import threading
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Mapping
+from dataclasses import replace
 
 from sparkwatch.common import logs
 from sparkwatch.common.channel import Channel, ChannelClosed, socketpair
 from sparkwatch.common.events import EventLog, EventLogError, make_event
 from sparkwatch.common.guardconfig import GuardConfig
 from sparkwatch.common.lifecycle import Backoff, run_with_restarts
-from sparkwatch.common.messages import AckMsg, AppliedMsg, EventMsg, Message, SettingsMsg, StateMsg, TelMsg, encode
+from sparkwatch.common.messages import AckMsg, AppliedMsg, EventMsg, Message, SettingsMsg, StateMsg, TelMsg
+from sparkwatch.common.selfwatch import GUARD_RSS_CAP_BYTES
+from sparkwatch.common.threads import daemon_thread
 from sparkwatch.core.eventkinds import EventKind
 from sparkwatch.core.model import Event
 from sparkwatch.guard.gpuboard import GpuBoard
@@ -43,8 +47,8 @@ NVML_OFF_AFTER_STALLS = 2
 MAX_UNACKED_EVENTS = 256
 RELOAD_RESEND_S = 2.0  # a reload telemetry has not acknowledged is sent again this often
 STATE_FAST_S = 0.25  # near the floor: the exporter's counters lag the guard by at most this
-STATE_SLOW_S = 1.0  # far from it: one wake-up a second
-HEARTBEAT_S = 5.0  # an unchanged state is still sent this often, so telemetry sees the guard alive
+HEARTBEAT_S = 3.0  # an unchanged state is still sent this often: the exported loop age stays under the 10 s alert
+MIN_WAIT_S = 0.05
 log = logs.get("supervisor")
 
 
@@ -70,6 +74,14 @@ STALL_MIN_S = 15.0
 # Before its first message telemetry imports pydantic, prometheus_client and pynvml and checks that NVML loads (up to
 # 10 s, telemetry/sources/nvml_preflight.py): allow that much more, on a loaded box.
 STARTUP_ALLOWANCE_S = 60.0
+
+
+def unchanging(state: StateMsg) -> StateMsg:
+    """The state without what moves every tick: two states with the same `unchanging` say the same thing. That the
+    loop has run (and read meminfo) at all is a change: the first tick's state goes out at once."""
+    ran = 1.0 if state.guard.last_loop_monotonic else 0.0
+    guard = replace(state.guard, mem=None, fill_rate_bytes_per_s=0.0, poll_interval_s=0.0, last_loop_monotonic=ran)
+    return replace(state, guard=guard, rss_bytes=state.rss_bytes >> 20)
 
 
 def stall_after_s(config: GuardConfig) -> float:
@@ -124,16 +136,21 @@ class TelemetrySupervisor:
         self._thread: threading.Thread | None = None
         self._dropped_before = 0
         self._bad_before = 0
-        self._last_state: bytes | None = None
+        self._last_state: StateMsg | None = None
+        self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        # The guard process's RSS cap, checked on the state each look builds (its RSS is in it already).
+        self.rss_cap_bytes = GUARD_RSS_CAP_BYTES
+        self.on_over_cap: Callable[[int], None] | None = None
         self._last_state_at = 0.0
 
     # --- component interface
     def start(self) -> None:
-        self._thread = threading.Thread(target=self._run, name="sparkwatch-supervisor", daemon=True)
+        self._thread = daemon_thread(self._run, "sparkwatch-supervisor")
         self._thread.start()
 
     def stop(self) -> None:
         self._stop.set()
+        self.wake()
         proc = self.proc
         if proc is not None and proc.poll() is None:
             proc.terminate()
@@ -155,6 +172,7 @@ class TelemetrySupervisor:
             self._settings_dirty = True
             self._settings_sent_at = -RELOAD_RESEND_S  # send at the next tick
             self._waiting_reply = True
+        self.wake()
         try:
             if not self._replied.wait(timeout_s):
                 return None
@@ -168,6 +186,7 @@ class TelemetrySupervisor:
     def forward(self, event: Event) -> None:
         """An EventLog listener: queue the event for telemetry's outbox. Never blocks (on the reaper thread)."""
         self._pending.append(event)
+        self.wake()
 
     @property
     def channel_dropped_total(self) -> int:
@@ -227,12 +246,12 @@ class TelemetrySupervisor:
         channel.send(SettingsMsg(dict(config.wire), dict(config.public), reload=False))
         try:
             while not self._stop.is_set():
-                tick_s = STATE_FAST_S if self.near_floor() else STATE_SLOW_S
-                tick_ends = time.monotonic() + tick_s
                 self._send_state(channel)
                 self._flush_events(channel)
                 self._resend_settings(channel)
-                for msg in channel.receive(tick_s):
+                wait_s = self._wait_s()
+                tick_ends = time.monotonic() + wait_s
+                for msg in channel.receive(wait_s, wake_fd=self._wake_r):
                     self.last_heard_monotonic = time.monotonic()
                     self.consecutive_stalls = 0
                     self._handle(msg)
@@ -262,6 +281,25 @@ class TelemetrySupervisor:
             self.channel = None
             channel.close()  # one socket per telemetry process: never leak one per restart
 
+    def _wait_s(self) -> float:
+        """How long to wait for telemetry before the next look: STATE_FAST_S near the floor; else until the next
+        heartbeat (or reload resend) is due. A forwarded event, a reload and the pool watch reaching the floor's band
+        wake the wait at once (`wake`)."""
+        if self.near_floor():
+            return STATE_FAST_S
+        due = self._last_state_at + HEARTBEAT_S
+        with self._lock:
+            if self._settings_dirty:
+                due = min(due, self._settings_sent_at + RELOAD_RESEND_S)
+        return min(HEARTBEAT_S, max(MIN_WAIT_S, due - time.monotonic()))
+
+    def wake(self) -> None:
+        """Make the supervisor look now (from any thread, never blocking)."""
+        try:
+            os.write(self._wake_w, b"x")
+        except OSError:  # the pipe is full: a wake-up is already pending
+            pass
+
     def _misbehaving(self, spawned: float, now: float, flooding_since: float | None) -> str | None:
         """Why this telemetry process must be killed now, or None: silent too long, or flooding too long."""
         limit_s = stall_after_s(self.config)
@@ -281,14 +319,19 @@ class TelemetrySupervisor:
         return f"sent nothing for {silent_s:.0f} s (stuck; killed)"
 
     def _send_state(self, channel: Channel) -> None:
-        """The guard's state, when it changed (or every HEARTBEAT_S): an idle guard sends one small datagram a second
-        at most, and nothing at all while nothing changes."""
-        data = encode(self.state())
+        """The guard's state when it changed, or every HEARTBEAT_S. The readings that move every tick (MemAvailable, the
+        fill rate, the loop's clock, RSS by the page) are not a change: far from the floor an idle guard sends one
+        datagram every HEARTBEAT_S, and a counter that moves (a kill, an error) goes out at the next tick. Near the
+        floor every tick sends."""
+        state = self.state()
+        if state.rss_bytes > self.rss_cap_bytes and self.on_over_cap is not None:
+            self.on_over_cap(state.rss_bytes)
+        key = unchanging(state)
         now = time.monotonic()
-        if data == self._last_state and now - self._last_state_at < HEARTBEAT_S:
+        if key == self._last_state and now - self._last_state_at < HEARTBEAT_S and not self.near_floor():
             return
-        if channel.send_bytes(data):
-            self._last_state, self._last_state_at = data, now
+        if channel.send(state):
+            self._last_state, self._last_state_at = key, now
             self.states_sent_total += 1
 
     def _resend_settings(self, channel: Channel) -> None:

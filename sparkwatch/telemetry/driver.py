@@ -16,6 +16,7 @@ from collections.abc import Callable
 from sparkwatch.common import logs
 from sparkwatch.common.durable import private_dir, read_regular, write_atomic
 from sparkwatch.common.events import EventLog, EventLogError, make_event
+from sparkwatch.common.threads import daemon_thread
 from sparkwatch.config.settings import Settings
 from sparkwatch.core.alerts import driver_step
 from sparkwatch.core.driver import judge
@@ -58,7 +59,7 @@ class DriverWatcher:
         self._thread: threading.Thread | None = None
 
     def start(self) -> None:
-        self._thread = threading.Thread(target=self._run, name="sparkwatch-driver", daemon=True)
+        self._thread = daemon_thread(self._run, "sparkwatch-driver")
         self._thread.start()
 
     def stop(self) -> None:

@@ -1,14 +1,13 @@
 """Low-headroom alerts: MemAvailable within `warn_headroom` of the floor, read from the guard's last sample.
 
-It never reads meminfo itself (the guard already does, every 50 ms to 1 s) and never touches the guard loop: once a
-second it reads the guard's last MemAvailable (in the telemetry process: from the guard's state on the channel) and
-records a `low_headroom` event when the band is entered. `apply(settings)` swaps floor, warn_headroom and
-rearm_headroom together, so a reload is seen whole.
+It never reads meminfo itself (the guard already does, every 50 ms to 1 s) and has no thread of its own: the
+telemetry process calls `tick()` for each state the guard sends (four times a second near the floor, at least every
+3 s far from it) and it records a `low_headroom` event when the band is entered. `apply(settings)` swaps floor,
+warn_headroom and rearm_headroom together, so a reload is seen whole.
 """
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
@@ -46,33 +45,23 @@ class HeadroomWatcher:
         settings: HeadroomSettings,
         available: Callable[[], int | None],
         events: EventLog,
-        interval_s: float = 1.0,
     ) -> None:
         self.available = available  # the guard's last MemAvailable in bytes, None before its first poll
         self.events = events
-        self.interval_s = interval_s
         self.in_band = False
         self.event_errors_total = 0
         self._band = _Band(settings.floor, settings.warn_headroom, settings.rearm_headroom)
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
 
     def apply(self, settings: HeadroomSettings) -> frozenset[str]:
         self._band = _Band(settings.floor, settings.warn_headroom, settings.rearm_headroom)  # one reference swap
         return self.LIVE_KEYS
 
+    # The lifecycle of a component: nothing to run (tick() is called for each state the guard sends).
     def start(self) -> None:
-        self._thread = threading.Thread(target=self._run, name="sparkwatch-headroom", daemon=True)
-        self._thread.start()
+        pass
 
     def stop(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(5)
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.interval_s):
-            self.tick()
+        pass
 
     def tick(self) -> bool:
         """One look; True when it recorded an event."""

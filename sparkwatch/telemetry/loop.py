@@ -23,6 +23,7 @@ from sparkwatch.common.sources.buddyinfo import page_size_bytes, read_contiguous
 from sparkwatch.common.sources.meminfo import MeminfoReader
 from sparkwatch.common.sources.procs import IncrementalScanner
 from sparkwatch.common.sources.psi import read_psi
+from sparkwatch.common.threads import daemon_thread
 from sparkwatch.config.settings import Settings
 from sparkwatch.core import compile as compile_core
 from sparkwatch.core import jit as jit_core
@@ -321,10 +322,12 @@ class TelemetryLoop:
         telemetry: Telemetry,
         interval_s: float,
         on_event: Callable[[Event], None] | None = None,
+        on_cycle: Callable[[], None] | None = None,
     ) -> None:
         self.telemetry = telemetry
         self.interval_s = interval_s
         self.on_event = on_event
+        self.on_cycle = on_cycle  # after each cycle, on this thread (the telemetry process reports to the guard)
         self.latest: Snapshot | None = None
         self.cycles = 0
         self.errors_total = 0
@@ -333,7 +336,7 @@ class TelemetryLoop:
 
     def start(self) -> None:
         self._stop.clear()
-        self._thread = threading.Thread(target=self._run, name="sparkwatch-telemetry", daemon=True)
+        self._thread = daemon_thread(self._run, "sparkwatch-telemetry")
         self._thread.start()
 
     def stop(self) -> None:
@@ -371,6 +374,8 @@ class TelemetryLoop:
         while not self._stop.is_set():
             try:
                 self.run_once()
+                if self.on_cycle is not None:
+                    self.on_cycle()
             except Exception as exc:  # collect() wraps its sources; this is a bug, reported and survived
                 self.errors_total += 1
                 log.error("telemetry cycle failed: %s: %s", type(exc).__name__, exc)

@@ -52,6 +52,7 @@ from sparkwatch.common.durable import (
 from sparkwatch.common.events import make_event
 from sparkwatch.common.lifecycle import Backoff, run_with_restarts
 from sparkwatch.common.spool import PENDING, SAFE_ID, TMP, commit_file, prepare_file
+from sparkwatch.common.threads import daemon_thread
 from sparkwatch.core.eventkinds import EventKind
 from sparkwatch.core.model import Event
 from sparkwatch.core.redact import safe_text
@@ -162,7 +163,7 @@ class Outbox:
     # --- lifecycle
     def start(self) -> None:
         self._load_spool()
-        self._thread = threading.Thread(target=self._supervise, name="sparkwatch-outbox", daemon=True)
+        self._thread = daemon_thread(self._supervise, "sparkwatch-outbox")
         self._thread.start()
 
     def stop(self) -> None:

@@ -19,6 +19,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from types import FrameType
 from typing import Any
 
@@ -42,6 +43,8 @@ from sparkwatch.telemetry.sources.udev import UdevWatcher
 
 log = logs.get("telemetry")
 FIRST_SETTINGS_S = 30.0
+# An unchanged `tel` is still sent this often: under the policy's GPU_STALE_S (5 s), and the guard hears us alive.
+TEL_HEARTBEAT_S = 4.0
 NVML_OFF = "NVML off: telemetry hung twice in a row (a hung libnvidia-ml?); restart sparkwatch to try it again"
 
 
@@ -81,6 +84,7 @@ class TelemetryProcess:
             ),
             settings.telemetry_interval_s,
             on_event=self.events.append,
+            on_cycle=self.report,
         )
         self.components.append(
             Component(
@@ -95,6 +99,9 @@ class TelemetryProcess:
         self._apply_lock = threading.Lock()
         self._stop = threading.Event()
         self._last_sent: Snapshot | None = None
+        self._last_tel: TelMsg | None = None
+        self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self._last_tel_at = 0.0
 
     def _alerting(self) -> list[Component[Settings]]:
         box, router = self.outbox, self.router
@@ -205,6 +212,7 @@ class TelemetryProcess:
     def handle(self, msg: Message) -> None:
         if isinstance(msg, StateMsg):
             self.remote.update(msg)
+            self.headroom.tick()
         elif isinstance(msg, EventMsg):
             if self.router is not None:
                 self.router(msg.event)  # already durable in events.jsonl and in the journal: only the alert is left
@@ -227,25 +235,42 @@ class TelemetryProcess:
             self.channel.send(msg)
 
     def report(self) -> None:
-        """The latest cycle's parts of the guard's STATUS= line, per-pid GPU memory and the GPU holders."""
+        """The latest cycle's parts of the guard's STATUS= line, per-pid GPU memory and the GPU holders: when they
+        changed, else every TEL_HEARTBEAT_S (the guard's policy takes a GPU reading up to GPU_STALE_S old, and the
+        guard's supervisor hears telemetry alive)."""
         snap = self.loop.latest
+        now = time.monotonic()
         if snap is None or snap is self._last_sent:
-            self._send(TelMsg())  # alive, nothing new
-            return
-        self._last_sent = snap
-        reading = gpu_bytes_by_pid(snap)
-        self._send(
-            TelMsg(
+            msg = TelMsg()  # alive, nothing new
+        else:
+            self._last_sent = snap
+            reading = gpu_bytes_by_pid(snap)
+            msg = TelMsg(
                 engines=len(snap.engines),
                 compile_jobs=snap.compile.parallel_jobs if snap.compile is not None else None,
                 gpu_ts=snap.ts if snap.gpu is not None and snap.gpu.up else None,
                 gpu_pids=dict(reading[1]) if reading is not None else {},
                 gpu_holders=tuple(sorted(self.loop.telemetry.gpu_holder_keys)),
             )
-        )
+        key = replace(msg, gpu_ts=None)
+        if key == self._last_tel and now - self._last_tel_at < TEL_HEARTBEAT_S and not self._guard_near_floor():
+            return
+        self._send(msg)
+        self._last_tel, self._last_tel_at = key, now
+
+    def _guard_near_floor(self) -> bool:
+        """Whether the guard's last MemAvailable is within warn_headroom of the floor: then GPU readings go to it each
+        cycle (its kill policy ranks by them)."""
+        available = self.remote.available_bytes()
+        settings = self.settings
+        return available is not None and available <= settings.floor + settings.warn_headroom
 
     def request_stop(self) -> None:
         self._stop.set()
+        try:
+            os.write(self._wake_w, b"x")
+        except OSError:
+            pass
 
     def run(self) -> int:
         try:
@@ -260,34 +285,32 @@ class TelemetryProcess:
             listen = self.settings.listen
             endpoint = f"; metrics on {listen}" if self.metrics.serving else f"; metrics waiting for {listen}"
         log.info("telemetry running (pid %d): %s%s", os.getpid(), ", ".join(c.name for c in started), endpoint)
-        next_report = 0.0
+        # This thread only answers the guard: the telemetry loop reports after each cycle (report()), so it sleeps
+        # until a message comes or stop() is asked for (the signal handler's pipe write wakes it).
         while not self._stop.is_set():
             if self.channel is None:
                 self._stop.wait(1.0)
                 continue
-            now = time.monotonic()
             try:
-                for msg in self.channel.receive(max(0.0, min(1.0, next_report - now))):
+                for msg in self.channel.receive(None, wake_fd=self._wake_r):
                     self.handle(msg)
             except ChannelClosed:
                 log.info("the guard closed the channel; telemetry stops")
                 break
-            now = time.monotonic()
-            if now >= next_report:
-                next_report = now + min(1.0, self.settings.telemetry_interval_s)
-                self.report()
         stop_all(started)
         return 0
 
 
-def first_settings(channel: Channel, stop: threading.Event) -> Settings | None:
-    """The config the guard sends first, within FIRST_SETTINGS_S. Raises ChannelClosed or ConfigError."""
+def first_settings(channel: Channel, stop: threading.Event) -> tuple[Settings | None, list[Message]]:
+    """The config the guard sends first, within FIRST_SETTINGS_S, and what came after it in the same receive (the
+    guard's first state: handled once the process is built, never dropped). Raises ChannelClosed or ConfigError."""
     deadline = time.monotonic() + FIRST_SETTINGS_S
     while not stop.is_set() and time.monotonic() < deadline:
-        for msg in channel.receive(0.5):
+        msgs = channel.receive(0.5)
+        for i, msg in enumerate(msgs):
             if isinstance(msg, SettingsMsg):
-                return settings_from_wire(msg.wire)
-    return None
+                return settings_from_wire(msg.wire), msgs[i + 1 :]
+    return None, []
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -318,7 +341,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     handler = logs.setup("telemetry")
     channel = Channel.from_fd(args.channel_fd)
     try:
-        settings = first_settings(channel, stop)
+        settings, early = first_settings(channel, stop)
     except (ChannelClosed, ConfigError) as exc:
         log.error("no usable config from the guard: %s", exc)
         return 2
@@ -330,6 +353,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         log.error("%s", nvml_off)
     process = TelemetryProcess(settings, channel, log_handler=handler, nvml_off=nvml_off)
     target.append(process)
+    for msg in early:
+        process.handle(msg)
     if stop.is_set():
         return 0
     return process.run()

@@ -86,6 +86,7 @@ class SparkwatchCollector(Collector):
         outbox: OutboxLike | None = None,
         kernel_log: KernelLogLike | None = None,
         monotonic: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], float] = time.time,
     ) -> None:
         self.latest = latest
         self.outbox = outbox
@@ -94,6 +95,7 @@ class SparkwatchCollector(Collector):
         self.events = events
         self.kernel_log = kernel_log if kernel_log is not None else getattr(guard, "kernlog", None)
         self.monotonic = monotonic
+        self.wall_clock = wall_clock
 
     def describe(self) -> Iterable[Metric]:
         return []  # unchecked registration: the families depend on what the snapshot holds
@@ -108,10 +110,7 @@ class SparkwatchCollector(Collector):
         info = gauge("build_info", labels=["version"])
         info.add_metric([__version__], 1)
         yield info
-        mem: MemInfo | None = stats.mem if stats is not None and stats.mem is not None else None
-        if mem is None and snap is not None:
-            mem = snap.mem
-        yield from self._memory(mem, snap, stats, settings)
+        yield from self._memory(self._freshest_mem(snap, stats), snap, stats, settings)
         if stats is not None:
             yield from self._guard(stats, settings.dry_run)
         if self.kernel_log is not None:
@@ -142,6 +141,17 @@ class SparkwatchCollector(Collector):
         yield from gpu_families(snap.gpu)
         if snap.driver is not None:
             yield from _driver_families(snap.driver)
+
+    def _freshest_mem(self, snap: Snapshot | None, stats: GuardStats | None) -> MemInfo | None:
+        """The newer of two meminfo readings: the guard's (sent on change, four times a second near the floor) and
+        telemetry's own (each cycle)."""
+        guard_mem = stats.mem if stats is not None else None
+        own_mem = snap.mem if snap is not None else None
+        if guard_mem is None or own_mem is None or snap is None or stats is None:
+            return guard_mem or own_mem
+        guard_age_s = self.monotonic() - stats.last_loop_monotonic
+        own_age_s = self.wall_clock() - snap.ts
+        return guard_mem if guard_age_s <= own_age_s else own_mem
 
     def _memory(
         self, mem: MemInfo | None, snap: Snapshot | None, stats: GuardStats | None, settings: Settings

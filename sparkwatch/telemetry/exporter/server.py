@@ -35,6 +35,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.exposition import choose_encoder
 
 from sparkwatch.common import logs
+from sparkwatch.common.threads import daemon_thread
 from sparkwatch.config.settings import Settings
 from sparkwatch.core.model import Snapshot
 from sparkwatch.telemetry.exporter.collector import (
@@ -139,10 +140,8 @@ class BoundedHTTPServer:
         self._work: queue.Queue[_Conn | None] = queue.Queue(maxsize=max_connections)
         self._stop = threading.Event()
         self._accept_paused_until_s = 0.0
-        self._threads = [threading.Thread(target=self._loop, name="sparkwatch-metrics", daemon=True)]
-        self._threads += [
-            threading.Thread(target=self._worker, name=f"sparkwatch-metrics-{i}", daemon=True) for i in range(workers)
-        ]
+        self._threads = [daemon_thread(self._loop, "sparkwatch-metrics")]
+        self._threads += [daemon_thread(self._worker, f"sparkwatch-metrics-{i}") for i in range(workers)]
         # counters
         self.connections_total = 0
         self.evicted_total = 0  # closed unanswered: too slow to send a request, or the oldest when the cap was hit
@@ -177,10 +176,17 @@ class BoundedHTTPServer:
         self._wake_w.close()
 
     # --- the selector thread: accept, handshake, read request heads, enforce deadlines
+    def _select_timeout_s(self) -> float | None:
+        """0.25 s while a deadline can fall due (a connection open or being answered, accepts paused); with nothing
+        open, wait for the next connection (or stop's wake-up): an idle endpoint costs no wake-ups."""
+        with self._busy_lock:
+            busy = bool(self._busy)
+        return 0.25 if self._open or busy or self._accept_paused_until_s else None
+
     def _loop(self) -> None:
         while not self._stop.is_set():
             try:
-                ready = self._selector.select(timeout=0.25)
+                ready = self._selector.select(timeout=self._select_timeout_s())
             except OSError:
                 return
             now = time.monotonic()
@@ -415,7 +421,7 @@ class MetricsServer:
             s.listen,
             self.bind_retry_s,
         )
-        self._retry = threading.Thread(target=self._keep_binding, name="sparkwatch-metrics-bind", daemon=True)
+        self._retry = daemon_thread(self._keep_binding, "sparkwatch-metrics-bind")
         self._retry.start()
 
     def _bind(self) -> bool:

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from sparkwatch.common.sources.meminfo import MeminfoError, parse_meminfo
+from sparkwatch.common.threads import daemon_thread
 from sparkwatch.core.model import GpuDevice, GpuProcess, GpuReport, NvmlFacts
 from sparkwatch.core.nvmlcodes import FATAL_CODES as _FATAL_CODES
 from sparkwatch.core.nvmlcodes import NvmlReturn
@@ -85,7 +86,7 @@ class _Worker:
         # Called with the lock held.
         if not self._running:
             self._running = True
-            self._thread = threading.Thread(target=self._loop, name="sparkwatch-nvml", daemon=True)
+            self._thread = daemon_thread(self._loop, "sparkwatch-nvml")
             self._thread.start()
 
     def _loop(self) -> None:
@@ -459,7 +460,7 @@ def probe_nvml(timeout_s: float = 5.0) -> NvmlFacts:
     def ask() -> None:
         answer.put(_ask_nvml())
 
-    thread = threading.Thread(target=ask, name="sparkwatch-nvml-probe", daemon=True)
+    thread = daemon_thread(ask, "sparkwatch-nvml-probe")
     thread.start()
     _last_probe["thread"] = thread
     try:

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 from sparkwatch.common import logs
+from sparkwatch.common.threads import daemon_thread
 
 DRIVER_ACTIONS = frozenset({"add", "remove", "bind", "unbind", "change"})
 
@@ -61,7 +62,7 @@ class UdevWatcher:
         monitor = pyudev.Monitor.from_netlink(pyudev.Context(), source="kernel")
         monitor.start()
         self._monitor = monitor
-        self._thread = threading.Thread(target=self._run, args=(monitor,), name="sparkwatch-udev", daemon=True)
+        self._thread = daemon_thread(self._run, "sparkwatch-udev", monitor)
         self._thread.start()
 
     def stop(self) -> None:
@@ -92,7 +93,7 @@ class UdevWatcher:
         poller.register(fileno, select.POLLIN)
         poller.register(self._wake_r, select.POLLIN)
         while not self._stop.is_set():
-            ready = {fd for fd, _ in poller.poll(1000)}
+            ready = {fd for fd, _ in poller.poll()}  # stop() wakes it through the pipe: no periodic wake-up
             if fileno not in ready:
                 continue
             while True:

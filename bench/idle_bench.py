@@ -1,0 +1,171 @@
+"""What sparkwatch costs a box that is doing nothing: CPU and RSS of each process, idle, with a scrape every 5 s.
+
+    .venv/bin/python bench/idle_bench.py --rounds 3 --seconds 60 --out bench/RESULTS-idle.md
+
+Episodes alternate A B A B: the daemon (`sparkwatch run`, both processes, its metrics endpoint scraped every 5 s as
+Prometheus would), then earlyoom 1.7 on the same box, `--rounds` times each. Every episode lets the process settle
+for 10 s (telemetry imports pydantic, prometheus_client and pynvml, and its first cycles warm its caches), then
+measures `--seconds`: CPU time (user + system, from /proc/PID/stat through psutil) over wall time, in % of one core,
+and the largest RSS seen in 1 s samples. Medians over the rounds; these VMs are noisy.
+
+On a GPU machine (where libnvidia-ml loads) the telemetry process polls NVML every cycle, as it does on a Spark;
+`--nvml` in the table says whether it did. Run as root so mlockall applies as in the unit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+
+ROOT = Path(__file__).resolve().parent.parent
+MiB = 1 << 20
+SCRAPE_EVERY_S = 5.0
+SETTLE_S = 10.0
+
+
+@dataclass
+class Sample:
+    cpu_pct: float
+    rss_mib: float
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def measure(procs: dict[str, psutil.Process], seconds: float, tick: object = None) -> dict[str, Sample]:
+    t0 = time.monotonic()
+    cpu0 = {n: sum(p.cpu_times()[:2]) for n, p in procs.items()}
+    peak = dict.fromkeys(procs, 0)
+    while time.monotonic() < t0 + seconds:
+        for n, p in procs.items():
+            peak[n] = max(peak[n], p.memory_info().rss)
+        time.sleep(1)
+    wall = time.monotonic() - t0
+    out = {n: Sample((sum(p.cpu_times()[:2]) - cpu0[n]) / wall * 100, peak[n] / MiB) for n, p in procs.items()}
+    out["whole agent"] = Sample(sum(s.cpu_pct for s in out.values()), sum(s.rss_mib for s in out.values()))
+    return out
+
+
+def sparkwatch_episode(seconds: float, tmp: Path) -> tuple[dict[str, Sample], bool]:
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SPARKWATCH_")}
+    env.update(
+        {
+            "SPARKWATCH_STATE_DIR": str(tmp / "state"),
+            "SPARKWATCH_LISTEN": f"127.0.0.1:{port}",
+            "SPARKWATCH_ANCESTOR_PID": str(os.getpid()),  # confined: this bench's tree holds no engine
+            "XDG_CONFIG_HOME": str(tmp / "xdg"),
+        }
+    )
+    daemon = subprocess.Popen(
+        [sys.executable, "-m", "sparkwatch", "run"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+    )
+    assert daemon.stderr is not None
+    err = daemon.stderr
+    lines: list[str] = []
+    threading.Thread(target=lambda: lines.extend(x.decode(errors="replace") for x in err), daemon=True).start()
+    stop = threading.Event()
+    nvml = [False]
+
+    def scrape() -> None:
+        while not stop.wait(SCRAPE_EVERY_S):
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
+                    body = resp.read().decode()
+                nvml[0] = nvml[0] or "sparkwatch_gpu_up 1.0" in body
+            except OSError:
+                pass
+
+    try:
+        deadline = time.monotonic() + 60
+        guard = psutil.Process(daemon.pid)
+        while not guard.children() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        (telemetry,) = guard.children()
+        threading.Thread(target=scrape, daemon=True).start()
+        time.sleep(SETTLE_S)
+        return measure({"guard": guard, "telemetry": telemetry}, seconds), nvml[0]
+    finally:
+        stop.set()
+        daemon.terminate()
+        daemon.wait(15)
+
+
+def earlyoom_episode(seconds: float) -> dict[str, Sample]:
+    proc = subprocess.Popen(
+        ["earlyoom", "-M", "524288,524288", "-r", "0"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    try:
+        time.sleep(SETTLE_S)
+        got = measure({"earlyoom": psutil.Process(proc.pid)}, seconds)
+        del got["whole agent"]
+        return got
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--seconds", type=float, default=60.0)
+    ap.add_argument("--no-earlyoom", action="store_true", help="where earlyoom is not installed (a GPU host)")
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args()
+    runs: dict[str, list[Sample]] = {}
+    nvml_seen = False
+    with tempfile.TemporaryDirectory() as tmpdir:
+        for i in range(args.rounds):
+            got, nvml = sparkwatch_episode(args.seconds, Path(tmpdir) / f"sw{i}")
+            nvml_seen = nvml_seen or nvml
+            for name, s in got.items():
+                runs.setdefault(name, []).append(s)
+            if not args.no_earlyoom:
+                for name, s in earlyoom_episode(args.seconds).items():
+                    runs.setdefault(name, []).append(s)
+            print(f"round {i + 1}: " + ", ".join(f"{n} {v[-1].cpu_pct:.3f} %" for n, v in runs.items()), flush=True)
+    cmd = "python bench/idle_bench.py " + " ".join(sys.argv[1:])
+    lines = [
+        f"Command: `{cmd}` (as uid {os.geteuid()})",
+        "",
+        f"Machine: {platform.machine()}, {os.cpu_count()} cores, "
+        f"{psutil.virtual_memory().total / (1 << 30):.1f} GiB, kernel {platform.release()}; "
+        f"NVML polled by telemetry: {'yes' if nvml_seen else 'no'}",
+        "",
+        f"Idle, a scrape every {SCRAPE_EVERY_S:.0f} s, {args.seconds:.0f} s per episode after {SETTLE_S:.0f} s to "
+        f"settle, {args.rounds} rounds alternated with earlyoom; medians (min-max):",
+        "",
+        "| process | CPU % of one core | max RSS MiB |",
+        "| --- | --- | --- |",
+    ]
+    for name, samples in runs.items():
+        cpus = [s.cpu_pct for s in samples]
+        rss = [s.rss_mib for s in samples]
+        lines.append(
+            f"| {name} | {statistics.median(cpus):.3f} ({min(cpus):.3f}-{max(cpus):.3f}) | "
+            f"{statistics.median(rss):.1f} ({min(rss):.1f}-{max(rss):.1f}) |"
+        )
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if args.out:
+        args.out.write_text(text)
+
+
+if __name__ == "__main__":
+    main()
