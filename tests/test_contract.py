@@ -365,3 +365,29 @@ def test_doctor_checks_and_verdicts_are_documented() -> None:
 def test_nvml_codes_are_pynvmls() -> None:
     for code in NvmlReturn:
         assert getattr(pynvml, f"NVML_{code.name}") == code.value, code
+
+
+def test_memory_series_come_from_the_fresher_reading(tmp_path: Path) -> None:
+    """The guard's MemAvailable (sent on change, 4 Hz near the floor) or telemetry's own (each cycle): the newer."""
+    from sparkwatch.common.stats import GuardStats
+    from sparkwatch.telemetry.exporter.collector import SparkwatchCollector
+
+    settings: Settings = build_scenario(tmp_path)
+    snap = Telemetry(settings, gpu_source=TwoGpus(), wall_clock=lambda: 1000.0).collect()
+    guard_mem = dataclasses.replace(snap.mem, available_bytes=7 << 30) if snap.mem else None
+    stats = GuardStats(mem=guard_mem, last_loop_monotonic=50.0)
+
+    def available(now_mono: float, now_wall: float) -> float:
+        collector = SparkwatchCollector(
+            lambda: snap,
+            settings=settings,
+            guard=StaticGuard(stats),
+            monotonic=lambda: now_mono,
+            wall_clock=lambda: now_wall,
+        )
+        fam = next(m for m in collector.collect() if m.name == "sparkwatch_memory_available_bytes")
+        return float(fam.samples[0].value)
+
+    assert snap.mem is not None
+    assert available(50.5, snap.ts + 2.0) == 7 << 30  # the guard read it 0.5 s ago, telemetry 2 s ago
+    assert available(54.0, snap.ts + 0.5) == snap.mem.available_bytes  # the guard's is 4 s old

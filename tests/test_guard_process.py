@@ -392,3 +392,26 @@ def test_silent_telemetry_is_killed_and_restarted(tmp_path: Path, monkeypatch: p
         gp.guard.stop()
         gp.guard.meminfo.close()
         gp.guard.reaper._meminfo.close()
+
+
+def test_a_guard_over_its_rss_cap_says_so_and_restarts(tmp_path: Path) -> None:
+    """Past its RSS cap the guard records why, stops its parts and hands over to `restart` (in the daemon: an exec
+    into a fresh guard process with the same PID)."""
+    from sparkwatch.common.events import read_events
+    from sparkwatch.common.guardconfig import GuardConfig
+    from sparkwatch.config.settings import load_settings, settings_to_wire
+    from sparkwatch.guard.process import GuardProcess
+
+    sleep = require_tool("sleep")
+    settings = load_settings(None, {"state_dir": tmp_path / "s", "mlock": False, "floor": "1MiB"})
+    config = GuardConfig.from_wire(settings_to_wire(settings), settings.public_dict())
+    restarted: list[bool] = []
+    gp = GuardProcess(config, telemetry=lambda _fd, _nvml: [sleep, "1000"], restart=lambda: restarted.append(True))
+    gp.supervisor.rss_cap_bytes = 1 << 20  # any Python process is over 1 MiB
+    t0 = time.monotonic()
+    assert gp.run() == 1
+    assert restarted == [True]
+    assert time.monotonic() - t0 < 10
+    events = [e for e in read_events(tmp_path / "s" / "events.jsonl") if e["kind"] == "component_restarted"]
+    assert events and events[-1]["component"] == "guard" and "over its 1 MiB cap" in str(events[-1]["reason"])
+    assert not gp.guard._thread or not gp.guard._thread.is_alive()  # the pool watch was stopped first
