@@ -16,7 +16,7 @@ import dataclasses
 import enum
 import types
 import typing
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -47,38 +47,11 @@ def from_json(tp: Any, value: Any, where: str = "value") -> Any:
         return None
     origin = typing.get_origin(tp)
     if origin in (types.UnionType, typing.Union):
-        args = typing.get_args(tp)
-        if value is None and type(None) in args:
-            return None
-        inner = [a for a in args if a is not type(None)]
-        if len(inner) != 1:
-            raise WireError(f"{where}: unions other than X | None are not supported")
-        return from_json(inner[0], value, where)
+        return _optional(tp, value, where)
     if origin in (tuple, list):
-        if not isinstance(value, list):
-            raise WireError(f"{where}: expected a list")
-        args = typing.get_args(tp)
-        if origin is list or (len(args) == 2 and args[1] is Ellipsis):
-            items = [from_json(args[0], v, f"{where}[{i}]") for i, v in enumerate(value)]
-        else:
-            if len(value) != len(args):
-                raise WireError(f"{where}: expected {len(args)} items")
-            items = [from_json(a, v, f"{where}[{i}]") for i, (a, v) in enumerate(zip(args, value, strict=True))]
-        return items if origin is list else tuple(items)
+        return _sequence(tp, origin, value, where)
     if origin in (dict, Mapping) or tp is dict:
-        if not isinstance(value, dict):
-            raise WireError(f"{where}: expected an object")
-        key_tp, val_tp = typing.get_args(tp) or (str, Any)
-        out: dict[Any, Any] = {}
-        for k, v in value.items():
-            if key_tp is int:
-                if not (isinstance(k, str) and k.lstrip("-").isdigit()):
-                    raise WireError(f"{where}: key {k!r} is not an integer")
-                key: Any = int(k)
-            else:
-                key = k
-            out[key] = from_json(val_tp, v, f"{where}[{k!r}]")
-        return out
+        return _mapping(tp, value, where)
     if isinstance(tp, type):
         if dataclasses.is_dataclass(tp):
             return _dataclass(tp, value, where)
@@ -87,27 +60,80 @@ def from_json(tp: Any, value: Any, where: str = "value") -> Any:
                 return tp(value)
             except ValueError:
                 raise WireError(f"{where}: {value!r} is not a {tp.__name__}") from None
-        if tp is bool:
-            if not isinstance(value, bool):
-                raise WireError(f"{where}: expected true or false")
-            return value
-        if tp is int:
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise WireError(f"{where}: expected an integer")
-            return value
-        if tp is float:
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise WireError(f"{where}: expected a number")
-            return float(value)
-        if tp is str:
-            if not isinstance(value, str):
-                raise WireError(f"{where}: expected a string")
-            return value
-        if tp is Path:
-            if not isinstance(value, str):
-                raise WireError(f"{where}: expected a path")
-            return Path(value)
+        if tp in _SCALARS:
+            return _SCALARS[tp](value, where)
     raise WireError(f"{where}: type {tp!r} is not supported on the wire")
+
+
+def _optional(tp: Any, value: Any, where: str) -> Any:
+    args = typing.get_args(tp)
+    if value is None and type(None) in args:
+        return None
+    inner = [a for a in args if a is not type(None)]
+    if len(inner) != 1:
+        raise WireError(f"{where}: unions other than X | None are not supported")
+    return from_json(inner[0], value, where)
+
+
+def _sequence(tp: Any, origin: Any, value: Any, where: str) -> Any:
+    if not isinstance(value, list):
+        raise WireError(f"{where}: expected a list")
+    args = typing.get_args(tp)
+    if origin is list or (len(args) == 2 and args[1] is Ellipsis):
+        items = [from_json(args[0], v, f"{where}[{i}]") for i, v in enumerate(value)]
+    else:
+        if len(value) != len(args):
+            raise WireError(f"{where}: expected {len(args)} items")
+        items = [from_json(a, v, f"{where}[{i}]") for i, (a, v) in enumerate(zip(args, value, strict=True))]
+    return items if origin is list else tuple(items)
+
+
+def _mapping(tp: Any, value: Any, where: str) -> dict[Any, Any]:
+    if not isinstance(value, dict):
+        raise WireError(f"{where}: expected an object")
+    key_tp, val_tp = typing.get_args(tp) or (str, Any)
+    out: dict[Any, Any] = {}
+    for k, v in value.items():
+        if key_tp is int:
+            if not (isinstance(k, str) and k.lstrip("-").isdigit()):
+                raise WireError(f"{where}: key {k!r} is not an integer")
+            out[int(k)] = from_json(val_tp, v, f"{where}[{k!r}]")
+        else:
+            out[k] = from_json(val_tp, v, f"{where}[{k!r}]")
+    return out
+
+
+def _bool(value: Any, where: str) -> bool:
+    if not isinstance(value, bool):
+        raise WireError(f"{where}: expected true or false")
+    return value
+
+
+def _int(value: Any, where: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise WireError(f"{where}: expected an integer")
+    return value
+
+
+def _float(value: Any, where: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise WireError(f"{where}: expected a number")
+    return float(value)
+
+
+def _str(value: Any, where: str) -> str:
+    if not isinstance(value, str):
+        raise WireError(f"{where}: expected a string")
+    return value
+
+
+def _path(value: Any, where: str) -> Path:
+    if not isinstance(value, str):
+        raise WireError(f"{where}: expected a path")
+    return Path(value)
+
+
+_SCALARS: dict[type, Callable[[Any, str], Any]] = {bool: _bool, int: _int, float: _float, str: _str, Path: _path}
 
 
 def _dataclass(cls: type[T], value: Any, where: str) -> T:

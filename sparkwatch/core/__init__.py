@@ -1,2 +1,6 @@
-"""Pure decisions over frozen dataclasses. Nothing in this package does I/O or imports a module that does
-(enforced by the banned-api rule in sparkwatch/core/ruff.toml)."""
+"""Pure decisions over frozen dataclasses, importable by every process and the CLI.
+
+Nothing in this package does I/O or imports a module that does (the banned-api rule in sparkwatch/core/ruff.toml,
+proved to fire by tests/test_lint.py), and it imports no other sparkwatch package (import-linter, pyproject.toml):
+time, files and processes come in as arguments.
+"""
