@@ -48,16 +48,14 @@ class RunningDaemon:
         return self.state_dir / "events.jsonl"
 
 
-@contextmanager
-def sparkwatch_run(tmp_path: Path, *args: str, env: dict[str, str] | None = None) -> Iterator[RunningDaemon]:
-    """`sparkwatch run` with engines confined to this test process's descendants, a private state dir and port."""
-    state_dir = tmp_path / "state"
-    port = free_port()
-    full_env = {k: v for k, v in os.environ.items() if not k.startswith("SPARKWATCH_")}
-    full_env.update(
+def daemon_env(tmp_path: Path, port: int) -> dict[str, str]:
+    """The environment of a daemon confined to this test: engines below this test process only, a private state dir
+    (tmp_path/state), config dir and port, no JIT cache."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SPARKWATCH_")}
+    env.update(
         {
             "SPARKWATCH_ANCESTOR_PID": str(os.getpid()),
-            "SPARKWATCH_STATE_DIR": str(state_dir),
+            "SPARKWATCH_STATE_DIR": str(tmp_path / "state"),
             "SPARKWATCH_LISTEN": f"127.0.0.1:{port}",
             "SPARKWATCH_JIT_CACHE_DIRS": f'["{tmp_path / "no-jit-cache"}"]',
             "XDG_CONFIG_HOME": str(tmp_path / "xdg"),
@@ -67,6 +65,15 @@ def sparkwatch_run(tmp_path: Path, *args: str, env: dict[str, str] | None = None
             "PYTHONUNBUFFERED": "1",
         }
     )
+    return env
+
+
+@contextmanager
+def sparkwatch_run(tmp_path: Path, *args: str, env: dict[str, str] | None = None) -> Iterator[RunningDaemon]:
+    """`sparkwatch run` with engines confined to this test process's descendants, a private state dir and port."""
+    state_dir = tmp_path / "state"
+    port = free_port()
+    full_env = daemon_env(tmp_path, port)
     full_env.update(env or {})
     proc = subprocess.Popen(
         [sys.executable, "-m", "sparkwatch", "run", *args],

@@ -8,7 +8,6 @@ stall watchdog never fired, and a kill came 951 ms after detection, about 2 GiB 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import threading
@@ -21,7 +20,7 @@ import pytest
 from sparkwatch.common.selfwatch import GUARD_RSS_CAP_BYTES
 from sparkwatch.core.units import GiB, MiB
 from tests.conftest import Spawner, alive, pids_in, settled_available_bytes, wait_until
-from tests.daemon import free_port, wait_for_event
+from tests.daemon import daemon_env, free_port, wait_for_event
 from tests.test_guard_pressure import HEADROOM_BYTES, HOG_EXTRA_BYTES, OVERSHOOT_MARGIN_BYTES, MinTracker
 
 HELPERS = Path(__file__).parent / "helpers"
@@ -34,18 +33,8 @@ DETECT_TO_SIGNAL_MAX_MS = 250.0
 
 def guard_settings(tmp_path: Path, floor: int) -> str:
     """The validated settings, as `sparkwatch run` hands them to the guard process."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SPARKWATCH_")}
-    env.update(
-        {
-            "SPARKWATCH_FLOOR": str(floor),
-            "SPARKWATCH_ANCESTOR_PID": str(os.getpid()),
-            "SPARKWATCH_STATE_DIR": str(tmp_path / "state"),
-            "SPARKWATCH_LISTEN": f"127.0.0.1:{free_port()}",
-            "SPARKWATCH_KERNEL_LOG_PATH": str(tmp_path / "no-kmsg"),
-            "SPARKWATCH_MLOCK": "false",
-            "XDG_CONFIG_HOME": str(tmp_path / "xdg"),
-        }
-    )
+    env = daemon_env(tmp_path, free_port())
+    env.update({"SPARKWATCH_FLOOR": str(floor), "SPARKWATCH_MLOCK": "false"})
     done = subprocess.run(
         [sys.executable, "-m", "sparkwatch", "run", "--print-settings"],
         env=env,
