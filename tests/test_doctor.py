@@ -304,3 +304,24 @@ def test_unreadable_kernel_log_says_why(tmp_path: Path) -> None:
     assert checks["kernel-log"]["status"] == "warn" and "no such device" in checks["kernel-log"]["summary"]
     assert "install-service --system" in checks["kernel-log"]["fix"]
     assert checks["recent-xids"]["status"] == "skip"
+
+
+def test_live_kernel_log_that_is_not_the_device_is_not_readable(tmp_path: Path) -> None:
+    """On this machine, kernel_log_path naming an empty mode-000 file (what systemd's ProtectKernelLogs=yes can leave
+    at /dev/kmsg) is a warning with the reason, not "readable: 0 records"."""
+    fake = tmp_path / "kmsg"
+    fake.touch(mode=0)
+    env = clean_env(tmp_path) | {"SPARKWATCH_KERNEL_LOG_PATH": str(fake)}
+    proc = subprocess.run(
+        [sys.executable, "-m", "sparkwatch", "doctor", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+        check=False,
+    )
+    assert proc.returncode in (0, 1), proc.stderr
+    checks = by_id(json.loads(proc.stdout))
+    log = checks["kernel-log"]
+    assert log["status"] == "warn" and "not the kernel log device (character 1:11)" in log["summary"], log
+    assert checks["recent-xids"]["status"] == "skip"

@@ -3,16 +3,20 @@
 from __future__ import annotations
 
 import os
+import stat
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from sparkwatch.common.sources.buddyinfo import read_buddyinfo
 from sparkwatch.common.sources.kmsg import KmsgSource, read_kmsg_ring
+from sparkwatch.core.doctor import kernel_log_check
+from sparkwatch.core.enums import CheckStatus
 from sparkwatch.core.kernlog import parse_nvrm
-from tests.kmsgwriter import kernel_ring_bytes, kmsg_writable_reason, write_kmsg
+from tests.kmsgwriter import KMSG, kernel_ring_bytes, kmsg_writable_reason, write_kmsg
 
 FIX = Path(__file__).parent / "fixtures" / "kmsg"
 
@@ -160,3 +164,97 @@ def test_ring_reader_reads_the_live_ring(name: str) -> None:
     if why is not None:
         pytest.skip(why)
     assert records and records == sorted(records, key=lambda r: r.seq)
+
+
+# --- what was opened must be the kernel log device (character 1:11)
+# Under systemd's ProtectKernelLogs=yes a service can find an empty mode-000 regular file at /dev/kmsg, which its
+# CAP_DAC_READ_SEARCH opens (seen under systemd 252 in nspawn: sparkwatch_kernel_log_readable said 1 and no line was
+# ever read). A FIFO opens non-blocking without a writer and reads EOF the same way.
+
+
+def _empty_mode_000_file(tmp_path: Path) -> Path:
+    path = tmp_path / "kmsg"
+    path.touch()
+    path.chmod(0)  # what ProtectKernelLogs=yes leaves: systemd's inaccessible "reg" node
+    return path
+
+
+def _fifo(tmp_path: Path) -> Path:
+    path = tmp_path / "kmsg"
+    os.mkfifo(path)
+    return path
+
+
+@pytest.mark.parametrize(
+    ("make", "what"),
+    [(_empty_mode_000_file, "an empty regular file (mode 000)"), (_fifo, "a FIFO")],
+    ids=["empty-mode-000-file", "fifo"],
+)
+def test_something_else_at_the_path_is_not_readable(tmp_path: Path, make: Callable[[Path], Path], what: str) -> None:
+    path = make(tmp_path)
+    if os.geteuid() != 0 and what.startswith("an empty"):
+        path.chmod(0o600)  # root (CAP_DAC_READ_SEARCH) opens mode 000; an ordinary user needs a readable one
+        what = "an empty regular file (mode 600)"
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # it really opens: the check is on what was opened
+    assert os.read(fd, 8192) == b""
+    os.close(fd)
+    src = KmsgSource(path)
+    assert not src.open()
+    reason = src.stats.reason or ""
+    assert src.stats.readable is False and src.fd is None
+    assert f"{path} is {what}, not the kernel log device (character 1:11)" in reason, reason
+    assert "ProtectKernelLogs=yes" in reason and "install-service --system" in reason
+    assert src.poll(time.monotonic()) == []
+    records, why = read_kmsg_ring(path)
+    assert records == [] and why == reason
+    check = kernel_log_check(records, why)  # doctor's kernel-log check
+    assert check.status == CheckStatus.WARN and "not the kernel log device" in check.summary
+
+
+def test_another_character_device_is_not_the_kernel_log() -> None:
+    """/dev/null is character 1:3, next to kmsg's 1:11 on the same major: the minor counts too."""
+    src = KmsgSource(Path("/dev/null"))
+    assert not src.open()
+    assert "/dev/null is the character device 1:3, not the kernel log device" in (src.stats.reason or "")
+    assert read_kmsg_ring(Path("/dev/null"))[1] == src.stats.reason
+
+
+def test_a_fixture_file_of_records_is_read_only_when_asked(tmp_path: Path) -> None:
+    """doctor --root DIR reads DIR/dev/kmsg as a file of records; the live path never takes a file."""
+    path = tmp_path / "kmsg"
+    path.write_bytes((FIX / "h200-kmsg.txt").read_bytes())
+    records, why = read_kmsg_ring(path, records_file=True)
+    assert why is None and records and records[0].text.startswith("Linux version")
+    records, why = read_kmsg_ring(path)
+    assert records == [] and why is not None and "a regular file (mode 644)" in why
+
+
+def test_the_real_kmsg_device_is_readable_where_it_can_be_opened() -> None:
+    try:
+        os.close(os.open(KMSG, os.O_RDONLY | os.O_NONBLOCK))
+    except OSError as exc:
+        pytest.skip(f"/dev/kmsg cannot be read here ({exc.strerror})")
+    src = KmsgSource()
+    try:
+        assert src.open() and src.stats.readable and src.stats.reason is None
+    finally:
+        src.close()
+    records, why = read_kmsg_ring()
+    assert why is None and records
+
+
+def test_the_device_is_judged_by_its_number_not_its_path(tmp_path: Path) -> None:
+    """A kmsg node made elsewhere (as boot code in a container makes one) is the kernel log; the check reads the
+    opened file's device number, not the name."""
+    node = tmp_path / "my-kmsg"
+    try:
+        os.mknod(node, 0o600 | stat.S_IFCHR, os.makedev(1, 11))
+        fd = os.open(node, os.O_RDONLY | os.O_NONBLOCK)
+    except OSError as exc:
+        pytest.skip(f"cannot make and open a kmsg node here ({exc.strerror}): needs root and CAP_SYSLOG")
+    os.close(fd)
+    src = KmsgSource(node)
+    try:
+        assert src.open() and src.stats.readable, src.stats.reason
+    finally:
+        src.close()

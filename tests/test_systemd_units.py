@@ -96,6 +96,15 @@ def test_units_carry_what_the_guard_needs(system: bool) -> None:
     if system:
         assert k["User"] == ["root"] and "CAP_KILL" in k["CapabilityBoundingSet"][0]
         assert k["OOMScoreAdjust"] == ["-900"]
+        # It reads the kernel log: CAP_SYSLOG for kernel.dmesg_restrict=1, no ProtectKernelLogs (which hides
+        # /dev/kmsg and drops CAP_SYSLOG again); /proc/kmsg (a consuming read, rsyslog's) stays hidden. The
+        # nspawn test (tests/test_systemd_nspawn.py) shows the line read under a real systemd.
+        caps = k["CapabilityBoundingSet"][0].split()
+        assert caps == ["CAP_KILL", "CAP_IPC_LOCK", "CAP_SYS_PTRACE", "CAP_DAC_READ_SEARCH", "CAP_SYSLOG"]
+        assert k["ProtectKernelLogs"] == ["no"] and k["InaccessiblePaths"] == ["-/proc/kmsg"]
+        for key in ("ProtectKernelModules", "ProtectClock", "ProtectHostname", "PrivateTmp", "LockPersonality"):
+            assert k[key] == ["yes"], key
+        assert k["PrivateDevices"] == ["no"] and k["ProtectHome"] == ["read-only"]
     else:
         assert k["ReadWritePaths"] == ["%S/sparkwatch"] and k["StateDirectory"] == ["sparkwatch"]
         assert "User" not in k

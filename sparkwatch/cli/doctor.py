@@ -83,7 +83,8 @@ def run_checks(args: argparse.Namespace) -> tuple[list[Check], Path, bool]:
     checks.append(ray_monitor_check(targets, environ))
     checks.append(floor_check(settings.floor, settings.warn_headroom, mem))
     # The kernel log: this machine's /dev/kmsg (kernel_log_path), or DIR/dev/kmsg (a file of records) under --root.
-    records, why_not = read_kmsg_ring(settings.kernel_log_path if live else root / "dev" / "kmsg")
+    kmsg = settings.kernel_log_path if live else root / "dev" / "kmsg"
+    records, why_not = read_kmsg_ring(kmsg, records_file=not live)
     checks.append(kernel_log_check(records, why_not))
     checks.append(xid_check(records, why_not))
     return checks, root, live
