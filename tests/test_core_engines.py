@@ -13,7 +13,9 @@ from sparkwatch.core.engines import (
     is_infrastructure,
     is_protected,
     may_touch,
+    parent_wants_maps,
     unknown_gpu_holders,
+    wants_parent_maps,
 )
 from sparkwatch.core.model import Proc
 
@@ -233,22 +235,50 @@ def test_ray_infrastructure_is_never_a_victim() -> None:
     assert engine_kind(proc(52, 1, "ray::IDLE", "ray::IDLE"), RULES) == "ray"
 
 
-def test_offline_llm_script_and_run_batch_parents_are_adopted() -> None:
+VLLM_C = "/venv/lib/python3.12/site-packages/vllm/_C.abi3.so"
+SGL_KERNEL = "/venv/lib/python3.12/site-packages/sgl_kernel/sm100/common_ops.abi3.so"
+
+
+def test_offline_llm_script_parents_are_adopted_only_with_the_engines_library_mapped() -> None:
     table = [
         proc(600, 1, "bash", "-bash", exe="/usr/bin/bash"),
-        proc(700, 600, "python3", "/venv/bin/python3", "offline.py", "--model", "m"),
+        proc(700, 600, "python3", "/venv/bin/python3", "offline.py", "--model", "m", lib=VLLM_C),
         proc(701, 700, "VLLM::EngineCor", "VLLM::EngineCore"),
         proc(702, 701, "VLLM::Worker_TP", "VLLM::Worker_TP0"),
+        proc(750, 600, "python3", "python3", "sgl_offline.py", lib=SGL_KERNEL),
+        proc(751, 750, "sglang::schedul", "sglang::scheduler_TP0"),
         # a shell that somehow parents an EngineCore is never adopted
         proc(800, 600, "bash", "bash", "run.sh", exe="/usr/bin/bash"),
         proc(801, 800, "VLLM::EngineCor", "VLLM::EngineCore"),
         # nor a supervisor written in Python
         proc(900, 1, "supervisord", "/usr/bin/python3", "/usr/bin/supervisord", "-n"),
         proc(901, 900, "sglang::schedul", "sglang::scheduler_TP0"),
+        # nor a test runner whose tests start processes titled like engines (no engine library mapped)
+        proc(1000, 600, "python3", "/venv/bin/python3", "-m", "pytest", "-x", "tests/"),
+        proc(1001, 1000, "VLLM::EngineCor", "VLLM::EngineCore"),
+        proc(1002, 1000, "bash", "bash", "-c", "sleep 1", exe="/usr/bin/bash"),
+        # nor a parent mapping another engine's library than its child's
+        proc(1100, 600, "python3", "python3", "mixed.py", lib=SGL_KERNEL),
+        proc(1101, 1100, "VLLM::EngineCor", "VLLM::EngineCore"),
     ]
     trees = {t.root.pid: t for t in find_engine_trees(table, RULES, Scope(self_pid=5, own_uid=1000))}
-    assert set(trees) == {700, 801, 901}
+    assert set(trees) == {700, 750, 801, 901, 1001, 1101}
     assert trees[700].kind == "vllm" and trees[700].pids == (700, 701, 702)
+    assert trees[750].kind == "sglang" and trees[750].pids == (750, 751)
+    assert trees[1001].pids == (1001,)
+
+
+def test_which_parents_the_scanner_reads_maps_for() -> None:
+    """Only the plain Python parent of an adopting shape is worth a maps read; nothing for anyone else."""
+    assert wants_parent_maps("VLLM::EngineCor", ("VLLM::EngineCore",))
+    assert wants_parent_maps("sglang::schedul", ("sglang::scheduler_TP0",))
+    assert not wants_parent_maps("VLLM::Worker_TP", ("VLLM::Worker_TP0",))
+    assert not wants_parent_maps("python3", ("python3", "train.py"))
+    assert parent_wants_maps(proc(3, 1, "python3", "python3", "-m", "pytest"))
+    assert not parent_wants_maps(proc(3, 1, "python3", "python3", "offline.py", lib=VLLM_C))  # already read
+    assert not parent_wants_maps(proc(3, 1, "vllm", "/venv/bin/python3", "/venv/bin/vllm", "serve", "m"))
+    assert not parent_wants_maps(proc(3, 1, "bash", "bash", "run.sh"))
+    assert not parent_wants_maps(proc(3, 1, "supervisord", "/usr/bin/python3", "/usr/bin/supervisord"))
 
 
 def test_llama_server_under_ollama_is_ollama() -> None:

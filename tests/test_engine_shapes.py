@@ -76,10 +76,19 @@ def case(kit: ShapeKit, name: str) -> Node:
             expect="root:vllm",
             children=[spawn_child("VLLM::EngineCore")],
         ),
+        # An offline LLM() script maps vLLM's _C extension before it starts the EngineCore (vllm/platforms/cuda.py
+        # imports vllm._C): that is the evidence that adopts it.
         "vllm-offline-llm": Node(
             [py, str(kit.root / "offline_infer.py"), "--model", "m"],
             "root:vllm",
+            lib=str(kit.vllm_lib),
             children=[spawn_child("VLLM::EngineCore", children=[spawn_child("VLLM::Worker_TP0")])],
+        ),
+        # The same script without the library (a test harness starting fake engines): the EngineCore is its own root.
+        "python-parent-without-engine-library": Node(
+            [py, str(kit.root / "offline_infer.py"), "--model", "m"],
+            "spared",
+            children=[spawn_child("VLLM::EngineCore", "root:vllm", children=[spawn_child("VLLM::Worker_TP0")])],
         ),
         "vllm-cli-module": module(
             "vllm.entrypoints.cli.main", "serve", "m", expect="root:vllm", children=[spawn_child("VLLM::EngineCore")]
@@ -113,7 +122,10 @@ def case(kit: ShapeKit, name: str) -> Node:
             children=[spawn_child("sgl_diffusion::scheduler_TP0")],
         ),
         "sglang-offline-engine": Node(
-            [py, str(kit.root / "sgl_offline.py")], "root:sglang", children=[spawn_child("sglang::scheduler_TP0")]
+            [py, str(kit.root / "sgl_offline.py")],
+            "root:sglang",
+            lib=str(kit.sgl_lib),
+            children=[spawn_child("sglang::scheduler_TP0")],
         ),
         "sglang-bench": module("sglang.bench_serving", "--backend", "sglang", expect="spared"),
         # TensorRT-LLM: commands/serve.py, llmapi/trtllm-llmapi-launch ranks (see test_engine_mpi.py for mpirun)
@@ -178,6 +190,7 @@ CASES = [
     "vllm-custom-prefix",
     "vllm-run-batch",
     "vllm-offline-llm",
+    "python-parent-without-engine-library",
     "vllm-cli-module",
     "vllm-orphaned-engine-core",
     "vllm-bench-module",
@@ -294,3 +307,55 @@ def test_docs_list_every_shape_with_its_source() -> None:
     doc = (Path(__file__).resolve().parent.parent / "docs" / "engines.md").read_text()
     for shape in SHAPES:
         assert f"`{shape.example}`" in doc and shape.source in doc, shape.example
+
+
+INNER_TEST = """
+import json, os, subprocess, sys, time
+
+def test_starts_fake_engines():
+    env = {{**os.environ, "SHAPE_TITLE": "VLLM::EngineCore"}}
+    argv = [sys.executable, "-c", {helper!r}, "--multiprocessing-fork"]
+    kids = [subprocess.Popen(argv, env=env) for _ in range(2)]
+    time.sleep(600)
+"""
+
+
+def test_a_test_runner_with_fake_engines_is_not_adopted_but_an_llm_script_is(
+    kit: ShapeKit, spawner: Spawner, tmp_path: Path
+) -> None:
+    """Issue 20: as root, a `python -m pytest` whose tests started fake EngineCores was adopted as a "vllm engine" of
+    536 processes. Here a real pytest runs a test that starts two processes titled VLLM::EngineCore: each is a root
+    of its own, and pytest is no engine. Beside it, an offline-LLM-shaped script that maps vllm/_C.abi3.so (as vLLM's
+    front end does) and starts the same child is still adopted: the guard kills the whole offline job."""
+    test_file = tmp_path / "test_inner.py"
+    test_file.write_text(INNER_TEST.format(helper=RUN_HELPER))
+    runner = spawner.popen(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:randomly", "-p", "no:cacheprovider", str(test_file)],
+        cwd=tmp_path,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    (kit.root / "offline_infer.py").write_text(RUN_HELPER + "\n")
+    script = Node(
+        [sys.executable, str(kit.root / "offline_infer.py")],
+        "root:vllm",
+        lib=str(kit.vllm_lib),
+        children=[spawn_child("VLLM::EngineCore")],
+    )
+    offline = spawner.popen(script.argv, env={**kit.env(), **script.env()}, stdout=subprocess.DEVNULL)
+    scanner = ProcScanner()
+
+    def cores(root: int) -> list[Proc]:
+        mine = {root, *descendants(root)}
+        return [p for p in scanner.scan().procs if p.pid in mine and p.argv[:1] == ("VLLM::EngineCore",)]
+
+    assert wait_until(lambda: len(cores(runner.pid)) == 2 and len(cores(offline.pid)) == 1, 60, 0.1)
+    procs = list(scanner.scan().procs)
+    scope = Scope(self_pid=os.getpid(), own_uid=os.geteuid(), ancestor_pid=os.getpid())
+    trees = find_engine_trees(procs, RULES, scope)
+    roots = {t.root.pid: t for t in trees}
+    in_trees = {pid for t in trees for pid in t.pids}
+    assert runner.pid not in in_trees, "the test runner was taken for an engine"
+    assert {p.pid for p in cores(runner.pid)} <= set(roots), "each fake EngineCore is a root of its own"
+    assert offline.pid in roots and roots[offline.pid].kind == "vllm", "the LLM() script that maps vllm/_C is adopted"
+    assert cores(offline.pid)[0].pid in roots[offline.pid].pids

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import re
 from collections import defaultdict
-from collections.abc import Collection, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from sparkwatch.core.livecache import LiveCache
@@ -227,7 +227,8 @@ SHAPES: tuple[Shape, ...] = (
 PARENT_RENAMES: tuple[tuple[str, str, str], ...] = (("llama.cpp", r"ollama( serve)?$", "ollama"),)
 
 # Generic MPI workers become engines when one of these is mapped (/proc/PID/maps, read by the scanner only for
-# needs_library shapes): marker in the mapped path -> engine.
+# needs_library shapes and for the parents that adoption asks about, see wants_parent_maps): marker in the mapped
+# path -> engine. The same markers are the evidence that a plain Python parent built the engine below it.
 ENGINE_LIBRARIES: tuple[tuple[str, str], ...] = (
     ("libtensorrt_llm", "trtllm"),  # tensorrt_llm/libs/libtensorrt_llm.so
     ("vllm/_C", "vllm"),  # vllm/_C.abi3.so
@@ -236,7 +237,8 @@ ENGINE_LIBRARIES: tuple[tuple[str, str], ...] = (
 )
 
 # Parents that are never an engine's owner even with an engine directly below them: shells, supervisors,
-# multiplexers, launchers. Only a plain Python process running a script or module is adopted (see adopted_parents).
+# multiplexers, launchers. Only a plain Python process running a script or module, with the engine's own native
+# module mapped, is adopted (see _adoptable_parent).
 _SUPERVISOR_ENTRIES = re.compile(
     r"(supervisord|circusd|honcho|torchrun|torch\.distributed\.(run|launch)|accelerate|deepspeed|mpirun|mpiexec"
     r"|uv|pipx|poetry|conda|ray|jupyter.*|pytest-xdist)$"
@@ -455,6 +457,8 @@ def wants_maps(comm: str, argv: tuple[str, ...]) -> bool:
 
 
 _DEFAULT_COMPILED = tuple((s, re.compile(s.regex)) for s in SHAPES if s.needs_library)
+_ADOPTING_COMPILED = tuple(re.compile(s.regex) for s in SHAPES if s.adopts_parent)
+_ALL_COMPILED = tuple((s, re.compile(s.regex)) for s in SHAPES)
 
 
 def _strip_deleted(path: str) -> str:
@@ -529,14 +533,49 @@ def _ancestors(pid: int, by_pid: Mapping[int, Proc]) -> list[int]:
     return chain
 
 
-def _adoptable_parent(parent: Proc, rules: EngineRules) -> bool:
-    """A plain Python process running a script or module: the owner of an offline LLM() or `vllm run-batch`."""
+def _plain_python_parent(parent: Proc, shape_of: Callable[[Proc], Shape | None]) -> bool:
+    """A Python process running a script or module, with no identity of its own and not a launcher: the only kind
+    of parent adoption ever considers (an offline `LLM()` or `sgl.Engine()` script)."""
     if parent.is_kernel_thread or parent.pid <= 2 or not is_python(parent):
         return False
-    if classify(parent, rules) is not None:
+    if shape_of(parent) is not None:
         return False  # already an engine or infrastructure by its own identity
     entry, _rest = entry_point(parent.argv)
     return bool(entry) and not _SUPERVISOR_ENTRIES.match(entry)
+
+
+def _adoptable_parent(parent: Proc, child_kind: str, rules: EngineRules) -> bool:
+    """The owner of an offline `LLM()` / `sgl.Engine()`: a plain Python parent *with the child engine's own native
+    module mapped* (ENGINE_LIBRARIES: vLLM's `vllm/_C.abi3.so`, SGLang's `sgl_kernel`).
+
+    A direct child titled `VLLM::EngineCore` is not evidence on its own: any process can set that title, and a
+    `python -m pytest` whose tests start fake engines was adopted as a "vllm engine" of 536 processes. The library is:
+    vLLM's front end imports `vllm._C` at module level through its platform (vllm/platforms/cuda.py, `import vllm._C`)
+    before it starts the EngineCore, and SGLang's Engine imports its scheduler module, whose layers import sgl_kernel
+    on CUDA (python/sglang/srt/layers/quantization/fp8_utils.py, `from sgl_kernel import fp8_scaled_mm`). Without it
+    the EngineCore is the root of its own tree: the process that holds the model still dies."""
+    return _plain_python_parent(parent, lambda p: classify(p, rules)) and library_kind(parent) == child_kind
+
+
+def wants_parent_maps(comm: str, argv: tuple[str, ...]) -> bool:
+    """Whether a process is shaped like an engine that adopts its parent (EngineCore, SGLang's schedulers): the
+    scanner then reads its parent's mapped libraries once, as adoption evidence (see parent_wants_maps).
+    A substring test first: this runs for every process the scanner reads afresh."""
+    if not argv or "::" not in argv[0]:
+        return False
+    proc = Proc(pid=0, ppid=0, uid=0, comm=comm, state="S", start_ticks=0, rss_bytes=0, argv=argv)
+    return any(p.match(x) for p in _ADOPTING_COMPILED for x in identity_strings(proc))
+
+
+def parent_wants_maps(parent: Proc) -> bool:
+    """Whether the parent of a wants_parent_maps process is one adoption could accept, so its maps are worth a read:
+    a plain Python process with no shape of its own (default shapes)."""
+    return parent.engine_lib is None and _plain_python_parent(parent, _default_shape)
+
+
+def _default_shape(proc: Proc) -> Shape | None:
+    ids = identity_strings(proc)
+    return next((s for s, p in _ALL_COMPILED if any(p.match(x) for x in ids)), None)
 
 
 def engine_kinds(
@@ -548,10 +587,11 @@ def engine_kinds(
 
     - identity: a SHAPES row (needs_library rows only with an engine library mapped);
     - parent renames: llama-server under `ollama serve` is ollama;
-    - adopted parents: the plain Python process whose direct child is an EngineCore/scheduler is the engine's
-      owner (an offline `LLM()` script, a run-batch driver). Safe because multiprocessing always makes the creating
-      process the parent, and shells, supervisors and launchers (a shell never forks an EngineCore itself) are
-      never adopted: see _adoptable_parent;
+    - adopted parents: the plain Python process whose direct child is an EngineCore/scheduler, and which has that
+      engine's native module mapped, is the engine's owner (an offline `LLM()` script). Safe because
+      multiprocessing always makes the creating process the parent, the library shows the parent really runs the
+      engine (a test runner that starts fake engines does not), and shells, supervisors and launchers are never
+      adopted: see _adoptable_parent;
     - with `gpu_holders_are_engines`, a process NVML lists as holding GPU memory ((pid, start_ticks) keys) that
       matches nothing ("gpu").
     """
@@ -570,7 +610,7 @@ def engine_kinds(
             for child_kind, pattern, new_kind in rules.renames:
                 if kind == child_kind and any(pattern.match(s) for s in ids):
                     kind = new_kind
-            if shape.adopts_parent and parent.pid not in kinds and _adoptable_parent(parent, rules):
+            if shape.adopts_parent and parent.pid not in kinds and _adoptable_parent(parent, kind, rules):
                 kinds[parent.pid] = kind
         kinds[p.pid] = kind
     if rules.gpu_holders_are_engines:

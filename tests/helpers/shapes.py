@@ -8,7 +8,8 @@
 - a tiny C program (built with cc) copied under binary names (`llama-server`, `rpc-server`, `ollama`,
   `ollama_llama_server`): a real ELF whose comm and exe are those names. It starts one child from SHAPE_CHILD_ARGV
   (fields separated by \\x1f) and pauses;
-- a shared object named like an engine library (`tensorrt_llm/libs/libtensorrt_llm.so`), built with cc.
+- shared objects named like the engines' native modules (`tensorrt_llm/libs/libtensorrt_llm.so`,
+  `vllm/_C.abi3.so`, `sgl_kernel/common_ops.abi3.so`), built with cc: what an engine's own process maps.
 Every Python process runs tests/helpers/shape_proc.py, which takes its title, children and library from the env.
 """
 
@@ -76,6 +77,8 @@ class ShapeKit:
         self.python = sys.executable
         self.pkgs = root / "pkgs"
         self.trtllm_lib = root / "site-packages/tensorrt_llm/libs/libtensorrt_llm.so"
+        self.vllm_lib = root / "site-packages/vllm/_C.abi3.so"  # vLLM's _C extension (vllm/platforms/cuda.py)
+        self.sgl_lib = root / "site-packages/sgl_kernel/common_ops.abi3.so"
         if build:
             self._build()
 
@@ -94,8 +97,9 @@ class ShapeKit:
             shutil.copy(sleeper, dest)
         libsrc = root / "lib.c"
         libsrc.write_text(LIB_C)
-        self.trtllm_lib.parent.mkdir(parents=True)
-        subprocess.run([cc, "-shared", "-fPIC", "-o", str(self.trtllm_lib), str(libsrc)], check=True)
+        for lib in (self.trtllm_lib, self.vllm_lib, self.sgl_lib):
+            lib.parent.mkdir(parents=True)
+            subprocess.run([cc, "-shared", "-fPIC", "-o", str(lib), str(libsrc)], check=True)
         for name in CONSOLE_SCRIPTS:
             script = self.bin(name)
             script.parent.mkdir(parents=True, exist_ok=True)

@@ -11,6 +11,12 @@ The same cache keeps what protection and identity need that a user cannot forge:
 the first engine library found in /proc/PID/maps (read in bounded chunks). A cache entry lives as long as that
 (pid, start time, comm): an exec changes comm, so a process that execs is read again.
 
+The maps of one more kind of process are read, once each: the plain Python parent of a process titled like an engine
+that adopts its parent (`core.engines.wants_parent_maps`: an EngineCore, an SGLang scheduler). Adoption needs the
+engine's own native module mapped in that parent as evidence (core.engines._adoptable_parent). The read happens
+when such a child is first read (a new title is a new comm, so a new cache entry), after the scan's loop, so it costs
+one maps read per engine parent and nothing per scan for anyone else.
+
 Every error on a single process (it exited mid-scan, another user's process denies us) drops that process and the
 scan goes on; the count is reported.
 """
@@ -19,11 +25,11 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import NamedTuple
 
-from sparkwatch.core.engines import ENGINE_LIBRARIES, wants_maps
+from sparkwatch.core.engines import ENGINE_LIBRARIES, parent_wants_maps, wants_maps, wants_parent_maps
 from sparkwatch.core.livecache import LiveCache
 from sparkwatch.core.model import Proc
 
@@ -41,6 +47,7 @@ class _Facts(NamedTuple):
     exe: str | None
     cgroup: str | None
     engine_lib: str | None
+    maps_read: bool = False  # /proc/PID/maps was looked at (engine_lib None then means: no engine library)
 
 
 def _read(path: str, size: int = 4096) -> bytes:
@@ -180,8 +187,11 @@ class ProcScanner:
         self.proc_root = str(proc_root)
         self._cache: LiveCache[tuple[int, int, str], _Facts] = LiveCache()
 
-    def read_proc(self, pid: int) -> Proc | None:
-        """One process, or None if it is gone. Raises ProcParseError on garbage."""
+    def read_proc(self, pid: int, adopters: list[int] | None = None) -> Proc | None:
+        """One process, or None if it is gone. Raises ProcParseError on garbage.
+
+        `adopters`: where to note the parent pid of a freshly read process that adopts its parent
+        (core.engines.wants_parent_maps), so that scan() looks at that parent's maps once."""
         base = f"{self.proc_root}/{pid}"
         try:
             stat = _read(f"{base}/stat")
@@ -192,9 +202,12 @@ class ProcScanner:
             facts = _KTHREAD_FACTS if kthread else self._cache.get(key)  # kernel threads: nothing to read
             if facts is None:
                 argv = parse_cmdline(_read(f"{base}/cmdline", _CMDLINE_MAX))
-                lib = find_engine_lib(f"{base}/maps") if wants_maps(comm, argv) else None
-                facts = _Facts(argv, _read_exe(base), _read_cgroup(base), lib)
+                maps = wants_maps(comm, argv)
+                lib = find_engine_lib(f"{base}/maps") if maps else None
+                facts = _Facts(argv, _read_exe(base), _read_cgroup(base), lib, maps)
                 self._cache.put(key, facts)
+                if adopters is not None and ppid > 2 and wants_parent_maps(comm, argv):
+                    adopters.append(ppid)
         except (FileNotFoundError, ProcessLookupError):
             return None
         except PermissionError:
@@ -217,7 +230,8 @@ class ProcScanner:
 
     def scan(self, reuse: Callable[[int], Proc | None] | None = None) -> ScanResult:
         """Every process. `reuse(pid)` may hand back an earlier record to keep instead of reading that pid again."""
-        procs = []
+        procs: list[Proc] = []
+        adopters: list[int] = []
         vanished = errors = reads = 0
         try:
             names = os.listdir(self.proc_root)
@@ -233,7 +247,7 @@ class ProcScanner:
                 continue
             reads += 1
             try:
-                proc = self.read_proc(pid)
+                proc = self.read_proc(pid, adopters)
             except (ProcParseError, ValueError, OSError):
                 errors += 1
                 continue
@@ -241,9 +255,26 @@ class ProcScanner:
                 vanished += 1
             else:
                 procs.append(proc)
+        if adopters:
+            self._read_parent_maps(procs, set(adopters))
         # The guard and its scout thread may share this scanner: core.livecache says why that is safe.
         self._cache.forget_dead(lambda: {(p.pid, p.start_ticks, p.comm) for p in procs})
         return ScanResult(tuple(procs), vanished, errors, reads)
+
+    def _read_parent_maps(self, procs: list[Proc], parents: set[int]) -> None:
+        """Adoption evidence: the engine library mapped in each parent adoption could accept, read once per
+        (pid, start time, comm) and kept in the cache, whatever it found."""
+        for i, proc in enumerate(procs):
+            if proc.pid not in parents or not parent_wants_maps(proc):
+                continue
+            key = (proc.pid, proc.start_ticks, proc.comm)
+            facts = self._cache.get(key)
+            if facts is None or facts.maps_read:
+                continue
+            lib = find_engine_lib(f"{self.proc_root}/{proc.pid}/maps")
+            self._cache.put(key, facts._replace(engine_lib=lib, maps_read=True))
+            if lib is not None:
+                procs[i] = replace(proc, engine_lib=lib)
 
 
 def read_start_ticks(proc_root: Path | str, pid: int) -> int | None:
