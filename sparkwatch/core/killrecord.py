@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from sparkwatch.core.model import EngineTree, MemInfo, Proc
 from sparkwatch.core.redact import safe_cmdline
 from sparkwatch.core.units import MiB, format_size
+from sparkwatch.core.words import plural
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,15 +59,26 @@ def kill_line(facts: KillFacts) -> str:
     verb = "DRY-RUN would KILL" if facts.dry_run else "KILL"
     if not facts.trees:
         return f"sparkwatch: NO ENGINE TO KILL: {_reason(facts)}"
-    parts = [f"{t.kind} tree root={t.root.pid} ({len(t.members)} processes)" for t in facts.trees]
+    parts = [f"{t.kind} tree root={t.root.pid} ({plural(len(t.members), 'process')})" for t in facts.trees]
     why = f" [{'; '.join(facts.why_this_tree)}]" if facts.why_this_tree else ""
     return f"sparkwatch: {verb} {', '.join(parts)}: {_reason(facts)}{why}"
+
+
+def terminal_note(facts: KillFacts, tree: EngineTree) -> str:
+    """The one line written to a killed tree root's own terminal (guard.ttynote), so the owner's screen says who
+    killed the engine and why, under the shell's `Killed`. Only sparkwatch's words and numbers: no title or command
+    line of any process reaches a terminal."""
+    kind = "".join(c for c in tree.kind if c.isascii() and c.isprintable())[:32]
+    return (
+        f"sparkwatch: killed this {kind} engine (pid {tree.root.pid}, {plural(len(tree.members), 'process')}) "
+        f"before memory ran out: {_reason(facts)}. Details: sparkwatch events"
+    )
 
 
 def kill_summary(facts: KillFacts) -> str:
     if not facts.trees:
         return f"Memory ran low ({_reason(facts)}) but no engine process was found to kill."
-    names = ", ".join(f"{t.kind} (root pid {t.root.pid}, {len(t.members)} processes)" for t in facts.trees)
+    names = ", ".join(f"{t.kind} (root pid {t.root.pid}, {plural(len(t.members), 'process')})" for t in facts.trees)
     head = "Would have killed" if facts.dry_run else "Killed"
     tail = ""
     if facts.victim_rss_bytes is not None:
@@ -78,7 +90,7 @@ def kill_summary(facts: KillFacts) -> str:
             f"{facts.settle_s or 0:.1f} s after the reap"
         )
     if facts.survivors:
-        tail += f"; {len(facts.survivors)} process(es) had not exited yet"
+        tail += f"; {plural(len(facts.survivors), 'process')} had not exited yet"
     return f"{head} {names}: {_reason(facts)}{tail}."
 
 

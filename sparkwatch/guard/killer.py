@@ -2,12 +2,20 @@
 started), and the reaper that finishes each kill.
 
 A kill, in the guard's thread and with no fork, no disk sync and no waiting:
-1. pin every member of every tree with a pidfd, and check its start time, so a reused PID is never hit;
-2. SIGSTOP them all, then sweep each stopped member's children for anything forked meanwhile (a ninja spawning nvcc)
-   until the tree stops growing;
+1. pin every member of every tree with a pidfd, and check its start time, so a reused PID is never hit (the same
+   stat read gives its process group and controlling terminal);
+2. SIGSTOP them all but the terminal jobs' leaders (below), then sweep each member's children for anything forked
+   meanwhile (a ninja spawning nvcc), stopping what it finds, until the tree stops growing;
 3. where a tree is alone in its own cgroup v2 (an engine under `systemd-run --scope`), write cgroup.kill, which is
    atomic against forks; never on a cgroup that holds anything else;
-4. SIGKILL every member through its pidfd (vLLM mid-allocation ignores SIGTERM: the field lost 10 s waiting).
+4. SIGKILL through the pidfds: the terminal jobs' leaders first (they were never stopped), then every other member
+   (vLLM mid-allocation ignores SIGTERM: the field lost 10 s waiting).
+
+A terminal job's leader (core.terminal.is_terminal_job_leader: `vllm serve` typed at a shell prompt) is never
+SIGSTOPped: its job-control shell would report the stop at once (`[1]+ Stopped`, exit 147) and never say it was
+killed. It gets SIGKILL only, after the rest of its tree is stopped and swept, so its shell says `Killed` and `$?` is
+137. What that costs: such a leader can still fork between the sweep's last look at its children and its SIGKILL
+(microseconds; a fork racing the SIGKILL itself is aborted by the kernel). Its children were stopped before that.
 
 Then the Reaper thread, started before the first poll, takes over: process_mrelease on each victim (largest first)
 so the pool comes back before the last thread exits, waits on the pidfds, measures, and writes the record.
@@ -27,11 +35,12 @@ from pathlib import Path
 
 from sparkwatch.common import logs, syscalls
 from sparkwatch.common.sources.meminfo import MeminfoError, MeminfoReader
-from sparkwatch.common.sources.procs import ProcParseError, ProcScanner, read_ancestors, read_children, read_start_ticks
+from sparkwatch.common.sources.procs import ProcParseError, ProcScanner, read_ancestors, read_children, read_job_stat
 from sparkwatch.common.threads import daemon_thread
 from sparkwatch.core.engines import EngineRules, Scope, may_touch
 from sparkwatch.core.killrecord import KillFacts
 from sparkwatch.core.model import EngineTree, Proc
+from sparkwatch.core.terminal import is_terminal_job_leader
 
 log = logs.get("killer")
 MAX_SWEEPS = 32  # passes after the stop (level by level, then a check of every member); a tree still growing after
@@ -44,6 +53,9 @@ class Victim:
     engine: str
     pidfd: int
     tree_root: int
+    pgrp: int = 0
+    tty_nr: int = 0  # its controlling terminal (0: none), for the line on its owner's terminal
+    job_leader: bool = False  # a terminal job's leader: SIGKILL only, never SIGSTOP (see the module's docstring)
 
 
 @dataclass
@@ -123,21 +135,30 @@ class Killer:
                 victim = self._pin(proc, tree.kind, tree.root.pid)
                 if victim is not None:
                     victims[proc.pid] = victim
+        for v in victims.values():
+            v.job_leader = is_terminal_job_leader(v.proc.pid, v.pgrp, v.tty_nr, v.proc.ppid in victims)
         if dry_run:
             for v in victims.values():
                 os.close(v.pidfd)
             return list(victims.values()), None, notes, "dry-run"
 
         for v in list(victims.values()):
-            self._signal(v, signal.SIGSTOP)
+            if not v.job_leader:
+                self._signal(v, signal.SIGSTOP)
         self._sweep_children(victims, notes)
 
         method = "pidfd"
         for tree in trees:
             if self._cgroup_kill(tree, victims, notes):
                 method = "cgroup.kill+pidfd"
-        for v in victims.values():
+        leaders = [v for v in victims.values() if v.job_leader]
+        for v in leaders:
             self._signal(v, signal.SIGKILL)
+        for v in victims.values():
+            if not v.job_leader:
+                self._signal(v, signal.SIGKILL)
+        if leaders:
+            notes.append(f"SIGKILL without SIGSTOP for terminal job leader(s) {sorted(v.proc.pid for v in leaders)}")
         return list(victims.values()), time.monotonic(), notes, method
 
     def _pin(self, proc: Proc, engine: str, root: int) -> Victim | None:
@@ -148,10 +169,11 @@ class Killer:
         except OSError:
             return None
         # The pidfd now pins whatever holds this pid. If its start time differs from the scan's, the pid was reused.
-        if read_start_ticks(self.proc_root, proc.pid) != proc.start_ticks:
+        stat = read_job_stat(self.proc_root, proc.pid)
+        if stat is None or stat.start_ticks != proc.start_ticks:
             os.close(fd)
             return None
-        return Victim(proc=proc, engine=engine, pidfd=fd, tree_root=root)
+        return Victim(proc=proc, engine=engine, pidfd=fd, tree_root=root, pgrp=stat.pgrp, tty_nr=stat.tty_nr)
 
     def _signal(self, victim: Victim, sig: int) -> None:
         try:

@@ -32,11 +32,12 @@ from sparkwatch.core import trigger as core
 from sparkwatch.core.engines import find_engine_trees
 from sparkwatch.core.eventkinds import EventKind
 from sparkwatch.core.killloop import LOOP_WINDOW_S, LoopState, loop_identity, note_kill
-from sparkwatch.core.killrecord import KillFacts, kill_fields, kill_line, kill_summary, victims_of
+from sparkwatch.core.killrecord import KillFacts, kill_fields, kill_line, kill_summary, terminal_note, victims_of
 from sparkwatch.core.model import EngineTree, MemInfo
 from sparkwatch.guard.gpuboard import device_check, verified_holders
 from sparkwatch.guard.kernlog import KernelLogWatch
 from sparkwatch.guard.killer import Killer, KillJob, Reaper
+from sparkwatch.guard.ttynote import tell_terminal
 
 # A PSI trigger: wake when tasks stalled on memory for 150 ms within a 2 s window (2 s is the smallest window an
 # unprivileged process may use). Without swap PSI reacts late, so this only ever shortens a sleep.
@@ -470,6 +471,11 @@ class PoolWatch:
         log.error(kill_line(job.facts))  # a kill is an error: `journalctl -p err` shows it
         for note in job.notes:
             log.info("kill: %s", note)
+        if job.signaled_at is not None:  # the owner's own terminal says who killed it (guard.ttynote)
+            roots = {t.root.pid: t for t in job.facts.trees}
+            for v in job.victims:
+                if v.tty_nr and v.proc.pid in roots:
+                    tell_terminal(v.tty_nr, v.proc.uid, terminal_note(job.facts, roots[v.proc.pid]))
 
     def _finish(self, job: KillJob, facts: KillFacts) -> None:
         if facts.signal_to_reaped_ms is not None and facts.detect_to_signal_ms is not None:

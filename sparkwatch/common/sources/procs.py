@@ -285,6 +285,29 @@ def read_start_ticks(proc_root: Path | str, pid: int) -> int | None:
         return None
 
 
+class JobStat(NamedTuple):
+    """What the killer reads of each member when it pins it: the start time (with the pid, one process across
+    reuse), and the job-control facts (core.terminal: is a shell watching this process?)."""
+
+    start_ticks: int
+    pgrp: int
+    tty_nr: int
+
+
+def read_job_stat(proc_root: Path | str, pid: int) -> JobStat | None:
+    """Start time, process group and controlling terminal of a live pid from one stat read; None if gone."""
+    try:
+        data = _read(f"{proc_root}/{pid}/stat")
+        close_i = data.rfind(b")")
+        if close_i < 0:
+            return None
+        fields = data[close_i + 2 :].split()
+        # fields[N - 3] is proc(5) stat field N: 5 pgrp, 7 tty_nr, 22 starttime.
+        return JobStat(int(fields[19]), int(fields[2]), int(fields[4]))
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def read_ancestors(proc_root: Path | str, pid: int, limit: int = 64) -> frozenset[int]:
     """pid's parent, its parent, … up to PID 1 (excluded), from stat files; bounded against ppid cycles."""
     out: set[int] = set()
