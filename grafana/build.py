@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Generate grafana/dashboards/sparkwatch-node.json, the dashboard users import.
+"""Generate sparkwatch/data/grafana/dashboards/sparkwatch-node.json, the dashboard users import (shipped in the wheel).
 
 Plain Python and the standard library on purpose (docs/grafana.md says why): `python3 grafana/build.py` rewrites the
 JSON, `python3 grafana/build.py --check` exits 1 when the committed JSON is not what this file generates.
@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
-OUTPUT = HERE / "dashboards" / "sparkwatch-node.json"
+OUTPUT = HERE.parent / "sparkwatch" / "data" / "grafana" / "dashboards" / "sparkwatch-node.json"  # package data
 
 UID = "sparkwatch-node"
 # Grafana 10.0 writes schemaVersion 38; later versions migrate it forward on load, earlier ones cannot read panels

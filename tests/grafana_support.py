@@ -18,9 +18,10 @@ import yaml
 from sparkwatch.telemetry.exporter.contract import METRICS, series_names
 
 REPO = Path(__file__).resolve().parent.parent
-GRAFANA = REPO / "grafana"
-DASHBOARD = GRAFANA / "dashboards" / "sparkwatch-node.json"
-ALERTS = GRAFANA / "alerts.yml"
+GRAFANA = REPO / "grafana"  # build.py (the dashboard's generator) and alerts_test.yml: the repository's, not shipped
+ASSETS = REPO / "sparkwatch" / "data" / "grafana"  # what the wheel ships and `sparkwatch assets write` writes out
+DASHBOARD = ASSETS / "dashboards" / "sparkwatch-node.json"
+ALERTS = ASSETS / "sparkwatch-alerts.yml"
 ALERTS_TEST = GRAFANA / "alerts_test.yml"
 
 DATASOURCE_REF = {"type": "prometheus", "uid": "${datasource}"}

@@ -39,7 +39,7 @@ import yaml
 from tests.conftest import Spawner, require_tool
 from tests.grafana_support import (
     ALERTS,
-    GRAFANA,
+    ASSETS,
     Query,
     dashboard_queries,
     load_dashboard,
@@ -275,7 +275,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         )
 
         # --- Alertmanager with the example config, pointed at the loopback webhook
-        am_config = yaml.safe_load((GRAFANA / "alertmanager.yml").read_text(encoding="utf-8"))
+        am_config = yaml.safe_load((ASSETS / "alertmanager.yml").read_text(encoding="utf-8"))
         for receiver in am_config["receivers"]:
             for hook in receiver.get("webhook_configs", []):
                 hook["url"] = webhook.url

@@ -10,7 +10,7 @@ import yaml
 
 from sparkwatch.core.kernlog import XID_CATALOGUE
 from tests.conftest import require_tool
-from tests.grafana_support import ALERTS, ALERTS_TEST, GRAFANA, load_rules
+from tests.grafana_support import ALERTS, ALERTS_TEST, ASSETS, GRAFANA, load_rules
 
 REQUIRED_ALERTS = {
     "SparkwatchGuardKilled",  # a kill happened
@@ -56,8 +56,11 @@ def test_promtool_unit_tests_catch_a_broken_rule(tmp_path: Path) -> None:
         "          (sum by (job, instance) (increase(sparkwatch_guard_kills_total[2m])) > 0)\n"
     )
     assert clause in text
-    (tmp_path / "alerts.yml").write_text(text.replace(clause, ""), encoding="utf-8")
-    shutil.copy(ALERTS_TEST, tmp_path / ALERTS_TEST.name)
+    (tmp_path / ALERTS.name).write_text(text.replace(clause, ""), encoding="utf-8")
+    tests_text = ALERTS_TEST.read_text(encoding="utf-8")
+    shipped = "- ../sparkwatch/data/grafana/sparkwatch-alerts.yml\n"
+    assert shipped in tests_text
+    (tmp_path / ALERTS_TEST.name).write_text(tests_text.replace(shipped, f"- {ALERTS.name}\n"), encoding="utf-8")
     result = run([require_tool("promtool"), "test", "rules", ALERTS_TEST.name], cwd=tmp_path)
     assert result.returncode != 0
     assert "SparkwatchTPPeerLost" in result.stdout + result.stderr
@@ -87,28 +90,30 @@ def test_xid_paging_codes_are_the_catalogue_s() -> None:
     assert rules["SparkwatchGpuXidNeedsReset"]["labels"]["severity"] == "critical"
 
 
-def test_example_prometheus_config() -> None:
-    result = run([require_tool("promtool"), "check", "config", str(GRAFANA / "prometheus.yml")])
+def test_example_prometheus_config(tmp_path: Path) -> None:
+    for src in (ASSETS / "prometheus.yml", ALERTS):  # side by side, as they are installed in /etc/prometheus
+        shutil.copy(src, tmp_path / src.name)
+    result = run([require_tool("promtool"), "check", "config", str(tmp_path / "prometheus.yml")])
     assert result.returncode == 0, result.stdout + result.stderr
-    config = yaml.safe_load((GRAFANA / "prometheus.yml").read_text(encoding="utf-8"))
+    config = yaml.safe_load((ASSETS / "prometheus.yml").read_text(encoding="utf-8"))
     jobs = {j["job_name"]: j for j in config["scrape_configs"]}
     targets = [t for sc in jobs["sparkwatch"]["static_configs"] for t in sc["targets"]]
     assert targets == ["spark-a:9847", "spark-b:9847"]
-    assert config["rule_files"] == ["alerts.yml"]
+    assert config["rule_files"] == ["sparkwatch-alerts.yml"]
 
 
 def test_example_alertmanager_config() -> None:
-    result = run([require_tool("amtool"), "check-config", str(GRAFANA / "alertmanager.yml")])
+    result = run([require_tool("amtool"), "check-config", str(ASSETS / "alertmanager.yml")])
     assert result.returncode == 0, result.stdout + result.stderr
-    config = yaml.safe_load((GRAFANA / "alertmanager.yml").read_text(encoding="utf-8"))
+    config = yaml.safe_load((ASSETS / "alertmanager.yml").read_text(encoding="utf-8"))
     receivers = {r["name"]: r for r in config["receivers"]}
     assert receivers[config["route"]["receiver"]]["webhook_configs"][0]["url"].startswith("http")
 
 
 def test_provisioning_files() -> None:
-    ds = yaml.safe_load((GRAFANA / "provisioning" / "datasources" / "sparkwatch.yaml").read_text(encoding="utf-8"))
+    ds = yaml.safe_load((ASSETS / "provisioning" / "datasources" / "sparkwatch.yaml").read_text(encoding="utf-8"))
     assert ds["apiVersion"] == 1 and ds["datasources"][0]["type"] == "prometheus"
-    dashboards = GRAFANA / "provisioning" / "dashboards" / "sparkwatch.yaml"
+    dashboards = ASSETS / "provisioning" / "dashboards" / "sparkwatch.yaml"
     prov = yaml.safe_load(dashboards.read_text(encoding="utf-8"))
     assert prov["apiVersion"] == 1
     provider = prov["providers"][0]
