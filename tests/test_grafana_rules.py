@@ -91,7 +91,7 @@ def test_xid_paging_codes_are_the_catalogue_s() -> None:
 
 
 def test_example_prometheus_config(tmp_path: Path) -> None:
-    for src in (ASSETS / "prometheus.yml", ALERTS):  # side by side, as they are installed in /etc/prometheus
+    for src in (ASSETS / "prometheus.yml", ALERTS):  # side by side, as step 2 puts them in /etc/prometheus
         shutil.copy(src, tmp_path / src.name)
     result = run([require_tool("promtool"), "check", "config", str(tmp_path / "prometheus.yml")])
     assert result.returncode == 0, result.stdout + result.stderr
@@ -100,6 +100,44 @@ def test_example_prometheus_config(tmp_path: Path) -> None:
     targets = [t for sc in jobs["sparkwatch"]["static_configs"] for t in sc["targets"]]
     assert targets == ["spark-a:9847", "spark-b:9847"]
     assert config["rule_files"] == ["sparkwatch-alerts.yml"]
+    assert set(config) == {"rule_files", "scrape_configs"}, "a snippet to merge: nothing that would replace a setting"
+
+
+# A stock /etc/prometheus/prometheus.yml as Debian and Ubuntu ship it (abridged: its global, alerting, one rule
+# file and the self-scrape job), which README step 2 merges sparkwatch's part into.
+STOCK_PROMETHEUS = """
+global:
+  scrape_interval: 15s
+  evaluation_interval: 15s
+alerting:
+  alertmanagers:
+  - static_configs:
+    - targets: ['localhost:9093']
+rule_files:
+  - "first_rules.yml"
+scrape_configs:
+  - job_name: 'prometheus'
+    static_configs:
+      - targets: ['localhost:9090']
+"""
+
+
+def test_the_prometheus_snippet_merges_into_an_existing_config_and_keeps_it(tmp_path: Path) -> None:
+    """What README step 2 says to do: append the snippet's two list items to the file's own lists. The result is a
+    valid config with both jobs and both rule files, and the owner's settings are untouched."""
+    stock = yaml.safe_load(STOCK_PROMETHEUS)
+    snippet = yaml.safe_load((ASSETS / "prometheus.yml").read_text(encoding="utf-8"))
+    merged = {**stock}
+    merged["rule_files"] = stock["rule_files"] + snippet["rule_files"]
+    merged["scrape_configs"] = stock["scrape_configs"] + snippet["scrape_configs"]
+    (tmp_path / "first_rules.yml").write_text("groups: []\n", encoding="utf-8")
+    shutil.copy(ALERTS, tmp_path / ALERTS.name)  # copied next to prometheus.yml as it is named
+    (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(merged), encoding="utf-8")
+    result = run([require_tool("promtool"), "check", "config", str(tmp_path / "prometheus.yml")])
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert f"SUCCESS: {len(REQUIRED_ALERTS)} rules found" in result.stdout
+    assert merged["global"] == stock["global"] and merged["alerting"] == stock["alerting"]
+    assert [j["job_name"] for j in merged["scrape_configs"]] == ["prometheus", "sparkwatch"]
 
 
 def test_example_alertmanager_config() -> None:
@@ -113,6 +151,7 @@ def test_example_alertmanager_config() -> None:
 def test_provisioning_files() -> None:
     ds = yaml.safe_load((ASSETS / "provisioning" / "datasources" / "sparkwatch.yaml").read_text(encoding="utf-8"))
     assert ds["apiVersion"] == 1 and ds["datasources"][0]["type"] == "prometheus"
+    assert ds["datasources"][0]["isDefault"] is False  # provisioning must not take over an existing Grafana's default
     dashboards = ASSETS / "provisioning" / "dashboards" / "sparkwatch.yaml"
     prov = yaml.safe_load(dashboards.read_text(encoding="utf-8"))
     assert prov["apiVersion"] == 1
