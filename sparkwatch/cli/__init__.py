@@ -13,7 +13,7 @@ from typing import Any
 from sparkwatch import __version__
 from sparkwatch.config.settings import ConfigError, Settings, load_settings
 
-from . import check_config, doctor, engines, events, install_service, run, status, wait_settled
+from . import assets, check_config, doctor, engines, events, install_service, run, status, wait_settled
 
 COMMANDS: tuple[ModuleType, ...] = (
     run,
@@ -24,6 +24,7 @@ COMMANDS: tuple[ModuleType, ...] = (
     wait_settled,
     check_config,
     install_service,
+    assets,
 )
 
 
