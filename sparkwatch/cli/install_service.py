@@ -88,6 +88,20 @@ def template(system: bool) -> str:
     return resources.files("sparkwatch").joinpath("unit_templates", name).read_text(encoding="utf-8")
 
 
+def system_unit_environment() -> dict[str, str]:
+    """The variables the system unit's template sets (`Environment=A=x B=y`): where it keeps its config and state
+    (XDG_CONFIG_HOME=/etc, XDG_STATE_HOME=/var/lib), read from the template so that `events` follows it."""
+    out: dict[str, str] = {}
+    for line in template(True).splitlines():
+        key, sep, value = line.partition("=")
+        if sep and key.strip() == "Environment":
+            for word in shlex.split(value):
+                name, eq, val = word.partition("=")
+                if eq:
+                    out[name] = val
+    return out
+
+
 def render_unit(system: bool, command: str) -> str:
     text = template(system)
     if "@EXEC_START@" not in text:

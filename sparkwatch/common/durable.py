@@ -25,16 +25,29 @@ class StateFileError(OSError):
     """A state file that is not what it must be (a symlink, a FIFO, a directory). Carries the path and one line."""
 
 
-def private_dir(path: Path) -> None:
-    """Create `path` (and parents) 0700; tighten it to 0700 if we own it and it is group/world accessible."""
+def private_dir(path: Path, group: int | None = None) -> None:
+    """Create `path` (and parents) 0700; tighten it to 0700 if we own it and it is group/world accessible.
+
+    `group` (the state dir with `events_group` set, common/sharing.py): 0750 with that group instead, so its members
+    can read events.jsonl; nobody else, and no group write. Every user of the state dir passes the same group.
+    """
     path.mkdir(parents=True, exist_ok=True, mode=0o700)
     st = os.stat(path, follow_symlinks=False)
     if stat.S_ISLNK(st.st_mode):
         raise StateFileError(errno.ELOOP, "is a symlink; the state dir must be a real directory", str(path))
     # Never a shared directory: a root daemon whose state_dir (or outbox parent) is /tmp must not make /tmp 0700 for
     # every other user on the box (seen: a test's spool directory under /tmp did exactly that). Sticky means shared.
-    if st.st_mode & 0o077 and st.st_uid == os.geteuid() and not st.st_mode & stat.S_ISVTX:
-        os.chmod(path, 0o700)
+    if st.st_uid != os.geteuid() or st.st_mode & stat.S_ISVTX:
+        return
+    if group is not None:
+        from sparkwatch.common.sharing import give_to_group  # noqa: PLC0415 - sharing imports logs; durable need not
+
+        if st.st_gid != group and not give_to_group(path, group):
+            group = None
+    perms = stat.S_IMODE(st.st_mode)
+    want = (perms & 0o700) | 0o050 if group is not None else perms & 0o700
+    if perms != want:
+        os.chmod(path, want)
 
 
 def fsync_dir(path: Path) -> None:

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from sparkwatch.common.durable import append_durable, fsync_dir, open_regular, private_dir
+from sparkwatch.common.sharing import share_events_file
 from sparkwatch.core.eventkinds import EventKind
 from sparkwatch.core.model import Event
 from sparkwatch.core.redact import redact, redact_value
@@ -77,9 +78,11 @@ class EventLog:
     The file rotates to `events.jsonl.1` (one generation kept) once it passes `max_bytes`; `rotations_total` counts.
     """
 
-    def __init__(self, path: Path, keep: int = 64, max_bytes: int = EVENTS_MAX_BYTES) -> None:
+    def __init__(self, path: Path, keep: int = 64, max_bytes: int = EVENTS_MAX_BYTES, group: int | None = None) -> None:
         self.path = path
         self.max_bytes = max_bytes
+        self.group = group  # events_group's gid: the state dir 0750 and the file 0640 with it (common/sharing.py)
+        self._file_ready = False
         self._lock = threading.Lock()
         self._recent: deque[Event] = deque(maxlen=keep)
         self._listeners: list[Callable[[Event], None]] = []
@@ -138,13 +141,17 @@ class EventLog:
 
     def _write(self, line: bytes) -> None:
         if not self._dir_ready:
-            private_dir(self.path.parent)
+            private_dir(self.path.parent, self.group)
             self._dir_ready = True
         size = append_durable(self.path, line)
+        if not self._file_ready:  # once per file: the first write of this process, and after each rotation
+            share_events_file(self.path, self.group)
+            self._file_ready = True
         if size > self.max_bytes:
             os.replace(self.path, rotated_path(self.path))
             fsync_dir(self.path.parent)
             self.rotations_total += 1
+            self._file_ready = False
 
 
 def redacted(event: Event) -> Event:

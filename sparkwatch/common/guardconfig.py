@@ -120,6 +120,7 @@ class GuardConfig:
     proc_root: Path
     state_dir: Path
     events_max_bytes: int
+    events_group: str | None  # a group that may read events.jsonl (common/sharing.py)
     listen: str
     telemetry_interval_s: float
     kernel_log_corroboration: bool = field(metadata=LIVE)

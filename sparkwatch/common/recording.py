@@ -30,9 +30,14 @@ class Recording:
 
 
 def open_recording(
-    events_path: Path, max_bytes: int, spooler: Spooler | None, log_handler: logging.Handler | None = None
+    events_path: Path,
+    max_bytes: int,
+    spooler: Spooler | None,
+    log_handler: logging.Handler | None = None,
+    group: int | None = None,
 ) -> Recording:
-    events = EventLog(events_path, max_bytes=max_bytes)
+    """`group`: events_group's gid (common/sharing.py), whose members may read the record."""
+    events = EventLog(events_path, max_bytes=max_bytes, group=group)
     journal = JournalSink()
     events.subscribe(journal)
     router = None

@@ -29,6 +29,7 @@ from pydantic import (
 )
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
+from sparkwatch.common.sharing import group_id
 from sparkwatch.core.engines import compile_engine_patterns, compile_protect_patterns
 from sparkwatch.core.policy import DEFAULT_KILL_ORDER, compile_never_kill, parse_kill_order, parse_kill_priority
 from sparkwatch.core.redact import remember_secrets
@@ -172,6 +173,9 @@ class Settings(BaseSettings):
     events_max_bytes: ByteSize = Field(
         16 << 20, description="events.jsonl rotates to events.jsonl.1 past this (one old generation kept)"
     )
+    events_group: str | None = Field(
+        None, description="a group whose members may read events.jsonl (0640, the state dir 0750); unset: owner only"
+    )
     outbox_max_alerts: int = Field(
         1000, ge=1, le=1_000_000, description="undelivered alerts kept; past this the oldest are dropped and counted"
     )
@@ -211,6 +215,13 @@ class Settings(BaseSettings):
                 fh.read(1)
         except OSError as exc:
             raise ValueError(f"{value}: {exc.strerror or exc}") from None
+        return value
+
+    @field_validator("events_group")
+    @classmethod
+    def _check_group(cls, value: str | None) -> str | None:
+        if value is not None:
+            group_id(value)  # ValueError names the group
         return value
 
     @field_validator("webhook_secret")

@@ -36,6 +36,7 @@ from sparkwatch.common.lifecycle import Component, CountersOnly, apply_all, star
 from sparkwatch.common.messages import StateMsg
 from sparkwatch.common.recording import open_recording
 from sparkwatch.common.selfwatch import rss_bytes
+from sparkwatch.common.sharing import events_gid
 from sparkwatch.common.signals import DAEMON_SIGNALS
 from sparkwatch.common.spool import FileSpool
 from sparkwatch.common.systemd import Notifier, ServiceNotifier
@@ -132,7 +133,9 @@ class GuardProcess:
         # a guard that dies between the event and the hand-over to telemetry loses none: telemetry's outbox finds the
         # file when it starts (common.spool).
         self.spool = FileSpool(config.state_dir / "outbox") if config.wire.get("webhook_url") else None
-        self.recording = open_recording(config.events_path, config.events_max_bytes, self.spool, log_handler)
+        self.recording = open_recording(
+            config.events_path, config.events_max_bytes, self.spool, log_handler, events_gid(config.events_group)
+        )
         self.events, self.journal, self.router = self.recording.events, self.recording.journal, self.recording.router
         self.sd = ServiceNotifier(Notifier(), self.status_line, poll_max_s=config.poll_max_s)
         self.guard = PoolWatch(config, self.events, heartbeat=self.sd.beat)

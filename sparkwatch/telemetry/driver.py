@@ -124,7 +124,7 @@ class DriverWatcher:
 
     def _save_state(self) -> None:
         try:
-            private_dir(self.state_path.parent)
+            private_dir(self.state_path.parent, self.events.group)  # the state dir, as the event log keeps it
             write_atomic(self.state_path, json.dumps({"open_problems": sorted(self._open)}).encode())
         except OSError as exc:
             self.errors_total += 1

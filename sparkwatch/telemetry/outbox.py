@@ -117,8 +117,10 @@ class Outbox:
         max_alerts: int = OUTBOX_MAX_ALERTS,
         events_path: Path | None = None,
         log: Callable[[int, str], None] | None = None,
+        events_group: int | None = None,
     ) -> None:
         self.spool_dir = spool_dir
+        self.events_group = events_group  # the state dir's group (events_group), as the event log keeps it
         self.bad_dir = spool_dir / "bad"
         self.events_path = events_path if events_path is not None else spool_dir.parent / "events.jsonl"
         self._url = url
@@ -175,7 +177,7 @@ class Outbox:
 
     def _load_spool(self) -> None:
         try:
-            private_dir(self.spool_dir.parent)  # the state dir: 0700, whoever created it
+            private_dir(self.spool_dir.parent, self.events_group)  # the state dir: 0700 (0750 with events_group)
             private_dir(self.spool_dir)
             names = sorted(os.listdir(self.spool_dir))
         except OSError as exc:

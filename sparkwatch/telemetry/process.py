@@ -29,6 +29,7 @@ from sparkwatch.common.lifecycle import Component, CountersOnly, apply_all, star
 from sparkwatch.common.messages import AckMsg, AppliedMsg, EventMsg, Message, SettingsMsg, StateMsg, TelMsg
 from sparkwatch.common.recording import open_recording
 from sparkwatch.common.selfwatch import rss_bytes
+from sparkwatch.common.sharing import events_gid
 from sparkwatch.config.settings import ConfigError, Settings, settings_from_wire
 from sparkwatch.core.model import NvmlFacts, Snapshot
 from sparkwatch.telemetry.driver import DriverWatcher
@@ -60,6 +61,7 @@ def make_outbox(settings: Settings) -> Outbox | None:
         backoff_max_s=settings.webhook_backoff_max_s,
         max_alerts=settings.outbox_max_alerts,
         events_path=settings.events_path,
+        events_group=events_gid(settings.events_group),
     )
 
 
@@ -73,7 +75,8 @@ class TelemetryProcess:
         self.channel = channel
         self.remote = RemoteGuard(settings)
         self.outbox = make_outbox(settings)
-        self.recording = open_recording(settings.events_path, settings.events_max_bytes, self.outbox, log_handler)
+        gid = events_gid(settings.events_group)
+        self.recording = open_recording(settings.events_path, settings.events_max_bytes, self.outbox, log_handler, gid)
         self.events, self.journal, self.router = self.recording.events, self.recording.journal, self.recording.router
         self.components: list[Component[Settings]] = [*self._alerting(), *self._watchers()]
         loop = self.loop = TelemetryLoop(
