@@ -351,6 +351,30 @@ def test_live_frames_update_in_place(
     assert per_frame < 8192
 
 
+def test_q_ends_the_live_view_and_gives_the_terminal_back(tmp_path: Path, pty_pair: tuple[int, int]) -> None:
+    """A keypress q ends the live view, as in top and less; the terminal's modes are as they were before."""
+    main_fd, sub_fd = pty_pair
+    before = termios.tcgetattr(sub_fd)
+    env = status_env(tmp_path, TERM="xterm-256color", COLUMNS="120", LINES="60")
+    proc = subprocess.Popen(
+        [*STATUS, "--interval", "0.5"], stdin=sub_fd, stdout=sub_fd, stderr=sub_fd, env=env, start_new_session=True
+    )
+    try:
+        first = read_until(main_fd, b"q or Ctrl-C quits", 30)
+        assert b"q or Ctrl-C quits" in first, first[-2000:]
+        os.write(main_fd, b"x")  # any other key: the view goes on
+        read_for(main_fd, 0.8)
+        assert proc.poll() is None
+        os.write(main_fd, b"q")
+        rc = proc.wait(5)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert rc == 0
+    assert termios.tcgetattr(sub_fd) == before  # cbreak mode undone: echo and line editing are back
+
+
 def test_live_build_progress_gets_a_rate_and_an_eta(
     tmp_path: Path, pty_pair: tuple[int, int], ctrl_c_reaches_children: None
 ) -> None:

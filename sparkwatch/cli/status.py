@@ -12,7 +12,9 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import select
 import socket
+import sys
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping
@@ -182,6 +184,54 @@ def _ticks(interval_s: float) -> Iterator[None]:
         time.sleep(delay)
 
 
+QUIT_KEYS = frozenset(b"qQ")
+
+
+class QuitKeys:
+    """The live view's keyboard: `q` ends it (as in top, less and htop), besides Ctrl-C.
+
+    On a terminal stdin goes to cbreak mode (keys arrive one by one, unechoed; Ctrl-C still interrupts) and is put
+    back as it was on the way out, whatever ends the view. The wait between frames is a select() on stdin, so a key
+    is seen at once and costs no extra wake-up. Without a terminal on stdin it only sleeps.
+    """
+
+    def __init__(self, fd: int | None = None) -> None:
+        self.fd = sys.stdin.fileno() if fd is None else fd
+        self._saved: list[Any] | None = None
+
+    def __enter__(self) -> QuitKeys:
+        import termios
+        import tty
+
+        if os.isatty(self.fd):
+            self._saved = termios.tcgetattr(self.fd)
+            tty.setcbreak(self.fd)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        import termios
+
+        if self._saved is not None:
+            termios.tcsetattr(self.fd, termios.TCSADRAIN, self._saved)
+
+    def wait(self, timeout_s: float) -> bool:
+        """Sleep up to `timeout_s`; True as soon as a quit key is pressed."""
+        if self._saved is None:
+            time.sleep(timeout_s)
+            return False
+        deadline = time.monotonic() + timeout_s
+        while True:
+            left = max(deadline - time.monotonic(), 0.0)
+            ready, _, _ = select.select([self.fd], [], [], left)
+            if not ready:
+                return False
+            data = os.read(self.fd, 64)
+            if not data or any(b in QUIT_KEYS for b in data):
+                return True  # q, or the terminal went away
+            if left <= 0:
+                return False
+
+
 def _live(app: StatusApp, interval_s: float) -> int:
     from rich.live import Live
 
@@ -191,12 +241,18 @@ def _live(app: StatusApp, interval_s: float) -> int:
     console = make_console()
     # auto_refresh off: exactly one redraw per cycle, whatever rich's default rate; the normal screen (not the
     # alternate one) so the last frame stays in the scrollback when the user quits.
-    with Live(
-        console=console, auto_refresh=False, transient=False, redirect_stdout=False, redirect_stderr=False
-    ) as live:
-        for _ in _ticks(interval_s):
+    with (
+        QuitKeys() as keys,
+        Live(
+            console=console, auto_refresh=False, transient=False, redirect_stdout=False, redirect_stderr=False
+        ) as live,
+    ):
+        next_at = time.monotonic()
+        while True:
             live.update(render(app.frame(live=True), console.width), refresh=True)
-    return 0  # pragma: no cover - the loop ends by KeyboardInterrupt
+            next_at = max(next_at + interval_s, time.monotonic())  # a slow cycle starts the next one at once
+            if keys.wait(next_at - time.monotonic()):
+                return 0
 
 
 def _frames_to_pipe(app: StatusApp, interval_s: float) -> int:

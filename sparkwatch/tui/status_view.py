@@ -367,7 +367,7 @@ def render(frame: StatusFrame, width: int, tz: tzinfo | None = None) -> Renderab
             grid.add_row(label if i == 0 else "", line)
 
     stamp = datetime.fromtimestamp(snap.ts, tz).strftime("%Y-%m-%d %H:%M:%S")
-    hint = " · Ctrl-C quits" if frame.live else ""
+    hint = " · q or Ctrl-C quits" if frame.live else ""
     header = Text(f"sparkwatch status · {frame.host} · {stamp}{hint}", style="bold")
     section("POOL", pool_lines(frame, width))
     section("ENGINES", engine_lines(frame))
