@@ -325,3 +325,24 @@ def test_live_kernel_log_that_is_not_the_device_is_not_readable(tmp_path: Path) 
     log = checks["kernel-log"]
     assert log["status"] == "warn" and "not the kernel log device (character 1:11)" in log["summary"], log
     assert checks["recent-xids"]["status"] == "skip"
+
+
+def test_max_jobs_summary_counts_every_process_it_lists() -> None:
+    """A report once said "3 of 3" above four lines: the unreadable one was listed but not counted."""
+    from sparkwatch.core.doctor import EnvTarget, max_jobs_check
+    from sparkwatch.core.model import Proc
+
+    def target(pid: int) -> EnvTarget:
+        proc = Proc(pid, 1, 1000, "VLLM::EngineCor", "S", 1, 0, ("VLLM::EngineCore",))
+        return EnvTarget(proc, "engine", "vllm")
+
+    targets = [target(p) for p in (10, 11, 12, 13)]
+    environ: dict[int, dict[str, str] | None] = {10: {}, 11: {}, 12: {"MAX_JOBS": "20"}, 13: None}
+    check = max_jobs_check(targets, environ, jobs_alert=8)
+    assert check.summary.startswith("MAX_JOBS unset in 2, above 8 in 1 of 4 engine/raylet processes; ")
+    assert "environment unreadable in 1" in check.summary
+    assert check.detail is not None and len(check.detail.splitlines()) == 4
+    ok = max_jobs_check(targets[:2], {10: {"MAX_JOBS": "4"}, 11: None}, jobs_alert=8)
+    assert ok.summary == "MAX_JOBS set in 1 of 2 engine/raylet processes; environment unreadable in 1"
+    single = max_jobs_check(targets[:1], {10: {"MAX_JOBS": "4"}}, jobs_alert=8)
+    assert single.summary == "MAX_JOBS set in its engine/raylet process"

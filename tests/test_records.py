@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import stat
 import subprocess
 import sys
@@ -79,9 +80,26 @@ def facts(dry_run: bool = False) -> KillFacts:
 
 def test_kill_line_matches_the_field_grep() -> None:
     assert kill_line(facts()) == (
-        "sparkwatch: KILL vllm tree root=1234 (9 processes): MemAvailable 4726 MiB <= floor 8192 MiB"
+        "sparkwatch: KILL vllm tree root=1234 (9 processes): MemAvailable 4.6 GiB <= floor 8.0 GiB"
     )
     assert kill_line(facts(dry_run=True)).startswith("sparkwatch: DRY-RUN would KILL vllm tree")
+
+
+def test_a_kill_writes_every_size_in_one_format() -> None:
+    """One kill showed its floor as "21761 MiB" in the line and "21.3 GiB" elsewhere: every size of the record now
+    comes from core.units.format_size, so the line, the summary and the terminal note agree."""
+    from dataclasses import replace
+
+    from sparkwatch.core.killrecord import kill_summary, terminal_note
+
+    f = replace(facts(), floor_bytes=21761 * MiB, available_after_settle_bytes=30 << 30, settle_s=1.0)
+    texts = [kill_line(f), kill_summary(f), terminal_note(f, f.trees[0])]
+    for text in texts:
+        assert "floor 21.3 GiB" in text, text
+        assert re.search(r"\b\d{4,} MiB\b", text) is None, text
+    lone = replace(f.trees[0], members=(f.trees[0].root,))
+    assert "(1 process)" in kill_line(replace(f, trees=(lone,)))  # never "(1 processes)"
+    assert "1 process)" in kill_summary(replace(f, trees=(lone,)))
 
 
 def test_kill_event_has_the_contract_fields(tmp_path: Path) -> None:

@@ -102,3 +102,18 @@ def test_describe_says_what_is_awaited() -> None:
     memory = describe(SettleVerdict(False, 0, 1.5, 2 * GiB, 20 * GiB), PARAMS)
     assert "rose 2.0 GiB" in memory and "steady 1.5/5 s" in memory
     assert describe(SettleVerdict(True, 0, 5.0, 0, GiB), PARAMS).startswith("settled")
+
+
+def test_the_processes_left_are_named_safely_and_the_rest_counted() -> None:
+    from sparkwatch.core.model import Proc
+    from sparkwatch.core.settle import SettleParams, SettleVerdict, describe, name_processes
+
+    def proc(pid: int, title: str) -> Proc:
+        return Proc(pid=pid, ppid=1, uid=0, comm=title[:15], state="S", start_ticks=1, rss_bytes=0, argv=(title,))
+
+    procs = [proc(10, "VLLM::EngineCore"), proc(11, "VLLM::Worker\x1b[2J_TP0"), proc(12, "VLLM::Worker_TP1")]
+    assert name_processes(procs) == "pid 10 VLLM::EngineCore, pid 11 VLLM::Worker?[2J_TP0, pid 12 VLLM::Worker_TP1"
+    more = [*procs, proc(13, "VLLM::Worker_TP2"), proc(14, "VLLM::Worker_TP3")]
+    assert name_processes(more).endswith("pid 12 VLLM::Worker_TP1 and 2 more")
+    one = describe(SettleVerdict(False, 1, 0.0, 0, 1 << 30), SettleParams(), procs[:1])
+    assert one == "1 engine process left; MemAvailable 1.0 GiB; pid 10 VLLM::EngineCore"

@@ -107,6 +107,9 @@ def test_returns_1_on_timeout_while_a_process_lingers() -> None:
         assert engine.popen.poll() is None
     assert result.returncode == 1, result.stderr
     assert "timed out after 1.5 s: 2 engine processes left" in result.stderr
+    # It names what it waited for: pid and title of each engine process left.
+    root, worker = engine.pids
+    assert f"pid {root} VLLM::EngineCore, pid {worker} VLLM::Worker_TP0" in result.stderr, result.stderr
     assert 1.5 <= elapsed < 10
     assert result.stdout == ""
 

@@ -125,7 +125,7 @@ def _progress_key(verdict: SettleVerdict, params: SettleParams) -> object:
 
 def handle(args: argparse.Namespace) -> int:
     from sparkwatch.cli import settings_from
-    from sparkwatch.common.sources.engines import EngineFinder, live_members
+    from sparkwatch.common.sources.engines import EngineFinder, live_processes
     from sparkwatch.common.sources.meminfo import MeminfoError, MeminfoReader
 
     settings = settings_from(args)
@@ -143,14 +143,14 @@ def handle(args: argparse.Namespace) -> int:
     with reader:
         while True:
             now = time.monotonic()
-            engine_processes = live_members(finder.find())
+            left = live_processes(finder.find())
             try:
                 mem = reader.read()
             except MeminfoError as exc:
                 progress.finish(f"sparkwatch: {exc}")
                 return 2
-            state, verdict = settle_step(state, params, now, engine_processes, mem.available_bytes)
-            text = describe(verdict, params)
+            state, verdict = settle_step(state, params, now, len(left), mem.available_bytes)
+            text = describe(verdict, params, left)
             if verdict.settled:
                 progress.finish(f"sparkwatch: {text} (waited {now - start:.1f} s)")
                 return 0

@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 from sparkwatch.core.enums import EnvSource, MaxJobsState
 from sparkwatch.core.eventkinds import EventKind
 from sparkwatch.core.model import CompileCensus, EngineCompile, EngineTree, Proc
+from sparkwatch.core.units import format_size
+from sparkwatch.core.words import plural
 
 # Every tool the census reports, in exposition order; each is exported even at 0, so "none" is visible.
 CUDA_TOOLS: tuple[str, ...] = ("nvcc", "cicc", "ptxas", "fatbinary", "nvlink", "cudafe++")
@@ -261,7 +263,7 @@ def _wide_alert(c: CompileCensus, jobs_alert: int) -> BurstAlert:
     compilers = sum(c.tools.values())
     summary = (
         f"compiler burst: {c.parallel_jobs} parallel nvcc/cicc jobs exceed {jobs_alert} "
-        f"({compilers} compiler processes, {c.rss_bytes >> 20} MiB RSS). {MAX_JOBS_FIX}"
+        f"({plural(compilers, 'compiler process')}, {format_size(c.rss_bytes)} RSS). {MAX_JOBS_FIX}"
     )
     fields: dict[str, object] = {
         "parallel_jobs": c.parallel_jobs,

@@ -15,6 +15,7 @@ from sparkwatch.core.enums import CheckStatus
 from sparkwatch.core.kernlog import KmsgRecord, NvrmError, XidLine, is_from_kernel, parse_nvrm, xid_info
 from sparkwatch.core.model import Check, MemInfo, Proc
 from sparkwatch.core.redact import redact
+from sparkwatch.core.words import plural
 
 GiB = 1 << 30
 # Below 2 GiB the guard cannot win the race: a start-up spike went 34.0 -> 12.7 GiB in ~1.5 s on a Spark.
@@ -79,7 +80,7 @@ def max_jobs_check(
         return Check(
             "max-jobs",
             CheckStatus.SKIP,
-            f"cannot read the environment of {len(unreadable)} engine/raylet processes (another user's?)",
+            f"cannot read the environment of {plural(len(unreadable), 'engine/raylet process')} (another user's?)",
             detail="\n".join(_who(t) for t in unreadable),
         )
     missing = [t for t in readable if not (environ[t.proc.pid] or {}).get("MAX_JOBS")]
@@ -97,25 +98,23 @@ def max_jobs_check(
     lines = [f"{_who(t)}: MAX_JOBS unset" for t in missing]
     lines += [f"{_who(t)}: MAX_JOBS={v}" for t, v in wide]
     lines += [f"{_who(t)}: environment unreadable" for t in unreadable]
+    # The summary counts what the detail lists, line for line: every target is unset, too wide, unreadable or fine.
+    of = plural(len(targets), "engine/raylet process")
+    unread = f"; environment unreadable in {len(unreadable)}" if unreadable else ""
     if missing or wide:
-        what = (
-            f"MAX_JOBS unset in {len(missing)} of {len(readable)} engine/raylet processes"
-            if missing
-            else f"MAX_JOBS above {jobs_alert} in {len(wide)} processes"
-        )
+        parts = [f"unset in {len(missing)}"] if missing else []
+        parts += [f"above {jobs_alert} in {len(wide)}"] if wide else []
         return Check(
             "max-jobs",
             CheckStatus.WARN,
-            f"{what}: the first JIT compile runs one nvcc per core (3-8 GiB each)",
+            f"MAX_JOBS {', '.join(parts)} of {of}{unread}: the first JIT compile runs one nvcc per core (3-8 GiB each)",
             fix=fix,
             detail="\n".join(lines),
         )
-    return Check(
-        "max-jobs",
-        CheckStatus.OK,
-        f"MAX_JOBS set in all {len(readable)} engine/raylet processes",
-        detail="\n".join(lines) or None,
+    good = (
+        f"{len(readable)} of {of}" if unreadable else f"all {of}" if len(targets) > 1 else "its engine/raylet process"
     )
+    return Check("max-jobs", CheckStatus.OK, f"MAX_JOBS set in {good}{unread}", detail="\n".join(lines) or None)
 
 
 def ray_monitor_check(targets: Sequence[EnvTarget], environ: Mapping[int, Mapping[str, str] | None]) -> Check:

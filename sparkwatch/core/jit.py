@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from sparkwatch.core.enums import JitState
 from sparkwatch.core.model import JitEngineState
+from sparkwatch.core.words import plural
 
 IDLE, COMPILING, STALLED = JitState.IDLE, JitState.COMPILING, JitState.STALLED
 STATES: tuple[JitState, ...] = tuple(JitState)
@@ -156,7 +157,7 @@ def jit_step(
         last_awake = prev.last_awake_ts if prev else now
         active_reason = ""
         if obs.compilers:
-            active_reason = f"{obs.compilers} compiler processes in the tree"
+            active_reason = f"{plural(obs.compilers, 'compiler process')} in the tree"
         elif cache_growing:
             active_reason = "JIT cache growing"
         if active_reason:

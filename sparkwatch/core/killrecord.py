@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from sparkwatch.core.model import EngineTree, MemInfo, Proc
 from sparkwatch.core.redact import safe_cmdline
-from sparkwatch.core.units import MiB, format_size
+from sparkwatch.core.units import format_size
 from sparkwatch.core.words import plural
 
 
@@ -40,22 +40,25 @@ class KillFacts:
 
 
 def _reason(facts: KillFacts) -> str:
-    avail = facts.mem.available_bytes // MiB
-    floor = facts.floor_bytes // MiB
+    """Why the guard fired. Every size of a kill's record is written by core.units.format_size, in the line, the
+    summary and the views alike: one kill once showed its floor as "21761 MiB" in one place and "21.3 GiB" in
+    another."""
+    avail = format_size(facts.mem.available_bytes)
+    floor = format_size(facts.floor_bytes)
     if facts.trigger == "escalate":
-        return f"MemAvailable {avail} MiB still <= floor {floor} MiB after the last kill"
+        return f"MemAvailable {avail} still <= floor {floor} after the last kill"
     if facts.trigger == "predicted":
         return (
-            f"MemAvailable {avail} MiB falling {format_size(facts.fill_rate_bytes_per_s)}/s, "
-            f"predicted to cross floor {floor} MiB"
+            f"MemAvailable {avail} falling {format_size(facts.fill_rate_bytes_per_s)}/s, "
+            f"predicted to cross floor {floor}"
         )
     if facts.trigger == "driver_alloc_failed":  # core.kernlog's corroboration: the driver ran out first
-        return f"NVIDIA driver allocation failed at MemAvailable {avail} MiB, within warn_headroom of floor {floor} MiB"
-    return f"MemAvailable {avail} MiB <= floor {floor} MiB"
+        return f"NVIDIA driver allocation failed at MemAvailable {avail}, within warn_headroom of floor {floor}"
+    return f"MemAvailable {avail} <= floor {floor}"
 
 
 def kill_line(facts: KillFacts) -> str:
-    """`sparkwatch: KILL vllm tree root=1234 (9 processes): MemAvailable 4726 MiB <= floor 8192 MiB`"""
+    """`sparkwatch: KILL vllm tree root=1234 (9 processes): MemAvailable 4.6 GiB <= floor 8.0 GiB`"""
     verb = "DRY-RUN would KILL" if facts.dry_run else "KILL"
     if not facts.trees:
         return f"sparkwatch: NO ENGINE TO KILL: {_reason(facts)}"

@@ -13,9 +13,13 @@ Pure: the caller passes monotonic times, the count of live engine processes and 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
+from sparkwatch.core.model import Proc
+from sparkwatch.core.redact import safe_text
 from sparkwatch.core.units import MiB, format_size
+from sparkwatch.core.words import plural
 
 # Quiet period. MemAvailable noise on a Spark was measured at ~100 MiB per 5 s, so a 5 s window is the span the
 # noise figure was measured over; a teardown returns memory in a burst of GiB per second, which a 5 s flat stretch
@@ -102,12 +106,23 @@ def settle_step(
     return SettleState(samples), SettleVerdict(settled, 0, steady_for, max_rise(samples), available_bytes)
 
 
-def describe(verdict: SettleVerdict, params: SettleParams) -> str:
-    """One line for the progress display: what is being waited for."""
+NAMED_LEFT = 3  # the engine processes a line names; the rest are counted
+
+
+def name_processes(procs: Sequence[Proc], limit: int = NAMED_LEFT) -> str:
+    """`pid 1234 VLLM::EngineCore, pid 1240 VLLM::Worker_TP0 and 2 more`: what a wait is waiting for, by name, so
+    an owner can look at it (or kill it) without another command. Titles are made safe for a terminal."""
+    named = ", ".join(f"pid {p.pid} {safe_text(p.display_name)}" for p in procs[:limit])
+    more = len(procs) - limit
+    return f"{named} and {more} more" if more > 0 else named
+
+
+def describe(verdict: SettleVerdict, params: SettleParams, left: Sequence[Proc] = ()) -> str:
+    """One line for the progress display: what is being waited for (`left`: the engine processes, to name them)."""
     avail = f"MemAvailable {format_size(verdict.available_bytes)}"
     if verdict.engine_processes:
-        plural = "es" if verdict.engine_processes != 1 else ""
-        return f"{verdict.engine_processes} engine process{plural} left; {avail}"
+        names = f"; {name_processes(left)}" if left else ""  # last: a terminal too narrow cuts the names, not the pool
+        return f"{plural(verdict.engine_processes, 'engine process')} left; {avail}{names}"
     if verdict.settled:
         return f"settled: no engine process, {avail} steady for {verdict.steady_for_s:.1f} s"
     rising = f", rose {format_size(verdict.recent_rise_bytes)} lately" if verdict.recent_rise_bytes else ""

@@ -9,4 +9,6 @@ def plural(count: int, noun: str, many: str | None = None) -> str:
     """`plural(1, "process")` -> "1 process"; `plural(3, "process")` -> "3 processes"; `plural(2, "job")`: "2 jobs"."""
     if count == 1:
         return f"{count} {noun}"
-    return f"{count} {many or _IRREGULAR.get(noun) or noun + 's'}"
+    head, _, last = noun.rpartition(" ")  # "engine process": only the last word takes the plural
+    word = many or _IRREGULAR.get(last) or last + "s"
+    return f"{count} {head + ' ' if head else ''}{word}"

@@ -26,6 +26,7 @@ from sparkwatch.core import kernlog as core
 from sparkwatch.core.engines import EngineRules, Scope, find_engine_trees
 from sparkwatch.core.eventkinds import EventKind
 from sparkwatch.core.model import EngineTree
+from sparkwatch.core.units import format_size
 
 RECORD_QUEUE_MAX = 256  # events waiting for the recorder; beyond this they are counted as dropped, never waited on
 
@@ -187,7 +188,7 @@ class KernelLogWatch:
             what = "the guard is disarmed after a kill: alert only"
         else:
             what = "MemAvailable is above floor + warn_headroom: alert only, no kill"
-        shown = "?" if available is None else f"{available >> 20} MiB"
+        shown = "?" if available is None else format_size(available)
         summary = f"NVIDIA driver allocation failed ({line.status or line.kind}) at MemAvailable {shown}: {what}"
         fields: dict[str, object] = {
             "trigger": verdict.trigger,

@@ -34,6 +34,7 @@ from sparkwatch.core.eventkinds import EventKind
 from sparkwatch.core.killloop import LOOP_WINDOW_S, LoopState, loop_identity, note_kill
 from sparkwatch.core.killrecord import KillFacts, kill_fields, kill_line, kill_summary, terminal_note, victims_of
 from sparkwatch.core.model import EngineTree, MemInfo
+from sparkwatch.core.units import format_size
 from sparkwatch.guard.gpuboard import device_check, verified_holders
 from sparkwatch.guard.kernlog import KernelLogWatch
 from sparkwatch.guard.killer import Killer, KillJob, Reaper
@@ -237,7 +238,7 @@ class PoolWatch:
         if decision.rearmed:
             self._episode_victims.clear()
             self._hunt_recorded = False
-            line = f"sparkwatch: re-armed: MemAvailable {mem.available_bytes >> 20} MiB"
+            line = f"sparkwatch: re-armed: MemAvailable {format_size(mem.available_bytes)}"
             self.reaper.call(lambda: log.info(line))  # after any KILL line already handed to the reaper
         if decision.trigger is not None:
             self.fire(decision.trigger, mem, now, growing_only=decision.growing_only)
@@ -427,7 +428,7 @@ class PoolWatch:
         tree = victim.tree
         summary = (
             f"Would have killed {tree.kind} (root pid {tree.root.pid}) but MemAvailable recovered to "
-            f"{available_now >> 20} MiB before the signal: nothing was signalled."
+            f"{format_size(available_now)} before the signal: nothing was signalled."
         )
         fields = {
             **kill_fields(replace(facts, trees=(tree,), victims=victims_of([tree]), why_this_tree=victim.reasons)),

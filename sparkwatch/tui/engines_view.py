@@ -14,15 +14,14 @@ from sparkwatch.core.model import EngineTree, GpuHolder
 from sparkwatch.core.proctree import tree_rows
 from sparkwatch.core.redact import redact
 from sparkwatch.core.units import format_size
+from sparkwatch.core.words import plural
 
 ROLE_STYLE = {"root": "bold", "worker": "cyan", "compiler": "yellow", "process": "dim"}
 
 
 def tree_heading(tree: EngineTree) -> str:
-    count = len(tree.members)
     return (
-        f"{tree.kind}  root {tree.root.pid}  {count} process{'es' if count != 1 else ''}  "
-        f"{format_size(tree.rss_bytes)} RSS"
+        f"{tree.kind}  root {tree.root.pid}  {plural(len(tree.members), 'process')}  {format_size(tree.rss_bytes)} RSS"
     )
 
 

@@ -34,6 +34,7 @@ from sparkwatch.core.model import (
 from sparkwatch.core.redact import redact
 from sparkwatch.core.trend import BuildRate, PoolTrend
 from sparkwatch.core.units import GiB, MiB, format_size
+from sparkwatch.core.words import plural
 from sparkwatch.tui.events_view import local_time
 
 USED, CACHE, FREE, FLOOR_MARK, WARN_MARK = "█", "▒", "░", "┃", "│"
@@ -170,8 +171,7 @@ def engine_lines(frame: StatusFrame) -> list[Text]:
         count = len(tree.members)
         name = redact(tree.root.display_name)
         line = Text(
-            f"{tree.kind} {tree.root.pid} · {name} · {count} process{'es' if count != 1 else ''}"
-            f" · RSS {format_size(tree.rss_bytes)}"
+            f"{tree.kind} {tree.root.pid} · {name} · {plural(count, 'process')} · RSS {format_size(tree.rss_bytes)}"
         )
         state = _jit_state_for(tree, snap.jit_states)
         if state is not None:
@@ -197,7 +197,7 @@ def compile_lines(census: CompileCensus | None, jobs_alert: int) -> list[Text]:
         return [Text("no compiler processes", style="dim")]
     total = sum(live.values())
     tools = " · ".join(f"{tool} {n}" for tool, n in live.items())
-    head = Text(f"{total} processes, {format_size(census.rss_bytes)} RSS: {tools}")
+    head = Text(f"{plural(total, 'process')}, {format_size(census.rss_bytes)} RSS: {tools}")
     jobs = Text(
         f"{census.parallel_jobs} parallel nvcc/cicc jobs", style="bold red" if census.parallel_jobs > jobs_alert else ""
     )
