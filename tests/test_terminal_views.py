@@ -154,3 +154,16 @@ def test_event_lines_survive_odd_records() -> None:
     assert lines[1].startswith("?")
     assert lines[2].startswith("not a time  y")
     assert local_time("2026-11-18T09:46:40") == "2026-11-18 09:46:40"
+
+
+def test_every_subcommand_help_page_has_a_description() -> None:
+    """`sparkwatch COMMAND --help` says what the command does, not only its flags."""
+    import argparse
+
+    from sparkwatch.cli import build_parser
+
+    parser = build_parser()
+    (sub,) = (a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    assert set(sub.choices) >= {"run", "engines", "events", "status", "assets"}
+    for name, page in sub.choices.items():
+        assert page.description and len(page.description) > 60, f"sparkwatch {name} --help has no description"

@@ -44,7 +44,11 @@ def add_parser(sub: Any, parent: argparse.ArgumentParser) -> None:
         description=DESCRIPTION,
     )
     actions = p.add_subparsers(dest="assets_action", metavar="ACTION", required=True)
-    lst = actions.add_parser("list", help="list the shipped files and what each is for", description="List them.")
+    lst = actions.add_parser(
+        "list",
+        help="list the shipped files and what each is for",
+        description="List the files the package ships, with what each is for.",
+    )
     lst.set_defaults(handler=handle_list)
     write = actions.add_parser(
         "write",

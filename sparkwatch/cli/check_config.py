@@ -9,7 +9,14 @@ from typing import Any
 
 
 def add_parser(sub: Any, parent: argparse.ArgumentParser) -> None:
-    p = sub.add_parser("check-config", parents=[parent], help="validate config, print the effective settings")
+    p = sub.add_parser(
+        "check-config",
+        parents=[parent],
+        help="validate config, print the effective settings",
+        description="Validate the configuration (defaults < config file < SPARKWATCH_<KEY> environment < flags) "
+        "and print the effective settings, secrets masked. A bad value or an unknown key is one line naming the "
+        "key, exit 2. `sparkwatch assets write DIR` writes config.example.toml with every key.",
+    )
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(handler=handle)
 

@@ -27,7 +27,12 @@ _SHOW_FIX = (CheckStatus.FAIL, CheckStatus.WARN)
 
 def add_parser(sub: Any, parent: argparse.ArgumentParser) -> None:
     p = sub.add_parser(
-        "doctor", parents=[parent], help="one-shot health report: driver, swap, MAX_JOBS, Ray, floor, kernel log, Xids"
+        "doctor",
+        parents=[parent],
+        help="one-shot health report: driver, swap, MAX_JOBS, Ray, floor, kernel log, Xids",
+        description="A one-shot health report of this node: a stranded NVIDIA driver (with the commands that fix "
+        "it), the kernel that boots next, swap, MAX_JOBS in the engines' environments, Ray's memory monitor, the "
+        "floor, whether the kernel log is readable, recent Xids. Exit 1 when a check fails.",
     )
     p.add_argument("--json", action="store_true", help='print {"ok": …, "checks": […]}')
     p.set_defaults(handler=handle)

@@ -48,6 +48,9 @@ def add_parser(sub: Any, parent: argparse.ArgumentParser) -> None:
         "install-service",
         parents=[parent],
         help="install, enable and start sparkwatch as a systemd service (user unit by default)",
+        description="Write the systemd unit for this sparkwatch (the user unit, or with --system the system unit "
+        "for engines run as root or in Docker), enable it and start it. --print shows the unit and changes "
+        "nothing. The unit runs the armed daemon: see `sparkwatch run --help`.",
     )
     p.add_argument(
         "--system",

@@ -15,7 +15,15 @@ from typing import Any
 
 
 def add_parser(sub: Any, parent: argparse.ArgumentParser) -> None:
-    p = sub.add_parser("run", parents=[parent], help="run the daemon: guard, telemetry, exporter, alerts")
+    p = sub.add_parser(
+        "run",
+        parents=[parent],
+        help="run the daemon: guard, telemetry, exporter, alerts",
+        description="Run the daemon: the guard, which SIGKILLs an engine tree before MemAvailable crosses the floor "
+        "(default 8GiB), and the telemetry process (Prometheus metrics on 127.0.0.1:9847, alerts). This is an armed "
+        "killer: for a first look use --dry-run, which decides and records every kill it would make and signals "
+        "nothing. `sparkwatch engines` shows what it would kill now. SIGHUP reloads the config; SIGTERM stops it.",
+    )
     p.add_argument("--dry-run", action="store_true", default=None, help="decide and record, signal nothing")
     p.add_argument("--floor", metavar="SIZE", help="MemAvailable kill floor, e.g. 8GiB")
     p.add_argument("--listen", metavar="HOST:PORT", help="metrics address")

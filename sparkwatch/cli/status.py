@@ -38,7 +38,14 @@ KILL_LOOKBACK_EVENTS = 500
 
 
 def add_parser(sub: Any, parent: argparse.ArgumentParser) -> None:
-    p = sub.add_parser("status", parents=[parent], help="live terminal view: pool, engines, compilers, JIT, GPU")
+    p = sub.add_parser(
+        "status",
+        parents=[parent],
+        help="live terminal view: pool, engines, compilers, JIT, GPU",
+        description="A live terminal view, redrawn once a second: the memory pool against the floor, the engines, "
+        "compilers and MAX_JOBS, JIT build progress with an ETA, the GPU, the driver and the last kill. Needs no "
+        "daemon; q or Ctrl-C quits. On a pipe it prints plain frames.",
+    )
     p.add_argument("--once", action="store_true", help="print one frame and exit (for scripts and bug reports)")
     p.add_argument(
         "--interval",

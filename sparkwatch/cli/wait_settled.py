@@ -42,6 +42,10 @@ def add_parser(sub: Any, parent: argparse.ArgumentParser) -> None:
         "wait-settled",
         parents=[parent],
         help="wait until no engine process is left and MemAvailable stopped rising (exit 0; 1 on timeout)",
+        description="Block until no engine process the guard could act on is left and MemAvailable stopped rising "
+        "(by more than --tolerance for --quiet-for seconds): `sparkwatch wait-settled && vllm serve ...` relaunches "
+        "into a pool that has really come back. Exit 0 settled, 1 on timeout (naming what is left), 2 when "
+        "meminfo cannot be read.",
     )
     p.add_argument(
         "--timeout",
