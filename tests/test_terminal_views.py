@@ -167,3 +167,28 @@ def test_every_subcommand_help_page_has_a_description() -> None:
     assert set(sub.choices) >= {"run", "engines", "events", "status", "assets"}
     for name, page in sub.choices.items():
         assert page.description and len(page.description) > 60, f"sparkwatch {name} --help has no description"
+
+
+def _shape(value: object) -> object:
+    """The keys of a JSON value at every level (lists by their first element): what a reader of it relies on."""
+    if isinstance(value, dict):
+        return {k: _shape(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_shape(value[0])] if value else []
+    return None
+
+
+def test_the_engines_json_example_in_terminal_md_is_what_a_real_run_prints() -> None:
+    import re
+
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "terminal.md").read_text(encoding="utf-8")
+    section = doc.split("## `sparkwatch engines", 1)[1].split("\n## ", 1)[0]
+    (block,) = re.findall(r"```json\n(.*?)```", section, re.DOTALL)
+    example = json.loads(block)
+    with staged_engine(children=("VLLM::Worker_TP0",)) as engine:
+        res = sparkwatch("engines", "--json", "--all", env=scoped_env(SPARKWATCH_ANCESTOR_PID=str(engine.root_pid)))
+    assert res.returncode == 0, res.stderr
+    real = json.loads(res.stdout)
+    assert _shape(real["engines"]) == _shape(example["engines"])
+    assert _shape(real["kill_order"]) == _shape(example["kill_order"])
+    assert set(real) == set(example)
