@@ -66,3 +66,15 @@ def test_deselecting_the_pressure_tests_as_the_readme_says() -> None:
     wants |= {int(n) for n in re.findall(r"available < (\d+) \* GiB", pressure)}
     low, high = re.search(r"want\s+(\d+)-(\d+) GiB", README).groups()  # type: ignore[union-attr]
     assert min(wants) == int(low) and max(wants) == int(high), (wants, low, high)
+
+
+def test_the_troubleshooting_guide_is_linked_and_its_links_resolve() -> None:
+    assert "(docs/troubleshooting.md)" in README
+    guide = REPO / "docs" / "troubleshooting.md"
+    text = guide.read_text(encoding="utf-8")
+    for heading in ("## My engine died: why?", "## The box wedged anyway", "## Alongside earlyoom or systemd-oomd?"):
+        assert heading in text, heading
+    assert "<!-- POSTMORTEM:" in text  # the marked place `sparkwatch postmortem` will be described in
+    for target in re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", text):
+        if not target.startswith("http"):
+            assert (guide.parent / target).exists(), target
