@@ -259,3 +259,21 @@ def test_a_busy_gpu_is_never_stalled() -> None:
     assert states[0].state == jit.IDLE  # the stall clock restarted when the GPU last worked
     tracks, states, _ = jit.jit_step(tracks, [obs(pipe=True)], False, params, 1061.0)
     assert states[0].state == jit.STALLED
+
+
+def test_another_users_test_runner_is_not_flagged_for_max_jobs() -> None:
+    """Issue 20: as root, another user's `python -m pytest` whose tests start processes titled VLLM::EngineCore and
+    compile with nvcc was adopted as a vllm engine and flagged max_jobs_missing. Without vLLM's library mapped it is
+    no engine: its compilers are nobody's engine's, and nothing is announced for it."""
+    procs = [
+        proc(1, 0, "systemd"),
+        Proc(500, 1, 1001, "python3", "S", 600, 0, ("/usr/bin/python3", "-m", "pytest", "tests/")),
+        Proc(501, 500, 1001, "VLLM::EngineCor", "S", 601, 0, ("VLLM::EngineCore",)),
+        Proc(502, 500, 1001, "ninja", "S", 602, 0, ("ninja",)),
+        Proc(503, 502, 1001, "nvcc", "S", 603, 1 << 30, ("nvcc", "-gencode", "arch=compute_121a,code=sm_121a")),
+    ]
+    trees = find_engine_trees(procs, EngineRules.build(), Scope(self_pid=99999, own_uid=0))
+    assert [t.root.pid for t in trees] == [501]  # the fake EngineCore is its own tree; pytest is no engine
+    census = cc.census(procs, trees, {502: cc.EnvReading({}), 500: cc.EnvReading({})})
+    _state, alerts = cc.burst_step(cc.BurstState(), census, jobs_alert=8, now=0.0)
+    assert all(a.kind != EventKind.MAX_JOBS_MISSING for a in alerts), alerts
