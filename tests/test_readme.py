@@ -45,7 +45,8 @@ def test_the_first_command_works_as_written(tmp_path: Path) -> None:
         ["bash", "-c", first_command()], cwd=clone, env=env, capture_output=True, text=True, timeout=600, check=False
     )
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
-    assert "kill order" in res.stdout, res.stdout
+    # What `sparkwatch engines` says on any box: the trees and their kill order, or that there are none.
+    assert "kill order" in res.stdout or res.stdout.strip() == "no engine processes", res.stdout
 
 
 def test_deselecting_the_pressure_tests_as_the_readme_says() -> None:
