@@ -56,12 +56,13 @@ class Terminal:
         os.close(slave)
         self._out: list[bytes] = []
         self._lock = threading.Lock()
+        self._closed = threading.Event()
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
         assert wait_until(lambda: PROMPT in self.text(), 20), self.text()
 
     def _read(self) -> None:
-        while True:
+        while not self._closed.is_set():
             try:
                 ready, _, _ = select.select([self.master], [], [], 0.2)
                 if not ready:
@@ -84,6 +85,10 @@ class Terminal:
         os.write(self.master, line.encode() + b"\n")
 
     def close(self) -> None:
+        # The reader ends before the fd is closed: a reader still selecting on a closed fd number would read the next
+        # test's pseudo-terminal, which the kernel gives the same number (it stole that shell's prompt, 1 run in 8).
+        self._closed.set()
+        self._reader.join(5)
         try:
             os.close(self.master)
         except OSError:
