@@ -86,7 +86,7 @@ def start_contender(
         env = {k: v for k, v in os.environ.items() if not k.startswith("SPARKWATCH_")}
         env.update(
             {
-                "SPARKWATCH_FLOOR": str(floor),
+                "SPARKWATCH_FLOOR": f"{floor}B",
                 "SPARKWATCH_ANCESTOR_PID": str(os.getpid()),
                 "SPARKWATCH_STATE_DIR": str(tmp / "state"),
                 "SPARKWATCH_LISTEN": f"127.0.0.1:{free_port()}",

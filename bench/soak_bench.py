@@ -122,7 +122,7 @@ def main() -> int:
             "SPARKWATCH_LISTEN": f"127.0.0.1:{port}",
             "SPARKWATCH_JIT_CACHE_DIRS": f'["{tmp / "jit"}"]',
             "SPARKWATCH_VLLM_CACHE_DIRS": f'["{tmp / "vllm"}"]',
-            "SPARKWATCH_FLOOR": "64MiB",
+            "SPARKWATCH_FLOOR": "1GiB",
             "SPARKWATCH_DRY_RUN": "true",
             "SPARKWATCH_MLOCK": "false",
             "SPARKWATCH_WEBHOOK_URL": f"http://127.0.0.1:{receiver.server_address[1]}/hook",
@@ -206,7 +206,7 @@ def main() -> int:
         cmd,
         "",
         f"Machine: {platform.machine()}, {os.cpu_count()} vCPUs, Python {platform.python_version()}, shared with "
-        "other test runs. Daemon: dry run, floor 64MiB, mlock off, webhook to a loopback receiver.",
+        "other test runs. Daemon: dry run, floor 1GiB, mlock off, webhook to a loopback receiver.",
         "",
         "| figure | value |",
         "| --- | --- |",

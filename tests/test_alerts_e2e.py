@@ -85,7 +85,7 @@ def setup(tmp_path: Path) -> Iterator[tuple[fx.DriverRoot, Sparkwatch, Receiver,
         "driver_check_interval_s = 0.2\n"
         "dry_run = true\n"  # the guard runs too: it must never signal anything in a test
         "mlock = false\n"
-        'floor = "1MiB"\n'
+        'floor = "1GiB"\n'
         'warn_headroom = "1MiB"\n'
         f"ancestor_pid = {os.getpid()}\n"
         f'listen = "127.0.0.1:{free_port()}"\n'

@@ -34,7 +34,7 @@ DETECT_TO_SIGNAL_MAX_MS = 250.0
 def guard_settings(tmp_path: Path, floor: int) -> str:
     """The validated settings, as `sparkwatch run` hands them to the guard process."""
     env = daemon_env(tmp_path, free_port())
-    env.update({"SPARKWATCH_FLOOR": str(floor), "SPARKWATCH_MLOCK": "false"})
+    env.update({"SPARKWATCH_FLOOR": f"{floor}B", "SPARKWATCH_MLOCK": "false"})
     done = subprocess.run(
         [sys.executable, "-m", "sparkwatch", "run", "--print-settings"],
         env=env,

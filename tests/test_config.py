@@ -25,7 +25,8 @@ def test_sizes() -> None:
     assert parse_size("512MiB") == 512 * MiB
     assert parse_size("8G") == 8 * GiB
     assert parse_size("1.5GiB") == int(1.5 * GiB)
-    assert parse_size(4096) == 4096
+    assert parse_size("8Gi") == parse_size("8 gib") == 8 * GiB
+    assert parse_size("4096B") == 4096
     for bad in ("eight", "8 XB", "-1GiB", ""):
         with pytest.raises(ValueError):
             parse_size(bad)
@@ -110,3 +111,88 @@ def test_check_config_cli_exit_codes(tmp_path: Path) -> None:
     assert res.returncode == 2 and "floor:" in res.stderr
     missing = cli("check-config", "--config", str(tmp_path / "nope.toml"))
     assert missing.returncode == 2 and "does not exist" in missing.stderr
+
+
+# Every size key a person can write: a bare number is refused for each, whatever layer it comes from.
+SIZE_KEYS = ("floor", "warn_headroom", "rearm_headroom", "events_max_bytes")
+
+
+@pytest.mark.parametrize("key", SIZE_KEYS)
+@pytest.mark.parametrize("raw", ["8", '"8"', '"0"', "0", "8589934592"])
+def test_a_size_without_a_unit_is_refused_naming_the_key(key: str, raw: str, tmp_path: Path) -> None:
+    """`floor = 8` used to run a guard with an 8-byte floor, which never fires, and check-config said ok."""
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(f"{key} = {raw}\n")
+    number = raw.strip('"')
+    with pytest.raises(ConfigError) as err:
+        load_settings(cfg)
+    assert str(err.value) == (
+        f"{key}: {number} has no unit; write {number}GiB or {number}MiB (or {number}B for bytes) [from config file]"
+    )
+
+
+@pytest.mark.parametrize("key", SIZE_KEYS)
+def test_a_size_without_a_unit_is_refused_from_env_and_flags(key: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(f"SPARKWATCH_{key.upper()}", "8")
+    with pytest.raises(ConfigError, match=rf"^{key}: 8 has no unit; write 8GiB .*\[from SPARKWATCH_{key.upper()}\]$"):
+        load_settings()
+    monkeypatch.delenv(f"SPARKWATCH_{key.upper()}")
+    with pytest.raises(ConfigError, match=rf"^{key}: 8 has no unit"):
+        load_settings(None, {key: "8"})  # a command-line flag (run --floor 8)
+    with pytest.raises(ConfigError, match=rf"^{key}: 4096 has no unit"):
+        load_settings(None, {key: 4096})
+
+
+@pytest.mark.parametrize(
+    ("written", "binary", "decimal_bytes"),
+    [("8 GB", "8GiB", 8 * 10**9), ("8GB", "8GiB", 8 * 10**9), ("8MB", "8MiB", 8 * 10**6), ("8kB", "8KiB", 8000)],
+)
+def test_decimal_units_are_refused_never_read_as_binary(written: str, binary: str, decimal_bytes: int) -> None:
+    """ "8 GB" was read as 8 GiB without a word. Refused, with both ways to say it."""
+    with pytest.raises(ConfigError) as err:
+        load_settings(None, {"events_max_bytes": written})
+    message = str(err.value)
+    assert message.startswith(f"events_max_bytes: {written!r}: ") and "ambiguous" in message
+    assert f"write {binary} for binary, or {decimal_bytes}B" in message and "\n" not in message
+
+
+def test_the_documented_forms_are_kept() -> None:
+    for written, expected in (("8GiB", 8 * GiB), ("8G", 8 * GiB), ("512MiB", 512 * MiB), ("1.5GiB", int(1.5 * GiB))):
+        assert load_settings(None, {"warn_headroom": written}).warn_headroom == expected
+    assert load_settings(None, {"events_max_bytes": f"{1 << 20}B"}).events_max_bytes == 1 << 20
+
+
+@pytest.mark.parametrize("floor", ["1MiB", "1023MiB", "0B", f"{GiB - 1}B"])
+def test_a_floor_under_1_gib_is_refused(floor: str) -> None:
+    with pytest.raises(ConfigError, match=r"^floor: .* is under 1\.0 GiB: no kill could beat a start-up spike"):
+        load_settings(None, {"floor": floor})
+    assert load_settings(None, {"floor": "1GiB"}).floor == GiB
+
+
+def test_the_wire_form_keeps_byte_counts() -> None:
+    """Between sparkwatch's own processes sizes are byte counts (settings_to_wire): the refusal is for people."""
+    from sparkwatch.config.settings import settings_from_wire, settings_to_wire
+
+    settings = load_settings(None, {"floor": "6GiB", "events_max_bytes": "1MiB"})
+    wire = settings_to_wire(settings)
+    assert wire["floor"] == 6 * GiB and isinstance(wire["floor"], int)
+    again = settings_from_wire(wire)
+    assert (again.floor, again.events_max_bytes, again.warn_headroom) == (6 * GiB, MiB, 4 * GiB)
+
+
+def test_check_config_refuses_a_bare_floor(tmp_path: Path) -> None:
+    cfg = tmp_path / "c.toml"
+    cfg.write_text("floor = 8\n")
+    env = {k: v for k, v in __import__("os").environ.items() if not k.startswith("SPARKWATCH_")}
+    res = subprocess.run(
+        [sys.executable, "-m", "sparkwatch", "check-config", "--config", str(cfg)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
+    assert res.returncode == 2 and res.stdout == ""
+    assert (
+        res.stderr == "sparkwatch: config error: floor: 8 has no unit; write 8GiB or 8MiB (or 8B for bytes) "
+        "[from config file]\n"
+    )

@@ -57,7 +57,7 @@ def test_floor_at_or_above_memtotal_is_refused_by_check_config_and_run(tmp_path:
         cli("run", "--config", str(cfg), env={"SPARKWATCH_STATE_DIR": str(tmp_path / "s")}), "floor:", "MemTotal"
     )
     with pytest.raises(ConfigError, match="rearm_headroom:"):
-        load_settings(None, {"floor": memtotal_bytes() - GiB // 2, "rearm_headroom": "1GiB"}, check_memory=True)
+        load_settings(None, {"floor": f"{memtotal_bytes() - GiB // 2}B", "rearm_headroom": "1GiB"}, check_memory=True)
     with pytest.raises(ConfigError, match=r"floor: .*less than or equal"):
         load_settings(None, {"floor": "9000TiB"})
     with pytest.raises(ConfigError, match="floor:"):

@@ -61,7 +61,7 @@ NO_GPU = "no NVIDIA GPU here: NVML series are absent, never 0 (docs/contract.md)
 # the contract): the second node of the side-by-side checks, and the one with a GPU.
 H200_EXPOSITION = Path(__file__).resolve().parent / "fixtures" / "gpu" / "h200-daemon-metrics.prom"
 NO_NEXT_BOOT = "no NVIDIA packages here: whether the next kernel has modules is unknown, so the series is absent"
-NO_KILL = "the guard never fires in this test (floor 1 MiB): guard_last_kill_timestamp_seconds appears with a kill"
+NO_KILL = "the guard never fires in this test (floor 1 GiB): guard_last_kill_timestamp_seconds appears with a kill"
 
 # Queries that may return nothing here, and why. Each is accepted empty only if one of the sparkwatch_* series it
 # reads is absent from sparkwatch's own /metrics (so a wrong label or a broken join still fails), except the
@@ -78,7 +78,7 @@ EMPTY_OK: dict[str, str] = {
     "panel 'Next boot' A": NO_NEXT_BOOT,
 }
 EMPTY_BY_LOGIC: dict[str, str] = {
-    "annotation 'Guard kills'": "no kill happens in this test (floor 1 MiB), and the annotation marks kills",
+    "annotation 'Guard kills'": "no kill happens in this test (floor 1 GiB), and the annotation marks kills",
     "panel 'GPU Xid events' A": "no Xid happens in this test, and the panel shows only codes that occurred (> 0)",
 }
 # Series a rule reads that may be absent here (same reasons); every other selector of every rule must match.
@@ -255,7 +255,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         env = {k: v for k, v in os.environ.items() if not k.startswith("SPARKWATCH_")}
         env.update(
             SPARKWATCH_ANCESTOR_PID=str(os.getpid()),
-            SPARKWATCH_FLOOR="1MiB",
+            SPARKWATCH_FLOOR="1GiB",
             SPARKWATCH_MLOCK="false",
             HOME=str(home),
             XDG_CONFIG_HOME=str(tmp / "config"),

@@ -46,7 +46,7 @@ def test_real_pressure_kills_the_whole_tree_near_the_floor(spawner: Spawner, tmp
         pytest.skip(f"only {available >> 20} MiB available; this test wants 6 GiB")
     floor = available - HEADROOM_BYTES
     hog_mib = (HEADROOM_BYTES + HOG_EXTRA_BYTES) // MiB
-    with sparkwatch_run(tmp_path, env={"SPARKWATCH_FLOOR": str(floor)}) as daemon:
+    with sparkwatch_run(tmp_path, env={"SPARKWATCH_FLOOR": f"{floor}B"}) as daemon:
         tracker = MinTracker()
         tracker.start()
         pidfile = tmp_path / "tree.pids"
@@ -86,7 +86,7 @@ def test_dry_run_under_real_pressure_records_but_signals_nothing(spawner: Spawne
         pytest.skip(f"only {available >> 20} MiB available; this test wants 6 GiB")
     floor = available - 1 * GiB
     hog_mib = (1 * GiB + 512 * MiB) // MiB  # 512 MiB under the floor, then it holds
-    with sparkwatch_run(tmp_path, "--dry-run", env={"SPARKWATCH_FLOOR": str(floor)}) as daemon:
+    with sparkwatch_run(tmp_path, "--dry-run", env={"SPARKWATCH_FLOOR": f"{floor}B"}) as daemon:
         pidfile = tmp_path / "tree.pids"
         spawner.engine(
             "--worker",

@@ -108,7 +108,7 @@ def kill_under_pressure(
         pytest.skip(f"only {available >> 20} MiB available; this test wants 6 GiB")
     floor = available - HEADROOM_BYTES
     state = tmp_path / f"s{len(list(tmp_path.glob('s*')))}"
-    env = {**env, "SPARKWATCH_FLOOR": str(floor), "SPARKWATCH_TELEMETRY_INTERVAL_S": "0.2"}
+    env = {**env, "SPARKWATCH_FLOOR": f"{floor}B", "SPARKWATCH_TELEMETRY_INTERVAL_S": "0.2"}
     d = daemons(["--listen", f"127.0.0.1:{free_port()}", "--state-dir", str(state)], env)
     d.wait_stderr("running:", 30)
     # The pressure starts at once: with the fake, while telemetry's NVML check is still hung on it.
@@ -163,7 +163,7 @@ def test_early_sighup_never_kills_the_daemon(
     env = clean_env(tmp_path)
     env["NOTIFY_SOCKET"] = str(rx.path)
     config = tmp_path / "config.toml"
-    config.write_text('floor = "2MiB"\ndry_run = true\n')
+    config.write_text('floor = "2GiB"\ndry_run = true\n')
     d = daemons(
         ["--config", str(config), "--listen", f"127.0.0.1:{free_port()}", "--state-dir", str(tmp_path / "s")], env
     )
@@ -185,7 +185,7 @@ def test_early_sighup_never_kills_the_daemon(
 def test_telemetry_restarted_with_an_event(tmp_path: Path, daemons: Callable[..., Daemon]) -> None:
     env = clean_env(tmp_path)
     port = free_port()
-    d = daemons(["--floor", "1MiB", "--listen", f"127.0.0.1:{port}", "--state-dir", str(tmp_path / "s")], env)
+    d = daemons(["--floor", "1GiB", "--listen", f"127.0.0.1:{port}", "--state-dir", str(tmp_path / "s")], env)
     d.wait_stderr("running:")
     assert wait_until(lambda: len(children_of(d.proc.pid)) == 1, 20)
     (first,) = children_of(d.proc.pid)
@@ -224,7 +224,7 @@ def _try(fn: Callable[[], str], needle: str) -> bool:
 
 LIVE_FLIPS = {
     # key: (start value, reloaded value) in TOML
-    "floor": ('"2MiB"', '"3MiB"'),
+    "floor": ('"2GiB"', '"3GiB"'),
     "warn_headroom": ('"4GiB"', '"5GiB"'),
     "kill_budget_s": ("0.25", "0.5"),
     "debounce_samples": ("2", "3"),
@@ -275,7 +275,7 @@ def test_reload_flips_every_live_key(
     assert {"floor", "dry_run", "poll_max_s"} <= applied["guard"]
     assert {"floor", "warn_headroom", "rearm_headroom", "telemetry_interval_s", "jit_stall_s"} <= applied["telemetry"]
     # The guard's view (STATUS=) and the exporter's (telemetry process) both show the new values.
-    ready = rx.wait_for(lambda m: "READY=1" in m.split("\n") and "floor 3 MiB" in m, 10)
+    ready = rx.wait_for(lambda m: "READY=1" in m.split("\n") and "floor 3 GiB" in m, 10)
     assert "DRY RUN" not in ready
 
     def metrics() -> str:
@@ -285,8 +285,8 @@ def test_reload_flips_every_live_key(
     assert wait_until(lambda: _try(metrics, "sparkwatch_guard_dry_run 0.0"), 10)
     text = metrics()
     assert (
-        f"sparkwatch_memory_floor_bytes {float(3 << 20)}" in text
-        or "sparkwatch_memory_floor_bytes 3.145728e+06" in text
+        f"sparkwatch_memory_floor_bytes {float(3 << 30)}" in text
+        or "sparkwatch_memory_floor_bytes 3.221225472e+09" in text
     )
     d.proc.send_signal(signal.SIGTERM)
     assert d.proc.wait(15) == 0
@@ -338,7 +338,7 @@ def test_hung_nvml_load_degrades_clearly(tmp_path: Path, daemons: Callable[..., 
     env = clean_env(tmp_path)
     env["LD_LIBRARY_PATH"] = f"{libdir}:{os.environ.get('LD_LIBRARY_PATH', '')}"
     port = free_port()
-    d = daemons(["--floor", "1MiB", "--listen", f"127.0.0.1:{port}", "--state-dir", str(tmp_path / "s")], env)
+    d = daemons(["--floor", "1GiB", "--listen", f"127.0.0.1:{port}", "--state-dir", str(tmp_path / "s")], env)
     d.wait_stderr("running:", 30)
     d.wait_stderr("did not load and initialise within", 60)
 
@@ -373,7 +373,7 @@ def test_silent_telemetry_is_killed_and_restarted(tmp_path: Path, monkeypatch: p
     monkeypatch.setattr(supervisor, "STARTUP_ALLOWANCE_S", 1.0)
     monkeypatch.setattr(supervisor, "BACKOFF_MIN_S", 0.2)
     sleep = require_tool("sleep")
-    settings = load_settings(None, {"state_dir": tmp_path / "s", "mlock": False, "floor": "1MiB"})
+    settings = load_settings(None, {"state_dir": tmp_path / "s", "mlock": False, "floor": "1GiB"})
     config = GuardConfig.from_wire(settings_to_wire(settings), settings.public_dict())
     gp = GuardProcess(config, telemetry=lambda _fd, _nvml: [sleep, "1000"])
     gp.guard.start()
@@ -403,7 +403,7 @@ def test_a_guard_over_its_rss_cap_says_so_and_restarts(tmp_path: Path) -> None:
     from sparkwatch.guard.process import GuardProcess
 
     sleep = require_tool("sleep")
-    settings = load_settings(None, {"state_dir": tmp_path / "s", "mlock": False, "floor": "1MiB"})
+    settings = load_settings(None, {"state_dir": tmp_path / "s", "mlock": False, "floor": "1GiB"})
     config = GuardConfig.from_wire(settings_to_wire(settings), settings.public_dict())
     restarted: list[bool] = []
     gp = GuardProcess(config, telemetry=lambda _fd, _nvml: [sleep, "1000"], restart=lambda: restarted.append(True))

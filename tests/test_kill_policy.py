@@ -114,7 +114,7 @@ def tree_dead(pidfile: Path) -> bool:
 def test_two_trees_the_spiking_one_dies_the_old_steady_one_lives(spawner: Spawner, tmp_path: Path) -> None:
     floor = floor_or_skip()
     # A small re-arm headroom: memory comes back to about floor + 1.25 GiB here, and the box is shared.
-    env = {"SPARKWATCH_FLOOR": str(floor), "SPARKWATCH_REARM_HEADROOM": "256MiB"}
+    env = {"SPARKWATCH_FLOOR": f"{floor}B", "SPARKWATCH_REARM_HEADROOM": "256MiB"}
     with sparkwatch_run(tmp_path, env=env) as daemon:
         old = steady_engine(spawner, tmp_path, "old")
         time.sleep(2.5)  # the scout has seen it steady for a few scans
@@ -172,7 +172,7 @@ def test_memory_still_under_the_floor_kills_the_next_engine_never_the_allocator(
     never touched. In dry-run the same plan is recorded in the same order, and nothing is signalled."""
     floor = floor_or_skip(7 * GiB)
     args = ("--dry-run",) if dry_run else ()
-    with sparkwatch_run(tmp_path, *args, env={"SPARKWATCH_FLOOR": str(floor)}) as daemon:
+    with sparkwatch_run(tmp_path, *args, env={"SPARKWATCH_FLOOR": f"{floor}B"}) as daemon:
         old = steady_engine(spawner, tmp_path, "old")
         time.sleep(2.5)
         new = spiking_engine(spawner, tmp_path, "new", rate_mib=256, limit_mib=1024)
@@ -229,7 +229,7 @@ def test_an_engine_started_under_the_floor_dies_as_soon_as_it_is_found(spawner: 
     # with no engine from the start, whatever others on this shared box free meanwhile. Nothing more is allocated.
     # The ballast keeps floor + rearm_headroom under MemTotal on an idle box, which the config requires.
     floor = settled_available_bytes() + GiB
-    env = {"SPARKWATCH_FLOOR": str(floor), "SPARKWATCH_REARM_HEADROOM": "512MiB"}
+    env = {"SPARKWATCH_FLOOR": f"{floor}B", "SPARKWATCH_REARM_HEADROOM": "512MiB"}
     with sparkwatch_run(tmp_path, env=env) as daemon:
         assert wait_until(lambda: bool(events(daemon, "no_victim")), 60), "\n".join(daemon.stderr_lines)
         pidfile = tmp_path / "late.pids"
@@ -265,7 +265,7 @@ def test_a_supervisor_restarting_into_the_spike_gets_one_loop_alert(spawner: Spa
     ]
     # A supervisor like systemd's Restart=always: the engine comes back 0.3 s after each death.
     script = f"while :; do {shlex.join(engine)}; sleep 0.3; done"
-    with sparkwatch_run(tmp_path, env={"SPARKWATCH_FLOOR": str(floor)}) as daemon:
+    with sparkwatch_run(tmp_path, env={"SPARKWATCH_FLOOR": f"{floor}B"}) as daemon:
         spawner.pidfiles.append(pidfile)
         spawner.popen(["bash", "-c", script])
         assert wait_until(lambda: len(events(daemon, "kill")) >= 4, 90), daemon.stderr_lines[-20:]

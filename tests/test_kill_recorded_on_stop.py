@@ -21,7 +21,7 @@ def test_a_kill_is_recorded_when_the_daemon_stops_during_its_settle_time(spawner
     )  # fmt: skip
     assert wait_until(lambda: Path(f"/proc/{engine.pid}/cmdline").read_bytes().startswith(b"VLLM::"), 10)
     env = {
-        "SPARKWATCH_FLOOR": str(floor_that_fires_at_once()),
+        "SPARKWATCH_FLOOR": f"{floor_that_fires_at_once()}B",
         "SPARKWATCH_REARM_HEADROOM": "1MiB",
         "SPARKWATCH_MLOCK": "false",
         "SPARKWATCH_KILL_SETTLE_S": "10",  # the event would be written 10 s after the reap

@@ -46,8 +46,8 @@ def kernel_env(warn_headroom_bytes: int, **extra: str) -> dict[str, str]:
         # The test's lines come from a process (facility user), not from the driver: a daemon ignores them unless
         # told otherwise (test_injected_lines_are_ignored_by_default).
         "SPARKWATCH_KERNEL_LOG_ACCEPT_INJECTED": "true",
-        "SPARKWATCH_FLOOR": str(256 * MiB),  # far under MemAvailable here: memory alone never fires
-        "SPARKWATCH_WARN_HEADROOM": str(warn_headroom_bytes),
+        "SPARKWATCH_FLOOR": "1GiB",  # far under MemAvailable here: memory alone never fires
+        "SPARKWATCH_WARN_HEADROOM": f"{warn_headroom_bytes}B",
         "SPARKWATCH_MLOCK": "false",
         **extra,
     }

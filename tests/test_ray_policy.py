@@ -104,7 +104,7 @@ def test_only_the_allocating_actor_dies_and_ray_restarts_it(ray_cluster: Any, tm
     if available < 5 * GiB:
         pytest.skip(f"only {available >> 20} MiB available after Ray started; this test wants 5 GiB")
     floor = available - HEADROOM_BYTES
-    with sparkwatch_run(tmp_path, env={"SPARKWATCH_FLOOR": str(floor)}) as daemon:
+    with sparkwatch_run(tmp_path, env={"SPARKWATCH_FLOOR": f"{floor}B"}) as daemon:
         time.sleep(2.5)  # the scout has seen every Ray process steady
         ref = actor.allocate.remote((HEADROOM_BYTES + GiB) // MiB, 512)
         with pytest.raises(ray.exceptions.RayActorError):

@@ -124,7 +124,7 @@ def test_no_canary_reaches_any_output(spawner: Spawner, tmp_path: Path) -> None:
             f'webhook_url = "{receiver.url_base}/services/T0/B0/{C["hook_path"]}"\n'
             f'webhook_secret = "{C["hook_secret"]}"\n'
             "webhook_timeout_s = 2.0\nwebhook_backoff_min_s = 0.05\nwebhook_backoff_max_s = 0.3\n"
-            f'floor = "{floor}"\nrearm_headroom = "1MiB"\nmlock = false\n'
+            f'floor = "{floor}B"\nrearm_headroom = "1MiB"\nmlock = false\n'
         )
         env = {
             **{k: v for k, v in os.environ.items() if not k.startswith("SPARKWATCH_")},

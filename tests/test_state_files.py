@@ -47,7 +47,7 @@ def test_planted_symlink_events_file_is_refused_and_the_guard_keeps_killing(spaw
          "time.sleep(120)"]
     )  # fmt: skip
     assert wait_until(lambda: Path(f"/proc/{engine.pid}/cmdline").read_bytes().startswith(b"VLLM::"), 10)
-    env = {"SPARKWATCH_FLOOR": str(floor), "SPARKWATCH_REARM_HEADROOM": "1MiB", "SPARKWATCH_MLOCK": "false"}
+    env = {"SPARKWATCH_FLOOR": f"{floor}B", "SPARKWATCH_REARM_HEADROOM": "1MiB", "SPARKWATCH_MLOCK": "false"}
     with sparkwatch_run(tmp_path, env=env) as d:
         assert wait_until(lambda: engine.poll() is not None, 30)  # the guard killed it all the same
         assert wait_until(lambda: any("could not record kill event" in line for line in d.stderr_lines), 10)

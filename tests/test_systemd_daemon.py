@@ -62,12 +62,12 @@ def test_ready_watchdog_status_stopping_from_real_daemon(
     rx = notify_rx()
     env = backend_env(backend, tmp_path, clean_env(tmp_path))
     env.update(NOTIFY_SOCKET=str(rx.path), WATCHDOG_USEC="600000", SPARKWATCH_POLL_MAX_S="0.2")
-    args = ["--dry-run", "--floor", "1MiB", "--listen", f"127.0.0.1:{free_port()}", "--state-dir", str(tmp_path / "s")]
+    args = ["--dry-run", "--floor", "1GiB", "--listen", f"127.0.0.1:{free_port()}", "--state-dir", str(tmp_path / "s")]
     d = daemons(args, env)
     try:
         ready = rx.wait_for(lambda m: "READY=1" in m.split("\n"), 15)
         # READY comes after the guard's first poll, so its STATUS already has the real MemAvailable.
-        assert "STATUS=MemAvailable " in ready and "floor 1 MiB" in ready and "DRY RUN" in ready, ready
+        assert "STATUS=MemAvailable " in ready and "floor 1 GiB" in ready and "DRY RUN" in ready, ready
         t_ready = time.monotonic()
         rx.drain(2.0)
         pings = watchdogs(rx.messages, t_ready)
@@ -93,7 +93,7 @@ def test_no_watchdog_when_meant_for_another_pid(
     rx = notify_rx()
     env = clean_env(tmp_path)
     env.update(NOTIFY_SOCKET=str(rx.path), WATCHDOG_USEC="600000", WATCHDOG_PID="1", SPARKWATCH_POLL_MAX_S="0.2")
-    args = ["--floor", "1MiB", "--listen", f"127.0.0.1:{free_port()}", "--state-dir", str(tmp_path / "s")]
+    args = ["--floor", "1GiB", "--listen", f"127.0.0.1:{free_port()}", "--state-dir", str(tmp_path / "s")]
     daemons(args, env)
     try:
         rx.wait_for(lambda m: "READY=1" in m.split("\n"), 15)
@@ -165,22 +165,22 @@ def test_sighup_reloads_config_and_sigterm_stops(
 ) -> None:
     config = tmp_path / "config.toml"
     port = free_port()
-    config.write_text(f'floor = "2MiB"\ndry_run = true\nlisten = "127.0.0.1:{port}"\nwebhook_secret = "hunter2"\n')
+    config.write_text(f'floor = "2GiB"\ndry_run = true\nlisten = "127.0.0.1:{port}"\nwebhook_secret = "hunter2"\n')
     rx = notify_rx()
     env = clean_env(tmp_path)
     env.update(NOTIFY_SOCKET=str(rx.path))
     d = daemons(["--config", str(config), "--state-dir", str(tmp_path / "s")], env)
     try:
-        assert "floor 2 MiB" in rx.wait_for(lambda m: "READY=1" in m.split("\n"), 15)
+        assert "floor 2 GiB" in rx.wait_for(lambda m: "READY=1" in m.split("\n"), 15)
 
         # A good change: the floor and dry_run apply live, listen needs a restart, the secret is never printed.
         new_port = free_port()
         config.write_text(
-            f'floor = "3MiB"\ndry_run = false\nlisten = "127.0.0.1:{new_port}"\nwebhook_secret = "correct-horse"\n'
+            f'floor = "3GiB"\ndry_run = false\nlisten = "127.0.0.1:{new_port}"\nwebhook_secret = "correct-horse"\n'
         )
         d.proc.send_signal(signal.SIGHUP)
         log = d.wait_stderr("reload: floor")
-        assert "floor: 2.0 MiB → 3.0 MiB" in log
+        assert "floor: 2.0 GiB → 3.0 GiB" in log
         assert "dry_run: true → false" in log
         assert f"listen: 127.0.0.1:{port} → 127.0.0.1:{new_port}" in log
         assert "webhook_secret: changed (value hidden)" in log
@@ -188,7 +188,7 @@ def test_sighup_reloads_config_and_sigterm_stops(
         d.wait_stderr("takes effect after a restart: listen")
         # systemd sees RELOADING=1, then READY=1 with the new floor in force.
         rx.wait_for(lambda m: m.startswith("RELOADING=1"), 5)
-        reloaded = rx.wait_for(lambda m: "READY=1" in m.split("\n") and "floor 3 MiB" in m, 5)
+        reloaded = rx.wait_for(lambda m: "READY=1" in m.split("\n") and "floor 3 GiB" in m, 5)
         assert "DRY RUN" not in reloaded
 
         # A bad change: logged, and the running config kept.
@@ -199,7 +199,7 @@ def test_sighup_reloads_config_and_sigterm_stops(
         assert d.proc.poll() is None
         rx.drain(0.3)
         after_bad = [m for _t, m in rx.messages if "READY=1" in m.split("\n")][-1]
-        assert "floor 3 MiB" in after_bad
+        assert "floor 3 GiB" in after_bad
 
         d.proc.send_signal(signal.SIGTERM)
         assert d.proc.wait(10) == 0
@@ -211,7 +211,7 @@ def test_sighup_reloads_config_and_sigterm_stops(
 
 def test_sigterm_without_systemd_exits_zero(tmp_path: Path, daemons: Callable[..., Daemon]) -> None:
     env = clean_env(tmp_path)
-    args = ["--floor", "1MiB", "--listen", f"127.0.0.1:{free_port()}", "--state-dir", str(tmp_path / "s")]
+    args = ["--floor", "1GiB", "--listen", f"127.0.0.1:{free_port()}", "--state-dir", str(tmp_path / "s")]
     d = daemons(args, env)
     d.wait_stderr("running:")
     assert "sd_notify" not in d.stderr  # no $NOTIFY_SOCKET: nothing said about it
@@ -233,7 +233,7 @@ def test_small_memlock_limit_runs_unlocked(
     rx = notify_rx()
     env["NOTIFY_SOCKET"] = str(rx.path)
     wrapper = [setpriv, "--bounding-set=-ipc_lock", "--inh-caps=-ipc_lock", prlimit, "--memlock=8388608", "--"]
-    args = ["--floor", "1MiB", "--listen", f"127.0.0.1:{free_port()}", "--state-dir", str(tmp_path / "s")]
+    args = ["--floor", "1GiB", "--listen", f"127.0.0.1:{free_port()}", "--state-dir", str(tmp_path / "s")]
     d = daemons(args, env, wrapper=wrapper)
     try:
         log = d.wait_stderr("running:")

@@ -242,7 +242,7 @@ def test_real_daemon_kill_event_reaches_journal_socket(
     try:
         assert engine.stdout is not None and engine.stdout.readline() == b"up\n"
         with real_journal_path() as rx:
-            args = ["--dry-run", "--floor", str(floor), "--listen", f"127.0.0.1:{free_port()}"]
+            args = ["--dry-run", "--floor", f"{floor}B", "--listen", f"127.0.0.1:{free_port()}"]
             d = daemons([*args, "--state-dir", str(tmp_path / "s")], env)
             f = rx.fields_from(d.proc.pid, timeout_s=15, event="kill")  # low_headroom may come first
             d.wait_stderr("sparkwatch: running:")  # the guard kills during start-up; stop only once it is running

@@ -171,7 +171,7 @@ def test_scrape_during_a_kill(spawner: Spawner, tmp_path: Path) -> None:
     settings = load_settings(
         None,
         {
-            "floor": mem.total_bytes,
+            "floor": f"{mem.total_bytes}B",
             "rearm_headroom": "1GiB",
             "ancestor_pid": os.getpid(),
             "state_dir": tmp_path / "state",

@@ -21,7 +21,7 @@ from tests.daemon import RunningDaemon, free_port, sparkwatch_run
 
 def live_env(tmp_path: Path) -> dict[str, str]:
     return {
-        "SPARKWATCH_FLOOR": "1MiB",  # the guard never fires here
+        "SPARKWATCH_FLOOR": "1GiB",  # the guard never fires here
         "SPARKWATCH_VLLM_CACHE_DIRS": f'["{tmp_path / "no-vllm-cache"}"]',
         "SPARKWATCH_TELEMETRY_INTERVAL_S": "0.5",
     }

@@ -41,8 +41,12 @@ DEFAULT_PORT = 9847  # sparkwatch's metrics port; free in the Prometheus default
 
 
 def _size(value: object) -> int:
+    """A size a person wrote (TOML, env, flag) needs a unit: `floor = 8` would be an 8-byte floor that never fires.
+    The wire form between sparkwatch's own processes carries byte counts; settings_from_wire writes them "<n>B"."""
     if isinstance(value, bool) or not isinstance(value, (str, int)):
         raise ValueError("expected a size such as 8GiB or 512MiB")
+    if isinstance(value, int):
+        raise ValueError(f"{value} has no unit; write {value}GiB or {value}MiB (or {value}B for bytes)")
     try:
         return parse_size(value)
     except OverflowError:
@@ -51,9 +55,13 @@ def _size(value: object) -> int:
 
 # Any size above this is a typo ("8TiB" for "8GiB"): the largest machines today have a few TiB of memory.
 SIZE_MAX_BYTES = 1 << 50  # 1 PiB
+# A floor under this cannot protect anything: an engine's start-up spike drains gigabytes a second (29 -> 2.5 GiB in
+# 9 s on a Spark), and doctor already warns under 2 GiB; "1MiB" or "8" (bytes) is a guard switched off by mistake.
+FLOOR_MIN_BYTES = 1 * GiB
 CONFIG_FILE_MAX_BYTES = 1 << 20  # a config file is a few hundred bytes; a bigger one is not a config file
 
-# A byte count written like "8GiB"; serialized back the same way so check-config prints what people write.
+# A byte count written like "8GiB"; serialized back the same way so check-config prints what people write. The
+# defaults are byte counts of our own and are not run through _size (validate_default=False on each size field).
 ByteSize = Annotated[
     int,
     BeforeValidator(_size),
@@ -104,15 +112,21 @@ class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="forbid", frozen=True, validate_default=True)
 
     # --- the guard
-    floor: ByteSize = Field(8 * GiB, description="kill engine trees when MemAvailable is at or under this")
-    warn_headroom: ByteSize = Field(4 * GiB, description="alert when MemAvailable is within this of the floor")
+    floor: ByteSize = Field(
+        8 * GiB, validate_default=False, description="kill engine trees when MemAvailable is at or under this"
+    )
+    warn_headroom: ByteSize = Field(
+        4 * GiB, validate_default=False, description="alert when MemAvailable is within this of the floor"
+    )
     kill_budget_s: float = Field(
         0.25, gt=0, le=10, description="fire early when the smoothed fill rate would reach the floor within this"
     )
     debounce_samples: int = Field(2, ge=1, le=20, description="consecutive samples a trigger must hold")
     poll_min_s: float = Field(0.05, gt=0, le=1)
     poll_max_s: float = Field(1.0, gt=0, le=5)
-    rearm_headroom: ByteSize = Field(1 * GiB, description="memory must come back this far above the floor to re-arm")
+    rearm_headroom: ByteSize = Field(
+        1 * GiB, validate_default=False, description="memory must come back this far above the floor to re-arm"
+    )
     dry_run: bool = False
     mlock: bool = True
     ancestor_pid: int = Field(
@@ -171,7 +185,9 @@ class Settings(BaseSettings):
         300.0, gt=0, le=86400, description="retry delay cap: a receiver down for hours is retried every 5 min"
     )
     events_max_bytes: ByteSize = Field(
-        16 << 20, description="events.jsonl rotates to events.jsonl.1 past this (one old generation kept)"
+        16 << 20,
+        validate_default=False,
+        description="events.jsonl rotates to events.jsonl.1 past this (one old generation kept)",
     )
     events_group: str | None = Field(
         None, description="a group whose members may read events.jsonl (0640, the state dir 0750); unset: owner only"
@@ -186,6 +202,16 @@ class Settings(BaseSettings):
     # --- where the system is read from (tests point these at fixture trees)
     proc_root: Path = Path("/proc")
     root: Path = Path("/")
+
+    @field_validator("floor")
+    @classmethod
+    def _check_floor(cls, value: int) -> int:
+        if value < FLOOR_MIN_BYTES:
+            raise ValueError(
+                f"{format_size(value)} is under {format_size(FLOOR_MIN_BYTES)}: no kill could beat a start-up spike "
+                "from there (doctor warns under 2 GiB); the default is 8GiB"
+            )
+        return value
 
     @field_validator("listen")
     @classmethod
@@ -378,6 +404,8 @@ def _describe(exc: ValidationError, toml_keys: set[str]) -> str:
     message = err["msg"].removeprefix("Value error, ")
     value = err.get("input")
     shown = "" if key.startswith("webhook") or isinstance(value, dict) else f" (got {value!r})"
+    if isinstance(value, (int, str)) and str(value) and message.startswith((repr(value), str(value))):
+        shown = ""  # the message already shows the value ("floor: 8 has no unit; …")
     origin = ""
     if key in known:
         env_name = ENV_PREFIX + key.upper()
@@ -495,10 +523,19 @@ def _wire_value(value: object) -> Any:
     return str(value)  # Path, AnyHttpUrl
 
 
+_SIZE_KEYS = frozenset(
+    name
+    for name, info in Settings.model_fields.items()
+    if any(isinstance(m, BeforeValidator) and m.func is _size for m in info.metadata)
+)
+
+
 def settings_from_wire(wire: Mapping[str, Any]) -> Settings:
     """A Settings from `settings_to_wire`'s output: the same schema, no environment or file read. Raises ConfigError."""
     try:
-        settings = Settings.model_validate(dict(wire))
+        # Sizes travel as byte counts; said so here, since a bare number is refused everywhere a person writes one.
+        sizes = {k: f"{v}B" for k, v in wire.items() if k in _SIZE_KEYS and type(v) is int}
+        settings = Settings.model_validate({**wire, **sizes})
     except ValidationError as exc:
         raise ConfigError(_describe(exc, set())) from None
     remember_secrets(settings.secrets())  # this process's redaction knows them before it logs a line

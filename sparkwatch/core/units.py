@@ -9,21 +9,57 @@ MiB = 1024 * KiB
 GiB = 1024 * MiB
 TiB = 1024 * GiB
 
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?)B?\s*$", re.IGNORECASE)
-_POWERS = {"": 1, "K": KiB, "M": MiB, "G": GiB, "T": TiB}
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*$")
+# Binary units only. "8G" stays 8 GiB because that is how the tools an owner sets memory with next to sparkwatch read
+# it: systemd (MemoryMax=8G: "K, M, G, or T … with the base 1024", systemd.resource-control(5)) and docker
+# (--memory 8g: docker/go-units size.go, RAMInBytes). Kubernetes reads "8G" as 10^9 but "8Gi" as 2^30, so "8Gi" is
+# accepted too. "B" names bytes (what a script that computes a byte count appends).
+_UNITS = {
+    "b": 1,
+    "k": KiB,
+    "ki": KiB,
+    "kib": KiB,
+    "m": MiB,
+    "mi": MiB,
+    "mib": MiB,
+    "g": GiB,
+    "gi": GiB,
+    "gib": GiB,
+    "t": TiB,
+    "ti": TiB,
+    "tib": TiB,
+}
+# Decimal-looking units are refused, never read silently as binary (the old parser took "8 GB" for 8 GiB): SI says
+# 8 GB is 8x10^9 bytes, docker's RAMInBytes reads "8GB" as 8x2^30, so whichever we picked would surprise someone by 7 %
+# on a floor (a 2 GiB floor written "2GB" would be 1.86 GiB read as decimal). An error that says both ways costs a
+# minute once.
+_DECIMAL = {"kb": "KiB", "mb": "MiB", "gb": "GiB", "tb": "TiB"}
+_DECIMAL_POWERS = {"kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
 
 
-def parse_size(text: str | int) -> int:
-    """Parse a byte size. Binary units only: on a unified pool "8G" means 8 GiB to everyone who types it."""
-    if isinstance(text, int):
-        if text < 0:
-            raise ValueError("a size cannot be negative")
-        return text
+def parse_size(text: str) -> int:
+    """Parse a byte size a person wrote: a number and a binary unit (8GiB, 512MiB, 8G, 4096B). Raises ValueError
+    with one line that says how to write it: a bare number (no unit) and decimal units (8GB, 8 MB, 8kB) are refused.
+
+    The sizes sparkwatch's own processes hand each other are plain byte counts and never come through here
+    (config.settings reads them from the wire form as integers)."""
     match = _SIZE_RE.match(text)
     if not match:
-        raise ValueError(f"{text!r} is not a size; write it like 8GiB, 512MiB or 1073741824")
-    number, unit, _ = match.groups()
-    return int(float(number) * _POWERS[unit.upper()])
+        raise ValueError(f"{text!r} is not a size; write it like 8GiB or 512MiB")
+    number, unit = match.groups()
+    key = unit.lower()
+    if not unit:
+        raise ValueError(f"{number} has no unit; write {number}GiB or {number}MiB (or {number}B for bytes)")
+    if key in _DECIMAL:
+        binary = _DECIMAL[key]
+        decimal = int(float(number) * _DECIMAL_POWERS[key])
+        raise ValueError(
+            f"{text.strip()!r}: {unit} is ambiguous (decimal for some tools, binary for others); write "
+            f"{number}{binary} for binary, or {decimal}B for the decimal bytes"
+        )
+    if key not in _UNITS:
+        raise ValueError(f"{text!r} is not a size; write it like 8GiB or 512MiB (units: B, KiB, MiB, GiB, TiB)")
+    return int(float(number) * _UNITS[key])
 
 
 def format_size(num_bytes: float) -> str:
