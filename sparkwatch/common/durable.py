@@ -6,7 +6,10 @@ O_NOFOLLOW: a symlink planted in the state dir (say events.jsonl -> /etc/cron.d/
 followed by a daemon that may run as root. `private_dir` creates the state dir 0700 and tightens one found looser.
 
 Reads: `read_regular` opens with O_NOFOLLOW | O_NONBLOCK (a FIFO planted as events.jsonl cannot hang a reader),
-refuses anything that is not a regular file, and reads at most `limit` bytes.
+refuses anything that is not a regular file, and reads at most `limit` bytes. The config loader reads the config
+file and the TLS files the same way with `follow_symlinks=True`: those are the owner's own files, often symlinks
+(a dotfile manager's config.toml, /etc/letsencrypt/live/*), but a FIFO there hung check-config forever and a reload
+for the validator's 60 s timeout.
 """
 
 from __future__ import annotations
@@ -119,22 +122,24 @@ def append_durable(path: Path, data: bytes, mode: int = 0o600) -> int:
     return size
 
 
-def read_regular(path: Path, limit: int) -> bytes:
-    """At most `limit` bytes of a regular file, never through a symlink, never blocking on a FIFO.
+def read_regular(path: Path, limit: int, *, follow_symlinks: bool = False) -> bytes:
+    """At most `limit` bytes of a regular file, never through a symlink (unless `follow_symlinks`), never blocking
+    on a FIFO.
 
     Raises FileNotFoundError when absent and StateFileError (one clear line) when it is anything but a regular file.
     """
-    fd = open_regular(path)
+    fd = open_regular(path, follow_symlinks=follow_symlinks)
     try:
         return read_fd(fd, limit)
     finally:
         os.close(fd)
 
 
-def open_regular(path: Path) -> int:
+def open_regular(path: Path, *, follow_symlinks: bool = False) -> int:
     """An fd of a regular file for reading (the caller closes it), with read_regular's refusals."""
+    flags = os.O_RDONLY | os.O_NONBLOCK | (os.O_CLOEXEC if follow_symlinks else _OPEN_FLAGS)
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | _OPEN_FLAGS)
+        fd = os.open(path, flags)
     except IsADirectoryError:
         raise StateFileError(errno.EISDIR, "is a directory, not a file", str(path)) from None
     except OSError as exc:

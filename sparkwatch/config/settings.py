@@ -29,6 +29,7 @@ from pydantic import (
 )
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
+from sparkwatch.common.durable import StateFileError, read_regular
 from sparkwatch.common.sharing import group_id
 from sparkwatch.core.engines import compile_engine_patterns, compile_protect_patterns
 from sparkwatch.core.policy import DEFAULT_KILL_ORDER, compile_never_kill, parse_kill_order, parse_kill_priority
@@ -237,8 +238,7 @@ class Settings(BaseSettings):
         if value is None:
             return None
         try:
-            with open(value, "rb") as fh:
-                fh.read(1)
+            read_regular(value, 1, follow_symlinks=True)  # a FIFO here would hang the validator, then the exporter
         except OSError as exc:
             raise ValueError(f"{value}: {exc.strerror or exc}") from None
         return value
@@ -351,14 +351,14 @@ class _MappingSource(PydanticBaseSettingsSource):
 
 def _read_toml(path: Path) -> dict[str, Any]:
     try:
-        with path.open("rb") as fh:
-            raw = fh.read(CONFIG_FILE_MAX_BYTES + 1)
+        # Never blocks: a FIFO, a device or a directory given as the config is refused at once (durable's rule).
+        raw = read_regular(path, CONFIG_FILE_MAX_BYTES + 1, follow_symlinks=True)
     except FileNotFoundError:
         raise ConfigError(f"config file {path} does not exist") from None
     except PermissionError:
         raise ConfigError(f"config file {path} is not readable") from None
-    except IsADirectoryError:
-        raise ConfigError(f"config file {path} is a directory") from None
+    except StateFileError as exc:
+        raise ConfigError(f"config file {path} {exc.strerror}") from None
     except OSError as exc:
         raise ConfigError(f"config file {path}: {exc.strerror or exc}") from None
     if len(raw) > CONFIG_FILE_MAX_BYTES:
@@ -433,7 +433,8 @@ def load_settings(
     path = config_file
     if path is None:
         candidate = Path(os.environ.get(ENV_PREFIX + "CONFIG", "")) if os.environ.get(ENV_PREFIX + "CONFIG") else None
-        path = candidate or (default_config_file() if default_config_file().is_file() else None)
+        # lexists, not is_file: a FIFO or directory at the default path is refused, not silently skipped.
+        path = candidate or (default_config_file() if os.path.lexists(default_config_file()) else None)
     toml_data = _read_toml(path) if path is not None else {}
     env = {k: v for k, v in os.environ.items() if k != ENV_PREFIX + "CONFIG"}
     _check_env_keys(env)
