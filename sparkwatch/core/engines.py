@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 from sparkwatch.core.livecache import LiveCache
 from sparkwatch.core.model import EngineTree, GpuHolder, Proc
+from sparkwatch.core.userregex import bounded, compile_user_regex
 
 
 @dataclass(frozen=True, slots=True)
@@ -303,31 +304,25 @@ class EngineRules:
 
 
 def compile_engine_patterns(patterns: Iterable[str]) -> tuple[tuple[str, re.Pattern[str]], ...]:
-    """Parse user patterns written as 'kind=regex'. Raises ValueError naming the bad pattern."""
+    """Parse user patterns written as 'kind=regex' (matched at the start of identity strings). Raises ValueError
+    naming the bad pattern, also one whose cost has no bound (core.userregex)."""
     out = []
     for text in patterns:
         kind, sep, regex = text.partition("=")
         if not sep or not kind.strip() or not regex:
             raise ValueError(f"{text!r} should be written as kind=regex, for example 'myengine=my-server$'")
-        try:
-            out.append((kind.strip(), re.compile(regex)))
-        except re.error as exc:
-            raise ValueError(f"{text!r} is not a valid regex: {exc}") from None
+        out.append((kind.strip(), compile_user_regex(regex, searched=False, entry=text)))
     return tuple(out)
 
 
-def compile_regexes(patterns: Iterable[str]) -> tuple[re.Pattern[str], ...]:
-    """Compile user regexes (protect_patterns, never_kill). Raises ValueError naming the bad pattern."""
-    out = []
-    for text in patterns:
-        try:
-            out.append(re.compile(text))
-        except re.error as exc:
-            raise ValueError(f"{text!r} is not a valid regex: {exc}") from None
-    return tuple(out)
+def compile_regexes(patterns: Iterable[str], *, searched: bool) -> tuple[re.Pattern[str], ...]:
+    """Compile user regexes (protect_patterns: matched; never_kill: searched). Raises ValueError naming the bad
+    pattern (core.userregex)."""
+    return tuple(compile_user_regex(text, searched=searched) for text in patterns)
 
 
-compile_protect_patterns = compile_regexes
+def compile_protect_patterns(patterns: Iterable[str]) -> tuple[re.Pattern[str], ...]:
+    return compile_regexes(patterns, searched=False)  # is_protected matches them at the start
 
 
 def _python_entry(argv: Sequence[str]) -> tuple[str, str, tuple[str, ...]]:
@@ -389,7 +384,7 @@ def identity_strings(proc: Proc) -> tuple[str, ...]:
             out.append(entry)
             if rest and not rest[0].startswith("-"):
                 out.append(f"{entry} {rest[0]}")  # "vllm serve", "ollama runner"
-    return tuple(out)
+    return tuple(bounded(s) for s in out)  # what a pattern may see (core.userregex)
 
 
 def forget_dead_kinds(rules: EngineRules, procs: Sequence[Proc]) -> None:
@@ -491,7 +486,7 @@ def is_protected(proc: Proc, rules: EngineRules) -> bool:
     if not rules.protect:
         return False
     ids = (proc.comm, entry_point(proc.argv)[0], _strip_deleted(proc.exe) if proc.exe else "")
-    return any(p.match(s) for p in rules.protect for s in ids if s)
+    return any(p.match(bounded(s)) for p in rules.protect for s in ids if s)
 
 
 @dataclass(frozen=True, slots=True)

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from sparkwatch.core.engines import compile_regexes
 from sparkwatch.core.model import EngineTree
 from sparkwatch.core.units import MiB, format_size
+from sparkwatch.core.userregex import bounded, compile_user_regex
 
 # A tree's identity across scans: its root's pid and start time (a reused pid has a new start time).
 TreeKey = tuple[int, int]
@@ -128,21 +129,19 @@ def parse_kill_priority(patterns: Iterable[str]) -> tuple[tuple[int, re.Pattern[
             value = None
         if not sep or value is None or not regex:
             raise ValueError(f"{text!r} should be written as priority=regex, for example '-10=--model prod'")
-        try:
-            out.append((value, re.compile(regex)))
-        except re.error as exc:
-            raise ValueError(f"{text!r} is not a valid regex: {exc}") from None
+        out.append((value, compile_user_regex(regex, searched=True, entry=text)))
     return tuple(out)
 
 
-compile_never_kill = compile_regexes
+def compile_never_kill(patterns: Iterable[str]) -> tuple[re.Pattern[str], ...]:
+    return compile_regexes(patterns, searched=True)  # searched anywhere in policy_strings
 
 
 def policy_strings(tree: EngineTree) -> tuple[str, ...]:
-    """What kill_priority and never_kill patterns are searched in: the engine kind, the root's title and its whole
-    command line (an owner names the model to keep: `--served-model-name prod`)."""
+    """What kill_priority and never_kill patterns are searched in: the engine kind, the root's title and its command
+    line (an owner names the model to keep: `--served-model-name prod`), each cut to MATCH_TEXT_MAX characters."""
     root = tree.root
-    return (tree.kind, root.display_name, " ".join(root.argv))
+    return (tree.kind, bounded(root.display_name), bounded(" ".join(root.argv)))  # bounded: core.userregex
 
 
 def fresh_gpu(gpu: GpuBytes | None, now: float) -> Mapping[int, int] | None:
