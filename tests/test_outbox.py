@@ -196,7 +196,9 @@ def test_full_disk_under_state_dir(tmp_path: Path, receiver: Receiver) -> None:
         pytest.skip("mounting a tiny tmpfs needs root")
     mnt = tmp_path / "full"
     mnt.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mnt)], check=False).returncode != 0:
+    # mode=0700: a tmpfs root is 1777 by default, which the outbox now refuses as a state dir (others may write).
+    tiny = ["mount", "-t", "tmpfs", "-o", "size=64k,mode=0700", "tmpfs", str(mnt)]
+    if subprocess.run(tiny, check=False).returncode != 0:
         pytest.skip("mount -t tmpfs not permitted here")
     try:
         spool = mnt / "outbox"

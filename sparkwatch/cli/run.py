@@ -45,6 +45,20 @@ def handle(args: argparse.Namespace) -> int:
         listen=args.listen,
         state_dir=args.state_dir,
     )
+    # What the daemon will write and later trust must be its own, or another user could forge events and alerts
+    # (common.durable): refused here, one line and exit 2 (at start, and on reload through --print-settings).
+    from sparkwatch.common.durable import refuse_foreign
+    from sparkwatch.common.events import rotated_path
+    from sparkwatch.common.spool import BAD
+
+    for path in (
+        settings.state_dir,
+        settings.outbox_dir,
+        settings.outbox_dir / BAD,
+        settings.events_path,
+        rotated_path(settings.events_path),
+    ):
+        refuse_foreign(path)
     # `secrets`: what the guard process's log redaction must know (the webhook URL's secret parts, the HMAC key).
     payload = {"wire": settings_to_wire(settings), "public": settings.public_dict(), "secrets": settings.secrets()}
     if args.print_settings:

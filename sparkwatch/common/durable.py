@@ -5,6 +5,12 @@ state); `append_durable` (O_APPEND, fsync, and the directory when the file is ne
 O_NOFOLLOW: a symlink planted in the state dir (say events.jsonl -> /etc/cron.d/x) is refused with ELOOP, never
 followed by a daemon that may run as root. `private_dir` creates the state dir 0700 and tightens one found looser.
 
+Ownership: what the daemon writes and later trusts (the state dir, the outbox, events.jsonl, each spool file) must be
+the daemon's own: owned by its user and writable by nobody else. A root daemon used to take a state dir another user
+had made 0777: that user's spool files went out signed with the real HMAC key and a forged kill event landed in
+events.jsonl. `private_dir`, `append_durable` and `open_regular(owned=True)` refuse anything else, and
+`refuse_foreign` lets `sparkwatch run` check the lot before it starts (one line, exit 2).
+
 Reads: `read_regular` opens with O_NOFOLLOW | O_NONBLOCK (a FIFO planted as events.jsonl cannot hang a reader),
 refuses anything that is not a regular file, and reads at most `limit` bytes. The config loader reads the config
 file and the TLS files the same way with `follow_symlinks=True`: those are the owner's own files, often symlinks
@@ -28,8 +34,40 @@ class StateFileError(OSError):
     """A state file that is not what it must be (a symlink, a FIFO, a directory). Carries the path and one line."""
 
 
+def _foreign(st: os.stat_result) -> str | None:
+    """Why a state file or dir with this stat is not the daemon's own, or None."""
+    euid = os.geteuid()
+    if st.st_uid != euid:
+        return (
+            f"is owned by uid {st.st_uid}, not by this daemon's user (uid {euid}): another user could have planted "
+            "events or alerts in it; refused (remove it, and sparkwatch makes its own, mode 0700)"
+        )
+    if st.st_mode & 0o022:
+        who = "others" if st.st_mode & 0o002 else "its group"
+        return (
+            f"is writable by {who} (mode {stat.S_IMODE(st.st_mode):04o}): another user could have planted events or "
+            "alerts in it; refused (check what is in it, then chmod go-w it)"
+        )
+    return None
+
+
+def refuse_foreign(path: Path) -> None:
+    """Raise StateFileError (one line) if `path` exists and is not the daemon's own (`_foreign`). A symlink is left
+    to the writes, which never follow one (O_NOFOLLOW): the guard then runs on, kills, and says so at each write."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if stat.S_ISLNK(st.st_mode):
+        return
+    why = _foreign(st)
+    if why is not None:
+        raise StateFileError(errno.EPERM, why, str(path))
+
+
 def private_dir(path: Path, group: int | None = None) -> None:
-    """Create `path` (and parents) 0700; tighten it to 0700 if we own it and it is group/world accessible.
+    """Create `path` (and parents) 0700; tighten it to 0700 if it is group/world readable. Raises StateFileError for
+    a symlink, or a directory another user owns or may write to (a sticky /tmp included: shared is not private).
 
     `group` (the state dir with `events_group` set, common/sharing.py): 0750 with that group instead, so its members
     can read events.jsonl; nobody else, and no group write. Every user of the state dir passes the same group.
@@ -38,10 +76,9 @@ def private_dir(path: Path, group: int | None = None) -> None:
     st = os.stat(path, follow_symlinks=False)
     if stat.S_ISLNK(st.st_mode):
         raise StateFileError(errno.ELOOP, "is a symlink; the state dir must be a real directory", str(path))
-    # Never a shared directory: a root daemon whose state_dir (or outbox parent) is /tmp must not make /tmp 0700 for
-    # every other user on the box (seen: a test's spool directory under /tmp did exactly that). Sticky means shared.
-    if st.st_uid != os.geteuid() or st.st_mode & stat.S_ISVTX:
-        return
+    why = _foreign(st)
+    if why is not None:
+        raise StateFileError(errno.EPERM, why, str(path))
     if group is not None:
         from sparkwatch.common.sharing import give_to_group  # noqa: PLC0415 - sharing imports logs; durable need not
 
@@ -112,6 +149,9 @@ def append_durable(path: Path, data: bytes, mode: int = 0o600) -> int:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             raise StateFileError(errno.EINVAL, "is not a regular file", str(path))
+        why = _foreign(st)
+        if why is not None:  # never append our record to a file someone else can write (or wrote)
+            raise StateFileError(errno.EPERM, why, str(path))
         _write_all(fd, data)
         os.fsync(fd)
         size = os.fstat(fd).st_size
@@ -122,20 +162,20 @@ def append_durable(path: Path, data: bytes, mode: int = 0o600) -> int:
     return size
 
 
-def read_regular(path: Path, limit: int, *, follow_symlinks: bool = False) -> bytes:
+def read_regular(path: Path, limit: int, *, follow_symlinks: bool = False, owned: bool = False) -> bytes:
     """At most `limit` bytes of a regular file, never through a symlink (unless `follow_symlinks`), never blocking
-    on a FIFO.
+    on a FIFO; with `owned`, only a file the daemon's user owns and nobody else can write (one it wrote itself).
 
     Raises FileNotFoundError when absent and StateFileError (one clear line) when it is anything but a regular file.
     """
-    fd = open_regular(path, follow_symlinks=follow_symlinks)
+    fd = open_regular(path, follow_symlinks=follow_symlinks, owned=owned)
     try:
         return read_fd(fd, limit)
     finally:
         os.close(fd)
 
 
-def open_regular(path: Path, *, follow_symlinks: bool = False) -> int:
+def open_regular(path: Path, *, follow_symlinks: bool = False, owned: bool = False) -> int:
     """An fd of a regular file for reading (the caller closes it), with read_regular's refusals."""
     flags = os.O_RDONLY | os.O_NONBLOCK | (os.O_CLOEXEC if follow_symlinks else _OPEN_FLAGS)
     try:
@@ -149,4 +189,8 @@ def open_regular(path: Path, *, follow_symlinks: bool = False) -> int:
         os.close(fd)
         kind = "a directory" if stat.S_ISDIR(st.st_mode) else "not a regular file (a FIFO or device?)"
         raise StateFileError(errno.EINVAL, f"is {kind}", str(path))
+    why = _foreign(st) if owned else None
+    if why is not None:
+        os.close(fd)
+        raise StateFileError(errno.EPERM, why, str(path))
     return fd

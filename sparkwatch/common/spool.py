@@ -31,6 +31,7 @@ from sparkwatch.core.model import Event
 SAFE_ID = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
 PENDING = ".pending-"  # spooled before its event was written; promoted once the event is durable
 TMP = ".tmp-"
+BAD = "bad"  # outbox/bad/: spool files the outbox would not trust, moved aside
 
 
 def alert_payload(event: Event) -> dict[str, object]:

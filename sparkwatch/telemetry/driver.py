@@ -116,7 +116,7 @@ class DriverWatcher:
 
     def _load_state(self) -> frozenset[DriverProblem]:
         try:
-            data = json.loads(read_regular(self.state_path, STATE_MAX_BYTES))
+            data = json.loads(read_regular(self.state_path, STATE_MAX_BYTES, owned=True))  # ours, or not trusted
             names = {str(p) for p in data.get("open_problems", [])}
         except (OSError, ValueError, AttributeError, TypeError, RecursionError):
             return frozenset()

@@ -51,7 +51,7 @@ from sparkwatch.common.durable import (
 )
 from sparkwatch.common.events import make_event
 from sparkwatch.common.lifecycle import Backoff, run_with_restarts
-from sparkwatch.common.spool import PENDING, SAFE_ID, TMP, commit_file, prepare_file
+from sparkwatch.common.spool import BAD, PENDING, SAFE_ID, TMP, commit_file, prepare_file
 from sparkwatch.common.threads import daemon_thread
 from sparkwatch.core.eventkinds import EventKind
 from sparkwatch.core.model import Event
@@ -121,7 +121,7 @@ class Outbox:
     ) -> None:
         self.spool_dir = spool_dir
         self.events_group = events_group  # the state dir's group (events_group), as the event log keeps it
-        self.bad_dir = spool_dir / "bad"
+        self.bad_dir = spool_dir / BAD
         self.events_path = events_path if events_path is not None else spool_dir.parent / "events.jsonl"
         self._url = url
         self._secret = secret.encode() if secret else None
@@ -201,7 +201,8 @@ class Outbox:
                 self._quarantine(path, "a name that is not an event id")
                 continue
             try:
-                body = read_regular(path, SPOOL_FILE_MAX_BYTES + 1)
+                # Only a file this daemon's user wrote: one another user planted is never sent, signed, as ours.
+                body = read_regular(path, SPOOL_FILE_MAX_BYTES + 1, owned=True)
                 if len(body) > SPOOL_FILE_MAX_BYTES:
                     raise ValueError(f"larger than {SPOOL_FILE_MAX_BYTES} bytes")
                 data = json.loads(body)
@@ -236,7 +237,7 @@ class Outbox:
     def _logged_event_ids(self) -> set[str]:
         """Ids in events.jsonl (its last EVENTS_SCAN_BYTES): which prepared alerts already have their event."""
         try:
-            fd = open_regular(self.events_path)
+            fd = open_regular(self.events_path, owned=True)
         except OSError:
             return set()
         try:
