@@ -460,12 +460,23 @@ def _strip_deleted(path: str) -> str:
     return path[: -len(" (deleted)")] if path.endswith(" (deleted)") else path  # after a package upgrade
 
 
+def exe_protects(exe: str) -> bool:
+    """Whether this executable path (/proc/PID/exe) names a protected system binary, in the initial namespaces.
+
+    The scanner asks it to decide which processes need their namespaces read (common.sources.procs)."""
+    exe = _strip_deleted(exe)
+    return exe.startswith(SYSTEM_DIRS) and PROTECTED_EXES.match(exe.rsplit("/", 1)[-1]) is not None
+
+
 def protected_by_system(proc: Proc) -> bool:
-    """A system process by what a user cannot forge: its executable in a system directory, or its systemd unit."""
-    if proc.exe:
-        exe = _strip_deleted(proc.exe)
-        if exe.startswith(SYSTEM_DIRS) and PROTECTED_EXES.match(exe.rsplit("/", 1)[-1]):
-            return True
+    """A system process by what a user cannot forge: its executable in a system directory, or its systemd unit.
+
+    The executable counts only for a process in the initial user and mount namespaces: in its own (`unshare -Urm`,
+    which any user may run) a bind mount makes /proc/PID/exe read /usr/bin/systemd-cat for a python3, and such an
+    engine was never killed. There the process is judged by its identity like any other; its cgroup still counts
+    (only root can put a process into a system unit)."""
+    if proc.exe and not proc.outside_initial_ns and exe_protects(proc.exe):
+        return True
     if proc.cgroup:
         if proc.cgroup == "/init.scope":
             return True  # PID 1's own cgroup

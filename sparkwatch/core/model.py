@@ -53,6 +53,9 @@ class Proc:
     exe: str | None = None
     cgroup: str | None = None
     engine_lib: str | None = None
+    # Outside the initial user or mount namespace (read by the scanner only where `exe` would protect the process):
+    # there the executable path can be a bind mount, so it protects nothing (core.engines.protected_by_system).
+    outside_initial_ns: bool = False
 
     @property
     def key(self) -> tuple[int, int]:

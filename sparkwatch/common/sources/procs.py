@@ -17,6 +17,12 @@ engine's own native module mapped in that parent as evidence (core.engines._adop
 when such a child is first read (a new title is a new comm, so a new cache entry), after the scan's loop, so it costs
 one maps read per engine parent and nothing per scan for anyone else.
 
+The executable is unforgeable only in the initial namespaces: any user may `unshare -Urm` and bind-mount python3 over
+/usr/bin/systemd-cat. So for the few processes whose exe would protect them (`core.engines.exe_protects`: sshd,
+systemd, tmux, …) the scanner also stats /proc/PID/ns/user and ns/mnt and compares them with PID 1's
+(`outside_initial_ns`). Two stat calls for each such process, once in its life (cached with the rest); nothing for
+any other process.
+
 Every error on a single process (it exited mid-scan, another user's process denies us) drops that process and the
 scan goes on; the count is reported.
 """
@@ -29,7 +35,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import NamedTuple
 
-from sparkwatch.core.engines import ENGINE_LIBRARIES, parent_wants_maps, wants_maps, wants_parent_maps
+from sparkwatch.core.engines import ENGINE_LIBRARIES, exe_protects, parent_wants_maps, wants_maps, wants_parent_maps
 from sparkwatch.core.livecache import LiveCache
 from sparkwatch.core.model import Proc
 
@@ -48,6 +54,50 @@ class _Facts(NamedTuple):
     cgroup: str | None
     engine_lib: str | None
     maps_read: bool = False  # /proc/PID/maps was looked at (engine_lib None then means: no engine library)
+    outside_initial_ns: bool = False
+
+
+# include/linux/proc_ns.h: the initial user namespace has this fixed inode. The reference when PID 1's own namespaces
+# cannot be read (a user unit: /proc/1/ns/* needs ptrace access to PID 1; some containers deny it to root as well).
+PROC_USER_INIT_INO = 0xEFFFFFFD
+
+
+def _ns_ino(path: str) -> int | None:
+    """The namespace's inode (stat follows the ns link); None when the file is absent (a fixture tree, or gone)."""
+    try:
+        return os.stat(path).st_ino
+    except FileNotFoundError:
+        return None
+
+
+def initial_namespaces(proc_root: str) -> tuple[int, int | None]:
+    """(user ns, mount ns or None) of PID 1 under proc_root: the initial ones. Unreadable: the initial user
+    namespace's fixed inode, and no mount reference. An unprivileged user gets a mount namespace of its own only
+    inside a user namespace of its own, so the user namespace alone still catches `unshare -Urm`."""
+    try:
+        user = _ns_ino(f"{proc_root}/1/ns/user")
+        mnt = _ns_ino(f"{proc_root}/1/ns/mnt")
+    except OSError:
+        return PROC_USER_INIT_INO, None
+    return (PROC_USER_INIT_INO if user is None else user), mnt
+
+
+def outside_namespaces(base: str, initial: tuple[int, int | None]) -> bool:
+    """Whether the process at `base` lives outside the initial user or mount namespace. A namespace that cannot be
+    read (but the exe could) counts as outside: only a proof of the initial ones lets the executable protect."""
+    user_ref, mnt_ref = initial
+    try:
+        user = _ns_ino(f"{base}/ns/user")
+        if user is None:
+            return False  # no ns files: a fixture tree (a live process on procfs always has them)
+        if user != user_ref:
+            return True
+        if mnt_ref is not None:
+            mnt = _ns_ino(f"{base}/ns/mnt")
+            return mnt is not None and mnt != mnt_ref
+    except OSError:
+        return True
+    return False
 
 
 def _read(path: str, size: int = 4096) -> bytes:
@@ -186,6 +236,12 @@ class ProcScanner:
     def __init__(self, proc_root: Path = Path("/proc")) -> None:
         self.proc_root = str(proc_root)
         self._cache: LiveCache[tuple[int, int, str], _Facts] = LiveCache()
+        self._initial_ns: tuple[int, int | None] | None = None  # PID 1's namespaces, read once when first needed
+
+    def _outside(self, base: str) -> bool:
+        if self._initial_ns is None:
+            self._initial_ns = initial_namespaces(self.proc_root)
+        return outside_namespaces(base, self._initial_ns)
 
     def read_proc(self, pid: int, adopters: list[int] | None = None) -> Proc | None:
         """One process, or None if it is gone. Raises ProcParseError on garbage.
@@ -204,7 +260,9 @@ class ProcScanner:
                 argv = parse_cmdline(_read(f"{base}/cmdline", _CMDLINE_MAX))
                 maps = wants_maps(comm, argv)
                 lib = find_engine_lib(f"{base}/maps") if maps else None
-                facts = _Facts(argv, _read_exe(base), _read_cgroup(base), lib, maps)
+                exe = _read_exe(base)
+                outside = exe is not None and exe_protects(exe) and self._outside(base)
+                facts = _Facts(argv, exe, _read_cgroup(base), lib, maps, outside)
                 self._cache.put(key, facts)
                 if adopters is not None and ppid > 2 and wants_parent_maps(comm, argv):
                     adopters.append(ppid)
@@ -226,6 +284,7 @@ class ProcScanner:
             exe=facts.exe,
             cgroup=facts.cgroup,
             engine_lib=facts.engine_lib,
+            outside_initial_ns=facts.outside_initial_ns,
         )
 
     def scan(self, reuse: Callable[[int], Proc | None] | None = None) -> ScanResult:
