@@ -17,7 +17,7 @@ import pytest
 from sparkwatch.common.events import EventLog, make_event, read_events
 from sparkwatch.common.systemd import JournalSink
 from sparkwatch.core.eventkinds import EventKind
-from sparkwatch.core.redact import redact, remember_secrets
+from sparkwatch.core.redact import redact, redact_argv, remember_secrets
 from tests.conftest import Spawner, floor_that_fires_at_once, wait_until
 from tests.daemon import sparkwatch_run
 from tests.receiver import Receiver
@@ -41,6 +41,13 @@ C = {
     "env": "canaryEnv0015",
     "hook_path": "canaryHookPath0016",
     "hook_secret": "canary-hook-secret-0017",
+    "x_api_key": "canaryXApiKey0018",
+    "cookie_header": "canaryCookieHeader0019",
+    "nvapi": "nvapi-canaryNgc0020abcdefghijklmnop",
+    "github_pat": "github_pat_canaryPat0021_abcdefghij",
+    "ghp_cut": "ghp_canary22ab",  # a token cut short (the scanner reads 8 KiB of a command line)
+    "hf_cut": "hf_canary0023x",
+    "mysql_p": "canaryMysql0024",
 }
 
 WORKER_ARGV = [
@@ -64,12 +71,25 @@ WORKER_ARGV = [
     C["xox"],
     f"HF_TOKEN={C['env']}",
 ]
+# A second worker: a kill record shows the first 240 characters of a command line, so these come first in theirs.
+WORKER2_ARGV = [
+    f"X-Api-Key: {C['x_api_key']}",
+    f"Cookie: theme=dark; sid={C['cookie_header']}",
+    C["nvapi"],
+    C["github_pat"],
+    C["ghp_cut"],
+    C["hf_cut"],
+]
+# mysql-style: the password glued to -p, as mysql, mysqldump and mariadb take it.
+MYSQL_ARGV = ["mysql", "-c", "import time; time.sleep(120)", "-uroot", f"-p{C['mysql_p']}", "db"]
 
 ROOT = f"""
 import setproctitle, subprocess, sys, time
 setproctitle.setproctitle("VLLM::EngineCore --api-key {C["title_key"]}")
 worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)", *{WORKER_ARGV!r}])
+worker2 = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)", *{WORKER2_ARGV!r}])
 shell = subprocess.Popen(["sh", "-c", "sleep 120; echo --password {C["shc"]}"])
+mysql = subprocess.Popen({MYSQL_ARGV!r}, executable=sys.executable)  # a python titled mysql by its argv[0]
 print("up", flush=True)
 time.sleep(120)
 """
@@ -85,7 +105,9 @@ def test_redact_covers_every_form() -> None:
         [
             f"VLLM::EngineCore --api-key {C['title_key']}",
             *WORKER_ARGV,
+            *WORKER2_ARGV,
             f"sh -c 'sleep 1; echo --password {C['shc']}'",
+            f"sh -c 'mysqldump -uroot -p{C['mysql_p']} --all-databases > x.sql'",
             f"https://hooks.example/services/T/B/{C['hook_path']} {C['hook_secret']}",
         ]
     )
@@ -93,6 +115,16 @@ def test_redact_covers_every_form() -> None:
     # What is not a secret stays readable.
     kept = redact("vllm serve m --max-num-batched-tokens 8192 --tokenizer meta/x --port 8000")
     assert kept == "vllm serve m --max-num-batched-tokens 8192 --tokenizer meta/x --port 8000"
+    for plain in (
+        "gcc -pthread -pipe -O2 -c x.c",  # -p glued to a flag, not a password: only mysql's -p is
+        "docker run -p8080:80 img",
+        "reload: webhook_secret: changed (value hidden)",  # sparkwatch's own messages are prose, not headers
+        "Content-Type: application/json",
+        "pip install hf_transfer",
+    ):
+        assert redact(plain) == plain
+    assert redact_argv(MYSQL_ARGV)[4] == "-p<redacted>"
+    assert redact_argv(["gcc", "-pthread", "-pipe"]) == ["gcc", "-pthread", "-pipe"]
 
 
 def test_journal_datagrams_carry_no_canary(tmp_path: Path) -> None:
@@ -103,7 +135,8 @@ def test_journal_datagrams_carry_no_canary(tmp_path: Path) -> None:
         log = EventLog(tmp_path / "events.jsonl")
         log.subscribe(JournalSink(backend="native", socket_path=path))
         summary = f"Killed vllm (root VLLM::EngineCore --api-key {C['title_key']})"
-        log.append(make_event(EventKind.KILL, summary, {"victims": [{"cmdline": " ".join(WORKER_ARGV)}]}))
+        victims = [{"cmdline": " ".join(WORKER_ARGV)}, {"cmdline": " ".join(WORKER2_ARGV)}]
+        log.append(make_event(EventKind.KILL, summary, {"victims": victims}))
         rx.settimeout(10)
         data = rx.recv(1 << 20).decode(errors="replace")
     finally:
@@ -154,7 +187,7 @@ def test_no_canary_reaches_any_output(spawner: Spawner, tmp_path: Path) -> None:
         outputs["webhook bodies"] = "\n".join(d.body.decode(errors="replace") for d in receiver.deliveries)
         assert "sparkwatch: KILL vllm tree" in outputs["stderr"]
         kill = next(e for e in read_events(daemon.events_path) if e["kind"] == "kill")
-        assert len(kill["victims"]) >= 3  # root, worker, shell (and its sleep)
+        assert len(kill["victims"]) >= 5  # root, two workers, shell (and its sleep), mysql
         found = {where: leaks(text) for where, text in outputs.items() if leaks(text)}
         assert found == {}, found
     finally:

@@ -7,8 +7,14 @@ What it hides, anywhere in a string (an argv element, a whole process title such
   `--creds X`, `--cookie X`, `--hf-token X`, `--password X`, `--secret X`, `--auth X`, `--credential X`;
 - `NAME=value` where NAME holds KEY, TOKEN, SECRET, PASSWORD, PASSWD, PWD, CREDENTIAL(S) or COOKIE;
 - `Authorization: Bearer X`, `Bearer X`, `Basic X`;
+- HTTP headers whose name looks secret (`X-Api-Key: X`, `X-Auth-Token: X`, `Private-Token: X`) and every cookie of
+  `Cookie: a=1; b=2` / `Set-Cookie:`; a header name has a hyphen (or is Cookie/Authorization), so
+  `webhook_secret: is empty` in sparkwatch's own messages stays readable;
 - JSON members whose key looks secret: `{"token": "…"}`, `"api_key": …`;
-- well-known token shapes on their own: `sk-…`, `hf_…`, `ghp_…`/`gho_…`/…, `xox?-…` (Slack), `AKIA…` (AWS);
+- well-known token shapes on their own: `sk-…`, `hf_…`, `ghp_…`/`gho_…`/… and `github_pat_…` (GitHub), `nvapi-…`
+  (NVIDIA NGC), `xox?-…` (Slack), `AKIA…` (AWS);
+- a password glued to `-p` after mysql, mysqldump, mariadb… (`mysql -uroot -pSECRET`): only there, since `-pthread`
+  and `-pipe` on every compiler line sparkwatch shows are flags, and `-p8000` a port;
 - URL userinfo (`https://user:pw@host`);
 - sparkwatch's own webhook URL (path and query) and secret, registered at config load with `remember_secrets`.
 Then it cuts control characters (escape sequences, CR/LF that would forge a log line) with `safe_text`.
@@ -41,10 +47,24 @@ _JSON_MEMBER = re.compile(
     rf"((?:\"|\\\")[\w-]*{_SECRET_WORD}[\w-]*(?:\"|\\\")\s*:\s*)(\\?\"(?:[^\"\\]|\\.)*?\\?\"|[^,}}\s]+)",
     re.IGNORECASE,
 )
+# Real tokens are longer (ghp_ + 36, hf_ + 34, github_pat_ + 82, nvapi- + 64 characters); the thresholds are lower
+# so that a token cut short (the scanner reads the first 8 KiB of a command line) still goes, and high enough that
+# words do not: `hf_transfer` (8) stays.
 _TOKEN_SHAPES = re.compile(
-    r"(?<![A-Za-z0-9])(?:sk-[A-Za-z0-9_-]{16,}|hf_[A-Za-z0-9]{16,}|gh[pousr]_[A-Za-z0-9]{16,}|"
-    r"xox[abprs]-[A-Za-z0-9-]{10,}|AKIA[0-9A-Z]{16})"
+    r"(?<![A-Za-z0-9])(?:sk-[A-Za-z0-9_-]{16,}|hf_[A-Za-z0-9]{10,}|gh[pousr]_[A-Za-z0-9]{8,}|"
+    r"github_pat_[A-Za-z0-9_]{8,}|nvapi-[A-Za-z0-9_-]{8,}|xox[abprs]-[A-Za-z0-9-]{10,}|AKIA[0-9A-Z]{16})"
 )
+_HEADER_VALUE = (
+    r"(?:(?:Bearer|Basic|Token|Digest)\s+)?"
+    r"(?:[^=;\s\"']+=[^;\s\"']*(?:;[ \t]*[^=;\s\"']+=[^;\s\"']*)*;?|\"[^\"]*\"|'[^']*'|[^\s\"']+)"
+)
+# A header name is short: bounded here, and judged in _header, so a long run of letters costs one pass, not n^2.
+_HEADER = re.compile(rf"(?<![\w-])([A-Za-z0-9][A-Za-z0-9-]{{0,63}})(:[ \t]*)(?![ \t]|<redacted>)({_HEADER_VALUE})")
+_SECRET_NAME = re.compile(_SECRET_WORD, re.IGNORECASE)
+_BARE_HEADERS = frozenset({"cookie", "authorization"})
+_MYSQL_PROGRAM = r"(?:mysql[\w-]*|mariadb[\w-]*)"
+_MYSQL_GLUED = re.compile(rf"(?<![\w/-])((?:\S*/)?{_MYSQL_PROGRAM}\b[^\n]*?\s-p)(?=[^\s-])(\S+)")
+_MYSQL_ARGV0 = re.compile(rf"^(?:.*/)?{_MYSQL_PROGRAM}$")
 _URL_USERINFO = re.compile(r"(://)[^/@\s]+@")
 
 # sparkwatch's own secrets (webhook URL path/query, its HMAC secret): set once at config load, read everywhere.
@@ -65,12 +85,21 @@ def redact(text: str) -> str:
         if secret in text:
             text = text.replace(secret, REDACTED)
     text = _URL_USERINFO.sub(r"\1" + REDACTED + "@", text)
+    text = _HEADER.sub(_header, text)
     text = _AUTH_SCHEME.sub(lambda m: f"{m.group(1)}{m.group(2)}{REDACTED}", text)
+    text = _MYSQL_GLUED.sub(lambda m: f"{m.group(1)}{REDACTED}", text)
     text = _JSON_MEMBER.sub(lambda m: f'{m.group(1)}"{REDACTED}"', text)
     text = _FLAG_VALUE.sub(lambda m: f"{m.group(1)}{m.group(2)}{REDACTED}", text)
     text = _ENV_ASSIGN.sub(lambda m: f"{m.group(1)}={REDACTED}", text)
     text = _TOKEN_SHAPES.sub(REDACTED, text)
     return safe_text(text)
+
+
+def _header(match: re.Match[str]) -> str:
+    name = match.group(1)
+    if not _SECRET_NAME.search(name) or ("-" not in name and name.lower() not in _BARE_HEADERS):
+        return match.group(0)  # not secret; or `key: …`: prose, not a header
+    return f"{name}{match.group(2)}{REDACTED}"
 
 
 def redact_value(value: Any) -> Any:
@@ -88,12 +117,16 @@ def redact_argv(argv: Sequence[str]) -> list[str]:
     """Each argument redacted, and the one after a bare secret flag (`--api-key`, `-k`) as a whole."""
     out: list[str] = []
     hide_next = False
+    mysql = bool(argv) and _MYSQL_ARGV0.match(argv[0]) is not None
     for arg in argv:
         if hide_next and not arg.startswith("-"):
             out.append(REDACTED)
             hide_next = False
             continue
         hide_next = _FLAG_VALUE.fullmatch(arg + " x") is not None
+        if mysql and len(arg) > 2 and arg.startswith("-p") and arg[2] != "-":
+            out.append("-p" + REDACTED)  # mysql -pSECRET: the password glued to the flag
+            continue
         out.append(redact(arg))
     return out
 
