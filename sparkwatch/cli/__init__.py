@@ -13,7 +13,7 @@ from typing import Any
 from sparkwatch import __version__
 from sparkwatch.config.settings import ConfigError, Settings, load_settings
 
-from . import assets, check_config, doctor, engines, events, install_service, run, status, wait_settled
+from . import argtypes, assets, check_config, doctor, engines, events, install_service, run, status, wait_settled
 
 COMMANDS: tuple[ModuleType, ...] = (
     run,
@@ -52,7 +52,7 @@ def settings_from(
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = argtypes.Parser(
         prog="sparkwatch",
         description="Node agent for NVIDIA DGX Spark: guards the unified memory pool, exports telemetry.",
     )

@@ -6,6 +6,7 @@ import argparse
 import json
 from typing import TYPE_CHECKING, Any
 
+from sparkwatch.cli import argtypes
 from sparkwatch.core.model import EngineTree, GpuHolder
 from sparkwatch.core.redact import redact, safe_cmdline
 
@@ -16,6 +17,10 @@ if TYPE_CHECKING:
     from sparkwatch.common.sources.engines import EngineFinder
     from sparkwatch.config.settings import Settings
     from sparkwatch.core.policy import Candidate
+
+
+# The guard's own growth window is 5 s (core.policy.GROWTH_WINDOW_S); a minute is more than any ranking needs.
+WINDOW_MAX_S = 60.0
 
 
 def add_parser(sub: Any, parent: argparse.ArgumentParser) -> None:
@@ -34,7 +39,11 @@ def add_parser(sub: Any, parent: argparse.ArgumentParser) -> None:
         help="also list processes NVML says hold GPU memory that no engine rule names (the guard does not kill them)",
     )
     p.add_argument(
-        "--window", type=float, default=1.0, metavar="S", help="seconds to watch for growth before ranking (0: none)"
+        "--window",
+        type=argtypes.seconds(0, WINDOW_MAX_S),
+        default=1.0,
+        metavar="S",
+        help="seconds to watch for growth before ranking (0: none)",
     )
     p.set_defaults(handler=handle)
 
@@ -107,7 +116,7 @@ def handle(args: argparse.Namespace) -> int:
         keys = frozenset(p.key for p in procs if p.pid in used)
         procs, holder_trees = finder.scan(keys)
         holders = unknown_gpu_holders(procs, holder_trees, used, finder.rules)
-    trees, ranking = kill_order_now(finder, settings, max(args.window, 0.0))
+    trees, ranking = kill_order_now(finder, settings, args.window)
     from sparkwatch.tui.kill_order_view import kill_order_json, kill_order_view
 
     if args.json:

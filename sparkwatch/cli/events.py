@@ -14,6 +14,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from sparkwatch.cli import argtypes
+
 DESCRIPTION = (
     "Show the last events (kills, alerts, driver and kernel-log events), one line each in local time. Reads this "
     "user's event log, or the system unit's (/var/lib/sparkwatch/events.jsonl) when this user has none or with "
@@ -23,7 +25,7 @@ DESCRIPTION = (
 
 def add_parser(sub: Any, parent: argparse.ArgumentParser) -> None:
     p = sub.add_parser("events", parents=[parent], help="show the last events", description=DESCRIPTION)
-    p.add_argument("-n", type=int, default=20, metavar="N", help="how many (default 20)")
+    p.add_argument("-n", type=argtypes.count(0), default=20, metavar="N", help="how many (default 20)")
     p.add_argument("--json", action="store_true", help="one JSON object per line")
     where = p.add_mutually_exclusive_group()
     where.add_argument("--state-dir", metavar="DIR", help="where events.jsonl lives")
