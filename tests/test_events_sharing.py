@@ -103,7 +103,7 @@ def kill_one_engine(spawner: Spawner, tmp_path: Path, state: Path, extra: dict[s
     )  # fmt: skip
     assert wait_until(lambda: Path(f"/proc/{engine.pid}/cmdline").read_bytes().startswith(b"VLLM::"), 10)
     env = {
-        "SPARKWATCH_FLOOR": str(floor_that_fires_at_once()),
+        "SPARKWATCH_FLOOR": f"{floor_that_fires_at_once()}B",
         "SPARKWATCH_REARM_HEADROOM": "1MiB",
         "SPARKWATCH_MLOCK": "false",
         "SPARKWATCH_STATE_DIR": str(state),

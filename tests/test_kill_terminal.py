@@ -188,7 +188,7 @@ def test_the_daemon_kills_a_foreground_engine_and_says_so_on_its_terminal(
     pidfile = tmp_path / "engine.pids"
     trees = start_foreground_engine(terminal, pidfile)
     env = {
-        "SPARKWATCH_FLOOR": str(floor_that_fires_at_once()),
+        "SPARKWATCH_FLOOR": f"{floor_that_fires_at_once()}B",
         "SPARKWATCH_REARM_HEADROOM": "1MiB",
         "SPARKWATCH_MLOCK": "false",
         "SPARKWATCH_ANCESTOR_PID": str(terminal.shell.pid),
