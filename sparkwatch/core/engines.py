@@ -236,10 +236,11 @@ ENGINE_LIBRARIES: tuple[tuple[str, str], ...] = (
 )
 
 # Parents that are never an engine's owner even with an engine directly below them: shells, supervisors,
-# multiplexers, launchers. Only a plain Python process running a script or module is adopted (see adopted_parents).
+# multiplexers, launchers (`sparkwatch launch` too: it is the engine's parent and its workers' subreaper). Only a
+# plain Python process running a script or module is adopted (see adopted_parents).
 _SUPERVISOR_ENTRIES = re.compile(
     r"(supervisord|circusd|honcho|torchrun|torch\.distributed\.(run|launch)|accelerate|deepspeed|mpirun|mpiexec"
-    r"|uv|pipx|poetry|conda|ray|jupyter.*|pytest-xdist)$"
+    r"|uv|pipx|poetry|conda|ray|jupyter.*|pytest-xdist|sparkwatch)$"
 )
 
 # Protected executables: basenames, honoured only when /proc/PID/exe lies in a root-owned system directory that an

@@ -24,6 +24,7 @@ class MemInfo:
     cached_bytes: int
     swap_total_bytes: int
     swap_free_bytes: int
+    shmem_bytes: int = 0  # Shmem: tmpfs and shared memory (a torn-down engine's NCCL/IPC segments until released)
 
     @property
     def used_bytes(self) -> int:
@@ -53,6 +54,7 @@ class Proc:
     exe: str | None = None
     cgroup: str | None = None
     engine_lib: str | None = None
+    exiting: bool = False  # PF_EXITING: in do_exit, still unmapping its memory (a SIGKILLed engine for seconds)
 
     @property
     def key(self) -> tuple[int, int]:
