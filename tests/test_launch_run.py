@@ -16,92 +16,28 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from sparkwatch.common.events import EventLog, make_event
 from sparkwatch.common.sources.meminfo import MeminfoReader
-from tests.conftest import ROOT, alive
-
-BOOT_ENGINE = ROOT / "tests" / "helpers" / "boot_engine.py"
-GiB = 1 << 30
-
-
-class Box:
-    """A private PATH, runtime dir and state dir for one launch test."""
-
-    def __init__(self, tmp: Path) -> None:
-        self.tmp = tmp
-        self.bin = tmp / "bin"
-        self.bin.mkdir()
-        self.run_dir = tmp / "run"
-        self.run_dir.mkdir()
-        self.state = tmp / "state"
-        self.marker = tmp / "engine-ran"
-        self.pidfile = tmp / "pids"
-        (self.bin / "vllm").write_text(
-            f'#!/bin/sh\necho started > {self.marker}\nexec {sys.executable} {BOOT_ENGINE} --kind vllm "$@"\n'
-        )
-        (self.bin / "vllm").chmod(0o755)
-
-    @property
-    def env(self) -> dict[str, str]:
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("SPARKWATCH_", "MAX_JOBS", "PYTHONUNBUFFERED"))}
-        env.update(
-            PATH=f"{self.bin}:{env.get('PATH', '')}",
-            XDG_RUNTIME_DIR=str(self.run_dir),
-            SPARKWATCH_STATE_DIR=str(self.state),
-            SPARKWATCH_FLOOR="256MiB",
-        )
-        return env
-
-    def launch(self, *args: str, env: dict[str, str] | None = None, **kw: object) -> subprocess.Popen[bytes]:
-        cmd = [sys.executable, "-m", "sparkwatch", "launch", "--settle-timeout", "0", *args]
-        return subprocess.Popen(cmd, env=env or self.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, **kw)  # type: ignore[call-overload,no-any-return]
-
-    def declarations(self) -> list[dict[str, Any]]:
-        d = self.run_dir / "sparkwatch" / "launched"
-        return [json.loads(p.read_text()) for p in sorted(d.glob("*.json"))] if d.is_dir() else []
+from tests.conftest import alive
+from tests.launchbox import (
+    BOOT_ENGINE,
+    Box,
+    GiB,
+    box_for,
+    fitting_util,
+    small_args,
+    small_model,
+    total_bytes,
+    wait_ready,
+)
 
 
 @pytest.fixture
 def box(tmp_path: Path) -> Iterator[Box]:
-    b = Box(tmp_path)
-    yield b
-    if b.pidfile.exists():  # never leave a stand-in behind, whatever the test did
-        for line in b.pidfile.read_text().split():
-            try:
-                os.kill(int(line), signal.SIGKILL)
-            except (ProcessLookupError, ValueError):
-                pass
-
-
-def small_model(tmp: Path, weights: int = 64 << 20) -> Path:
-    model = tmp / "model"
-    model.mkdir()
-    with open(model / "model.safetensors", "wb") as fh:
-        fh.truncate(weights)
-    (model / "config.json").write_text(
-        json.dumps({"num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 1, "hidden_size": 256,
-                    "head_dim": 64, "torch_dtype": "bfloat16", "vocab_size": 1000, "max_position_embeddings": 2048})
-    )  # fmt: skip
-    return model
-
-
-def small_args(model: Path, util: float = 0.25) -> list[str]:
-    # --enforce-eager: no graph term; a small utilization that still holds weights, activations and overhead
-    return ["vllm", "serve", str(model), "--gpu-memory-utilization", f"{util:.2f}", "--enforce-eager"]
-
-
-def total_bytes() -> int:
-    with MeminfoReader() as r:
-        return r.read().total_bytes
-
-
-def fitting_util() -> float:
-    """A utilization whose footprint (utilization × MemTotal) holds the 3 GiB of fixed terms and stays small."""
-    return min(0.9, max(0.12, 4.5 * GiB / total_bytes()))
+    yield from box_for(tmp_path)
 
 
 def test_a_sparse_model_larger_than_the_machine_is_refused_before_anything_starts(box: Box, tmp_path: Path) -> None:
@@ -196,34 +132,24 @@ def test_the_users_max_jobs_is_kept_and_what_was_set_is_printed(box: Box, tmp_pa
     assert "kept yours: MAX_JOBS=1" in text and "set " in text and "RAY_memory_monitor_refresh_ms=0" in text
 
 
-def _wait_ready(box: Box, timeout_s: float = 60) -> dict[str, Any]:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        for decl in box.declarations():
-            if decl["phase"] == "ready":
-                return decl
-        time.sleep(0.1)
-    raise AssertionError(f"never ready: {box.declarations()}")
-
-
 def test_ctrl_c_reaches_the_whole_tree_and_leaves_no_process_behind(box: Box, tmp_path: Path) -> None:
     model = small_model(tmp_path)
     # A worker that ignores SIGINT (busy mid-allocation): launch must still end it.
     proc = box.launch("--", *small_args(model, fitting_util()), "--phase-s", "0.1", "--ignore-int",
                       "--pidfile", str(box.pidfile), start_new_session=True)  # fmt: skip
     try:
-        _wait_ready(box)
-        pids = [int(x) for x in box.pidfile.read_text().split()]
-        assert len(pids) == 2 and all(alive(p) for p in pids)
+        wait_ready(box)
+        pids = box.pids()
+        assert len(pids) == 2 and all(alive(p, t) for p, t in pids)
         os.kill(proc.pid, signal.SIGINT)  # what the terminal sends launch (the engine has its own process group)
         _out, err = proc.communicate(timeout=30)
     finally:
         if proc.poll() is None:
             proc.kill()
     deadline = time.monotonic() + 5
-    while any(alive(p) for p in pids) and time.monotonic() < deadline:
+    while any(alive(p, t) for p, t in pids) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert not any(alive(p) for p in pids), err.decode()
+    assert not any(alive(p, t) for p, t in pids), err.decode()
     assert proc.returncode == 130, err.decode()
     assert "sent SIGINT" in err.decode()
 
@@ -232,7 +158,7 @@ def test_a_guard_kill_is_reported_on_the_terminal_with_its_reason(box: Box, tmp_
     model = small_model(tmp_path)
     proc = box.launch("--", *small_args(model, fitting_util()), "--phase-s", "0.05", "--pidfile", str(box.pidfile))
     try:
-        decl = _wait_ready(box)
+        decl = wait_ready(box)
         root = int(decl["root_pid"])
         # The guard's record of a kill (guard.poolwatch writes it through EventLog after the reap): then the signal.
         EventLog(box.state / "events.jsonl").append(
@@ -256,7 +182,7 @@ def test_a_kill_that_is_not_the_guards_says_so(box: Box, tmp_path: Path) -> None
     model = small_model(tmp_path)
     proc = box.launch("--", *small_args(model, fitting_util()), "--phase-s", "0.05", "--pidfile", str(box.pidfile))
     try:
-        decl = _wait_ready(box)
+        decl = wait_ready(box)
         os.kill(int(decl["root_pid"]), signal.SIGKILL)
         _out, err = proc.communicate(timeout=30)
     finally:

@@ -23,6 +23,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -376,9 +377,21 @@ class Launch:
                             self._write_decl()
         finally:
             os.close(pidfd)
+        self._declare_exit(status, peak)  # at once: the guard's engine_exited carries the exit code
         self._end_leftovers(pid)
         self._drain(streams, poller)
         return self._finish(pid, status, peak, started_wall)
+
+    def _declare_exit(self, status: int | None, peak: int) -> None:
+        sig = os.WTERMSIG(status) if status is not None and os.WIFSIGNALED(status) else None
+        code = os.WEXITSTATUS(status) if status is not None and os.WIFEXITED(status) else None
+        self.recognizer.exited()
+        if self.decl is None:
+            return
+        now = time.time()
+        decl = _with_peak(self.decl, max(peak, self.decl.peak_bytes or 0)).entered(BootPhase.EXITED, now)
+        self.decl = replace(decl, exit_code=code, exit_signal=sig, exited_at=now)
+        self._write_decl()
 
     def _sample(self, pid: int, reader: MeminfoReader | None, baseline: int, cgroup: str | None, sole: bool) -> int:
         pids = tree_pids(self.proc_root, pid, [])
@@ -450,17 +463,8 @@ class Launch:
             else:
                 code = os.WEXITSTATUS(status)
         self.exit_text = f"exit code {code}" if sig is None else f"killed by {signal.Signals(sig).name}"
-        self.recognizer.exited()
-        if self.decl is not None:
-            decl = _with_peak(self.decl, max(peak, self.decl.peak_bytes or 0)).entered(BootPhase.EXITED, time.time())
-            from dataclasses import replace
-
-            self.decl = replace(
-                decl, exit_code=None if sig is not None else code, exit_signal=sig, exited_at=time.time()
-            )
-            self._write_decl()
-            if self.decl.ready_s is not None and peak > 0:
-                self._learn(peak)
+        if self.decl is not None and self.decl.ready_s is not None and peak > 0:
+            self._learn(peak)
         if sig == signal.SIGKILL and signal.SIGKILL not in self._sent:
             paths = [self.settings.state_dir / "events.jsonl", SYSTEM_EVENTS]
             deadline = time.monotonic() + KILL_EVENT_WAIT_S
@@ -504,8 +508,6 @@ class Launch:
 
 
 def _with_peak(decl: Declaration, peak: int) -> Declaration:
-    from dataclasses import replace
-
     return replace(decl, peak_bytes=peak)
 
 

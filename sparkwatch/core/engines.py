@@ -540,10 +540,15 @@ def _adoptable_parent(parent: Proc, rules: EngineRules) -> bool:
     return bool(entry) and not _SUPERVISOR_ENTRIES.match(entry)
 
 
+# Engines known by declaration (`sparkwatch launch`, common.launched): (pid, start_ticks) -> (kind, declaring uid).
+Declared = Mapping[tuple[int, int], tuple[str, int]]
+
+
 def engine_kinds(
     procs: Sequence[Proc],
     rules: EngineRules,
     gpu_holders: Collection[tuple[int, int]] = (),
+    declared: Declared | None = None,
 ) -> dict[int, str]:
     """pid -> engine kind for every process that is an engine by identity or by its place among its relatives.
 
@@ -554,7 +559,9 @@ def engine_kinds(
       process the parent, and shells, supervisors and launchers (a shell never forks an EngineCore itself) are
       never adopted: see _adoptable_parent;
     - with `gpu_holders_are_engines`, a process NVML lists as holding GPU memory ((pid, start_ticks) keys) that
-      matches nothing ("gpu").
+      matches nothing ("gpu");
+    - by declaration: the root `sparkwatch launch` started, with the kind it declared, only when the process (same
+      pid and start time) belongs to the uid that declared it: a user's word never names another user's process.
     """
     by_pid = {p.pid: p for p in procs}
     kinds: dict[int, str] = {}
@@ -578,6 +585,11 @@ def engine_kinds(
         for p in procs:
             if p.key in gpu_holders and p.pid not in kinds and classify(p, rules) is None:
                 kinds[p.pid] = "gpu"
+    if declared:
+        for p in procs:
+            said = declared.get(p.key)
+            if said is not None and said[1] == p.uid and not p.is_kernel_thread:
+                kinds[p.pid] = said[0]
     return kinds
 
 
@@ -586,6 +598,7 @@ def find_engine_trees(
     rules: EngineRules,
     scope: Scope,
     gpu_holders: Collection[tuple[int, int]] = (),
+    declared: Declared | None = None,
 ) -> list[EngineTree]:
     """Every engine tree the guard would kill now, outermost engine first, largest RSS first.
 
@@ -597,7 +610,7 @@ def find_engine_trees(
     for p in procs:
         children[p.ppid].append(p)
     untouchable = {1, 2, scope.self_pid, *_ancestors(scope.self_pid, by_pid)}
-    kinds = engine_kinds(procs, rules, gpu_holders)
+    kinds = engine_kinds(procs, rules, gpu_holders, declared)
     forget_dead_kinds(rules, procs)
     # Only an engine we may touch can hold others in its tree: an EngineCore whose adopted parent is ourselves (or
     # another user's process) is a root of its own.

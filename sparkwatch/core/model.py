@@ -352,6 +352,21 @@ class JitEngineState:
 
 
 @dataclass(frozen=True, slots=True)
+class BootState:
+    """A launched engine's boot as its declaration says (common.launched), while its root runs."""
+
+    root_pid: int
+    kind: str
+    model: str
+    phase: str  # core.bootphase.BootPhase
+    phase_since_ts: float
+    launched_at: float
+    ready_s: float | None = None
+    budget_bytes: int | None = None
+    peak_bytes: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class Snapshot:
     ts: float  # wall-clock time the cycle finished
     mem: MemInfo | None = None
@@ -366,3 +381,4 @@ class Snapshot:
     # (min_block label, bytes free in blocks at least that big) from /proc/buddyinfo: "2MiB", "64KiB"
     free_contiguous: tuple[tuple[str, int], ...] = ()
     gpu_unknown: tuple[GpuHolder, ...] = ()  # GPU holders no rule names: core.engines.unknown_gpu_holders
+    boots: tuple[BootState, ...] = ()  # engines `sparkwatch launch` declared, with their boot phase

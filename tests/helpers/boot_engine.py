@@ -34,6 +34,11 @@ MiB = 1 << 20
 CHUNK_MIB = 32
 
 
+def start_ticks(pid: int) -> int:
+    with open(f"/proc/{pid}/stat", "rb") as fh:
+        return int(fh.read().rsplit(b")", 1)[1].split()[19])
+
+
 def _stamp() -> str:
     return time.strftime("%m-%d %H:%M:%S")
 
@@ -234,7 +239,7 @@ def main() -> None:
             signal.signal(signal.SIGINT, signal.SIG_IGN)
         if args.pidfile:
             with open(args.pidfile, "a", encoding="ascii") as fh:
-                fh.write(f"{os.getpid()}\n")
+                fh.write(f"{os.getpid()} {start_ticks(os.getpid())}\n")
         try:
             core(args, model, phase_mib)
         except KeyboardInterrupt:
@@ -242,7 +247,7 @@ def main() -> None:
         os._exit(0)
     if args.pidfile:
         with open(args.pidfile, "a", encoding="ascii") as fh:
-            fh.write(f"{os.getpid()}\n")
+            fh.write(f"{os.getpid()} {start_ticks(os.getpid())}\n")
     try:
         while not ready:
             if os.waitpid(pid, os.WNOHANG)[0]:
