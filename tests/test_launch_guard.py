@@ -102,3 +102,28 @@ def test_a_declaration_is_trusted_only_for_the_process_it_names(tmp_path: Path) 
     launched.write(directory, _decl(me, os.geteuid()).entered(BootPhase.READY, time.time()))
     engines.poll(time.monotonic())
     assert [k for k, _f in records] == ["engine_started", "engine_ready"]
+
+
+def test_engines_shows_a_launched_trees_budget_footprint_and_phase(box: Box, tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    from tests.launchbox import wait_ready
+
+    model = small_model(tmp_path)
+    proc = box.launch("--budget", "2GiB", "--", *small_args(model, fitting_util()), "--phase-mib",
+                      "loading_weights=64", "--phase-s", "0.05", "--pidfile", str(box.pidfile))  # fmt: skip
+    try:
+        decl = wait_ready(box)
+        shown = subprocess.run(
+            [sys.executable, "-m", "sparkwatch", "engines", "--json", "--window", "0"],
+            env=box.env, capture_output=True, check=True, timeout=60,
+        )  # fmt: skip
+        tree = next(t for t in json.loads(shown.stdout)["engines"] if t["root_pid"] == decl["root_pid"])
+        assert tree["engine"] == "vllm"  # by declaration: the root runs boot_engine.py, which no rule names
+        budget = tree["budget"]
+        assert budget["budget_bytes"] == 2 << 30 and budget["budget_source"] == "launch"
+        assert budget["phase"] == "ready" and budget["footprint_bytes"] >= 64 << 20
+    finally:
+        proc.terminate()
+        proc.communicate(timeout=30)

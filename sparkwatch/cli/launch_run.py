@@ -32,8 +32,9 @@ from sparkwatch.cli.launch_plan import PlanContext
 from sparkwatch.common import launched, peakstore, syscalls
 from sparkwatch.common.events import read_events
 from sparkwatch.common.launched import Declaration
+from sparkwatch.common.sources.cgroupmem import read_memory_current
 from sparkwatch.common.sources.meminfo import MeminfoError, MeminfoReader
-from sparkwatch.common.sources.procs import parse_stat, read_children, read_start_ticks
+from sparkwatch.common.sources.procs import parse_cgroup, parse_stat, read_children, read_start_ticks
 from sparkwatch.config.settings import Settings
 from sparkwatch.core import launchenv, peaks
 from sparkwatch.core.bootphase import BootPhase, PhaseRecognizer
@@ -81,25 +82,12 @@ def rss_of(proc_root: str, pids: list[int]) -> int:
     return total
 
 
-def cgroup_current(cgroup: str | None) -> int | None:
-    if not cgroup:
-        return None
-    try:
-        with open(f"/sys/fs/cgroup{cgroup}/memory.current", "rb") as fh:
-            return int(fh.read().strip())
-    except (OSError, ValueError):
-        return None
-
-
 def read_cgroup(proc_root: str, pid: int) -> str | None:
     try:
         with open(f"{proc_root}/{pid}/cgroup", "rb") as fh:
-            for line in fh.read().split(b"\n"):
-                if line.startswith(b"0::"):
-                    return line[3:].decode(errors="replace").strip() or None
+            return parse_cgroup(fh.read())
     except OSError:
         return None
-    return None
 
 
 def find_kill_event(paths: list[Path], root_pid: int, since_wall: float) -> dict[str, Any] | None:
@@ -403,7 +391,7 @@ class Launch:
                 drop = None
         return footprint(
             FootprintInputs(
-                rss_bytes=rss_of(self.proc_root, pids), cgroup_bytes=cgroup_current(cgroup), pool_drop_bytes=drop
+                rss_bytes=rss_of(self.proc_root, pids), cgroup_bytes=read_memory_current(cgroup), pool_drop_bytes=drop
             )
         ).bytes
 

@@ -22,10 +22,10 @@ import os
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from sparkwatch.common import logs
 from sparkwatch.common.launched import Declaration
+from sparkwatch.common.sources.cgroupmem import read_memory_current
 from sparkwatch.common.sources.procs import ProcScanner, parse_stat
 from sparkwatch.common.stats import BudgetStat
 from sparkwatch.core import budget as core
@@ -41,7 +41,6 @@ log = logs.get("guard")
 DISCOVER_EVERY_S = 5.0
 NEAR_DISCOVER_EVERY_S = 1.0
 _PAGE = os.sysconf("SC_PAGE_SIZE")
-_CGROUP_ROOT = Path("/sys/fs/cgroup")
 
 
 @dataclass
@@ -89,19 +88,6 @@ def read_member_rss(proc_root: str, members: Sequence[Proc]) -> tuple[int, int]:
             continue
         total += rss_pages * _PAGE
     return total, gone
-
-
-def read_cgroup_current(cgroup: str | None) -> int | None:
-    if not cgroup:
-        return None
-    try:
-        fd = os.open(_CGROUP_ROOT / cgroup.lstrip("/") / "memory.current", os.O_RDONLY | os.O_CLOEXEC)
-        try:
-            return int(os.read(fd, 64).strip())
-        finally:
-            os.close(fd)
-    except (OSError, ValueError):
-        return None
 
 
 class BudgetWatch:
@@ -228,7 +214,7 @@ class BudgetWatch:
             gpu_age = now - taken_at
             gpu_bytes = sum(by_pid.get(p.pid, 0) for p in t.tree.members)
         decl = t.decl
-        cgroup = read_cgroup_current(decl.cgroup) if decl is not None else None
+        cgroup = read_memory_current(decl.cgroup) if decl is not None else None
         drop = None
         if decl is not None and decl.booting and sole_booting and decl.available_at_launch_bytes:
             drop = max(decl.available_at_launch_bytes - available_bytes, 0)
