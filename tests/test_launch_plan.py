@@ -379,3 +379,20 @@ def test_a_missing_model_is_an_error_in_the_facts_not_an_exception() -> None:
 def test_small_sizes_dont_lose_precision() -> None:
     assert kv_bytes_per_token(ModelFacts(source="", layers=1, kv_heads=1, head_dim=1, dtype_bytes=2)) == 4
     assert MiB == 1 << 20
+
+
+def test_fix_applies_only_what_needs_no_guessing_and_says_what_it_did(tmp_path: Path) -> None:
+    from sparkwatch.cli.launch_fix import apply_fixes
+
+    proc_root = tmp_path / "proc"
+    (proc_root / "sys" / "vm").mkdir(parents=True)
+    (proc_root / "sys" / "vm" / "drop_caches").write_text("0\n")
+    (proc_root / "sys" / "vm" / "compact_memory").mkdir()  # unwritable: it must say so, and how
+    cmd = recognise(["vllm", "serve", "m", "--gpu-memory-utilization", "0.5"])
+    v = view(available=110 * GiB, free=40 * GiB, cached=70 * GiB, contiguous=1 * GiB)
+    plan = decide(estimate(cmd, QWEN3_8B, v, engine_reads=FreeSource.MEM_FREE), v)
+    assert {f.action for f in plan.fixes if f.automatic} == {FixAction.DROP_CACHES, FixAction.COMPACT}
+    lines = apply_fixes(plan, proc_root)
+    assert (proc_root / "sys" / "vm" / "drop_caches").read_text() == "1\n"
+    assert any(line.startswith("drop_caches: wrote 1") for line in lines)
+    assert any(line.startswith("compact:") and "sudo" in line for line in lines)  # could not: the command to run

@@ -227,3 +227,12 @@ def test_the_gate_holds_against_real_page_cache(box: Box, tmp_path: Path) -> Non
         assert plans["MemFree"]["fixes"][0]["action"] == "drop_caches"
     finally:
         path.unlink()
+
+
+def test_a_command_that_is_no_known_engine_needs_a_budget(box: Box) -> None:
+    proc = box.launch("--", sys.executable, "-c", "pass")
+    _out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 2 and "--budget" in err.decode()
+    proc = box.launch("--budget", "64MiB", "-q", "--", sys.executable, "-c", "raise SystemExit(4)")
+    _out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 4, err.decode()

@@ -5,7 +5,8 @@ guard.launchwatch), or the config's `engine_budgets` ('SIZE=regex', matched like
 syntax). Only those trees are looked at, and only as often as their distance to the budget asks (core.budget):
 - discovery: a /proc scan (the guard's own scanner, its argv cache warm) finds the budgeted trees and their members,
   every DISCOVER_EVERY_S, every NEAR_DISCOVER_EVERY_S while a tree is within WARN_RATIO of its budget, and at once
-  after a member died;
+  when a member died, a budgeted declaration appeared, or telemetry's count of engine trees changed (a hint from
+  its census, which runs every second anyway: a new engine is looked at within about a second);
 - sampling, between discoveries: the members' stat files (RSS), telemetry's per-pid GPU bytes (a hint with its age),
   the scope's memory.current when the tree owns its cgroup, and while it is the only launched engine booting the
   pool's drop since its launch (core.footprint: counted once);
@@ -104,6 +105,8 @@ class BudgetWatch:
         self.event = event
         self.tracked: dict[TreeKey, Tracked] = {}
         self._next_discovery = 0.0
+        self._seen_declared: frozenset[TreeKey] = frozenset()
+        self._seen_engines: int | None = None
         self.scans_total = 0
         self.samples_total = 0
 
@@ -139,10 +142,16 @@ class BudgetWatch:
         config_budgets: Sequence[tuple[int, re.Pattern[str]]],
         launched: Sequence[Declaration],
         gpu: GpuBytes | None,
+        engines_hint: int | None = None,
     ) -> float | None:
-        """One look at whatever budgeted tree is due. Returns the seconds until the next is due (None: no budgets)."""
+        """One look at whatever budgeted tree is due. Returns the seconds until the next is due (None: no budgets).
+        `engines_hint`: telemetry's count of engine trees, whose change means a tree may have appeared."""
         if not self.active(config_budgets, launched):
             return None
+        budgeted = frozenset(d.tree_key for d in launched if d.budget_bytes)
+        if budgeted - self._seen_declared or (engines_hint is not None and engines_hint != self._seen_engines):
+            self._next_discovery = now
+        self._seen_declared, self._seen_engines = budgeted, engines_hint
         if now >= self._next_discovery:
             self._discover(now, rules, scope, config_budgets, launched)
         booting = [d for d in launched if d.booting]

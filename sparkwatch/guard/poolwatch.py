@@ -36,6 +36,7 @@ from sparkwatch.core.footprint import Footprint
 from sparkwatch.core.killloop import LOOP_WINDOW_S, LoopState, loop_identity, note_kill
 from sparkwatch.core.killrecord import KillFacts, kill_fields, kill_line, kill_summary, victims_of
 from sparkwatch.core.model import EngineTree, MemInfo
+from sparkwatch.core.units import format_size
 from sparkwatch.guard.budgets import BudgetWatch, Tracked
 from sparkwatch.guard.gpuboard import device_check, verified_holders
 from sparkwatch.guard.kernlog import KernelLogWatch
@@ -160,6 +161,8 @@ class PoolWatch:
         self.budget_params = budget_params(settings)
         self.engine_budgets = policy.parse_engine_budgets(settings.engine_budgets)
         self._budget_victims: dict[policy.TreeKey, float] = {}  # killed for their budget -> teardown deadline
+        # Telemetry's count of engine trees (a reference read): a change starts a budget discovery at once.
+        self.engines_hint: Callable[[], int | None] = lambda: None
         self._last_mem: MemInfo | None = None
 
     # Settings applied on SIGHUP without a restart: those GuardConfig marks LIVE (the one declaration).
@@ -299,6 +302,7 @@ class PoolWatch:
                 config_budgets=budgets,
                 launched=live,
                 gpu=self._gpu() if self.budgets.active(budgets, live) else None,
+                engines_hint=self.engines_hint(),
             )
         except Exception as exc:  # never let a budget stop the floor loop
             log.warning("budgets: %r", exc)
@@ -331,7 +335,7 @@ class PoolWatch:
             method=method,
             victim_rss_bytes=tree.rss_bytes,
             victim_gpu_bytes=fp.gpu_bytes,
-            why_this_tree=(f"over its budget {tracked.budget_bytes} B ({tracked.source})",),
+            why_this_tree=(f"over its budget {format_size(tracked.budget_bytes)} ({tracked.source})",),
             budget_bytes=tracked.budget_bytes,
             footprint_bytes=fp.bytes,
             footprint_source=str(fp.source),
