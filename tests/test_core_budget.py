@@ -107,3 +107,13 @@ def test_budget_patterns_share_kill_prioritys_syntax() -> None:
         else:
             raise AssertionError(bad)
     assert parse_kill_priority(["-10=prod"])[0][0] == -10
+
+
+def test_only_launchs_own_scope_with_the_root_in_it_counts() -> None:
+    from sparkwatch.core.footprint import owned_scope
+
+    scope = "/user.slice/user-1000.slice/user@1000.service/app.slice/sparkwatch-launch-4242.scope"
+    assert owned_scope(scope, scope) == scope
+    assert owned_scope("/user.slice", "/user.slice") is None  # a declaration cannot name a larger group
+    assert owned_scope("/other.scope", scope) is None  # the root is not in the declared scope
+    assert owned_scope(scope, None) is None

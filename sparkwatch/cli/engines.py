@@ -134,7 +134,7 @@ def budget_rows(
     this command can count it (core.footprint: RSS or the scope's memory.current, plus NVML's bytes with --all) and
     the peak launch measured."""
     from sparkwatch.common.sources.cgroupmem import read_memory_current
-    from sparkwatch.core.footprint import FootprintInputs, footprint
+    from sparkwatch.core.footprint import FootprintInputs, footprint, owned_scope
     from sparkwatch.core.policy import first_match, parse_engine_budgets
 
     patterns = parse_engine_budgets(settings.engine_budgets)
@@ -153,7 +153,7 @@ def budget_rows(
                 rss_bytes=tree.rss_bytes,
                 gpu_bytes=gpu,
                 gpu_age_s=0.0 if gpu is not None else None,
-                cgroup_bytes=read_memory_current(decl.cgroup) if decl is not None else None,
+                cgroup_bytes=read_memory_current(owned_scope(tree.root.cgroup, decl.cgroup if decl else None)),
             )
         )
         out[tree.root.pid] = {

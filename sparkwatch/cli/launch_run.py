@@ -57,6 +57,7 @@ DRAIN_S = 2.0
 KILL_EVENT_WAIT_S = 6.0  # the guard writes its kill event after the reap and its settle time (1 s by default)
 PEAK_WRITE_MIN_BYTES = 256 * MiB  # rewrite the declaration when the peak grew by this much (or 5 %)
 SYSTEM_EVENTS = Path("/var/lib/sparkwatch/events.jsonl")  # the system unit's (XDG_STATE_HOME=/var/lib)
+SCOPE_PREFIX = "sparkwatch-launch-"  # the scope: sparkwatch-launch-<launcher pid>.scope (core.footprint.SCOPE_RE)
 _PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
@@ -153,6 +154,7 @@ class Launch:
         self.decl: Declaration | None = None
         self.directory = launched.launched_dir(self.env, settings.state_dir)
         self.killed_by: dict[str, Any] | None = None
+        self.unit = f"{SCOPE_PREFIX}{os.getpid()}"
 
     # --- output
     def note(self, text: str) -> None:
@@ -247,8 +249,9 @@ class Launch:
         if not self.use_scope or shutil.which("systemd-run") is None or not user_manager_socket(self.env):
             return list(self.cmd)
         props = ["-p", f"MemoryHigh={budget}"] if budget else []
-        unit = f"sparkwatch-launch-{os.getpid()}"
-        return ["systemd-run", "--user", "--scope", "--quiet", "--collect", f"--unit={unit}", *props, "--", *self.cmd]
+        return [
+            "systemd-run", "--user", "--scope", "--quiet", "--collect", f"--unit={self.unit}", *props, "--", *self.cmd,
+        ]  # fmt: skip
 
     def run(self) -> int:
         plan = self.plan
@@ -301,9 +304,10 @@ class Launch:
         assert proc.stdout is not None and proc.stderr is not None
         started_wall = time.time()
         ticks = read_start_ticks(self.proc_root, pid) or 0
+        # The scope's cgroup, once systemd-run has moved the command into it (read again at each sample until then:
+        # before the move the child is still in our own cgroup, whose memory.current is not the engine's).
+        scoped = self.use_scope and len(self._argv(None)) != len(self.cmd)
         cgroup = None
-        if self.use_scope and len(self._argv(None)) != len(self.cmd):
-            cgroup = read_cgroup(self.proc_root, pid)
         est = self.plan.estimate
         self.decl = Declaration(
             root_pid=pid,
@@ -372,6 +376,8 @@ class Launch:
                     others_booting = any(
                         d.booting and d.tree_key != (pid, ticks) and d.exited_at is None for d in decls
                     )
+                    if scoped and cgroup is None:
+                        cgroup = self._scope_cgroup(pid)
                     fp = self._sample(pid, reader, baseline, cgroup, sole=not others_booting)
                     phase = str(self.recognizer.phase)
                     self.phase_peaks[phase] = max(self.phase_peaks.get(phase, 0), fp)
@@ -402,6 +408,16 @@ class Launch:
         decl = _with_peak(self.decl, max(peak, self.decl.peak_bytes or 0)).entered(BootPhase.EXITED, now)
         self.decl = replace(decl, exit_code=code, exit_signal=sig, exited_at=now)
         self._write_decl()
+
+    def _scope_cgroup(self, pid: int) -> str | None:
+        """The root's cgroup when it is our own scope (`…/sparkwatch-launch-<pid>.scope`), declared for the guard."""
+        path = read_cgroup(self.proc_root, pid)
+        if path is None or not path.endswith(f"/{self.unit}.scope"):
+            return None
+        if self.decl is not None:
+            self.decl = replace(self.decl, cgroup=path)
+            self._write_decl()
+        return path
 
     def _sample(self, pid: int, reader: MeminfoReader | None, baseline: int, cgroup: str | None, sole: bool) -> int:
         pids = tree_pids(self.proc_root, pid, [])

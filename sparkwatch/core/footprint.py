@@ -15,6 +15,7 @@ Sources (docs/engines.md, "Footprint", says how exact each is on a GB10, with so
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -59,3 +60,15 @@ def footprint(inp: FootprintInputs) -> Footprint:
     if inp.pool_drop_bytes is not None and inp.pool_drop_bytes > total:
         return Footprint(inp.pool_drop_bytes, FootprintSource.POOL_DROP, gpu)
     return Footprint(total, source, gpu)
+
+
+# A declared scope counts only as what `sparkwatch launch` makes (`…/sparkwatch-launch-<pid>.scope`) and only where the
+# root really is in it (the scanner's read of /proc/PID/cgroup): a declaration cannot point anyone at a larger group.
+SCOPE_RE = re.compile(r"/sparkwatch-launch-\d+\.scope$")
+
+
+def owned_scope(root_cgroup: str | None, declared_cgroup: str | None) -> str | None:
+    """The cgroup whose memory.current is the tree's: the declared scope, when the root is in it."""
+    if not declared_cgroup or declared_cgroup != root_cgroup or not SCOPE_RE.search(declared_cgroup):
+        return None
+    return declared_cgroup

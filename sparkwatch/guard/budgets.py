@@ -32,7 +32,7 @@ from sparkwatch.common.stats import BudgetStat
 from sparkwatch.core import budget as core
 from sparkwatch.core.engines import EngineRules, Scope, find_engine_trees
 from sparkwatch.core.eventkinds import EventKind
-from sparkwatch.core.footprint import Footprint, FootprintInputs, footprint
+from sparkwatch.core.footprint import Footprint, FootprintInputs, footprint, owned_scope
 from sparkwatch.core.model import EngineTree, Proc
 from sparkwatch.core.policy import GpuBytes, TreeKey, first_match
 from sparkwatch.core.units import format_size
@@ -223,7 +223,7 @@ class BudgetWatch:
             gpu_age = now - taken_at
             gpu_bytes = sum(by_pid.get(p.pid, 0) for p in t.tree.members)
         decl = t.decl
-        cgroup = read_memory_current(decl.cgroup) if decl is not None else None
+        cgroup = read_memory_current(owned_scope(t.tree.root.cgroup, decl.cgroup if decl is not None else None))
         drop = None
         if decl is not None and decl.booting and sole_booting and decl.available_at_launch_bytes:
             drop = max(decl.available_at_launch_bytes - available_bytes, 0)
