@@ -236,3 +236,43 @@ def test_a_command_that_is_no_known_engine_needs_a_budget(box: Box) -> None:
     proc = box.launch("--budget", "64MiB", "-q", "--", sys.executable, "-c", "raise SystemExit(4)")
     _out, err = proc.communicate(timeout=60)
     assert proc.returncode == 4, err.decode()
+
+
+def test_launch_waits_while_memory_is_still_coming_back_and_shmem_is_released(box: Box, tmp_path: Path) -> None:
+    """A teardown hands memory back (MemAvailable climbs, Shmem falls): launch settles first, then plans and starts.
+    A fixture proc root (meminfo only, no processes) this test rewrites; the quiet period is core.settle's 5 s."""
+    from tests.conftest import rewrite_in_place
+
+    root = tmp_path / "proc"
+    root.mkdir()
+
+    def meminfo(avail_gib: int, shmem_gib: int) -> None:
+        rewrite_in_place(
+            root / "meminfo",
+            f"MemTotal:       {127600748:>12} kB\nMemFree:        {avail_gib << 20:>12} kB\n"
+            f"MemAvailable:   {avail_gib << 20:>12} kB\nCached:         {1000000:>12} kB\n"
+            f"Shmem:          {shmem_gib << 20:>12} kB\n",
+        )
+
+    meminfo(60, 20)
+    marker = tmp_path / "started"
+    cmd = [sys.executable, "-c", f"open({str(marker)!r}, 'w').write('x')"]
+    proc = box.launch("--proc-root", str(root), "--settle-timeout", "30", "--budget", "64MiB", "--", *cmd)
+    # launch's own --settle-timeout 0 from Box comes first; the later one wins (argparse): 30 s here.
+    try:
+        for step in range(1, 7):  # 3 s of a teardown: +4 GiB available and -3 GiB shmem every 0.5 s
+            time.sleep(0.5)
+            assert not marker.exists(), "started while memory was still coming back"
+            meminfo(60 + 4 * step, max(20 - 3 * step, 2))
+        climb_done = time.monotonic()
+        while not marker.exists() and proc.poll() is None:
+            time.sleep(0.05)
+        started_at = time.monotonic()
+        _out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0, err.decode()
+    assert started_at - climb_done >= 4.0  # the quiet period after the last change
+    assert "settling" in err.decode() and "steady" in err.decode()
