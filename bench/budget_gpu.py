@@ -17,7 +17,9 @@ sends them to the guard, which counts them in a budgeted tree's footprint), conf
 4. launch: `sparkwatch launch --budget 6GiB -- python3 bench/budget_gpu.py hog gpu …`: the launched tree dies on its
    declared budget and launch prints the guard's line and exits 137.
 
-Prints a table (and writes it with --out).
+Prints a table (and writes it with --out). `--scale 0.25` shrinks every size (budgets, steps, limits) for a small box;
+the orchestration was checked that way on a CPU box with a stand-in for torch's allocations (the GPU facts need the
+GPU).
 """
 
 from __future__ import annotations
@@ -213,7 +215,13 @@ def main() -> None:
         return
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path)
+    ap.add_argument("--scale", type=float, default=1.0, help="multiply every size by this (default 1: 8 GiB budget)")
     args = ap.parse_args()
+    k = args.scale
+
+    def gib(x: float) -> str:
+        return f"{x * k:g}"
+
     import torch  # type: ignore[import-not-found,unused-ignore]
 
     if not torch.cuda.is_available():
@@ -222,13 +230,15 @@ def main() -> None:
     results = []
     with tempfile.TemporaryDirectory(prefix="sw-budget-gpu-") as tmp_s:
         tmp = Path(tmp_s)
-        daemon = Daemon(tmp, ["8GiB=budget_gpu"])
+        daemon = Daemon(tmp, [f"{int(8 * k * 1024)}MiB=budget_gpu"])
+        steps = ["--step-gib", gib(1), "--limit-gib", gib(16)]
         try:
-            results.append(run_case(daemon, tmp, "gpu", [*me, "gpu"], 60))
-            results.append(run_case(daemon, tmp, "pinned", [*me, "pinned"], 60))
-            results.append(run_case(daemon, tmp, "under", [*me, "gpu", "--limit-gib", "4", "--hold-s", "20"], 30))
-            launch = [sys.executable, "-m", "sparkwatch", "launch", "--budget", "6GiB", "--settle-timeout", "0",
-                      "--force", "--", *me, "gpu"]  # fmt: skip
+            results.append(run_case(daemon, tmp, "gpu", [*me, "gpu", *steps], 60))
+            results.append(run_case(daemon, tmp, "pinned", [*me, "pinned", *steps], 60))
+            under = [*me, "gpu", "--step-gib", gib(1), "--limit-gib", gib(4), "--hold-s", "20"]
+            results.append(run_case(daemon, tmp, "under", under, 30))
+            launch = [sys.executable, "-m", "sparkwatch", "launch", "--budget", f"{int(6 * k * 1024)}MiB",
+                      "--settle-timeout", "0", "--force", "--", *me, "gpu", *steps]  # fmt: skip
             results.append(run_case(daemon, tmp, "launch", launch, 60))
         finally:
             daemon.stop()
@@ -236,18 +246,21 @@ def main() -> None:
     lines = [
         "# Budgets on a GPU: GPU and pinned host memory count, a tree past its budget dies on `budget`",
         "",
-        "Command: `python3 bench/budget_gpu.py" + (f" --out {args.out}" if args.out else "") + "`",
+        "Command: `python3 bench/budget_gpu.py"
+        + (f" --scale {k:g}" if k != 1 else "")
+        + (f" --out {args.out}" if args.out else "")
+        + "`",
         "",
         f"Machine: {gpu_name}, {platform.machine()}, {os.cpu_count()} cores, kernel {platform.release()}, "
-        f"torch {torch.__version__}. Budgets: 8 GiB (config `engine_budgets`), 6 GiB (`launch --budget`); "
-        "allocations of 1 GiB twice a second.",
+        f"torch {torch.__version__}. Budgets: {gib(8)} GiB (config `engine_budgets`), {gib(6)} GiB "
+        f"(`launch --budget`); allocations of {gib(1)} GiB twice a second.",
         "",
         "| case | expected | outcome | trigger | allocated when it ended | footprint at the kill (source) "
         "| GPU bytes in it | last RSS / NVML seen by this script |",
         "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
-    expected = {"gpu": "killed near 8 GiB", "pinned": "killed near 8 GiB", "under": "untouched",
-                "launch": "killed near 6 GiB, launch exits 137"}  # fmt: skip
+    expected = {"gpu": f"killed near {gib(8)} GiB", "pinned": f"killed near {gib(8)} GiB", "under": "untouched",
+                "launch": f"killed near {gib(6)} GiB, launch exits 137"}  # fmt: skip
     for r in results:
         kill = r["kill"]
         if r["name"] == "under":
