@@ -581,6 +581,64 @@ def boot_row() -> list[Json]:
     ]
 
 
+# Per launched engine: its boot phase as a code (sparkwatch launch; engine_boot_phase is a state set).
+BOOT_PHASES = ("starting", "loading_weights", "jit_compile", "profiling", "cuda_graphs", "ready")
+BY_LAUNCHED = "max by (instance, engine, pid, model)"
+BOOT_PHASE_CODE = " + ".join(
+    f"{i} * {BY_LAUNCHED} ({m('engine_boot_phase', 'phase=' + json.dumps(phase))})"
+    for i, phase in enumerate(BOOT_PHASES)
+)
+BOOT_PHASE_COLOURS = ("purple", "blue", "orange", "yellow", "light-blue", "green")
+BOOT_PHASE_MAP = value_map({i: (p, c) for i, (p, c) in enumerate(zip(BOOT_PHASES, BOOT_PHASE_COLOURS, strict=True))})
+
+
+def launch_row() -> list[Json]:
+    return [
+        row("Launched engines: boot phases and budgets"),
+        state_timeline(
+            "Boot timeline",
+            "Each engine started with `sparkwatch launch`, phase by phase, from the engine's own log lines: "
+            "starting, loading_weights, jit_compile (torch.compile or flashinfer's JIT), profiling (the run that "
+            "sizes the KV cache: where a Spark's boot overshoots), cuda_graphs, ready. A first boot takes 15 "
+            "minutes or more; the annotations mark each phase change.",
+            [Target(BOOT_PHASE_CODE, "{{instance}} {{engine}} {{model}} {{pid}}")],
+            BOOT_PHASE_MAP,
+            w=24,
+            h=6,
+        ),
+        timeseries(
+            "Footprint against budget",
+            "What each budgeted engine tree holds in the unified pool, counted once (RSS or its scope's "
+            "memory.current, plus NVML's per-process GPU bytes; the pool's drop since launch while it boots "
+            "alone), against its budget (dashed). Past the budget by max(2 %, 256 MiB) the guard kills that tree "
+            "alone, however far the pool is from the floor.",
+            "bytes",
+            [
+                Target(
+                    f"max by (instance, engine, pid, name) ({m('engine_footprint_bytes')})",
+                    "{{instance}} {{engine}} {{name}} footprint",
+                ),
+                Target(
+                    f"max by (instance, engine, pid, name) ({m('engine_budget_bytes')})",
+                    "{{instance}} {{engine}} {{name}} budget",
+                ),
+            ],
+            w=12,
+            min_value=0,
+            overrides=[override("byFrameRefID", "B", {"custom.lineStyle": {"fill": "dash", "dash": [10, 10]}})],
+        ),
+        timeseries(
+            "Time to ready",
+            "Seconds from launch to ready per launched engine: a warm restart of the same model takes a fraction "
+            "of the first boot (compiled kernels and graphs are cached).",
+            "s",
+            [Target(f"max by (instance, engine, model) ({m('engine_ready_seconds')})", "{{instance}} {{model}}")],
+            w=12,
+            min_value=0,
+        ),
+    ]
+
+
 def gpu_row() -> list[Json]:
     return [
         row("GPU (GB10: no memory clock, no VRAM; used memory is in the pool above)"),
@@ -882,11 +940,26 @@ def annotation_queries() -> list[Json]:
             "tagKeys": "instance,job",
             "useValueForTime": False,
         },
+        {
+            "name": "Boot phases",
+            "datasource": DS,
+            "enable": True,
+            "hide": False,
+            "iconColor": "blue",
+            # The phase a launched engine is in, at the step where it entered it (its since-timestamp changed).
+            "expr": f"({m('engine_boot_phase')} == 1) and on (job, instance, engine, pid, model) "
+            f"(changes({m('engine_boot_phase_since_timestamp_seconds')}[1m]) > 0)",
+            "step": "15s",
+            "titleFormat": "{{engine}} {{model}}: {{phase}}",
+            "textFormat": "pid {{pid}} on {{instance}}",
+            "tagKeys": "instance,engine,phase",
+            "useValueForTime": False,
+        },
     ]
 
 
 def dashboard() -> Json:
-    panels = layout([*pool_row(), *guard_row(), *kernel_row(), *boot_row(), *gpu_row(), *driver_row()])
+    panels = layout([*pool_row(), *guard_row(), *kernel_row(), *boot_row(), *launch_row(), *gpu_row(), *driver_row()])
     return {
         "__requires": [
             {"type": "grafana", "id": "grafana", "name": "Grafana", "version": "10.0.0"},

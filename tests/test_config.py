@@ -27,6 +27,7 @@ def test_sizes() -> None:
     assert parse_size("1.5GiB") == int(1.5 * GiB)
     assert parse_size("8Gi") == parse_size("8 gib") == 8 * GiB
     assert parse_size("4096B") == 4096
+    assert parse_size("0") == parse_size("0.0") == parse_size("0GiB") == 0  # nothing is nothing in every unit
     for bad in ("eight", "8 XB", "-1GiB", ""):
         with pytest.raises(ValueError):
             parse_size(bad)
@@ -113,12 +114,13 @@ def test_check_config_cli_exit_codes(tmp_path: Path) -> None:
     assert missing.returncode == 2 and "does not exist" in missing.stderr
 
 
-# Every size key a person can write: a bare number is refused for each, whatever layer it comes from.
+# Every size key a person can write: a bare number is refused for each, whatever layer it comes from (0 alone is
+# taken: it is the same in every unit).
 SIZE_KEYS = ("floor", "warn_headroom", "rearm_headroom", "events_max_bytes")
 
 
 @pytest.mark.parametrize("key", SIZE_KEYS)
-@pytest.mark.parametrize("raw", ["8", '"8"', '"0"', "0", "8589934592"])
+@pytest.mark.parametrize("raw", ["8", '"8"', '"1"', "1", "8589934592"])
 def test_a_size_without_a_unit_is_refused_naming_the_key(key: str, raw: str, tmp_path: Path) -> None:
     """`floor = 8` used to run a guard with an 8-byte floor, which never fires, and check-config said ok."""
     cfg = tmp_path / "c.toml"

@@ -25,14 +25,14 @@ from sparkwatch import __version__
 from sparkwatch.cli import build_parser
 from sparkwatch.common.events import EventLog, make_event
 from sparkwatch.common.spool import AlertRouter
-from sparkwatch.common.stats import KernelLogStats
+from sparkwatch.common.stats import BudgetStat, KernelLogStats
 from sparkwatch.common.systemd import EVENT_PRIORITY, PRIORITY_NOTICE
 from sparkwatch.config.settings import Settings
 from sparkwatch.core.alerts import ALERT_MIN_INTERVAL_S
 from sparkwatch.core.enums import CheckStatus, DriverVerdict
 from sparkwatch.core.eventkinds import EventKind
 from sparkwatch.core.killrecord import KillFacts, kill_fields, kill_summary, victims_of
-from sparkwatch.core.model import EngineTree, Event, GpuDevice, GpuReport, MemInfo, Proc
+from sparkwatch.core.model import BootState, EngineTree, Event, GpuDevice, GpuReport, MemInfo, Proc
 from sparkwatch.core.nvmlcodes import NvmlReturn
 from sparkwatch.telemetry.exporter.contract import BY_NAME, METRICS, MetricSpec, markdown_table, presence_table
 from sparkwatch.telemetry.exporter.internal import InternalCollector
@@ -128,8 +128,11 @@ def full_exposition(tmp_path: Path) -> list[Metric]:
         settings, gpu_source=TwoGpus(), wall_clock=lambda: FIXED_MTIME + 100.0, driver=stranded_driver
     )
     snap = zero_durations(telemetry.collect())
+    boot = BootState(4242, "vllm", "Qwen/Qwen3-8B", "ready", FIXED_MTIME + 90.0, FIXED_MTIME, 61.5, 60 << 30, 58 << 30)
+    snap = dataclasses.replace(snap, boots=(boot,))
     stats = guard_stats()
     stats.last_loop_monotonic = 1.0
+    stats.budgets = [BudgetStat(4242, "vllm", "Qwen/Qwen3-8B", 60 << 30, 55 << 30, "rss+gpu", 58 << 30, "launch")]
     kernel_log = StaticKernelLog(KernelLogStats(readable=True, lines_total=10, xid_total={79: 1}))
     registry = build_registry(
         settings, lambda: snap, StaticGuard(stats), StaticEvents(), StaticOutbox(), kernel_log=kernel_log

@@ -214,9 +214,21 @@ def test_the_long_boot_row(dash: dict[str, Any]) -> None:
 
 
 def test_kill_annotation(dash: dict[str, Any]) -> None:
-    ann = [a for a in dash["annotations"]["list"] if a.get("expr")]
-    assert len(ann) == 1 and ann[0]["datasource"] == DATASOURCE_REF
-    assert "changes(sparkwatch_guard_last_kill_timestamp_seconds" in ann[0]["expr"]
+    ann = {a["name"]: a for a in dash["annotations"]["list"] if a.get("expr")}
+    assert set(ann) == {"Guard kills", "Boot phases"}
+    assert all(a["datasource"] == DATASOURCE_REF for a in ann.values())
+    assert "changes(sparkwatch_guard_last_kill_timestamp_seconds" in ann["Guard kills"]["expr"]
+    assert "sparkwatch_engine_boot_phase{" in ann["Boot phases"]["expr"]
+
+
+def test_the_launched_engines_row(dash: dict[str, Any]) -> None:
+    by_title = {p["title"]: p for p in panels(dash)}
+    timeline = by_title["Boot timeline"]
+    assert timeline["type"] == "state-timeline"
+    texts = {o["text"] for m in timeline["fieldConfig"]["defaults"]["mappings"] for o in m["options"].values()}
+    assert texts == {"starting", "loading_weights", "jit_compile", "profiling", "cuda_graphs", "ready"}
+    budget = {n for t in by_title["Footprint against budget"]["targets"] for n in metric_names(t["expr"])}
+    assert budget == {"sparkwatch_engine_footprint_bytes", "sparkwatch_engine_budget_bytes"}
 
 
 def test_metric_names_are_the_contract() -> None:

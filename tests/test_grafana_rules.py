@@ -29,6 +29,7 @@ REQUIRED_ALERTS = {
     "SparkwatchGpuXid",
     "SparkwatchDriverAllocFailed",
     "SparkwatchKernelLogUnreadable",
+    "SparkwatchEngineNearBudget",
 }
 
 

@@ -13,10 +13,23 @@ from typing import Any
 from sparkwatch import __version__
 from sparkwatch.config.settings import ConfigError, Settings, load_settings
 
-from . import argtypes, assets, check_config, doctor, engines, events, install_service, run, status, wait_settled
+from . import (
+    argtypes,
+    assets,
+    check_config,
+    doctor,
+    engines,
+    events,
+    install_service,
+    launch,
+    run,
+    status,
+    wait_settled,
+)
 
 COMMANDS: tuple[ModuleType, ...] = (
     run,
+    launch,
     engines,
     doctor,
     events,

@@ -117,10 +117,12 @@ def handle(args: argparse.Namespace) -> int:
         procs, holder_trees = finder.scan(keys)
         holders = unknown_gpu_holders(procs, holder_trees, used, finder.rules)
     trees, ranking = kill_order_now(finder, settings, args.window)
+    budgets = budget_rows(settings, finder, trees, used if args.all else None)
     from sparkwatch.tui.kill_order_view import kill_order_json, kill_order_view
 
     if args.json:
-        out: dict[str, object] = {"engines": [tree_json(t) for t in trees], "kill_order": kill_order_json(ranking)}
+        engines = [{**tree_json(t), "budget": budgets.get(t.root.pid)} for t in trees]
+        out: dict[str, object] = {"engines": engines, "kill_order": kill_order_json(ranking)}
         if holders is not None:
             out["gpu_unknown"] = [holder_json(h) for h in holders]
             out["gpu_note"] = note
@@ -134,11 +136,68 @@ def handle(args: argparse.Namespace) -> int:
 
     emit(
         Group(
-            engines_view(trees, finder.rules, holders, note),
+            engines_view(trees, finder.rules, holders, note, {pid: budget_text(b) for pid, b in budgets.items()}),
             *((Text(""), kill_order_view(ranking)) if trees else ()),
         )
     )
     return 0
+
+
+def budget_rows(
+    settings: Settings, finder: EngineFinder, trees: list[EngineTree], gpu_used: dict[int, int | None] | None
+) -> dict[int, dict[str, object]]:
+    """Per tree with a budget (its declaration's, or the config's engine_budgets): the budget, the footprint now as
+    this command can count it (core.footprint: RSS or the scope's memory.current, plus NVML's bytes with --all) and
+    the peak launch measured."""
+    from sparkwatch.common.sources.cgroupmem import read_memory_current
+    from sparkwatch.core.footprint import FootprintInputs, footprint, owned_scope
+    from sparkwatch.core.policy import first_match, parse_engine_budgets
+
+    patterns = parse_engine_budgets(settings.engine_budgets)
+    by_root = {d.tree_key: d for d in finder.declarations if d.exited_at is None}
+    out: dict[int, dict[str, object]] = {}
+    for tree in trees:
+        decl = by_root.get(tree.root.key)
+        budget, source = (decl.budget_bytes, "launch") if decl is not None and decl.budget_bytes else (None, "")
+        if budget is None:
+            budget, source = first_match(tree, patterns), "config"
+        if budget is None and decl is None:
+            continue
+        gpu = None if gpu_used is None else sum(gpu_used.get(p.pid) or 0 for p in tree.members)
+        fp = footprint(
+            FootprintInputs(
+                rss_bytes=tree.rss_bytes,
+                gpu_bytes=gpu,
+                gpu_age_s=0.0 if gpu is not None else None,
+                cgroup_bytes=read_memory_current(owned_scope(tree.root.cgroup, decl.cgroup if decl else None)),
+            )
+        )
+        out[tree.root.pid] = {
+            "budget_bytes": budget,
+            "budget_source": source if budget is not None else None,
+            "footprint_bytes": fp.bytes,
+            "footprint_source": str(fp.source),
+            "peak_bytes": decl.peak_bytes if decl is not None else None,
+            "phase": str(decl.phase) if decl is not None else None,
+        }
+    return out
+
+
+def budget_text(row: dict[str, object]) -> str:
+    from sparkwatch.core.units import format_size
+
+    def size(key: str) -> str:
+        value = row.get(key)
+        return format_size(value) if isinstance(value, int) else "-"
+
+    parts = [f"footprint {size('footprint_bytes')} ({row['footprint_source']})"]
+    if row.get("budget_bytes") is not None:
+        parts.insert(0, f"budget {size('budget_bytes')} ({row['budget_source']})")
+    if row.get("peak_bytes") is not None:
+        parts.append(f"peak {size('peak_bytes')}")
+    if row.get("phase"):
+        parts.append(f"phase {row['phase']}")
+    return "  ".join(parts)
 
 
 def kill_order_now(

@@ -71,6 +71,10 @@ class GuardSettings(EngineSettings, Protocol):
     def kernel_log_path(self) -> Path: ...
     @property
     def kernel_log_accept_injected(self) -> bool: ...
+    @property
+    def engine_budgets(self) -> Sequence[str]: ...
+    @property
+    def state_dir(self) -> Path: ...
 
 
 def engine_rules(settings: EngineSettings) -> EngineRules:
@@ -126,6 +130,7 @@ class GuardConfig:
     kernel_log_corroboration: bool = field(metadata=LIVE)
     kernel_log_path: Path
     kernel_log_accept_injected: bool = field(metadata=LIVE)
+    engine_budgets: tuple[str, ...] = field(metadata=LIVE)
     # The whole validated config, for the telemetry process, and as check-config shows it (secrets masked), for
     # the reload log. Excluded from ==: two configs are equal when their values are.
     wire: Mapping[str, Any] = field(repr=False, compare=False, default_factory=dict)

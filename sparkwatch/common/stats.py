@@ -15,6 +15,20 @@ from sparkwatch.core.model import MemInfo
 KILL_DURATION_BUCKETS_S = (0.025, 0.05, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 
+@dataclass(frozen=True, slots=True)
+class BudgetStat:
+    """One budgeted engine tree as the guard last measured it (guard.budgets): exported per engine by telemetry."""
+
+    root_pid: int
+    kind: str
+    name: str
+    budget_bytes: int
+    footprint_bytes: int | None
+    footprint_source: str | None
+    peak_bytes: int
+    budget_source: str  # "launch" | "config"
+
+
 @dataclass
 class GuardStats:
     """Counters the guard and reaper update and the exporter reads (under the lock)."""
@@ -36,6 +50,7 @@ class GuardStats:
     phase: str = "watch"
     cancelled_total: int = 0
     kill_loops_total: int = 0
+    budgets: list[BudgetStat] = field(default_factory=list)
 
     def snapshot(self) -> GuardStats:
         """A copy that shares nothing mutable (taken under the owner's lock, read or sent after it)."""
@@ -43,6 +58,7 @@ class GuardStats:
             self,
             kills_total=dict(self.kills_total),
             kill_duration_bucket_counts=list(self.kill_duration_bucket_counts),
+            budgets=list(self.budgets),
         )
 
     def observe_kill_duration(self, seconds: float) -> None:

@@ -120,3 +120,15 @@ def set_parent_death_signal(signum: int) -> None:
         _libc.prctl(PR_SET_PDEATHSIG, signum, 0, 0, 0)
     except AttributeError:
         pass
+
+
+PR_SET_CHILD_SUBREAPER = 36
+
+
+def set_child_subreaper() -> bool:
+    """Become the reaper of our orphaned descendants (prctl PR_SET_CHILD_SUBREAPER): an engine's workers whose root
+    died are reparented to us, not to PID 1, so `sparkwatch launch` can end them too. False where refused."""
+    try:
+        return int(_libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)) == 0
+    except AttributeError:
+        return False

@@ -32,7 +32,13 @@ from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, Settings
 from sparkwatch.common.durable import StateFileError, read_regular
 from sparkwatch.common.sharing import group_id
 from sparkwatch.core.engines import compile_engine_patterns, compile_protect_patterns
-from sparkwatch.core.policy import DEFAULT_KILL_ORDER, compile_never_kill, parse_kill_order, parse_kill_priority
+from sparkwatch.core.policy import (
+    DEFAULT_KILL_ORDER,
+    compile_never_kill,
+    parse_engine_budgets,
+    parse_kill_order,
+    parse_kill_priority,
+)
 from sparkwatch.core.redact import remember_secrets
 from sparkwatch.core.units import GiB, format_size, parse_size
 from sparkwatch.core.urls import redact_url
@@ -104,6 +110,7 @@ _LIST_CHECKS: dict[str, Callable[[list[str]], object]] = {
     "kill_order": parse_kill_order,
     "kill_priority": parse_kill_priority,
     "never_kill": compile_never_kill,
+    "engine_budgets": parse_engine_budgets,
 }
 
 
@@ -161,6 +168,11 @@ class Settings(BaseSettings):
     never_kill: list[str] = Field(default_factory=list, description="regexes: matching engine trees are never killed")
     kill_settle_s: float = Field(
         1.0, gt=0, le=10, description="after a victim is reaped, wait this long for memory before the next tree"
+    )
+    engine_budgets: list[str] = Field(
+        default_factory=list,
+        description="'SIZE=regex': a memory budget for engine trees whose kind, title or command line match (as "
+        "kill_priority); the guard kills a tree over its budget alone",
     )
 
     # --- telemetry and its outputs

@@ -238,11 +238,12 @@ ENGINE_LIBRARIES: tuple[tuple[str, str], ...] = (
 )
 
 # Parents that are never an engine's owner even with an engine directly below them: shells, supervisors,
-# multiplexers, launchers. Only a plain Python process running a script or module, with the engine's own native
-# module mapped, is adopted (see _adoptable_parent).
+# multiplexers, launchers (`sparkwatch launch` too: it is the engine's parent and its workers' subreaper). Only a
+# plain Python process running a script or module, with the engine's own native module mapped, is adopted (see
+# _adoptable_parent).
 _SUPERVISOR_ENTRIES = re.compile(
     r"(supervisord|circusd|honcho|torchrun|torch\.distributed\.(run|launch)|accelerate|deepspeed|mpirun|mpiexec"
-    r"|uv|pipx|poetry|conda|ray|jupyter.*|pytest-xdist)$"
+    r"|uv|pipx|poetry|conda|ray|jupyter.*|pytest-xdist|sparkwatch)$"
 )
 
 # Protected executables: basenames, honoured only when /proc/PID/exe lies in a root-owned system directory that an
@@ -584,10 +585,15 @@ def _default_shape(proc: Proc) -> Shape | None:
     return next((s for s, p in _ALL_COMPILED if any(p.match(x) for x in ids)), None)
 
 
+# Engines known by declaration (`sparkwatch launch`, common.launched): (pid, start_ticks) -> (kind, declaring uid).
+Declared = Mapping[tuple[int, int], tuple[str, int]]
+
+
 def engine_kinds(
     procs: Sequence[Proc],
     rules: EngineRules,
     gpu_holders: Collection[tuple[int, int]] = (),
+    declared: Declared | None = None,
 ) -> dict[int, str]:
     """pid -> engine kind for every process that is an engine by identity or by its place among its relatives.
 
@@ -599,7 +605,9 @@ def engine_kinds(
       engine (a test runner that starts fake engines does not), and shells, supervisors and launchers are never
       adopted: see _adoptable_parent;
     - with `gpu_holders_are_engines`, a process NVML lists as holding GPU memory ((pid, start_ticks) keys) that
-      matches nothing ("gpu").
+      matches nothing ("gpu");
+    - by declaration: the root `sparkwatch launch` started, with the kind it declared, only when the process (same
+      pid and start time) belongs to the uid that declared it: a user's word never names another user's process.
     """
     by_pid = {p.pid: p for p in procs}
     kinds: dict[int, str] = {}
@@ -623,6 +631,11 @@ def engine_kinds(
         for p in procs:
             if p.key in gpu_holders and p.pid not in kinds and classify(p, rules) is None:
                 kinds[p.pid] = "gpu"
+    if declared:
+        for p in procs:
+            said = declared.get(p.key)
+            if said is not None and said[1] == p.uid and not p.is_kernel_thread:
+                kinds[p.pid] = said[0]
     return kinds
 
 
@@ -631,6 +644,7 @@ def find_engine_trees(
     rules: EngineRules,
     scope: Scope,
     gpu_holders: Collection[tuple[int, int]] = (),
+    declared: Declared | None = None,
 ) -> list[EngineTree]:
     """Every engine tree the guard would kill now, outermost engine first, largest RSS first.
 
@@ -642,7 +656,7 @@ def find_engine_trees(
     for p in procs:
         children[p.ppid].append(p)
     untouchable = {1, 2, scope.self_pid, *_ancestors(scope.self_pid, by_pid)}
-    kinds = engine_kinds(procs, rules, gpu_holders)
+    kinds = engine_kinds(procs, rules, gpu_holders, declared)
     forget_dead_kinds(rules, procs)
     # Only an engine we may touch can hold others in its tree: an EngineCore whose adopted parent is ourselves (or
     # another user's process) is a root of its own.

@@ -30,6 +30,11 @@ class EventKind(StrEnum):
     MAX_JOBS_MISSING = "max_jobs_missing"
     JIT_STALLED = "jit_stalled"
     JIT_STATE = "jit_state"
+    # Launched engines (sparkwatch launch declares them; the guard records what it sees) and their budgets
+    ENGINE_STARTED = "engine_started"
+    ENGINE_READY = "engine_ready"
+    ENGINE_EXITED = "engine_exited"
+    BUDGET_NEAR = "budget_near"  # a tree's footprint reached 90 % of its budget (once, until it falls under 80 %)
     # sparkwatch itself
     OUTBOX_DROPPED = "outbox_dropped"  # the alert outbox hit its cap and dropped its oldest alerts
     OUTBOX_QUARANTINED = "outbox_quarantined"  # an unreadable spool file was moved to outbox/bad/

@@ -37,6 +37,11 @@ class KillFacts:
     settle_s: float | None = None
     why_this_tree: tuple[str, ...] = ()  # the ranking's reasons for the victim
     ranking: tuple[tuple[int, str, tuple[str, ...]], ...] = ()  # (root pid, kind, reasons) in kill order
+    # trigger "budget" (core.budget): the tree's budget, its footprint when it died, where the footprint came from
+    budget_bytes: int | None = None
+    footprint_bytes: int | None = None
+    footprint_source: str | None = None
+    budget_source: str | None = None
 
 
 def _reason(facts: KillFacts) -> str:
@@ -45,6 +50,11 @@ def _reason(facts: KillFacts) -> str:
     another."""
     avail = format_size(facts.mem.available_bytes)
     floor = format_size(facts.floor_bytes)
+    if facts.trigger == "budget" and facts.budget_bytes is not None and facts.footprint_bytes is not None:
+        return (
+            f"footprint {format_size(facts.footprint_bytes)} ({facts.footprint_source}) over its budget "
+            f"{format_size(facts.budget_bytes)} ({facts.budget_source}); MemAvailable {avail}"
+        )
     if facts.trigger == "escalate":
         return f"MemAvailable {avail} still <= floor {floor} after the last kill"
     if facts.trigger == "predicted":
@@ -124,6 +134,16 @@ def kill_fields(facts: KillFacts) -> dict[str, object]:
         "mem_available_after_settle_bytes": facts.available_after_settle_bytes,
         "why": list(facts.why_this_tree),
         "ranking": [{"root_pid": pid, "engine": kind, "why": list(why)} for pid, kind, why in facts.ranking],
+        **(
+            {
+                "budget_bytes": facts.budget_bytes,
+                "footprint_bytes": facts.footprint_bytes,
+                "footprint_source": facts.footprint_source,
+                "budget_source": facts.budget_source,
+            }
+            if facts.trigger == "budget"
+            else {}
+        ),
     }
 
 

@@ -24,6 +24,7 @@ class MemInfo:
     cached_bytes: int
     swap_total_bytes: int
     swap_free_bytes: int
+    shmem_bytes: int = 0  # Shmem: tmpfs and shared memory (a torn-down engine's NCCL/IPC segments until released)
 
     @property
     def used_bytes(self) -> int:
@@ -56,6 +57,7 @@ class Proc:
     # Outside the initial user or mount namespace (read by the scanner only where `exe` would protect the process):
     # there the executable path can be a bind mount, so it protects nothing (core.engines.protected_by_system).
     outside_initial_ns: bool = False
+    exiting: bool = False  # PF_EXITING: in do_exit, still unmapping its memory (a SIGKILLed engine for seconds)
 
     @property
     def key(self) -> tuple[int, int]:
@@ -353,6 +355,21 @@ class JitEngineState:
 
 
 @dataclass(frozen=True, slots=True)
+class BootState:
+    """A launched engine's boot as its declaration says (common.launched), while its root runs."""
+
+    root_pid: int
+    kind: str
+    model: str
+    phase: str  # core.bootphase.BootPhase
+    phase_since_ts: float
+    launched_at: float
+    ready_s: float | None = None
+    budget_bytes: int | None = None
+    peak_bytes: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class Snapshot:
     ts: float  # wall-clock time the cycle finished
     mem: MemInfo | None = None
@@ -367,3 +384,4 @@ class Snapshot:
     # (min_block label, bytes free in blocks at least that big) from /proc/buddyinfo: "2MiB", "64KiB"
     free_contiguous: tuple[tuple[str, int], ...] = ()
     gpu_unknown: tuple[GpuHolder, ...] = ()  # GPU holders no rule names: core.engines.unknown_gpu_holders
+    boots: tuple[BootState, ...] = ()  # engines `sparkwatch launch` declared, with their boot phase

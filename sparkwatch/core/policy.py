@@ -17,13 +17,16 @@ never chosen (they are listed last, with the pattern that spared them).
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from sparkwatch.core.engines import compile_regexes
 from sparkwatch.core.model import EngineTree
-from sparkwatch.core.units import MiB, format_size
+from sparkwatch.core.units import MiB, format_size, parse_size
 from sparkwatch.core.userregex import bounded, compile_user_regex
+
+V = TypeVar("V")
 
 # A tree's identity across scans: its root's pid and start time (a reused pid has a new start time).
 TreeKey = tuple[int, int]
@@ -118,23 +121,53 @@ def parse_kill_order(order: Iterable[str]) -> tuple[str, ...]:
     return out
 
 
-def parse_kill_priority(patterns: Iterable[str]) -> tuple[tuple[int, re.Pattern[str]], ...]:
-    """'priority=regex' entries, e.g. '10=--served-model-name draft' or '-10=llama-server'. Raises ValueError."""
+def parse_value_patterns(
+    patterns: Iterable[str], parse: Callable[[str], V], what: str, example: str
+) -> tuple[tuple[V, re.Pattern[str]], ...]:
+    """'value=regex' entries (kill_priority, engine_budgets): the one owner of that syntax. `parse` turns the value
+    text into a value or raises ValueError. Raises ValueError naming the bad entry."""
     out = []
     for text in patterns:
-        num, sep, regex = text.partition("=")
+        head, sep, regex = text.partition("=")
         try:
-            value = int(num.strip())
+            value: V | None = parse(head.strip())
         except ValueError:
             value = None
         if not sep or value is None or not regex:
-            raise ValueError(f"{text!r} should be written as priority=regex, for example '-10=--model prod'")
+            raise ValueError(f"{text!r} should be written as {what}=regex, for example {example!r}")
         out.append((value, compile_user_regex(regex, searched=True, entry=text)))
     return tuple(out)
 
 
 def compile_never_kill(patterns: Iterable[str]) -> tuple[re.Pattern[str], ...]:
     return compile_regexes(patterns, searched=True)  # searched anywhere in policy_strings
+
+
+def parse_kill_priority(patterns: Iterable[str]) -> tuple[tuple[int, re.Pattern[str]], ...]:
+    """'priority=regex' entries, e.g. '10=--served-model-name draft' or '-10=llama-server'. Raises ValueError."""
+    return parse_value_patterns(patterns, int, "priority", "-10=--model prod")
+
+
+def parse_engine_budgets(patterns: Iterable[str]) -> tuple[tuple[int, re.Pattern[str]], ...]:
+    """'SIZE=regex' entries, e.g. '40GiB=--served-model-name chat': the budget of the engine trees whose kind, title
+    or command line match (the strings kill_priority searches). Raises ValueError."""
+    return parse_value_patterns(patterns, _positive_size, "SIZE", "40GiB=--served-model-name chat")
+
+
+def _positive_size(text: str) -> int:
+    value = parse_size(text)
+    if value <= 0:
+        raise ValueError("a budget must be larger than 0")
+    return value
+
+
+def first_match(tree: EngineTree, patterns: Sequence[tuple[V, re.Pattern[str]]]) -> V | None:
+    """The value of the first pattern that matches the tree's policy strings (policy_strings), or None."""
+    strings = policy_strings(tree)
+    for value, pattern in patterns:
+        if any(pattern.search(s) for s in strings):
+            return value
+    return None
 
 
 def policy_strings(tree: EngineTree) -> tuple[str, ...]:
@@ -195,11 +228,7 @@ def _is_idle_ray(tree: EngineTree) -> bool:
 
 
 def _priority(tree: EngineTree, params: PolicyParams) -> int:
-    strings = policy_strings(tree)
-    for value, pattern in params.kill_priority:
-        if any(pattern.search(s) for s in strings):
-            return value
-    return 0
+    return first_match(tree, params.kill_priority) or 0
 
 
 def _never_kill(tree: EngineTree, params: PolicyParams) -> str | None:

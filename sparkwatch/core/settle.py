@@ -43,6 +43,10 @@ class SettleState:
     # (monotonic time, MemAvailable) since the last sample that saw an engine process, oldest first. Trimmed to the
     # quiet window plus one anchor sample older than it, so it stays a few dozen entries long.
     samples: tuple[tuple[float, int], ...] = ()
+    # (monotonic time, -Shmem), kept the same way when the caller watches Shmem too: a falling Shmem is memory still
+    # coming back (a torn-down engine's NCCL and IPC segments: ~62 GiB of mlocked shmem was still held when a
+    # relaunch failed, MiaAI-Lab/GLM-5.3-Flash-EXL3-2x-DGX-Sparks#193).
+    shmem: tuple[tuple[float, int], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,27 +87,54 @@ def max_rise(samples: tuple[tuple[float, int], ...]) -> int:
     return rise
 
 
-def settle_step(
-    state: SettleState, params: SettleParams, t: float, engine_processes: int, available_bytes: int
-) -> tuple[SettleState, SettleVerdict]:
-    """Feed one observation taken at monotonic time `t`."""
-    if engine_processes > 0:
-        # The quiet period only starts once the last engine process is gone.
-        return SettleState(), SettleVerdict(False, engine_processes, 0.0, 0, available_bytes)
-    samples = (*state.samples, (t, available_bytes))
-    # Keep the newest sample at or before the window start as an anchor, so a full window is provably covered.
-    window_start = t - params.quiet_for_s
+def _window(samples: tuple[tuple[float, int], ...], t: float, quiet_for_s: float) -> tuple[tuple[float, int], ...]:
+    """Keep the newest sample at or before the window start as an anchor, so a full window is provably covered."""
+    window_start = t - quiet_for_s
     first = 0
     for i, (ts, _a) in enumerate(samples):
         if ts <= window_start:
             first = i
         else:
             break
-    samples = samples[first:]
+    return samples[first:]
+
+
+def settle_step(
+    state: SettleState,
+    params: SettleParams,
+    t: float,
+    engine_processes: int,
+    available_bytes: int,
+    *,
+    shmem_bytes: int | None = None,
+) -> tuple[SettleState, SettleVerdict]:
+    """Feed one observation taken at monotonic time `t`. `engine_processes`: the processes still to wait for (every
+    live engine process for `wait-settled`; exiting and orphaned ones for `launch`). With `shmem_bytes`, a falling
+    Shmem holds the wait like a rising MemAvailable."""
+    if engine_processes > 0:
+        # The quiet period only starts once the last engine process is gone.
+        return SettleState(), SettleVerdict(False, engine_processes, 0.0, 0, available_bytes)
+    samples = _window((*state.samples, (t, available_bytes)), t, params.quiet_for_s)
     start_t, _ = steady_suffix(samples, params.tolerance_bytes)
+    rise = max_rise(samples)
+    shmem: tuple[tuple[float, int], ...] = ()
+    if shmem_bytes is not None:
+        shmem = _window((*state.shmem, (t, -shmem_bytes)), t, params.quiet_for_s)
+        shmem_start, _ = steady_suffix(shmem, params.tolerance_bytes)
+        start_t = max(start_t, shmem_start)
+        rise = max(rise, max_rise(shmem))
     steady_for = t - start_t
     settled = steady_for >= params.quiet_for_s
-    return SettleState(samples), SettleVerdict(settled, 0, steady_for, max_rise(samples), available_bytes)
+    return SettleState(samples, shmem), SettleVerdict(settled, 0, steady_for, rise, available_bytes)
+
+
+# Titles of engine processes that only ever run under their engine's own parent (vLLM's EngineCore and workers,
+# SGLang's scheduler): `VLLM::Worker_TP0`, `sglang::scheduler_TP0` (core.engines SHAPES). With PID 1 or the user's
+# systemd as parent, their engine died and they are still letting go of the GPU.
+def is_orphan_worker(title: str, parent_pid: int, parent_comm: str | None) -> bool:
+    if "::" not in title:
+        return False
+    return parent_pid == 1 or parent_comm == "systemd"
 
 
 NAMED_LEFT = 3  # the engine processes a line names; the rest are counted

@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 from enum import StrEnum
+from typing import Protocol
 
 from sparkwatch.core.units import GiB, MiB
 
@@ -120,12 +121,24 @@ def seconds_to_floor(available_bytes: int, floor_bytes: int, fill_rate_bytes_per
     return max(available_bytes - floor_bytes, 0) / fill_rate_bytes_per_s
 
 
+class PollBounds(Protocol):
+    @property
+    def poll_min_s(self) -> float: ...
+    @property
+    def poll_max_s(self) -> float: ...
+
+
+def interval_for(headroom_bytes: int, rate_bytes_per_s: float, bounds: PollBounds) -> float:
+    """Half the predicted time to use up `headroom_bytes` at the faster of the measured rate and the reference rate,
+    within the poll bounds: the one rule for how soon to look again (the floor here, a budget in core.budget)."""
+    rate = max(rate_bytes_per_s, REFERENCE_FILL_RATE_BYTES_PER_S)
+    return min(max(max(headroom_bytes, 0) / rate / 2.0, bounds.poll_min_s), bounds.poll_max_s)
+
+
 def next_interval(params: GuardParams, available_bytes: int, fill_rate_bytes_per_s: float, counting: bool) -> float:
     if counting:
         return params.poll_min_s
-    headroom = max(available_bytes - params.floor_bytes, 0)
-    rate = max(fill_rate_bytes_per_s, REFERENCE_FILL_RATE_BYTES_PER_S)
-    return min(max(headroom / rate / 2.0, params.poll_min_s), params.poll_max_s)
+    return interval_for(available_bytes - params.floor_bytes, fill_rate_bytes_per_s, params)
 
 
 def step(state: GuardState, params: GuardParams, t: float, available_bytes: int) -> tuple[GuardState, Decision]:

@@ -39,7 +39,8 @@ _DECIMAL_POWERS = {"kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
 
 def parse_size(text: str) -> int:
     """Parse a byte size a person wrote: a number and a binary unit (8GiB, 512MiB, 8G, 4096B). Raises ValueError
-    with one line that says how to write it: a bare number (no unit) and decimal units (8GB, 8 MB, 8kB) are refused.
+    with one line that says how to write it: a bare number (no unit; 0 alone is the same in every unit) and decimal
+    units (8GB, 8 MB, 8kB) are refused.
 
     The sizes sparkwatch's own processes hand each other are plain byte counts and never come through here
     (config.settings reads them from the wire form as integers)."""
@@ -48,6 +49,8 @@ def parse_size(text: str) -> int:
         raise ValueError(f"{text!r} is not a size; write it like 8GiB or 512MiB")
     number, unit = match.groups()
     key = unit.lower()
+    if not unit and float(number) == 0:
+        return 0  # nothing is nothing in every unit: `--margin 0`
     if not unit:
         raise ValueError(f"{number} has no unit; write {number}GiB or {number}MiB (or {number}B for bytes)")
     if key in _DECIMAL:

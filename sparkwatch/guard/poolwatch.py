@@ -27,17 +27,21 @@ from sparkwatch.common.sources.meminfo import MeminfoError, MeminfoReader
 from sparkwatch.common.sources.procs import ProcScanner
 from sparkwatch.common.stats import GuardStats
 from sparkwatch.common.threads import daemon_thread
+from sparkwatch.core import budget as core_budget
 from sparkwatch.core import policy
 from sparkwatch.core import trigger as core
 from sparkwatch.core.engines import find_engine_trees
 from sparkwatch.core.eventkinds import EventKind
+from sparkwatch.core.footprint import Footprint
 from sparkwatch.core.killloop import LOOP_WINDOW_S, LoopState, loop_identity, note_kill
 from sparkwatch.core.killrecord import KillFacts, kill_fields, kill_line, kill_summary, terminal_note, victims_of
 from sparkwatch.core.model import EngineTree, MemInfo
 from sparkwatch.core.units import format_size
+from sparkwatch.guard.budgets import BudgetWatch, Tracked
 from sparkwatch.guard.gpuboard import device_check, verified_holders
 from sparkwatch.guard.kernlog import KernelLogWatch
 from sparkwatch.guard.killer import Killer, KillJob, Reaper
+from sparkwatch.guard.launchwatch import LaunchedEngines
 from sparkwatch.guard.ttynote import tell_terminal
 
 # A PSI trigger: wake when tasks stalled on memory for 150 ms within a 2 s window (2 s is the smallest window an
@@ -69,6 +73,12 @@ def _params(settings: GuardSettings) -> core.GuardParams:
 
 def policy_params(settings: GuardSettings) -> policy.PolicyParams:
     return policy.PolicyParams.build(settings.kill_order, settings.kill_priority, settings.never_kill)
+
+
+def budget_params(settings: GuardSettings) -> core_budget.BudgetParams:
+    return core_budget.BudgetParams(
+        debounce_samples=settings.debounce_samples, poll_min_s=settings.poll_min_s, poll_max_s=settings.poll_max_s
+    )
 
 
 log = logs.get("guard")
@@ -145,6 +155,16 @@ class PoolWatch:
             accept_injected=settings.kernel_log_accept_injected,
             source=KmsgSource(settings.kernel_log_path),
         )
+        # Engines declared by `sparkwatch launch` (guard.launchwatch) and per-engine budgets (guard.budgets): both on
+        # this thread's tick; with nothing declared and no budget configured they cost one stat per directory.
+        self.launched = LaunchedEngines.for_settings(settings.state_dir, settings.proc_root, self._record)
+        self.budgets = BudgetWatch(str(settings.proc_root), self.scanner, self._budget_kill, self._record)
+        self.budget_params = budget_params(settings)
+        self.engine_budgets = policy.parse_engine_budgets(settings.engine_budgets)
+        self._budget_victims: dict[policy.TreeKey, float] = {}  # killed for their budget -> teardown deadline
+        # Telemetry's count of engine trees (a reference read): a change starts a budget discovery at once.
+        self.engines_hint: Callable[[], int | None] = lambda: None
+        self._last_mem: MemInfo | None = None
 
     # Settings applied on SIGHUP without a restart: those GuardConfig marks LIVE (the one declaration).
     LIVE_KEYS = GuardConfig.live_keys()
@@ -156,10 +176,14 @@ class PoolWatch:
         pparams = policy_params(settings)
         rules = engine_rules(settings)
         scope = engine_scope(settings)
+        bparams = budget_params(settings)
+        budgets = policy.parse_engine_budgets(settings.engine_budgets)
         with self.lock:
             self.settings = settings
             self.params = params
             self.policy = pparams
+            self.budget_params = bparams
+            self.engine_budgets = budgets
             self.reaper.settle_s = settings.kill_settle_s
             self.rules = rules
             self.scope = scope
@@ -242,6 +266,8 @@ class PoolWatch:
             self.reaper.call(lambda: log.info(line))  # after any KILL line already handed to the reaper
         if decision.trigger is not None:
             self.fire(decision.trigger, mem, now, growing_only=decision.growing_only)
+        self._last_mem = mem
+        wake = self._engines_tick(now, mem)
         with self.lock:
             self.stats.mem = mem
             self.stats.fill_rate_bytes_per_s = self.state.fill_rate_bytes_per_s
@@ -258,7 +284,76 @@ class PoolWatch:
         if decision.trigger is None and not self._kernel_log(now, mem) and near:
             self._warm.set()  # the scout rescans (at most once a second); this thread never waits for it
         self._beat(now)
-        return decision.next_interval_s
+        return decision.next_interval_s if wake is None else min(decision.next_interval_s, max(wake, 0.0))
+
+    def _engines_tick(self, now: float, mem: MemInfo) -> float | None:
+        """Launched engines' declarations and per-engine budgets: the seconds until a budget wants a look (None: no
+        budget anywhere). Never raises: a budget is a refinement; the floor stays the last line."""
+        try:
+            self.launched.poll(time.monotonic())
+            with self.lock:
+                rules, scope, bparams, budgets = self.rules, self.scope, self.budget_params, self.engine_budgets
+            live = self.launched.live()
+            wake = self.budgets.tick(
+                now,
+                mem.available_bytes,
+                rules=rules,
+                scope=scope,
+                params=bparams,
+                config_budgets=budgets,
+                launched=live,
+                gpu=self._gpu() if self.budgets.active(budgets, live) else None,
+                engines_hint=self.engines_hint(),
+            )
+        except Exception as exc:  # never let a budget stop the floor loop
+            log.warning("budgets: %r", exc)
+            return None
+        if wake is not None or self.stats.budgets:
+            with self.lock:
+                self.stats.budgets = self.budgets.stats()
+        if self._budget_victims:
+            self._budget_victims = {k: d for k, d in self._budget_victims.items() if d > now}
+        return wake
+
+    def _budget_kill(self, tracked: Tracked, fp: Footprint) -> None:
+        """Kill one tree over its budget, alone, whatever the pool; recorded like every kill (trigger `budget`)."""
+        with self.lock:
+            settings, params = self.settings, self.params
+        mem = self._last_mem
+        if mem is None:
+            return
+        detected_at = time.monotonic()
+        tree = tracked.tree
+        victims, signaled_at, notes, method = self.killer.kill([tree], dry_run=settings.dry_run)
+        facts = KillFacts(
+            trigger="budget",
+            mem=mem,
+            floor_bytes=params.floor_bytes,
+            fill_rate_bytes_per_s=self.state.fill_rate_bytes_per_s,
+            dry_run=settings.dry_run,
+            trees=(tree,),
+            victims=victims_of([tree]) if settings.dry_run else tuple((v.proc, v.engine) for v in victims),
+            method=method,
+            victim_rss_bytes=tree.rss_bytes,
+            victim_gpu_bytes=fp.gpu_bytes,
+            why_this_tree=(f"over its budget {format_size(tracked.budget_bytes)} ({tracked.source})",),
+            budget_bytes=tracked.budget_bytes,
+            footprint_bytes=fp.bytes,
+            footprint_source=str(fp.source),
+            budget_source=tracked.source,
+        )
+        self._budget_victims[tracked.key] = detected_at + core.teardown_deadline_s(fp.bytes)
+        self.launched.note_kill(tracked.key, "budget")
+        with self.lock:
+            self.stats.kills_total["budget"] = self.stats.kills_total.get("budget", 0) + 1
+            if not settings.dry_run:
+                self.stats.killed_processes_total += len(victims)
+            self.stats.last_kill_timestamp_s = time.time()
+        self.reaper.submit(KillJob(facts, victims, detected_at, signaled_at, mem.available_bytes, notes))
+
+    def _record(self, kind: EventKind, summary: str, fields: dict[str, object], level: int, line: str) -> None:
+        """An event from the launched engines or the budgets, written on the reaper's thread (never on the guard's)."""
+        self.reaper.call(lambda: self._append(kind, summary, fields, level, line))
 
     def _kernel_log(self, now: float, mem: MemInfo) -> bool:
         """The kernel-log hook: a driver allocation failure near the floor fires like a crossing (core.kernlog), through
@@ -307,7 +402,8 @@ class PoolWatch:
                 scan = self.scanner.scan()  # shares the cache with the kill path: dict reads and writes are atomic
                 with self.lock:
                     rules, scope = self.rules, self.scope
-                self._observe(time.monotonic(), find_engine_trees(scan.procs, rules, scope))
+                declared = self.launched.declared()
+                self._observe(time.monotonic(), find_engine_trees(scan.procs, rules, scope, declared=declared))
                 self.warm_scans_total += 1
             except Exception as exc:  # a warm-up is an optimisation: never let it end the thread
                 log.warning("scout scan failed: %r", exc)
@@ -353,9 +449,9 @@ class PoolWatch:
         if rules.gpu_holders_are_engines:  # telemetry's word is a hint: checked again here, in our own scan
             scanned = {p.pid: p.start_ticks for p in scan.procs}
             holders = verified_holders(self.gpu_holders(), scanned, self._holds_gpu)
-        trees = find_engine_trees(scan.procs, rules, scope, holders)
+        trees = find_engine_trees(scan.procs, rules, scope, holders, declared=self.launched.declared())
         ranking = self.ranking(trees, time.monotonic())
-        exclude = self._episode_victims | set(self._outstanding)
+        exclude = self._episode_victims | set(self._outstanding) | set(self._budget_victims)
         victim = policy.choose(ranking, growing_only=growing_only, exclude=exclude)
         facts = KillFacts(
             trigger=trigger,
@@ -396,6 +492,7 @@ class PoolWatch:
         )
         now = time.monotonic()
         self._episode_victims.add(victim.key)
+        self.launched.note_kill(victim.key, trigger)
         held = victim.rss_bytes + (victim.gpu_bytes or 0)
         teardown_s = core.teardown_deadline_s(held)
         if not settings.dry_run and victims:

@@ -151,6 +151,7 @@ class GuardProcess:
         self.guard.gpu_holders = self.supervisor.gpu.holder_keys
         self.guard.gpu_bytes_by_pid = self.supervisor.gpu.latest
         self.guard.on_news = self.supervisor.wake  # the first sample, and each entry into the floor's band
+        self.guard.engines_hint = lambda: self.supervisor.engines  # a new engine tree: budgets look at once
         self.supervisor.on_over_cap = self._over_cap_seen
         self.events.subscribe(self.supervisor.forward)
         self.components: list[Component[GuardConfig]] = [

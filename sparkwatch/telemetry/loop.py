@@ -11,6 +11,7 @@ other parts of the Snapshot intact.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -19,6 +20,7 @@ from typing import Any, TypeVar
 from sparkwatch.common import logs, syscalls
 from sparkwatch.common.events import make_event
 from sparkwatch.common.guardconfig import engine_rules, engine_scope
+from sparkwatch.common.launched import LaunchedWatch, launched_dirs
 from sparkwatch.common.sources.buddyinfo import page_size_bytes, read_contiguous_free
 from sparkwatch.common.sources.meminfo import MeminfoReader
 from sparkwatch.common.sources.procs import IncrementalScanner
@@ -30,6 +32,7 @@ from sparkwatch.core import jit as jit_core
 from sparkwatch.core.engines import find_engine_trees, unknown_gpu_holders
 from sparkwatch.core.eventkinds import EventKind
 from sparkwatch.core.model import (
+    BootState,
     CollectorStatus,
     CompileCensus,
     DriverReport,
@@ -89,6 +92,9 @@ class Telemetry:
         # (pid, start_ticks) of every process NVML listed last cycle: the guard reads it (a reference swap) when
         # `guard_gpu_holders` lets unmatched GPU holders be engines; see Guard.gpu_holders.
         self.gpu_holder_keys: frozenset[tuple[int, int]] = frozenset()
+        # Engines `sparkwatch launch` declared (common.launched): their boot phase is exported, and their roots are
+        # engine trees here as they are for the guard. Re-read only when a directory changed.
+        self.launched = LaunchedWatch(launched_dirs(os.environ, settings.state_dir))
 
     LIVE_KEYS = frozenset(
         {
@@ -143,8 +149,10 @@ class Telemetry:
         contiguous = run("buddyinfo", lambda: read_contiguous_free(self.settings.proc_root, self.page_size_bytes))
         procs = run("procs", lambda: self.scanner.scan(self._hot).procs)
         trees: tuple[EngineTree, ...] = ()
+        boots = run("launched", lambda: self._boots(procs)) or ()
+        declared = {(b.root_pid, s): (b.kind, u) for b, s, u in self._declared}
         if procs is not None:
-            trees = tuple(find_engine_trees(procs, self.rules, self.scope, self.gpu_holder_keys))
+            trees = tuple(find_engine_trees(procs, self.rules, self.scope, self.gpu_holder_keys, declared=declared))
             self._hot = {pid for tree in trees for pid in tree.pids}
             self._hot.update(p.pid for p in procs if compile_core.is_compiler(p))
         census = run("compile", lambda: self._census(procs, trees))
@@ -183,7 +191,37 @@ class Telemetry:
             jit_states=jit_states,
             free_contiguous=contiguous or (),
             gpu_unknown=gpu_unknown,
+            boots=boots,
         )
+
+    _declared: tuple[tuple[BootState, int, int], ...] = ()
+
+    def _boots(self, procs: tuple[Proc, ...] | None) -> tuple[BootState, ...]:
+        """The declared engines whose root runs (same pid, start time and uid as declared), with their phase."""
+        if procs is None:
+            raise _Failed("no process table this cycle")
+        by_pid = {p.pid: p for p in procs}
+        out = []
+        declared = []
+        for d in self.launched.poll():
+            p = by_pid.get(d.root_pid)
+            if d.exited_at is not None or p is None or p.start_ticks != d.start_ticks or p.uid != d.uid:
+                continue
+            boot = BootState(
+                root_pid=d.root_pid,
+                kind=d.kind,
+                model=d.model,
+                phase=str(d.phase),
+                phase_since_ts=d.phase_since,
+                launched_at=d.launched_at,
+                ready_s=d.ready_s,
+                budget_bytes=d.budget_bytes,
+                peak_bytes=d.peak_bytes,
+            )
+            out.append(boot)
+            declared.append((boot, d.start_ticks, d.uid))
+        self._declared = tuple(declared)
+        return tuple(out)
 
     def drain_events(self) -> list[Event]:
         """Events decided since the last drain (compile_burst, max_jobs_missing, jit_*), oldest first."""

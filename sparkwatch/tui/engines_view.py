@@ -3,7 +3,7 @@ holders no rule names (what the guard would not kill)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from rich.console import Group, RenderableType
 from rich.table import Table
@@ -63,6 +63,7 @@ def engines_view(
     rules: EngineRules,
     holders: Sequence[GpuHolder] | None = None,
     gpu_note: str | None = None,
+    budgets: Mapping[int, str] | None = None,
 ) -> RenderableType:
     parts: list[RenderableType] = []
     if not trees:
@@ -71,6 +72,8 @@ def engines_view(
         if i:
             parts.append(Text(""))
         parts.append(Text(tree_heading(tree), style="bold"))
+        if budgets and tree.root.pid in budgets:
+            parts.append(Text(budgets[tree.root.pid]))
         parts.append(tree_table(tree, rules))
     if holders is not None or gpu_note:
         parts.append(Text(""))

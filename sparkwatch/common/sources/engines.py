@@ -6,10 +6,12 @@ between scans; one-shot commands (`engines`) build one and call it once.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Collection
 from pathlib import Path
 
 from sparkwatch.common.guardconfig import EngineSettings, engine_rules, engine_scope
+from sparkwatch.common.launched import Declaration, LaunchedWatch, launched_dirs
 from sparkwatch.common.sources.procs import ProcScanner
 from sparkwatch.core.engines import EngineRules, Scope, find_engine_trees
 from sparkwatch.core.model import EngineTree, Proc
@@ -21,10 +23,15 @@ GONE_STATES = frozenset({"Z", "X"})
 
 
 class EngineFinder:
-    def __init__(self, proc_root: Path, rules: EngineRules, scope: Scope) -> None:
+    def __init__(
+        self, proc_root: Path, rules: EngineRules, scope: Scope, launched: LaunchedWatch | None = None
+    ) -> None:
         self.rules = rules
         self.scope = scope
         self.scanner = ProcScanner(proc_root)
+        # Engines `sparkwatch launch` declared (common.launched): engines here as they are for the guard.
+        self.launched = launched
+        self.declarations: tuple[Declaration, ...] = ()
 
     @classmethod
     def from_settings(cls, settings: EngineSettings, proc_root: Path, *, any_user: bool = False) -> EngineFinder:
@@ -33,7 +40,9 @@ class EngineFinder:
         Read-only commands that ask "is the pool still held?" pass any_user=True: a root-owned engine in a Docker
         container holds the same unified pool as one of ours.
         """
-        return cls(proc_root, engine_rules(settings), engine_scope(settings, any_user=any_user))
+        state_dir = getattr(settings, "state_dir", None)
+        watch = LaunchedWatch(launched_dirs(os.environ, state_dir)) if isinstance(state_dir, Path) else None
+        return cls(proc_root, engine_rules(settings), engine_scope(settings, any_user=any_user), watch)
 
     def find(self) -> list[EngineTree]:
         return self.scan()[1]
@@ -41,7 +50,9 @@ class EngineFinder:
     def scan(self, gpu_holders: Collection[tuple[int, int]] = ()) -> tuple[tuple[Proc, ...], list[EngineTree]]:
         """The process table and the engine trees in it (gpu_holders: see core.engines.find_engine_trees)."""
         procs = self.scanner.scan().procs
-        return procs, find_engine_trees(procs, self.rules, self.scope, gpu_holders)
+        self.declarations = self.launched.poll() if self.launched is not None else ()
+        declared = {d.tree_key: (d.kind, d.uid) for d in self.declarations if d.exited_at is None}
+        return procs, find_engine_trees(procs, self.rules, self.scope, gpu_holders, declared=declared)
 
 
 def live_members(trees: list[EngineTree]) -> int:

@@ -40,6 +40,7 @@ from sparkwatch.core.livecache import LiveCache
 from sparkwatch.core.model import Proc
 
 PF_KTHREAD = 0x00200000
+PF_EXITING = 0x00000004  # include/linux/sched.h: getting shut down (do_exit), memory not all released yet
 _PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
 _CMDLINE_MAX = 8192  # enough for any identity; cmdlines of 100 KiB exist and are not worth reading whole
 _MAPS_MAX = 4 << 20  # a torch + TensorRT-LLM worker maps ~3,000 regions (~300 KiB of maps); stop well past that
@@ -285,6 +286,7 @@ class ProcScanner:
             cgroup=facts.cgroup,
             engine_lib=facts.engine_lib,
             outside_initial_ns=facts.outside_initial_ns,
+            exiting=bool(flags & PF_EXITING) and state not in ("Z", "X"),
         )
 
     def scan(self, reuse: Callable[[int], Proc | None] | None = None) -> ScanResult:

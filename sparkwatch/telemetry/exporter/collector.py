@@ -23,6 +23,7 @@ from prometheus_client.registry import Collector
 from sparkwatch import __version__
 from sparkwatch.common.stats import KILL_DURATION_BUCKETS_S, GuardStats, KernelLogStats
 from sparkwatch.config.settings import Settings
+from sparkwatch.core.bootphase import BootPhase
 from sparkwatch.core.compile import TOOLS
 from sparkwatch.core.enums import JitState, MaxJobsState
 from sparkwatch.core.kernlog import NVRM_KINDS, XID_CATALOGUE
@@ -31,7 +32,7 @@ from sparkwatch.telemetry.exporter.families import counter, gauge, histogram
 from sparkwatch.telemetry.exporter.gpu import gpu_families
 
 # core.guard's triggers and core.kernlog's: exported at 0 so rate() works from the start
-GUARD_TRIGGERS = ("floor", "predicted", "driver_alloc_failed")
+GUARD_TRIGGERS = ("floor", "predicted", "driver_alloc_failed", "budget")
 
 
 class GuardLike(Protocol):
@@ -125,6 +126,7 @@ class SparkwatchCollector(Collector):
         if snap is None:
             return
         yield from self._engines(snap)
+        yield from _boot_families(snap)
         yield from self._compile(snap)
         yield from self._jit(snap)
         success = gauge("collector_success", labels=["collector"])
@@ -230,6 +232,7 @@ class SparkwatchCollector(Collector):
             value=s.kill_loops_total,
         )
         yield counter("guard_meminfo_errors", value=s.meminfo_errors_total)
+        yield from _budget_families(s)
         if s.last_loop_monotonic:
             yield gauge(
                 "guard_loop_age_seconds",
@@ -336,6 +339,49 @@ class SparkwatchCollector(Collector):
             for name in JitState:
                 state.add_metric([e.kind, str(e.root_pid), name], 1 if e.state == name else 0)
         yield state
+
+
+_PHASES = tuple(p for p in BootPhase if p != BootPhase.EXITED)
+
+
+def _boot_families(snap: Snapshot) -> Iterator[Metric]:
+    """Each launched engine's boot phase (a state set) and when it entered it: the dashboard's boot timeline."""
+    if not snap.boots:
+        return
+    phase = gauge("engine_boot_phase", labels=["engine", "pid", "model", "phase"])
+    since = gauge("engine_boot_phase_since_timestamp_seconds", labels=["engine", "pid", "model"])
+    ready = gauge("engine_ready_seconds", labels=["engine", "pid", "model"])
+    any_ready = False
+    for b in snap.boots:
+        key = [b.kind, str(b.root_pid), b.model]
+        for name in _PHASES:
+            phase.add_metric([*key, name], 1 if b.phase == name else 0)
+        since.add_metric(key, b.phase_since_ts)
+        if b.ready_s is not None:
+            ready.add_metric(key, b.ready_s)
+            any_ready = True
+    yield phase
+    yield since
+    if any_ready:
+        yield ready
+
+
+def _budget_families(s: GuardStats) -> Iterator[Metric]:
+    """Budget and footprint per budgeted engine tree, as the guard last measured them (guard.budgets)."""
+    if not s.budgets:
+        return
+    budget = gauge("engine_budget_bytes", labels=["engine", "pid", "name", "source"])
+    footprint = gauge("engine_footprint_bytes", labels=["engine", "pid", "name"])
+    peak = gauge("engine_footprint_peak_bytes", labels=["engine", "pid", "name"])
+    for b in s.budgets:
+        key = [b.kind, str(b.root_pid), b.name]
+        budget.add_metric([*key, b.budget_source], b.budget_bytes)
+        if b.footprint_bytes is not None:
+            footprint.add_metric(key, b.footprint_bytes)
+        peak.add_metric(key, b.peak_bytes)
+    yield budget
+    yield footprint
+    yield peak
 
 
 def _gpu_processes(gpu: GpuReport) -> list[tuple[int, int]]:

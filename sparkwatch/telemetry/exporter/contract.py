@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from sparkwatch.core.bootphase import BootPhase
 from sparkwatch.core.enums import DriverVerdict, JitState, MaxJobsState
 from sparkwatch.core.nvmlcodes import meanings_text
 
@@ -20,7 +21,7 @@ MetricType = Literal["gauge", "counter", "histogram"]
 
 # When a family is present. A series that is not known is absent, never 0.
 Presence = Literal["always", "meminfo", "guard", "guard_loop", "kill", "events", "outbox", "delivered", "telemetry",
-                   "psi", "gpu", "gpu_device", "gpu_field", "driver", "daemon"]  # fmt: skip
+                   "psi", "gpu", "gpu_device", "gpu_field", "driver", "daemon", "launched", "budget"]  # fmt: skip
 PRESENCE: dict[Presence, str] = {
     "always": "always",
     "meminfo": "once /proc/meminfo was read (the guard's read, else the telemetry's)",
@@ -37,6 +38,8 @@ PRESENCE: dict[Presence, str] = {
     "gpu_field": "per GPU and field, while that field fails with another code than NOT_SUPPORTED",
     "driver": "once the drift watcher has checked",
     "daemon": "in the daemon (`sparkwatch run`), from both of its processes",
+    "launched": "per engine `sparkwatch launch` declared, while its root runs",
+    "budget": "per budgeted engine tree, as the guard last measured it (launch --budget or engine_budgets)",
 }
 
 
@@ -368,6 +371,54 @@ METRICS: tuple[MetricSpec, ...] = (
         "telemetry",
         f"per engine tree, a state set: state={'|'.join(JitState)}",
         help="Per engine: idle, compiling or stalled (state set)",
+    ),
+    _m(
+        "engine_boot_phase",
+        "gauge",
+        "engine pid model phase",
+        "launched",
+        f"a launched engine's boot phase, a state set: phase={'|'.join(p for p in BootPhase if p != 'exited')}",
+        help="A launched engine's boot phase (state set, from its own log lines)",
+    ),
+    _m(
+        "engine_boot_phase_since_timestamp_seconds",
+        "gauge",
+        "engine pid model",
+        "launched",
+        "when the launched engine entered its current boot phase",
+        help="When the launched engine entered its current boot phase",
+    ),
+    _m(
+        "engine_ready_seconds",
+        "gauge",
+        "engine pid model",
+        "launched",
+        "launch to ready, once the engine is ready",
+        help="Seconds from launch to ready",
+    ),
+    _m(
+        "engine_budget_bytes",
+        "gauge",
+        "engine pid name source",
+        "budget",
+        "the tree's memory budget (source=launch|config)",
+        help="A budgeted engine tree's memory budget",
+    ),
+    _m(
+        "engine_footprint_bytes",
+        "gauge",
+        "engine pid name",
+        "budget",
+        "what the tree holds, counted once: max(RSS, cgroup) + GPU bytes, or the pool's drop while it boots alone",
+        help="A budgeted engine tree's footprint (RSS or cgroup, plus GPU, or pool drop while it boots alone)",
+    ),
+    _m(
+        "engine_footprint_peak_bytes",
+        "gauge",
+        "engine pid name",
+        "budget",
+        "the largest footprint the guard measured for the tree",
+        help="A budgeted engine tree's largest measured footprint",
     ),
     _m("collector_success", "gauge", "collector", "telemetry", "1 if the source worked this cycle"),
     _m(

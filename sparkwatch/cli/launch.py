@@ -1,0 +1,170 @@
+"""`sparkwatch launch [OPTIONS] -- COMMAND [ARGS…]`: start an engine only where it fits, and show its boot.
+
+    sparkwatch launch -- vllm serve Qwen/Qwen3-8B --gpu-memory-utilization 0.8
+    sparkwatch launch --budget 60GiB -- llama-server -m model.gguf -c 32768
+    sparkwatch launch --plan --json -- vllm serve /models/llama
+
+1. Settle: wait (up to --settle-timeout) while an engine tree is exiting, memory is still coming back (MemAvailable
+   rising, Shmem falling) or orphaned engine workers hold the GPU (core.settle). Steady engines are no reason to
+   wait: the plan counts them.
+2. Plan (core.plan): the footprint as named terms, held against MemAvailable - floor - margin, the engine's own
+   start-up check (MemAvailable or MemFree), the free high-order blocks, and what running engines may still take.
+   The measured peak of an earlier run with the same key (core.peaks) replaces the estimate.
+3. Gate: when it does not fit, one line says by how much and the fix, and the command does not start (exit 75).
+   `--fix` applies the fixes that need no guessing (drop caches, compact memory) where the user may, `--force`
+   starts anyway, `--plan` prints the plan and exits 0 (fits) or 1 (does not).
+4. Environment (core.launchenv), declaration (common.launched), run (cli.launch_run): the command's output passes
+   through unchanged, its boot phases are recognised (core.bootphase), Ctrl-C goes to the whole tree, and the exit
+   code comes back; a guard kill is reported in one line and exits 137.
+
+Exit codes: the command's own; 128+N when it died of signal N (137: killed, by the guard when the line says so);
+75 the plan does not fit (nothing started); 2 bad usage or config; 127 the command was not found; with --plan 0 fits,
+1 does not.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from sparkwatch.cli import argtypes
+from sparkwatch.core.units import format_size
+
+EXIT_DOES_NOT_FIT = 75  # sysexits' EX_TEMPFAIL: try again when memory is back
+EXIT_NOT_FOUND = 127
+DEFAULT_SETTLE_TIMEOUT_S = 60.0
+
+
+def add_parser(sub: Any, parent: argparse.ArgumentParser) -> None:
+    p = sub.add_parser(
+        "launch",
+        parents=[parent],
+        help="start an engine only when the box can hold it; shows its boot phases, reports a guard kill",
+        usage="sparkwatch launch [OPTIONS] -- COMMAND [ARGS...]",
+        description="Start an engine only into a box that can hold it: wait for a previous engine's teardown, plan "
+        "its footprint against MemAvailable, the floor and running budgets, then run it with its output passed "
+        "through, its boot phases shown and its budget declared to the guard. Exit 75: it does not fit.",
+    )
+    p.add_argument("--plan", action="store_true", help="print the plan and exit: 0 fits, 1 does not")
+    p.add_argument("--json", action="store_true", help="with --plan: one JSON object")
+    p.add_argument("--fix", action="store_true", help="apply the fixes that need no guessing (drop caches, compact)")
+    p.add_argument("--force", action="store_true", help="start even when the plan does not fit")
+    p.add_argument(
+        "--budget",
+        metavar="SIZE|auto",
+        help="the tree's memory budget, enforced by the guard (auto: the plan's need plus 10 %%)",
+    )
+    p.add_argument(
+        "--margin",
+        type=argtypes.size,
+        default=None,
+        metavar="SIZE",
+        help="headroom kept above the floor besides the engine (default 1GiB)",
+    )
+    p.add_argument(
+        "--engine-reads",
+        choices=("MemAvailable", "MemFree"),
+        help="which figure the engine's own start-up check reads (vLLM before its UMA fix: MemFree)",
+    )
+    p.add_argument(
+        "--settle-timeout",
+        type=argtypes.seconds(),
+        default=DEFAULT_SETTLE_TIMEOUT_S,
+        metavar="S",
+        help="wait at most S seconds for exiting engines and returning memory (default %(default)g; 0: do not wait)",
+    )
+    p.add_argument("--no-scope", action="store_true", help="never run the command in its own systemd scope")
+    p.add_argument("-q", "--quiet", action="store_true", help="only the lines that matter (gate, kill, exit)")
+    p.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND [ARGS...]")
+    p.set_defaults(handler=handle)
+
+
+def _command(args: argparse.Namespace) -> list[str]:
+    cmd = list(args.command)
+    if cmd and cmd[0] == "--":
+        cmd = cmd[1:]
+    return cmd
+
+
+def handle(args: argparse.Namespace) -> int:
+    from sparkwatch.cli import settings_from
+    from sparkwatch.cli.launch_plan import PlanInputs, gather, plan_json, plan_text, replan
+    from sparkwatch.core.units import parse_size
+
+    cmd = _command(args)
+    if not cmd:
+        print("sparkwatch: launch needs a command: sparkwatch launch -- vllm serve MODEL", file=sys.stderr)
+        return 2
+    settings = settings_from(args)
+    budget: int | str | None = None
+    if args.budget is not None:
+        if args.budget == "auto":
+            budget = "auto"
+        else:
+            try:
+                budget = parse_size(args.budget)
+            except ValueError as exc:
+                print(f"sparkwatch: --budget: {exc}", file=sys.stderr)
+                return 2
+    inputs = PlanInputs(
+        argv=tuple(cmd),
+        budget=budget,
+        margin_bytes=args.margin,
+        engine_reads=args.engine_reads,
+        env=dict(os.environ),
+    )
+    out = sys.stderr if not args.plan else sys.stdout
+    if not args.plan and args.settle_timeout > 0:
+        from sparkwatch.cli.launch_settle import settle
+
+        settle(settings, args.settle_timeout, quiet=args.quiet)
+    try:
+        plan, ctx = gather(settings, inputs)
+    except ValueError as exc:
+        print(f"sparkwatch: {exc}", file=sys.stderr)
+        return 2
+    if args.plan:
+        if args.json:
+            print(json.dumps(plan_json(plan, ctx), indent=None, separators=(",", ":")))
+        else:
+            print(plan_text(plan, ctx))
+        return 0 if plan.fits else 1
+    if not args.quiet:
+        print(plan_text(plan, ctx, short=True), file=out)
+    if not plan.fits and args.fix:
+        from sparkwatch.cli.launch_fix import apply_fixes
+
+        for line in apply_fixes(plan, settings.proc_root):
+            print(f"sparkwatch: fix: {line}", file=out)
+        plan, ctx = replan(settings, inputs, ctx)
+        if not args.quiet:
+            print(plan_text(plan, ctx, short=True), file=out)
+    if not plan.fits:
+        from sparkwatch.core.plan import fix_line
+
+        print(fix_line(plan), file=sys.stderr)
+        if not args.force:
+            return EXIT_DOES_NOT_FIT
+        print("sparkwatch: --force: starting anyway", file=sys.stderr)
+    if shutil.which(cmd[0]) is None and not Path(cmd[0]).exists():
+        print(f"sparkwatch: {cmd[0]}: command not found", file=sys.stderr)
+        return EXIT_NOT_FOUND
+    from sparkwatch.cli.launch_run import Launch
+
+    started = time.time()
+    launch = Launch(settings, plan, ctx, cmd, quiet=args.quiet, use_scope=not args.no_scope)
+    code = launch.run()
+    if not args.quiet:
+        took = time.time() - started
+        print(f"sparkwatch: {plan.estimate.kind} exited after {took:.0f} s: {launch.exit_text}", file=sys.stderr)
+    return code
+
+
+def describe_bytes(value: int | None) -> str:
+    return "unknown" if value is None else format_size(value)

@@ -1,0 +1,327 @@
+"""Gathering what `sparkwatch launch`'s plan needs (sizes, the pool, running engines, learned peaks) and printing it.
+
+All I/O is here; the decision is core.plan's. Reading is cheap by design: stat of each weight file, a bounded
+config.json, /proc/meminfo, /proc/buddyinfo, the declarations directory and the state dir's peaks.json. A 40-shard
+directory plans in well under 200 ms (bench/launch_bench.py).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from sparkwatch.common import launched, peakstore
+from sparkwatch.common.sources.buddyinfo import page_size_bytes, read_buddyinfo
+from sparkwatch.common.sources.checkpoint import read_facts
+from sparkwatch.common.sources.meminfo import MeminfoReader
+from sparkwatch.config.settings import Settings
+from sparkwatch.core import peaks
+from sparkwatch.core.enginecli import EngineCommand, EngineKind, recognise
+from sparkwatch.core.kernlog import BuddyinfoError, free_bytes_in_blocks
+from sparkwatch.core.plan import (
+    DEFAULT_MARGIN_BYTES,
+    FreeSource,
+    Learned,
+    MemoryView,
+    ModelFacts,
+    Plan,
+    Reservation,
+    auto_budget,
+    decide,
+    estimate,
+)
+from sparkwatch.core.units import MiB, format_size
+
+CONTIGUOUS_BLOCK_BYTES = 2 * MiB
+
+
+@dataclass(frozen=True)
+class PlanInputs:
+    argv: tuple[str, ...]
+    budget: int | str | None = None  # bytes, "auto", or None
+    margin_bytes: int | None = None
+    engine_reads: str | None = None
+    env: Mapping[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class PlanContext:
+    cmd: EngineCommand
+    facts: ModelFacts
+    key: str
+    engine_version: tuple[int, ...] | None
+    estimate_bytes: int
+    available_at_plan_bytes: int
+    declared: tuple[launched.Declaration, ...] = ()
+    took_s: float = 0.0
+
+
+def memory_view(settings: Settings, margin_bytes: int | None) -> MemoryView:
+    with MeminfoReader(settings.proc_root) as reader:
+        mem = reader.read()
+    contiguous: int | None = None
+    try:
+        zones = read_buddyinfo(settings.proc_root)
+        if zones is not None:
+            contiguous = free_bytes_in_blocks(zones, page_size_bytes(), CONTIGUOUS_BLOCK_BYTES)
+    except (OSError, BuddyinfoError):
+        contiguous = None
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except OSError:
+        cpus = os.cpu_count() or 1
+    return MemoryView(
+        total_bytes=mem.total_bytes,
+        available_bytes=mem.available_bytes,
+        free_bytes=mem.free_bytes,
+        cached_bytes=mem.cached_bytes,
+        floor_bytes=settings.floor,
+        margin_bytes=DEFAULT_MARGIN_BYTES if margin_bytes is None else margin_bytes,
+        contiguous_free_bytes=contiguous,
+        cpus=cpus,
+    )
+
+
+_DIST_RE = re.compile(r"^(?P<name>[A-Za-z0-9_.\-]+)-(?P<version>\d+(?:\.\d+)*)[^/]*\.dist-info$")
+
+
+def engine_version(argv: tuple[str, ...], package: str) -> tuple[int, ...] | None:
+    """The installed version of `package` next to the interpreter the command runs: the console script's shebang (or
+    the python named in argv[0]), then its site-packages' `<package>-X.Y.Z.dist-info`. None when it cannot be told."""
+    if not argv:
+        return None
+    exe = shutil.which(argv[0]) or argv[0]
+    python = exe
+    if not re.search(r"python[\d.]*$", os.path.basename(exe)):
+        try:
+            with open(exe, "rb") as fh:
+                first = fh.read(256).split(b"\n", 1)[0]
+        except OSError:
+            return None
+        if not first.startswith(b"#!"):
+            return None
+        python = first[2:].decode(errors="replace").strip().split()[0]
+    prefix = Path(python).resolve().parent.parent if Path(python).is_absolute() else None
+    if prefix is None:
+        return None
+    for site in sorted(prefix.glob("lib/python3*/site-packages")):
+        for entry in site.glob(f"{package}-*.dist-info"):
+            m = _DIST_RE.match(entry.name)
+            if m and m.group("name").replace("-", "_").lower() == package:
+                return tuple(int(x) for x in m.group("version").split(".")[:3])
+    return None
+
+
+def running(
+    settings: Settings, env: Mapping[str, str], now: float
+) -> tuple[tuple[launched.Declaration, ...], list[Reservation]]:
+    """Engines launched and still running (their budgets are reservations), and every other engine tree (named in a
+    fix, reserving nothing: what it holds is already out of MemAvailable)."""
+    from sparkwatch.common.sources.engines import EngineFinder
+
+    watch = launched.LaunchedWatch(launched.launched_dirs(env, settings.state_dir))
+    decls = tuple(d for d in watch.poll() if d.exited_at is None and _alive(d.root_pid, d.start_ticks, settings))
+    out = [
+        Reservation(
+            kind=d.kind,
+            root_pid=d.root_pid,
+            name=f"{d.kind} {d.model}".strip(),
+            footprint_bytes=d.peak_bytes or 0,
+            budget_bytes=d.budget_bytes,
+            booting=d.booting,
+        )
+        for d in decls
+    ]
+    declared = {d.root_pid for d in decls}
+    try:
+        trees = EngineFinder.from_settings(settings, settings.proc_root, any_user=True).find()
+    except OSError:
+        trees = []
+    for tree in trees:
+        if tree.root.pid in declared:
+            continue
+        out.append(Reservation(tree.kind, tree.root.pid, f"{tree.kind} {tree.root.display_name}", tree.rss_bytes))
+    return decls, out
+
+
+def _alive(pid: int, start_ticks: int, settings: Settings) -> bool:
+    from sparkwatch.common.sources.procs import read_start_ticks
+
+    return read_start_ticks(settings.proc_root, pid) == start_ticks
+
+
+def _budget(budget: int | str | None, needs: int, margin: int) -> int | None:
+    if budget == "auto":
+        return auto_budget(needs, margin)
+    if isinstance(budget, int):
+        return budget
+    return None
+
+
+def gather(settings: Settings, inputs: PlanInputs) -> tuple[Plan, PlanContext]:
+    """The plan for `inputs.argv` now. Raises ValueError for a flag value the engine would refuse."""
+    started = time.monotonic()
+    cmd = recognise(inputs.argv)
+    env = inputs.env
+    if cmd.kind == EngineKind.OTHER:
+        facts = ModelFacts(source="")
+    else:
+        facts = read_facts(cmd.model, env, cmd.flag("download_dir"), cmd.flag("revision"))
+    version = engine_version(cmd.argv, "vllm") if cmd.kind == EngineKind.VLLM else None
+    view = memory_view(settings, inputs.margin_bytes)
+    explicit = inputs.budget if isinstance(inputs.budget, int) else None
+    jobs_text = env.get("MAX_JOBS", "")
+    jobs = int(jobs_text) if jobs_text.isdigit() else None
+    reads = FreeSource(inputs.engine_reads) if inputs.engine_reads else None
+    est = estimate(cmd, facts, view, budget_bytes=explicit, jobs=jobs, engine_version=version, engine_reads=reads)
+    key = peaks.peak_key(cmd, explicit)
+    record = peakstore.load(settings.state_dir).get(key)
+    learned = None
+    if record is not None and record.peak_bytes > 0:
+        learned = Learned(record.peak_bytes, record.estimate_bytes or est.needs_bytes, record.runs, record.ready_s)
+    decls, reservations = running(settings, env, time.time())
+    needs = learned.peak_bytes if learned is not None else est.needs_bytes
+    budget = _budget(inputs.budget, needs, view.margin_bytes)
+    plan = decide(est, view, reservations, learned, budget)
+    ctx = PlanContext(
+        cmd=cmd,
+        facts=facts,
+        key=key,
+        engine_version=version,
+        estimate_bytes=est.needs_bytes,
+        available_at_plan_bytes=view.available_bytes,
+        declared=decls,
+        took_s=time.monotonic() - started,
+    )
+    return plan, ctx
+
+
+def replan(settings: Settings, inputs: PlanInputs, ctx: PlanContext) -> tuple[Plan, PlanContext]:
+    """The plan again after a fix (the pool changed; the checkpoint did not)."""
+    plan, new = gather(settings, inputs)
+    return plan, replace(new, facts=ctx.facts)
+
+
+# --- printing
+
+
+def _learned_line(plan: Plan) -> str | None:
+    learned = plan.learned
+    if learned is None:
+        return None
+    err = peaks.error_ratio(plan.estimate.needs_bytes, learned.peak_bytes)
+    err_text = "" if err is None else f", estimate {format_size(plan.estimate.needs_bytes)} ({err:+.0%})"
+    ready = "" if learned.ready_s is None else f", ready in {learned.ready_s:.0f} s"
+    return f"measured peak {format_size(learned.peak_bytes)} over {learned.runs} run(s){err_text}{ready}"
+
+
+def plan_text(plan: Plan, ctx: PlanContext, short: bool = False) -> str:
+    est = plan.estimate
+    view = plan.view
+    verdict = "fits" if plan.fits else f"does NOT fit (short by {format_size(plan.short_bytes)})"
+    head = f"sparkwatch: plan for {est.kind}" + (f" {est.model}" if est.model else "")
+    basis = "measured peak" if plan.learned is not None else "estimate"
+    summary = (
+        f"{head}: {basis} {format_size(plan.needs_bytes)}, {format_size(max(plan.available_bytes, 0))} free above "
+        f"floor {format_size(view.floor_bytes)} + margin {format_size(view.margin_bytes)}: {verdict}"
+    )
+    if short:
+        learned = _learned_line(plan)
+        return summary + (f"\nsparkwatch: {learned}" if learned else "")
+    lines = [summary, ""]
+    width = max(len(t.name) for t in est.terms)
+    for term in est.terms:
+        lines.append(f"  {term.name:<{width}}  {format_size(term.bytes):>10}  {term.note}")
+    lines.append(f"  {'needs':<{width}}  {format_size(est.needs_bytes):>10}  the peak phase")
+    learned = _learned_line(plan)
+    if learned:
+        lines.append(f"  {learned}")
+    lines.append("")
+    lines.append(
+        f"  MemAvailable {format_size(view.available_bytes)}, MemFree {format_size(view.free_bytes)}, "
+        f"page cache {format_size(view.cached_bytes)}, total {format_size(view.total_bytes)}"
+    )
+    if view.contiguous_free_bytes is not None:
+        lines.append(f"  free in blocks of 2 MiB or more: {format_size(view.contiguous_free_bytes)}")
+    reserved = [r for r in plan.reservations if r.reserved_bytes]
+    for r in reserved:
+        lines.append(f"  reserved for {r.name} (pid {r.root_pid}): {format_size(r.reserved_bytes)} of its budget")
+    check = est.check
+    if check is not None and check.required_bytes:
+        ok = "ok" if check.ok else "FAILS"
+        lines.append(
+            f"  engine check: {check.source} {format_size(check.value_bytes)} >= "
+            f"{format_size(check.required_bytes)}: {ok} ({check.why})"
+        )
+    if plan.budget_bytes is not None:
+        lines.append(f"  budget: {format_size(plan.budget_bytes)} (enforced by the guard)")
+    if ctx.facts.error and est.kind != EngineKind.OTHER:
+        lines.append(f"  note: {ctx.facts.error}")
+    for note in (*est.notes, *est.problems):
+        lines.append(f"  note: {note}")
+    for fix in plan.fixes:
+        lines.append(f"  fix: {fix.text}" + (" (--fix applies it)" if fix.automatic else ""))
+    return "\n".join(lines)
+
+
+def plan_json(plan: Plan, ctx: PlanContext) -> dict[str, Any]:
+    est = plan.estimate
+    view = plan.view
+    check = est.check
+    learned = plan.learned
+    return {
+        "fits": plan.fits,
+        "needs_bytes": plan.needs_bytes,
+        "available_bytes": plan.available_bytes,
+        "short_bytes": plan.short_bytes,
+        "terms": [{"name": t.name, "bytes": t.bytes, "note": t.note} for t in est.terms],
+        "estimate_bytes": est.needs_bytes,
+        "kind": str(est.kind),
+        "model": est.model,
+        "model_source": ctx.facts.source,
+        "weight_files": ctx.facts.files,
+        "key": ctx.key,
+        "engine_version": ".".join(map(str, ctx.engine_version)) if ctx.engine_version else None,
+        "engine_check": None
+        if check is None
+        else {
+            "reads": str(check.source),
+            "required_bytes": check.required_bytes,
+            "value_bytes": check.value_bytes,
+            "ok": check.ok,
+        },
+        "fragmented": plan.fragmented,
+        "budget_bytes": plan.budget_bytes,
+        "learned": None
+        if learned is None
+        else {
+            "peak_bytes": learned.peak_bytes,
+            "estimate_bytes": learned.estimate_bytes,
+            "runs": learned.runs,
+            "ready_s": learned.ready_s,
+            "estimate_error": peaks.error_ratio(est.needs_bytes, learned.peak_bytes),
+        },
+        "memory": {
+            "total_bytes": view.total_bytes,
+            "available_bytes": view.available_bytes,
+            "free_bytes": view.free_bytes,
+            "cached_bytes": view.cached_bytes,
+            "floor_bytes": view.floor_bytes,
+            "margin_bytes": view.margin_bytes,
+            "contiguous_free_bytes": view.contiguous_free_bytes,
+        },
+        "reserved": [
+            {"kind": r.kind, "root_pid": r.root_pid, "name": r.name, "reserved_bytes": r.reserved_bytes}
+            for r in plan.reservations
+        ],
+        "fixes": [{"action": str(f.action), "text": f.text, "automatic": f.automatic} for f in plan.fixes],
+        "notes": list(est.notes),
+        "problems": list(est.problems),
+        "plan_seconds": round(ctx.took_s, 4),
+    }

@@ -1,0 +1,33 @@
+"""The learned peaks file, `<state_dir>/peaks.json` (core.peaks decides what goes in it): bounded, atomic, strict."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from sparkwatch.common.durable import private_dir, read_regular, write_atomic
+from sparkwatch.common.wiretypes import WireError, from_json, to_json
+from sparkwatch.core.peaks import PeakRecord, trim
+
+PEAKS_FILE = "peaks.json"
+PEAKS_MAX_BYTES = 1 << 20
+
+
+def peaks_path(state_dir: Path) -> Path:
+    return state_dir / PEAKS_FILE
+
+
+def load(state_dir: Path) -> dict[str, PeakRecord]:
+    """Every record; an absent, unreadable or foreign file is no records (a plan then uses its estimate)."""
+    try:
+        raw = json.loads(read_regular(peaks_path(state_dir), PEAKS_MAX_BYTES))
+        records: dict[str, PeakRecord] = from_json(dict[str, PeakRecord], raw.get("peaks", {}), "peaks")
+    except (OSError, ValueError, WireError, AttributeError):
+        return {}
+    return records
+
+
+def save(state_dir: Path, records: dict[str, PeakRecord]) -> None:
+    private_dir(state_dir)
+    data = json.dumps({"version": 1, "peaks": to_json(trim(records))}, separators=(",", ":")).encode()
+    write_atomic(peaks_path(state_dir), data)

@@ -1,0 +1,93 @@
+"""Per-engine memory budgets: when a tree that has one dies, and how soon the guard looks at it again. Pure.
+
+A budget comes from `sparkwatch launch --budget` (the declaration) or the config (`engine_budgets`, matched like
+`kill_priority`: core.policy owns the pattern syntax). The guard feeds each budgeted tree's footprint
+(core.footprint) to `budget_step` on its pool-watch tick:
+- over `budget + margin` for `debounce_samples` consecutive samples: kill that tree alone (trigger `budget`), however
+  far the pool is from the floor. The margin (BUDGET_MARGIN_RATIO of the budget, at least BUDGET_MARGIN_MIN_BYTES)
+  absorbs the sampling noise of a footprint read from several sources at slightly different times;
+- at WARN_RATIO of the budget: one `budget_near` event, again only after it fell back under REARM_RATIO;
+- the next look comes after half the predicted time to the limit at the faster of the tree's measured growth and
+  trigger.REFERENCE_FILL_RATE_BYTES_PER_S, clamped to the guard's poll bounds: the floor loop's rule
+  (core.trigger.interval_for), applied to the distance to the budget instead of to the floor.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+from sparkwatch.core.trigger import FILL_RATE_TAU_S, interval_for
+from sparkwatch.core.units import MiB
+
+BUDGET_MARGIN_RATIO = 0.02
+BUDGET_MARGIN_MIN_BYTES = 256 * MiB
+WARN_RATIO = 0.90
+REARM_RATIO = 0.80
+
+
+@dataclass(frozen=True, slots=True)
+class BudgetParams:
+    debounce_samples: int = 2
+    poll_min_s: float = 0.05
+    poll_max_s: float = 1.0
+    margin_ratio: float = BUDGET_MARGIN_RATIO
+    margin_min_bytes: int = BUDGET_MARGIN_MIN_BYTES
+    warn_ratio: float = WARN_RATIO
+    rearm_ratio: float = REARM_RATIO
+
+
+@dataclass(frozen=True, slots=True)
+class BudgetState:
+    last_t: float | None = None
+    last_bytes: int | None = None
+    growth_bytes_per_s: float = 0.0  # smoothed, positive while the footprint grows
+    over_count: int = 0
+    warned: bool = False
+    peak_bytes: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class BudgetDecision:
+    kill: bool
+    warn: bool
+    next_interval_s: float
+    limit_bytes: int  # budget + margin: what the footprint must exceed to count as over
+    over_bytes: int  # footprint - budget (negative: under)
+
+
+def limit_bytes(budget_bytes: int, params: BudgetParams) -> int:
+    return budget_bytes + max(params.margin_min_bytes, math.ceil(budget_bytes * params.margin_ratio))
+
+
+def budget_step(
+    state: BudgetState, params: BudgetParams, t: float, footprint_bytes: int, budget_bytes: int
+) -> tuple[BudgetState, BudgetDecision]:
+    """Feed one footprint sample of one tree, taken at monotonic time `t`."""
+    rate = state.growth_bytes_per_s
+    if state.last_t is not None and state.last_bytes is not None and t > state.last_t:
+        dt = t - state.last_t
+        instant = (footprint_bytes - state.last_bytes) / dt
+        rate += (1.0 - math.exp(-dt / FILL_RATE_TAU_S)) * (instant - rate)
+    limit = limit_bytes(budget_bytes, params)
+    over = footprint_bytes > limit
+    count = state.over_count + 1 if over else 0
+    kill = count >= params.debounce_samples
+    warn = False
+    warned = state.warned
+    if not warned and footprint_bytes >= params.warn_ratio * budget_bytes:
+        warn, warned = True, True
+    elif warned and footprint_bytes < params.rearm_ratio * budget_bytes:
+        warned = False
+    counting = count > 0
+    interval = params.poll_min_s if counting else interval_for(limit - footprint_bytes, rate, params)
+    new = replace(
+        state,
+        last_t=t,
+        last_bytes=footprint_bytes,
+        growth_bytes_per_s=rate,
+        over_count=0 if kill else count,
+        warned=warned,
+        peak_bytes=max(state.peak_bytes, footprint_bytes),
+    )
+    return new, BudgetDecision(kill, warn, interval, limit, footprint_bytes - budget_bytes)

@@ -1,0 +1,251 @@
+"""Per-engine budgets, enforced in the guard process on the pool watch's own tick (no thread, no timer of its own).
+
+Which trees have a budget: a launched engine's declaration (`sparkwatch launch --budget`, trusted through
+guard.launchwatch), or the config's `engine_budgets` ('SIZE=regex', matched like kill_priority: core.policy owns the
+syntax). Only those trees are looked at, and only as often as their distance to the budget asks (core.budget):
+- discovery: a /proc scan (the guard's own scanner, its argv cache warm) finds the budgeted trees and their members,
+  every DISCOVER_EVERY_S, every NEAR_DISCOVER_EVERY_S while a tree is within WARN_RATIO of its budget, and at once
+  when a member died, a budgeted declaration appeared, or telemetry's count of engine trees changed (a hint from
+  its census, which runs every second anyway: a new engine is looked at within about a second);
+- sampling, between discoveries: the members' stat files (RSS), telemetry's per-pid GPU bytes (a hint with its age),
+  the scope's memory.current when the tree owns its cgroup, and while it is the only launched engine booting the
+  pool's drop since its launch (core.footprint: counted once);
+- over budget + margin for the guard's debounce: the killer kills that tree alone (trigger `budget`), recorded as
+  every kill is (the reaper writes the event); in dry-run the same decision is recorded and nothing is signalled;
+- at 90 %: one `budget_near` event (again only after it fell under 80 %).
+With no budget anywhere, `tick` returns at once: the idle guard pays one attribute check a tick.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from sparkwatch.common import logs
+from sparkwatch.common.launched import Declaration
+from sparkwatch.common.sources.cgroupmem import read_memory_current
+from sparkwatch.common.sources.procs import ProcScanner, parse_stat
+from sparkwatch.common.stats import BudgetStat
+from sparkwatch.core import budget as core
+from sparkwatch.core.engines import EngineRules, Scope, find_engine_trees
+from sparkwatch.core.eventkinds import EventKind
+from sparkwatch.core.footprint import Footprint, FootprintInputs, footprint, owned_scope
+from sparkwatch.core.model import EngineTree, Proc
+from sparkwatch.core.policy import GpuBytes, TreeKey, first_match
+from sparkwatch.core.units import format_size
+
+log = logs.get("guard")
+
+DISCOVER_EVERY_S = 5.0
+NEAR_DISCOVER_EVERY_S = 1.0
+_PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+@dataclass
+class Tracked:
+    key: TreeKey
+    tree: EngineTree
+    budget_bytes: int
+    source: str  # "launch" | "config"
+    decl: Declaration | None = None
+    state: core.BudgetState = field(default_factory=core.BudgetState)
+    next_t: float = 0.0
+    last: Footprint | None = None
+    killed: bool = False
+
+    @property
+    def name(self) -> str:
+        if self.decl is not None and self.decl.model:
+            return self.decl.model
+        return self.tree.root.display_name
+
+
+# What a budget kill hands to the pool watch: (tree, trigger facts) -> None. The pool watch owns the killer, the reaper
+# and the stats, and records the kill as it records every other.
+KillFn = Callable[[Tracked, Footprint], None]
+EventFn = Callable[[EventKind, str, dict[str, object], int, str], None]
+
+
+def read_member_rss(proc_root: str, members: Sequence[Proc]) -> tuple[int, int]:
+    """(RSS of the members still alive with their start time, how many are gone)."""
+    total = 0
+    gone = 0
+    for p in members:
+        try:
+            fd = os.open(f"{proc_root}/{p.pid}/stat", os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                data = os.read(fd, 4096)
+            finally:
+                os.close(fd)
+            _comm, state, _ppid, _flags, start, rss_pages = parse_stat(p.pid, data)
+        except (OSError, ValueError):
+            gone += 1
+            continue
+        if start != p.start_ticks or state in ("Z", "X"):
+            gone += 1
+            continue
+        total += rss_pages * _PAGE
+    return total, gone
+
+
+class BudgetWatch:
+    def __init__(
+        self,
+        proc_root: str,
+        scanner: ProcScanner,
+        kill: KillFn,
+        event: EventFn,
+    ) -> None:
+        self.proc_root = proc_root
+        self.scanner = scanner
+        self.kill = kill
+        self.event = event
+        self.tracked: dict[TreeKey, Tracked] = {}
+        self._next_discovery = 0.0
+        self._seen_declared: frozenset[TreeKey] = frozenset()
+        self._seen_engines: int | None = None
+        self.scans_total = 0
+        self.samples_total = 0
+
+    def active(self, config_budgets: Sequence[tuple[int, re.Pattern[str]]], launched: Sequence[Declaration]) -> bool:
+        return bool(config_budgets) or any(d.budget_bytes for d in launched) or bool(self.tracked)
+
+    def stats(self) -> list[BudgetStat]:
+        out = []
+        for t in self.tracked.values():
+            fp = t.last
+            out.append(
+                BudgetStat(
+                    root_pid=t.key[0],
+                    kind=t.tree.kind,
+                    name=t.name,
+                    budget_bytes=t.budget_bytes,
+                    footprint_bytes=None if fp is None else fp.bytes,
+                    footprint_source=None if fp is None else str(fp.source),
+                    peak_bytes=t.state.peak_bytes,
+                    budget_source=t.source,
+                )
+            )
+        return out
+
+    def tick(
+        self,
+        now: float,
+        available_bytes: int,
+        *,
+        rules: EngineRules,
+        scope: Scope,
+        params: core.BudgetParams,
+        config_budgets: Sequence[tuple[int, re.Pattern[str]]],
+        launched: Sequence[Declaration],
+        gpu: GpuBytes | None,
+        engines_hint: int | None = None,
+    ) -> float | None:
+        """One look at whatever budgeted tree is due. Returns the seconds until the next is due (None: no budgets).
+        `engines_hint`: telemetry's count of engine trees, whose change means a tree may have appeared."""
+        if not self.active(config_budgets, launched):
+            return None
+        budgeted = frozenset(d.tree_key for d in launched if d.budget_bytes)
+        if budgeted - self._seen_declared or (engines_hint is not None and engines_hint != self._seen_engines):
+            self._next_discovery = now
+        self._seen_declared, self._seen_engines = budgeted, engines_hint
+        if now >= self._next_discovery:
+            self._discover(now, rules, scope, config_budgets, launched)
+        booting = [d for d in launched if d.booting]
+        for t in list(self.tracked.values()):
+            if t.killed or now < t.next_t:
+                continue
+            fp, gone = self._footprint(t, now, available_bytes, gpu, sole_booting=len(booting) == 1)
+            self.samples_total += 1
+            if gone:
+                self._next_discovery = now  # a member died: see the tree as it is now
+            if gone >= len(t.tree.members):
+                del self.tracked[t.key]
+                continue
+            t.last = fp
+            t.state, decision = core.budget_step(t.state, params, now, fp.bytes, t.budget_bytes)
+            t.next_t = now + decision.next_interval_s
+            if decision.warn:
+                self._warn(t, fp, decision.limit_bytes)
+            if fp.bytes >= params.warn_ratio * t.budget_bytes:
+                self._next_discovery = min(self._next_discovery, now + NEAR_DISCOVER_EVERY_S)
+            if decision.kill:
+                t.killed = True
+                self.kill(t, fp)
+        due = [t.next_t for t in self.tracked.values() if not t.killed]
+        wake = min([*due, self._next_discovery]) if due else self._next_discovery
+        return max(wake - now, 0.0)
+
+    def _discover(
+        self,
+        now: float,
+        rules: EngineRules,
+        scope: Scope,
+        config_budgets: Sequence[tuple[int, re.Pattern[str]]],
+        launched: Sequence[Declaration],
+    ) -> None:
+        self._next_discovery = now + DISCOVER_EVERY_S
+        by_key = {d.tree_key: d for d in launched}
+        declared = {d.tree_key: (d.kind, d.uid) for d in launched}
+        procs = self.scanner.scan().procs
+        self.scans_total += 1
+        seen: set[TreeKey] = set()
+        for tree in find_engine_trees(procs, rules, scope, declared=declared):
+            key = tree.root.key
+            decl = by_key.get(key)
+            budget, source = (decl.budget_bytes, "launch") if decl is not None and decl.budget_bytes else (None, "")
+            if budget is None:
+                budget, source = first_match(tree, config_budgets), "config"
+            if budget is None:
+                continue
+            seen.add(key)
+            old = self.tracked.get(key)
+            if old is None:
+                self.tracked[key] = Tracked(key, tree, budget, source, decl)
+            else:
+                old.tree, old.budget_bytes, old.source, old.decl = tree, budget, source, decl
+        for key in list(self.tracked):
+            if key not in seen and not self.tracked[key].killed:
+                del self.tracked[key]
+            elif key not in seen and self.tracked[key].killed:
+                del self.tracked[key]  # its kill is the reaper's now
+
+    def _footprint(
+        self, t: Tracked, now: float, available_bytes: int, gpu: GpuBytes | None, *, sole_booting: bool
+    ) -> tuple[Footprint, int]:
+        rss, gone = read_member_rss(self.proc_root, t.tree.members)
+        gpu_bytes = gpu_age = None
+        if gpu is not None:
+            taken_at, by_pid = gpu
+            gpu_age = now - taken_at
+            gpu_bytes = sum(by_pid.get(p.pid, 0) for p in t.tree.members)
+        decl = t.decl
+        cgroup = read_memory_current(owned_scope(t.tree.root.cgroup, decl.cgroup if decl is not None else None))
+        drop = None
+        if decl is not None and decl.booting and sole_booting and decl.available_at_launch_bytes:
+            drop = max(decl.available_at_launch_bytes - available_bytes, 0)
+        inputs = FootprintInputs(rss, gpu_bytes, gpu_age, cgroup, drop)
+        return footprint(inputs), gone
+
+    def _warn(self, t: Tracked, fp: Footprint, limit: int) -> None:
+        share = fp.bytes / t.budget_bytes
+        summary = (
+            f"{t.tree.kind} {t.name!r} (root pid {t.key[0]}) holds {format_size(fp.bytes)}, {share:.0%} of its budget "
+            f"{format_size(t.budget_bytes)} ({t.source}); past {format_size(limit)} the guard kills it."
+        )
+        fields: dict[str, object] = {
+            "engine": t.tree.kind,
+            "root_pid": t.key[0],
+            "name": t.name,
+            "budget_bytes": t.budget_bytes,
+            "footprint_bytes": fp.bytes,
+            "footprint_source": str(fp.source),
+            "budget_source": t.source,
+        }
+        self.event(EventKind.BUDGET_NEAR, summary, fields, logging.WARNING, f"sparkwatch: WARNING {summary}")
+
+    def forget(self, key: TreeKey) -> None:
+        self.tracked.pop(key, None)

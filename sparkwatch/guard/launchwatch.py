@@ -1,0 +1,216 @@
+"""The engines `sparkwatch launch` declared (common.launched), as the guard knows them: who they are, and their events.
+
+The pool watch calls `poll()` on its tick: one stat per declarations directory; files are read again only when a
+directory changed (common.launched.LaunchedWatch). A declaration is trusted only for the process it names, checked
+here in /proc: the same pid and start time, owned by the uid whose file it is (never another user's or root's
+process on a user's word). Trusted declarations are engines for the guard's tree building (core.engines, by
+(pid, start_ticks)), and the guard records what it sees of them, so one writer keeps events.jsonl:
+- `engine_started` when a declared root appears (declarations made before this guard started are taken as already
+  recorded: a restarted guard does not repeat them);
+- `engine_ready` when its boot phase reaches ready, with the seconds to ready and the peak launch measured;
+- `engine_exited` when launch declares the exit (exit code or signal) or the root is gone, with `killed_by`
+  `sparkwatch` when this guard killed it (`note_kill`).
+Liveness of declared roots is checked at most once a second (a stat read per declared engine).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from sparkwatch.common import logs
+from sparkwatch.common.launched import Declaration, LaunchedWatch, launched_dirs
+from sparkwatch.common.sources.procs import read_start_ticks
+from sparkwatch.core.bootphase import BootPhase
+from sparkwatch.core.engines import Declared
+from sparkwatch.core.eventkinds import EventKind
+from sparkwatch.core.units import format_size
+
+log = logs.get("guard")
+
+LIVENESS_EVERY_S = 1.0
+# A declaration made this long before the guard started is taken as already recorded by an earlier guard.
+STARTED_BEFORE_US_S = 5.0
+KILLS_REMEMBERED = 64
+EXIT_WORD_WAIT_S = 5.0
+
+# Records an event on the reaper's thread: (kind, summary, fields, log level, log line).
+Recorder = Callable[[EventKind, str, dict[str, object], int, str], None]
+
+
+@dataclass
+class _Seen:
+    decl: Declaration
+    trusted: bool
+    started: bool
+    ready: bool
+    exited: bool
+    gone_since: float | None = None
+
+
+def _uid_of(proc_root: str, pid: int) -> int | None:
+    try:
+        return os.stat(f"{proc_root}/{pid}").st_uid
+    except OSError:
+        return None
+
+
+class LaunchedEngines:
+    def __init__(self, dirs: Sequence[Path], proc_root: str, record: Recorder, now_wall: float | None = None) -> None:
+        self.watch = LaunchedWatch(dirs)
+        self.proc_root = proc_root
+        self.record = record
+        self.started_at = time.time() if now_wall is None else now_wall
+        self._seen: dict[tuple[int, int], _Seen] = {}
+        self._next_liveness = 0.0
+        self._kills: dict[tuple[int, int], str] = {}  # tree key -> trigger, for engine_exited's killed_by
+        # What other threads read (the scout): replaced whole after each poll, never mutated.
+        self._declared: Declared = {}
+        self._live: tuple[Declaration, ...] = ()
+
+    @classmethod
+    def for_settings(cls, state_dir: Path, proc_root: Path, record: Recorder) -> LaunchedEngines:
+        return cls(launched_dirs(os.environ, state_dir), str(proc_root), record)
+
+    # --- what the guard uses
+    def declared(self) -> Declared:
+        """(pid, start_ticks) -> (kind, uid) of every trusted, live declared root (safe from any thread)."""
+        return self._declared
+
+    def live(self) -> tuple[Declaration, ...]:
+        return self._live
+
+    def note_kill(self, key: tuple[int, int], trigger: str) -> None:
+        self._kills[key] = trigger
+        while len(self._kills) > KILLS_REMEMBERED:
+            self._kills.pop(next(iter(self._kills)))
+
+    # --- the tick
+    def poll(self, now: float) -> None:
+        """Read what changed; record what happened. Never raises (a bad file is counted by the watch)."""
+        try:
+            decls = self.watch.poll()
+        except OSError as exc:
+            log.warning("launched engines: %s", exc)
+            return
+        current = {d.tree_key: d for d in decls}
+        check_live = now >= self._next_liveness
+        if check_live:
+            self._next_liveness = now + LIVENESS_EVERY_S
+        for key, decl in current.items():
+            seen = self._seen.get(key)
+            if seen is None:
+                trusted = self._trusted(decl)
+                old = decl.launched_at < self.started_at - STARTED_BEFORE_US_S
+                seen = _Seen(decl, trusted, started=old, ready=old and not decl.booting, exited=False)
+                if decl.exited_at is not None and old:
+                    seen.exited = True
+                self._seen[key] = seen
+            else:
+                seen.decl = decl
+            if not seen.trusted:
+                continue
+            if not seen.started:
+                seen.started = True
+                self._started(decl)
+            if decl.phase == BootPhase.READY and not seen.ready:
+                seen.ready = True
+                self._ready(decl)
+            if not seen.exited and (decl.exited_at is not None or (check_live and self._gone(seen, now))):
+                seen.exited = True
+                self._exited(decl)
+        for key in list(self._seen):
+            if key not in current:
+                seen = self._seen.pop(key)
+                if seen.trusted and not seen.exited and not self._alive(seen.decl):
+                    self._exited(seen.decl)  # the file went with its engine (a launcher that cleaned up early)
+                elif seen.trusted and not seen.exited:
+                    self._seen[key] = seen  # the file is gone, the engine is not: keep guarding it
+        live = [s for s in self._seen.values() if s.trusted and not s.exited]
+        self._live = tuple(s.decl for s in live)
+        self._declared = {s.decl.tree_key: (s.decl.kind, s.decl.uid) for s in live}
+        for key in [k for k, s in self._seen.items() if s.exited and k not in current]:
+            del self._seen[key]  # bounded: an exited engine whose file is gone is forgotten
+
+    def _trusted(self, decl: Declaration) -> bool:
+        ok = read_start_ticks(self.proc_root, decl.root_pid) == decl.start_ticks
+        uid = _uid_of(self.proc_root, decl.root_pid)
+        if decl.exited_at is not None:
+            return uid is None or uid == decl.uid  # gone: the file's owner check (common.launched) is all there is
+        return ok and uid == decl.uid
+
+    def _alive(self, decl: Declaration) -> bool:
+        return read_start_ticks(self.proc_root, decl.root_pid) == decl.start_ticks
+
+    def _gone(self, seen: _Seen, now: float) -> bool:
+        """The root exited and its launcher will not say how: it is gone too, or EXIT_WORD_WAIT_S passed (launch
+        declares the exit right after its wait, before it ends what is left of the tree)."""
+        if self._alive(seen.decl):
+            seen.gone_since = None
+            return False
+        if seen.gone_since is None:
+            seen.gone_since = now
+        launcher = read_start_ticks(self.proc_root, seen.decl.launcher_pid) is not None
+        return not launcher or now - seen.gone_since >= EXIT_WORD_WAIT_S
+
+    # --- events
+    @staticmethod
+    def _fields(decl: Declaration) -> dict[str, object]:
+        return {
+            "engine": decl.kind,
+            "root_pid": decl.root_pid,
+            "model": decl.model,
+            "key": decl.key,
+            "budget_bytes": decl.budget_bytes,
+            "estimate_bytes": decl.estimate_bytes,
+            "launched_at": decl.launched_at,
+            "uid": decl.uid,
+        }
+
+    def _started(self, decl: Declaration) -> None:
+        budget = f", budget {format_size(decl.budget_bytes)}" if decl.budget_bytes else ""
+        summary = f"Launched {decl.kind} {decl.model} (root pid {decl.root_pid}{budget})."
+        self.record(EventKind.ENGINE_STARTED, summary, self._fields(decl), logging.INFO, f"sparkwatch: {summary}")
+
+    def _ready(self, decl: Declaration) -> None:
+        peak = "" if decl.peak_bytes is None else f", peak {format_size(decl.peak_bytes)}"
+        took = decl.ready_s or 0.0
+        summary = f"{decl.kind} {decl.model} (root pid {decl.root_pid}) is ready after {took:.0f} s{peak}."
+        fields = {
+            **self._fields(decl),
+            "seconds_to_ready": decl.ready_s,
+            "peak_bytes": decl.peak_bytes,
+            "phases": [{"phase": str(p), "at": at} for p, at in decl.phases],
+        }
+        self.record(EventKind.ENGINE_READY, summary, fields, logging.INFO, f"sparkwatch: {summary}")
+
+    def _exited(self, decl: Declaration) -> None:
+        trigger = self._kills.get(decl.tree_key)
+        if decl.exit_signal is not None:
+            how = f"killed by signal {decl.exit_signal}"
+        elif decl.exit_code is not None:
+            how = f"exit code {decl.exit_code}"
+        else:
+            how = "exit status unknown (its launcher is gone)"
+        by = f"; killed by sparkwatch (trigger {trigger})" if trigger else ""
+        ran = (decl.exited_at or time.time()) - decl.launched_at
+        summary = f"{decl.kind} {decl.model} (root pid {decl.root_pid}) exited after {ran:.0f} s: {how}{by}."
+        fields = {
+            **self._fields(decl),
+            "exit_code": decl.exit_code,
+            "signal": decl.exit_signal,
+            "killed_by": "sparkwatch" if trigger else None,
+            "trigger": trigger,
+            "phase": str(decl.phases[-2][0] if decl.phase == BootPhase.EXITED and len(decl.phases) > 1 else decl.phase),
+            "peak_bytes": decl.peak_bytes,
+            "ran_s": round(ran, 3),
+        }
+        self.record(EventKind.ENGINE_EXITED, summary, fields, logging.INFO, f"sparkwatch: {summary}")
+
+
+def declared_of(engines: LaunchedEngines | None) -> Mapping[tuple[int, int], tuple[str, int]]:
+    return {} if engines is None else engines.declared()

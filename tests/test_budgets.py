@@ -1,0 +1,116 @@
+"""Per-engine budgets with a real daemon, real processes and real memory (bounded relative to MemAvailable, under the
+pressure lock): an engine under its budget is never touched; one that grows past it dies alone, with the pool far
+above the floor, while a steady one beside it lives; a config budget applies to an engine not started by launch; a dry
+run records the same decision and signals nothing."""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from sparkwatch.common.events import read_events
+from sparkwatch.common.sources.meminfo import MeminfoReader
+from tests.conftest import Spawner, alive, pids_in, require
+from tests.daemon import sparkwatch_run, wait_for_event
+from tests.launchbox import Box, box_for, fitting_util, small_args, small_model, wait_ready
+
+pytestmark = pytest.mark.pressure
+MiB = 1 << 20
+GiB = 1 << 30
+
+
+@pytest.fixture
+def box(tmp_path: Path) -> Iterator[Box]:
+    yield from box_for(tmp_path)
+
+
+def enough_memory(need: int) -> None:
+    with MeminfoReader() as r:
+        avail = r.read().available_bytes
+    require(
+        avail > need + 2 * GiB, f"needs {need >> 20} MiB more than the 2 GiB kept free; {avail >> 20} MiB available"
+    )
+
+
+def kills(events_path: Path) -> list[dict[str, Any]]:
+    return [e for e in read_events(events_path) if e["kind"] == "kill"]
+
+
+def test_an_engine_over_its_budget_dies_alone_far_above_the_floor_and_a_steady_one_lives(
+    box: Box, tmp_path: Path
+) -> None:
+    enough_memory(2 * GiB)
+    with sparkwatch_run(tmp_path, env={"XDG_RUNTIME_DIR": str(box.run_dir)}) as daemon:
+        (tmp_path / "a").mkdir()
+        (tmp_path / "b").mkdir()
+        steady_model, runaway_model = small_model(tmp_path / "a"), small_model(tmp_path / "b")
+        steady = box.launch("--budget", "1GiB", "-q", "--", *small_args(steady_model, fitting_util()),
+                            "--phase-mib", "loading_weights=200", "--phase-s", "0.1",
+                            "--pidfile", str(box.pidfile))  # fmt: skip
+        ready = wait_ready(box)
+        runaway = box.launch("--budget", "600MiB", "-q", "--", *small_args(runaway_model, fitting_util()),
+                             "--phase-mib", "loading_weights=100", "--phase-s", "0.1", "--grow-mib-per-s", "400",
+                             "--grow-limit-mib", "1800", "--pidfile", str(box.pidfile))  # fmt: skip
+        _out, err = runaway.communicate(timeout=60)
+        assert runaway.returncode == 137, err.decode()
+        line = next(x for x in err.decode().splitlines() if "the guard killed" in x)
+        assert "trigger budget" in line and "over its budget" in line
+        event: dict[str, Any] = wait_for_event(daemon.events_path, "kill")
+        assert event["trigger"] == "budget" and event["budget_source"] == "launch"
+        assert event["budget_bytes"] == 600 * MiB
+        assert event["footprint_bytes"] > 600 * MiB + 256 * MiB  # past budget + margin
+        assert event["mem_available_bytes"] > 1 * GiB + event["floor_bytes"]  # far above the floor
+        killed = {v["pid"] for v in event["victims"]}
+        # The steady engine, under its budget, was never touched and still serves.
+        assert alive(int(ready["root_pid"]), int(ready["start_ticks"]))
+        assert int(ready["root_pid"]) not in killed
+        assert len(kills(daemon.events_path)) == 1
+        with urllib.request.urlopen(f"http://127.0.0.1:{daemon.port}/metrics", timeout=5) as resp:
+            text = resp.read().decode()
+        assert f'sparkwatch_engine_budget_bytes{{engine="vllm",name="{steady_model}",pid="{ready["root_pid"]}"' in text
+        exited = wait_for_event(daemon.events_path, "engine_exited")
+        assert exited["killed_by"] == "sparkwatch" and exited["trigger"] == "budget"
+        steady.terminate()
+        steady.communicate(timeout=30)
+
+
+def test_a_config_budget_applies_to_an_engine_not_started_by_launch(tmp_path: Path, spawner: Spawner) -> None:
+    enough_memory(1500 * MiB)
+    budgets = json.dumps(["400MiB=sw-budget-me"])
+    with sparkwatch_run(tmp_path, env={"SPARKWATCH_ENGINE_BUDGETS": budgets}) as daemon:
+        spare = tmp_path / "spare.pids"
+        spawner.engine("--title", "VLLM::EngineCore_spare", "--hog-rate-mib", "200", "--hog-limit-mib", "200",
+                       pidfile=spare, wait_for=2)  # fmt: skip
+        pidfile = tmp_path / "tree.pids"
+        spawner.engine("--title", "VLLM::EngineCore_sw-budget-me", "--hog-rate-mib", "300",
+                       "--hog-limit-mib", "1200", pidfile=pidfile, wait_for=2)  # fmt: skip
+        event: dict[str, Any] = wait_for_event(daemon.events_path, "kill", timeout_s=60)
+        assert event["trigger"] == "budget" and event["budget_source"] == "config"
+        assert event["budget_bytes"] == 400 * MiB
+        victims = {v["pid"] for v in event["victims"]}
+        assert victims == set(pids_in(pidfile))
+        time.sleep(0.5)
+        assert all(alive(pid, ticks) for pid, (ticks, _r) in pids_in(spare).items())  # no budget: untouched
+        near = wait_for_event(daemon.events_path, "budget_near")
+        assert near["root_pid"] in victims
+
+
+def test_a_dry_run_records_the_same_decision_and_signals_nothing(tmp_path: Path, spawner: Spawner) -> None:
+    enough_memory(1200 * MiB)
+    budgets = json.dumps(["300MiB=sw-budget-dry"])
+    with sparkwatch_run(tmp_path, "--dry-run", env={"SPARKWATCH_ENGINE_BUDGETS": budgets}) as daemon:
+        pidfile = tmp_path / "tree.pids"
+        spawner.engine("--title", "VLLM::EngineCore_sw-budget-dry", "--hog-rate-mib", "300",
+                       "--hog-limit-mib", "800", pidfile=pidfile, wait_for=2)  # fmt: skip
+        event: dict[str, Any] = wait_for_event(daemon.events_path, "kill", timeout_s=60)
+        assert event["trigger"] == "budget" and event["dry_run"] is True and event["method"] == "dry-run"
+        assert {v["pid"] for v in event["victims"]} == set(pids_in(pidfile))
+        time.sleep(1.0)
+        assert all(alive(pid, ticks) for pid, (ticks, _r) in pids_in(pidfile).items())
+        assert len(kills(daemon.events_path)) == 1  # one decision, not one per tick

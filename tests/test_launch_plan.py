@@ -1,0 +1,398 @@
+"""The launch plan: the engine command-line recogniser, the checkpoint reader (sizes only, the HF cache layout, GGUF
+headers) and the estimate and fit decision, including the properties that must hold for any pool."""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sparkwatch.common.sources.checkpoint import gguf_metadata, hub_cache, read_facts, resolve
+from sparkwatch.core.enginecli import human_readable_int, recognise
+from sparkwatch.core.plan import (
+    FixAction,
+    FreeSource,
+    Learned,
+    MemoryView,
+    ModelFacts,
+    Reservation,
+    decide,
+    estimate,
+    fix_line,
+    jit_jobs,
+    kv_bytes_per_token,
+    sglang_default_fraction,
+)
+from sparkwatch.core.units import GiB, MiB
+
+GB10_TOTAL = 127_600_748 * 1024  # MemTotal of a DGX Spark (XuehaiPan/nvitop#208)
+QWEN3_8B = ModelFacts(
+    source="/m",
+    weights_bytes=16 * GiB,
+    files=5,
+    format="safetensors",
+    layers=36,
+    kv_heads=8,
+    head_dim=128,
+    dtype_bytes=2,
+    hidden_size=4096,
+    intermediate_size=12288,
+    vocab_size=151936,
+    max_len=40960,
+)
+
+
+def view(available: int = 110 * GiB, free: int | None = None, **kw: int) -> MemoryView:
+    return MemoryView(
+        total_bytes=kw.pop("total", GB10_TOTAL),
+        available_bytes=available,
+        free_bytes=available if free is None else free,
+        cached_bytes=kw.pop("cached", 2 * GiB),
+        floor_bytes=kw.pop("floor", 8 * GiB),
+        margin_bytes=kw.pop("margin", 1 * GiB),
+        contiguous_free_bytes=kw.pop("contiguous", None),
+        cpus=kw.pop("cpus", 20),
+    )
+
+
+# --- the recogniser
+
+
+@pytest.mark.parametrize(
+    ("argv", "kind", "model", "flags"),
+    [
+        (["vllm", "serve", "Qwen/Qwen3-8B", "--gpu-memory-utilization", "0.8"], "vllm", "Qwen/Qwen3-8B",
+         {"gpu_memory_utilization": "0.8"}),
+        # FlexibleArgumentParser: underscores become dashes, --key=value, unambiguous prefixes
+        (["/venv/bin/vllm", "serve", "m", "--gpu_memory_utilization=0.7", "--kv-cache-memory=20G"], "vllm", "m",
+         {"gpu_memory_utilization": "0.7", "kv_cache_memory_bytes": "20G"}),
+        (["vllm", "serve", "--model", "org/x", "-tp", "2", "--enforce-eager"], "vllm", "org/x",
+         {"model": "org/x", "tensor_parallel_size": "2", "enforce_eager": ""}),
+        (["vllm", "serve"], "vllm", "Qwen/Qwen3-0.6B", {}),
+        (["python3", "-m", "vllm.entrypoints.openai.api_server", "--model", "m", "--max-model-len", "32k"], "vllm",
+         "m", {"model": "m", "max_model_len": "32k"}),
+        (["env", "CUDA_VISIBLE_DEVICES=0", "uv", "run", "vllm", "serve", "m"], "vllm", "m", {}),
+        (["python", "-m", "sglang.launch_server", "--model-path", "m", "--mem-fraction-static", "0.8"], "sglang",
+         "m", {"model": "m", "mem_fraction_static": "0.8"}),
+        (["sglang", "serve", "m", "--context-length", "8192"], "sglang", "m", {"max_model_len": "8192"}),
+        (["./llama-server", "-m", "x.gguf", "-c", "32768", "-ngl", "99", "-ctk", "q8_0"], "llama.cpp", "x.gguf",
+         {"model": "x.gguf", "ctx_size": "32768", "n_gpu_layers": "99", "cache_type_k": "q8_0"}),
+        (["python", "train.py"], "other", None, {}),
+        (["vim", "serve_vllm.sh"], "other", None, {}),
+    ],
+)  # fmt: skip
+def test_recognises_engines_as_their_own_clis_do(
+    argv: list[str], kind: str, model: str | None, flags: dict[str, str]
+) -> None:
+    cmd = recognise(argv)
+    assert cmd.kind == kind
+    assert cmd.model == model
+    for key, value in flags.items():
+        assert cmd.flags.get(key) == value, (key, cmd.flags)
+
+
+def test_human_readable_int_is_vllms() -> None:
+    assert human_readable_int("25.6k") == 25600
+    assert human_readable_int("1K") == 1024
+    assert human_readable_int("2G") == 2 << 30
+    with pytest.raises(ValueError, match="decimals"):
+        human_readable_int("1.5K")
+
+
+# --- KV cache
+
+
+def test_kv_bytes_per_token_matches_vllms_page_size() -> None:
+    # 2 × 36 layers × 8 heads × 128 dims × 2 bytes = 147,456 bytes a token (Qwen3-8B in bf16)
+    assert kv_bytes_per_token(QWEN3_8B) == 147_456
+    assert kv_bytes_per_token(QWEN3_8B, kv_dtype_bytes=1.0) == 73_728  # fp8 KV
+    assert kv_bytes_per_token(QWEN3_8B, tp=2) == 73_728  # per rank
+    mla = ModelFacts(source="", layers=61, mla_dim=512 + 64, dtype_bytes=2)
+    assert kv_bytes_per_token(mla) == 61 * 576 * 2  # MLA: one latent head, no factor of 2
+    assert kv_bytes_per_token(ModelFacts(source="")) is None
+
+
+# --- estimates
+
+
+def test_vllm_footprint_is_utilization_times_total_and_its_own_check_reads_memavailable() -> None:
+    cmd = recognise(["vllm", "serve", "m", "--gpu-memory-utilization", "0.7"])
+    est = estimate(cmd, QWEN3_8B, view(), jobs=1)
+    terms = {t.name: t.bytes for t in est.terms}
+    assert terms["weights"] == 16 * GiB
+    assert est.needs_bytes == pytest.approx(0.7 * GB10_TOTAL, rel=0.001)  # the KV cache fills the rest
+    assert est.check is not None and est.check.source == FreeSource.MEM_AVAILABLE
+    assert est.check.required_bytes == pytest.approx(0.7 * GB10_TOTAL, abs=1)
+
+
+def test_the_jit_burst_is_sized_to_what_the_weights_leave_and_never_alongside_the_kv_cache() -> None:
+    cmd = recognise(["vllm", "serve", "m", "--kv-cache-memory-bytes", "4G", "--max-model-len", "8192", "-O3",
+                     "--gpu-memory-utilization", "0.5"])  # fmt: skip
+    est = estimate(cmd, QWEN3_8B, view(available=110 * GiB))
+    terms = {t.name: t.bytes for t in est.terms}
+    # (110 GiB - weights, activations and overhead - 16 GiB headroom) // 8 GiB = 9 jobs
+    assert est.jobs == 9 and terms["jit_workers"] == 9 * 8 * GiB
+    rest = terms["weights"] + terms["activation_peak"] + terms["runtime_overhead"]
+    assert est.needs_bytes == rest + max(terms["kv_cache"] + terms["cuda_graphs"], terms["jit_workers"])
+    assert decide(est, view(available=110 * GiB)).fits  # MAX_JOBS is sized so that the burst fits
+
+
+def test_vllm_default_092_does_not_fit_a_spark_above_the_floor_and_the_fix_names_the_utilization() -> None:
+    cmd = recognise(["vllm", "serve", "m"])
+    v = view(available=118 * GiB)
+    plan = decide(estimate(cmd, QWEN3_8B, v), v)
+    assert not plan.fits  # 0.92 × 121.7 GiB leaves MemAvailable under the 8 GiB floor
+    fix = next(f for f in plan.fixes if f.action == FixAction.LOWER_FLAG)
+    util = float(fix.text.split()[-1])
+    replanned = decide(
+        estimate(recognise(["vllm", "serve", "m", "--gpu-memory-utilization", str(util)]), QWEN3_8B, v), v
+    )
+    assert replanned.fits, fix_line(replanned)
+    assert "short by" in fix_line(plan) and "--gpu-memory-utilization" in fix_line(plan)
+
+
+def test_kv_cache_memory_bytes_skips_utilization_and_sizes_the_kv_term() -> None:
+    cmd = recognise(["vllm", "serve", "m", "--kv-cache-memory-bytes", "20G", "--max-model-len", "8192"])
+    est = estimate(cmd, QWEN3_8B, view(), jobs=1)
+    assert {t.name: t.bytes for t in est.terms}["kv_cache"] == 20 << 30
+    assert est.needs_bytes < 0.5 * GB10_TOTAL
+
+
+def test_with_kv_cache_memory_bytes_vllms_start_check_still_wants_the_utilization() -> None:
+    cmd = recognise(["vllm", "serve", "m", "--kv-cache-memory-bytes", "4G", "--max-model-len", "8192"])
+    v = view(available=110 * GiB)
+    plan = decide(estimate(cmd, QWEN3_8B, v, jobs=1), v)
+    assert not plan.fits and plan.estimate.check is not None and not plan.estimate.check.ok
+    assert any(f.text.startswith("--gpu-memory-utilization 0.90") for f in plan.fixes), plan.fixes  # 110 of 121.7
+    fixed = recognise([*cmd.argv, "--gpu-memory-utilization", "0.90"])
+    assert decide(estimate(fixed, QWEN3_8B, v, jobs=1), v).fits
+
+
+def test_a_kv_cache_under_one_sequence_is_a_problem_with_a_max_model_len_fix() -> None:
+    cmd = recognise(["vllm", "serve", "m", "--kv-cache-memory-bytes", "1G"])  # 1 GiB: ~7,281 tokens < 40,960
+    plan = decide(estimate(cmd, QWEN3_8B, view()), view())
+    assert not plan.fits and plan.estimate.problems
+    assert any(f.text == "--max-model-len 7168" for f in plan.fixes)
+
+
+def test_sglang_keeps_its_fraction_of_free_memory() -> None:
+    frac = sglang_default_fraction(GB10_TOTAL, 8192, 1)
+    assert 0.88 < frac < 0.90  # reserved 13.1 GiB of 121.7 GiB
+    cmd = recognise(["python", "-m", "sglang.launch_server", "--model-path", "m", "--mem-fraction-static", "0.5"])
+    est = estimate(cmd, QWEN3_8B, view(available=100 * GiB))
+    terms = {t.name: t.bytes for t in est.terms}
+    assert terms["weights"] + terms["kv_cache"] == 50 * GiB
+
+
+def test_llama_cpp_kv_is_context_times_bytes_per_token() -> None:
+    cmd = recognise(["llama-server", "-m", "x.gguf", "-c", "32768", "-ctk", "q8_0", "-ctv", "q8_0"])
+    est = estimate(cmd, QWEN3_8B, view())
+    kv = {t.name: t.bytes for t in est.terms}["kv_cache"]
+    assert kv == int(2 * 36 * 8 * 128 * 34 / 32) * 32768
+
+
+def test_a_users_max_jobs_that_does_not_fit_is_named_in_the_fix() -> None:
+    cmd = recognise(["llama-server", "-m", "x.gguf", "-c", "4096"])
+    cmd = recognise(["vllm", "serve", "m", "--kv-cache-memory-bytes", "2G", "--gpu-memory-utilization", "0.3",
+                     "--max-model-len", "4096"])  # fmt: skip
+    v = view(available=60 * GiB)
+    plan = decide(estimate(cmd, QWEN3_8B, v, jobs=10), v)  # MAX_JOBS=10: 80 GiB of compilers
+    assert not plan.fits
+    fix = next(f for f in plan.fixes if f.text.startswith("MAX_JOBS="))
+    jobs = int(fix.text.split()[0].split("=")[1])
+    assert decide(estimate(cmd, QWEN3_8B, v, jobs=jobs), v).fits
+
+
+def test_other_commands_need_a_budget() -> None:
+    with pytest.raises(ValueError, match="--budget"):
+        estimate(recognise(["python", "x.py"]), ModelFacts(source=""), view())
+    est = estimate(recognise(["python", "x.py"]), ModelFacts(source=""), view(), budget_bytes=10 * GiB)
+    assert est.needs_bytes == 10 * GiB
+
+
+def test_memfree_readers_are_cured_by_dropping_the_page_cache() -> None:
+    cmd = recognise(["vllm", "serve", "m", "--gpu-memory-utilization", "0.5"])
+    v = view(available=110 * GiB, free=40 * GiB, cached=70 * GiB)
+    plan = decide(estimate(cmd, QWEN3_8B, v, engine_reads=FreeSource.MEM_FREE), v)
+    assert not plan.fits
+    assert plan.fixes[0].action == FixAction.DROP_CACHES and plan.fixes[0].automatic
+    ok = decide(estimate(cmd, QWEN3_8B, v, engine_reads=FreeSource.MEM_AVAILABLE), v)
+    assert ok.fits
+
+
+def test_an_old_vllm_reads_memfree() -> None:
+    est = estimate(recognise(["vllm", "serve", "m"]), QWEN3_8B, view(), engine_version=(0, 11, 0))
+    assert est.check is not None and est.check.source == FreeSource.MEM_FREE
+    assert est.needs_bytes == pytest.approx(0.9 * GB10_TOTAL, rel=0.001)  # 0.11.0's default utilization
+
+
+def test_fragmented_pool_is_compacted_first() -> None:
+    cmd = recognise(["llama-server", "-m", "x.gguf", "-c", "4096"])
+    v = view(available=100 * GiB, contiguous=2 * GiB)
+    plan = decide(estimate(cmd, QWEN3_8B, v), v)
+    assert plan.fragmented and not plan.fits
+    assert plan.fixes[0].action == FixAction.COMPACT
+
+
+def test_a_running_engines_budget_is_reserved_and_named_in_the_fix() -> None:
+    cmd = recognise(["llama-server", "-m", "x.gguf", "-c", "4096"])
+    v = view(available=40 * GiB)
+    running = Reservation("vllm", 4242, "vllm prod", footprint_bytes=20 * GiB, budget_bytes=50 * GiB, booting=True)
+    plan = decide(estimate(cmd, QWEN3_8B, v), v, [running])
+    assert plan.available_bytes == 40 * GiB - 8 * GiB - 1 * GiB - 30 * GiB
+    assert not plan.fits
+    assert any(f.action == FixAction.WAIT and "4242" in f.text for f in plan.fixes)
+
+
+def test_the_measured_peak_replaces_the_estimate() -> None:
+    cmd = recognise(["llama-server", "-m", "x.gguf", "-c", "4096"])
+    v = view(available=30 * GiB)
+    learned = Learned(peak_bytes=25 * GiB, estimate_bytes=18 * GiB, runs=2)
+    plan = decide(estimate(cmd, QWEN3_8B, v), v, learned=learned)
+    assert plan.needs_bytes == 25 * GiB and not plan.fits
+
+
+def test_jit_jobs_follow_flashinfers_formula() -> None:
+    assert jit_jobs(110 * GiB, 20) == 11  # (110 - 16) // 8
+    assert jit_jobs(10 * GiB, 20) == 1
+    assert jit_jobs(500 * GiB, 20) == 20
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    available=st.integers(0, 130 * GiB),
+    extra=st.integers(0, 20 * GiB),
+    util=st.floats(0.05, 0.95),
+    weights=st.integers(0, 80 * GiB),
+    floor=st.integers(0, 16 * GiB),
+)
+def test_more_memory_never_turns_a_fit_into_a_miss(
+    available: int, extra: int, util: float, weights: int, floor: int
+) -> None:
+    cmd = recognise(["vllm", "serve", "m", "--gpu-memory-utilization", f"{util:.3f}", "--max-model-len", "1024"])
+    facts = ModelFacts(source="m", weights_bytes=weights, files=1, format="safetensors", layers=8, kv_heads=8,
+                       head_dim=64, dtype_bytes=2)  # fmt: skip
+    low, high = view(available, floor=floor), view(available + extra, floor=floor)
+    p_low = decide(estimate(cmd, facts, low, jobs=1), low)
+    p_high = decide(estimate(cmd, facts, high, jobs=1), high)
+    assert p_low.short_bytes >= 0 and p_high.short_bytes >= 0
+    assert p_low.needs_bytes >= weights
+    assert p_low.fits == (p_low.short_bytes == 0 and not p_low.estimate.problems and not p_low.fragmented)
+    if p_low.fits:
+        assert p_high.fits
+    assert p_high.short_bytes <= p_low.short_bytes
+
+
+# --- the checkpoint reader: sizes only
+
+
+def _sparse(path: Path, size: int) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "wb") as fh:
+        fh.truncate(size)
+
+
+def test_hf_cache_layout_with_symlinked_blobs_and_an_index(tmp_path: Path) -> None:
+    cache = tmp_path / "hub"
+    repo = cache / "models--Qwen--Qwen3-8B"
+    sha = "a" * 40
+    snap = repo / "snapshots" / sha
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(sha)
+    snap.mkdir(parents=True)
+    shards = [f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)]
+    for i, name in enumerate(shards):
+        blob = repo / "blobs" / f"etag{i}"
+        _sparse(blob, (i + 1) * GiB)
+        (snap / name).symlink_to(os.path.relpath(blob, snap))
+    _sparse(snap / "consolidated.safetensors", 6 * GiB)  # not in the index: must not count twice
+    (snap / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {"a": shards[0], "b": shards[1], "c": shards[2]}})
+    )
+    shape = {"num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8, "hidden_size": 4096,
+             "head_dim": 128, "dtype": "bfloat16"}  # fmt: skip
+    (snap / "config.json").write_text(json.dumps(shape))
+    env = {"HF_HOME": str(tmp_path)}
+    assert hub_cache(env) == cache
+    assert resolve("Qwen/Qwen3-8B", env) == snap
+    facts = read_facts("Qwen/Qwen3-8B", env)
+    assert facts.weights_bytes == 6 * GiB and facts.files == 3 and facts.error is None
+    assert (facts.layers, facts.kv_heads, facts.head_dim, facts.dtype_bytes) == (36, 8, 128, 2)
+    assert read_facts("Qwen/Qwen3-8B", {"HF_HUB_CACHE": str(tmp_path / "elsewhere")}).error is not None
+
+
+def _gguf(path: Path, kv: list[tuple[str, int, object]]) -> None:
+    def s(text: str) -> bytes:
+        return struct.pack("<Q", len(text)) + text.encode()
+
+    out = b"GGUF" + struct.pack("<IQQ", 3, 0, len(kv))
+    for key, vtype, value in kv:
+        out += s(key) + struct.pack("<I", vtype)
+        if vtype == 8:
+            assert isinstance(value, str)
+            out += s(value)
+        elif vtype == 9:
+            out += struct.pack("<IQ", 8, 2) + s("a") + s("b")
+        else:
+            out += struct.pack("<I", value)
+    path.write_bytes(out)
+    with open(path, "r+b") as fh:
+        fh.truncate(4 * GiB)  # the tensors: never read
+
+
+def test_gguf_header_gives_the_shape_without_reading_tensors(tmp_path: Path) -> None:
+    model = tmp_path / "m.gguf"
+    _gguf(
+        model,
+        [
+            ("general.architecture", 8, "llama"),
+            ("llama.block_count", 4, 32),
+            ("llama.context_length", 4, 8192),
+            ("llama.embedding_length", 4, 4096),
+            ("llama.attention.head_count", 4, 32),
+            ("llama.attention.head_count_kv", 4, 8),
+            ("tokenizer.ggml.tokens", 9, None),
+        ],
+    )
+    assert gguf_metadata(model) == {"layers": 32, "max_len": 8192, "hidden_size": 4096, "kv_heads": 8, "head_dim": 128}
+    facts = read_facts(str(model), {})
+    assert facts.weights_bytes == 4 * GiB and facts.format == "gguf" and facts.layers == 32
+
+
+def test_split_gguf_counts_every_shard(tmp_path: Path) -> None:
+    for i in (1, 2):
+        _sparse(tmp_path / f"big-0000{i}-of-00002.gguf", 3 * GiB)
+    facts = read_facts(str(tmp_path / "big-00001-of-00002.gguf"), {})
+    assert facts.weights_bytes == 6 * GiB and facts.files == 2
+
+
+def test_a_missing_model_is_an_error_in_the_facts_not_an_exception() -> None:
+    facts = read_facts("/nonexistent/model", {})
+    assert facts.error and facts.weights_bytes == 0
+
+
+def test_small_sizes_dont_lose_precision() -> None:
+    assert kv_bytes_per_token(ModelFacts(source="", layers=1, kv_heads=1, head_dim=1, dtype_bytes=2)) == 4
+    assert MiB == 1 << 20
+
+
+def test_fix_applies_only_what_needs_no_guessing_and_says_what_it_did(tmp_path: Path) -> None:
+    from sparkwatch.cli.launch_fix import apply_fixes
+
+    proc_root = tmp_path / "proc"
+    (proc_root / "sys" / "vm").mkdir(parents=True)
+    (proc_root / "sys" / "vm" / "drop_caches").write_text("0\n")
+    (proc_root / "sys" / "vm" / "compact_memory").mkdir()  # unwritable: it must say so, and how
+    cmd = recognise(["vllm", "serve", "m", "--gpu-memory-utilization", "0.5"])
+    v = view(available=110 * GiB, free=40 * GiB, cached=70 * GiB, contiguous=1 * GiB)
+    plan = decide(estimate(cmd, QWEN3_8B, v, engine_reads=FreeSource.MEM_FREE), v)
+    assert {f.action for f in plan.fixes if f.automatic} == {FixAction.DROP_CACHES, FixAction.COMPACT}
+    lines = apply_fixes(plan, proc_root)
+    assert (proc_root / "sys" / "vm" / "drop_caches").read_text() == "1\n"
+    assert any(line.startswith("drop_caches: wrote 1") for line in lines)
+    assert any(line.startswith("compact:") and "sudo" in line for line in lines)  # could not: the command to run
