@@ -178,6 +178,13 @@ class Settings(BaseSettings):
     driver_check_interval_s: float = Field(
         60.0, gt=0, le=3600, description="driver drift check period (a udev event on nvidia runs it at once)"
     )
+    recorder_window_s: float = Field(
+        600.0,
+        ge=0,
+        le=3600,
+        description="seconds of pool samples (one a second, every guard tick near the floor) the flight recorder keeps "
+        "in <state_dir>/recorder.ring for the next boot's postmortem; 0: off",
+    )
 
     # --- where the system is read from (tests point these at fixture trees)
     proc_root: Path = Path("/proc")

@@ -24,6 +24,9 @@ class MemInfo:
     cached_bytes: int
     swap_total_bytes: int
     swap_free_bytes: int
+    # Shmem: tmpfs, shared anonymous memory (and on some drivers GPU-shared buffers). Counted inside Cached, but it is
+    # not page cache the kernel can drop: the flight recorder keeps it apart (0 where the kernel has no such line).
+    shmem_bytes: int = 0
 
     @property
     def used_bytes(self) -> int:

@@ -44,6 +44,7 @@ from sparkwatch.core.eventkinds import EventKind
 from sparkwatch.core.redact import remember_secrets
 from sparkwatch.core.status import status_line
 from sparkwatch.guard.poolwatch import PoolWatch
+from sparkwatch.guard.recorder import FlightRecorder
 from sparkwatch.guard.start import exec_guard
 from sparkwatch.guard.supervisor import TelemetrySupervisor, telemetry_command
 
@@ -148,9 +149,23 @@ class GuardProcess:
         self.guard.gpu_holders = self.supervisor.gpu.holder_keys
         self.guard.gpu_bytes_by_pid = self.supervisor.gpu.latest
         self.guard.on_news = self.supervisor.wake  # the first sample, and each entry into the floor's band
+        # The flight recorder: fed by the pool watch's tick (no wake-up of its own), written on its own thread, with
+        # what the guard already knows (its last scan, telemetry's engine trees and GPU bytes); the next boot judges it.
+        self.recorder = FlightRecorder(
+            config.state_dir,
+            config.recorder_window_s,
+            config.proc_root,
+            trees=lambda: self.guard.seen_trees,
+            roots=lambda: self.supervisor.engine_roots,
+            engines=lambda: self.supervisor.engines,
+            gpu=self.supervisor.gpu.latest,
+        )
+        self.guard.recorder = self.recorder
         self.supervisor.on_over_cap = self._over_cap_seen
         self.events.subscribe(self.supervisor.forward)
         self.components: list[Component[GuardConfig]] = [
+            # Before the guard: it stops after the pool watch, so its last sample (marked `stopping`) is the last tick.
+            Component("recorder", self.recorder, counters=self.recorder.counters),
             Component(
                 "guard",
                 self.guard,

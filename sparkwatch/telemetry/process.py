@@ -251,6 +251,7 @@ class TelemetryProcess:
                 gpu_ts=snap.ts if snap.gpu is not None and snap.gpu.up else None,
                 gpu_pids=dict(reading[1]) if reading is not None else {},
                 gpu_holders=tuple(sorted(self.loop.telemetry.gpu_holder_keys)),
+                engine_roots=tuple(sorted((tree.kind, tree.root.pid) for tree in snap.engines)),
             )
         key = replace(msg, gpu_ts=None)
         if key == self._last_tel and now - self._last_tel_at < TEL_HEARTBEAT_S and not self._guard_near_floor():

@@ -19,6 +19,7 @@ _FIELDS = {
     b"Cached": "cached_bytes",
     b"SwapTotal": "swap_total_bytes",
     b"SwapFree": "swap_free_bytes",
+    b"Shmem": "shmem_bytes",
 }
 _REQUIRED = ("total_bytes", "free_bytes", "available_bytes")
 _READ_SIZE = 16384  # /proc/meminfo is ~1.5 KiB; leave room for kernels that add fields
