@@ -47,6 +47,7 @@ EVENT_PRIORITY: dict[str, int] = {
     EventKind.OUTBOX_DROPPED: PRIORITY_WARNING,
     EventKind.OUTBOX_QUARANTINED: PRIORITY_WARNING,
     EventKind.COMPONENT_RESTARTED: PRIORITY_WARNING,
+    EventKind.PREVIOUS_BOOT: PRIORITY_WARNING,  # how the last boot ended: a reboot is worth a look
     EventKind.DRIVER_RECOVERED: PRIORITY_NOTICE,
 }
 

@@ -30,6 +30,7 @@ class EventKind(StrEnum):
     MAX_JOBS_MISSING = "max_jobs_missing"
     JIT_STALLED = "jit_stalled"
     JIT_STATE = "jit_state"
+    PREVIOUS_BOOT = "previous_boot"  # how the previous boot ended (core.postmortem), judged once per boot at start
     # sparkwatch itself
     OUTBOX_DROPPED = "outbox_dropped"  # the alert outbox hit its cap and dropped its oldest alerts
     OUTBOX_QUARANTINED = "outbox_quarantined"  # an unreadable spool file was moved to outbox/bad/
