@@ -214,9 +214,16 @@ def test_the_long_boot_row(dash: dict[str, Any]) -> None:
 
 
 def test_kill_annotation(dash: dict[str, Any]) -> None:
-    ann = [a for a in dash["annotations"]["list"] if a.get("expr")]
+    ann = [a for a in dash["annotations"]["list"] if a.get("name") == "Guard kills"]
     assert len(ann) == 1 and ann[0]["datasource"] == DATASOURCE_REF
     assert "changes(sparkwatch_guard_last_kill_timestamp_seconds" in ann[0]["expr"]
+
+
+def test_previous_boot_annotation_sits_where_the_box_went_down(dash: dict[str, Any]) -> None:
+    (ann,) = [a for a in dash["annotations"]["list"] if a.get("name") == "Previous boot"]
+    assert ann["datasource"] == DATASOURCE_REF and ann["useValueForTime"] is True
+    assert "sparkwatch_previous_boot_end_timestamp_seconds{" in ann["expr"] and 'class!="clean"' in ann["expr"]
+    assert ann["expr"].endswith("* 1000")  # Grafana reads the value as milliseconds
 
 
 def test_metric_names_are_the_contract() -> None:

@@ -185,6 +185,14 @@ class Settings(BaseSettings):
         description="seconds of pool samples (one a second, every guard tick near the floor) the flight recorder keeps "
         "in <state_dir>/recorder.ring for the next boot's postmortem; 0: off",
     )
+    postmortem: bool = Field(
+        True, description="judge how the previous boot ended once per boot, at start (a previous_boot event)"
+    )
+    postmortem_journal_dir: Path | None = Field(
+        None,
+        description="read the previous boot from this journal directory (journalctl --directory) instead of the "
+        "system journal: a journal copied from another box, or a test's",
+    )
 
     # --- where the system is read from (tests point these at fixture trees)
     proc_root: Path = Path("/proc")
