@@ -13,13 +13,14 @@ from typing import Any
 from sparkwatch import __version__
 from sparkwatch.config.settings import ConfigError, Settings, load_settings
 
-from . import check_config, doctor, engines, events, install_service, run, status, wait_settled
+from . import check_config, doctor, engines, events, install_service, postmortem, run, status, wait_settled
 
 COMMANDS: tuple[ModuleType, ...] = (
     run,
     engines,
     doctor,
     events,
+    postmortem,
     status,
     wait_settled,
     check_config,

@@ -298,7 +298,7 @@ def write_ring(state: Path, boot_id: str, end: float, name: str = "recorder.prev
         FlightSample(
             t=end - 90 + i,
             available_bytes=(60 - i // 2) * GiB,
-            free_bytes=(40 - i // 2) * GiB,
+            free_bytes=(60 - i // 2) * GiB // 2,
             cached_bytes=3 * GiB,
             shmem_bytes=GiB,
             fill_rate_bytes_per_s=GiB / 2,
