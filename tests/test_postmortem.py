@@ -16,7 +16,8 @@ from sparkwatch.core.eventkinds import EventKind
 from sparkwatch.core.flight import FlightSample
 from sparkwatch.core.postmortem import BootEnd, PreviousBoot, Verdict, judge
 from sparkwatch.core.units import GiB
-from sparkwatch.telemetry.sources.prevboot import gather
+from sparkwatch.telemetry.sources.prevboot import Boot as JournalBoot
+from sparkwatch.telemetry.sources.prevboot import JournalReader, gather
 from tests.conftest import require, require_tool
 from tests.helpers import journal_fixture as jf
 
@@ -230,3 +231,20 @@ def test_without_a_journal_a_clean_stop_of_sparkwatch_is_still_unknown() -> None
     verdict = judge(PreviousBoot(boot_id="d" * 32, samples=(sample,)))
     assert verdict.boot_class == BootEnd.UNKNOWN
     assert verdict.last_sample_at == 1000.0 and "stopped in order" in verdict.summary
+
+
+def test_an_older_journalctl_without_json_boot_lists_is_read_from_its_table(tools: None, tmp_path: Path) -> None:
+    boots = jf.two_boots(tmp_path / "journal", [])
+    listed = JournalReader(directory=boots.directory)._boots_from_table()
+    assert [b.boot_id for b in listed] == [boots.previous_boot, boots.current_boot]
+
+
+def test_on_a_live_journal_the_previous_boot_is_the_one_before_the_running_one() -> None:
+    """`journalctl -b -1` would name the boot before the last in the files; while this boot has no entries yet that
+    is the boot before the previous one. The running boot id decides instead."""
+    a, b, c = (JournalBoot(x * 32, None, None) for x in "abc")
+    live = JournalReader(running_boot_id="c" * 32)
+    assert live.previous_and_current([a, b, c]) == (b, c)
+    assert live.previous_and_current([a, b]) == (b, None)  # this boot not flushed yet: the last listed is previous
+    assert JournalReader(running_boot_id="a" * 32).previous_and_current([a]) == (None, a)  # a first boot
+    assert JournalReader(directory=Path("/x")).previous_and_current([a, b, c]) == (b, c)  # -b -1 semantics

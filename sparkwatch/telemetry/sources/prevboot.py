@@ -108,8 +108,7 @@ class JournalReader:
         try:
             data = json.loads(out)
         except ValueError:
-            self.notes.append("journalctl --list-boots -o json gave no JSON (systemd older than 251?)")
-            return []
+            return self._boots_from_table()  # an older journalctl ignores -o for --list-boots
         boots = []
         for item in data if isinstance(data, list) else []:
             if not isinstance(item, dict):
@@ -117,6 +116,17 @@ class JournalReader:
             boot_id = normalize_boot_id(str(item.get("boot_id", "")))
             if boot_id is not None:
                 boots.append(Boot(boot_id, _usec(item.get("first_entry")), _usec(item.get("last_entry"))))
+        return boots
+
+    def _boots_from_table(self) -> list[Boot]:
+        """`--list-boots` as a table (" -1 <boot id> <first> <last>"): the ids, in order, without times."""
+        out = self._run("--list-boots") or ""
+        boots = []
+        for line in out.splitlines():
+            parts = line.split()
+            boot_id = normalize_boot_id(parts[1]) if len(parts) > 1 else None
+            if boot_id is not None:
+                boots.append(Boot(boot_id, None, None))
         return boots
 
     def previous_and_current(self, boots: Sequence[Boot]) -> tuple[Boot | None, Boot | None]:
@@ -374,6 +384,9 @@ def gather(
         note = f"{where} shows no kernel lines of that boot: run as root or in the systemd-journal group to see them"
     else:
         note = ""
+    sys_pstore = root / PSTORE_DIRS[0]
+    if sys_pstore.is_dir() and not os.access(sys_pstore, os.R_OK | os.X_OK):
+        note = "; ".join(n for n in (note, f"{sys_pstore} is not readable by this user (root only)") if n)
     boot = PreviousBoot(
         boot_id=previous.boot_id if previous is not None else (ring.boot_id if ring is not None else None),
         started_at=started,
