@@ -19,11 +19,15 @@ from sparkwatch.common.flightrec import (
     HEADER_BYTES,
     PAYLOAD_MAX_BYTES,
     SLOT_BYTES,
+    SLOT_HEAD_BYTES,
+    TREES_MAX,
     RingWriter,
+    decode_sample,
     encode_sample,
     read_ring,
     ring_capacity,
 )
+from sparkwatch.common.sources.buddyinfo import page_size_bytes
 from sparkwatch.common.sources.meminfo import MeminfoReader
 from sparkwatch.core.flight import FlightSample, LaunchedEngine, TreeFootprint, pool_trend, sample_due
 from sparkwatch.core.model import EngineTree, Proc
@@ -76,14 +80,13 @@ def test_a_torn_record_costs_that_record_only(tmp_path: Path) -> None:
     for i in range(8):
         writer.write(sample(1000.0 + i, available=i))
     writer.close()
-    with open(path, "r+b") as fh:  # a power loss that wrote half of slot 3's sectors: still valid JSON, wrong value
-        offset = HEADER_BYTES + 3 * SLOT_BYTES
+    with open(path, "r+b") as fh:  # a power loss that tore slot 3: a value changed, the record still well-formed
+        offset = HEADER_BYTES + 3 * SLOT_BYTES + SLOT_HEAD_BYTES + 8  # the first byte of available_bytes
         fh.seek(offset)
-        slot = fh.read(SLOT_BYTES)
-        assert b'"available_bytes":3,' in slot
+        assert fh.read(1) == b"\x03"
         fh.seek(offset)
-        fh.write(slot.replace(b'"available_bytes":3,', b'"available_bytes":9,'))
-        fh.seek(HEADER_BYTES + 5 * SLOT_BYTES + 100)  # and slot 5 with garbage over its payload
+        fh.write(b"\x09")
+        fh.seek(HEADER_BYTES + 5 * SLOT_BYTES + 30)  # and slot 5 with garbage over its payload
         fh.write(b"\xff" * 200)
     ring = read_ring(path)
     assert ring is not None
@@ -134,13 +137,18 @@ def test_garbage_where_the_ring_should_be_is_replaced_and_a_symlink_refused(tmp_
     assert other.read_text() == "precious"
 
 
-def test_a_sample_too_big_for_a_slot_loses_its_smallest_trees_first() -> None:
+def test_a_sample_with_many_trees_keeps_the_biggest_and_round_trips() -> None:
     trees = tuple(TreeFootprint("vllm-" + "x" * 40, 100000 + i, (50 - i) * GiB) for i in range(30))
-    launched = (LaunchedEngine("qwen3", 4242, "loading_weights"),)
-    payload = encode_sample(sample(1.0, trees=trees, launched=launched))
+    launched = (LaunchedEngine("qwen3", 4242, "loading_weights"), LaunchedEngine("gemma", 4343, "serving"))
+    full = sample(1.0, trees=trees, launched=launched, free_2mib_bytes=3 * GiB, psi_some_us=12, trees_age_s=0.5)
+    payload = encode_sample(full)
     assert len(payload) <= PAYLOAD_MAX_BYTES
-    assert b"100000" in payload and b"100029" not in payload  # the biggest kept, the smallest cut
-    assert b"loading_weights" in payload
+    back = decode_sample(payload)
+    assert [t.root_pid for t in back.trees] == list(range(100000, 100000 + TREES_MAX))  # the biggest kept
+    assert back.trees[0].kind == "vllm-xxxxxxxxxxx" and back.trees[0].footprint_bytes == 50 * GiB  # cut to its field
+    assert back.launched == launched
+    assert back == replace(full, trees=back.trees)  # everything else exactly as written, None stays None
+    assert back.free_64kib_bytes is None and back.gpu_bytes is None and back.psi_full_us is None
 
 
 # --- the recorder
@@ -297,3 +305,21 @@ def test_a_real_daemon_killed_with_sigkill_keeps_its_recent_ring(tmp_path: Path)
         seqs.append(ring.last_seq)
     assert seqs[1] > seqs[0]
     assert not (state / "recorder.prev.ring").exists()  # the same boot: continued, not rotated
+
+
+def test_without_buddyinfo_or_psi_a_sample_says_none(tmp_path: Path) -> None:
+    proc = tmp_path / "proc"
+    proc.mkdir()
+    (proc / "buddyinfo").write_text("Node 0, zone   Normal  garbage\n")
+    recorder = FlightRecorder(tmp_path / "state", 60, proc)
+    mem = MeminfoReader(Path("/proc")).read()
+    got = recorder.sample(Tick(1.0, 2.0, mem, 0.0, 1.0, False, "watch", 0))
+    assert got.free_2mib_bytes is None and got.free_64kib_bytes is None  # garbled: never guessed
+    assert got.psi_some_us is None and got.psi_full_us is None  # no PSI in this /proc
+    (proc / "buddyinfo").write_text(
+        "Node 0, zone   Normal      1      2      3      4      5      6      7      8      9     10     11\n"
+    )
+    again = recorder.sample(Tick(2.0, 3.0, mem, 0.0, 1.0, False, "watch", 0))
+    page = page_size_bytes()
+    want = sum(n * (page << order) for order, n in enumerate(range(1, 12)) if page << order >= 2 * MiB)
+    assert again.free_2mib_bytes == want
