@@ -13,7 +13,8 @@
      recorder ever writes.
    For the guard process: CPU % of one core (user + system from /proc/PID/stat over wall time), max RSS, bytes it
    sent to the storage layer (`write_bytes` of /proc/PID/io: each page it dirtied, once per writeback; re-dirtying
-   a page still dirty costs nothing), and the recorder thread's wake-ups (voluntary context switches of `sw-recorder`).
+   a page still dirty costs nothing), and the recorder thread's own CPU (schedstat of `sw-recorder`: less noisy than
+   the process's, which moves with the box) and wake-ups (its voluntary context switches).
 
 Run under the shared lock (`flock /tmp/sparkwatch-pressure.lock …`) so no other benchmark shares the box.
 """
@@ -86,6 +87,7 @@ class Daemon:
     rss_mib: float
     write_kib_per_s: float
     recorder_wakeups_per_s: float | None
+    recorder_cpu_pct: float | None  # the recorder thread alone (schedstat)
     ring_mib: float
 
 
@@ -102,13 +104,15 @@ def io_write_bytes(pid: int) -> int:
     return 0
 
 
-def recorder_switches(pid: int) -> int | None:
+def recorder_thread(pid: int) -> tuple[int, int] | None:
+    """(voluntary context switches, ns on CPU from schedstat) of the guard's `sw-recorder` thread."""
     for task in Path(f"/proc/{pid}/task").iterdir():
         try:
             if (task / "comm").read_text().strip() == "sw-recorder":
+                on_cpu_ns = int((task / "schedstat").read_text().split()[0])
                 for line in (task / "status").read_text().splitlines():
                     if line.startswith("voluntary_ctxt_switches:"):
-                        return int(line.split()[1])
+                        return int(line.split()[1]), on_cpu_ns
         except OSError:
             continue
     return None
@@ -140,20 +144,21 @@ def daemon_episode(tmp: Path, seconds: float, recorder_on: bool, near: bool) -> 
         while not guard.children() and time.monotonic() < deadline:
             time.sleep(0.2)
         time.sleep(SETTLE_S)
-        cpu0, io0, sw0 = sum(guard.cpu_times()[:2]), io_write_bytes(daemon.pid), recorder_switches(daemon.pid)
+        cpu0, io0, rec0 = sum(guard.cpu_times()[:2]), io_write_bytes(daemon.pid), recorder_thread(daemon.pid)
         t0 = time.monotonic()
         peak = 0
         while time.monotonic() < t0 + seconds:
             peak = max(peak, guard.memory_info().rss)
             time.sleep(1)
         wall = time.monotonic() - t0
-        cpu1, io1, sw1 = sum(guard.cpu_times()[:2]), io_write_bytes(daemon.pid), recorder_switches(daemon.pid)
+        cpu1, io1, rec1 = sum(guard.cpu_times()[:2]), io_write_bytes(daemon.pid), recorder_thread(daemon.pid)
         ring = tmp / "state" / "recorder.ring"
         return Daemon(
             cpu_pct=(cpu1 - cpu0) / wall * 100,
             rss_mib=peak / MiB,
             write_kib_per_s=(io1 - io0) / wall / 1024,
-            recorder_wakeups_per_s=None if sw0 is None or sw1 is None else (sw1 - sw0) / wall,
+            recorder_wakeups_per_s=None if rec0 is None or rec1 is None else (rec1[0] - rec0[0]) / wall,
+            recorder_cpu_pct=None if rec0 is None or rec1 is None else (rec1[1] - rec0[1]) / wall / 1e7,
             ring_mib=ring.stat().st_size / MiB if ring.exists() else 0.0,
         )
     finally:
@@ -207,15 +212,18 @@ def main() -> None:
         f"The guard process of an idle daemon, {args.seconds:.0f} s per episode after {SETTLE_S:.0f} s to settle, "
         f"{args.rounds} rounds, recorder off and on alternated; medians (min-max):",
         "",
-        "| mode | recorder | guard CPU % of one core | max RSS MiB | written KiB/s | recorder wake-ups/s |",
-        "| --- | --- | --- | --- | --- | --- |",
+        "| mode | recorder | guard CPU % of one core | recorder thread CPU % | max RSS MiB | written KiB/s | "
+        "recorder wake-ups/s |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
     ]
     for mode in ("far", "near"):
         for on in (False, True):
             episodes = runs[(mode, on)]
             wake = [d.recorder_wakeups_per_s for d in episodes if d.recorder_wakeups_per_s is not None]
+            thread = [d.recorder_cpu_pct for d in episodes if d.recorder_cpu_pct is not None]
             lines.append(
                 f"| {mode} | {'on' if on else 'off'} | {spread([d.cpu_pct for d in episodes])} | "
+                f"{spread(thread) if thread else '-'} | "
                 f"{spread([d.rss_mib for d in episodes], '{:.1f}')} | "
                 f"{spread([d.write_kib_per_s for d in episodes], '{:.1f}')} | "
                 f"{spread(wake, '{:.2f}') if wake else '-'} |"
