@@ -889,8 +889,9 @@ def annotation_queries() -> list[Json]:
             "hide": False,
             "iconColor": "purple",
             # The gauge's value is when the previous boot ended (unix seconds); with useValueForTime Grafana takes
-            # the value, in milliseconds, as the annotation's time: the mark sits where the box went down, not where
-            # sparkwatch came back. A clean shutdown is not marked.
+            # the value as the annotation's time, in milliseconds (its Prometheus AnnotationQueryEditor.tsx, "Series
+            # value as timestamp"): the mark sits where the box went down, not where sparkwatch came back. A clean
+            # shutdown is not marked.
             "expr": m("previous_boot_end_timestamp_seconds", 'class!="clean"') + " * 1000",
             "step": "60s",
             "titleFormat": "previous boot ended: {{class}} on {{instance}}",
