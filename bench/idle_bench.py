@@ -62,7 +62,8 @@ def measure(procs: dict[str, psutil.Process], seconds: float, tick: object = Non
     return out
 
 
-def sparkwatch_episode(seconds: float, tmp: Path) -> tuple[dict[str, Sample], bool]:
+def sparkwatch_episode(seconds: float, tmp: Path, tree: Path = ROOT) -> tuple[dict[str, Sample], bool]:
+    """One daemon episode of the source tree `tree` (this checkout, or another commit's, for --baseline)."""
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("SPARKWATCH_")}
     env.update(
@@ -74,7 +75,11 @@ def sparkwatch_episode(seconds: float, tmp: Path) -> tuple[dict[str, Sample], bo
         }
     )
     daemon = subprocess.Popen(
-        [sys.executable, "-m", "sparkwatch", "run"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+        [sys.executable, "-m", "sparkwatch", "run"],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        cwd=tree,  # `python -m` imports the package from the working directory first
     )
     assert daemon.stderr is not None
     err = daemon.stderr
@@ -127,11 +132,22 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=60.0)
     ap.add_argument("--no-earlyoom", action="store_true", help="where earlyoom is not installed (a GPU host)")
     ap.add_argument("--out", type=Path)
+    ap.add_argument(
+        "--baseline",
+        type=Path,
+        metavar="DIR",
+        help="another commit's source tree (git archive COMMIT | tar -x -C DIR): its daemon runs before this one's "
+        "in every round, A B A B, so a change is measured against its parent on the same box the same day",
+    )
     args = ap.parse_args()
     runs: dict[str, list[Sample]] = {}
     nvml_seen = False
     with tempfile.TemporaryDirectory() as tmpdir:
         for i in range(args.rounds):
+            if args.baseline is not None:
+                base, _ = sparkwatch_episode(args.seconds, Path(tmpdir) / f"base{i}", args.baseline)
+                for name, s in base.items():
+                    runs.setdefault(f"{name} (baseline)", []).append(s)
             got, nvml = sparkwatch_episode(args.seconds, Path(tmpdir) / f"sw{i}")
             nvml_seen = nvml_seen or nvml
             for name, s in got.items():
@@ -149,7 +165,10 @@ def main() -> None:
         f"NVML polled by telemetry: {'yes' if nvml_seen else 'no'}",
         "",
         f"Idle, a scrape every {SCRAPE_EVERY_S:.0f} s, {args.seconds:.0f} s per episode after {SETTLE_S:.0f} s to "
-        f"settle, {args.rounds} rounds alternated with earlyoom; medians (min-max):",
+        f"settle, {args.rounds} rounds alternated with "
+        + ("earlyoom" if not args.no_earlyoom else "nothing")
+        + (f" and the baseline tree {args.baseline}" if args.baseline else "")
+        + "; medians (min-max):",
         "",
         "| process | CPU % of one core | max RSS MiB |",
         "| --- | --- | --- |",

@@ -955,6 +955,23 @@ def annotation_queries() -> list[Json]:
             "tagKeys": "instance,engine,phase",
             "useValueForTime": False,
         },
+        {
+            "name": "Previous boot",
+            "datasource": DS,
+            "enable": True,
+            "hide": False,
+            "iconColor": "purple",
+            # The gauge's value is when the previous boot ended (unix seconds); with useValueForTime Grafana takes
+            # the value as the annotation's time, in milliseconds (its Prometheus AnnotationQueryEditor.tsx, "Series
+            # value as timestamp"): the mark sits where the box went down, not where sparkwatch came back. A clean
+            # shutdown is not marked.
+            "expr": m("previous_boot_end_timestamp_seconds", 'class!="clean"') + " * 1000",
+            "step": "60s",
+            "titleFormat": "previous boot ended: {{class}} on {{instance}}",
+            "textFormat": "run `sparkwatch postmortem` on {{instance}}: the evidence and the last minute",
+            "tagKeys": "instance,job,class",
+            "useValueForTime": True,
+        },
     ]
 
 

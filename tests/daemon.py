@@ -62,6 +62,9 @@ def daemon_env(tmp_path: Path, port: int) -> dict[str, str]:
             # Blind to the real kernel log unless a test asks for it: the kernel-log tests write NVRM lines into
             # /dev/kmsg, and another test's daemon running meanwhile must not act on them.
             "SPARKWATCH_KERNEL_LOG_PATH": str(tmp_path / "no-kmsg"),
+            # Blind to the host's journal and pstore unless a test asks: the verdict on the previous boot reads them,
+            # and its previous_boot alert would be one more delivery for every test that counts them.
+            "SPARKWATCH_POSTMORTEM": "false",
             "PYTHONUNBUFFERED": "1",
         }
     )

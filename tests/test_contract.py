@@ -34,11 +34,14 @@ from sparkwatch.core.eventkinds import EventKind
 from sparkwatch.core.killrecord import KillFacts, kill_fields, kill_summary, victims_of
 from sparkwatch.core.model import BootState, EngineTree, Event, GpuDevice, GpuReport, MemInfo, Proc
 from sparkwatch.core.nvmlcodes import NvmlReturn
+from sparkwatch.core.postmortem import BootEnd
 from sparkwatch.telemetry.exporter.contract import BY_NAME, METRICS, MetricSpec, markdown_table, presence_table
 from sparkwatch.telemetry.exporter.internal import InternalCollector
+from sparkwatch.telemetry.exporter.postmortem import PostmortemCollector
 from sparkwatch.telemetry.exporter.server import build_registry
 from sparkwatch.telemetry.loop import Telemetry
 from sparkwatch.telemetry.outbox import Outbox
+from sparkwatch.telemetry.postmortem import Judged
 from tests.conftest import wait_until
 from tests.helpers.proctree import FIXED_MTIME
 from tests.helpers.scenario import (
@@ -145,6 +148,7 @@ def full_exposition(tmp_path: Path) -> list[Metric]:
             lambda: 1,
         )
     )
+    registry.register(PostmortemCollector(lambda: Judged(BootEnd.DRIVER_NO_MEMORY, FIXED_MTIME, "a" * 32)))
     return list(registry.collect())
 
 

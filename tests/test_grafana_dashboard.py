@@ -215,7 +215,7 @@ def test_the_long_boot_row(dash: dict[str, Any]) -> None:
 
 def test_kill_annotation(dash: dict[str, Any]) -> None:
     ann = {a["name"]: a for a in dash["annotations"]["list"] if a.get("expr")}
-    assert set(ann) == {"Guard kills", "Boot phases"}
+    assert set(ann) == {"Guard kills", "Boot phases", "Previous boot"}
     assert all(a["datasource"] == DATASOURCE_REF for a in ann.values())
     assert "changes(sparkwatch_guard_last_kill_timestamp_seconds" in ann["Guard kills"]["expr"]
     assert "sparkwatch_engine_boot_phase{" in ann["Boot phases"]["expr"]
@@ -229,6 +229,13 @@ def test_the_launched_engines_row(dash: dict[str, Any]) -> None:
     assert texts == {"starting", "loading_weights", "jit_compile", "profiling", "cuda_graphs", "ready"}
     budget = {n for t in by_title["Footprint against budget"]["targets"] for n in metric_names(t["expr"])}
     assert budget == {"sparkwatch_engine_footprint_bytes", "sparkwatch_engine_budget_bytes"}
+
+
+def test_previous_boot_annotation_sits_where_the_box_went_down(dash: dict[str, Any]) -> None:
+    (ann,) = [a for a in dash["annotations"]["list"] if a.get("name") == "Previous boot"]
+    assert ann["datasource"] == DATASOURCE_REF and ann["useValueForTime"] is True
+    assert "sparkwatch_previous_boot_end_timestamp_seconds{" in ann["expr"] and 'class!="clean"' in ann["expr"]
+    assert ann["expr"].endswith("* 1000")  # Grafana reads the value as milliseconds
 
 
 def test_metric_names_are_the_contract() -> None:

@@ -257,6 +257,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
             SPARKWATCH_ANCESTOR_PID=str(os.getpid()),
             SPARKWATCH_FLOOR="1GiB",
             SPARKWATCH_MLOCK="false",
+            # No journal to read: the previous boot is `unknown`, so the "Previous boot" annotation has a series.
+            SPARKWATCH_POSTMORTEM_JOURNAL_DIR=str(tmp / "no-journal"),
             HOME=str(home),
             XDG_CONFIG_HOME=str(tmp / "config"),
             XDG_STATE_HOME=str(tmp / "state"),

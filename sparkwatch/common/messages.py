@@ -18,7 +18,8 @@ telemetry → guard
 - `AppliedMsg`: the answer to a reload: the keys telemetry's components applied live, and their errors.
 - `AckMsg`: events telemetry's outbox now holds; the guard resends unacknowledged ones to the next telemetry process.
 - `TelMsg` (each telemetry cycle): the engine and compile-job counts for the STATUS= line, per-pid GPU bytes (NVML)
-  with the wall-clock time they were read, and the (pid, start time) of every GPU holder. The guard treats all of it
+  with the wall-clock time they were read, the (pid, start time) of every GPU holder, and the (kind, root pid) of
+  each engine tree (for the flight recorder). The guard treats all of it
   as a hint: a holder is checked again in /proc before it can become a kill candidate (guard.gpuboard).
 """
 
@@ -101,6 +102,9 @@ class TelMsg:
     gpu_ts: float | None = None  # wall clock of the NVML reading; None: no fresh reading
     gpu_pids: dict[int, int] = field(default_factory=dict)
     gpu_holders: tuple[tuple[int, int], ...] = ()
+    # (kind, root pid) of each engine tree in the census (with `engines`): they change only when trees come and go,
+    # so they cost no extra message; the flight recorder names the trees with them far from the floor.
+    engine_roots: tuple[tuple[str, int], ...] = ()
 
 
 Message = SettingsMsg | StateMsg | EventMsg | AppliedMsg | AckMsg | TelMsg
@@ -144,7 +148,7 @@ def decode(data: bytes) -> Message:
 def _check_sizes(msg: Message) -> None:
     sizes: list[int] = []
     if isinstance(msg, TelMsg):
-        sizes = [len(msg.gpu_pids), len(msg.gpu_holders)]
+        sizes = [len(msg.gpu_pids), len(msg.gpu_holders), len(msg.engine_roots)]
     elif isinstance(msg, AckMsg):
         sizes = [len(msg.ids)]
     elif isinstance(msg, StateMsg):

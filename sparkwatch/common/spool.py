@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Protocol
 
 from sparkwatch.common.durable import fsync_dir, private_dir, write_atomic
-from sparkwatch.core.alerts import RateState, alert_text, dedup_key, is_alerting, rate_limit
+from sparkwatch.core.alerts import RateState, alert_text, dedup_key, is_alerting, is_quiet, rate_limit
 from sparkwatch.core.model import Event
 
 SAFE_ID = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
@@ -157,7 +157,7 @@ class AlertRouter:
             return None
 
     def _route(self, event: Event) -> Callable[[], None] | None:
-        if not is_alerting(event.kind):
+        if not is_alerting(event.kind) or is_quiet(event.kind, event.fields):
             return None
         key = dedup_key(event.kind, {"id": event.id, **event.fields})
         with self._lock:

@@ -211,6 +211,21 @@ class Settings(BaseSettings):
     driver_check_interval_s: float = Field(
         60.0, gt=0, le=3600, description="driver drift check period (a udev event on nvidia runs it at once)"
     )
+    recorder_window_s: float = Field(
+        600.0,
+        ge=0,
+        le=3600,
+        description="seconds of pool samples (one a second, every guard tick near the floor) the flight recorder keeps "
+        "in <state_dir>/recorder.ring for the next boot's postmortem; 0: off",
+    )
+    postmortem: bool = Field(
+        True, description="judge how the previous boot ended once per boot, at start (a previous_boot event)"
+    )
+    postmortem_journal_dir: Path | None = Field(
+        None,
+        description="read the previous boot from this journal directory (journalctl --directory) instead of the "
+        "system journal: a journal copied from another box, or a test's",
+    )
 
     # --- where the system is read from (tests point these at fixture trees)
     proc_root: Path = Path("/proc")

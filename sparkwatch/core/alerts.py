@@ -36,6 +36,8 @@ ALERT_MIN_INTERVAL_S: Mapping[EventKind, float] = {
     EventKind.BUDGET_NEAR: 900.0,  # once per approach upstream (core.budget); this caps an engine hovering at 90 %
     EventKind.OUTBOX_DROPPED: 3600.0,  # the outbox alerts once per run itself; this caps a restart loop
     EventKind.OUTBOX_QUARANTINED: 3600.0,
+    # Once per boot is decided upstream (telemetry.postmortem remembers the boot it judged); a clean end is quiet.
+    EventKind.PREVIOUS_BOOT: 0.0,
 }
 
 # Driver problems, worst first, and the event kind each one opens an episode with.
@@ -49,6 +51,11 @@ DRIVER_PROBLEM_KINDS: Mapping[DriverProblem, EventKind] = {
 
 def is_alerting(kind: EventKind) -> bool:
     return kind in ALERT_MIN_INTERVAL_S
+
+
+def is_quiet(kind: EventKind, fields: Mapping[str, object]) -> bool:
+    """An event of an alerting kind that says nothing is wrong: a previous boot that ended in an orderly shutdown."""
+    return kind == EventKind.PREVIOUS_BOOT and fields.get("class") == "clean"
 
 
 def dedup_key(kind: EventKind, fields: Mapping[str, object]) -> str:
@@ -204,6 +211,7 @@ def alert_text(kind: str, node: str, summary: str) -> str:
         EventKind.LOW_HEADROOM: ":warning:",
         EventKind.XID: ":warning:",
         EventKind.DRIVER_ALLOC_FAILED: ":rotating_light:",
+        EventKind.PREVIOUS_BOOT: ":boom:",
     }
     icon = icons.get(kind, ":information_source:")
     return f"{icon} sparkwatch on {node}: {summary}"

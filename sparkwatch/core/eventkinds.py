@@ -35,6 +35,7 @@ class EventKind(StrEnum):
     ENGINE_READY = "engine_ready"
     ENGINE_EXITED = "engine_exited"
     BUDGET_NEAR = "budget_near"  # a tree's footprint reached 90 % of its budget (once, until it falls under 80 %)
+    PREVIOUS_BOOT = "previous_boot"  # how the previous boot ended (core.postmortem), judged once per boot at start
     # sparkwatch itself
     OUTBOX_DROPPED = "outbox_dropped"  # the alert outbox hit its cap and dropped its oldest alerts
     OUTBOX_QUARANTINED = "outbox_quarantined"  # an unreadable spool file was moved to outbox/bad/

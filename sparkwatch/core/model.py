@@ -24,7 +24,10 @@ class MemInfo:
     cached_bytes: int
     swap_total_bytes: int
     swap_free_bytes: int
-    shmem_bytes: int = 0  # Shmem: tmpfs and shared memory (a torn-down engine's NCCL/IPC segments until released)
+    # Shmem: tmpfs, shared anonymous memory (a torn-down engine's NCCL/IPC segments until released; on some drivers
+    # GPU-shared buffers). Counted inside Cached, but it is not page cache the kernel can drop: launch's settle waits
+    # for it to fall, the flight recorder keeps it apart (0 where the kernel has no such line).
+    shmem_bytes: int = 0
 
     @property
     def used_bytes(self) -> int:

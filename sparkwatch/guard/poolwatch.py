@@ -42,6 +42,7 @@ from sparkwatch.guard.gpuboard import device_check, verified_holders
 from sparkwatch.guard.kernlog import KernelLogWatch
 from sparkwatch.guard.killer import Killer, KillJob, Reaper
 from sparkwatch.guard.launchwatch import LaunchedEngines
+from sparkwatch.guard.recorder import FlightRecorder, Tick
 from sparkwatch.guard.ttynote import tell_terminal
 
 # A PSI trigger: wake when tasks stalled on memory for 150 ms within a 2 s window (2 s is the smallest window an
@@ -146,6 +147,10 @@ class PoolWatch:
         # sample, and each entry into the floor's band.
         self.on_news: Callable[[], None] | None = None
         self.ticks = 0
+        # The flight recorder (guard.recorder), offered each tick's reading; its own thread writes. The guard process
+        # wires it. `seen_trees`: the trees of the guard's last own scan (monotonic time, trees), a reference swap.
+        self.recorder: FlightRecorder | None = None
+        self.seen_trees: tuple[float, tuple[EngineTree, ...]] | None = None
         # NVRM/Xid lines from /dev/kmsg, read non-blocking each tick: see _kernel_log.
         self.kernlog = KernelLogWatch(
             events,
@@ -283,6 +288,20 @@ class PoolWatch:
         self.near_floor = near  # read by the supervisor: state goes to telemetry four times a second near the floor
         if decision.trigger is None and not self._kernel_log(now, mem) and near:
             self._warm.set()  # the scout rescans (at most once a second); this thread never waits for it
+        recorder = self.recorder
+        if recorder is not None:  # a queue put at most, never a write: the recorder's thread writes
+            recorder.offer(
+                Tick(
+                    now,
+                    time.time(),
+                    mem,
+                    self.state.fill_rate_bytes_per_s,
+                    decision.next_interval_s,
+                    near,
+                    str(self.state.phase),
+                    sum(self.stats.kills_total.values()),
+                )
+            )
         self._beat(now)
         return decision.next_interval_s if wake is None else min(decision.next_interval_s, max(wake, 0.0))
 
@@ -434,6 +453,7 @@ class PoolWatch:
     def _observe(self, now: float, trees: list[EngineTree]) -> policy.GpuBytes | None:
         gpu = self._gpu()
         self.history = policy.observe(self.history, now, trees, gpu, self.policy.growth_window_s)
+        self.seen_trees = (now, tuple(trees))
         return gpu
 
     def ranking(self, trees: list[EngineTree], now: float) -> tuple[policy.Candidate, ...]:

@@ -3,7 +3,8 @@
 `sparkwatch run` validates the config (pydantic, in `sparkwatch.config`), then execs into `python -m
 sparkwatch.guard` with the validated values on a memfd, so this process never imports pydantic, NVML,
 prometheus_client, HTTP or rich: its RSS is the guard's (bench/RESULTS-idle.md). Threads: the pool watch, the
-reaper, the scout, the kernel-log recorder, the sd_notify sender, the telemetry supervisor; the main thread only
+reaper, the scout, the kernel-log recorder, the flight recorder's writer, the sd_notify sender, the telemetry
+supervisor; the main thread only
 waits for signals, checks the process's own RSS, and starts reloads. A hung NVML load, a stuck scrape or a thread
 explosion happens in the telemetry process, whose GIL is not ours.
 
@@ -45,6 +46,7 @@ from sparkwatch.core.eventkinds import EventKind
 from sparkwatch.core.redact import remember_secrets
 from sparkwatch.core.status import status_line
 from sparkwatch.guard.poolwatch import PoolWatch
+from sparkwatch.guard.recorder import FlightRecorder
 from sparkwatch.guard.start import exec_guard
 from sparkwatch.guard.supervisor import TelemetrySupervisor, telemetry_command
 
@@ -152,9 +154,23 @@ class GuardProcess:
         self.guard.gpu_bytes_by_pid = self.supervisor.gpu.latest
         self.guard.on_news = self.supervisor.wake  # the first sample, and each entry into the floor's band
         self.guard.engines_hint = lambda: self.supervisor.engines  # a new engine tree: budgets look at once
+        # The flight recorder: fed by the pool watch's tick (no wake-up of its own), written on its own thread, with
+        # what the guard already knows (its last scan, telemetry's engine trees and GPU bytes); the next boot judges it.
+        self.recorder = FlightRecorder(
+            config.state_dir,
+            config.recorder_window_s,
+            config.proc_root,
+            trees=lambda: self.guard.seen_trees,
+            roots=lambda: self.supervisor.engine_roots,
+            engines=lambda: self.supervisor.engines,
+            gpu=self.supervisor.gpu.latest,
+        )
+        self.guard.recorder = self.recorder
         self.supervisor.on_over_cap = self._over_cap_seen
         self.events.subscribe(self.supervisor.forward)
         self.components: list[Component[GuardConfig]] = [
+            # Before the guard: it stops after the pool watch, so its last sample (marked `stopping`) is the last tick.
+            Component("recorder", self.recorder, counters=self.recorder.counters),
             Component(
                 "guard",
                 self.guard,

@@ -113,6 +113,7 @@ class TelemetrySupervisor:
         self.gpu = GpuBoard()
         self.engines: int | None = None
         self.compile_jobs: int | None = None
+        self.engine_roots: tuple[tuple[str, int], ...] | None = None  # telemetry's engine trees (kind, root pid)
         self.restarts_total = 0
         self.stalls_total = 0
         self.floods_total = 0
@@ -237,7 +238,7 @@ class TelemetrySupervisor:
         self._requeue_unacked()
         spawned = time.monotonic()
         self.last_heard_monotonic = None
-        self.engines = self.compile_jobs = None
+        self.engines = self.compile_jobs = self.engine_roots = None
         self._last_state = None
         flooding_since: float | None = None
         with self._lock:
@@ -275,7 +276,7 @@ class TelemetrySupervisor:
                 proc.wait(STOP_GRACE_S)
             return f"closed the channel ({exc}), exit status {proc.returncode}"
         finally:
-            self.engines = self.compile_jobs = None
+            self.engines = self.compile_jobs = self.engine_roots = None
             self._dropped_before += channel.dropped_total
             self._bad_before += channel.bad_total
             self.channel = None
@@ -365,6 +366,7 @@ class TelemetrySupervisor:
     def _handle(self, msg: Message) -> None:
         if isinstance(msg, TelMsg):
             self.engines, self.compile_jobs = msg.engines, msg.compile_jobs
+            self.engine_roots = msg.engine_roots if msg.engines is not None else None
             self.gpu.update(msg)
         elif isinstance(msg, AckMsg):
             for event_id in msg.ids:

@@ -34,10 +34,12 @@ from sparkwatch.config.settings import ConfigError, Settings, settings_from_wire
 from sparkwatch.core.model import NvmlFacts, Snapshot
 from sparkwatch.telemetry.driver import DriverWatcher
 from sparkwatch.telemetry.exporter.internal import InternalCollector
+from sparkwatch.telemetry.exporter.postmortem import PostmortemCollector
 from sparkwatch.telemetry.exporter.server import MetricsServer, build_registry
 from sparkwatch.telemetry.headroom import HeadroomWatcher
 from sparkwatch.telemetry.loop import Telemetry, TelemetryLoop, gpu_bytes_by_pid
 from sparkwatch.telemetry.outbox import Outbox
+from sparkwatch.telemetry.postmortem import PostmortemWatch
 from sparkwatch.telemetry.remote import EventErrors, RemoteGuard
 from sparkwatch.telemetry.sources.nvml_preflight import NvmlOff, nvml_hang_reason
 from sparkwatch.telemetry.sources.udev import UdevWatcher
@@ -136,6 +138,10 @@ class TelemetryProcess:
         if str(settings.root) == "/":  # uevents describe this machine: with a fixture root only the timer runs
             udev = UdevWatcher(driver.poke)
             out.append(Component("udev", udev, counters=lambda: {"errors": udev.errors_total}))
+        # How the previous boot ended: once per boot, on a thread that ends with the verdict (journalctl may take
+        # seconds); the outbox is already started (the components before it), so its alert goes out at once.
+        postmortem = self.postmortem = PostmortemWatch(settings, self.events)
+        out.append(Component("postmortem", postmortem, counters=postmortem.counters))
         headroom = self.headroom = HeadroomWatcher(settings, self.remote.available_bytes, self.events)
         out.append(
             Component(
@@ -156,6 +162,7 @@ class TelemetryProcess:
         self.registry.register(
             InternalCollector(self.all_counters, self.rss, self.psi_trigger, self.telemetry_restarts)
         )
+        self.registry.register(PostmortemCollector(lambda: self.postmortem.result))
         self.metrics = MetricsServer(self.settings, self.registry)
         out: list[Component[Settings]] = [
             Component("metrics", self.metrics, counters=self.metrics.counters),
@@ -254,6 +261,7 @@ class TelemetryProcess:
                 gpu_ts=snap.ts if snap.gpu is not None and snap.gpu.up else None,
                 gpu_pids=dict(reading[1]) if reading is not None else {},
                 gpu_holders=tuple(sorted(self.loop.telemetry.gpu_holder_keys)),
+                engine_roots=tuple(sorted((tree.kind, tree.root.pid) for tree in snap.engines)),
             )
         key = replace(msg, gpu_ts=None)
         if key == self._last_tel and now - self._last_tel_at < TEL_HEARTBEAT_S and not self._guard_near_floor():

@@ -44,3 +44,33 @@ def read_psi(proc_root: Path) -> PsiMemory | None:
     finally:
         os.close(fd)
     return parse_psi(data)
+
+
+class PsiReader:
+    """<proc_root>/pressure/memory through a kept-open fd (pread at offset 0), for the flight recorder's reads.
+    Not thread-safe: one reader per thread."""
+
+    def __init__(self, proc_root: Path) -> None:
+        self.path = proc_root / "pressure" / "memory"
+        self._fd: int | None = None
+        self._absent = False
+
+    def read(self) -> PsiMemory | None:
+        """The totals; None where the kernel has no PSI, or the file is unreadable or garbled."""
+        if self._absent:
+            return None
+        if self._fd is None:
+            try:
+                self._fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
+            except OSError:
+                self._absent = True
+                return None
+        try:
+            return parse_psi(os.pread(self._fd, 4096, 0))
+        except (OSError, PsiParseError):
+            return None  # EOPNOTSUPP with psi=0, or garbage: this sample goes without
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None

@@ -21,7 +21,8 @@ MetricType = Literal["gauge", "counter", "histogram"]
 
 # When a family is present. A series that is not known is absent, never 0.
 Presence = Literal["always", "meminfo", "guard", "guard_loop", "kill", "events", "outbox", "delivered", "telemetry",
-                   "psi", "gpu", "gpu_device", "gpu_field", "driver", "daemon", "launched", "budget"]  # fmt: skip
+                   "psi", "gpu", "gpu_device", "gpu_field", "driver", "daemon", "launched", "budget",
+                   "postmortem"]  # fmt: skip
 PRESENCE: dict[Presence, str] = {
     "always": "always",
     "meminfo": "once /proc/meminfo was read (the guard's read, else the telemetry's)",
@@ -40,6 +41,7 @@ PRESENCE: dict[Presence, str] = {
     "daemon": "in the daemon (`sparkwatch run`), from both of its processes",
     "launched": "per engine `sparkwatch launch` declared, while its root runs",
     "budget": "per budgeted engine tree, as the guard last measured it (launch --budget or engine_budgets)",
+    "postmortem": "in the daemon once the previous boot was judged (`postmortem = true`, the default)",
 }
 
 
@@ -180,6 +182,15 @@ METRICS: tuple[MetricSpec, ...] = (
         "guard_loop",
         "seconds since the guard loop last ran: a stuck guard grows it",
         help="Seconds since the guard loop last ran (a stuck guard grows this)",
+    ),
+    _m(
+        "previous_boot_end_timestamp_seconds",
+        "gauge",
+        "class",
+        "postmortem",
+        "when the previous boot ended, and how: `class` is clean, kernel_oom, driver_no_memory, xid, sparkwatch_kill, "
+        "abrupt or unknown (`sparkwatch postmortem` says why)",
+        help="When the previous boot ended (unix seconds), labelled with how it ended",
     ),
     _m(
         "event_log_write_errors_total",
