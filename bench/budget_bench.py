@@ -89,7 +89,7 @@ def guard(tmp: Path, budgets: list[str], floor: int) -> tuple[PoolWatch, list[fl
     settings = load_settings(
         overrides={
             "state_dir": tmp / "state",
-            "floor": floor,
+            "floor": f"{floor}B",  # config takes sizes with a unit; bytes are <n>B
             "mlock": False,
             "ancestor_pid": os.getpid(),
             "engine_budgets": budgets,
@@ -138,7 +138,7 @@ def wait_gone(proc: subprocess.Popen[bytes], timeout_s: float) -> bool:
 
 def crossing_episode(tmp: Path, rate_gib: float) -> Crossing:
     limit = limit_bytes(BUDGET, BudgetParams())
-    pool, signals = guard(tmp, [f"{BUDGET}=sw-budget-bench"], floor=256 * MiB)
+    pool, signals = guard(tmp, [f"{BUDGET}=sw-budget-bench"], floor=1 * GiB)  # the smallest floor config accepts
     proc, stamps, go = start_hog(tmp, rate_gib, BUDGET + int(1.5 * GiB))
     try:
         # Measured for a tree the guard already tracks (a new one is discovered within a second through telemetry's

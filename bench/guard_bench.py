@@ -374,7 +374,7 @@ def two_engine_report(episodes: list[TwoEngineEpisode], argv: list[str]) -> str:
 def idle_cost(contender: str, seconds: float, tmp: Path) -> tuple[float, float]:
     """(% of one core, RSS MiB) of a one-process contender (earlyoom) left alone with lots of headroom; sparkwatch's
     two processes are measured by split_rss."""
-    floor = 512 * MiB
+    floor = 1 << 30  # the smallest floor sparkwatch's config accepts
     proc = start_contender(contender, floor, tmp)
     ps = psutil.Process(proc.pid)
     time.sleep(5)  # start-up settles

@@ -106,7 +106,7 @@ def env_for(tmp: Path, bin_dir: Path) -> dict[str, str]:
         PATH=f"{bin_dir}:{env.get('PATH', '')}",
         XDG_RUNTIME_DIR=str(tmp / "run"),
         SPARKWATCH_STATE_DIR=str(tmp / "state"),
-        SPARKWATCH_FLOOR="256MiB",
+        SPARKWATCH_FLOOR="1GiB",  # the smallest floor config accepts
     )
     (tmp / "run").mkdir(exist_ok=True)
     return env

@@ -7,6 +7,7 @@ import socket
 import ssl
 import threading
 import time
+import urllib.error
 import urllib.request
 import uuid
 from collections.abc import Iterator
@@ -185,3 +186,27 @@ def test_a_taken_port_leaves_telemetry_running_and_serves_once_free(tmp_path: Pa
             assert d.proc.poll() is None
     finally:
         blocker.close()
+
+
+def test_a_handler_that_raises_answers_500_is_counted_and_said(caplog: pytest.LogCaptureFixture) -> None:
+    """A collector that raises used to end the connection with no reply and no log line: a scrape saw 'empty reply'
+    and nobody knew why. Now: 500, a counter, and one log line a minute with the exception."""
+
+    def broken(method: str, path: str, headers: dict[str, str]) -> tuple[int, str, bytes]:
+        raise AttributeError("'TelemetryLoop' object has no attribute 'launched'")
+
+    server = BoundedHTTPServer("127.0.0.1", 0, broken)
+    server.start()
+    port = server.server_address[1]
+    try:
+        with caplog.at_level("ERROR"):
+            for _ in range(3):
+                with pytest.raises(urllib.error.HTTPError) as err:
+                    get(f"http://127.0.0.1:{port}/metrics")
+                assert err.value.code == 500
+                err.value.close()
+        assert server.render_errors_total == 3
+        said = [r.getMessage() for r in caplog.records if "rendering /metrics failed" in r.getMessage()]
+        assert len(said) == 1 and "no attribute 'launched'" in said[0]
+    finally:
+        server.stop()

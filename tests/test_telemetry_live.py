@@ -118,7 +118,7 @@ def test_real_prometheus_scrapes_sparkwatch(daemon: RunningDaemon, spawner: Spaw
     for expr in (
         "sparkwatch_build_info",
         "sparkwatch_memory_available_bytes > 0",
-        "sparkwatch_memory_floor_bytes == 1048576",
+        "sparkwatch_memory_floor_bytes == 1073741824",  # SPARKWATCH_FLOOR above
         'sparkwatch_collector_success{collector="procs"} == 1',
         'sparkwatch_guard_kills_total{trigger="floor"}',
         "sparkwatch_guard_kill_duration_seconds_bucket",

@@ -15,7 +15,14 @@ from typing import Any
 
 
 def add_parser(sub: Any, parent: argparse.ArgumentParser) -> None:
-    p = sub.add_parser("postmortem", parents=[parent], help="how the previous boot ended, and its last minute")
+    p = sub.add_parser(
+        "postmortem",
+        parents=[parent],
+        help="how the previous boot ended, and its last minute",
+        description="How the previous boot ended (clean, kernel_oom, driver_no_memory, xid, sparkwatch_kill, abrupt or "
+        "unknown), from its journal, pstore and sparkwatch's events, with the lines that say so and its last minute "
+        "from the flight recorder.",
+    )
     p.add_argument("--json", action="store_true", help="one JSON object")
     p.add_argument(
         "--journal-dir", type=Path, metavar="DIR", help="read this journal directory instead of the system journal"

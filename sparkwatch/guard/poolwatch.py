@@ -11,6 +11,7 @@ lets us create one) and a wake-up pipe, so pressure or shutdown wake it early.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import select
 import threading
@@ -163,6 +164,8 @@ class PoolWatch:
         # Engines declared by `sparkwatch launch` (guard.launchwatch) and per-engine budgets (guard.budgets): both on
         # this thread's tick; with nothing declared and no budget configured they cost one stat per directory.
         self.launched = LaunchedEngines.for_settings(settings.state_dir, settings.proc_root, self._record)
+        self.budget_errors_total = 0  # a budget look that raised: the floor loop went on (counted, said once a minute)
+        self._last_budget_error_logged = -math.inf
         self.budgets = BudgetWatch(str(settings.proc_root), self.scanner, self._budget_kill, self._record)
         self.budget_params = budget_params(settings)
         self.engine_budgets = policy.parse_engine_budgets(settings.engine_budgets)
@@ -325,7 +328,10 @@ class PoolWatch:
                 engines_hint=self.engines_hint(),
             )
         except Exception as exc:  # never let a budget stop the floor loop
-            log.warning("budgets: %r", exc)
+            self.budget_errors_total += 1
+            if now - self._last_budget_error_logged > 60:  # counted every time, said once a minute
+                self._last_budget_error_logged = now
+                log.warning("budgets: %r", exc)
             return None
         if wake is not None or self.stats.budgets:
             with self.lock:

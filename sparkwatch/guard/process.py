@@ -176,7 +176,11 @@ class GuardProcess:
                 self.guard,
                 PoolWatch.LIVE_KEYS,
                 self.guard.reconfigure,
-                lambda: {"meminfo_errors": self.guard.stats.meminfo_errors_total},
+                lambda: {
+                    "meminfo_errors": self.guard.stats.meminfo_errors_total,
+                    "launched_errors": self.guard.launched.watch.errors_total,  # unreadable declarations
+                    "budget_errors": self.guard.budget_errors_total,
+                },
             ),
             Component(
                 "sd_notify",

@@ -97,7 +97,7 @@ class TelemetryProcess:
                 loop,
                 Telemetry.LIVE_KEYS | {"telemetry_interval_s"},
                 loop.reconfigure,
-                lambda: {"cycle_errors": loop.errors_total},
+                lambda: {"cycle_errors": loop.errors_total, "launched_errors": loop.telemetry.launched.errors_total},
             )
         )
         self.components += self._endpoint()

@@ -4,7 +4,7 @@
 
 Imports everything once (pydantic, the guard), then on each `spawn` line from stdin forks a child that runs a real
 pool watch (PoolWatch.start: the guard loop, reaper, scout and kernel-log threads) with a real FlightRecorder wired
-as the guard process wires it, on the real /proc, ticking every 50 ms inside the floor's band (a floor of 64 MiB and
+as the guard process wires it, on the real /proc, ticking every 50 ms inside the floor's band (a floor of 1 GiB and
 1 TiB of warn_headroom: near the floor, never under it), so it writes a record every tick and fdatasyncs once a
 second. It prints the child's pid. `reap PID` waits for that child and prints its wait status. A fork costs ms where
 a fresh interpreter costs ~200 ms here, so a hundred kills take seconds.
@@ -28,7 +28,7 @@ def run_guard(state_dir: Path) -> None:
     settings = load_settings(
         overrides={
             "state_dir": state_dir,
-            "floor": "64MiB",
+            "floor": "1GiB",  # the smallest floor config accepts
             "warn_headroom": "1TiB",
             "poll_min_s": 0.05,
             "poll_max_s": 0.05,

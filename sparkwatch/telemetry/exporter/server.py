@@ -21,6 +21,7 @@ time and add names outside the contract). Encoding (text or OpenMetrics, by the 
 from __future__ import annotations
 
 import errno
+import math
 import os
 import queue
 import selectors
@@ -147,6 +148,8 @@ class BoundedHTTPServer:
         self.evicted_total = 0  # closed unanswered: too slow to send a request, or the oldest when the cap was hit
         self.timeouts_total = 0  # an answer not sent within request_timeout_s
         self.errors_total = 0  # handshake failures, garbage requests, resets
+        self.render_errors_total = 0  # the handler raised: answered 500, said in the log once a minute
+        self._render_error_logged_at = -math.inf
 
     def start(self) -> None:
         self._selector.register(self._listener, selectors.EVENT_READ, "listen")
@@ -326,8 +329,18 @@ class BoundedHTTPServer:
     def _answer(self, conn: _Conn) -> None:
         assert conn.request is not None
         method, path, headers = conn.request
-        status, content_type, body = self.handler(method, path, headers)
-        reason = {200: "OK", 404: "Not Found", 405: "Method Not Allowed"}.get(status, "Error")
+        try:
+            status, content_type, body = self.handler(method, path, headers)
+        except Exception as exc:  # a collector that raises: say so and answer 500, never a silent empty reply
+            self.render_errors_total += 1
+            now = time.monotonic()
+            if now - self._render_error_logged_at > 60:
+                self._render_error_logged_at = now
+                log.error("ERROR metrics: rendering %s failed: %r", path, exc)
+            status, content_type, body = 500, "text/plain; charset=utf-8", b"metrics could not be rendered\n"
+        reason = {200: "OK", 404: "Not Found", 405: "Method Not Allowed", 500: "Internal Server Error"}.get(
+            status, "Error"
+        )
         head = (
             f"HTTP/1.1 {status} {reason}\r\nContent-Type: {content_type}\r\n"
             f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
@@ -384,6 +397,7 @@ class MetricsServer:
             counts["connections_evicted"] = server.evicted_total
             counts["request_timeouts"] = server.timeouts_total
             counts["connection_errors"] = server.errors_total
+            counts["render_errors"] = server.render_errors_total
         return counts
 
     def ssl_context(self) -> ssl.SSLContext | None:
