@@ -8,6 +8,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -186,6 +187,69 @@ def _collect_cycles_after_each_test() -> Iterator[None]:
     CI once failed a Grafana test on a socket that another helper had left in a cycle."""
     yield
     gc.collect()
+
+
+def _living_descendants() -> dict[tuple[int, int], str]:
+    """(pid, start ticks) -> command line of every live (not zombie) descendant of this pytest process in its PID
+    namespace (a systemd-nspawn container's processes are the container's: its own systemd stops them)."""
+    out: dict[tuple[int, int], str] = {}
+    own_ns = os.stat("/proc/self/ns/pid").st_ino
+    for pid in descendants(os.getpid()):
+        ticks = read_start_ticks("/proc", pid)
+        if ticks is None or not alive(pid, ticks):
+            continue
+        try:
+            if os.stat(f"/proc/{pid}/ns/pid").st_ino != own_ns:
+                continue
+        except OSError:
+            continue
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as fh:
+                cmd = fh.read(300).replace(b"\0", b" ").decode(errors="replace").strip()
+        except OSError:
+            continue
+        out[(pid, ticks)] = cmd
+    return out
+
+
+def _sparkwatch_threads() -> set[threading.Thread]:
+    return {t for t in threading.enumerate() if t.name.startswith("sw-")}
+
+
+LEAK_GRACE_S = 5.0
+
+
+@pytest.fixture(autouse=True)
+def _no_guard_outlives_its_test() -> Iterator[None]:
+    """A guard left running by one test kills the next test's engine-shaped processes (most guards here are confined
+    to this pytest's descendants) or its memory pressure. So every test ends with the processes and the in-process
+    guard threads (named sw-*) it started gone: whatever is still there LEAK_GRACE_S later fails the test that left
+    it, and is SIGKILLed (it is ours: a descendant started during this test). Module-scoped fixtures' processes
+    started before the test and are not counted."""
+    procs_before = set(_living_descendants())
+    threads_before = _sparkwatch_threads()
+    yield
+    deadline = time.monotonic() + LEAK_GRACE_S
+    while True:
+        procs = {k: v for k, v in _living_descendants().items() if k not in procs_before}
+        threads = _sparkwatch_threads() - threads_before
+        if (not procs and not threads) or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    for pid, ticks in procs:
+        if read_start_ticks("/proc", pid) == ticks:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    if procs or threads:
+        pytest.fail(
+            "left running after the test: "
+            + "; ".join(
+                [f"pid {pid}: {cmd}" for (pid, _), cmd in procs.items()] + [f"thread {t.name}" for t in threads]
+            ),
+            pytrace=False,
+        )
 
 
 @pytest.fixture

@@ -59,8 +59,8 @@ def python_for(uid: int, gid: int) -> str:
                 check=False,
                 cwd="/",
             )
-        except PermissionError:
-            continue  # under a directory that uid may not enter
+        except (PermissionError, FileNotFoundError):
+            continue  # under a directory that uid may not enter, or no such interpreter here (pyenv's 3.13)
         if probe.returncode == 0 and probe.stdout.strip() == str(tuple(sys.version_info[:2])):
             return candidate
     pytest.skip(f"no python{version} that uid {uid} may execute")
