@@ -48,9 +48,30 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def thread_cpu_s(pid: int) -> dict[str, float]:
+    """CPU seconds per thread name (sparkwatch names its threads sw-*; /proc/PID/task/TID/comm), summed by name."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out: dict[str, float] = {}
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return out
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/comm") as fh:
+                name = fh.read().strip()
+            with open(f"/proc/{pid}/task/{tid}/stat") as fh:
+                fields = fh.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
 def measure(procs: dict[str, psutil.Process], seconds: float, tick: object = None) -> dict[str, Sample]:
     t0 = time.monotonic()
     cpu0 = {n: sum(p.cpu_times()[:2]) for n, p in procs.items()}
+    threads0 = {n: thread_cpu_s(p.pid) for n, p in procs.items()}
     peak = dict.fromkeys(procs, 0)
     while time.monotonic() < t0 + seconds:
         for n, p in procs.items():
@@ -58,6 +79,11 @@ def measure(procs: dict[str, psutil.Process], seconds: float, tick: object = Non
         time.sleep(1)
     wall = time.monotonic() - t0
     out = {n: Sample((sum(p.cpu_times()[:2]) - cpu0[n]) / wall * 100, peak[n] / MiB) for n, p in procs.items()}
+    for n, p in procs.items():  # where the time went, per thread: to the log (stderr), not the table
+        after = thread_cpu_s(p.pid)
+        spent = {t: (after[t] - threads0[n].get(t, 0.0)) / wall * 100 for t in after}
+        busy = ", ".join(f"{t} {pct:.3f} %" for t, pct in sorted(spent.items(), key=lambda kv: -kv[1]) if pct > 0)
+        print(f"  {n} threads: {busy or 'none measurable'}", file=sys.stderr)
     out["whole agent"] = Sample(sum(s.cpu_pct for s in out.values()), sum(s.rss_mib for s in out.values()))
     return out
 
@@ -87,6 +113,7 @@ def sparkwatch_episode(seconds: float, tmp: Path, tree: Path = ROOT) -> tuple[di
     threading.Thread(target=lambda: lines.extend(x.decode(errors="replace") for x in err), daemon=True).start()
     stop = threading.Event()
     nvml = [False]
+    last_body = [""]
 
     def scrape() -> None:
         while not stop.wait(SCRAPE_EVERY_S):
@@ -94,6 +121,7 @@ def sparkwatch_episode(seconds: float, tmp: Path, tree: Path = ROOT) -> tuple[di
                 with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
                     body = resp.read().decode()
                 nvml[0] = nvml[0] or "sparkwatch_gpu_up 1.0" in body
+                last_body[0] = body
             except OSError:
                 pass
 
@@ -105,7 +133,14 @@ def sparkwatch_episode(seconds: float, tmp: Path, tree: Path = ROOT) -> tuple[di
         (telemetry,) = guard.children()
         threading.Thread(target=scrape, daemon=True).start()
         time.sleep(SETTLE_S)
-        return measure({"guard": guard, "telemetry": telemetry}, seconds), nvml[0]
+        got = measure({"guard": guard, "telemetry": telemetry}, seconds)
+        durations = [
+            line.split("{", 1)[1].replace('collector="', "").replace('"}', "")
+            for line in last_body[0].splitlines()
+            if line.startswith("sparkwatch_collector_duration_seconds{")
+        ]
+        print("  telemetry's last cycle, seconds per source: " + ", ".join(durations), file=sys.stderr)
+        return got, nvml[0]
     finally:
         stop.set()
         daemon.terminate()

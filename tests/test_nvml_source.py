@@ -13,7 +13,7 @@ import pynvml
 import pytest
 
 from sparkwatch.core.model import GpuProcess
-from sparkwatch.telemetry.sources.nvml import UNIFIED_TOLERANCE, NvmlSource, is_unified
+from sparkwatch.telemetry.sources.nvml import NO_LIBRARY_RETRY_S, UNIFIED_TOLERANCE, NvmlSource, is_unified
 from tests.helpers.fake_nvml import NOT_SUPPORTED, Err, FakeNvml, gb10
 
 FIXTURES = Path(__file__).parent / "fixtures" / "gpu"
@@ -107,22 +107,34 @@ def test_unified_rule_edges() -> None:
     assert not is_unified(80 << 30, None)  # MemTotal unreadable: a non-zero total is VRAM
 
 
-def test_identity_is_read_once_and_each_cycle_costs_eight_calls() -> None:
+def test_identity_is_read_once_and_each_cycle_costs_seven_calls_and_energy_every_5_s() -> None:
     fake = FakeNvml([gb10()])
-    src = source(fake)
-    src.collect()
+    now = [100.0]
+    src = NvmlSource(timeout_s=0.5, nvml=fake, proc_root=GB10_PROC, clock=lambda: now[0])
+    _open.append(src)
+    first = src.collect().devices[0]
     before = sum(fake.calls.values())
-    src.collect()
-    src.collect()
+    energy = fake.calls["nvmlDeviceGetTotalEnergyConsumption"]
+    for _ in range(4):  # t = 101 .. 104: within ENERGY_EVERY_S of the first read
+        now[0] += 1.0
+        dev = src.collect().devices[0]
+        assert dev.energy_joules == first.energy_joules and dev.supported.get("energy") is True  # the last reading
     assert fake.calls["nvmlInit"] == 1
     assert fake.calls["nvmlDeviceGetUUID"] == 1
-    assert (sum(fake.calls.values()) - before) / 2 == 8
+    assert (sum(fake.calls.values()) - before) / 4 == 7  # 4.0 ms of CPU a call on an H200: not every second
+    assert fake.calls["nvmlDeviceGetTotalEnergyConsumption"] == energy
+    now[0] += 1.0  # t = 105: due again
+    src.collect()
+    assert fake.calls["nvmlDeviceGetTotalEnergyConsumption"] == energy + 1
 
 
 @pytest.mark.skipif(ctypes.util.find_library("nvidia-ml") is not None, reason="this machine has libnvidia-ml")
 def test_real_pynvml_without_the_library_reports_code_12_every_cycle() -> None:
-    src = NvmlSource(timeout_s=2.0)  # the real pynvml, imported lazily; libnvidia-ml.so.1 is absent here
-    for _ in range(2):
+    now = [0.0]
+    # the real pynvml, imported lazily; libnvidia-ml.so.1 is absent here
+    src = NvmlSource(timeout_s=2.0, clock=lambda: now[0])
+    for step in (0.0, 1.0, NO_LIBRARY_RETRY_S):  # the first try, the standing report, a second try
+        now[0] += step
         report = src.collect()
         assert not report.up
         assert report.nvml_return_code == pynvml.NVML_ERROR_LIBRARY_NOT_FOUND == 12
@@ -134,7 +146,6 @@ def test_real_pynvml_without_the_library_reports_code_12_every_cycle() -> None:
     "code",
     [
         pynvml.NVML_ERROR_DRIVER_NOT_LOADED,  # 9: no module (a stranded driver after a kernel update)
-        pynvml.NVML_ERROR_LIBRARY_NOT_FOUND,  # 12
         pynvml.NVML_ERROR_LIB_RM_VERSION_MISMATCH,  # 18: user space updated, old module still loaded
     ],
 )
@@ -147,6 +158,22 @@ def test_init_failure_is_down_with_the_code_and_retried_each_cycle(code: int) ->
         assert not report.up and report.nvml_return_code == code and report.devices == ()
         assert fake.calls["nvmlInit"] == cycle
     assert fake.calls["nvmlShutdown"] == 0  # nothing to shut down: init never succeeded
+
+
+def test_no_library_is_tried_again_every_30_s_and_reported_in_between() -> None:
+    fake = FakeNvml([gb10()])
+    fake.init_error = pynvml.NVML_ERROR_LIBRARY_NOT_FOUND  # 12: no libnvidia-ml on this box
+    now = [0.0]
+    src = NvmlSource(timeout_s=0.5, nvml=fake, proc_root=GB10_PROC, clock=lambda: now[0])
+    _open.append(src)
+    for _ in range(5):  # a cycle a second: one dlopen, the same down report four more times
+        report = src.collect()
+        assert not report.up and report.nvml_return_code == 12
+        now[0] += 1.0
+    assert fake.calls["nvmlInit"] == 1
+    fake.init_error = None  # the driver's user space got installed
+    now[0] = NO_LIBRARY_RETRY_S
+    assert src.collect().up and fake.calls["nvmlInit"] == 2
 
 
 def test_recovery_after_the_driver_loads() -> None:

@@ -37,7 +37,7 @@ from sparkwatch.telemetry.exporter.internal import InternalCollector
 from sparkwatch.telemetry.exporter.postmortem import PostmortemCollector
 from sparkwatch.telemetry.exporter.server import MetricsServer, build_registry
 from sparkwatch.telemetry.headroom import HeadroomWatcher
-from sparkwatch.telemetry.loop import Telemetry, TelemetryLoop, gpu_bytes_by_pid
+from sparkwatch.telemetry.loop import Telemetry, TelemetryLoop, gpu_bytes_by_pid, quiet
 from sparkwatch.telemetry.outbox import Outbox
 from sparkwatch.telemetry.postmortem import PostmortemWatch
 from sparkwatch.telemetry.remote import EventErrors, RemoteGuard
@@ -90,6 +90,7 @@ class TelemetryProcess:
             settings.telemetry_interval_s,
             on_event=self.events.append,
             on_cycle=self.report,
+            is_quiet=lambda snap: quiet(snap) and not self._guard_near_floor(),
         )
         self.components.append(
             Component(
