@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -196,7 +197,11 @@ class GuardProcess:
         self._over_cap_rss: int | None = None
         self._stop = threading.Event()
         self._reload = threading.Event()
-        self._wake = threading.Event()
+        # The main thread sleeps in select() on this pipe, never on a lock: a signal the kernel hands to another of
+        # our threads (it may: each one has the daemon's signals unblocked) writes its number here through
+        # signal.set_wakeup_fd and wakes it, where a lock wait in the main thread slept through it. Seen: a SIGTERM
+        # right after a reload's validator ended left the daemon running, 1 run in 7-12.
+        self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._reloading: threading.Thread | None = None
 
     def _event_counters(self) -> dict[str, int]:
@@ -231,11 +236,30 @@ class GuardProcess:
     # --- signals
     def request_stop(self) -> None:
         self._stop.set()
-        self._wake.set()
+        self._poke()
 
     def request_reload(self) -> None:
         self._reload.set()
-        self._wake.set()
+        self._poke()
+
+    def _poke(self) -> None:
+        """Wake the main thread (from a signal handler or another thread)."""
+        try:
+            os.write(self._wake_w, b"\0")
+        except BlockingIOError:
+            pass  # the pipe is full: the main thread has wake-ups enough waiting
+
+    def wakeup_fd(self) -> int:
+        """For signal.set_wakeup_fd: the C-level handler writes each signal's number here, on whatever thread."""
+        return self._wake_w
+
+    def _sleep_until_woken(self) -> None:
+        select.select([self._wake_r], [], [])
+        try:
+            while os.read(self._wake_r, 512):
+                pass
+        except BlockingIOError:
+            pass
 
     def on_signal(self, signum: int, _frame: FrameType | None) -> None:
         if signum == signal.SIGHUP:
@@ -347,7 +371,7 @@ class GuardProcess:
     def _over_cap_seen(self, rss: int) -> None:
         """The supervisor saw our RSS over its cap (in the state it just built): the main thread restarts us."""
         self._over_cap_rss = rss
-        self._wake.set()
+        self._poke()
 
     def _over_cap(self, rss: int) -> None:
         reason = f"guard RSS {rss >> 20} MiB over its {self.supervisor.rss_cap_bytes >> 20} MiB cap"
@@ -382,11 +406,10 @@ class GuardProcess:
             f", sd_notify via {self.sd.notifier.backend}" if self.sd.notifier.enabled else "",
         )
         syscalls.trim_heap()  # hand back what importing and building everything left free
-        # The main thread wakes for a signal (its handler sets _wake) or the supervisor's word that we are over the RSS
-        # cap: it never polls.
+        # The main thread wakes for a signal (the wakeup fd, then its handler) or the supervisor's word that we are
+        # over the RSS cap: it never polls.
         while not self._stop.is_set() and self._over_cap_rss is None:
-            self._wake.wait()
-            self._wake.clear()
+            self._sleep_until_woken()
             if self._reload.is_set() and not self._stop.is_set():
                 self._reload.clear()
                 self._start_reload()
@@ -456,6 +479,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         exec_guard({"wire": dict(current.wire), "public": dict(current.public), "secrets": secrets}, cli_args)
 
     process = GuardProcess(config, validator, log_handler=handler, restart=restart)
+    signal.set_wakeup_fd(process.wakeup_fd(), warn_on_full_buffer=False)
     target.append(process)
     for signum in pending:
         process.on_signal(signum, None)
