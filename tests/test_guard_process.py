@@ -26,7 +26,7 @@ from sparkwatch.common.events import read_events
 from sparkwatch.common.sources.meminfo import MeminfoReader
 from sparkwatch.core.units import GiB, MiB
 from tests.conftest import Spawner, alive, pids_in, require_tool, wait_until
-from tests.daemon import wait_for_event
+from tests.daemon import sparkwatch_run, wait_for_event
 from tests.sdtools import (
     Daemon,
     NotifyReceiver,
@@ -329,6 +329,21 @@ def test_guard_process_loads_only_what_it_may() -> None:
     assert not foreign, foreign
     denied = sorted(m for m in modules if any(m == d or m.startswith(d + ".") for d in STDLIB_DENIED + STDLIB_HEAVY))
     assert not denied, denied
+
+
+def test_a_running_guard_maps_no_libsystemd(tmp_path: Path) -> None:
+    """systemd-python, where installed, is telemetry's; the guard speaks the journal and sd_notify protocols itself
+    (common.systemd, backend 'builtin'): libsystemd and its modules were 1.0 MiB of the guard's mlocked RSS."""
+    pytest.importorskip("systemd.journal", reason="systemd-python is not installed: nothing could map it")
+    with sparkwatch_run(tmp_path) as d:
+        assert wait_until(lambda: any("telemetry running" in line for line in d.stderr_lines), 30), d.stderr_lines
+        maps = Path(f"/proc/{d.proc.pid}/maps").read_text()
+        tasks = Path(f"/proc/{d.proc.pid}/task").glob("*/children")  # the supervisor thread started telemetry
+        children = [pid for f in tasks for pid in f.read_text().split()]
+        assert children, "no telemetry process"
+        telemetry_maps = Path(f"/proc/{children[0]}/maps").read_text()
+    assert "libsystemd" not in maps and "/systemd/_journal" not in maps
+    assert "/systemd/_journal" in telemetry_maps  # the probe can see it: telemetry does load it
 
 
 def test_hung_nvml_load_degrades_clearly(tmp_path: Path, daemons: Callable[..., Daemon]) -> None:

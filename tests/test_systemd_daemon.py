@@ -75,7 +75,7 @@ def test_ready_watchdog_status_stopping_from_real_daemon(
         assert len(pings) >= 5, rx.messages
         assert max(b - a for a, b in itertools.pairwise(pings)) < 0.6, pings  # never late enough to trip
         assert any(m.startswith("STATUS=MemAvailable") for _t, m in rx.messages if _t > t_ready), rx.messages
-        assert f"sd_notify via {backend}" in d.stderr
+        assert "sd_notify via builtin" in d.stderr  # the guard's own protocol, with or without systemd-python
 
         d.proc.send_signal(signal.SIGTERM)
         assert d.proc.wait(10) == 0

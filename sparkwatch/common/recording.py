@@ -35,10 +35,13 @@ def open_recording(
     spooler: Spooler | None,
     log_handler: logging.Handler | None = None,
     group: int | None = None,
+    *,
+    journal_backend: str = "auto",
 ) -> Recording:
-    """`group`: events_group's gid (common/sharing.py), whose members may read the record."""
+    """`group`: events_group's gid (common/sharing.py), whose members may read the record. `journal_backend`: as
+    JournalSink's (the guard process passes 'builtin')."""
     events = EventLog(events_path, max_bytes=max_bytes, group=group)
-    journal = JournalSink()
+    journal = JournalSink(journal_backend)
     events.subscribe(journal)
     router = None
     if spooler is not None:

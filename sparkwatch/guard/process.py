@@ -136,11 +136,18 @@ class GuardProcess:
         # a guard that dies between the event and the hand-over to telemetry loses none: telemetry's outbox finds the
         # file when it starts (common.spool).
         self.spool = FileSpool(config.state_dir / "outbox") if config.wire.get("webhook_url") else None
+        # The journal and sd_notify through their own few lines (common.systemd), never systemd-python: libsystemd and
+        # its Python modules were 1.0 MiB of this process's mlocked RSS (22.2 -> 21.1 MiB measured here).
         self.recording = open_recording(
-            config.events_path, config.events_max_bytes, self.spool, log_handler, events_gid(config.events_group)
+            config.events_path,
+            config.events_max_bytes,
+            self.spool,
+            log_handler,
+            events_gid(config.events_group),
+            journal_backend="builtin",
         )
         self.events, self.journal, self.router = self.recording.events, self.recording.journal, self.recording.router
-        self.sd = ServiceNotifier(Notifier(), self.status_line, poll_max_s=config.poll_max_s)
+        self.sd = ServiceNotifier(Notifier(backend="builtin"), self.status_line, poll_max_s=config.poll_max_s)
         self.guard = PoolWatch(config, self.events, heartbeat=self.sd.beat)
         self.supervisor = TelemetrySupervisor(
             config,
