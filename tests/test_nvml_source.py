@@ -160,6 +160,18 @@ def test_init_failure_is_down_with_the_code_and_retried_each_cycle(code: int) ->
     assert fake.calls["nvmlShutdown"] == 0  # nothing to shut down: init never succeeded
 
 
+def test_a_failing_energy_read_stays_an_error_between_reads_never_unsupported() -> None:
+    fake = FakeNvml([gb10(energy_mj=Err(pynvml.NVML_ERROR_UNKNOWN))])
+    now = [0.0]
+    src = NvmlSource(timeout_s=0.5, nvml=fake, proc_root=GB10_PROC, clock=lambda: now[0])
+    _open.append(src)
+    for _ in range(3):  # the read at t=0, then two cycles that reuse what it said
+        dev = src.collect().devices[0]
+        assert dev.energy_joules is None and dev.field_errors.get("energy") == 999
+        assert "energy" not in dev.supported  # unknown, not "unsupported"
+        now[0] += 1.0
+
+
 def test_no_library_is_tried_again_every_30_s_and_reported_in_between() -> None:
     fake = FakeNvml([gb10()])
     fake.init_error = pynvml.NVML_ERROR_LIBRARY_NOT_FOUND  # 12: no libnvidia-ml on this box

@@ -499,7 +499,10 @@ class NvmlSource:
         power_mw, util, temp, sm_mhz, mem, compute, graphics = values[:7]
         if energy_due:
             ident.energy_mj, ident.energy_read_at = values[7], now
-            ident.supported["energy"] = supported.get("energy", False)
+            if "energy" in supported:
+                ident.supported["energy"] = supported["energy"]
+            else:  # failed with another code: neither supported nor not, as _field_result leaves it
+                ident.supported.pop("energy", None)
             if "energy" in errors:
                 ident.errors["energy"] = errors["energy"]
             else:
