@@ -3,19 +3,27 @@
 Why not psutil here: the guard scans on the kill path and the telemetry every second, and psutil costs ~50-100 µs a
 process for the fields we need (ppid, uid, comm, state, start time, RSS, argv): 100-200 ms for 2,000 processes.
 Reading cmdline is the dear part (the kernel walks the target's memory): measured here, a cold scan of 113 processes
-took 16.4 ms and a warm one 3.9 ms. So argv is cached per (pid, start time, comm) — setproctitle changes comm along
-with argv, so a new title invalidates the entry — and kernel threads are never asked for one.
+took 16.4 ms and a warm one 3.9 ms. So argv is cached per process (pid, start time) for one program image and title:
+the entry holds while comm and the argv span (stat fields 48-49, where the kernel put this image's argv) stay what
+they were, and kernel threads are never asked for one.
+
+- setproctitle changes comm along with argv, so a new title invalidates the entry;
+- an exec gives a new argv span even when the new program has the old one's name (python3 that fork-execs python3,
+  a shell that runs a shell): comm alone kept the parent's pre-exec argv for the child's whole life (CI's likeliest
+  reading of an unadopted offline EngineCore: its `python offline_infer.py` parent, read between pytest's fork and
+  its exec, kept pytest's argv);
+- in the exec window the kernel has set the new comm but not yet the argv (span 0 0, cmdline empty): an empty argv
+  of a live process is never cached, or `/usr/bin/tail -f vllm.log` read there stayed argv-less for good.
 
 The same cache keeps what protection and identity need that a user cannot forge: the executable (readlink
 /proc/PID/exe), the cgroup v2 path, and, only for generic launchers (`core.engines.wants_maps`: an mpi4py worker),
-the first engine library found in /proc/PID/maps (read in bounded chunks). A cache entry lives as long as that
-(pid, start time, comm): an exec changes comm, so a process that execs is read again.
+the first engine library found in /proc/PID/maps (read in bounded chunks), all read again with argv.
 
 The maps of one more kind of process are read, once each: the plain Python parent of a process titled like an engine
 that adopts its parent (`core.engines.wants_parent_maps`: an EngineCore, an SGLang scheduler). Adoption needs the
 engine's own native module mapped in that parent as evidence (core.engines._adoptable_parent). The read happens
-when such a child is first read (a new title is a new comm, so a new cache entry), after the scan's loop, so it costs
-one maps read per engine parent and nothing per scan for anyone else.
+when such a child is first read (a new title is a new comm, so the child is read again), after the scan's loop, so
+it costs one maps read per engine parent and nothing per scan for anyone else.
 
 The executable is unforgeable only in the initial namespaces: any user may `unshare -Urm` and bind-mount python3 over
 /usr/bin/systemd-cat. So for the few processes whose exe would protect them (`core.engines.exe_protects`: sshd,
@@ -48,8 +56,10 @@ _MAPS_CHUNK = 256 << 10
 
 
 class _Facts(NamedTuple):
-    """What is read once per (pid, start time, comm) and kept: the costly or privileged reads."""
+    """What is read once per program image and title of a process and kept: the costly or privileged reads.
+    Valid while the process shows the same comm and argv span (`image`)."""
 
+    image: tuple[str, int, int]  # comm, arg_start, arg_end when read
     argv: tuple[str, ...]
     exe: str | None
     cgroup: str | None
@@ -145,16 +155,36 @@ def parse_stat(pid: int, data: bytes) -> tuple[str, str, int, int, int, int]:
 
     comm may hold spaces and parentheses (`foo) Z `): it runs from the first '(' to the *last* ')'.
     """
+    comm, fields = _split_stat(pid, data)
+    return _stat_facts(comm, fields)
+
+
+def _split_stat(pid: int, data: bytes) -> tuple[str, list[bytes]]:
     open_i = data.find(b"(")
     close_i = data.rfind(b")")
     if open_i < 0 or close_i < open_i:
         raise ProcParseError(f"/proc/{pid}/stat: no comm")
-    comm = data[open_i + 1 : close_i].decode(errors="replace")
     fields = data[close_i + 2 :].split()
     if len(fields) < 22:
         raise ProcParseError(f"/proc/{pid}/stat: {len(fields)} fields")
+    return data[open_i + 1 : close_i].decode(errors="replace"), fields
+
+
+def _stat_facts(comm: str, fields: list[bytes]) -> tuple[str, str, int, int, int, int]:
     # fields[0] is stat field 3 (state); field N of proc(5) is fields[N - 3].
     return comm, fields[0].decode(), int(fields[1]), int(fields[6]), int(fields[19]), int(fields[21])
+
+
+def _image(comm: str, fields: list[bytes]) -> tuple[str, int, int]:
+    """(comm, arg_start, arg_end): which program image and title a process shows (the argv cache's validity).
+
+    arg_start and arg_end (stat fields 48-49, Linux 3.5+) are where exec put this image's argv: a new image gets a
+    new span under ASLR even with the old name. They read 0 0 in the exec window before the kernel set them, and for a
+    process we may not ptrace-read (another user's, as non-root: not one the guard may signal); comm tells alone then.
+    """
+    if len(fields) < 47:
+        return comm, 0, 0  # an older kernel: comm alone
+    return comm, int(fields[45]), int(fields[46])
 
 
 def _read_exe(base: str) -> str | None:
@@ -216,7 +246,7 @@ def parse_cmdline(data: bytes) -> tuple[str, ...]:
     return tuple(p.decode(errors="replace") for p in parts)
 
 
-_KTHREAD_FACTS = _Facts((), None, None, None)
+_KTHREAD_FACTS = _Facts(("", 0, 0), (), None, None, None)
 
 
 @dataclass(frozen=True, slots=True)
@@ -236,7 +266,7 @@ class ProcScanner:
 
     def __init__(self, proc_root: Path = Path("/proc")) -> None:
         self.proc_root = str(proc_root)
-        self._cache: LiveCache[tuple[int, int, str], _Facts] = LiveCache()
+        self._cache: LiveCache[tuple[int, int], _Facts] = LiveCache()
         self._initial_ns: tuple[int, int | None] | None = None  # PID 1's namespaces, read once when first needed
 
     def _outside(self, base: str) -> bool:
@@ -251,20 +281,21 @@ class ProcScanner:
         (core.engines.wants_parent_maps), so that scan() looks at that parent's maps once."""
         base = f"{self.proc_root}/{pid}"
         try:
-            stat = _read(f"{base}/stat")
+            stat = _split_stat(pid, _read(f"{base}/stat"))
             uid = os.stat(base).st_uid
-            comm, state, ppid, flags, start, rss_pages = parse_stat(pid, stat)
+            comm, state, ppid, flags, start, rss_pages = _stat_facts(*stat)
             kthread = bool(flags & PF_KTHREAD)
-            key = (pid, start, comm)
-            facts = _KTHREAD_FACTS if kthread else self._cache.get(key)  # kernel threads: nothing to read
-            if facts is None:
+            image = _image(*stat)
+            facts = _KTHREAD_FACTS if kthread else self._cache.get((pid, start))  # kernel threads: nothing to read
+            if facts is None or (not kthread and facts.image != image):
                 argv = parse_cmdline(_read(f"{base}/cmdline", _CMDLINE_MAX))
                 maps = wants_maps(comm, argv)
                 lib = find_engine_lib(f"{base}/maps") if maps else None
                 exe = _read_exe(base)
                 outside = exe is not None and exe_protects(exe) and self._outside(base)
-                facts = _Facts(argv, exe, _read_cgroup(base), lib, maps, outside)
-                self._cache.put(key, facts)
+                facts = _Facts(image, argv, exe, _read_cgroup(base), lib, maps, outside)
+                if argv or state in ("Z", "X"):  # a live process without argv is in its exec window: read it again
+                    self._cache.put((pid, start), facts)
                 if adopters is not None and ppid > 2 and wants_parent_maps(comm, argv):
                     adopters.append(ppid)
         except (FileNotFoundError, ProcessLookupError):
@@ -319,21 +350,20 @@ class ProcScanner:
         if adopters:
             self._read_parent_maps(procs, set(adopters))
         # The guard and its scout thread may share this scanner: core.livecache says why that is safe.
-        self._cache.forget_dead(lambda: {(p.pid, p.start_ticks, p.comm) for p in procs})
+        self._cache.forget_dead(lambda: {p.key for p in procs})
         return ScanResult(tuple(procs), vanished, errors, reads)
 
     def _read_parent_maps(self, procs: list[Proc], parents: set[int]) -> None:
         """Adoption evidence: the engine library mapped in each parent adoption could accept, read once per
-        (pid, start time, comm) and kept in the cache, whatever it found."""
+        program image and title (the cache entry's) and kept there, whatever it found."""
         for i, proc in enumerate(procs):
             if proc.pid not in parents or not parent_wants_maps(proc):
                 continue
-            key = (proc.pid, proc.start_ticks, proc.comm)
-            facts = self._cache.get(key)
-            if facts is None or facts.maps_read:
-                continue
+            facts = self._cache.get(proc.key)
+            if facts is None or facts.maps_read or facts.argv != proc.argv:
+                continue  # not cached (exec window), looked at already, or the entry is of another image by now
             lib = find_engine_lib(f"{self.proc_root}/{proc.pid}/maps")
-            self._cache.put(key, facts._replace(engine_lib=lib, maps_read=True))
+            self._cache.put(proc.key, facts._replace(engine_lib=lib, maps_read=True))
             if lib is not None:
                 procs[i] = replace(proc, engine_lib=lib)
 
