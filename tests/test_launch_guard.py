@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 from sparkwatch.common import launched
+from sparkwatch.common.flightrec import RING_NAME, read_ring
 from sparkwatch.common.sources.procs import read_start_ticks
 from sparkwatch.core.bootphase import BootPhase
 from sparkwatch.guard.launchwatch import LaunchedEngines
@@ -61,6 +62,13 @@ def test_phases_become_metrics_and_events_the_guard_records(box: Box, tmp_path: 
     # Durable: the guard wrote them to events.jsonl (launch itself never writes there).
     kinds = [json.loads(line)["kind"] for line in daemon.events_path.read_text().splitlines()]
     assert kinds.index("engine_started") < kinds.index("engine_ready") < kinds.index("engine_exited")
+    # The flight recorder kept the launched engine and its phase in its samples (what a postmortem says was booting).
+    ring = read_ring(daemon.state_dir / RING_NAME)
+    assert ring is not None
+    recorded = [(e.name, e.phase) for s in ring.samples for e in s.launched if e.pid == decl["root_pid"]]
+    assert recorded, "no sample names the launched engine"
+    assert {name for name, _ in recorded} == {f"vllm {model.name}"}
+    assert "ready" in {phase for _, phase in recorded}, recorded  # ready held for 4 s: samples come at 1 Hz
 
 
 def _decl(pid: int, uid: int, start: int | None = None) -> launched.Declaration:

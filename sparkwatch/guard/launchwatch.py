@@ -28,6 +28,7 @@ from sparkwatch.common.sources.procs import read_start_ticks
 from sparkwatch.core.bootphase import BootPhase
 from sparkwatch.core.engines import Declared
 from sparkwatch.core.eventkinds import EventKind
+from sparkwatch.core.flight import LaunchedEngine
 from sparkwatch.core.units import format_size
 
 log = logs.get("guard")
@@ -83,6 +84,14 @@ class LaunchedEngines:
 
     def live(self) -> tuple[Declaration, ...]:
         return self._live
+
+    def boot_phases(self) -> tuple[LaunchedEngine, ...]:
+        """Each live launched engine as the flight recorder keeps it (safe from any thread): its kind and model's
+        last path part ("vllm Qwen3-32B": a record field holds a name, not a path), root pid and boot phase."""
+        return tuple(
+            LaunchedEngine(f"{d.kind} {os.path.basename(d.model.rstrip('/'))}".strip(), d.root_pid, str(d.phase))
+            for d in self._live
+        )
 
     def note_kill(self, key: tuple[int, int], trigger: str) -> None:
         self._kills[key] = trigger

@@ -172,6 +172,7 @@ class GuardProcess:
             roots=lambda: self.supervisor.engine_roots,
             engines=lambda: self.supervisor.engines,
             gpu=self.supervisor.gpu.latest,
+            launched=self.guard.launched.boot_phases,
         )
         self.guard.recorder = self.recorder
         self.supervisor.on_over_cap = self._over_cap_seen
