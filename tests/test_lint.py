@@ -64,3 +64,17 @@ def test_guard_contract_fires_through_common() -> None:
     assert out.returncode == 1, out.stdout
     assert "sparkwatch.guard is not allowed to import sparkwatch.telemetry" in out.stdout, out.stdout
     assert "sparkwatch.common is not allowed to import sparkwatch.telemetry" in out.stdout, out.stdout
+
+
+def test_telemetry_may_not_import_the_guard() -> None:
+    """The independence contract fires: telemetry reaching into the guard's code (as it once imported the kill loop
+    for GuardStats) breaks "Guard and telemetry share only common and core"."""
+    probe = ROOT / "sparkwatch" / "telemetry" / "_probe_guard.py"
+    probe.write_text("from sparkwatch.guard import killer\n\nKILLER = killer\n")
+    try:
+        out = lint_imports()
+    finally:
+        probe.unlink()
+    assert out.returncode == 1, out.stdout
+    assert "Guard and telemetry share only common and core BROKEN" in out.stdout, out.stdout
+    assert "sparkwatch.telemetry._probe_guard -> sparkwatch.guard.killer" in out.stdout, out.stdout
