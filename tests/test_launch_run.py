@@ -74,6 +74,23 @@ def test_a_sparse_model_larger_than_the_machine_is_refused_before_anything_start
     assert took < 30
 
 
+def test_force_starts_what_the_plan_refuses_and_says_so(box: Box, tmp_path: Path) -> None:
+    """--force: the owner's word over the plan. The same command is refused without it and starts with it; the
+    stand-in touches only 16 MiB whatever the utilization says."""
+    args = small_args(small_model(tmp_path), 0.95)  # 95 % of MemTotal: more than the box has available
+    engine = ["--phase-mib", "loading_weights=16", "--phase-s", "0.1", "--serve-s", "0.3"]
+    refused = box.launch("--", *args, *engine)
+    _out, err = refused.communicate(timeout=60)
+    assert refused.returncode == 75, err.decode()
+    assert not box.marker.exists()
+    forced = box.launch("--force", "--", *args, *engine)
+    _out, err = forced.communicate(timeout=90)
+    assert forced.returncode == 0, err.decode()
+    assert "does not fit" in err.decode() and "--force: starting anyway" in err.decode()
+    assert box.marker.exists()  # the command ran
+    assert [d["exit_code"] for d in box.declarations()] == [0]
+
+
 def _normalise(text: bytes) -> list[str]:
     out = re.sub(rb"pid=\d+", b"pid=N", text)
     out = re.sub(rb"\d\d-\d\d \d\d:\d\d:\d\d", b"TS", out)
