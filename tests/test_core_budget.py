@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sparkwatch.core.budget import BudgetParams, BudgetState, budget_step, limit_bytes
+from sparkwatch.core.budget import BudgetParams, BudgetState, budget_step, limit_bytes, memory_high_bytes
 from sparkwatch.core.footprint import FootprintInputs, FootprintSource, footprint
 from sparkwatch.core.policy import GPU_STALE_S, parse_engine_budgets, parse_kill_priority
 from sparkwatch.core.units import GiB, MiB
@@ -25,6 +25,14 @@ def run(samples: list[int], budget: int, dt: float = 0.1) -> list[bool]:
 def test_the_margin_is_two_percent_or_256_mib() -> None:
     assert limit_bytes(1 * GiB, P) == 1 * GiB + 256 * MiB
     assert limit_bytes(100 * GiB, P) == 102 * GiB
+
+
+def test_launchs_memory_high_sits_one_margin_above_the_kill_limit() -> None:
+    """The scope's throttle must never hold a runaway under the guard's kill limit (then it is slowed, never killed)."""
+    assert memory_high_bytes(1 * GiB) == 1 * GiB + 512 * MiB
+    assert memory_high_bytes(100 * GiB) == 104 * GiB
+    for budget in (1, 7 * MiB, 3 * GiB, 60 * GiB):
+        assert memory_high_bytes(budget) > limit_bytes(budget, BudgetParams()) > budget
 
 
 def test_over_the_limit_for_the_debounce_kills_once_a_single_spike_does_not() -> None:

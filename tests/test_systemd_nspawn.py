@@ -364,3 +364,24 @@ def test_user_unit_under_the_user_manager(ct: nspawn.Container) -> None:
             assert "run the system unit (sudo sparkwatch install-service --system" in line, journal[-3000:]
     finally:
         ct.as_tester(["systemctl", "--user", "stop", UNIT], check=False)
+
+
+def test_launch_runs_the_engine_in_its_own_scope_under_the_user_manager(ct: nspawn.Container) -> None:
+    """`sparkwatch launch` as tester, with a real user manager: the command runs in its own transient scope
+    (sparkwatch-launch-<pid>.scope, what the guard's footprint counts as the tree's cgroup), whose MemoryHigh sits
+    one margin above the guard's kill limit for the budget, so the kernel's throttle never pre-empts the kill."""
+    from sparkwatch.core.budget import memory_high_bytes
+    from sparkwatch.core.units import GiB
+
+    show = (
+        'cg=$(sed -n "s/^0:://p" /proc/self/cgroup); echo "cgroup $cg"; '
+        'echo "high $(systemctl --user show -p MemoryHigh --value "${cg##*/}")"'
+    )  # the unit's property: this container's user subtree has no memory controller, so no memory.high file
+    done = ct.as_tester(
+        ["/opt/sw/bin/sparkwatch", "launch", "--budget", "1GiB", "--settle-timeout", "0", "--", "sh", "-c", show],
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    lines = dict(line.split(" ", 1) for line in done.stdout.splitlines() if line.startswith(("cgroup ", "high ")))
+    assert re.search(r"/user@1000\.service/.*/sparkwatch-launch-\d+\.scope$", lines["cgroup"]), done.stdout
+    assert int(lines["high"]) == memory_high_bytes(1 * GiB), done.stdout

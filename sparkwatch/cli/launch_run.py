@@ -2,8 +2,9 @@
 
 - launch is the engine's parent and a child subreaper (prctl): workers orphaned by a dying root come back to it, so
   Ctrl-C leaves no process behind. The command runs in its own process group (and, where a systemd user manager
-  answers, in its own scope, `systemd-run --user --scope -p MemoryHigh=BUDGET`: host-side growth is throttled by
-  the kernel; CUDA allocations are not seen by the cgroup on a GB10, which the guard's budget covers).
+  answers, in its own scope, `systemd-run --user --scope -p MemoryHigh=…`, one margin above the guard's kill limit
+  (core.budget.memory_high_bytes): host-side growth past it is throttled by the kernel if the guard is not there to
+  kill first; CUDA allocations are not seen by the cgroup on a GB10, which the guard's budget covers).
 - stdout and stderr come through pipes and are copied unchanged, chunk by chunk (os.read/os.write, no line
   splitting); the phase recogniser (core.bootphase) searches each chunk for the anchors that can still come.
 - the declaration (common.launched) is written at start, on every phase, when the measured peak grew, and at exit.
@@ -39,6 +40,7 @@ from sparkwatch.common.sources.procs import parse_cgroup, parse_stat, read_child
 from sparkwatch.config.settings import Settings
 from sparkwatch.core import launchenv, peaks
 from sparkwatch.core.bootphase import BootPhase, PhaseRecognizer
+from sparkwatch.core.budget import memory_high_bytes
 from sparkwatch.core.footprint import FootprintInputs, footprint
 from sparkwatch.core.plan import Plan
 from sparkwatch.core.units import MiB, format_size
@@ -248,7 +250,7 @@ class Launch:
     def _argv(self, budget: int | None) -> list[str]:
         if not self.use_scope or shutil.which("systemd-run") is None or not user_manager_socket(self.env):
             return list(self.cmd)
-        props = ["-p", f"MemoryHigh={budget}"] if budget else []
+        props = ["-p", f"MemoryHigh={memory_high_bytes(budget)}"] if budget else []
         return [
             "systemd-run", "--user", "--scope", "--quiet", "--collect", f"--unit={self.unit}", *props, "--", *self.cmd,
         ]  # fmt: skip

@@ -60,6 +60,14 @@ def limit_bytes(budget_bytes: int, params: BudgetParams) -> int:
     return budget_bytes + max(params.margin_min_bytes, math.ceil(budget_bytes * params.margin_ratio))
 
 
+def memory_high_bytes(budget_bytes: int, params: BudgetParams = BudgetParams()) -> int:
+    """The `MemoryHigh=` of launch's scope: one margin above the guard's kill limit. The kernel throttles host-side
+    growth past MemoryHigh (reclaim, then stalls), so at the budget itself it would hold a runaway just under the
+    limit, slowed and never killed; above the limit the guard's kill (recorded, said on the terminal) comes first,
+    and the throttle stays the backstop for a box whose guard is not running."""
+    return 2 * limit_bytes(budget_bytes, params) - budget_bytes
+
+
 def budget_step(
     state: BudgetState, params: BudgetParams, t: float, footprint_bytes: int, budget_bytes: int
 ) -> tuple[BudgetState, BudgetDecision]:
