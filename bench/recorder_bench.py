@@ -1,10 +1,11 @@
 """What the flight recorder costs: per record, and in a running daemon far from the floor and near it.
 
-    .venv/bin/python bench/recorder_bench.py --rounds 3 --seconds 40 --out bench/RESULTS-recorder.md
+    flock /tmp/sparkwatch-pressure.lock .venv/bin/python bench/recorder_bench.py --rounds 3 --seconds 60 \
+        --out bench/RESULTS-recorder.md
 
-1. Per record, in this process: building a sample (buddyinfo and PSI reads, the JSON) and one slot's pwrite, and the
-   pwrite followed by fdatasync (what the recorder does at most once a second near the floor), on the disk that
-   holds the state dir. Episodes of 200 records alternate A B A B; medians of the episodes' medians.
+1. Per record, in this process: building a sample (buddyinfo and PSI reads, its binary record) and a slot's
+   pwrite, and the pwrite followed by fdatasync (what the recorder does at most once a second near the floor), on
+   the disk that holds the state dir. Episodes of 200 records alternate A B A B; medians of the episodes' medians.
 2. The daemon (`sparkwatch run`, both processes, idle), with the recorder off (`recorder_window_s = 0`) and on (the
    default, 600 s), alternated A B A B:
    - far: the defaults (the guard ticks once a second, one record a second, no fsync);
