@@ -26,42 +26,42 @@ def test_core_stays_pure() -> None:
     assert out.returncode == 1 and "TID251" in out.stdout, out.stdout
 
 
-def lint_imports() -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [str(Path(sys.executable).with_name("lint-imports")), "--no-cache"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+def lint_imports(probes: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    """import-linter over the tree with probe modules (path under sparkwatch/ -> source) in place, removed after;
+    exit 1 is expected: a contract that never fires checks nothing."""
+    paths = [ROOT / "sparkwatch" / rel for rel in probes]
+    try:
+        for path, text in zip(paths, probes.values(), strict=True):
+            path.write_text(text)
+        out = subprocess.run(
+            [str(Path(sys.executable).with_name("lint-imports")), "--no-cache"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    finally:
+        for path in paths:
+            path.unlink(missing_ok=True)
+    assert out.returncode == 1, out.stdout
+    return out
 
 
 def test_guard_contract_fires_on_pydantic() -> None:
-    """import-linter must really refuse pydantic anywhere under sparkwatch/guard/ (scripts/lint runs the contracts;
-    a contract that never fires checks nothing)."""
-    probe = ROOT / "sparkwatch" / "guard" / "_probe_heavy.py"
-    probe.write_text("import pydantic\n\nVERSION = pydantic.VERSION\n")
-    try:
-        out = lint_imports()
-    finally:
-        probe.unlink()
-    assert out.returncode == 1, out.stdout
+    """import-linter must really refuse pydantic anywhere under sparkwatch/guard/ (scripts/lint runs the contracts)."""
+    out = lint_imports({"guard/_probe_heavy.py": "import pydantic\n\nVERSION = pydantic.VERSION\n"})
     assert "sparkwatch.guard is not allowed to import pydantic" in out.stdout, out.stdout
     assert "sparkwatch.guard._probe_heavy -> pydantic" in out.stdout, out.stdout
 
 
 def test_guard_contract_fires_through_common() -> None:
     """Transitively too: a common module that imports telemetry code breaks the guard's contract and common's."""
-    probe = ROOT / "sparkwatch" / "common" / "_probe_reach.py"
-    probe.write_text("from sparkwatch.telemetry import outbox\n\nOUTBOX = outbox\n")
-    user = ROOT / "sparkwatch" / "guard" / "_probe_user.py"
-    user.write_text("from sparkwatch.common import _probe_reach\n\nREACH = _probe_reach\n")
-    try:
-        out = lint_imports()
-    finally:
-        probe.unlink()
-        user.unlink()
-    assert out.returncode == 1, out.stdout
+    out = lint_imports(
+        {
+            "common/_probe_reach.py": "from sparkwatch.telemetry import outbox\n\nOUTBOX = outbox\n",
+            "guard/_probe_user.py": "from sparkwatch.common import _probe_reach\n\nREACH = _probe_reach\n",
+        }
+    )
     assert "sparkwatch.guard is not allowed to import sparkwatch.telemetry" in out.stdout, out.stdout
     assert "sparkwatch.common is not allowed to import sparkwatch.telemetry" in out.stdout, out.stdout
 
@@ -69,12 +69,6 @@ def test_guard_contract_fires_through_common() -> None:
 def test_telemetry_may_not_import_the_guard() -> None:
     """The independence contract fires: telemetry reaching into the guard's code (as it once imported the kill loop
     for GuardStats) breaks "Guard and telemetry share only common and core"."""
-    probe = ROOT / "sparkwatch" / "telemetry" / "_probe_guard.py"
-    probe.write_text("from sparkwatch.guard import killer\n\nKILLER = killer\n")
-    try:
-        out = lint_imports()
-    finally:
-        probe.unlink()
-    assert out.returncode == 1, out.stdout
+    out = lint_imports({"telemetry/_probe_guard.py": "from sparkwatch.guard import killer\n\nKILLER = killer\n"})
     assert "Guard and telemetry share only common and core BROKEN" in out.stdout, out.stdout
     assert "sparkwatch.telemetry._probe_guard -> sparkwatch.guard.killer" in out.stdout, out.stdout
