@@ -22,6 +22,8 @@ from pathlib import Path
 
 import pytest
 
+from sparkwatch.core.budget import memory_high_bytes
+from sparkwatch.core.units import GiB
 from tests import nspawn
 from tests.conftest import require
 from tests.kmsgwriter import kmsg_writable_reason, write_kmsg
@@ -33,8 +35,6 @@ UNIT = "sparkwatch.service"
 EVENTS = "/var/lib/sparkwatch/events.jsonl"
 CONFIG = "/etc/sparkwatch/config.toml"  # the system unit's XDG_CONFIG_HOME=/etc
 METRICS_URL = "http://127.0.0.1:9847/metrics"
-GiB = 1 << 30
-MiB = 1 << 20
 # Far under this VM's MemAvailable, so the guard never fires unless a test asks it to.
 BASE_CONFIG = 'floor = "2GiB"\nwarn_headroom = "1GiB"\n'
 CAP_SYSLOG = 34  # include/uapi/linux/capability.h
@@ -370,9 +370,6 @@ def test_launch_runs_the_engine_in_its_own_scope_under_the_user_manager(ct: nspa
     """`sparkwatch launch` as tester, with a real user manager: the command runs in its own transient scope
     (sparkwatch-launch-<pid>.scope, what the guard's footprint counts as the tree's cgroup), whose MemoryHigh sits
     one margin above the guard's kill limit for the budget, so the kernel's throttle never pre-empts the kill."""
-    from sparkwatch.core.budget import memory_high_bytes
-    from sparkwatch.core.units import GiB
-
     show = (
         'cg=$(sed -n "s/^0:://p" /proc/self/cgroup); echo "cgroup $cg"; '
         'echo "high $(systemctl --user show -p MemoryHigh --value "${cg##*/}")"'

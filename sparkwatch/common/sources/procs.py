@@ -285,9 +285,9 @@ class ProcScanner:
             uid = os.stat(base).st_uid
             comm, state, ppid, flags, start, rss_pages = _stat_facts(*stat)
             kthread = bool(flags & PF_KTHREAD)
-            image = _image(*stat)
             facts = _KTHREAD_FACTS if kthread else self._cache.get((pid, start))  # kernel threads: nothing to read
-            if facts is None or (not kthread and facts.image != image):
+            image = _KTHREAD_FACTS.image if kthread else _image(*stat)
+            if facts is None or facts.image != image:
                 argv = parse_cmdline(_read(f"{base}/cmdline", _CMDLINE_MAX))
                 maps = wants_maps(comm, argv)
                 lib = find_engine_lib(f"{base}/maps") if maps else None
