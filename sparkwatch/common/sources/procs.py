@@ -55,11 +55,14 @@ _MAPS_MAX = 4 << 20  # a torch + TensorRT-LLM worker maps ~3,000 regions (~300 K
 _MAPS_CHUNK = 256 << 10
 
 
+Image = tuple[str, bytes, bytes]  # comm, arg_start, arg_end as stat shows them: the argv cache's validity
+
+
 class _Facts(NamedTuple):
     """What is read once per program image and title of a process and kept: the costly or privileged reads.
     Valid while the process shows the same comm and argv span (`image`)."""
 
-    image: tuple[str, int, int]  # comm, arg_start, arg_end when read
+    image: Image  # comm, arg_start, arg_end when read
     argv: tuple[str, ...]
     exe: str | None
     cgroup: str | None
@@ -155,36 +158,28 @@ def parse_stat(pid: int, data: bytes) -> tuple[str, str, int, int, int, int]:
 
     comm may hold spaces and parentheses (`foo) Z `): it runs from the first '(' to the *last* ')'.
     """
-    comm, fields = _split_stat(pid, data)
-    return _stat_facts(comm, fields)
+    return _parse_stat(pid, data)[:6]
 
 
-def _split_stat(pid: int, data: bytes) -> tuple[str, list[bytes]]:
-    open_i = data.find(b"(")
-    close_i = data.rfind(b")")
-    if open_i < 0 or close_i < open_i:
-        raise ProcParseError(f"/proc/{pid}/stat: no comm")
-    fields = data[close_i + 2 :].split()
-    if len(fields) < 22:
-        raise ProcParseError(f"/proc/{pid}/stat: {len(fields)} fields")
-    return data[open_i + 1 : close_i].decode(errors="replace"), fields
-
-
-def _stat_facts(comm: str, fields: list[bytes]) -> tuple[str, str, int, int, int, int]:
-    # fields[0] is stat field 3 (state); field N of proc(5) is fields[N - 3].
-    return comm, fields[0].decode(), int(fields[1]), int(fields[6]), int(fields[19]), int(fields[21])
-
-
-def _image(comm: str, fields: list[bytes]) -> tuple[str, int, int]:
-    """(comm, arg_start, arg_end): which program image and title a process shows (the argv cache's validity).
+def _parse_stat(pid: int, data: bytes) -> tuple[str, str, int, int, int, int, Image]:
+    """parse_stat's fields and the image: which program image and title the process shows.
 
     arg_start and arg_end (stat fields 48-49, Linux 3.5+) are where exec put this image's argv: a new image gets a
     new span under ASLR even with the old name. They read 0 0 in the exec window before the kernel set them, and for a
     process we may not ptrace-read (another user's, as non-root: not one the guard may signal); comm tells alone then.
+    They are compared as the bytes stat shows, never parsed: this runs for every process of every scan.
     """
-    if len(fields) < 47:
-        return comm, 0, 0  # an older kernel: comm alone
-    return comm, int(fields[45]), int(fields[46])
+    open_i = data.find(b"(")
+    close_i = data.rfind(b")")
+    if open_i < 0 or close_i < open_i:
+        raise ProcParseError(f"/proc/{pid}/stat: no comm")
+    comm = data[open_i + 1 : close_i].decode(errors="replace")
+    fields = data[close_i + 2 :].split()
+    if len(fields) < 22:
+        raise ProcParseError(f"/proc/{pid}/stat: {len(fields)} fields")
+    image = (comm, fields[45], fields[46]) if len(fields) >= 47 else (comm, b"", b"")  # older kernels: comm alone
+    # fields[0] is stat field 3 (state); field N of proc(5) is fields[N - 3].
+    return comm, fields[0].decode(), int(fields[1]), int(fields[6]), int(fields[19]), int(fields[21]), image
 
 
 def _read_exe(base: str) -> str | None:
@@ -246,7 +241,7 @@ def parse_cmdline(data: bytes) -> tuple[str, ...]:
     return tuple(p.decode(errors="replace") for p in parts)
 
 
-_KTHREAD_FACTS = _Facts(("", 0, 0), (), None, None, None)
+_KTHREAD_FACTS = _Facts(("", b"", b""), (), None, None, None)
 
 
 @dataclass(frozen=True, slots=True)
@@ -281,13 +276,11 @@ class ProcScanner:
         (core.engines.wants_parent_maps), so that scan() looks at that parent's maps once."""
         base = f"{self.proc_root}/{pid}"
         try:
-            stat = _split_stat(pid, _read(f"{base}/stat"))
+            comm, state, ppid, flags, start, rss_pages, image = _parse_stat(pid, _read(f"{base}/stat"))
             uid = os.stat(base).st_uid
-            comm, state, ppid, flags, start, rss_pages = _stat_facts(*stat)
             kthread = bool(flags & PF_KTHREAD)
             facts = _KTHREAD_FACTS if kthread else self._cache.get((pid, start))  # kernel threads: nothing to read
-            image = _KTHREAD_FACTS.image if kthread else _image(*stat)
-            if facts is None or facts.image != image:
+            if facts is None or (not kthread and facts.image != image):
                 argv = parse_cmdline(_read(f"{base}/cmdline", _CMDLINE_MAX))
                 maps = wants_maps(comm, argv)
                 lib = find_engine_lib(f"{base}/maps") if maps else None
