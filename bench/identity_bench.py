@@ -5,8 +5,8 @@ A B C A B C:
 - A: the scanner without the protection facts (exe and cgroup reads switched off: what the scan cost before);
 - B: exe and cgroup, without the namespace check (what the scan cost before the namespace check);
 - C: the scanner as shipped (readlink /proc/PID/exe and a read of /proc/PID/cgroup per new process, and for the
-  processes whose exe would protect them a stat of /proc/PID/ns/user and ns/mnt, all cached by (pid, start time,
-  comm)).
+  processes whose exe would protect them a stat of /proc/PID/ns/user and ns/mnt, all cached per process for one
+  program image and title).
 Per episode, CPU time (process_time) of: a cold full scan (new scanner), a warm full scan (median of 5), and
 find_engine_trees over that table with cold rules (empty identity cache) and warm rules (median of 5).
 
