@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import signal
+
 import pytest
 
 from sparkwatch.core.engines import (
@@ -187,7 +189,19 @@ def test_never_touches_itself_its_ancestors_or_pid_1() -> None:
 
 def test_ppid_cycles_from_racy_scans_terminate() -> None:
     table = [proc(10, 11, "VLLM::EngineCor", "VLLM::EngineCore"), proc(11, 10, "VLLM::Worker_TP", "VLLM::Worker")]
-    find_engine_trees(table, RULES, Scope(self_pid=99, own_uid=1000))  # must not hang
+
+    def looped(_signum: int, _frame: object) -> None:
+        raise TimeoutError("find_engine_trees still walking a ppid cycle after 5 s")
+
+    # A loop would hang the suite rather than fail it: an interval timer turns it into this test's failure.
+    previous = signal.signal(signal.SIGALRM, looped)
+    signal.setitimer(signal.ITIMER_REAL, 5.0)
+    try:
+        trees = find_engine_trees(table, RULES, Scope(self_pid=99, own_uid=1000))
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    assert trees == []  # a cycle has no root: nothing to rank or kill until a scan sees the real parents
 
 
 def test_protection_is_by_executable_and_unit_not_by_name() -> None:

@@ -2,8 +2,8 @@
 `sparkwatch events` finds the system unit's record when the user has none of their own.
 
 Real processes as real users: the daemon runs as root (this test's own uid; it skips otherwise) and kills a real
-process; the reader is the real `sparkwatch events` run as a second uid (nobody, group nogroup), with an interpreter
-that uid may execute and this checkout's packages on its path.
+process; the reader is the real `sparkwatch events` run as a second uid (nobody, group nogroup): its code is loaded
+as root and the process then drops to that uid, so the test passes wherever the checkout lives.
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ import shutil
 import stat
 import subprocess
 import sys
-import sysconfig
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -42,40 +41,34 @@ def second_uid() -> tuple[int, int]:
         pytest.skip(f"no {SECOND_USER}/{SECOND_GROUP} account on this machine")
 
 
-def python_for(uid: int, gid: int) -> str:
-    """An interpreter of this Python version that `uid` may run (a venv's python may live under /root)."""
-    version = f"{sys.version_info.major}.{sys.version_info.minor}"
-    for candidate in (os.path.realpath(sys.executable), f"/usr/bin/python{version}", shutil.which(f"python{version}")):
-        if not candidate:
-            continue
-        try:
-            probe = subprocess.run(
-                [candidate, "-c", "import sys; print(sys.version_info[:2])"],
-                user=uid,
-                group=gid,
-                extra_groups=[],
-                capture_output=True,
-                text=True,
-                check=False,
-                cwd="/",
-            )
-        except (PermissionError, FileNotFoundError):
-            continue  # under a directory that uid may not enter, or no such interpreter here (pyenv's 3.13)
-        if probe.returncode == 0 and probe.stdout.strip() == str(tuple(sys.version_info[:2])):
-            return candidate
-    pytest.skip(f"no python{version} that uid {uid} may execute")
+# The reader's code is loaded while still root, then the process drops to the second uid before the run that counts:
+# wherever the checkout and its venv live (root's home, a 0700 `mktemp -d`), the second uid never has to read them,
+# and every file the command then opens is opened as that uid. The warm-up run (same arguments, output discarded)
+# imports whatever the command imports lazily.
+_AS_SECOND_USER = """
+import contextlib, io, os, sys
+from sparkwatch.entry import main
+uid, gid, args = int(sys.argv[1]), int(sys.argv[2]), ["events", *sys.argv[3:]]
+with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+    try:
+        main(args)
+    except SystemExit:
+        pass
+os.setgroups([])
+os.setgid(gid)
+os.setuid(uid)
+assert (os.getuid(), os.geteuid(), os.getgid(), os.getgroups()) == (uid, uid, gid, [])
+sys.exit(main(args))
+"""
 
 
 def events_as(uid: int, gid: int, *args: str) -> subprocess.CompletedProcess[str]:
-    """The real `sparkwatch events` as `uid`: this checkout and this venv's packages on its path."""
-    paths = [str(REPO), sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]]
-    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": ":".join(paths), "HOME": "/nonexistent", "LANG": "C.UTF-8"}
+    """The real `sparkwatch events`, run as `uid` (no supplementary groups) after its code was loaded as root."""
+    env = {"PATH": "/usr/bin:/bin", "HOME": "/nonexistent", "LANG": "C.UTF-8"}
     env["XDG_CONFIG_HOME"] = env["XDG_STATE_HOME"] = "/nonexistent"
+    env["PYTHONPATH"] = str(REPO)
     return subprocess.run(
-        [python_for(uid, gid), "-m", "sparkwatch", "events", *args],
-        user=uid,
-        group=gid,
-        extra_groups=[],
+        [sys.executable, "-c", _AS_SECOND_USER, str(uid), str(gid), *args],
         env=env,
         capture_output=True,
         text=True,
