@@ -92,6 +92,14 @@ def test_a_users_shutdown_lines_after_a_kernel_oom_leave_it_kernel_oom(
     assert any(OOM_KILLED in line for line in verdict.evidence), verdict.evidence
 
 
+def test_a_users_kill_line_is_not_sparkwatchs(tools: None, tmp_path: Path) -> None:
+    """`logger "sparkwatch: KILL …"` after a kernel OOM: before, the forged kill was the last cause."""
+    forged = jf.logger("sparkwatch: KILL vllm tree root=4242 (9 processes): MemAvailable 4726 MiB", "sparkwatch")
+    verdict = verdict_of(tmp_path, jf.two_boots(tmp_path / "journal", [*jf.OOM, forged]))
+    assert verdict.boot_class == BootEnd.KERNEL_OOM, verdict
+    assert not any("sparkwatch: KILL" in line for line in verdict.evidence), verdict.evidence
+
+
 def test_a_users_pstore_entry_does_not_make_a_clean_boot_kernel_oom(tools: None, tmp_path: Path) -> None:
     """`logger --journald` with SYSLOG_IDENTIFIER=systemd-pstore, systemd-pstore's MESSAGE and a panic_on_oom dump in
     FILE=, in the current boot: before, it made a clean boot `kernel_oom, then a kernel panic`."""

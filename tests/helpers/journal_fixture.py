@@ -200,14 +200,15 @@ def systemd_cat(message: str, tag: str, *, pid: int = 20902, uid: int = USER_UID
 
 
 def sparkwatch_line(message: str, priority: int = 6) -> dict[str, str | int | bytes]:
-    """The daemon's stderr as a user unit (sparkwatch.service under user@1000.service)."""
+    """The guard's log line as a user unit (sparkwatch.service under user@1000.service): common.logs sends it over
+    journald's native protocol."""
     return {
         "MESSAGE": message,
         "PRIORITY": priority,
         "SYSLOG_IDENTIFIER": "sparkwatch",
-        "SYSLOG_FACILITY": 3,
-        "_TRANSPORT": "stdout",
-        "_STREAM_ID": "0b1c2d3e4f5a6b7c8d9e0f1a2b3c4d5e",
+        "SPARKWATCH_PROCESS": "guard",
+        "CODE_FILE": "/home/spark/.venv/lib/python3.12/site-packages/sparkwatch/guard/killer.py",
+        "_TRANSPORT": "journal",
         "_PID": 1042,
         "_UID": USER_UID,
         "_GID": USER_UID,
