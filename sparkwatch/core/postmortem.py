@@ -28,14 +28,15 @@ fields journald itself adds from the sender's credentials, which no client can s
   (kernel/printk/printk.c devkmsg_write), so facility 0 is the kernel's own;
 - PID 1: `_PID=1` and `_UID=0` through the journal, or `_TRANSPORT=kernel` with `SYSLOG_PID=1` and a non-kernel
   facility. systemd-shutdown is PID 1 after systemd execs it and logs only to /dev/kmsg (src/shutdown/shutdown.c
-  gets `--log-target=kmsg` and forbids IPC): journald, still running until that process's SIGTERM, reads its
+  takes PID 1's log target and forbids IPC, "as these logging daemons are either already dead or will die very
+  soon"): journald, still running until that process's SIGTERM, reads its
   "systemd-shutdown[1]: …" lines back with identifier and SYSLOG_PID parsed from the text and no `_PID` or `_UID`
   (src/journal/journald-kmsg.c dev_kmsg_record passes no credentials). Only root can write such a line;
 - journald: `_TRANSPORT=driver` (journald's own messages, server_driver_message, with its own credentials: `_UID=0`,
   `_COMM=systemd-journal`, its `_PID`);
 - systemd-pstore: `_SYSTEMD_UNIT=systemd-pstore.service` and `_UID=0` (the unit comes from the sender's cgroup);
-- sparkwatch's own KILL line: stdout or stderr of a unit named sparkwatch.service (`_SYSTEMD_UNIT` or
-  `_SYSTEMD_USER_UNIT`); events.jsonl stays the first record of a kill.
+- sparkwatch's own KILL line: from a unit named sparkwatch.service (`_SYSTEMD_UNIT`, or `_SYSTEMD_USER_UNIT` for the
+  user unit), over the native protocol or stderr (common.logs); events.jsonl stays the first record of a kill.
 """
 
 from __future__ import annotations
