@@ -5,7 +5,8 @@ recorder and events.jsonl, and hands them over as `PreviousBoot`. `judge` return
 
 - `clean`: the journal's last two minutes hold an orderly shutdown: journald's "Journal stopped" (MESSAGE_ID
   d93fb3c9c24d451a97cea615ce59c00b, not followed by a new "Journal started"), a line of systemd-shutdown, PID 1's
-  "Shutting down.", or shutdown.target reached; and pstore holds no panic of that boot.
+  "Shutting down.", or shutdown.target reached; and pstore holds no panic of that boot. Each counts only from the
+  process that really writes it (below, "Trusted sources").
 - `kernel_oom`, `driver_no_memory`, `xid`, `sparkwatch_kill`: the last memory or GPU event within NEAR_END_S of the
   end decides (every one found is evidence). Kernel OOM-killer lines (mm/oom_kill.c: "invoked oom-killer:",
   "Out of memory: Killed process", "Memory cgroup out of memory: …", "oom-kill:constraint=…", "oom_reaper: reaped
@@ -18,6 +19,24 @@ recorder and events.jsonl, and hands them over as `PreviousBoot`. `judge` return
   #1358: a host that hung after NV_ERR_NO_MEMORY with no OOM kill, no panic and an empty pstore).
 - `unknown`: nothing to judge by (no journal of that boot and no pstore dump), or only sparkwatch's own record of a
   daemon that was stopped in order.
+
+Trusted sources. Any user can write any field that does not start with an underscore (`logger -t systemd-shutdown`,
+`logger --journald` with MESSAGE_ID=, UNIT=, FILE=, SYSLOG_PID=1, or `systemd-cat -t …`), so a line is judged by the
+fields journald itself adds from the sender's credentials, which no client can set (systemd.journal-fields(7)):
+- the kernel: `_TRANSPORT=kernel` with facility 0 (LOG_KERN). /dev/kmsg is root's alone to write (mode 0644), and the
+  kernel gives a line written into it facility LOG_USER unless the writer names another non-zero one
+  (kernel/printk/printk.c devkmsg_write), so facility 0 is the kernel's own;
+- PID 1: `_PID=1` and `_UID=0` through the journal, or `_TRANSPORT=kernel` with `SYSLOG_PID=1` and a non-kernel
+  facility. systemd-shutdown is PID 1 after systemd execs it and logs only to /dev/kmsg (src/shutdown/shutdown.c
+  takes PID 1's log target and forbids IPC, "as these logging daemons are either already dead or will die very
+  soon"): journald, still running until that process's SIGTERM, reads its
+  "systemd-shutdown[1]: …" lines back with identifier and SYSLOG_PID parsed from the text and no `_PID` or `_UID`
+  (src/journal/journald-kmsg.c dev_kmsg_record passes no credentials). Only root can write such a line;
+- journald: `_TRANSPORT=driver` (journald's own messages, server_driver_message, with its own credentials: `_UID=0`,
+  `_COMM=systemd-journal`, its `_PID`);
+- systemd-pstore: `_SYSTEMD_UNIT=systemd-pstore.service` and `_UID=0` (the unit comes from the sender's cgroup);
+- sparkwatch's own KILL line: from a unit named sparkwatch.service (`_SYSTEMD_UNIT`, or `_SYSTEMD_USER_UNIT` for the
+  user unit), over the native protocol or stderr (common.logs); events.jsonl stays the first record of a kill.
 """
 
 from __future__ import annotations
@@ -57,6 +76,7 @@ MSG_JOURNAL_STOPPED = "d93fb3c9c24d451a97cea615ce59c00b"  # systemd: catalog/sys
 MSG_JOURNAL_STARTED = "f77379a8490b408bbe5f6940505a777b"
 MSG_UNIT_STARTED = "39f53479d3a045ac8e11786248231fbf"  # "Reached target …" / "Started …"
 SHUTDOWN_UNITS = frozenset({"shutdown.target", "final.target", "poweroff.target", "reboot.target", "halt.target"})
+SPARKWATCH_UNIT = "sparkwatch.service"  # cli.install_service: the user and the system unit have this name
 
 _OOM = re.compile(
     r"invoked oom-killer: "
@@ -86,11 +106,31 @@ class JournalEntry:
     unit: str = ""  # UNIT: what PID 1's message is about
     pid: int | None = None  # _PID
     facility: int | None = None  # SYSLOG_FACILITY
+    uid: int | None = None  # _UID
+    comm: str = ""  # _COMM
+    syslog_pid: int | None = None  # SYSLOG_PID: what the writer says; trusted only over /dev/kmsg (root's alone)
+    systemd_unit: str = ""  # _SYSTEMD_UNIT
+    user_unit: str = ""  # _SYSTEMD_USER_UNIT
 
     @property
     def from_kernel(self) -> bool:
         """Printed by the kernel, not written into /dev/kmsg by a process (those get a facility and identifier)."""
         return self.transport == "kernel" and self.identifier in ("kernel", "") and self.facility in (None, 0)
+
+    @property
+    def from_pid1(self) -> bool:
+        """PID 1 (systemd, or systemd-shutdown once systemd execs it): see "Trusted sources" above."""
+        if self.transport == "kernel":
+            return self.syslog_pid == 1 and self.facility not in (None, 0)
+        return self.pid == 1 and self.uid == 0 and self.transport in ("journal", "syslog", "stdout")
+
+    @property
+    def from_journald(self) -> bool:
+        return self.transport == "driver" and self.uid == 0 and self.comm == "systemd-journal" and self.pid is not None
+
+    @property
+    def from_sparkwatch_unit(self) -> bool:
+        return self.transport in ("stdout", "journal") and SPARKWATCH_UNIT in (self.systemd_unit, self.user_unit)
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,6 +162,7 @@ class PreviousBoot:
     started_at: float | None = None
     journal: tuple[JournalEntry, ...] | None = None  # its last entries, oldest first; None: none could be read
     journal_note: str = ""  # how it was read, or why it could not be
+    recorder_note: str = ""  # why the flight recorder's file was not read, where it was refused
     pstore: tuple[PstoreRecord, ...] = ()
     samples: tuple[FlightSample, ...] = ()  # the flight recorder of that boot, oldest first
     events: tuple[SparkwatchEvent, ...] = ()  # sparkwatch's events of that boot, oldest first
@@ -203,16 +244,18 @@ def _shutdown_marker(entries: Sequence[JournalEntry], end: float) -> JournalEntr
     for entry in entries:
         if entry.t < end - CLEAN_TAIL_S:
             continue
-        if entry.message_id == MSG_JOURNAL_STARTED:
+        if entry.message_id == MSG_JOURNAL_STARTED and entry.from_journald:
             marker = None  # journald was restarted, not stopped for good
             continue
         if marker is not None:
             continue
-        if (
-            entry.message_id == MSG_JOURNAL_STOPPED
-            or entry.identifier == "systemd-shutdown"
-            or (entry.pid == 1 and entry.message == "Shutting down.")
-            or (entry.message_id == MSG_UNIT_STARTED and entry.unit in SHUTDOWN_UNITS)
+        if (entry.message_id == MSG_JOURNAL_STOPPED and entry.from_journald) or (
+            entry.from_pid1
+            and (
+                entry.identifier == "systemd-shutdown"
+                or entry.message == "Shutting down."
+                or (entry.message_id == MSG_UNIT_STARTED and entry.unit in SHUTDOWN_UNITS)
+            )
         ):
             marker = entry
     return marker
@@ -227,7 +270,9 @@ def _journal_causes(entries: Sequence[JournalEntry], since: float) -> list[_Caus
             klass = line_cause(entry.message)
             if klass is not None:
                 out.append(_Cause(entry.t, klass, _entry_line(entry)))
-        elif entry.message.startswith(_SPARKWATCH_KILL) or f" {_SPARKWATCH_KILL}" in entry.message:
+        elif entry.from_sparkwatch_unit and (
+            entry.message.startswith(_SPARKWATCH_KILL) or f" {_SPARKWATCH_KILL}" in entry.message
+        ):
             out.append(_Cause(entry.t, BootEnd.SPARKWATCH_KILL, _entry_line(entry)))
     return out
 
@@ -296,6 +341,8 @@ def judge(boot: PreviousBoot) -> Verdict:
     notes: list[str] = []
     if boot.journal_note:
         notes.append(boot.journal_note)
+    if boot.recorder_note:
+        notes.append(boot.recorder_note)
     gap = None if journal_end is None or last_sample is None else round(journal_end - last_sample, 1)
     if gap is not None and gap > SILENT_GAP_S:
         notes.append(

@@ -15,6 +15,15 @@ __oom_kill_process, oom_reaper), NVRM lines as NVIDIA/open-gpu-kernel-modules#84
 of the NVIDIA driver (`NVRM: Xid (PCI:…): <code>, pid=…, name=…, <text>`), a systemd 252 shutdown (PID 1's
 "Shutting down.", systemd-shutdown's lines through /dev/kmsg, journald's "Journal stopped" with its catalog
 MESSAGE_ID), and fs/pstore/platform.c's `Panic#1 Part1` header over printk's `<level>[seconds] text` lines.
+
+Each entry carries the fields journald itself adds for its source, as systemd 252 writes them, since the verdict
+trusts only those (core.postmortem, "Trusted sources"): a client's entry gets `_PID`, `_UID`, `_GID`, `_COMM`, `_EXE`,
+`_CMDLINE` and the `_SYSTEMD_*` fields of its cgroup from the socket's credentials (journald-context.c); journald's own
+lines (`_TRANSPORT=driver`) get its own; a line read back from /dev/kmsg gets none of them, only `SYSLOG_IDENTIFIER`
+and `SYSLOG_PID` parsed from its "ident[pid]: " text (journald-kmsg.c dev_kmsg_record). A user's forgeries are what
+`logger` (util-linux: /dev/log, `_TRANSPORT=syslog`, facility user, `--id=N` sets SYSLOG_PID), `logger --journald`
+(any non-underscore field, `_TRANSPORT=journal`) and `systemd-cat` (`_TRANSPORT=stdout`, it execs `cat` without a
+command) really produce.
 """
 
 from __future__ import annotations
@@ -45,6 +54,9 @@ MSG_POWERING_DOWN = "98268866d1d54a499c4e98921d93bc40"
 MSG_UNIT_STARTED = "39f53479d3a045ac8e11786248231fbf"
 
 Fields = Mapping[str, str | int | bytes]
+# Not a journal field (no field name has "@"): the seconds from this entry to the next, as text, where not STEP_S.
+STEP_KEY = "@step_s"
+USER_UID = 1000
 
 
 def journal_remote() -> str | None:
@@ -82,9 +94,17 @@ def pid1(message: str, **extra: str | int) -> dict[str, str | int | bytes]:
         "PRIORITY": 6,
         "_TRANSPORT": "journal",
         "SYSLOG_IDENTIFIER": "systemd",
-        "_PID": 1,
-        "_COMM": "systemd",
         "SYSLOG_FACILITY": 3,
+        "CODE_FILE": "src/core/unit.c",
+        "_PID": 1,
+        "_UID": 0,
+        "_GID": 0,
+        "_COMM": "systemd",
+        "_EXE": "/usr/lib/systemd/systemd",
+        "_CMDLINE": "/sbin/init splash",
+        "_SYSTEMD_CGROUP": "/init.scope",
+        "_SYSTEMD_UNIT": "init.scope",
+        "_SYSTEMD_SLICE": "-.slice",
         **extra,
     }
 
@@ -92,15 +112,115 @@ def pid1(message: str, **extra: str | int) -> dict[str, str | int | bytes]:
 def service(
     ident: str, pid: int, message: str, transport: str = "journal", **extra: str | int | bytes
 ) -> dict[str, str | int | bytes]:
+    """A line of a system service that runs as root (`<ident>.service`)."""
     return {
         "MESSAGE": message,
         "PRIORITY": 6,
         "_TRANSPORT": transport,
         "SYSLOG_IDENTIFIER": ident,
-        "_PID": pid,
-        "_COMM": ident[:15],
         "SYSLOG_FACILITY": 3,
+        "_PID": pid,
+        "_UID": 0,
+        "_GID": 0,
+        "_COMM": ident[:15],
+        "_EXE": f"/usr/lib/systemd/{ident}",
+        "_CMDLINE": f"/lib/systemd/{ident}",
+        "_SYSTEMD_CGROUP": f"/system.slice/{ident}.service",
+        "_SYSTEMD_UNIT": f"{ident}.service",
+        "_SYSTEMD_SLICE": "system.slice",
         **extra,
+    }
+
+
+def _session(pid: int, comm: str, exe: str, cmdline: str, uid: int) -> dict[str, str | int | bytes]:
+    """What journald adds for a process in a user's login session (an ssh shell's session-3.scope)."""
+    return {
+        "_PID": pid,
+        "_UID": uid,
+        "_GID": uid,
+        "_COMM": comm,
+        "_EXE": exe,
+        "_CMDLINE": cmdline,
+        "_AUDIT_LOGINUID": uid,
+        "_AUDIT_SESSION": 3,
+        "_SYSTEMD_CGROUP": f"/user.slice/user-{uid}.slice/session-3.scope",
+        "_SYSTEMD_SESSION": 3,
+        "_SYSTEMD_UNIT": "session-3.scope",
+        "_SYSTEMD_SLICE": f"user-{uid}.slice",
+        "_SYSTEMD_OWNER_UID": uid,
+    }
+
+
+def user_process(comm: str, pid: int, message: str, uid: int = USER_UID) -> dict[str, str | int | bytes]:
+    """A user's program's output in the journal (a user unit's stdout)."""
+    return {
+        "MESSAGE": message,
+        "PRIORITY": 6,
+        "_TRANSPORT": "stdout",
+        "SYSLOG_IDENTIFIER": comm,
+        "SYSLOG_FACILITY": 3,
+        **_session(pid, comm[:15], f"/usr/bin/{comm}", comm, uid),
+    }
+
+
+def logger(
+    message: str, tag: str, *, pid: int = 20900, uid: int = USER_UID, syslog_pid: int | None = None
+) -> dict[str, str | int | bytes]:
+    """util-linux `logger -t TAG [--id=N] MESSAGE` as a user: RFC 3164 over /dev/log, facility user, notice."""
+    fields: dict[str, str | int | bytes] = {
+        "MESSAGE": message,
+        "PRIORITY": 5,
+        "SYSLOG_FACILITY": 1,
+        "SYSLOG_IDENTIFIER": tag,
+        "SYSLOG_TIMESTAMP": "Nov 20 10:10:00 ",
+        "_TRANSPORT": "syslog",
+        **_session(pid, "logger", "/usr/bin/logger", f"logger -t {tag} {message}", uid),
+    }
+    if syslog_pid is not None:
+        fields["SYSLOG_PID"] = syslog_pid
+    return fields
+
+
+def logger_journald(fields: Fields, *, pid: int = 20901, uid: int = USER_UID) -> dict[str, str | int | bytes]:
+    """util-linux `logger --journald=FILE` as a user: FILE's NAME=value lines as they are (sd_journal_sendv), any
+    field a client may set, over the native protocol."""
+    return {**fields, "_TRANSPORT": "journal", **_session(pid, "logger", "/usr/bin/logger", "logger --journald", uid)}
+
+
+def systemd_cat(message: str, tag: str, *, pid: int = 20902, uid: int = USER_UID) -> dict[str, str | int | bytes]:
+    """`echo MESSAGE | systemd-cat -t TAG` as a user: a stdout stream; with no command, systemd-cat execs `cat`."""
+    return {
+        "MESSAGE": message,
+        "PRIORITY": 6,
+        "SYSLOG_IDENTIFIER": tag,
+        "_TRANSPORT": "stdout",
+        "_STREAM_ID": "5f0c8f7a3c9e4f1b9d2e6a7b8c9d0e1f",
+        **_session(pid, "cat", "/usr/bin/cat", "cat", uid),
+    }
+
+
+def sparkwatch_line(message: str, priority: int = 6) -> dict[str, str | int | bytes]:
+    """The guard's log line as a user unit (sparkwatch.service under user@1000.service): common.logs sends it over
+    journald's native protocol."""
+    return {
+        "MESSAGE": message,
+        "PRIORITY": priority,
+        "SYSLOG_IDENTIFIER": "sparkwatch",
+        "SPARKWATCH_PROCESS": "guard",
+        "CODE_FILE": "/home/spark/.venv/lib/python3.12/site-packages/sparkwatch/guard/killer.py",
+        "_TRANSPORT": "journal",
+        "_PID": 1042,
+        "_UID": USER_UID,
+        "_GID": USER_UID,
+        "_COMM": "sparkwatch",
+        "_EXE": "/usr/bin/python3.12",
+        "_CMDLINE": "/home/spark/.venv/bin/python3 /home/spark/.venv/bin/sparkwatch run",
+        "_SYSTEMD_CGROUP": f"/user.slice/user-{USER_UID}.slice/user@{USER_UID}.service/app.slice/sparkwatch.service",
+        "_SYSTEMD_UNIT": f"user@{USER_UID}.service",
+        "_SYSTEMD_USER_UNIT": "sparkwatch.service",
+        "_SYSTEMD_SLICE": f"user-{USER_UID}.slice",
+        "_SYSTEMD_USER_SLICE": "app.slice",
+        "_SYSTEMD_OWNER_UID": USER_UID,
     }
 
 
@@ -126,7 +246,7 @@ def boot_start(journald_pid: int = 301) -> list[Fields]:
             UNIT="multi-user.target",
         ),
         kernel("NVRM: loading NVIDIA UNIX Open Kernel Module for aarch64  580.95.05"),
-        service("sparkwatch", 1042, "sparkwatch: running: floor 8192 MiB, metrics on 127.0.0.1:9847", "stdout"),
+        sparkwatch_line("sparkwatch: running: floor 8192 MiB, metrics on 127.0.0.1:9847"),
     ]
 
 
@@ -173,29 +293,28 @@ XID_31 = [  # an application's MMU fault: the GPU carries on, not a cause
     ),
 ]
 SPARKWATCH_KILL = [
-    service(
-        "sparkwatch",
-        1042,
+    sparkwatch_line(
         "sparkwatch: KILL vllm tree root=4242 (9 processes): MemAvailable 4726 MiB <= floor "
         "8192 MiB [grew 6.2 GiB in 4.0 s]",
-        "stdout",
-        PRIORITY=3,
+        3,
     ),
 ]
 APP_OOM = [  # a process saying "out of memory" is not the kernel's OOM killer
-    service(
-        "python3", 20311, "torch.OutOfMemoryError: CUDA out of memory. Out of memory: Killed process 1 (x)", "stdout"
-    ),
+    user_process("python3", 20311, "torch.OutOfMemoryError: CUDA out of memory. Out of memory: Killed process 1 (x)"),
 ]
+# A systemd 252 poweroff, each line from the process that writes it: PID 1 through the journal, systemd-shutdown
+# (PID 1 after systemd execs it) through /dev/kmsg until its SIGTERM stops journald, journald itself last.
 CLEAN = [
     service("systemd-logind", 612, "System is powering down.", MESSAGE_ID=MSG_POWERING_DOWN),
     pid1("Stopping sparkwatch.service - sparkwatch...", UNIT="sparkwatch.service"),
     pid1("Reached target shutdown.target - System Shutdown.", MESSAGE_ID=MSG_UNIT_STARTED, UNIT="shutdown.target"),
     pid1("Shutting down."),
     via_kmsg("systemd-shutdown", 1, "Syncing filesystems and block devices."),
+    via_kmsg("systemd-shutdown", 1, "Sending SIGTERM to remaining processes..."),
+    service("systemd-journald", 301, "Received SIGTERM from PID 1 (systemd-shutdown).", "driver"),
     service("systemd-journald", 301, "Journal stopped", "driver", MESSAGE_ID=MSG_JOURNAL_STOPPED),
 ]
-ACTIVITY = [service("sparkwatch", 1042, "sparkwatch: re-armed: MemAvailable 61234 MiB", "stdout")]
+ACTIVITY = [sparkwatch_line("sparkwatch: re-armed: MemAvailable 61234 MiB")]
 
 PANIC_KMSG = (
     (6, "sysrq: Trigger a crash"),
@@ -240,9 +359,10 @@ def build_export(boots: Sequence[tuple[str, float, Sequence[Fields]]]) -> bytes:
                 "_HOSTNAME": HOST,
                 **item,
             }
+            step = float(fields.pop(STEP_KEY, STEP_S))
             out.append(encode_entry(fields))
-            t += STEP_S
-            mono += STEP_S
+            t += step
+            mono += step
     return b"".join(out)
 
 
@@ -278,7 +398,7 @@ def two_boots(
     prev = previous_boot or uuid.uuid4().hex
     cur = current_boot or uuid.uuid4().hex
     prev_lines = [*boot_start(), *ACTIVITY, *ending]
-    prev_end = T0 + STEP_S * (len(prev_lines) - 1)
+    prev_end = T0 + sum(float(item.get(STEP_KEY, STEP_S)) for item in prev_lines[:-1])
     cur_start = prev_end + GAP_S
     cur_lines = [*boot_start(298), *current_extra]
     boots = [(cur, cur_start, cur_lines)] if only_current else [(prev, T0, prev_lines), (cur, cur_start, cur_lines)]

@@ -9,11 +9,20 @@ another box, a test's fixture) or `--root`, the last boot in the files stands fo
 itself takes it. journalctl prints a value that is not valid UTF-8 as an array of bytes, and one over 4096 bytes as
 null without `--all`: both are handled.
 
+The tail is taken per source: the last TAIL_ENTRIES of the kernel (`_TRANSPORT=kernel`), of PID 1 (`_PID=1`), of
+journald (`_TRANSPORT=driver`), of systemd-pstore's unit and of sparkwatch's own unit, and the last TAIL_ENTRIES of
+everything (the user lines), merged by cursor. Any user can write thousands of lines a second (`logger`): one tail of
+the whole boot let 5,001 of them after an OOM kill push the kernel's lines out of it. Which source a line really came
+from is judged by the fields journald adds itself (core.postmortem, "Trusted sources"); the matches here only make
+sure each source's last lines are read.
+
 pstore (fs/pstore/inode.c): files named `<type>-<backend>-<id>` (`dmesg-ramoops-0`, `dmesg-efi-171455765701001`)
 whose text starts with `<reason>#<count> Part<n>` (fs/pstore/platform.c pstore_dump: `Panic#1 Part1`). They are read
 from <root>/sys/fs/pstore, from <root>/var/lib/systemd/pstore (where systemd-pstore.service moves them early in the
 next boot: Debian enables it by default, systemd's pstore.conf Storage=external), and from systemd-pstore's journal
-entries of the current boot (`PStore <name> moved to <dest>`, with the file's text in FILE=).
+entries of the current boot (`PStore <name> moved to <dest>`, with the file's text in FILE=): only those of
+systemd-pstore.service running as root, since any user can log SYSLOG_IDENTIFIER=systemd-pstore with a FILE= of
+their choosing (`logger --journald`).
 """
 
 from __future__ import annotations
@@ -34,11 +43,25 @@ from sparkwatch.common.events import read_events
 from sparkwatch.common.flightrec import RingContents, read_ring, recorder_paths
 from sparkwatch.common.sources.boot import normalize_boot_id
 from sparkwatch.core.eventkinds import EventKind
-from sparkwatch.core.postmortem import JournalEntry, PreviousBoot, PstoreRecord, SparkwatchEvent
+from sparkwatch.core.postmortem import SPARKWATCH_UNIT, JournalEntry, PreviousBoot, PstoreRecord, SparkwatchEvent
 
 JOURNALCTL_TIMEOUT_S = 60.0  # a big journal on a slow disk takes seconds; this runs off the guard, once per boot
-TAIL_ENTRIES = 5000  # the previous boot's last entries: its last minutes, whatever it logged before
-FIELDS = "MESSAGE,SYSLOG_IDENTIFIER,_TRANSPORT,MESSAGE_ID,UNIT,_PID,SYSLOG_FACILITY"
+TAIL_ENTRIES = 5000  # each source's last entries of the previous boot: its last minutes, whatever it logged before
+FIELDS = (
+    "MESSAGE,SYSLOG_IDENTIFIER,_TRANSPORT,MESSAGE_ID,UNIT,_PID,SYSLOG_FACILITY,_UID,_COMM,SYSLOG_PID,_SYSTEMD_UNIT,"
+    "_SYSTEMD_USER_UNIT"
+)
+PSTORE_UNIT = "systemd-pstore.service"
+# Each source's tail (journalctl matches: fields ANDed). The trusted sources first; () is every line, users' included.
+SOURCES: tuple[tuple[str, ...], ...] = (
+    ("_TRANSPORT=kernel",),
+    ("_PID=1",),
+    ("_TRANSPORT=driver",),
+    (f"_SYSTEMD_UNIT={PSTORE_UNIT}",),
+    (f"_SYSTEMD_UNIT={SPARKWATCH_UNIT}",),
+    (f"_SYSTEMD_USER_UNIT={SPARKWATCH_UNIT}",),
+    (),
+)
 LINE_MAX_BYTES = 1 << 16  # one JSON line of journalctl; longer ones are skipped
 PSTORE_DIRS = ("sys/fs/pstore", "var/lib/systemd/pstore")
 PSTORE_FILE_MAX_BYTES = 256 << 10  # a dump is a few KiB (ramoops record_size, EFI variables of 1-2 KiB)
@@ -142,25 +165,26 @@ class JournalReader:
         return (boots[-2] if len(boots) > 1 else None), boots[-1]
 
     def entries(self, boot_id: str) -> list[JournalEntry]:
-        out = self._run("-b", boot_id, "-o", "json", "--all", "-n", str(TAIL_ENTRIES), f"--output-fields={FIELDS}")
-        if out is None:
-            return []
-        entries = []
-        for line in out.splitlines():
-            if len(line) > LINE_MAX_BYTES:
-                continue
-            entry = _entry(line)
-            if entry is not None:
-                entries.append(entry)
-        entries.sort(key=lambda e: e.t)
-        return entries
+        """The boot's last entries, TAIL_ENTRIES per source (SOURCES), each entry once, oldest first."""
+        seen: dict[str, JournalEntry] = {}
+        for matches in SOURCES:
+            out = self._run(
+                "-b", boot_id, "-o", "json", "--all", "-n", str(TAIL_ENTRIES), f"--output-fields={FIELDS}", *matches
+            )
+            for line in (out or "").splitlines():
+                if len(line) > LINE_MAX_BYTES:
+                    continue
+                keyed = _entry(line)
+                if keyed is not None:
+                    seen.setdefault(keyed[0], keyed[1])
+        return sorted(seen.values(), key=lambda e: e.t)
 
     def pstore_moves(self, current: Boot | None) -> list[PstoreRecord]:
         """systemd-pstore's entries in the current boot: the dumps it moved, with their text."""
         which = current.boot_id if current is not None else ("0" if self.live else None)
         if which is None:
             return []
-        out = self._run("-b", which, "SYSLOG_IDENTIFIER=systemd-pstore", "-o", "json", "--all")
+        out = self._run("-b", which, f"_SYSTEMD_UNIT={PSTORE_UNIT}", "_UID=0", "-o", "json", "--all")
         records = []
         for line in (out or "").splitlines():
             try:
@@ -169,6 +193,8 @@ class JournalReader:
                 continue
             if not isinstance(item, dict):
                 continue
+            if _text(item.get("_SYSTEMD_UNIT")) != PSTORE_UNIT or _int(item.get("_UID")) != 0:
+                continue  # the match again, on what came back: never a user's entry
             m = _MOVED.match(_text(item.get("MESSAGE")))
             text = _text(item.get("FILE"))
             if m is None or not text:
@@ -208,7 +234,8 @@ def _int(value: object) -> int | None:
     return int(text) if text.isdigit() else None
 
 
-def _entry(line: str) -> JournalEntry | None:
+def _entry(line: str) -> tuple[str, JournalEntry] | None:
+    """(the entry's cursor, the entry): journalctl prints __CURSOR whatever --output-fields says."""
     try:
         item = json.loads(line)
     except ValueError:
@@ -216,9 +243,10 @@ def _entry(line: str) -> JournalEntry | None:
     if not isinstance(item, dict):
         return None
     t = _usec(item.get("__REALTIME_TIMESTAMP"))
-    if t is None:
+    cursor = _text(item.get("__CURSOR"))
+    if t is None or not cursor:
         return None
-    return JournalEntry(
+    return cursor, JournalEntry(
         t=t,
         message=_text(item.get("MESSAGE")),
         identifier=_text(item.get("SYSLOG_IDENTIFIER")),
@@ -227,6 +255,11 @@ def _entry(line: str) -> JournalEntry | None:
         unit=_text(item.get("UNIT")),
         pid=_int(item.get("_PID")),
         facility=_int(item.get("SYSLOG_FACILITY")),
+        uid=_int(item.get("_UID")),
+        comm=_text(item.get("_COMM")),
+        syslog_pid=_int(item.get("SYSLOG_PID")),
+        systemd_unit=_text(item.get("_SYSTEMD_UNIT")),
+        user_unit=_text(item.get("_SYSTEMD_USER_UNIT")),
     )
 
 
@@ -290,14 +323,21 @@ def merge_pstore(*groups: Sequence[PstoreRecord]) -> tuple[PstoreRecord, ...]:
 # --- sparkwatch's own record
 
 
-def pick_ring(state_dir: Path, previous_id: str | None, running_id: str | None) -> RingContents | None:
+def pick_ring(
+    state_dir: Path, previous_id: str | None, running_id: str | None, notes: list[str] | None = None
+) -> RingContents | None:
     """The previous boot's flight recorder: the ring whose boot id is the previous boot's, else the newest that is
-    not this boot's (the guard moves another boot's ring aside as it starts; before that it is still the main one)."""
+    not this boot's (the guard moves another boot's ring aside as it starts; before that it is still the main one).
+    A file refused as it is read (a header that does not fit the file, a symlink) adds one line to `notes`."""
     rings = []
     for path in recorder_paths(state_dir):
         try:
             ring = read_ring(path)
-        except (OSError, StateFileError):
+        except StateFileError as exc:
+            if notes is not None:
+                notes.append(f"flight recorder {exc.filename}: {exc.strerror}")
+            ring = None
+        except OSError:
             ring = None
         if ring is not None and ring.samples:
             rings.append(ring)
@@ -370,7 +410,8 @@ def gather(
     until = boot_started_at if reader.live or current is None else current.first_s
     since = started if started is not None else (None if until is None else until - UNKNOWN_WINDOW_S)
     pstore = merge_pstore(read_pstore(root, since, until), reader.pstore_moves(current))
-    ring = pick_ring(state_dir, previous.boot_id if previous is not None else None, running_boot_id)
+    ring_notes: list[str] = []
+    ring = pick_ring(state_dir, previous.boot_id if previous is not None else None, running_boot_id, ring_notes)
     samples = tuple(s for s in ring.samples if until is None or s.t <= until) if ring is not None else ()
     events = boot_events(state_dir / "events.jsonl", since, until)
     where = "the system journal" if reader.live else f"journal {journal_dir or reader.root}"
@@ -392,6 +433,7 @@ def gather(
         started_at=started,
         journal=tuple(entries) if entries else None,
         journal_note=note,
+        recorder_note="; ".join(ring_notes),
         pstore=pstore,
         samples=samples,
         events=events,
