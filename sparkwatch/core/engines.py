@@ -20,7 +20,7 @@ from __future__ import annotations
 import re
 from collections import defaultdict
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from sparkwatch.core.livecache import LiveCache
 from sparkwatch.core.model import EngineTree, GpuHolder, Proc
@@ -587,6 +587,51 @@ def _default_shape(proc: Proc) -> Shape | None:
 
 # Engines known by declaration (`sparkwatch launch`, common.launched): (pid, start_ticks) -> (kind, declaring uid).
 Declared = Mapping[tuple[int, int], tuple[str, int]]
+# The launcher of each declared root: (pid, start_ticks) of the root -> the pid of the `sparkwatch launch` that started
+# it (the declaration's launcher_pid).
+Launchers = Mapping[tuple[int, int], int]
+# The scope `sparkwatch launch` runs a command in: `…/sparkwatch-launch-<launcher pid>.scope` (cli.launch_run).
+LAUNCH_SCOPE_RE = re.compile(r"/sparkwatch-launch-\d+\.scope$")
+
+
+def adopt_launch_orphans(procs: Sequence[Proc], declared: Declared, launchers: Launchers) -> list[Proc]:
+    """`procs` with what a declared root's launch holds besides the root handed to the root as its children.
+
+    A child that double-forks (`setsid`, a daemonising worker) leaves its root's tree: its parent exits, and the
+    kernel hands the grandchild to the nearest child subreaper, which `sparkwatch launch` makes itself (prctl), or
+    to PID 1. Such a process is the engine's all the same, so its memory counts in the budget and it dies with the
+    tree. Two facts the user cannot forge name it, each only for a root trusted as declared (same pid, start time
+    and uid, as engine_kinds checks):
+    - the launcher: the root's parent is the declared launcher pid, owned by the same uid; its other children are
+      orphans reparented to it (launch starts nothing else while the engine runs);
+    - the scope: the root is in `…/sparkwatch-launch-N.scope` (the kernel's cgroup, read by the scanner); a process
+      in the same cgroup whose parent is not is an orphan that left (systemd moves only the command into it).
+    The launcher itself is never adopted: it reports the kill. Everything else (may_touch, protection) applies as to
+    any member."""
+    if not declared:
+        return list(procs)
+    by_pid = {p.pid: p for p in procs}
+    by_key = {p.key: p for p in procs}
+    new_parent: dict[int, int] = {}
+    for key, (_kind, uid) in declared.items():
+        root = by_key.get(key)
+        if root is None or root.uid != uid or root.is_kernel_thread:
+            continue
+        launcher_pid = launchers.get(key)
+        launcher = by_pid.get(root.ppid)
+        if launcher_pid and launcher is not None and launcher.pid == launcher_pid and launcher.uid == uid:
+            for p in procs:
+                if p.ppid == launcher_pid and p.pid != root.pid:
+                    new_parent[p.pid] = root.pid
+        if root.cgroup and LAUNCH_SCOPE_RE.search(root.cgroup):
+            for p in procs:
+                if p.cgroup == root.cgroup and p.pid != root.pid and p.pid != launcher_pid:
+                    parent = by_pid.get(p.ppid)
+                    if parent is None or parent.cgroup != root.cgroup:
+                        new_parent[p.pid] = root.pid
+    if not new_parent:
+        return list(procs)
+    return [replace(p, ppid=new_parent[p.pid]) if p.pid in new_parent else p for p in procs]
 
 
 def engine_kinds(
@@ -645,12 +690,17 @@ def find_engine_trees(
     scope: Scope,
     gpu_holders: Collection[tuple[int, int]] = (),
     declared: Declared | None = None,
+    *,
+    launchers: Launchers | None = None,
 ) -> list[EngineTree]:
     """Every engine tree the guard would kill now, outermost engine first, largest RSS first.
 
     Walks down from each outermost engine: a protected process keeps its whole subtree; infrastructure (a raylet
     that vLLM started inside its own tree) is passed through: not a member, while the workers below it are.
+    A declared root's tree also holds what its launch's scope or its launcher holds besides it (adopt_launch_orphans).
     """
+    if declared:
+        procs = adopt_launch_orphans(procs, declared, launchers or {})
     by_pid = {p.pid: p for p in procs}
     children: dict[int, list[Proc]] = defaultdict(list)
     for p in procs:
