@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from sparkwatch.common.sources.checkpoint import gguf_metadata, hub_cache, read_facts, resolve
 from sparkwatch.core.enginecli import human_readable_int, recognise
+from sparkwatch.core.peaks import confirmed_peak, fold, forget
 from sparkwatch.core.plan import (
     FixAction,
     FreeSource,
@@ -255,6 +256,18 @@ def test_the_measured_peak_replaces_the_estimate() -> None:
     learned = Learned(peak_bytes=25 * GiB, estimate_bytes=18 * GiB, runs=2)
     plan = decide(estimate(cmd, QWEN3_8B, v), v, learned=learned)
     assert plan.needs_bytes == 25 * GiB and not plan.fits
+
+
+def test_a_peak_is_learned_only_once_two_runs_agree_and_forget_drops_it() -> None:
+    record = fold(None, 3584 * MiB, phases={}, ready_s=5.0, estimate_bytes=GiB, at=1.0)  # a busy box's one odd run
+    assert record.learned_bytes is None and record.peak_bytes == 3584 * MiB and record.estimate_bytes == GiB
+    record = fold(record, 200 * MiB, phases={}, ready_s=5.0, estimate_bytes=GiB, at=2.0)
+    assert record.learned_bytes is None  # 3.5 GiB and 200 MiB do not agree
+    record = fold(record, 240 * MiB, phases={}, ready_s=5.0, estimate_bytes=GiB, at=3.0)
+    assert record.learned_bytes == 240 * MiB  # within 25 % of each other: the larger; the odd run never counts
+    assert confirmed_peak((100, 125)) == 125 and confirmed_peak((100, 126)) is None
+    records = {"a": record, "b": record}
+    assert forget(records, "a") == {"b": record} and forget(records, None) == {}
 
 
 def test_jit_jobs_follow_flashinfers_formula() -> None:
