@@ -21,7 +21,7 @@
 
 Exit codes: the command's own; 128+N when it died of signal N (137: killed, by the guard when the line says so);
 75 the plan does not fit (nothing started); 2 bad usage or config; 127 the command was not found; with --plan 0 fits,
-1 does not.
+1 does not; with --forget/--forget-all 0 dropped, 1 nothing to drop.
 """
 
 from __future__ import annotations
