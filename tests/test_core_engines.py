@@ -351,6 +351,12 @@ def test_a_launched_roots_orphans_stay_in_its_tree_and_the_launcher_never_joins(
     assert sorted(tree.pids) == [60, 70]
     (tree,) = find_engine_trees(procs[:-2] + procs[-1:], RULES, scope, declared=declared, launchers={(60, 600): 10})
     assert sorted(tree.pids) == [60]
+    # Only the declaring uid's processes are adopted, even by a guard that runs as root.
+    mixed = [*procs[:3], proc(63, 50, "python3", "python3", "sudo-child.py", uid=0)]
+    (tree,) = find_engine_trees(
+        mixed, RULES, Scope(self_pid=999, own_uid=0), declared=declared, launchers={(60, 600): 50}
+    )
+    assert sorted(tree.pids) == [60, 61]
     # Another user's launcher is no one's word.
     other = [proc(50, 10, "python3", "python3", "x.py", uid=0), *procs[1:4]]
     (tree,) = find_engine_trees(

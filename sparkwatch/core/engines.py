@@ -606,29 +606,36 @@ def adopt_launch_orphans(procs: Sequence[Proc], declared: Declared, launchers: L
       orphans reparented to it (launch starts nothing else while the engine runs);
     - the scope: the root is in `…/sparkwatch-launch-N.scope` (the kernel's cgroup, read by the scanner); a process
       in the same cgroup whose parent is not is an orphan that left (systemd moves only the command into it).
-    The launcher itself is never adopted: it reports the kill. Everything else (may_touch, protection) applies as to
-    any member."""
+    Only the declaring uid's processes are adopted (a root guard never takes another user's, or root's, process into
+    a tree on a user's word), and the launcher itself never is: it reports the kill. Everything else (may_touch,
+    protection) applies as to any member."""
     if not declared:
         return list(procs)
     by_pid = {p.pid: p for p in procs}
-    by_key = {p.key: p for p in procs}
-    new_parent: dict[int, int] = {}
+    roots: list[tuple[Proc, int, int]] = []  # (root, declaring uid, its launcher's pid or 0)
     for key, (_kind, uid) in declared.items():
-        root = by_key.get(key)
-        if root is None or root.uid != uid or root.is_kernel_thread:
+        root = by_pid.get(key[0])
+        if root is None or root.key != key or root.uid != uid or root.is_kernel_thread:
             continue
-        launcher_pid = launchers.get(key)
         launcher = by_pid.get(root.ppid)
-        if launcher_pid and launcher is not None and launcher.pid == launcher_pid and launcher.uid == uid:
-            for p in procs:
-                if p.ppid == launcher_pid and p.pid != root.pid:
-                    new_parent[p.pid] = root.pid
-        if root.cgroup and LAUNCH_SCOPE_RE.search(root.cgroup):
-            for p in procs:
-                if p.cgroup == root.cgroup and p.pid != root.pid and p.pid != launcher_pid:
-                    parent = by_pid.get(p.ppid)
-                    if parent is None or parent.cgroup != root.cgroup:
-                        new_parent[p.pid] = root.pid
+        said = launchers.get(key, 0)
+        roots.append((root, uid, said if said > 1 and launcher is not None and launcher.pid == said else 0))
+    launcher_of = {launcher: root for root, uid, launcher in roots if launcher and by_pid[launcher].uid == uid}
+    scope_of = {root.cgroup: root for root, _uid, _l in roots if root.cgroup and LAUNCH_SCOPE_RE.search(root.cgroup)}
+    if not launcher_of and not scope_of:
+        return list(procs)
+    new_parent: dict[int, int] = {}
+    for p in procs:  # one pass, whatever the number of declared roots
+        root = launcher_of.get(p.ppid)
+        if root is not None and p.pid != root.pid and p.uid == root.uid:
+            new_parent[p.pid] = root.pid  # reparented to the subreaper: the root's
+            continue
+        root = scope_of.get(p.cgroup) if p.cgroup else None
+        if root is None or p.pid == root.pid or p.pid == root.ppid or p.uid != root.uid:
+            continue
+        parent = by_pid.get(p.ppid)
+        if parent is None or parent.cgroup != p.cgroup:
+            new_parent[p.pid] = root.pid  # in the root's scope, its parent outside it: left the tree
     if not new_parent:
         return list(procs)
     return [replace(p, ppid=new_parent[p.pid]) if p.pid in new_parent else p for p in procs]
