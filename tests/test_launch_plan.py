@@ -12,6 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from sparkwatch.common import peakstore
 from sparkwatch.common.sources.checkpoint import gguf_metadata, hub_cache, read_facts, resolve
 from sparkwatch.core.enginecli import human_readable_int, recognise
 from sparkwatch.core.peaks import confirmed_peak, fold, forget
@@ -268,6 +269,15 @@ def test_a_peak_is_learned_only_once_two_runs_agree_and_forget_drops_it() -> Non
     assert confirmed_peak((100, 125)) == 125 and confirmed_peak((100, 126)) is None
     records = {"a": record, "b": record}
     assert forget(records, "a") == {"b": record} and forget(records, None) == {}
+
+
+def test_forget_all_empties_the_peaks_file_and_says_when_there_was_nothing(tmp_path: Path) -> None:
+    record = fold(None, 200 * MiB, phases={}, ready_s=1.0, estimate_bytes=GiB, at=1.0)
+    peakstore.save(tmp_path, {"a": record, "b": record})
+    assert peakstore.forget(tmp_path, "a") and set(peakstore.load(tmp_path)) == {"b"}
+    assert not peakstore.forget(tmp_path, "a")
+    assert peakstore.forget(tmp_path, None) and peakstore.load(tmp_path) == {}
+    assert not peakstore.forget(tmp_path, None)
 
 
 def test_jit_jobs_follow_flashinfers_formula() -> None:
