@@ -6,6 +6,7 @@ run records the same decision and signals nothing."""
 from __future__ import annotations
 
 import json
+import sys
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -114,3 +115,78 @@ def test_a_dry_run_records_the_same_decision_and_signals_nothing(tmp_path: Path,
         time.sleep(1.0)
         assert all(alive(pid, ticks) for pid, (ticks, _r) in pids_in(pidfile).items())
         assert len(kills(daemon.events_path)) == 1  # one decision, not one per tick
+
+
+HOG = """
+import mmap, sys, time
+mib = int(sys.argv[1])
+maps = []
+for _ in range(mib // 32):
+    m = mmap.mmap(-1, 32 << 20)
+    m.write(b"\\xa5" * (32 << 20))  # every page touched: a real MemAvailable drop
+    maps.append(m)
+open(sys.argv[2], "w").write("held")
+time.sleep(600)
+"""
+
+
+def test_a_hog_beside_a_booting_engine_drops_the_pool_and_the_engine_is_not_killed_for_it(
+    box: Box, tmp_path: Path, spawner: Spawner
+) -> None:
+    """The pool's drop since launch holds everything on the box: a plain process (no engine) that takes 2 GiB beside
+    a launched engine that boots steadily at ~150 MiB against a 1 GiB budget may raise budget_near, never a kill."""
+    enough_memory(3 * GiB)
+    with sparkwatch_run(tmp_path, env={"XDG_RUNTIME_DIR": str(box.run_dir)}) as daemon:
+        # Booting for good: it stays in loading_weights (the phase the budget's pool drop applies to) with 150 MiB.
+        steady = box.launch("--budget", "1GiB", "-q", "--", *small_args(small_model(tmp_path), fitting_util()),
+                            "--phase-mib", "loading_weights=150", "--phase-s", "600",
+                            "--pidfile", str(box.pidfile))  # fmt: skip
+        try:
+            deadline = time.monotonic() + 60
+            while not any(d["phase"] == "loading_weights" for d in box.declarations()) or len(box.pids()) < 2:
+                assert time.monotonic() < deadline, box.declarations()
+                time.sleep(0.1)
+            (decl,) = box.declarations()
+            held = tmp_path / "hog-held"
+            spawner.popen([sys.executable, "-c", HOG, "2048", str(held)])
+            while not held.exists():
+                assert time.monotonic() < deadline + 60, "the hog never took its memory"
+                time.sleep(0.1)
+            near: dict[str, Any] = wait_for_event(daemon.events_path, "budget_near", timeout_s=30)
+            with MeminfoReader() as r:
+                drop = decl["available_at_launch_bytes"] - r.read().available_bytes
+            assert drop > 1 * GiB + 256 * MiB  # past the budget and its margin: the pool-drop rule killed here
+            # A kill comes within two budget samples of crossing (the guard samples a budgeted tree at least every
+            # poll_max_s = 1 s): four seconds of the hog's drop without one is the answer.
+            until = time.monotonic() + 4
+            while time.monotonic() < until:
+                assert kills(daemon.events_path) == []
+                time.sleep(0.2)
+            assert steady.poll() is None and all(alive(pid, ticks) for pid, ticks in box.pids())
+            assert near["pool_drop_bytes"] >= 0.9 * GiB  # the warning came from the pool's drop...
+            assert near["footprint_bytes"] < 600 * MiB and near["footprint_source"] in ("rss", "cgroup")  # ...alone
+        finally:
+            steady.terminate()
+            steady.communicate(timeout=30)
+
+
+def test_a_child_that_double_forks_out_of_the_tree_counts_in_the_budget_and_dies_with_it(
+    box: Box, tmp_path: Path
+) -> None:
+    """A worker that daemonises (fork, setsid, fork) is reparented to launch, the subreaper: the guard counts it in
+    the launched engine's footprint, and the budget kill takes it with the tree."""
+    enough_memory(2 * GiB)
+    orphan_file = tmp_path / "orphan.pid"
+    with sparkwatch_run(tmp_path, env={"XDG_RUNTIME_DIR": str(box.run_dir)}) as daemon:
+        engine = box.launch("--budget", "600MiB", "-q", "--", *small_args(small_model(tmp_path), fitting_util()),
+                            "--phase-mib", "loading_weights=50", "--phase-s", "0.1", "--grow-in-orphan",
+                            str(orphan_file), "--grow-mib-per-s", "300", "--grow-limit-mib", "1500",
+                            "--pidfile", str(box.pidfile))  # fmt: skip
+        _out, err = engine.communicate(timeout=90)
+        assert engine.returncode == 137, err.decode()
+        assert "trigger budget" in err.decode()
+        event: dict[str, Any] = wait_for_event(daemon.events_path, "kill")
+        assert event["trigger"] == "budget" and event["footprint_bytes"] > 600 * MiB + 256 * MiB
+        ((orphan, ticks),) = [tuple(map(int, line.split())) for line in orphan_file.read_text().splitlines()]
+        assert orphan in {v["pid"] for v in event["victims"]}
+        assert not alive(orphan, ticks)

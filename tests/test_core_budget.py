@@ -97,11 +97,22 @@ def test_footprint_counts_each_byte_once() -> None:
     # a stale GPU hint counts as none
     fp = footprint(FootprintInputs(rss_bytes=2 * GiB, gpu_bytes=40 * GiB, gpu_age_s=GPU_STALE_S + 1))
     assert (fp.bytes, fp.gpu_bytes) == (2 * GiB, None)
-    # a GB10 without per-pid figures: the pool's drop since launch, when it says more
+    # the pool's drop since launch holds everything else on the box: never the footprint, only a warning's figure
     fp = footprint(FootprintInputs(rss_bytes=2 * GiB, pool_drop_bytes=60 * GiB))
-    assert (fp.bytes, fp.source) == (60 * GiB, FootprintSource.POOL_DROP)
+    assert (fp.bytes, fp.source) == (2 * GiB, FootprintSource.RSS)
+    assert (fp.warn_bytes, fp.warn_source) == (60 * GiB, FootprintSource.POOL_DROP)
     fp = footprint(FootprintInputs(rss_bytes=2 * GiB, gpu_bytes=70 * GiB, gpu_age_s=0.5, pool_drop_bytes=60 * GiB))
     assert fp.source == FootprintSource.RSS_GPU and fp.bytes == 72 * GiB
+    assert (fp.pool_drop_bytes, fp.warn_bytes, fp.warn_source) == (None, 72 * GiB, FootprintSource.RSS_GPU)
+
+
+def test_the_pools_drop_warns_and_never_kills() -> None:
+    state = BudgetState()
+    for i in range(10):  # a tree holding 200 MiB while the pool fell by 1.3 GiB against a 1 GiB budget
+        state, d = budget_step(state, P, float(i), 200 * MiB, 1 * GiB, warn_bytes=1300 * MiB)
+        assert not d.kill
+        assert d.warn == (i == 0)
+    assert state.peak_bytes == 200 * MiB
 
 
 def test_budget_patterns_share_kill_prioritys_syntax() -> None:

@@ -341,3 +341,39 @@ def test_may_touch_excludes_ancestors_given_by_the_killer() -> None:
     assert may_touch(p, RULES, Scope(self_pid=5, own_uid=1000))
     assert not may_touch(p, RULES, Scope(self_pid=5, own_uid=1000, self_ancestors=frozenset({77})))
     assert not may_touch(p, RULES, Scope(self_pid=5, own_uid=1000), untouchable={77})
+
+
+def test_a_launched_roots_orphans_stay_in_its_tree_and_the_launcher_never_joins() -> None:
+    """A worker that double-forked (setsid) is reparented to `sparkwatch launch` (the subreaper) or stays in launch's
+    scope: it is the declared root's, so it is counted and killed with it. Only for the declared launcher (same uid,
+    really the root's parent) and only the scope the root is in."""
+    scope_cg = "/user.slice/user-1000.slice/user@1000.service/app.slice/sparkwatch-launch-50.scope"
+    procs = [
+        proc(50, 10, "python3", "python3", "-m", "sparkwatch", "launch", "--", "vllm", "serve", "m"),  # the launcher
+        proc(60, 50, "vllm", "/venv/bin/vllm", "serve", "m", cgroup=scope_cg),  # the declared root
+        proc(61, 50, "python3", "python3", "worker.py"),  # double-forked, reparented to the subreaper
+        proc(62, 61, "python3", "python3", "worker.py"),  # and its own child
+        proc(70, 1, "VLLM::EngineCor", "VLLM::EngineCore_DP0", cgroup=scope_cg),  # left the tree, still in the scope
+        proc(80, 1, "python3", "python3", "elsewhere.py"),  # nobody's
+    ]
+    declared = {(60, 600): ("vllm", 1000)}
+    scope = Scope(self_pid=999, own_uid=1000)
+    (tree,) = find_engine_trees(procs, RULES, scope, declared=declared, launchers={(60, 600): 50})
+    assert tree.root.pid == 60 and sorted(tree.pids) == [60, 61, 62, 70]
+    # Without the launcher's word only the scope adopts; a launcher that is not the root's parent adopts nothing.
+    (tree,) = find_engine_trees(procs, RULES, scope, declared=declared)
+    assert sorted(tree.pids) == [60, 70]
+    (tree,) = find_engine_trees(procs[:-2] + procs[-1:], RULES, scope, declared=declared, launchers={(60, 600): 10})
+    assert sorted(tree.pids) == [60]
+    # Only the declaring uid's processes are adopted, even by a guard that runs as root.
+    mixed = [*procs[:3], proc(63, 50, "python3", "python3", "sudo-child.py", uid=0)]
+    (tree,) = find_engine_trees(
+        mixed, RULES, Scope(self_pid=999, own_uid=0), declared=declared, launchers={(60, 600): 50}
+    )
+    assert sorted(tree.pids) == [60, 61]
+    # Another user's launcher is no one's word.
+    other = [proc(50, 10, "python3", "python3", "x.py", uid=0), *procs[1:4]]
+    (tree,) = find_engine_trees(
+        other, RULES, Scope(self_pid=999, own_uid=0), declared=declared, launchers={(60, 600): 50}
+    )
+    assert sorted(tree.pids) == [60]

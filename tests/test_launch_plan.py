@@ -12,8 +12,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from sparkwatch.common import peakstore
 from sparkwatch.common.sources.checkpoint import gguf_metadata, hub_cache, read_facts, resolve
 from sparkwatch.core.enginecli import human_readable_int, recognise
+from sparkwatch.core.peaks import confirmed_peak, fold, forget
 from sparkwatch.core.plan import (
     FixAction,
     FreeSource,
@@ -255,6 +257,27 @@ def test_the_measured_peak_replaces_the_estimate() -> None:
     learned = Learned(peak_bytes=25 * GiB, estimate_bytes=18 * GiB, runs=2)
     plan = decide(estimate(cmd, QWEN3_8B, v), v, learned=learned)
     assert plan.needs_bytes == 25 * GiB and not plan.fits
+
+
+def test_a_peak_is_learned_only_once_two_runs_agree_and_forget_drops_it() -> None:
+    record = fold(None, 3584 * MiB, phases={}, ready_s=5.0, estimate_bytes=GiB, at=1.0)  # a busy box's one odd run
+    assert record.learned_bytes is None and record.peak_bytes == 3584 * MiB and record.estimate_bytes == GiB
+    record = fold(record, 200 * MiB, phases={}, ready_s=5.0, estimate_bytes=GiB, at=2.0)
+    assert record.learned_bytes is None  # 3.5 GiB and 200 MiB do not agree
+    record = fold(record, 240 * MiB, phases={}, ready_s=5.0, estimate_bytes=GiB, at=3.0)
+    assert record.learned_bytes == 240 * MiB  # within 25 % of each other: the larger; the odd run never counts
+    assert confirmed_peak((100, 125)) == 125 and confirmed_peak((100, 126)) is None
+    records = {"a": record, "b": record}
+    assert forget(records, "a") == {"b": record} and forget(records, None) == {}
+
+
+def test_forget_all_empties_the_peaks_file_and_says_when_there_was_nothing(tmp_path: Path) -> None:
+    record = fold(None, 200 * MiB, phases={}, ready_s=1.0, estimate_bytes=GiB, at=1.0)
+    peakstore.save(tmp_path, {"a": record, "b": record})
+    assert peakstore.forget(tmp_path, "a") and set(peakstore.load(tmp_path)) == {"b"}
+    assert not peakstore.forget(tmp_path, "a")
+    assert peakstore.forget(tmp_path, None) and peakstore.load(tmp_path) == {}
+    assert not peakstore.forget(tmp_path, None)
 
 
 def test_jit_jobs_follow_flashinfers_formula() -> None:

@@ -16,6 +16,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -123,15 +124,48 @@ def test_a_fitting_engine_starts_its_output_passes_through_and_its_exit_code_com
     (record,) = peaks.values()
     assert record["runs"] == 1 and record["recent"][0] >= 64 << 20  # at least what it touched
     assert "phase cuda_graphs" in err.decode() and "is ready after" in err.decode()
-    # The next plan for the same command uses the measured peak and shows the estimate's error.
+    # One run is one sample: the next plan keeps the estimate and shows what was measured beside it.
+    data = plan_json(box, args)
+    assert data["learned"] is None and data["needs_bytes"] == data["estimate_bytes"]
+    assert data["measured_peaks_bytes"] == record["recent"]
+
+
+def plan_json(box: Box, args: list[str]) -> dict[str, Any]:
     again = subprocess.run(
         [sys.executable, "-m", "sparkwatch", "launch", "--plan", "--json", "--", *args],
         env=box.env, capture_output=True, check=False, timeout=60,
     )  # fmt: skip
-    data = json.loads(again.stdout)
-    assert data["learned"]["peak_bytes"] == record["recent"][0]
-    assert data["needs_bytes"] == record["recent"][0]
-    assert data["learned"]["estimate_error"] > 0  # the estimate is far above what the stand-in took
+    data: dict[str, Any] = json.loads(again.stdout)
+    return data
+
+
+def test_a_peak_replaces_the_estimate_only_after_two_runs_agree_and_forget_resets_it(box: Box, tmp_path: Path) -> None:
+    model = small_model(tmp_path)
+    args = small_args(model, fitting_util())
+    engine = ["--phase-mib", "loading_weights=64,profiling=32", "--phase-s", "0.2", "--serve-s", "2.5"]
+    for run in (1, 2):
+        proc = box.launch("-q", "--", *args, *engine)
+        _out, err = proc.communicate(timeout=90)
+        assert proc.returncode == 0, err.decode()
+        data = plan_json(box, args)
+        if run == 1:  # one run: the estimate stands
+            assert data["learned"] is None and data["needs_bytes"] == data["estimate_bytes"]
+        assert len(data["measured_peaks_bytes"]) == run
+    first, second = data["measured_peaks_bytes"]
+    assert max(first, second) <= 1.25 * min(first, second)  # the same stand-in twice: the runs agree
+    # Two agreeing runs: the measured peak replaces the estimate (far above what the stand-in took).
+    assert data["learned"]["peak_bytes"] == data["needs_bytes"] == max(first, second)
+    assert data["learned"]["estimate_error"] > 0
+    # --forget KEY: the estimate stands again; a second --forget has nothing to drop (exit 1, one line).
+    forget = [sys.executable, "-m", "sparkwatch", "launch", "--forget", data["key"]]
+    done = subprocess.run(forget, env=box.env, capture_output=True, check=False, timeout=60)
+    assert done.returncode == 0 and "forgot the peaks learned for" in done.stderr.decode()
+    data = plan_json(box, args)
+    assert data["learned"] is None and data["measured_peaks_bytes"] == []
+    assert data["needs_bytes"] == data["estimate_bytes"]
+    again = subprocess.run(forget, env=box.env, capture_output=True, check=False, timeout=60)
+    assert again.returncode == 1 and again.stderr.decode().count("\n") == 1
+    assert "no peak was learned for" in again.stderr.decode()
 
 
 def test_the_users_max_jobs_is_kept_and_what_was_set_is_printed(box: Box, tmp_path: Path) -> None:

@@ -3,13 +3,15 @@
     sparkwatch launch -- vllm serve Qwen/Qwen3-8B --gpu-memory-utilization 0.8
     sparkwatch launch --budget 60GiB -- llama-server -m model.gguf -c 32768
     sparkwatch launch --plan --json -- vllm serve /models/llama
+    sparkwatch launch --forget 'vllm|Qwen/Qwen3-8B|gpu_memory_utilization=0.8'   # or --forget-all
 
 1. Settle: wait (up to --settle-timeout) while an engine tree is exiting, memory is still coming back (MemAvailable
    rising, Shmem falling) or orphaned engine workers hold the GPU (core.settle). Steady engines are no reason to
    wait: the plan counts them.
 2. Plan (core.plan): the footprint as named terms, held against MemAvailable - floor - margin, the engine's own
    start-up check (MemAvailable or MemFree), the free high-order blocks, and what running engines may still take.
-   The measured peak of an earlier run with the same key (core.peaks) replaces the estimate.
+   The measured peak of earlier runs with the same key (core.peaks) replaces the estimate once two runs agree
+   within 25 %; `--forget KEY` (the key `--plan` prints) or `--forget-all` drops what was learned.
 3. Gate: when it does not fit, one line says by how much and the fix, and the command does not start (exit 75).
    `--fix` applies the fixes that need no guessing (drop caches, compact memory) where the user may, `--force`
    starts anyway, `--plan` prints the plan and exits 0 (fits) or 1 (does not).
@@ -19,7 +21,7 @@
 
 Exit codes: the command's own; 128+N when it died of signal N (137: killed, by the guard when the line says so);
 75 the plan does not fit (nothing started); 2 bad usage or config; 127 the command was not found; with --plan 0 fits,
-1 does not.
+1 does not; with --forget/--forget-all 0 dropped, 1 nothing to drop.
 """
 
 from __future__ import annotations
@@ -80,6 +82,12 @@ def add_parser(sub: Any, parent: argparse.ArgumentParser) -> None:
         help="wait at most S seconds for exiting engines and returning memory (default %(default)g; 0: do not wait)",
     )
     p.add_argument("--no-scope", action="store_true", help="never run the command in its own systemd scope")
+    p.add_argument(
+        "--forget",
+        metavar="KEY",
+        help="drop the peaks learned for KEY (the key --plan prints) and exit: the estimate stands again",
+    )
+    p.add_argument("--forget-all", action="store_true", help="drop every learned peak and exit")
     p.add_argument("-q", "--quiet", action="store_true", help="only the lines that matter (gate, kill, exit)")
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND [ARGS...]")
     p.set_defaults(handler=handle)
@@ -97,6 +105,8 @@ def handle(args: argparse.Namespace) -> int:
     from sparkwatch.cli.launch_plan import PlanInputs, gather, plan_json, plan_text, replan
     from sparkwatch.core.units import parse_size
 
+    if args.forget is not None or args.forget_all:
+        return _forget(settings_from(args), None if args.forget_all else args.forget)
     cmd = _command(args)
     if not cmd:
         print("sparkwatch: launch needs a command: sparkwatch launch -- vllm serve MODEL", file=sys.stderr)
@@ -164,6 +174,26 @@ def handle(args: argparse.Namespace) -> int:
         took = time.time() - started
         print(f"sparkwatch: {plan.estimate.kind} exited after {took:.0f} s: {launch.exit_text}", file=sys.stderr)
     return code
+
+
+def _forget(settings: Any, key: str | None) -> int:
+    """`--forget KEY` / `--forget-all`: 0 when something was dropped, 1 when there was nothing to drop."""
+    from sparkwatch.common import peakstore
+
+    try:
+        dropped = peakstore.forget(settings.state_dir, key)
+    except OSError as exc:
+        print(
+            f"sparkwatch: --forget: {peakstore.peaks_path(settings.state_dir)}: {exc.strerror or exc}", file=sys.stderr
+        )
+        return 1
+    if not dropped:
+        none = "no peak was learned" if key is None else f"no peak was learned for {key}"
+        print(f"sparkwatch: --forget: {none}", file=sys.stderr)
+        return 1
+    what = "every learned peak" if key is None else f"the peaks learned for {key}"
+    print(f"sparkwatch: forgot {what}: the estimate stands again", file=sys.stderr)
+    return 0
 
 
 def describe_bytes(value: int | None) -> str:

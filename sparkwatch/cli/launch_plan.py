@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 import shutil
 import time
 from collections.abc import Mapping
@@ -60,6 +61,7 @@ class PlanContext:
     available_at_plan_bytes: int
     declared: tuple[launched.Declaration, ...] = ()
     took_s: float = 0.0
+    record: peaks.PeakRecord | None = None  # what earlier runs with this key measured, confirmed or not
 
 
 def memory_view(settings: Settings, margin_bytes: int | None) -> MemoryView:
@@ -183,8 +185,9 @@ def gather(settings: Settings, inputs: PlanInputs) -> tuple[Plan, PlanContext]:
     key = peaks.peak_key(cmd, explicit)
     record = peakstore.load(settings.state_dir).get(key)
     learned = None
-    if record is not None and record.peak_bytes > 0:
-        learned = Learned(record.peak_bytes, record.estimate_bytes or est.needs_bytes, record.runs, record.ready_s)
+    confirmed = record.learned_bytes if record is not None else None
+    if record is not None and confirmed is not None:  # two runs agree: the measured peak replaces the estimate
+        learned = Learned(confirmed, record.estimate_bytes or est.needs_bytes, record.runs, record.ready_s)
     decls, reservations = running(settings, env, time.time())
     needs = learned.peak_bytes if learned is not None else est.needs_bytes
     budget = _budget(inputs.budget, needs, view.margin_bytes)
@@ -198,6 +201,7 @@ def gather(settings: Settings, inputs: PlanInputs) -> tuple[Plan, PlanContext]:
         available_at_plan_bytes=view.available_bytes,
         declared=decls,
         took_s=time.monotonic() - started,
+        record=record,
     )
     return plan, ctx
 
@@ -211,8 +215,15 @@ def replan(settings: Settings, inputs: PlanInputs, ctx: PlanContext) -> tuple[Pl
 # --- printing
 
 
-def _learned_line(plan: Plan) -> str | None:
+def _learned_line(plan: Plan, ctx: PlanContext) -> str | None:
     learned = plan.learned
+    record = ctx.record
+    if learned is None and record is not None and record.recent:
+        runs = ", ".join(format_size(b) for b in record.recent)
+        return (
+            f"measured {runs} in {len(record.recent)} run(s), not used yet: the estimate stands until two runs agree "
+            f"within {peaks.AGREE_RATIO:.0%} (sparkwatch launch --forget {shlex.quote(ctx.key)} drops them)"
+        )
     if learned is None:
         return None
     err = peaks.error_ratio(plan.estimate.needs_bytes, learned.peak_bytes)
@@ -232,14 +243,14 @@ def plan_text(plan: Plan, ctx: PlanContext, short: bool = False) -> str:
         f"floor {format_size(view.floor_bytes)} + margin {format_size(view.margin_bytes)}: {verdict}"
     )
     if short:
-        learned = _learned_line(plan)
+        learned = _learned_line(plan, ctx)
         return summary + (f"\nsparkwatch: {learned}" if learned else "")
     lines = [summary, ""]
     width = max(len(t.name) for t in est.terms)
     for term in est.terms:
         lines.append(f"  {term.name:<{width}}  {format_size(term.bytes):>10}  {term.note}")
     lines.append(f"  {'needs':<{width}}  {format_size(est.needs_bytes):>10}  the peak phase")
-    learned = _learned_line(plan)
+    learned = _learned_line(plan, ctx)
     if learned:
         lines.append(f"  {learned}")
     lines.append("")
@@ -307,6 +318,7 @@ def plan_json(plan: Plan, ctx: PlanContext) -> dict[str, Any]:
             "ready_s": learned.ready_s,
             "estimate_error": peaks.error_ratio(est.needs_bytes, learned.peak_bytes),
         },
+        "measured_peaks_bytes": list(ctx.record.recent) if ctx.record is not None else [],
         "memory": {
             "total_bytes": view.total_bytes,
             "available_bytes": view.available_bytes,

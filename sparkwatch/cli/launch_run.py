@@ -8,6 +8,10 @@
 - stdout and stderr come through pipes and are copied unchanged, chunk by chunk (os.read/os.write, no line
   splitting); the phase recogniser (core.bootphase) searches each chunk for the anchors that can still come.
 - the declaration (common.launched) is written at start, on every phase, when the measured peak grew, and at exit.
+- the measured peak is what the tree itself holds (core.footprint): its RSS (the root's descendants and whatever was
+  reparented to launch: a worker that double-forked with setsid), its scope's memory.current, and NVML's per-process
+  bytes where NVML loads (checked in a throwaway child first, as `status` does). The pool's drop is never a peak:
+  everything else on the box is in it.
 - Ctrl-C (SIGINT) is forwarded to the whole tree; a second one sends SIGTERM, a third SIGKILL. SIGTERM and SIGHUP
   are forwarded as they are. When the root is gone, what is left of the tree gets SIGTERM, then SIGKILL after
   LEFTOVER_GRACE_S, and is reaped.
@@ -45,7 +49,7 @@ from sparkwatch.core.footprint import FootprintInputs, footprint
 from sparkwatch.core.plan import Plan
 from sparkwatch.core.units import MiB, format_size
 
-SAMPLE_EVERY_S = 1.0  # footprint samples while the engine runs (a /proc walk of the tree and one meminfo read)
+SAMPLE_EVERY_S = 1.0  # footprint samples while the engine runs (a /proc walk of the tree and, with NVML, one read)
 CHUNK_BYTES = 1 << 20
 # Under a stream of output, wake at most this often: each wake-up costs a poll, a read and a write whatever its size,
 # and 8 KiB writes at 10 MB/s were 1,200 wake-ups a second (2.2 % of a core on this VM). The pipes are made
@@ -59,7 +63,7 @@ DRAIN_S = 2.0
 KILL_EVENT_WAIT_S = 6.0  # the guard writes its kill event after the reap and its settle time (1 s by default)
 PEAK_WRITE_MIN_BYTES = 256 * MiB  # rewrite the declaration when the peak grew by this much (or 5 %)
 SYSTEM_EVENTS = Path("/var/lib/sparkwatch/events.jsonl")  # the system unit's (XDG_STATE_HOME=/var/lib)
-SCOPE_PREFIX = "sparkwatch-launch-"  # the scope: sparkwatch-launch-<launcher pid>.scope (core.footprint.SCOPE_RE)
+SCOPE_PREFIX = "sparkwatch-launch-"  # the scope: sparkwatch-launch-<launcher pid>.scope (core.engines.LAUNCH_SCOPE_RE)
 _PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
@@ -92,6 +96,30 @@ def rss_of(proc_root: str, pids: list[int]) -> int:
         except (OSError, ValueError):
             continue
     return total
+
+
+def gpu_reader(settings: Settings) -> Any | None:
+    """NVML's per-process bytes for the footprint, or None where it would hang (nvml_preflight) or fails to build."""
+    from sparkwatch.telemetry.sources.nvml import NvmlSource
+    from sparkwatch.telemetry.sources.nvml_preflight import nvml_hang_reason
+
+    if nvml_hang_reason() is not None:
+        return None
+    return NvmlSource(proc_root=settings.proc_root)
+
+
+def gpu_bytes_of(source: Any | None, pids: list[int]) -> int | None:
+    """The GPU bytes NVML lists for `pids`, summed; None when NVML is not up (no reading: the footprint then has no
+    GPU part, core.footprint)."""
+    from sparkwatch.core.model import GpuReport
+
+    if source is None:
+        return None
+    report = source.collect()
+    if not isinstance(report, GpuReport) or not report.up:
+        return None
+    wanted = set(pids)
+    return sum(p.used_gpu_memory_bytes or 0 for p in report.processes if p.pid in wanted)
 
 
 def read_cgroup(proc_root: str, pid: int) -> str | None:
@@ -157,6 +185,7 @@ class Launch:
         self.directory = launched.launched_dir(self.env, settings.state_dir)
         self.killed_by: dict[str, Any] | None = None
         self.unit = f"{SCOPE_PREFIX}{os.getpid()}"
+        self.gpu: Any | None = None
 
     # --- output
     def note(self, text: str) -> None:
@@ -261,12 +290,13 @@ class Launch:
         if not self.quiet:
             print(launchenv.describe(choices), file=sys.stderr, flush=True)
         env = launchenv.apply(self.env, choices)
+        self.gpu = gpu_reader(self.settings)  # before the subreaper: its check is a child of ours, reaped by it
         syscalls.set_child_subreaper()
-        try:
-            reader = MeminfoReader(self.settings.proc_root)
-            baseline = reader.read().available_bytes
+        try:  # the pool-drop baseline the guard's budget warning reads (never a kill's nor a peak's)
+            with MeminfoReader(self.settings.proc_root) as reader:
+                baseline = reader.read().available_bytes
         except (OSError, MeminfoError):
-            reader, baseline = None, plan.view.available_bytes
+            baseline = plan.view.available_bytes
         try:
             launched.prune(self.directory, time.time())
         except OSError:
@@ -288,7 +318,7 @@ class Launch:
             self.exit_text = "did not start"
             return 127 if isinstance(exc, FileNotFoundError) else 126
         try:
-            return self._supervise(proc, reader, baseline, wake_r)
+            return self._supervise(proc, baseline, wake_r)
         finally:
             proc.returncode = proc.returncode if proc.returncode is not None else 0
             signal.set_wakeup_fd(old_wakeup)
@@ -296,12 +326,11 @@ class Launch:
                 signal.signal(s, h)
             os.close(wake_r)
             os.close(wake_w)
-            if reader is not None:
-                reader.close()
+            close = getattr(self.gpu, "close", None)
+            if close is not None:
+                close()
 
-    def _supervise(
-        self, proc: subprocess.Popen[bytes], reader: MeminfoReader | None, baseline: int, wake_r: int
-    ) -> int:
+    def _supervise(self, proc: subprocess.Popen[bytes], baseline: int, wake_r: int) -> int:
         pid = proc.pid
         assert proc.stdout is not None and proc.stderr is not None
         started_wall = time.time()
@@ -349,8 +378,6 @@ class Launch:
         next_sample = time.monotonic()
         peak = 0
         written_peak = 0
-        others_booting = False
-        watch = launched.LaunchedWatch(launched.launched_dirs(self.env, self.settings.state_dir))
         try:
             busy = False
             while status is None:
@@ -374,13 +401,9 @@ class Launch:
                 status = self._reap(pid)
                 if time.monotonic() >= next_sample and status is None:
                     next_sample = time.monotonic() + SAMPLE_EVERY_S
-                    decls = watch.poll()
-                    others_booting = any(
-                        d.booting and d.tree_key != (pid, ticks) and d.exited_at is None for d in decls
-                    )
                     if scoped and cgroup is None:
                         cgroup = self._scope_cgroup(pid)
-                    fp = self._sample(pid, reader, baseline, cgroup, sole=not others_booting)
+                    fp = self._sample(pid, cgroup)
                     phase = str(self.recognizer.phase)
                     self.phase_peaks[phase] = max(self.phase_peaks.get(phase, 0), fp)
                     if fp > peak:
@@ -421,17 +444,18 @@ class Launch:
             self._write_decl()
         return path
 
-    def _sample(self, pid: int, reader: MeminfoReader | None, baseline: int, cgroup: str | None, sole: bool) -> int:
-        pids = tree_pids(self.proc_root, pid, [])
-        drop = None
-        if reader is not None and sole:
-            try:
-                drop = max(baseline - reader.read().available_bytes, 0)
-            except MeminfoError:
-                drop = None
+    def _sample(self, pid: int, cgroup: str | None) -> int:
+        """What the tree holds now (core.footprint, without the pool's drop): the root's descendants and what was
+        reparented to launch (the subreaper), their RSS or the scope's memory.current, and NVML's bytes for them."""
+        orphans = [p for p in read_children(self.proc_root, os.getpid()) or [] if p != pid]
+        pids = tree_pids(self.proc_root, pid, orphans)
+        gpu = gpu_bytes_of(self.gpu, pids)
         return footprint(
             FootprintInputs(
-                rss_bytes=rss_of(self.proc_root, pids), cgroup_bytes=read_memory_current(cgroup), pool_drop_bytes=drop
+                rss_bytes=rss_of(self.proc_root, pids),
+                gpu_bytes=gpu,
+                gpu_age_s=None if gpu is None else 0.0,
+                cgroup_bytes=read_memory_current(cgroup),
             )
         ).bytes
 

@@ -1,4 +1,5 @@
-"""The learned peaks file, `<state_dir>/peaks.json` (core.peaks decides what goes in it): bounded, atomic, strict."""
+"""The learned peaks file, `<state_dir>/peaks.json` (core.peaks decides what goes in it): bounded, atomic, strict.
+`forget` is `sparkwatch launch --forget KEY` / `--forget-all`."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from pathlib import Path
 
 from sparkwatch.common.durable import private_dir, read_regular, write_atomic
 from sparkwatch.common.wiretypes import WireError, from_json, to_json
+from sparkwatch.core import peaks
 from sparkwatch.core.peaks import PeakRecord, trim
 
 PEAKS_FILE = "peaks.json"
@@ -25,6 +27,16 @@ def load(state_dir: Path) -> dict[str, PeakRecord]:
     except (OSError, ValueError, WireError, AttributeError):
         return {}
     return records
+
+
+def forget(state_dir: Path, key: str | None) -> bool:
+    """Remove the record of `key` (None: every record). False when there was none to remove (nothing written)."""
+    records = load(state_dir)
+    kept = peaks.forget(records, key)
+    if len(kept) == len(records):
+        return False
+    save(state_dir, kept)
+    return True
 
 
 def save(state_dir: Path, records: dict[str, PeakRecord]) -> None:

@@ -6,7 +6,8 @@ A budget comes from `sparkwatch launch --budget` (the declaration) or the config
 - over `budget + margin` for `debounce_samples` consecutive samples: kill that tree alone (trigger `budget`), however
   far the pool is from the floor. The margin (BUDGET_MARGIN_RATIO of the budget, at least BUDGET_MARGIN_MIN_BYTES)
   absorbs the sampling noise of a footprint read from several sources at slightly different times;
-- at WARN_RATIO of the budget: one `budget_near` event, again only after it fell back under REARM_RATIO;
+- at WARN_RATIO of the budget: one `budget_near` event, again only after it fell back under REARM_RATIO. The warning
+  may also come from `warn_bytes` (the pool's drop while the engine boots alone, core.footprint), which never kills;
 - the next look comes after half the predicted time to the limit at the faster of the tree's measured growth and
   trigger.REFERENCE_FILL_RATE_BYTES_PER_S, clamped to the guard's poll bounds: the floor loop's rule
   (core.trigger.interval_for), applied to the distance to the budget instead of to the floor.
@@ -69,9 +70,16 @@ def memory_high_bytes(budget_bytes: int, params: BudgetParams = BudgetParams()) 
 
 
 def budget_step(
-    state: BudgetState, params: BudgetParams, t: float, footprint_bytes: int, budget_bytes: int
+    state: BudgetState,
+    params: BudgetParams,
+    t: float,
+    footprint_bytes: int,
+    budget_bytes: int,
+    *,
+    warn_bytes: int | None = None,
 ) -> tuple[BudgetState, BudgetDecision]:
-    """Feed one footprint sample of one tree, taken at monotonic time `t`."""
+    """Feed one footprint sample of one tree, taken at monotonic time `t`. `footprint_bytes` is what the tree itself
+    holds: the kill, the growth and the peak rest on it alone. `warn_bytes`, when larger, may raise the warning."""
     rate = state.growth_bytes_per_s
     if state.last_t is not None and state.last_bytes is not None and t > state.last_t:
         dt = t - state.last_t
@@ -83,9 +91,10 @@ def budget_step(
     kill = count >= params.debounce_samples
     warn = False
     warned = state.warned
-    if not warned and footprint_bytes >= params.warn_ratio * budget_bytes:
+    seen = max(footprint_bytes, warn_bytes or 0)
+    if not warned and seen >= params.warn_ratio * budget_bytes:
         warn, warned = True, True
-    elif warned and footprint_bytes < params.rearm_ratio * budget_bytes:
+    elif warned and seen < params.rearm_ratio * budget_bytes:
         warned = False
     counting = count > 0
     interval = params.poll_min_s if counting else interval_for(limit - footprint_bytes, rate, params)

@@ -20,7 +20,7 @@ from __future__ import annotations
 import re
 from collections import defaultdict
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from sparkwatch.core.livecache import LiveCache
 from sparkwatch.core.model import EngineTree, GpuHolder, Proc
@@ -587,6 +587,58 @@ def _default_shape(proc: Proc) -> Shape | None:
 
 # Engines known by declaration (`sparkwatch launch`, common.launched): (pid, start_ticks) -> (kind, declaring uid).
 Declared = Mapping[tuple[int, int], tuple[str, int]]
+# The launcher of each declared root: (pid, start_ticks) of the root -> the pid of the `sparkwatch launch` that started
+# it (the declaration's launcher_pid).
+Launchers = Mapping[tuple[int, int], int]
+# The scope `sparkwatch launch` runs a command in: `…/sparkwatch-launch-<launcher pid>.scope` (cli.launch_run).
+LAUNCH_SCOPE_RE = re.compile(r"/sparkwatch-launch-\d+\.scope$")
+
+
+def adopt_launch_orphans(procs: Sequence[Proc], declared: Declared, launchers: Launchers) -> list[Proc]:
+    """`procs` with what a declared root's launch holds besides the root handed to the root as its children.
+
+    A child that double-forks (`setsid`, a daemonising worker) leaves its root's tree: its parent exits, and the
+    kernel hands the grandchild to the nearest child subreaper, which `sparkwatch launch` makes itself (prctl), or
+    to PID 1. Such a process is the engine's all the same, so its memory counts in the budget and it dies with the
+    tree. Two facts the user cannot forge name it, each only for a root trusted as declared (same pid, start time
+    and uid, as engine_kinds checks):
+    - the launcher: the root's parent is the declared launcher pid, owned by the same uid; its other children are
+      orphans reparented to it (launch starts nothing else while the engine runs);
+    - the scope: the root is in `…/sparkwatch-launch-N.scope` (the kernel's cgroup, read by the scanner); a process
+      in the same cgroup whose parent is not is an orphan that left (systemd moves only the command into it).
+    Only the declaring uid's processes are adopted (a root guard never takes another user's, or root's, process into
+    a tree on a user's word), and the launcher itself never is: it reports the kill. Everything else (may_touch,
+    protection) applies as to any member."""
+    if not declared:
+        return list(procs)
+    by_pid = {p.pid: p for p in procs}
+    roots: list[tuple[Proc, int, int]] = []  # (root, declaring uid, its launcher's pid or 0)
+    for key, (_kind, uid) in declared.items():
+        root = by_pid.get(key[0])
+        if root is None or root.key != key or root.uid != uid or root.is_kernel_thread:
+            continue
+        launcher = by_pid.get(root.ppid)
+        said = launchers.get(key, 0)
+        roots.append((root, uid, said if said > 1 and launcher is not None and launcher.pid == said else 0))
+    launcher_of = {launcher: root for root, uid, launcher in roots if launcher and by_pid[launcher].uid == uid}
+    scope_of = {root.cgroup: root for root, _uid, _l in roots if root.cgroup and LAUNCH_SCOPE_RE.search(root.cgroup)}
+    if not launcher_of and not scope_of:
+        return list(procs)
+    new_parent: dict[int, int] = {}
+    for p in procs:  # one pass, whatever the number of declared roots
+        root = launcher_of.get(p.ppid)
+        if root is not None and p.pid != root.pid and p.uid == root.uid:
+            new_parent[p.pid] = root.pid  # reparented to the subreaper: the root's
+            continue
+        root = scope_of.get(p.cgroup) if p.cgroup else None
+        if root is None or p.pid == root.pid or p.pid == root.ppid or p.uid != root.uid:
+            continue
+        parent = by_pid.get(p.ppid)
+        if parent is None or parent.cgroup != p.cgroup:
+            new_parent[p.pid] = root.pid  # in the root's scope, its parent outside it: left the tree
+    if not new_parent:
+        return list(procs)
+    return [replace(p, ppid=new_parent[p.pid]) if p.pid in new_parent else p for p in procs]
 
 
 def engine_kinds(
@@ -645,12 +697,17 @@ def find_engine_trees(
     scope: Scope,
     gpu_holders: Collection[tuple[int, int]] = (),
     declared: Declared | None = None,
+    *,
+    launchers: Launchers | None = None,
 ) -> list[EngineTree]:
     """Every engine tree the guard would kill now, outermost engine first, largest RSS first.
 
     Walks down from each outermost engine: a protected process keeps its whole subtree; infrastructure (a raylet
     that vLLM started inside its own tree) is passed through: not a member, while the workers below it are.
+    A declared root's tree also holds what its launch's scope or its launcher holds besides it (adopt_launch_orphans).
     """
+    if declared:
+        procs = adopt_launch_orphans(procs, declared, launchers or {})
     by_pid = {p.pid: p for p in procs}
     children: dict[int, list[Proc]] = defaultdict(list)
     for p in procs:

@@ -1,8 +1,11 @@
 """Learned peaks: what each launched engine really took, per boot phase, and how long it took to be ready.
 
-Keyed by the engine, the model and the flags that size its memory (`peak_key`), so the next plan for the same
-command uses the measured peak instead of the estimate and shows the estimate's error next to it. Pure: the store
-(common.peakstore) reads and writes the JSON; this module builds keys and folds a run into the record.
+Keyed by the engine, the model and the flags that size its memory (`peak_key`). Each record keeps its runs' peaks
+beside the estimate. A measured peak replaces the estimate only once two runs agree within AGREE_RATIO
+(`learned_bytes`): one run is one sample, and a single odd one (a box busy with something else, a run cut short)
+would otherwise size the next plan and `--budget auto` on its own. `sparkwatch launch --forget KEY` and
+`--forget-all` remove records (`forget`). Pure: the store (common.peakstore) reads and writes the JSON; this module
+builds keys, folds a run into the record and says what a record has learned.
 """
 
 from __future__ import annotations
@@ -33,7 +36,8 @@ KEY_FLAGS = (
     "cache_type_v",
     "parallel",
 )
-RUNS_KEPT = 5  # the learned peak is the largest of the last RUNS_KEPT runs
+RUNS_KEPT = 5  # runs kept per key: the learned peak comes from these
+AGREE_RATIO = 0.25  # two runs agree when the larger is at most this share above the smaller
 MAX_KEYS = 256  # records kept; the least recently updated go first
 
 
@@ -58,7 +62,24 @@ class PeakRecord:
 
     @property
     def peak_bytes(self) -> int:
+        """The largest peak measured in the kept runs, whether or not another run confirmed it."""
         return max(self.recent) if self.recent else 0
+
+    @property
+    def learned_bytes(self) -> int | None:
+        """What replaces the estimate: the largest kept peak that another kept run agrees with (the larger of the two
+        at most AGREE_RATIO above the smaller); None while no two runs agree (the estimate stands)."""
+        return confirmed_peak(self.recent)
+
+
+def agree(a_bytes: int, b_bytes: int) -> bool:
+    return a_bytes > 0 and b_bytes > 0 and abs(a_bytes - b_bytes) <= AGREE_RATIO * min(a_bytes, b_bytes)
+
+
+def confirmed_peak(runs: tuple[int, ...]) -> int | None:
+    """The largest run that some other run agrees with; None when no two do."""
+    confirmed = [a for i, a in enumerate(runs) if any(agree(a, b) for j, b in enumerate(runs) if j != i)]
+    return max(confirmed) if confirmed else None
 
 
 def fold(
@@ -84,6 +105,11 @@ def fold(
         runs=old.runs + 1,
         updated_at=at,
     )
+
+
+def forget(records: Mapping[str, PeakRecord], key: str | None) -> dict[str, PeakRecord]:
+    """The records without `key` (None: without any): the estimate stands again for what was forgotten."""
+    return {} if key is None else {k: r for k, r in records.items() if k != key}
 
 
 def trim(records: Mapping[str, PeakRecord]) -> dict[str, PeakRecord]:

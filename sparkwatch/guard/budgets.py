@@ -7,9 +7,9 @@ syntax). Only those trees are looked at, and only as often as their distance to 
   every DISCOVER_EVERY_S, every NEAR_DISCOVER_EVERY_S while a tree is within WARN_RATIO of its budget, and at once
   when a member died, a budgeted declaration appeared, or telemetry's count of engine trees changed (a hint from
   its census, which runs every second anyway: a new engine is looked at within about a second);
-- sampling, between discoveries: the members' stat files (RSS), telemetry's per-pid GPU bytes (a hint with its age),
-  the scope's memory.current when the tree owns its cgroup, and while it is the only launched engine booting the
-  pool's drop since its launch (core.footprint: counted once);
+- sampling, between discoveries: the members' stat files (RSS), telemetry's per-pid GPU bytes (a hint with its age)
+  and the scope's memory.current when the tree owns its cgroup (core.footprint: counted once); while it is the only
+  launched engine booting, the pool's drop since its launch too, which may warn but never kills;
 - over budget + margin for the guard's debounce: the killer kills that tree alone (trigger `budget`), recorded as
   every kill is (the reaper writes the event); in dry-run the same decision is recorded and nothing is signalled;
 - at 90 %: one `budget_near` event (again only after it fell under 80 %).
@@ -32,7 +32,7 @@ from sparkwatch.common.stats import BudgetStat
 from sparkwatch.core import budget as core
 from sparkwatch.core.engines import EngineRules, Scope, find_engine_trees
 from sparkwatch.core.eventkinds import EventKind
-from sparkwatch.core.footprint import Footprint, FootprintInputs, footprint, owned_scope
+from sparkwatch.core.footprint import Footprint, FootprintInputs, FootprintSource, footprint, owned_scope
 from sparkwatch.core.model import EngineTree, Proc
 from sparkwatch.core.policy import GpuBytes, TreeKey, first_match
 from sparkwatch.core.units import format_size
@@ -166,7 +166,9 @@ class BudgetWatch:
                 del self.tracked[t.key]
                 continue
             t.last = fp
-            t.state, decision = core.budget_step(t.state, params, now, fp.bytes, t.budget_bytes)
+            t.state, decision = core.budget_step(
+                t.state, params, now, fp.bytes, t.budget_bytes, warn_bytes=fp.warn_bytes
+            )
             t.next_t = now + decision.next_interval_s
             if decision.warn:
                 self._warn(t, fp, decision.limit_bytes)
@@ -193,7 +195,8 @@ class BudgetWatch:
         procs = self.scanner.scan().procs
         self.scans_total += 1
         seen: set[TreeKey] = set()
-        for tree in find_engine_trees(procs, rules, scope, declared=declared):
+        launchers = {d.tree_key: d.launcher_pid for d in launched}
+        for tree in find_engine_trees(procs, rules, scope, declared=declared, launchers=launchers):
             key = tree.root.key
             decl = by_key.get(key)
             budget, source = (decl.budget_bytes, "launch") if decl is not None and decl.budget_bytes else (None, "")
@@ -231,11 +234,20 @@ class BudgetWatch:
         return footprint(inputs), gone
 
     def _warn(self, t: Tracked, fp: Footprint, limit: int) -> None:
-        share = fp.bytes / t.budget_bytes
-        summary = (
-            f"{t.tree.kind} {t.name!r} (root pid {t.key[0]}) holds {format_size(fp.bytes)}, {share:.0%} of its budget "
-            f"{format_size(t.budget_bytes)} ({t.source}); past {format_size(limit)} the guard kills it."
-        )
+        share = fp.warn_bytes / t.budget_bytes
+        if fp.warn_source == FootprintSource.POOL_DROP:
+            # The pool's drop holds everything else on the box too: a warning, never the kill's reason.
+            summary = (
+                f"{t.tree.kind} {t.name!r} (root pid {t.key[0]}) is booting and the pool fell by "
+                f"{format_size(fp.warn_bytes)} since its launch, {share:.0%} of its budget "
+                f"{format_size(t.budget_bytes)} ({t.source}); the tree itself holds {format_size(fp.bytes)} "
+                f"({fp.source}), and only that, past {format_size(limit)}, is a kill."
+            )
+        else:
+            summary = (
+                f"{t.tree.kind} {t.name!r} (root pid {t.key[0]}) holds {format_size(fp.bytes)}, {share:.0%} of its "
+                f"budget {format_size(t.budget_bytes)} ({t.source}); past {format_size(limit)} the guard kills it."
+            )
         fields: dict[str, object] = {
             "engine": t.tree.kind,
             "root_pid": t.key[0],
@@ -243,6 +255,7 @@ class BudgetWatch:
             "budget_bytes": t.budget_bytes,
             "footprint_bytes": fp.bytes,
             "footprint_source": str(fp.source),
+            "pool_drop_bytes": fp.pool_drop_bytes,
             "budget_source": t.source,
         }
         self.event(EventKind.BUDGET_NEAR, summary, fields, logging.WARNING, f"sparkwatch: WARNING {summary}")

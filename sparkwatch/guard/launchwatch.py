@@ -26,7 +26,7 @@ from sparkwatch.common import logs
 from sparkwatch.common.launched import Declaration, LaunchedWatch, launched_dirs
 from sparkwatch.common.sources.procs import read_start_ticks
 from sparkwatch.core.bootphase import BootPhase
-from sparkwatch.core.engines import Declared
+from sparkwatch.core.engines import Declared, Launchers
 from sparkwatch.core.eventkinds import EventKind
 from sparkwatch.core.flight import LaunchedEngine
 from sparkwatch.core.units import format_size
@@ -71,6 +71,7 @@ class LaunchedEngines:
         self._kills: dict[tuple[int, int], str] = {}  # tree key -> trigger, for engine_exited's killed_by
         # What other threads read (the scout): replaced whole after each poll, never mutated.
         self._declared: Declared = {}
+        self._launchers: Launchers = {}
         self._live: tuple[Declaration, ...] = ()
 
     @classmethod
@@ -81,6 +82,10 @@ class LaunchedEngines:
     def declared(self) -> Declared:
         """(pid, start_ticks) -> (kind, uid) of every trusted, live declared root (safe from any thread)."""
         return self._declared
+
+    def launchers(self) -> Launchers:
+        """(pid, start_ticks) of each declared root -> its launcher's pid (core.engines.adopt_launch_orphans)."""
+        return self._launchers
 
     def live(self) -> tuple[Declaration, ...]:
         return self._live
@@ -142,6 +147,7 @@ class LaunchedEngines:
         live = [s for s in self._seen.values() if s.trusted and not s.exited]
         self._live = tuple(s.decl for s in live)
         self._declared = {s.decl.tree_key: (s.decl.kind, s.decl.uid) for s in live}
+        self._launchers = {s.decl.tree_key: s.decl.launcher_pid for s in live}
         for key in [k for k, s in self._seen.items() if s.exited and k not in current]:
             del self._seen[key]  # bounded: an exited engine whose file is gone is forgotten
 

@@ -427,8 +427,9 @@ class PoolWatch:
                 scan = self.scanner.scan()  # shares the cache with the kill path: dict reads and writes are atomic
                 with self.lock:
                     rules, scope = self.rules, self.scope
-                declared = self.launched.declared()
-                self._observe(time.monotonic(), find_engine_trees(scan.procs, rules, scope, declared=declared))
+                declared, launchers = self.launched.declared(), self.launched.launchers()
+                trees = find_engine_trees(scan.procs, rules, scope, declared=declared, launchers=launchers)
+                self._observe(time.monotonic(), trees)
                 self.warm_scans_total += 1
             except Exception as exc:  # a warm-up is an optimisation: never let it end the thread
                 log.warning("scout scan failed: %r", exc)
@@ -475,7 +476,9 @@ class PoolWatch:
         if rules.gpu_holders_are_engines:  # telemetry's word is a hint: checked again here, in our own scan
             scanned = {p.pid: p.start_ticks for p in scan.procs}
             holders = verified_holders(self.gpu_holders(), scanned, self._holds_gpu)
-        trees = find_engine_trees(scan.procs, rules, scope, holders, declared=self.launched.declared())
+        trees = find_engine_trees(
+            scan.procs, rules, scope, holders, declared=self.launched.declared(), launchers=self.launched.launchers()
+        )
         ranking = self.ranking(trees, time.monotonic())
         exclude = self._episode_victims | set(self._outstanding) | set(self._budget_victims)
         victim = policy.choose(ranking, growing_only=growing_only, exclude=exclude)

@@ -172,9 +172,14 @@ class Telemetry:
         procs = run("procs", lambda: self.scanner.scan(self._hot).procs)
         trees: tuple[EngineTree, ...] = ()
         boots = run("launched", lambda: self._boots(procs)) or ()
-        declared = {(b.root_pid, s): (b.kind, u) for b, s, u in self._declared}
+        declared = {(b.root_pid, s): (b.kind, u) for b, s, u, _l in self._declared}
+        launchers = {(b.root_pid, s): launcher for b, s, _u, launcher in self._declared}
         if procs is not None:
-            trees = tuple(find_engine_trees(procs, self.rules, self.scope, self.gpu_holder_keys, declared=declared))
+            trees = tuple(
+                find_engine_trees(
+                    procs, self.rules, self.scope, self.gpu_holder_keys, declared=declared, launchers=launchers
+                )
+            )
             self._hot = {pid for tree in trees for pid in tree.pids}
             self._hot.update(p.pid for p in procs if compile_core.is_compiler(p))
         census = run("compile", lambda: self._census(procs, trees))
@@ -216,7 +221,7 @@ class Telemetry:
             boots=boots,
         )
 
-    _declared: tuple[tuple[BootState, int, int], ...] = ()
+    _declared: tuple[tuple[BootState, int, int, int], ...] = ()  # (boot, start ticks, uid, launcher pid)
 
     def _boots(self, procs: tuple[Proc, ...] | None) -> tuple[BootState, ...]:
         """The declared engines whose root runs (same pid, start time and uid as declared), with their phase."""
@@ -241,7 +246,7 @@ class Telemetry:
                 peak_bytes=d.peak_bytes,
             )
             out.append(boot)
-            declared.append((boot, d.start_ticks, d.uid))
+            declared.append((boot, d.start_ticks, d.uid, d.launcher_pid))
         self._declared = tuple(declared)
         return tuple(out)
 

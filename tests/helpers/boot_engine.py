@@ -3,13 +3,15 @@ phase, and allocates real (touched) memory in each phase. For `sparkwatch launch
 
     python boot_engine.py --kind vllm [--phase-mib loading_weights=200,profiling=100,cuda_graphs=20] [--phase-s 0.3]
         [--serve-s 5] [--exit-code 3] [--ignore-int] [--grow-mib-per-s 500 --grow-limit-mib 2000] [--env-out F]
-        [--pidfile F] [ENGINE ARGS…]
+        [--pidfile F] [--grow-in-orphan F] [ENGINE ARGS…]
 
 The root is the API server (it prints the banner and the ready lines, as vLLM's APIServer process does); a child
 titled like the engine's core (VLLM::EngineCore_DP0, sglang::scheduler_TP0, or the root itself for llama.cpp) prints
 the boot lines and holds the memory. With --ignore-int the child shrugs off SIGINT (a busy worker): the launcher must
 still leave no process behind. After ready it serves for --serve-s seconds (forever when absent), growing by
---grow-mib-per-s up to --grow-limit-mib if asked (a runaway), then exits with --exit-code.
+--grow-mib-per-s up to --grow-limit-mib if asked (a runaway), then exits with --exit-code. With --grow-in-orphan F
+the growth happens in a grandchild that left the tree as a daemonising worker does (fork, setsid, fork, the middle
+exits): titled `sw-orphan-grower` (no engine's name), it records its pid and start time in F and in --pidfile.
 
 The lines are quoted from the engines' sources (docs/launch.md cites each): vLLM 0.33.0
 (vllm/v1/worker/gpu_model_runner.py, vllm/compilation/backends.py, monitor.py, vllm/v1/worker/gpu_worker.py,
@@ -182,6 +184,9 @@ def core(args: argparse.Namespace, model: str, phase_mib: dict[str, int]) -> Non
         time.sleep(args.phase_s)
     if args.signal_ready:
         os.kill(os.getppid(), signal.SIGUSR1)
+    if args.grow_in_orphan:
+        grow_in_orphan(args, phase_mib)
+        args.grow_mib_per_s = 0  # the orphan grows; this process serves as it is
     end = None if args.serve_s is None else time.monotonic() + args.serve_s
     start = time.monotonic()
     while end is None or time.monotonic() < end:
@@ -193,6 +198,31 @@ def core(args: argparse.Namespace, model: str, phase_mib: dict[str, int]) -> Non
                 mem.take(min(target - mem.mib, CHUNK_MIB))
                 continue
         time.sleep(0.05)
+
+
+def grow_in_orphan(args: argparse.Namespace, phase_mib: dict[str, int]) -> None:
+    """Fork, setsid, fork again and let the middle exit: the grandchild is reparented to the nearest child subreaper
+    (`sparkwatch launch`) or PID 1, out of this process's tree and session, and grows there."""
+    middle = os.fork()
+    if middle:
+        os.waitpid(middle, 0)
+        return
+    os.setsid()
+    if os.fork():
+        os._exit(0)
+    setproctitle.setproctitle("sw-orphan-grower")
+    line = f"{os.getpid()} {start_ticks(os.getpid())}\n"
+    for path in filter(None, (args.pidfile, args.grow_in_orphan)):
+        with open(path, "a", encoding="ascii") as fh:
+            fh.write(line)
+    mem = Memory()
+    start = time.monotonic()
+    while True:
+        target = min(args.grow_limit_mib, int((time.monotonic() - start) * args.grow_mib_per_s))
+        if target > mem.mib:
+            mem.take(min(target - mem.mib, CHUNK_MIB))
+        else:
+            time.sleep(0.05)
 
 
 def main() -> None:
@@ -207,6 +237,7 @@ def main() -> None:
     ap.add_argument("--grow-limit-mib", type=int, default=0)
     ap.add_argument("--env-out")
     ap.add_argument("--pidfile")
+    ap.add_argument("--grow-in-orphan")
     ap.add_argument("--signal-ready", action="store_true", help=argparse.SUPPRESS)
     args, rest = ap.parse_known_args()
     if args.env_out:

@@ -51,8 +51,12 @@ class EngineFinder:
         """The process table and the engine trees in it (gpu_holders: see core.engines.find_engine_trees)."""
         procs = self.scanner.scan().procs
         self.declarations = self.launched.poll() if self.launched is not None else ()
-        declared = {d.tree_key: (d.kind, d.uid) for d in self.declarations if d.exited_at is None}
-        return procs, find_engine_trees(procs, self.rules, self.scope, gpu_holders, declared=declared)
+        live = [d for d in self.declarations if d.exited_at is None]
+        declared = {d.tree_key: (d.kind, d.uid) for d in live}
+        launchers = {d.tree_key: d.launcher_pid for d in live}
+        return procs, find_engine_trees(
+            procs, self.rules, self.scope, gpu_holders, declared=declared, launchers=launchers
+        )
 
 
 def live_members(trees: list[EngineTree]) -> int:

@@ -420,7 +420,7 @@ METRICS: tuple[MetricSpec, ...] = (
         "gauge",
         "engine pid name",
         "budget",
-        "what the tree holds, counted once: max(RSS, cgroup) + GPU bytes, or the pool's drop while it boots alone",
+        "what the tree holds, counted once: max(RSS, cgroup) + its pids' NVML bytes (never the pool's drop)",
         help="A budgeted engine tree's footprint (RSS or cgroup, plus GPU, or pool drop while it boots alone)",
     ),
     _m(
