@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from sparkwatch.common import peakstore
 from sparkwatch.common.sources.checkpoint import gguf_metadata, hub_cache, read_facts, resolve
 from sparkwatch.core.enginecli import human_readable_int, recognise
-from sparkwatch.core.peaks import confirmed_peak, fold, forget
+from sparkwatch.core.peaks import confirmed_peak, fold, forget, peak_key
 from sparkwatch.core.plan import (
     FixAction,
     FreeSource,
@@ -419,3 +419,11 @@ def test_fix_applies_only_what_needs_no_guessing_and_says_what_it_did(tmp_path: 
     assert (proc_root / "sys" / "vm" / "drop_caches").read_text() == "1\n"
     assert any(line.startswith("drop_caches: wrote 1") for line in lines)
     assert any(line.startswith("compact:") and "sudo" in line for line in lines)  # could not: the command to run
+
+
+def test_the_learned_peak_key_carries_no_secret_from_the_command_line() -> None:
+    """The key goes into declarations, engine_started events and the plan's output: a token in argv stays out."""
+    other = peak_key(recognise(["python", "serve.py", "--api-key", "sk-live-0123456789abcdef", "--port", "9"]), 1 << 30)
+    assert "sk-live-0123456789abcdef" not in other and other.startswith("other|python serve.py --api-key ")
+    engine = peak_key(recognise(["vllm", "serve", "https://ann:hunter2@models.example/llama"]))
+    assert "hunter2" not in engine and engine.startswith("vllm|")

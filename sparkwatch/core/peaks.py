@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
 from sparkwatch.core.enginecli import EngineCommand
+from sparkwatch.core.redact import redact, safe_cmdline
 
 # The flags that change an engine's footprint (core.enginecli canonical names); a change in any is a new key.
 KEY_FLAGS = (
@@ -42,11 +43,14 @@ MAX_KEYS = 256  # records kept; the least recently updated go first
 
 
 def peak_key(cmd: EngineCommand, budget_bytes: int | None = None) -> str:
-    """`vllm|Qwen/Qwen3-8B|gpu_memory_utilization=0.8,max_model_len=8192`; `other` commands key on their argv."""
+    """`vllm|Qwen/Qwen3-8B|gpu_memory_utilization=0.8,max_model_len=8192`; `other` commands key on their argv.
+
+    The key travels into declarations, `engine_started` events and the plan's output (so that `--forget KEY` can
+    name it): it is built from the redacted argv and model, never from a token the command line carries."""
     if cmd.kind == "other":
-        return f"other|{' '.join(cmd.argv)[:200]}|budget={budget_bytes}"
+        return f"other|{safe_cmdline(cmd.argv, 200)}|budget={budget_bytes}"
     flags = ",".join(f"{k}={cmd.flags[k]}" for k in KEY_FLAGS if k in cmd.flags)
-    return f"{cmd.kind}|{cmd.model or ''}|{flags}"
+    return f"{cmd.kind}|{redact(cmd.model or '')}|{flags}"
 
 
 @dataclass(frozen=True, slots=True)
