@@ -6,13 +6,21 @@ from __future__ import annotations
 import json
 import os
 import struct
+import subprocess
 from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sparkwatch.common.sources.checkpoint import gguf_metadata, hub_cache, read_facts, resolve
+from sparkwatch.common.sources.checkpoint import (
+    JSON_DEPTH_MAX,
+    gguf_metadata,
+    hub_cache,
+    json_depth,
+    read_facts,
+    resolve,
+)
 from sparkwatch.core.enginecli import human_readable_int, recognise
 from sparkwatch.core.plan import (
     FixAction,
@@ -29,6 +37,7 @@ from sparkwatch.core.plan import (
     sglang_default_fraction,
 )
 from sparkwatch.core.units import GiB, MiB
+from tests import planbox
 
 GB10_TOTAL = 127_600_748 * 1024  # MemTotal of a DGX Spark (XuehaiPan/nvitop#208)
 QWEN3_8B = ModelFacts(
@@ -396,3 +405,53 @@ def test_fix_applies_only_what_needs_no_guessing_and_says_what_it_did(tmp_path: 
     assert (proc_root / "sys" / "vm" / "drop_caches").read_text() == "1\n"
     assert any(line.startswith("drop_caches: wrote 1") for line in lines)
     assert any(line.startswith("compact:") and "sudo" in line for line in lines)  # could not: the command to run
+
+
+# --- bounded input: nesting, FIFOs, numbers out of range (the real CLI, in a child with a timeout)
+
+
+def _refused(res: subprocess.CompletedProcess[str], *needles: str) -> None:
+    assert res.returncode == 2, (res.returncode, res.stdout, res.stderr)
+    assert "Traceback" not in res.stderr and res.stderr.count("\n") == 1, res.stderr
+    for needle in needles:
+        assert needle in res.stderr, res.stderr
+
+
+def test_json_nested_past_the_bound_is_refused_by_name_never_recursion(tmp_path: Path) -> None:
+    """100,000 levels raised RecursionError out of json.loads, in config.json and in the safetensors index."""
+    deep = "[" * 100_000 + "]" * 100_000
+    model = planbox.model_dir(tmp_path / "m", config=deep)
+    _refused(planbox.plan(tmp_path, "--", "vllm", "serve", str(model), available_gib=100), "config.json", "deeper")
+    indexed = planbox.model_dir(tmp_path / "i")
+    (indexed / "model.safetensors.index.json").write_text('{"weight_map": ' + deep + "}")
+    res = planbox.plan(tmp_path, "--", "vllm", "serve", str(indexed), available_gib=100)
+    _refused(res, "model.safetensors.index.json", "deeper")
+    # Brackets inside strings are no nesting; a real config's few levels pass.
+    assert (
+        json_depth(b'{"a": "[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[\\"[[[[[[[[[[[[[[[[[[[[[[[[["}')
+        == 1
+    )
+    assert json_depth(deep.encode()) > JSON_DEPTH_MAX
+    assert json_depth(("[" * 30 + "]" * 30).encode()) == 30
+
+
+def test_a_fifo_named_like_a_checkpoint_file_is_refused_at_once(tmp_path: Path) -> None:
+    """A FIFO named model.gguf hung `launch --plan` (the GGUF header read blocked on it); one named config.json was
+    skipped unsaid. Refused, promptly (the child runs under a timeout: a hang fails the test)."""
+    gguf_dir = tmp_path / "g"
+    gguf_dir.mkdir()
+    os.mkfifo(gguf_dir / "model.gguf")
+    for engine in (["vllm", "serve", str(gguf_dir)], ["llama-server", "-m", str(gguf_dir / "model.gguf")]):
+        _refused(planbox.plan(tmp_path, "--", *engine, available_gib=100), "model.gguf", "FIFO")
+    model = tmp_path / "m"
+    model.mkdir()
+    with open(model / "model.safetensors", "wb") as fh:
+        fh.truncate(GiB)
+    os.mkfifo(model / "config.json")
+    _refused(planbox.plan(tmp_path, "--", "vllm", "serve", str(model), available_gib=100), "config.json", "FIFO")
+
+
+def test_a_gguf_header_number_out_of_range_is_refused_by_key(tmp_path: Path) -> None:
+    header = [*planbox.LLAMA_HEADER[:1], ("llama.block_count", 4, 0xFFFFFFFF), *planbox.LLAMA_HEADER[2:]]
+    model = planbox.gguf(tmp_path / "x.gguf", header)
+    _refused(planbox.plan(tmp_path, "--", "llama-server", "-m", str(model), available_gib=100), "llama.block_count")

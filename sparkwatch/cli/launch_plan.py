@@ -17,11 +17,12 @@ from pathlib import Path
 from typing import Any
 
 from sparkwatch.common import launched, peakstore
+from sparkwatch.common.durable import read_regular
 from sparkwatch.common.sources.buddyinfo import page_size_bytes, read_buddyinfo
 from sparkwatch.common.sources.checkpoint import read_facts
 from sparkwatch.common.sources.meminfo import MeminfoReader
 from sparkwatch.config.settings import Settings
-from sparkwatch.core import peaks
+from sparkwatch.core import launchenv, peaks
 from sparkwatch.core.enginecli import EngineCommand, EngineKind, recognise
 from sparkwatch.core.kernlog import BuddyinfoError, free_bytes_in_blocks
 from sparkwatch.core.plan import (
@@ -99,9 +100,8 @@ def engine_version(argv: tuple[str, ...], package: str) -> tuple[int, ...] | Non
     exe = shutil.which(argv[0]) or argv[0]
     python = exe
     if not re.search(r"python[\d.]*$", os.path.basename(exe)):
-        try:
-            with open(exe, "rb") as fh:
-                first = fh.read(256).split(b"\n", 1)[0]
+        try:  # never blocks: a FIFO named like the engine is refused (common.durable)
+            first = read_regular(Path(exe), 256, follow_symlinks=True).split(b"\n", 1)[0]
         except OSError:
             return None
         if not first.startswith(b"#!"):
@@ -165,7 +165,9 @@ def _budget(budget: int | str | None, needs: int, margin: int) -> int | None:
 
 
 def gather(settings: Settings, inputs: PlanInputs) -> tuple[Plan, PlanContext]:
-    """The plan for `inputs.argv` now. Raises ValueError for a flag value the engine would refuse."""
+    """The plan for `inputs.argv` now. Raises ValueError, one line naming the field, for a flag value out of range or
+    one the engine would refuse, a MAX_JOBS that is not 1 to JOBS_MAX, and a checkpoint file that is not what it must
+    be (common.sources.checkpoint.CheckpointError)."""
     started = time.monotonic()
     cmd = recognise(inputs.argv)
     env = inputs.env
@@ -176,8 +178,7 @@ def gather(settings: Settings, inputs: PlanInputs) -> tuple[Plan, PlanContext]:
     version = engine_version(cmd.argv, "vllm") if cmd.kind == EngineKind.VLLM else None
     view = memory_view(settings, inputs.margin_bytes)
     explicit = inputs.budget if isinstance(inputs.budget, int) else None
-    jobs_text = env.get("MAX_JOBS", "")
-    jobs = int(jobs_text) if jobs_text.isdigit() else None
+    jobs = launchenv.user_jobs(env)
     reads = FreeSource(inputs.engine_reads) if inputs.engine_reads else None
     est = estimate(cmd, facts, view, budget_bytes=explicit, jobs=jobs, engine_version=version, engine_reads=reads)
     key = peaks.peak_key(cmd, explicit)
