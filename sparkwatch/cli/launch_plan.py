@@ -33,9 +33,7 @@ from sparkwatch.core.plan import (
     ModelFacts,
     Plan,
     Reservation,
-    auto_budget,
-    decide,
-    estimate,
+    plan_launch,
 )
 from sparkwatch.core.units import MiB, format_size
 
@@ -156,14 +154,6 @@ def _alive(pid: int, start_ticks: int, settings: Settings) -> bool:
     return read_start_ticks(settings.proc_root, pid) == start_ticks
 
 
-def _budget(budget: int | str | None, needs: int, margin: int) -> int | None:
-    if budget == "auto":
-        return auto_budget(needs, margin)
-    if isinstance(budget, int):
-        return budget
-    return None
-
-
 def gather(settings: Settings, inputs: PlanInputs) -> tuple[Plan, PlanContext]:
     """The plan for `inputs.argv` now. Raises ValueError, one line naming the field, for a flag value out of range or
     one the engine would refuse, a MAX_JOBS that is not 1 to JOBS_MAX, and a checkpoint file that is not what it must
@@ -180,22 +170,27 @@ def gather(settings: Settings, inputs: PlanInputs) -> tuple[Plan, PlanContext]:
     explicit = inputs.budget if isinstance(inputs.budget, int) else None
     jobs = launchenv.user_jobs(env)
     reads = FreeSource(inputs.engine_reads) if inputs.engine_reads else None
-    est = estimate(cmd, facts, view, budget_bytes=explicit, jobs=jobs, engine_version=version, engine_reads=reads)
-    key = peaks.peak_key(cmd, explicit)
-    record = peakstore.load(settings.state_dir).get(key)
-    learned = None
-    if record is not None and record.peak_bytes > 0:
-        learned = Learned(record.peak_bytes, record.estimate_bytes or est.needs_bytes, record.runs, record.ready_s)
+    records = peakstore.load(settings.state_dir)
+
+    def learned_for(command: EngineCommand) -> Learned | None:
+        record = records.get(peaks.peak_key(command, explicit))
+        if record is None or record.peak_bytes <= 0:
+            return None
+        return Learned(record.peak_bytes, record.estimate_bytes or 0, record.runs, record.ready_s)
+
     decls, reservations = running(settings, env, time.time())
-    needs = learned.peak_bytes if learned is not None else est.needs_bytes
-    budget = _budget(inputs.budget, needs, view.margin_bytes)
-    plan = decide(est, view, reservations, learned, budget)
+    plan = plan_launch(
+        cmd, facts, view, reservations, learned_for=learned_for, budget=inputs.budget, jobs=jobs,
+        engine_version=version, engine_reads=reads,
+    )  # fmt: skip
+    if plan.learned is not None and not plan.learned.estimate_bytes:
+        plan = replace(plan, learned=replace(plan.learned, estimate_bytes=plan.estimate.needs_bytes))
     ctx = PlanContext(
         cmd=cmd,
         facts=facts,
-        key=key,
+        key=peaks.peak_key(cmd, explicit),
         engine_version=version,
-        estimate_bytes=est.needs_bytes,
+        estimate_bytes=plan.estimate.needs_bytes,
         available_at_plan_bytes=view.available_bytes,
         declared=decls,
         took_s=time.monotonic() - started,
@@ -321,7 +316,16 @@ def plan_json(plan: Plan, ctx: PlanContext) -> dict[str, Any]:
             {"kind": r.kind, "root_pid": r.root_pid, "name": r.name, "reserved_bytes": r.reserved_bytes}
             for r in plan.reservations
         ],
-        "fixes": [{"action": str(f.action), "text": f.text, "automatic": f.automatic} for f in plan.fixes],
+        "fixes": [
+            {
+                "action": str(f.action),
+                "text": f.text,
+                "automatic": f.automatic,
+                "flags": [list(pair) for pair in f.flags],
+                "max_jobs": f.max_jobs,
+            }
+            for f in plan.fixes
+        ],
         "notes": list(est.notes),
         "problems": list(est.problems),
         "plan_seconds": round(ctx.took_s, 4),
