@@ -26,7 +26,7 @@ from sparkwatch.cli import main
         (["wait-settled", "--tolerance", "64"], "argument --tolerance: 64 has no unit"),
         (["wait-settled", "--tolerance", "9" * 400 + "GiB"], "argument --tolerance: 99999999999999999999…"),
         (["wait-settled", "--interval", "1e300"], "argument --interval: '1e300': expected 0 to 604800 seconds"),
-        (["events", "-n", "9" * 5000], "argument -n: '9999999999999999999… (5002 characters) is not a whole number"),
+        (["events", "-n", "9" * 5000], "argument -n: '99999999999999999999'… (5000 characters) is not a whole number"),
         (["engines", "--no-such-flag"], "unrecognized arguments: --no-such-flag"),
     ],
 )

@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 import re
 
-SHOWN_MAX_CHARS = 24
+SHOWN_MAX_CHARS = 20
 # A digit string longer than this is out of every range here, and is never handed to int(): Python refuses to
 # convert more than 4300 digits (sys.int_info.str_digits_check_threshold) with a ValueError of its own wording.
 _DIGITS_MAX = 40
@@ -22,11 +22,17 @@ _WHOLE_RE = re.compile(r"[+-]?[0-9]+")
 
 
 def shown(value: object) -> str:
-    """`value` as an error line shows it: repr, cut to SHOWN_MAX_CHARS with the full length named."""
+    """`value` as an error line shows it: its repr, cut after SHOWN_MAX_CHARS characters with the full length named
+    (`'99999999999999999999…' (400 characters)`, `99999999999999999999… (400 digits)`)."""
+    if isinstance(value, str):
+        if len(value) <= SHOWN_MAX_CHARS:
+            return repr(value)
+        return f"{value[:SHOWN_MAX_CHARS]!r}… ({len(value)} characters)"
     text = repr(value)
     if len(text) <= SHOWN_MAX_CHARS:
         return text
-    return f"{text[: SHOWN_MAX_CHARS - 4]}… ({len(text)} characters)"
+    what = "digits" if isinstance(value, int) else "characters"
+    return f"{text[:SHOWN_MAX_CHARS]}… ({len(text)} {what})"
 
 
 def span(low: float, high: float, unit: str = "") -> str:

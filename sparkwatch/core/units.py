@@ -68,7 +68,7 @@ def parse_size(text: str) -> int:
         raise ValueError(f"{text!r} is not a size; write it like 8GiB or 512MiB (units: B, KiB, MiB, GiB, TiB)")
     value = float(number) * _UNITS[key]
     if not math.isfinite(value):  # 400 digits: float() gives inf, and int(inf) raised OverflowError
-        raise ValueError(f"{number[:20]}… ({len(number)} digits) is too large to be a size")
+        raise ValueError(f"{number[:20]}… ({len(number)} digits) is too large to be a size")  # core.bounded.shown
     return int(value)
 
 
