@@ -3,6 +3,7 @@ flag and exit 2. `engines --window -1` (or nan) and `events -n -5` used to be ta
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -23,6 +24,9 @@ from sparkwatch.cli import main
         (["events", "-n", "2.5"], "argument -n: '2.5' is not a whole number"),
         (["wait-settled", "--timeout", "-3"], "argument --timeout: '-3'"),
         (["wait-settled", "--tolerance", "64"], "argument --tolerance: 64 has no unit"),
+        (["wait-settled", "--tolerance", "9" * 400 + "GiB"], "argument --tolerance: 99999999999999999999…"),
+        (["wait-settled", "--interval", "1e300"], "argument --interval: '1e300': expected 0 to 604800 seconds"),
+        (["events", "-n", "9" * 5000], "argument -n: '99999999999999999999'… (5000 characters) is not a whole number"),
         (["engines", "--no-such-flag"], "unrecognized arguments: --no-such-flag"),
     ],
 )
@@ -53,3 +57,58 @@ def test_the_edges_of_the_ranges_are_taken(tmp_path: Path) -> None:
             [sys.executable, "-m", "sparkwatch", *argv], capture_output=True, text=True, env=env, timeout=60
         )
         assert res.returncode == 0, (argv, res.stderr)
+
+
+# --- launch: every number has a range, out of range is one line naming the field and exit 2 (never a traceback)
+
+HUGE = "9" * 400  # float() makes it inf, int(inf) raised OverflowError; as an int, format_size's float() did
+
+
+def _one_line_exit_2(res: subprocess.CompletedProcess[str], needle: str) -> None:
+    assert res.returncode == 2, (res.returncode, res.stdout, res.stderr)
+    assert "Traceback" not in res.stderr and res.stdout == "", res.stderr
+    assert res.stderr.count("\n") == 1, res.stderr
+    assert needle in res.stderr, res.stderr
+    assert len(res.stderr) < 300, res.stderr  # the 400 digits are shown cut
+
+
+@pytest.mark.parametrize(
+    ("flags", "engine", "needle"),
+    [
+        (["--budget", HUGE + "GiB"], ["python3", "x.py"], "argument --budget:"),
+        (["--margin", HUGE + "GiB"], ["vllm", "serve", "MODEL"], "argument --margin:"),
+        (["--settle-timeout", "1e300"], ["vllm", "serve", "MODEL"], "argument --settle-timeout:"),
+        ([], ["vllm", "serve", "MODEL", "--max-model-len", HUGE], "--max-model-len:"),
+        ([], ["vllm", "serve", "MODEL", "--gpu-memory-utilization", HUGE], "--gpu-memory-utilization:"),
+        ([], ["llama-server", "-m", "GGUF", "-c", HUGE], "-c:"),
+    ],
+)
+def test_launch_values_out_of_range_are_one_line_and_exit_2(
+    tmp_path: Path, flags: list[str], engine: list[str], needle: str
+) -> None:
+    from tests.planbox import LLAMA_HEADER, gguf, model_dir, plan
+
+    model = model_dir(tmp_path / "m")
+    weights = gguf(tmp_path / "x.gguf", LLAMA_HEADER)
+    engine = [str(model) if w == "MODEL" else str(weights) if w == "GGUF" else w for w in engine]
+    _one_line_exit_2(plan(tmp_path, *flags, "--", *engine, available_gib=100), needle)
+
+
+def test_launch_max_jobs_out_of_range_is_one_line_and_exit_2(tmp_path: Path) -> None:
+    """MAX_JOBS from the environment: 400 digits, 0 (ninja -j0 runs unlimited jobs) and words (the compilers ignore
+    it and run one job a core, the burst launch sets it against)."""
+    from tests.planbox import model_dir, plan
+
+    model = str(model_dir(tmp_path / "m"))
+    for value in (HUGE, "0", "four"):
+        res = plan(tmp_path, "--", "vllm", "serve", model, env={"MAX_JOBS": value}, available_gib=100)
+        _one_line_exit_2(res, "MAX_JOBS:")
+    assert plan(tmp_path, "--", "vllm", "serve", model, env={"MAX_JOBS": "2"}, available_gib=100).returncode in (0, 1)
+
+
+def test_a_config_json_number_out_of_range_is_one_line_and_exit_2(tmp_path: Path) -> None:
+    from tests.planbox import SMALL_SHAPE, model_dir, plan
+
+    model = model_dir(tmp_path / "m", config=json.dumps(SMALL_SHAPE)[:-1] + f', "num_hidden_layers": {HUGE}}}')
+    res = plan(tmp_path, "--", "vllm", "serve", str(model), available_gib=100)
+    _one_line_exit_2(res, "config.json: num_hidden_layers:")

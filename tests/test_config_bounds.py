@@ -127,3 +127,28 @@ def test_bad_config_files_are_one_line_exit_2(tmp_path: Path) -> None:
     nested = tmp_path / "nested.toml"
     nested.write_text("x = " + "[" * 100_000 + "]" * 100_000 + "\n")
     assert_one_line_exit_2(cli("check-config", "--config", str(nested)))
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "needle"),
+    [
+        ("jit_stall_s", float("inf"), "jit_stall_s: Input should be less than or equal to 86400"),  # TOML 1e400
+        ("ancestor_pid", int("9" * 400), "ancestor_pid: Input should be less than or equal to 4194304"),
+        ("compile_jobs_alert", int("9" * 400), "compile_jobs_alert: Input should be less than or equal to 4096"),
+        ("floor", "9" * 400 + "GiB", "floor: 99999999999999999999… (400 digits) is too large to be a size"),
+    ],
+)
+def test_every_number_in_the_config_has_a_range(key: str, value: object, needle: str) -> None:
+    """`jit_stall_s = 1e400` was inf, taken (the stall alert never fired); a 400-digit ancestor_pid was taken too.
+    The error line shows the value cut, not 400 digits."""
+    with pytest.raises(ConfigError) as err:
+        load_settings(None, {key: value})
+    assert needle in str(err.value) and len(str(err.value)) < 200, str(err.value)
+
+
+def test_a_400_digit_number_in_a_config_file_is_one_short_line(tmp_path: Path) -> None:
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(f"jit_stall_s = 1e400\nancestor_pid = {'9' * 400}\n")
+    res = cli("check-config", "--config", str(cfg))
+    assert_one_line_exit_2(res, "ancestor_pid:", "[from config file]")
+    assert len(res.stderr) < 200, res.stderr

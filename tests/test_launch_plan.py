@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import os
 import struct
+import subprocess
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -13,7 +15,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sparkwatch.common import peakstore
-from sparkwatch.common.sources.checkpoint import gguf_metadata, hub_cache, read_facts, resolve
+from sparkwatch.common.sources.checkpoint import (
+    JSON_DEPTH_MAX,
+    gguf_metadata,
+    hub_cache,
+    json_depth,
+    read_facts,
+    resolve,
+)
 from sparkwatch.core.enginecli import human_readable_int, recognise
 from sparkwatch.core.peaks import confirmed_peak, fold, forget, peak_key
 from sparkwatch.core.plan import (
@@ -28,9 +37,11 @@ from sparkwatch.core.plan import (
     fix_line,
     jit_jobs,
     kv_bytes_per_token,
+    plan_launch,
     sglang_default_fraction,
 )
 from sparkwatch.core.units import GiB, MiB
+from tests import planbox
 
 GB10_TOTAL = 127_600_748 * 1024  # MemTotal of a DGX Spark (XuehaiPan/nvitop#208)
 QWEN3_8B = ModelFacts(
@@ -427,3 +438,135 @@ def test_the_learned_peak_key_carries_no_secret_from_the_command_line() -> None:
     assert "sk-live-0123456789abcdef" not in other and other.startswith("other|python serve.py --api-key ")
     engine = peak_key(recognise(["vllm", "serve", "https://ann:hunter2@models.example/llama"]))
     assert "hunter2" not in engine and engine.startswith("vllm|")
+
+
+# --- bounded input: nesting, FIFOs, numbers out of range (the real CLI, in a child with a timeout)
+
+
+def _refused(res: subprocess.CompletedProcess[str], *needles: str) -> None:
+    assert res.returncode == 2, (res.returncode, res.stdout, res.stderr)
+    assert "Traceback" not in res.stderr and res.stderr.count("\n") == 1, res.stderr
+    for needle in needles:
+        assert needle in res.stderr, res.stderr
+
+
+def test_json_nested_past_the_bound_is_refused_by_name_never_recursion(tmp_path: Path) -> None:
+    """100,000 levels raised RecursionError out of json.loads, in config.json and in the safetensors index."""
+    deep = "[" * 100_000 + "]" * 100_000
+    model = planbox.model_dir(tmp_path / "m", config=deep)
+    _refused(planbox.plan(tmp_path, "--", "vllm", "serve", str(model), available_gib=100), "config.json", "deeper")
+    indexed = planbox.model_dir(tmp_path / "i")
+    (indexed / "model.safetensors.index.json").write_text('{"weight_map": ' + deep + "}")
+    res = planbox.plan(tmp_path, "--", "vllm", "serve", str(indexed), available_gib=100)
+    _refused(res, "model.safetensors.index.json", "deeper")
+    # Brackets inside strings are no nesting; a real config's few levels pass.
+    assert (
+        json_depth(b'{"a": "[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[\\"[[[[[[[[[[[[[[[[[[[[[[[[["}')
+        == 1
+    )
+    assert json_depth(deep.encode()) > JSON_DEPTH_MAX
+    assert json_depth(("[" * 30 + "]" * 30).encode()) == 30
+
+
+def test_a_fifo_named_like_a_checkpoint_file_is_refused_at_once(tmp_path: Path) -> None:
+    """A FIFO named model.gguf hung `launch --plan` (the GGUF header read blocked on it); one named config.json was
+    skipped unsaid. Refused, promptly (the child runs under a timeout: a hang fails the test)."""
+    gguf_dir = tmp_path / "g"
+    gguf_dir.mkdir()
+    os.mkfifo(gguf_dir / "model.gguf")
+    for engine in (["vllm", "serve", str(gguf_dir)], ["llama-server", "-m", str(gguf_dir / "model.gguf")]):
+        _refused(planbox.plan(tmp_path, "--", *engine, available_gib=100), "model.gguf", "FIFO")
+    model = tmp_path / "m"
+    model.mkdir()
+    with open(model / "model.safetensors", "wb") as fh:
+        fh.truncate(GiB)
+    os.mkfifo(model / "config.json")
+    _refused(planbox.plan(tmp_path, "--", "vllm", "serve", str(model), available_gib=100), "config.json", "FIFO")
+
+
+def test_a_gguf_header_number_out_of_range_is_refused_by_key(tmp_path: Path) -> None:
+    header = [*planbox.LLAMA_HEADER[:1], ("llama.block_count", 4, 0xFFFFFFFF), *planbox.LLAMA_HEADER[2:]]
+    model = planbox.gguf(tmp_path / "x.gguf", header)
+    _refused(planbox.plan(tmp_path, "--", "llama-server", "-m", str(model), available_gib=100), "llama.block_count")
+
+
+# --- fixes that fit: planned again with the fix applied before they are suggested
+
+
+def test_max_jobs_follows_what_running_engines_may_still_take() -> None:
+    """A booting engine's budget is reserved: the JIT has that much less room. The count ignored it (3 jobs, 24 GiB
+    of compilers, does not fit); launch sets the count the plan assumes, so the plan now says MAX_JOBS=1 and fits."""
+    cmd = recognise(["vllm", "serve", "m", "--kv-cache-memory-bytes", "2G", "--gpu-memory-utilization", "0.3",
+                     "--max-model-len", "4096"])  # fmt: skip
+    v = view(available=64 * GiB)
+    prod = Reservation("vllm", 4242, "vllm prod", footprint_bytes=10 * GiB, budget_bytes=36 * GiB, booting=True)
+    plan = plan_launch(cmd, QWEN3_8B, v, [prod])
+    assert plan.estimate.jobs == 1 and plan.fits, fix_line(plan)
+    jit = next(t for t in plan.terms if t.name == "jit_workers")
+    assert jit.bytes == 8 * GiB and jit.note.startswith("MAX_JOBS=1 (launch sets it)")
+    mine = plan_launch(cmd, QWEN3_8B, v, [prod], jobs=3)  # the user's MAX_JOBS=3 is kept, and the fix names it
+    assert not mine.fits and any(f.max_jobs == 1 for f in mine.fixes), mine.fixes
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    available=st.integers(10 * GiB, 125 * GiB),
+    weights=st.integers(0, 70 * GiB),
+    argv=st.sampled_from([
+        ["vllm", "serve", "m"],
+        ["vllm", "serve", "m", "--gpu-memory-utilization", "0.6", "--max-model-len", "40960"],
+        ["vllm", "serve", "m", "--kv-cache-memory-bytes", "30G"],
+        ["python", "-m", "sglang.launch_server", "--model-path", "m"],
+        ["llama-server", "-m", "m", "-c", "131072"],
+    ]),
+    jobs=st.sampled_from([None, 1, 4, 12]),
+    reserved=st.integers(0, 40 * GiB),
+    memfree=st.booleans(),
+)  # fmt: skip
+def test_every_suggested_flag_fix_fits_when_applied(
+    *, available: int, weights: int, argv: list[str], jobs: int | None, reserved: int, memfree: bool
+) -> None:
+    """No loop (a fix whose own plan suggests another), no fix that still misses ("0.58" short, fix "0.59"), no
+    "use a quantized model" while the weights would fit."""
+    facts = replace(QWEN3_8B, weights_bytes=weights)
+    v = view(available, free=available // 2 if memfree else None, floor=8 * GiB)
+    running = [Reservation("vllm", 4242, "vllm prod", footprint_bytes=0, budget_bytes=reserved)] if reserved else []
+    reads = FreeSource.MEM_FREE if memfree else None
+    cmd = recognise(argv)
+    plan = plan_launch(cmd, facts, v, running, jobs=jobs, engine_reads=reads)
+    for fix in plan.fixes:
+        if fix.action == FixAction.LOWER_FLAG:
+            fixed_cmd = recognise([*argv, *(word for pair in fix.flags for word in pair)])
+            run_jobs = fix.max_jobs if fix.max_jobs is not None else jobs
+            fixed = plan_launch(fixed_cmd, facts, v, running, jobs=run_jobs, engine_reads=reads)
+            assert fixed.short_bytes == 0 and not fixed.estimate.problems, (fix.text, fix_line(fixed))
+        if fix.action == FixAction.SMALLER_MODEL:
+            assert weights > plan.available_bytes, fix.text
+
+
+def test_the_suggested_fix_fits_when_applied_and_a_pool_that_fits_only_with_max_jobs_1_is_told_so(
+    tmp_path: Path,
+) -> None:
+    """A user's MAX_JOBS=4 in a 24 GiB pool: 32 GiB of compilers. The fix was "MAX_JOBS=1" alone, which still missed
+    (vLLM's default 0.92 utilization), and the next one a utilization: one fix, applied as a user would, now fits."""
+    model = planbox.model_dir(tmp_path / "m")
+    cmd = ["vllm", "serve", str(model)]
+    res = planbox.plan(tmp_path, "--json", "--", *cmd, env={"MAX_JOBS": "4"}, available_gib=24)
+    assert res.returncode == 1, res.stderr
+    fixes = [f["text"] for f in json.loads(res.stdout)["fixes"]]
+    env, flags = planbox.applied(fixes[-1])
+    again = planbox.plan(tmp_path, "--", *cmd, *flags, env={"MAX_JOBS": "4", **env}, available_gib=24)
+    assert again.returncode == 0, (fixes, again.stdout + again.stderr)
+    assert fixes[-1].startswith("MAX_JOBS=1 --gpu-memory-utilization "), fixes
+    assert "MAX_JOBS=1 (yours)" in again.stdout
+
+
+def test_a_pool_no_setting_fits_says_how_much_to_free_and_never_loops(tmp_path: Path) -> None:
+    """A 1 GiB model in a 12 GiB pool: with one 8 GiB compile job no utilization fits. The fix was
+    `--gpu-memory-utilization 0.08`, whose own plan suggested 0.08 again (or "use a quantized model")."""
+    model = planbox.model_dir(tmp_path / "m")
+    res = planbox.plan(tmp_path, "--json", "--", "vllm", "serve", str(model), available_gib=12)
+    assert res.returncode == 1, res.stderr
+    fixes = json.loads(res.stdout)["fixes"]
+    assert [f["action"] for f in fixes] == ["free_memory"], fixes
+    assert "quantized" not in fixes[0]["text"] and "8.0 GiB" in fixes[0]["text"]

@@ -1,5 +1,6 @@
 """argparse types shared by the commands: a bad value is a usage error (exit 2) that says what was expected, in one
-line (`Parser`)."""
+line (`Parser`). Every number has a range (core.bounded): `--budget 999…GiB` (400 digits) was an OverflowError
+traceback, `--settle-timeout 1e300` a wait for ever."""
 
 from __future__ import annotations
 
@@ -8,20 +9,24 @@ import math
 from collections.abc import Callable
 from typing import NoReturn
 
-from sparkwatch.core.units import parse_size
+from sparkwatch.core.bounded import shown
+from sparkwatch.core.units import SIZE_MAX_BYTES, format_size, parse_size
+
+# The longest wait any command takes: a week. More is a typo (or 1e300, which time.sleep refused with OverflowError).
+SECONDS_MAX = 7 * 86400.0
 
 
-def seconds(low: float = 0.0, high: float = math.inf) -> Callable[[str], float]:
+def seconds(low: float = 0.0, high: float = SECONDS_MAX) -> Callable[[str], float]:
     """A number of seconds in [low, high]."""
 
     def parse(text: str) -> float:
         try:
             value = float(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+            raise argparse.ArgumentTypeError(f"{shown(text)} is not a number of seconds") from None
         if not math.isfinite(value) or not low <= value <= high:
             span = f"at least {low:g}" if high == math.inf else f"{low:g} to {high:g}"
-            raise argparse.ArgumentTypeError(f"{text!r}: expected {span} seconds")
+            raise argparse.ArgumentTypeError(f"{shown(text)}: expected {span} seconds")
         return value
 
     return parse
@@ -32,23 +37,40 @@ def count(low: int = 0, high: int | None = None) -> Callable[[str], int]:
 
     def parse(text: str) -> int:
         try:
-            value = int(text)
+            value = int(text)  # more than 4300 digits: Python's own ValueError
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+            raise argparse.ArgumentTypeError(f"{shown(text)} is not a whole number") from None
         if value < low or (high is not None and value > high):
             span = f"at least {low}" if high is None else f"{low} to {high}"
-            raise argparse.ArgumentTypeError(f"{text!r}: expected a whole number, {span}")
+            raise argparse.ArgumentTypeError(f"{shown(text)}: expected a whole number, {span}")
         return value
 
     return parse
 
 
 def size(text: str) -> int:
-    """A byte size such as 256MiB."""
+    """A byte size such as 256MiB, at most SIZE_MAX_BYTES (1 PiB: anything more is a typo)."""
     try:
-        return parse_size(text)
+        value = parse_size(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+    if value > SIZE_MAX_BYTES:
+        raise argparse.ArgumentTypeError(f"{shown(text)}: expected a size up to {format_size(SIZE_MAX_BYTES)}")
+    return value
+
+
+def size_or(*words: str) -> Callable[[str], int | str]:
+    """A byte size larger than 0 (as `size`), or one of `words` (`--budget auto`)."""
+
+    def parse(text: str) -> int | str:
+        if text in words:
+            return text
+        value = size(text)
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"{shown(text)}: expected a size larger than 0, or {' or '.join(words)}")
+        return value
+
+    return parse
 
 
 class Parser(argparse.ArgumentParser):

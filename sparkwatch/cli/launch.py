@@ -59,6 +59,7 @@ def add_parser(sub: Any, parent: argparse.ArgumentParser) -> None:
     p.add_argument("--force", action="store_true", help="start even when the plan does not fit")
     p.add_argument(
         "--budget",
+        type=argtypes.size_or("auto"),
         metavar="SIZE|auto",
         help="the tree's memory budget, enforced by the guard (auto: the plan's need plus 10 %%)",
     )
@@ -103,7 +104,6 @@ def _command(args: argparse.Namespace) -> list[str]:
 def handle(args: argparse.Namespace) -> int:
     from sparkwatch.cli import settings_from
     from sparkwatch.cli.launch_plan import PlanInputs, gather, plan_json, plan_text, replan
-    from sparkwatch.core.units import parse_size
 
     if args.forget is not None or args.forget_all:
         return _forget(settings_from(args), None if args.forget_all else args.forget)
@@ -112,19 +112,9 @@ def handle(args: argparse.Namespace) -> int:
         print("sparkwatch: launch needs a command: sparkwatch launch -- vllm serve MODEL", file=sys.stderr)
         return 2
     settings = settings_from(args)
-    budget: int | str | None = None
-    if args.budget is not None:
-        if args.budget == "auto":
-            budget = "auto"
-        else:
-            try:
-                budget = parse_size(args.budget)
-            except ValueError as exc:
-                print(f"sparkwatch: --budget: {exc}", file=sys.stderr)
-                return 2
     inputs = PlanInputs(
         argv=tuple(cmd),
-        budget=budget,
+        budget=args.budget,  # bytes, "auto" or None: argtypes.size_or checked it
         margin_bytes=args.margin,
         engine_reads=args.engine_reads,
         env=dict(os.environ),

@@ -18,11 +18,12 @@ from pathlib import Path
 from typing import Any
 
 from sparkwatch.common import launched, peakstore
+from sparkwatch.common.durable import read_regular
 from sparkwatch.common.sources.buddyinfo import page_size_bytes, read_buddyinfo
 from sparkwatch.common.sources.checkpoint import read_facts
 from sparkwatch.common.sources.meminfo import MeminfoReader
 from sparkwatch.config.settings import Settings
-from sparkwatch.core import peaks
+from sparkwatch.core import launchenv, peaks
 from sparkwatch.core.enginecli import EngineCommand, EngineKind, recognise
 from sparkwatch.core.kernlog import BuddyinfoError, free_bytes_in_blocks
 from sparkwatch.core.plan import (
@@ -33,9 +34,7 @@ from sparkwatch.core.plan import (
     ModelFacts,
     Plan,
     Reservation,
-    auto_budget,
-    decide,
-    estimate,
+    plan_launch,
 )
 from sparkwatch.core.units import MiB, format_size
 
@@ -101,9 +100,8 @@ def engine_version(argv: tuple[str, ...], package: str) -> tuple[int, ...] | Non
     exe = shutil.which(argv[0]) or argv[0]
     python = exe
     if not re.search(r"python[\d.]*$", os.path.basename(exe)):
-        try:
-            with open(exe, "rb") as fh:
-                first = fh.read(256).split(b"\n", 1)[0]
+        try:  # never blocks: a FIFO named like the engine is refused (common.durable)
+            first = read_regular(Path(exe), 256, follow_symlinks=True).split(b"\n", 1)[0]
         except OSError:
             return None
         if not first.startswith(b"#!"):
@@ -158,16 +156,10 @@ def _alive(pid: int, start_ticks: int, settings: Settings) -> bool:
     return read_start_ticks(settings.proc_root, pid) == start_ticks
 
 
-def _budget(budget: int | str | None, needs: int, margin: int) -> int | None:
-    if budget == "auto":
-        return auto_budget(needs, margin)
-    if isinstance(budget, int):
-        return budget
-    return None
-
-
 def gather(settings: Settings, inputs: PlanInputs) -> tuple[Plan, PlanContext]:
-    """The plan for `inputs.argv` now. Raises ValueError for a flag value the engine would refuse."""
+    """The plan for `inputs.argv` now. Raises ValueError, one line naming the field, for a flag value out of range or
+    one the engine would refuse, a MAX_JOBS that is not 1 to JOBS_MAX, and a checkpoint file that is not what it must
+    be (common.sources.checkpoint.CheckpointError)."""
     started = time.monotonic()
     cmd = recognise(inputs.argv)
     env = inputs.env
@@ -178,26 +170,33 @@ def gather(settings: Settings, inputs: PlanInputs) -> tuple[Plan, PlanContext]:
     version = engine_version(cmd.argv, "vllm") if cmd.kind == EngineKind.VLLM else None
     view = memory_view(settings, inputs.margin_bytes)
     explicit = inputs.budget if isinstance(inputs.budget, int) else None
-    jobs_text = env.get("MAX_JOBS", "")
-    jobs = int(jobs_text) if jobs_text.isdigit() else None
+    jobs = launchenv.user_jobs(env)
     reads = FreeSource(inputs.engine_reads) if inputs.engine_reads else None
-    est = estimate(cmd, facts, view, budget_bytes=explicit, jobs=jobs, engine_version=version, engine_reads=reads)
+    records = peakstore.load(settings.state_dir)
     key = peaks.peak_key(cmd, explicit)
-    record = peakstore.load(settings.state_dir).get(key)
-    learned = None
-    confirmed = record.learned_bytes if record is not None else None
-    if record is not None and confirmed is not None:  # two runs agree: the measured peak replaces the estimate
-        learned = Learned(confirmed, record.estimate_bytes or est.needs_bytes, record.runs, record.ready_s)
+    record = records.get(key)
+
+    def learned_for(command: EngineCommand) -> Learned | None:
+        """The measured peak for `command` (the command or a fix of it), once two runs agree (core.peaks)."""
+        found = records.get(peaks.peak_key(command, explicit))
+        confirmed = found.learned_bytes if found is not None else None
+        if found is None or confirmed is None:
+            return None
+        return Learned(confirmed, found.estimate_bytes or 0, found.runs, found.ready_s)
+
     decls, reservations = running(settings, env, time.time())
-    needs = learned.peak_bytes if learned is not None else est.needs_bytes
-    budget = _budget(inputs.budget, needs, view.margin_bytes)
-    plan = decide(est, view, reservations, learned, budget)
+    plan = plan_launch(
+        cmd, facts, view, reservations, learned_for=learned_for, budget=inputs.budget, jobs=jobs,
+        engine_version=version, engine_reads=reads,
+    )  # fmt: skip
+    if plan.learned is not None and not plan.learned.estimate_bytes:
+        plan = replace(plan, learned=replace(plan.learned, estimate_bytes=plan.estimate.needs_bytes))
     ctx = PlanContext(
         cmd=cmd,
         facts=facts,
         key=key,
         engine_version=version,
-        estimate_bytes=est.needs_bytes,
+        estimate_bytes=plan.estimate.needs_bytes,
         available_at_plan_bytes=view.available_bytes,
         declared=decls,
         took_s=time.monotonic() - started,
@@ -332,7 +331,16 @@ def plan_json(plan: Plan, ctx: PlanContext) -> dict[str, Any]:
             {"kind": r.kind, "root_pid": r.root_pid, "name": r.name, "reserved_bytes": r.reserved_bytes}
             for r in plan.reservations
         ],
-        "fixes": [{"action": str(f.action), "text": f.text, "automatic": f.automatic} for f in plan.fixes],
+        "fixes": [
+            {
+                "action": str(f.action),
+                "text": f.text,
+                "automatic": f.automatic,
+                "flags": [list(pair) for pair in f.flags],
+                "max_jobs": f.max_jobs,
+            }
+            for f in plan.fixes
+        ],
         "notes": list(est.notes),
         "problems": list(est.problems),
         "plan_seconds": round(ctx.took_s, 4),

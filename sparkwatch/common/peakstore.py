@@ -24,7 +24,7 @@ def load(state_dir: Path) -> dict[str, PeakRecord]:
     try:
         raw = json.loads(read_regular(peaks_path(state_dir), PEAKS_MAX_BYTES))
         records: dict[str, PeakRecord] = from_json(dict[str, PeakRecord], raw.get("peaks", {}), "peaks")
-    except (OSError, ValueError, WireError, AttributeError):
+    except (OSError, ValueError, WireError, AttributeError, RecursionError):  # nested beyond reason: no records
         return {}
     return records
 

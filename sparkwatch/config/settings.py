@@ -31,6 +31,7 @@ from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, Settings
 
 from sparkwatch.common.durable import StateFileError, read_regular
 from sparkwatch.common.sharing import group_id
+from sparkwatch.core import bounded
 from sparkwatch.core.engines import compile_engine_patterns, compile_protect_patterns
 from sparkwatch.core.policy import (
     DEFAULT_KILL_ORDER,
@@ -40,7 +41,7 @@ from sparkwatch.core.policy import (
     parse_kill_priority,
 )
 from sparkwatch.core.redact import remember_secrets
-from sparkwatch.core.units import GiB, format_size, parse_size
+from sparkwatch.core.units import SIZE_MAX_BYTES, GiB, format_size, parse_size
 from sparkwatch.core.urls import redact_url
 
 ENV_PREFIX = "SPARKWATCH_"
@@ -54,18 +55,19 @@ def _size(value: object) -> int:
         raise ValueError("expected a size such as 8GiB or 512MiB")
     if isinstance(value, int):
         raise ValueError(f"{value} has no unit; write {value}GiB or {value}MiB (or {value}B for bytes)")
-    try:
-        return parse_size(value)
-    except OverflowError:
-        raise ValueError("is too large to be a size") from None
+    return parse_size(value)  # a 400-digit number is a ValueError there, never an OverflowError
 
 
-# Any size above this is a typo ("8TiB" for "8GiB"): the largest machines today have a few TiB of memory.
-SIZE_MAX_BYTES = 1 << 50  # 1 PiB
 # A floor under this cannot protect anything: an engine's start-up spike drains gigabytes a second (29 -> 2.5 GiB in
 # 9 s on a Spark), and doctor already warns under 2 GiB; "1MiB" or "8" (bytes) is a guard switched off by mistake.
 FLOOR_MIN_BYTES = 1 * GiB
-CONFIG_FILE_MAX_BYTES = 1 << 20  # a config file is a few hundred bytes; a bigger one is not a config file
+CONFIG_FILE_MAX_BYTES = 1 << 20
+# Every number has a range (core.bounded says why): a pid is at most the kernel's PID_MAX_LIMIT (4,194,304 on 64-bit,
+# include/linux/threads.h); a burst of 4096 compilers or a JIT silent for more than a day is a typo, and `jit_stall_s =
+# 1e400` was inf, taken: the stall alert never fired.
+PID_MAX_LIMIT = 1 << 22
+COMPILE_JOBS_MAX = 4096
+JIT_STALL_MAX_S = 86400.0  # a config file is a few hundred bytes; a bigger one is not a config file
 
 # A byte count written like "8GiB"; serialized back the same way so check-config prints what people write. The
 # defaults are byte counts of our own and are not run through _size (validate_default=False on each size field).
@@ -138,7 +140,10 @@ class Settings(BaseSettings):
     dry_run: bool = False
     mlock: bool = True
     ancestor_pid: int = Field(
-        0, ge=0, description="only engines descending from this PID are candidates (0: all); confines the guard"
+        0,
+        ge=0,
+        le=PID_MAX_LIMIT,
+        description="only engines descending from this PID are candidates (0: all); confines the guard",
     )
     engine_patterns: list[str] = Field(default_factory=list, description="extra engines, as 'kind=regex'")
     kernel_log_corroboration: bool = Field(
@@ -185,8 +190,12 @@ class Settings(BaseSettings):
     vllm_cache_dirs: list[Path] = Field(
         default_factory=default_vllm_cache_dirs, description="vLLM torch.compile caches watched like jit_cache_dirs"
     )
-    compile_jobs_alert: int = Field(8, ge=1, description="a compiler burst wider than this many nvcc/cicc jobs alerts")
-    jit_stall_s: float = Field(300.0, gt=0, description="engine asleep, no compiler, no cache growth this long")
+    compile_jobs_alert: int = Field(
+        8, ge=1, le=COMPILE_JOBS_MAX, description="a compiler burst wider than this many nvcc/cicc jobs alerts"
+    )
+    jit_stall_s: float = Field(
+        300.0, gt=0, le=JIT_STALL_MAX_S, description="engine asleep, no compiler, no cache growth this long"
+    )
 
     # --- records and alerts
     state_dir: Path = Field(default_factory=default_state_dir)
@@ -430,7 +439,7 @@ def _describe(exc: ValidationError, toml_keys: set[str]) -> str:
         return f"{key}: unknown setting{_did_you_mean(key, known)}"
     message = err["msg"].removeprefix("Value error, ")
     value = err.get("input")
-    shown = "" if key.startswith("webhook") or isinstance(value, dict) else f" (got {value!r})"
+    shown = "" if key.startswith("webhook") or isinstance(value, dict) else f" (got {bounded.shown(value)})"
     if isinstance(value, (int, str)) and str(value) and message.startswith((repr(value), str(value))):
         shown = ""  # the message already shows the value ("floor: 8 has no unit; …")
     origin = ""

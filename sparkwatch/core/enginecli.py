@@ -18,12 +18,15 @@ Sizes are parsed as the engines parse them: vLLM's and SGLang's `human_readable_
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 
+from sparkwatch.core.bounded import shown, whole, within
 from sparkwatch.core.engines import entry_point
+from sparkwatch.core.units import SIZE_MAX_BYTES
 
 
 class EngineKind(StrEnum):
@@ -104,9 +107,14 @@ class EngineCommand:
     flags: Mapping[str, str] = field(default_factory=dict)  # canonical name -> value as written ('' for booleans)
     argv: tuple[str, ...] = ()
     subcommand: str = ""  # "serve", "launch_server", "llama-server", …
+    spelled: Mapping[str, str] = field(default_factory=dict)  # canonical name -> the flag as written ("-c")
 
     def flag(self, name: str) -> str | None:
         return self.flags.get(name)
+
+    def flag_name(self, name: str) -> str:
+        """The flag as the command wrote it, for an error line: `-c`, not ctx_size."""
+        return self.spelled.get(name) or "--" + name.replace("_", "-")
 
 
 def _vllm_normalise(arg: str) -> str:
@@ -129,11 +137,12 @@ def _resolve(flag: str, table: Mapping[str, str]) -> str | None:
 
 
 def parse_flags(
-    args: Sequence[str], table: Mapping[str, str], *, vllm: bool = False
+    args: Sequence[str], table: Mapping[str, str], *, vllm: bool = False, spelled: dict[str, str] | None = None
 ) -> tuple[dict[str, str], list[str]]:
     """(canonical flags, positionals) from an engine's arguments. Unknown flags are skipped with the word after them
-    when it is not itself a flag (its value, most likely)."""
+    when it is not itself a flag (its value, most likely). `spelled` receives each known flag as written."""
     flags: dict[str, str] = {}
+    spelled = {} if spelled is None else spelled
     positionals: list[str] = []
     i = 0
     while i < len(args):
@@ -147,6 +156,8 @@ def parse_flags(
             break
         name, eq, value = arg.partition("=")
         canon = _resolve(name, table)
+        if canon is not None:
+            spelled[canon] = name
         if canon in _BOOLEAN:
             flags[canon] = value if eq else ""
             continue
@@ -190,29 +201,31 @@ def recognise(argv: Sequence[str]) -> EngineCommand:
     """The engine `argv` starts, with the flags that size its memory."""
     argv = _strip_wrappers(argv)
     entry, rest = entry_point(argv)
+    spelled: dict[str, str] = {}
     rest_l = list(rest)
     if entry == "vllm" and rest_l and rest_l[0] == "serve":
-        flags, pos = parse_flags(rest_l[1:], _VLLM_FLAGS, vllm=True)
+        flags, pos = parse_flags(rest_l[1:], _VLLM_FLAGS, vllm=True, spelled=spelled)
         model = pos[0] if pos else flags.get("model") or VLLM_DEFAULT_MODEL
-        return EngineCommand(EngineKind.VLLM, model, flags, tuple(argv), "serve")
+        return EngineCommand(EngineKind.VLLM, model, flags, tuple(argv), "serve", spelled)
     if entry in ("vllm.entrypoints.openai.api_server", "vllm.entrypoints.api_server") or (
         entry == "vllm.entrypoints.cli.main" and rest_l[:1] == ["serve"]
     ):
         args = rest_l[1:] if rest_l[:1] == ["serve"] else rest_l
-        flags, pos = parse_flags(args, _VLLM_FLAGS, vllm=True)
+        flags, pos = parse_flags(args, _VLLM_FLAGS, vllm=True, spelled=spelled)
         model = (pos[0] if pos and rest_l[:1] == ["serve"] else None) or flags.get("model") or VLLM_DEFAULT_MODEL
-        return EngineCommand(EngineKind.VLLM, model, flags, tuple(argv), "serve")
+        return EngineCommand(EngineKind.VLLM, model, flags, tuple(argv), "serve", spelled)
     if entry == "sglang.launch_server" or (entry == "sglang" and rest_l[:1] == ["serve"]):
         args = rest_l[1:] if entry == "sglang" else rest_l
-        flags, pos = parse_flags(args, _SGLANG_FLAGS)
+        flags, pos = parse_flags(args, _SGLANG_FLAGS, spelled=spelled)
         sg_model = flags.get("model") or (pos[0] if pos else None)
-        return EngineCommand(EngineKind.SGLANG, sg_model, flags, tuple(argv), "serve")
+        return EngineCommand(EngineKind.SGLANG, sg_model, flags, tuple(argv), "serve", spelled)
     if entry in ("llama-server", "llama-cli", "llama_cpp.server"):
-        flags, _pos = parse_flags(rest_l, _LLAMA_FLAGS)
-        return EngineCommand(EngineKind.LLAMA_CPP, flags.get("model"), flags, tuple(argv), entry)
+        flags, _pos = parse_flags(rest_l, _LLAMA_FLAGS, spelled=spelled)
+        return EngineCommand(EngineKind.LLAMA_CPP, flags.get("model"), flags, tuple(argv), entry, spelled)
     return EngineCommand(EngineKind.OTHER, None, {}, tuple(argv), entry)
 
 
+_NUMBER_CHARS_MAX = 40
 _HUMAN_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kKmMgGtT]?)\s*$")
 _DECIMAL = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
 _BINARY = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
@@ -225,6 +238,8 @@ def human_readable_int(text: str) -> int:
     if not match:
         raise ValueError(f"{text!r} is not a number")
     number, suffix = match.groups()
+    if len(number) > _NUMBER_CHARS_MAX:  # never float() 400 digits: inf, and int(inf) raised OverflowError
+        raise ValueError(f"{shown(text)} is too large")
     if suffix in _BINARY:
         if "." in number:
             raise ValueError(f"{text!r}: decimals are not allowed with binary suffixes")
@@ -232,26 +247,50 @@ def human_readable_int(text: str) -> int:
     return int(float(number) * _DECIMAL[suffix])
 
 
+# The range of each integer flag the plan reads (core.bounded says why every number has one). Token counts stop at
+# 2**31 - 1: llama.cpp reads -c with std::stoi (common/arg.cpp), an int32.
+TOKENS_MAX = 2**31 - 1
+TP_MAX = 4096
+_INT_RANGES: Mapping[str, tuple[int, int, str]] = {
+    "max_model_len": (1, TOKENS_MAX, "tokens"),
+    "ctx_size": (0, TOKENS_MAX, "tokens"),  # 0: the model's own (llama.cpp)
+    "max_num_seqs": (1, TOKENS_MAX, "sequences"),
+    "max_num_batched_tokens": (1, TOKENS_MAX, "tokens"),
+    "chunked_prefill_size": (1, TOKENS_MAX, "tokens"),
+    "max_total_tokens": (1, TOKENS_MAX, "tokens"),
+    "tensor_parallel_size": (1, TP_MAX, "ranks"),
+    "kv_cache_memory_bytes": (0, SIZE_MAX_BYTES, "bytes"),
+}
+
+
 def flag_float(cmd: EngineCommand, name: str) -> float | None:
-    """A float flag's value, None when absent. Raises ValueError naming the flag when it is not a number."""
+    """A float flag's value, None when absent. Raises ValueError naming the flag as written when it is not a finite
+    number (`--gpu-memory-utilization 999…` was inf)."""
     text = cmd.flag(name)
     if text is None:
         return None
     try:
-        return float(text)
+        value = float(text)
     except ValueError:
-        raise ValueError(f"{name.replace('_', '-')}: {text!r} is not a number") from None
+        raise ValueError(f"{cmd.flag_name(name)}: {shown(text)} is not a number") from None
+    if not math.isfinite(value):
+        raise ValueError(f"{cmd.flag_name(name)}: {shown(text)} is not a finite number")
+    return value
 
 
 def flag_int(cmd: EngineCommand, name: str) -> int | None:
-    """An integer flag's value as the engine parses it (`32k`, `-1`, `auto` -> None). Raises ValueError."""
+    """An integer flag's value as the engine parses it (`32k`, `-1`, `auto` -> None), in its range (_INT_RANGES).
+    Raises ValueError naming the flag as written."""
     text = cmd.flag(name)
     if text is None or text in ("auto", "-1", "all"):
         return None
+    low, high, unit = _INT_RANGES.get(name, (-TOKENS_MAX, TOKENS_MAX, ""))
     try:
-        return int(text) if text.lstrip("-").isdigit() else human_readable_int(text)
-    except ValueError:
-        raise ValueError(f"{name.replace('_', '-')}: {text!r} is not a number") from None
+        if text.strip().lstrip("+-").isdigit():
+            return whole(text, low, high, unit)
+        return within(human_readable_int(text), low, high, unit)
+    except ValueError as exc:
+        raise ValueError(f"{cmd.flag_name(name)}: {exc}") from None
 
 
 def flag_set(cmd: EngineCommand, name: str) -> bool:

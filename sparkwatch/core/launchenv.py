@@ -20,6 +20,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from sparkwatch.core.bounded import whole
+
+# MAX_JOBS the user may set: at least 1 (ninja -j0 runs without any limit; torch's cpp_extension passes a 0 through),
+# and not past this many compiler jobs (a Spark has 20 cores; 4096 jobs of 8 GiB is a typo, not a setting).
+JOBS_MAX = 4096
+
 
 @dataclass(frozen=True, slots=True)
 class EnvChoice:
@@ -27,6 +33,20 @@ class EnvChoice:
     value: str
     why: str
     kept: bool  # True: the user's own value, left as it is
+
+
+def user_jobs(env: Mapping[str, str]) -> int | None:
+    """The user's MAX_JOBS, None when unset or empty. Raises ValueError naming MAX_JOBS for anything else that is not
+    a whole number from 1 to JOBS_MAX: torch's cpp_extension and flashinfer ignore a MAX_JOBS that is not all digits
+    and run ninja's default (about nproc + 2 jobs), the very burst launch sets MAX_JOBS against, and launch would have
+    kept it as "yours"; 400 digits raised OverflowError in the plan."""
+    text = env.get("MAX_JOBS", "")
+    if not text:
+        return None
+    try:
+        return whole(text, 1, JOBS_MAX, "compile jobs")
+    except ValueError as exc:
+        raise ValueError(f"MAX_JOBS: {exc}") from None
 
 
 def engine_env(env: Mapping[str, str], jobs_count: int) -> tuple[EnvChoice, ...]:
@@ -43,7 +63,7 @@ def engine_env(env: Mapping[str, str], jobs_count: int) -> tuple[EnvChoice, ...]
     )
     out = []
     for name, value, why in wanted:
-        if name in env:
+        if env.get(name):  # an empty value is no value: ours is set
             out.append(EnvChoice(name, env[name], "yours", kept=True))
         else:
             out.append(EnvChoice(name, value, why, kept=False))

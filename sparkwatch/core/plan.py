@@ -17,16 +17,19 @@ The terms, and the phase each one belongs to (the peak is the largest phase, not
   profiling run, before the KV cache exists (flashinfer issue #3634), so the peak is
   weights + overhead + activation + max(kv_cache + cuda_graphs, jit_workers);
 - runtime_overhead: CUDA context and the engine's host processes.
+
+A fix that changes the command (a lower utilization, context or MAX_JOBS) is planned again with it applied before
+it is suggested (plan_launch): the arithmetic alone suggested values that still missed, and could loop.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from enum import StrEnum
 
-from sparkwatch.core.enginecli import EngineCommand, EngineKind, flag_float, flag_int, flag_set
+from sparkwatch.core.enginecli import EngineCommand, EngineKind, flag_float, flag_int, flag_set, recognise
 from sparkwatch.core.units import GiB, MiB, format_size
 
 # --- engine defaults the estimate relies on (docs/launch.md cites each)
@@ -87,6 +90,7 @@ class FixAction(StrEnum):
     LOWER_FLAG = "lower_flag"
     BUDGET = "budget"
     SMALLER_MODEL = "smaller_model"
+    FREE_MEMORY = "free_memory"  # no setting of the engine fits this pool: only more memory does
 
 
 @dataclass(frozen=True, slots=True)
@@ -175,6 +179,10 @@ class Fix:
     action: FixAction
     text: str
     automatic: bool = False  # needs no guessing: `--fix` may apply it (drop caches, compact)
+    # What a LOWER_FLAG fix changes, so that it can be applied and planned again (plan_launch does, before it
+    # suggests it): engine flags appended to the command, and the MAX_JOBS to run with.
+    flags: tuple[tuple[str, str], ...] = ()
+    max_jobs: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -278,13 +286,19 @@ def jit_jobs(available_bytes: int, cpus: int, headroom_bytes: int = JIT_HEADROOM
     return max(1, min(cpus, budget))
 
 
-def launch_jobs(view: MemoryView, engine_bytes: int) -> int:
+def launch_jobs(view: MemoryView, engine_bytes: int, reserved_bytes: int = 0) -> int:
     """MAX_JOBS for an engine about to start: flashinfer's formula over the memory that will be available when its
-    JIT runs (MemAvailable now less what the engine holds by then: weights, activations, overhead), with the
-    floor and margin as headroom where they exceed flashinfer's 16 GiB. flashinfer measures at JIT time; launch
-    sets the variable before the weights load, so it subtracts them itself."""
+    JIT runs (MemAvailable now less what the engine holds by then: weights, activations, overhead, and less what
+    running engines' budgets may still take), with the floor and margin as headroom where they exceed flashinfer's
+    16 GiB. flashinfer measures at JIT time; launch sets the variable before the weights load, so it subtracts them
+    itself. The plan's jit_workers term and the MAX_JOBS launch sets are this one count (core.launchenv)."""
     headroom = max(JIT_HEADROOM_BYTES, view.floor_bytes + view.margin_bytes)
-    return jit_jobs(view.available_bytes - engine_bytes, view.cpus, headroom)
+    return jit_jobs(view.available_bytes - reserved_bytes - engine_bytes, view.cpus, headroom)
+
+
+def _jit_note(jobs: int, mine: bool, when: str) -> str:
+    whose = "launch sets it" if mine else "yours"
+    return f"MAX_JOBS={jobs} ({whose}) × {format_size(JIT_JOB_BYTES)} a compile job, {when}"
 
 
 def _peak(weights: int, kv: int, act: int, *, graphs: int, jit: int, overhead: int) -> int:
@@ -292,7 +306,13 @@ def _peak(weights: int, kv: int, act: int, *, graphs: int, jit: int, overhead: i
 
 
 def _vllm(
-    cmd: EngineCommand, facts: ModelFacts, view: MemoryView, jobs: int | None, version: tuple[int, ...] | None
+    cmd: EngineCommand,
+    facts: ModelFacts,
+    view: MemoryView,
+    jobs: int | None,
+    version: tuple[int, ...] | None,
+    *,
+    reserved: int = 0,
 ) -> Estimate:
     old = version is not None and version < (0, 12)
     util = flag_float(cmd, "gpu_memory_utilization")
@@ -309,7 +329,8 @@ def _vllm(
     act = _activation(facts, tokens, seqs, dtype)
     graphs = 0 if flag_set(cmd, "enforce_eager") else CUDA_GRAPHS_BYTES
     overhead = OVERHEAD_PYTHON_ENGINE_BYTES
-    jobs = launch_jobs(view, weights + act + overhead) if jobs is None else jobs
+    mine = jobs is None
+    jobs = launch_jobs(view, weights + act + overhead, reserved) if jobs is None else jobs
     jit = jobs * JIT_JOB_BYTES
     explicit_kv = flag_int(cmd, "kv_cache_memory_bytes")
     non_kv = weights + act + graphs + overhead
@@ -344,7 +365,7 @@ def _vllm(
         Term("kv_cache", kv, kv_note if per_token is None else f"{kv_note}; {format_size(per_token)} a token"),
         Term("activation_peak", act, f"profiling run: {tokens} batched tokens, {seqs} sequences"),
         Term("cuda_graphs", graphs, "--enforce-eager" if not graphs else "typical capture"),
-        Term("jit_workers", jit, f"{jobs} compile jobs × {format_size(JIT_JOB_BYTES)}, during profiling, before KV"),
+        Term("jit_workers", jit, _jit_note(jobs, mine, "during profiling, before KV")),
         Term("runtime_overhead", overhead, "CUDA context and host processes"),
     )
     needs = _peak(weights, kv, act, graphs=graphs, jit=jit, overhead=overhead)
@@ -385,7 +406,7 @@ def sglang_default_fraction(total_bytes: int, chunked: int, tp: int, max_bs: int
     return round((gpu_mib - reserved_mib) / gpu_mib, 3)
 
 
-def _sglang(cmd: EngineCommand, facts: ModelFacts, view: MemoryView, jobs: int | None) -> Estimate:
+def _sglang(cmd: EngineCommand, facts: ModelFacts, view: MemoryView, jobs: int | None, reserved: int = 0) -> Estimate:
     tp = flag_int(cmd, "tensor_parallel_size") or 1
     chunked = flag_int(cmd, "chunked_prefill_size") or SGLANG_CHUNKED_PREFILL_DEFAULT
     frac = flag_float(cmd, "mem_fraction_static")
@@ -401,7 +422,8 @@ def _sglang(cmd: EngineCommand, facts: ModelFacts, view: MemoryView, jobs: int |
     act = max(int(512 * MiB + chunked * 1.5 * MiB), _activation(facts, chunked, 1, dtype))
     graphs = 0 if flag_set(cmd, "enforce_eager") else max(SGLANG_GRAPH_MAX_BS * 2 * MiB, CUDA_GRAPHS_BYTES)
     overhead = OVERHEAD_PYTHON_ENGINE_BYTES
-    jobs = launch_jobs(view, weights + act + overhead) if jobs is None else jobs
+    mine = jobs is None
+    jobs = launch_jobs(view, weights + act + overhead, reserved) if jobs is None else jobs
     jit = jobs * JIT_JOB_BYTES
     kv = max(static - weights, 0)
     problems = []
@@ -415,7 +437,7 @@ def _sglang(cmd: EngineCommand, facts: ModelFacts, view: MemoryView, jobs: int |
         Term("kv_cache", kv, f"{frac_note} {frac:g} × MemAvailable, less the weights"),
         Term("activation_peak", act, f"chunked prefill {chunked} tokens"),
         Term("cuda_graphs", graphs, "--disable-cuda-graph" if not graphs else f"decode max_bs {SGLANG_GRAPH_MAX_BS}"),
-        Term("jit_workers", jit, f"{jobs} compile jobs × {format_size(JIT_JOB_BYTES)}, before the KV pool"),
+        Term("jit_workers", jit, _jit_note(jobs, mine, "before the KV pool")),
         Term("runtime_overhead", overhead, "CUDA context and host processes"),
     )
     needs = _peak(weights, kv, act, graphs=graphs, jit=jit, overhead=overhead)
@@ -481,14 +503,17 @@ def estimate(
     jobs: int | None = None,
     engine_version: tuple[int, ...] | None = None,
     engine_reads: FreeSource | None = None,
+    reserved_bytes: int = 0,
 ) -> Estimate:
     """The footprint estimate of `cmd`. `jobs`: the MAX_JOBS its compilers will run with (default: flashinfer's
-    cap). `engine_reads` overrides which figure vLLM's start-up check reads. Raises ValueError for a flag value
-    the engine itself would refuse, naming the flag."""
+    cap, launch_jobs, over MemAvailable less `reserved_bytes`, what running engines' budgets may still take).
+    `engine_reads` overrides which figure vLLM's start-up check reads. Raises ValueError for a flag value the engine
+    itself would refuse, naming the flag."""
+    reserved = reserved_bytes
     if cmd.kind == EngineKind.VLLM:
-        est = _vllm(cmd, facts, view, jobs, engine_version)
+        est = _vllm(cmd, facts, view, jobs, engine_version, reserved=reserved)
     elif cmd.kind == EngineKind.SGLANG:
-        est = _sglang(cmd, facts, view, jobs)
+        est = _sglang(cmd, facts, view, jobs, reserved)
     elif cmd.kind == EngineKind.LLAMA_CPP:
         est = _llama(cmd, facts, view)
     else:
@@ -499,11 +524,11 @@ def estimate(
             model=None,
             terms=(Term("budget", budget_bytes, "--budget"),),
             needs_bytes=budget_bytes,
-            jobs=launch_jobs(view, budget_bytes) if jobs is None else jobs,
+            jobs=launch_jobs(view, budget_bytes, reserved) if jobs is None else jobs,
             tune="budget",
         )
     if cmd.kind == EngineKind.LLAMA_CPP:
-        est = replace(est, jobs=launch_jobs(view, est.needs_bytes) if jobs is None else jobs)
+        est = replace(est, jobs=launch_jobs(view, est.needs_bytes, reserved) if jobs is None else jobs)
     if engine_reads is not None and est.check is not None and est.check.source != FreeSource.NONE:
         check = EngineCheck(
             engine_reads, est.check.required_bytes, _read(view, engine_reads), f"--engine-reads {engine_reads}"
@@ -609,7 +634,9 @@ def _fixes(
 
 
 def _lower_flag(est: Estimate, view: MemoryView, room: int, short: int) -> Fix | None:
-    """The value of the engine's sizing flag that would fit, or None when lowering it cannot help."""
+    """The value of the engine's sizing flag that would fit by arithmetic, or None when lowering it cannot help. Not
+    planned again: `decide` alone has no command to apply it to; plan_launch (what launch runs) replaces it with a
+    fix that was."""
     terms = {t.name: t.bytes for t in est.terms}
     kv = terms.get("kv_cache", 0)
     jit = terms.get("jit_workers", 0)
@@ -659,6 +686,207 @@ def _lower_flag(est: Estimate, view: MemoryView, room: int, short: int) -> Fix |
             return Fix(FixAction.SMALLER_MODEL, "the model does not fit: use a smaller quantization")
         return Fix(FixAction.LOWER_FLAG, f"-c {ctx}")
     return Fix(FixAction.BUDGET, "free memory, or lower --budget")
+
+
+# --- fixes that fit: planned again with the fix applied before they are suggested
+
+Learn = Callable[[EngineCommand], "Learned | None"]
+Replan = Callable[[EngineCommand, "int | None"], Plan]
+_PERCENT = 100
+
+
+def plan_launch(
+    cmd: EngineCommand,
+    facts: ModelFacts,
+    view: MemoryView,
+    reservations: Sequence[Reservation] = (),
+    *,
+    learned_for: Learn | None = None,
+    budget: int | str | None = None,
+    jobs: int | None = None,
+    engine_version: tuple[int, ...] | None = None,
+    engine_reads: FreeSource | None = None,
+) -> Plan:
+    """`sparkwatch launch`'s plan: estimate and decide, and when it does not fit, the flag fix found by planning the
+    command again with each candidate applied, so that a suggested fix fits (the old arithmetic suggested
+    `--gpu-memory-utilization 0.59` where 0.59 still missed, and "use a quantized model" where only the JIT term
+    did not fit). `budget`: bytes, "auto" (the need plus AUTO_BUDGET_SLACK) or None; `jobs`: the user's MAX_JOBS
+    (None: launch sets launch_jobs' count); `learned_for`: the measured peak of a command's key (core.peaks)."""
+    reserved = sum(r.reserved_bytes for r in reservations)
+    explicit = budget if isinstance(budget, int) else None
+
+    def replan(command: EngineCommand, run_jobs: int | None) -> Plan:
+        est = estimate(
+            command, facts, view, budget_bytes=explicit, jobs=run_jobs, engine_version=engine_version,
+            engine_reads=engine_reads, reserved_bytes=reserved,
+        )  # fmt: skip
+        learned = learned_for(command) if learned_for is not None else None
+        needs = learned.peak_bytes if learned is not None else est.needs_bytes
+        limit = auto_budget(needs, view.margin_bytes) if budget == "auto" else explicit
+        return decide(est, view, reservations, learned, limit)
+
+    plan = replan(cmd, jobs)
+    if plan.fits or not any(f.action in _FLAG_ACTIONS for f in plan.fixes):
+        return plan
+    kept = [f for f in plan.fixes if f.action not in _FLAG_ACTIONS]
+    return replace(plan, fixes=(*kept, _fitting_fix(plan, cmd, replan, jobs)))
+
+
+_FLAG_ACTIONS = frozenset({FixAction.LOWER_FLAG, FixAction.SMALLER_MODEL})
+
+
+def _passes(plan: Plan) -> bool:
+    """Fits, fragmentation aside (compacting is a fix of its own, no flag cures it)."""
+    return plan.short_bytes == 0 and not plan.estimate.problems
+
+
+def _with_flags(cmd: EngineCommand, flags: Sequence[tuple[str, str]]) -> EngineCommand:
+    """`cmd` with `flags` appended: each engine's parser takes the last value of a flag given twice."""
+    return recognise((*cmd.argv, *(part for pair in flags for part in pair)))
+
+
+def _largest(lo: int, hi: int, ok: Callable[[int], bool]) -> int | None:
+    """The largest k in [lo, hi] with ok(k), where ok holds up to some k and not above it (the need grows with every
+    sizing flag); None when ok(lo) does not hold."""
+    if hi < lo or not ok(lo):
+        return None
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if ok(mid):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def _fitting_fix(plan: Plan, cmd: EngineCommand, replan: Replan, jobs: int | None) -> Fix:
+    """The first fix that passes when planned again: the engine's sizing flag at the largest value that fits, with
+    the MAX_JOBS it runs with now, then with fewer compile jobs (the JIT burst decides the peak in a small pool);
+    else what would have to change (more memory, or a smaller model)."""
+    est = plan.estimate
+    options: list[int | None] = [jobs]
+    jit = next((t.bytes for t in est.terms if t.name == "jit_workers"), 0)
+    if jit and est.jobs > 1:
+        rest = est.needs_bytes - jit
+        guess = max(1, (plan.available_bytes - rest) // JIT_JOB_BYTES)
+        options += sorted({min(guess, est.jobs - 1), 1}, reverse=True)
+    for run_jobs in options:
+        found = _flag_search(cmd, est, replan, run_jobs, try_as_is=run_jobs != jobs)
+        if found is not None:
+            flags, _fixed = found
+            return _fix_text(flags, run_jobs if run_jobs != jobs else None)
+    return _no_fit(plan, cmd, replan, jit)
+
+
+def _flag_search(
+    cmd: EngineCommand, est: Estimate, replan: Replan, run_jobs: int | None, *, try_as_is: bool
+) -> tuple[tuple[tuple[str, str], ...], Plan] | None:
+    def plan_with(flags: tuple[tuple[str, str], ...]) -> Plan:
+        return replan(_with_flags(cmd, flags), run_jobs)
+
+    def complete(flags: tuple[tuple[str, str], ...]) -> tuple[tuple[tuple[str, str], ...], Plan] | None:
+        """`flags` when they pass; else with the flag that cures the engine's own refusal (KV under one sequence:
+        --max-model-len), when that passes."""
+        fixed = plan_with(flags)
+        if _passes(fixed):
+            return flags, fixed
+        if fixed.short_bytes == 0 and fixed.estimate.problem_fixes:
+            extra = tuple(_pair(text) for text in fixed.estimate.problem_fixes)
+            again = plan_with(flags + extra)
+            if _passes(again):
+                return flags + extra, again
+        return None
+
+    if try_as_is or est.problem_fixes:
+        found = complete(())
+        if found is not None:
+            return found
+    if est.kind == EngineKind.VLLM and est.tune == "gpu-memory-utilization" and est.tune_value is not None:
+        top = math.ceil(est.tune_value * _PERCENT) - 1
+        k = _largest(1, top, lambda k: plan_with((_util(k),)).short_bytes == 0)
+        return None if k is None else complete((_util(k),))
+    if est.kind == EngineKind.VLLM and est.tune == "kv-cache-memory-bytes":
+        # vLLM's start-up check still wants utilization × total free (vllm/v1/worker/utils.py request_memory runs
+        # with --kv-cache-memory-bytes too): the utilization that passes it, then the KV bytes that fit the pool.
+        base: tuple[tuple[str, str], ...] = ()
+        if est.check is not None and not est.check.ok:
+            k = _largest(1, _PERCENT, lambda k: _check_ok(plan_with((_util(k),))))
+            if k is None:
+                return None
+            base = (_util(k),)
+        kv_mib = next((t.bytes for t in est.terms if t.name == "kv_cache"), 0) >> 20
+        m = _largest(0, kv_mib, lambda m: plan_with((*base, _kv(m))).short_bytes == 0)
+        return None if m is None else complete((*base, _kv(m)))
+    if est.kind == EngineKind.SGLANG and est.tune_value is not None:
+        top = math.ceil(est.tune_value * _PERCENT) - 1
+        k = _largest(1, top, lambda k: plan_with((_frac(k),)).short_bytes == 0)
+        return None if k is None else complete((_frac(k),))
+    if est.kind == EngineKind.LLAMA_CPP and est.tune_value is not None:
+        top = int(est.tune_value) // LLAMA_KV_PAD - 1
+        k = _largest(1, top, lambda k: plan_with((_ctx(k),)).short_bytes == 0)
+        return None if k is None else complete((_ctx(k),))
+    return None
+
+
+def _util(k: int) -> tuple[str, str]:
+    return ("--gpu-memory-utilization", f"{k / _PERCENT:.2f}")
+
+
+def _frac(k: int) -> tuple[str, str]:
+    return ("--mem-fraction-static", f"{k / _PERCENT:.2f}")
+
+
+def _kv(mib: int) -> tuple[str, str]:
+    return ("--kv-cache-memory-bytes", f"{mib}M")  # vLLM's human_readable_int: M is MiB
+
+
+def _ctx(k: int) -> tuple[str, str]:
+    return ("-c", str(k * LLAMA_KV_PAD))
+
+
+def _pair(text: str) -> tuple[str, str]:
+    flag, _sep, value = text.partition(" ")
+    return flag, value
+
+
+def _check_ok(plan: Plan) -> bool:
+    return plan.estimate.check is None or plan.estimate.check.ok
+
+
+def _fix_text(flags: Sequence[tuple[str, str]], max_jobs: int | None) -> Fix:
+    parts = [f"MAX_JOBS={max_jobs}"] if max_jobs is not None else []
+    parts += [f"{flag} {value}" for flag, value in flags]
+    text = " ".join(parts)
+    if max_jobs is not None:
+        text += f" (each compile job takes up to {format_size(JIT_JOB_BYTES)})"
+    return Fix(FixAction.LOWER_FLAG, text, flags=tuple(flags), max_jobs=max_jobs)
+
+
+def _no_fit(plan: Plan, cmd: EngineCommand, replan: Replan, jit: int) -> Fix:
+    """No setting fits: a smaller model when the weights alone exceed what is free, else how much more memory the
+    engine needs at its smallest setting (with MAX_JOBS=1: in a small pool the 8 GiB of one compile job decides, and
+    a 1 GiB model was told to use a quantized model)."""
+    est = plan.estimate
+    weights = next((t.bytes for t in est.terms if t.name == "weights"), 0)
+    free = max(plan.available_bytes, 0)
+    if weights > free:
+        return Fix(
+            FixAction.SMALLER_MODEL,
+            f"the weights alone take {format_size(weights)}, {format_size(free)} free: use a quantized or smaller "
+            "model",
+        )
+    smallest = {
+        EngineKind.VLLM: (_util(1),) if est.tune == "gpu-memory-utilization" else (_kv(0),),
+        EngineKind.SGLANG: (_frac(1),),
+        EngineKind.LLAMA_CPP: (_ctx(1),),
+    }.get(est.kind, ())
+    least = replan(_with_flags(cmd, smallest), 1 if jit else None)
+    short = max(least.needs_bytes - least.available_bytes, 0) or plan.short_bytes
+    why = f", one compile job of up to {format_size(JIT_JOB_BYTES)} included" if jit else ""
+    return Fix(
+        FixAction.FREE_MEMORY,
+        f"free {format_size(short)}: no setting fits, at its smallest it needs {format_size(least.needs_bytes)}{why}",
+    )
 
 
 def fix_line(plan: Plan) -> str:

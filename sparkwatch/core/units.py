@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import math
 import re
 
 KiB = 1024
 MiB = 1024 * KiB
 GiB = 1024 * MiB
 TiB = 1024 * GiB
+# Any size above this is a typo ("8TiB" for "8GiB"): the largest machines today have a few TiB of memory. The bound of
+# every size a person writes (config.settings ByteSize, cli.argtypes.size).
+SIZE_MAX_BYTES = 1 << 50  # 1 PiB
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*$")
 # Binary units only. "8G" stays 8 GiB because that is how the tools an owner sets memory with next to sparkwatch read
@@ -62,7 +66,10 @@ def parse_size(text: str) -> int:
         )
     if key not in _UNITS:
         raise ValueError(f"{text!r} is not a size; write it like 8GiB or 512MiB (units: B, KiB, MiB, GiB, TiB)")
-    return int(float(number) * _UNITS[key])
+    value = float(number) * _UNITS[key]
+    if not math.isfinite(value):  # 400 digits: float() gives inf, and int(inf) raised OverflowError
+        raise ValueError(f"{number[:20]}… ({len(number)} digits) is too large to be a size")  # core.bounded.shown
+    return int(value)
 
 
 def format_size(num_bytes: float) -> str:

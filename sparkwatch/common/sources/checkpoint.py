@@ -10,6 +10,13 @@ What is read:
 - for a GGUF file, the metadata keys at the head of the file (block_count, attention.head_count_kv, key_length, …,
   src/llama-arch.cpp), at most GGUF_HEADER_MAX_BYTES, stopping before the tokenizer's arrays. No tensor is read.
 
+Bounded input: every file is opened without blocking and refused unless it is a regular file (common.durable: a FIFO
+named model.gguf hung `launch --plan`), JSON nesting is checked before it is parsed (a config.json nested 100,000
+deep raised RecursionError), and every number taken from config.json or a GGUF header has a range (SHAPE_RANGES: a
+400-digit num_hidden_layers raised OverflowError). Such a file raises CheckpointError, one line naming the file and
+the key: the engine could not load it either. A checkpoint that is simply not there (not downloaded yet) is no error:
+the facts say so.
+
 Where a Hugging Face id is found (huggingface_hub constants.py and file_download.py): `--download-dir`, else
 $HF_HUB_CACHE, $HUGGINGFACE_HUB_CACHE, $HF_HOME/hub, $XDG_CACHE_HOME/huggingface/hub, ~/.cache/huggingface/hub;
 inside it models--ORG--NAME/refs/<revision> names the snapshot (snapshots/<sha>/).
@@ -20,16 +27,33 @@ from __future__ import annotations
 import json
 import os
 import re
+import stat
 import struct
 from collections.abc import Mapping
+from itertools import accumulate
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from sparkwatch.common.durable import StateFileError, open_regular, read_regular
+from sparkwatch.core.bounded import shown
+from sparkwatch.core.enginecli import TOKENS_MAX
 from sparkwatch.core.plan import ModelFacts
 
 CONFIG_MAX_BYTES = 4 << 20
 INDEX_MAX_BYTES = 32 << 20  # a 1,000-shard index is a few MiB
 GGUF_HEADER_MAX_BYTES = 1 << 20
+# Real configs nest 3-5 levels (text_config.rope_scaling.…), an index 2: 32 is far past either and far short of the
+# json module's recursion (about 1,000 levels, then RecursionError).
+JSON_DEPTH_MAX = 32
+REF_MAX_BYTES = 256  # refs/main holds a 40-character sha
+# The largest value each shape field may take: far past any model (DeepSeek-V3: 61 layers, 7168 hidden, 18432
+# intermediate, 129,280 vocab), short of any product that overflows a float in format_size.
+_SHAPE_MAX = 1 << 20
+SHAPE_RANGES: Mapping[str, int] = {
+    "layers": _SHAPE_MAX, "kv_heads": _SHAPE_MAX, "heads": _SHAPE_MAX, "head_dim": _SHAPE_MAX,
+    "hidden_size": _SHAPE_MAX, "intermediate_size": _SHAPE_MAX, "mla_lora": _SHAPE_MAX, "mla_rope": _SHAPE_MAX,
+    "vocab_size": 1 << 24, "max_len": TOKENS_MAX,
+}  # fmt: skip
 _SHARD_RE = re.compile(r"^(?P<stem>.*)-(?P<i>\d{5})-of-(?P<n>\d{5})\.gguf$")
 _WEIGHT_EXTS = ((".safetensors", "safetensors"), (".gguf", "gguf"), (".bin", "pytorch"), (".pt", "pytorch"))
 # config.json aliases for the KV head count, in vLLM's order (vllm/transformers_utils/config.py
@@ -49,13 +73,26 @@ def hub_cache(env: Mapping[str, str]) -> Path:
     return Path(os.path.expandvars(os.path.expanduser(env.get("HF_HUB_CACHE") or legacy)))
 
 
+class CheckpointError(ValueError):
+    """A checkpoint file that is there but is not what it must be; one line naming the file (and the key)."""
+
+
+def _regular(path: Path, limit: int) -> bytes:
+    """At most `limit` bytes of `path`, following symlinks (the HF cache's snapshots are symlinks to blobs), never
+    blocking. FileNotFoundError when absent; CheckpointError for a FIFO, a device, a directory."""
+    try:
+        return read_regular(path, limit, follow_symlinks=True)
+    except StateFileError as exc:
+        raise CheckpointError(f"{path}: {exc.strerror}") from None
+
+
 def snapshot_dir(cache: Path, repo_id: str, revision: str | None = None) -> Path | None:
     """models--ORG--NAME/snapshots/<sha>/ for `revision` (default main: refs/main holds the sha), else the newest."""
     folder = cache / ("models--" + "--".join(repo_id.split("/")))
     snapshots = folder / "snapshots"
     rev = revision or "main"
     try:
-        sha = (folder / "refs" / rev).read_text(encoding="ascii", errors="replace").strip()
+        sha = _regular(folder / "refs" / rev, REF_MAX_BYTES).decode("ascii", "replace").strip()
     except OSError:
         sha = rev
     if sha and (snapshots / sha).is_dir():
@@ -83,15 +120,44 @@ def resolve(
 
 
 def _size(path: Path) -> int:
-    return os.stat(path).st_size  # follows the snapshot's symlink to the blob
+    st = os.stat(path)  # follows the snapshot's symlink to the blob
+    if not stat.S_ISREG(st.st_mode):
+        raise CheckpointError(f"{path}: is not a regular file (a FIFO or device?)")
+    return st.st_size
+
+
+# A JSON string, escapes included: what the depth count skips (a bracket inside a string is no nesting).
+_JSON_STRING_RE = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
+_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
+
+
+def json_depth(data: bytes, limit: int = JSON_DEPTH_MAX) -> int:
+    """How deep `data`'s arrays and objects nest, counted without parsing (the json module recurses: 100,000 levels
+    raised RecursionError). Counting stops past `limit`; a file with no more brackets than that is never scanned."""
+    if data.count(b"[") + data.count(b"{") <= limit:
+        return min(data.count(b"[") + data.count(b"{"), limit)
+    brackets = _JSON_STRING_RE.sub(b"", data).translate(None, _NOT_BRACKETS)
+    deepest = 0
+    for depth in accumulate(1 if c in b"[{" else -1 for c in brackets):
+        if depth > deepest:
+            deepest = depth
+            if deepest > limit:
+                break
+    return deepest
 
 
 def _read_json(path: Path, limit: int) -> Any:
-    with open(path, "rb") as fh:
-        data = fh.read(limit + 1)
+    """The JSON in `path`. FileNotFoundError when absent; CheckpointError when it is not a regular file, larger than
+    `limit`, nested past JSON_DEPTH_MAX or not JSON."""
+    data = _regular(path, limit + 1)
     if len(data) > limit:
-        raise ValueError(f"{path.name} is larger than {limit >> 20} MiB")
-    return json.loads(data)
+        raise CheckpointError(f"{path}: is larger than {limit >> 20} MiB")
+    if json_depth(data) > JSON_DEPTH_MAX:
+        raise CheckpointError(f"{path}: nests deeper than {JSON_DEPTH_MAX} levels")
+    try:
+        return json.loads(data)
+    except ValueError as exc:  # UnicodeDecodeError too
+        raise CheckpointError(f"{path}: is not JSON ({exc})") from None
 
 
 def weight_files(directory: Path) -> tuple[str, list[Path]]:
@@ -104,12 +170,16 @@ def weight_files(directory: Path) -> tuple[str, list[Path]]:
         files = [directory / n for n in names if n.endswith(ext) and not n.startswith(".")]
         if not files:
             continue
-        if fmt == "safetensors" and (directory / "model.safetensors.index.json").is_file():
+        if fmt == "safetensors":
+            index_path = directory / "model.safetensors.index.json"
             try:
-                index = _read_json(directory / "model.safetensors.index.json", INDEX_MAX_BYTES)
-                wanted = set(index.get("weight_map", {}).values())
-            except (OSError, ValueError, AttributeError):
-                wanted = set()
+                index = _read_json(index_path, INDEX_MAX_BYTES)
+            except FileNotFoundError:
+                index = {}
+            weight_map = index.get("weight_map", {}) if isinstance(index, dict) else None
+            if not isinstance(weight_map, dict):
+                raise CheckpointError(f"{index_path}: weight_map: expected an object of tensor names to files")
+            wanted = {v for v in weight_map.values() if isinstance(v, str)}
             listed = [f for f in files if f.name in wanted]
             files = listed or files
         return fmt, files
@@ -134,40 +204,47 @@ def text_config(config: Mapping[str, Any]) -> Mapping[str, Any]:
     return config
 
 
-def _int(config: Mapping[str, Any], *keys: str) -> int | None:
+def _int(config: Mapping[str, Any], field: str, *keys: str) -> int | None:
+    """The first of `keys` holding a positive whole number, at most SHAPE_RANGES[field]. Raises ValueError naming the
+    key for a larger one. 0, negatives and non-numbers count as absent (vLLM: head_dim is used "if > 0")."""
     for key in keys:
         value = config.get(key)
         if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            high = SHAPE_RANGES[field]
+            if value > high:
+                raise ValueError(f"{key}: {shown(value)} is out of range: expected 1 to {high}")
             return value
     return None
 
 
 def facts_from_config(config: Mapping[str, Any]) -> dict[str, int | None]:
     """The KV-cache fields of a config.json, read as vLLM reads them."""
+    if not isinstance(config, Mapping):
+        raise ValueError("expected a JSON object")
     cfg = text_config(config)
-    heads = _int(cfg, "num_attention_heads", "n_head")
-    hidden = _int(cfg, "hidden_size", "n_embd", "d_model")
-    head_dim = _int(cfg, "head_dim", "hidden_size_per_head")
+    heads = _int(cfg, "heads", "num_attention_heads", "n_head")
+    hidden = _int(cfg, "hidden_size", "hidden_size", "n_embd", "d_model")
+    head_dim = _int(cfg, "head_dim", "head_dim", "hidden_size_per_head")
     if head_dim is None and hidden and heads:
         head_dim = hidden // heads
-    kv_heads = _int(cfg, *KV_HEAD_KEYS) or heads
+    kv_heads = _int(cfg, "kv_heads", *KV_HEAD_KEYS) or heads
     if cfg.get("multi_query") is True:  # falcon
         kv_heads = 1
     mla = None
-    lora, rope = _int(cfg, "kv_lora_rank"), _int(cfg, "qk_rope_head_dim")
+    lora, rope = _int(cfg, "mla_lora", "kv_lora_rank"), _int(cfg, "mla_rope", "qk_rope_head_dim")
     if lora is not None and rope is not None:
         mla = lora + rope
     dtype = cfg.get("dtype") or cfg.get("torch_dtype")
-    lens = [v for k in MAX_LEN_KEYS if (v := _int(cfg, k)) is not None]
+    lens = [v for k in MAX_LEN_KEYS if (v := _int(cfg, "max_len", k)) is not None]
     return {
-        "layers": _int(cfg, "num_hidden_layers", "n_layer", "num_layers"),
+        "layers": _int(cfg, "layers", "num_hidden_layers", "n_layer", "num_layers"),
         "kv_heads": kv_heads,
         "head_dim": head_dim,
         "mla_dim": mla,
-        "dtype_bytes": _DTYPE_BYTES.get(str(dtype)) if dtype else None,
+        "dtype_bytes": _DTYPE_BYTES.get(dtype) if isinstance(dtype, str) else None,
         "hidden_size": hidden,
-        "intermediate_size": _int(cfg, "intermediate_size", "ffn_hidden_size", "n_inner"),
-        "vocab_size": _int(cfg, "vocab_size"),
+        "intermediate_size": _int(cfg, "intermediate_size", "intermediate_size", "ffn_hidden_size", "n_inner"),
+        "vocab_size": _int(cfg, "vocab_size", "vocab_size"),
         "max_len": min(lens) if lens else None,
     }
 
@@ -211,7 +288,11 @@ def gguf_metadata(path: Path, limit: int = GGUF_HEADER_MAX_BYTES) -> dict[str, i
     Stops at the first array (the tokenizer's token lists come after the architecture's keys, as llama.cpp's
     converters write them) or once every wanted key was seen."""
     out: dict[str, int] = {}
-    with open(path, "rb") as fh:
+    try:
+        fd = open_regular(path, follow_symlinks=True)  # a FIFO named model.gguf: refused at once, never read
+    except StateFileError as exc:
+        raise CheckpointError(f"{path}: {exc.strerror}") from None
+    with os.fdopen(fd, "rb") as fh:
         r = _Bounded(fh, limit)
         if r.read(4) != b"GGUF":
             raise ValueError(f"{path.name} is not a GGUF file")
@@ -237,6 +318,10 @@ def gguf_metadata(path: Path, limit: int = GGUF_HEADER_MAX_BYTES) -> dict[str, i
             elif arch and key.startswith(arch + "."):
                 name = _GGUF_KEYS.get(key[len(arch) + 1 :])
                 if name is not None and isinstance(value, int) and not isinstance(value, bool):
+                    if value > SHAPE_RANGES[name]:
+                        raise CheckpointError(
+                            f"{path}: {key}: {shown(value)} is out of range: expected at most {SHAPE_RANGES[name]}"
+                        )
                     out[name] = value
             if len(out) == len(_GGUF_KEYS):
                 break
@@ -251,15 +336,19 @@ def gguf_metadata(path: Path, limit: int = GGUF_HEADER_MAX_BYTES) -> dict[str, i
 def read_facts(
     model: str | None, env: Mapping[str, str], download_dir: str | None = None, revision: str | None = None
 ) -> ModelFacts:
-    """Sizes and shape of the checkpoint `model` names. Never raises for a missing or odd checkpoint: the facts then
-    carry `error` and the plan says the weights are unknown."""
+    """Sizes and shape of the checkpoint `model` names. A missing checkpoint is no error: the facts then carry `error`
+    and the plan says the weights are unknown. Raises CheckpointError for one that is there but unreadable as it
+    must be (a FIFO, JSON nested past JSON_DEPTH_MAX, a number out of range), naming the file and key."""
     if not model:
         return ModelFacts(source="", error="no model named")
     path = resolve(model, env, download_dir, revision)
     if path is None:
         return ModelFacts(source=model, error=f"{model}: not a local path and not in the Hugging Face cache")
     try:
-        if path.is_file():
+        mode = os.stat(path).st_mode
+        if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+            raise CheckpointError(f"{path}: is neither a file nor a directory (a FIFO or device?)")
+        if stat.S_ISREG(mode):
             files = gguf_shards(path) if path.suffix == ".gguf" else [path]
             fmt = "gguf" if path.suffix == ".gguf" else "pytorch"
             directory = path.parent
@@ -273,12 +362,21 @@ def read_facts(
     error = None
     config = directory / "config.json"
     try:
-        if config.is_file():
-            shape = facts_from_config(_read_json(config, CONFIG_MAX_BYTES))
+        try:
+            data = _read_json(config, CONFIG_MAX_BYTES)
+        except FileNotFoundError:
+            data = None
+        if data is not None:
+            try:
+                shape = facts_from_config(data)
+            except ValueError as exc:
+                raise CheckpointError(f"{config}: {exc}") from None
         elif fmt == "gguf" and files:
             shape = {**gguf_metadata(files[0])}
             shape.setdefault("dtype_bytes", 2)
-    except (OSError, ValueError, EOFError, struct.error) as exc:
+    except CheckpointError:
+        raise
+    except (OSError, ValueError, EOFError, struct.error) as exc:  # not GGUF, or its header past the bound: unknown
         error = f"model shape unknown: {exc}"
     if not files:
         error = f"{path}: no weight files (.safetensors, .gguf, .bin)"
