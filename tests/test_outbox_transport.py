@@ -5,7 +5,6 @@ worker, one payload the receiver rejects holds up none of the others."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -19,13 +18,6 @@ from tests.receiver import GarbageServer, Receiver, wait_until
 
 SECRET = "transport-test-secret"
 PATH_SECRET = "/services/T0FAKE/B0FAKE/XyZsecretPathToken"
-
-
-@pytest.fixture
-def receiver() -> Iterator[Receiver]:
-    r = Receiver().start()
-    yield r
-    r.stop()
 
 
 def body(summary: str = "one kill") -> tuple[str, bytes]:
