@@ -185,6 +185,7 @@ class Outbox:
 
     # --- the worker
     def _backoff_s(self, failures: int) -> float:
+        """The queue's backoff after `failures` in a row (tests/test_outbox.py reads it through the outbox)."""
         return self._queue.backoff_s(failures)
 
     def _next(self) -> Item | None:
