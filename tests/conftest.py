@@ -1,4 +1,5 @@
-"""Shared fixtures: tool discovery, and process trees that only ever signal what the test started."""
+"""Shared fixtures: tool discovery, a webhook receiver, and process trees that only ever signal what the
+test started."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from sparkwatch.common.sources.procs import read_children, read_start_ticks
+from tests.receiver import Receiver
 
 ROOT = Path(__file__).resolve().parent.parent
 FAKE_ENGINE = ROOT / "tests" / "helpers" / "fake_engine.py"
@@ -250,6 +252,14 @@ def _no_guard_outlives_its_test() -> Iterator[None]:
             ),
             pytrace=False,
         )
+
+
+@pytest.fixture
+def receiver() -> Iterator[Receiver]:
+    """A webhook receiver on 127.0.0.1, answering 204 until told otherwise; down again after the test."""
+    r = Receiver().start()
+    yield r
+    r.stop()
 
 
 @pytest.fixture

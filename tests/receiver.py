@@ -1,4 +1,5 @@
-"""A real webhook receiver on 127.0.0.1 (http.server in a thread) that can go down, answer 500, redirect or hang."""
+"""A real webhook receiver on 127.0.0.1 (http.server in a thread) that can go down, answer 500 or any status,
+redirect or hang."""
 
 from __future__ import annotations
 
@@ -33,14 +34,17 @@ class Delivery:
 
 class Receiver:
     """mode: 'ok' (204), '500', 'redirect' (302 to `redirect_to`), 'hang' (never answers), 'slow_body' (200, then
-    its body at 2 bytes a second)."""
+    its body at 2 bytes a second), 'answer' (`answer_status`, no body). Whatever the mode, a POST whose event id is
+    in `reject_ids` is answered 400."""
 
     def __init__(self, host: str = "127.0.0.1") -> None:
         self.host = host
         self.port = 0
         self.mode = "ok"
         self.redirect_to = ""
-        self.deliveries: list[Delivery] = []  # only the POSTs answered 2xx
+        self.answer_status = 204
+        self.reject_ids: set[str] = set()
+        self.deliveries: list[Delivery] = []  # the POSTs answered in mode "ok" (204), none of the others
         self.requests_total = 0
         self._server: ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
@@ -59,9 +63,16 @@ class Receiver:
                 body = self.rfile.read(int(self.headers.get("Content-Length", "0")))
                 with receiver._lock:
                     receiver.requests_total += 1
-                    mode = receiver.mode
+                    mode, status = receiver.mode, receiver.answer_status
+                    if self.headers.get("X-Sparkwatch-Event-Id", "") in receiver.reject_ids:
+                        mode, status = "answer", 400
                 if mode == "hang":
                     receiver._hang.wait(30)
+                    return
+                if mode == "answer":
+                    self.send_response(status)
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
                     return
                 if mode == "500":
                     self.send_response(500)

@@ -2,8 +2,9 @@
 
 An alerting event is spooled as `<state_dir>/outbox/.pending-<id>.json` before its event is written to events.jsonl,
 and renamed to `<id>.json` once the event is durable. A crash between the two leaves a `.pending-` file, which the
-outbox (actuators.outbox, in the telemetry process) reconciles with events.jsonl when it starts: the event is
-restored if it never reached the log, and the alert is delivered either way.
+outbox's spool dir (telemetry/outbox/spooldir.py, in the telemetry process) reconciles with events.jsonl when it
+starts: the event is restored if it never reached the log, and the alert is delivered either way. The names are
+spelled here only (`prepared_file`, `parse_name`).
 
 The guard process spools its own events (kills, kernel-log alerts) here with `FileSpool` before it hands them to
 telemetry, so a guard that dies between writing a kill and handing it over loses no alert. This module imports no
@@ -13,6 +14,7 @@ event arrives over the channel) writes the same bytes to the same name: idempote
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import json
 import os
@@ -30,7 +32,8 @@ from sparkwatch.core.model import Event
 
 SAFE_ID = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
 PENDING = ".pending-"  # spooled before its event was written; promoted once the event is durable
-TMP = ".tmp-"
+SUFFIX = ".json"
+TMP = ".tmp-"  # durable.write_atomic's temporary name: a torn write
 BAD = "bad"  # outbox/bad/: spool files the outbox would not trust, moved aside
 
 
@@ -61,20 +64,35 @@ class Prepared:
     error: str | None  # why the pending file could not be written (the alert then lives in memory only)
 
 
+def parse_name(name: str) -> tuple[str, bool] | None:
+    """A spool file name's event id and whether it is still pending (`.pending-<id>.json`, `<id>.json`); None for a
+    name this protocol never writes."""
+    pending = name.startswith(PENDING)
+    final = name[len(PENDING) :] if pending else name
+    if not final.endswith(SUFFIX) or SAFE_ID.match(final[: -len(SUFFIX)]) is None:
+        return None
+    return final[: -len(SUFFIX)], pending
+
+
+def prepared_file(spool_dir: Path, event_id: str, body: bytes) -> Prepared:
+    """One alert's pending and final paths under `spool_dir`: the one place they are spelled."""
+    pending, final = spool_dir / f"{PENDING}{event_id}{SUFFIX}", spool_dir / f"{event_id}{SUFFIX}"
+    return Prepared(event_id, body, pending, final, None)
+
+
 def prepare_file(spool_dir: Path, payload: Mapping[str, object]) -> Prepared:
     """Write `.pending-<id>.json` (fsynced, under a 0700 dir). Never raises: a failure is in `error`."""
     event_id = spool_id(str(payload.get("id") or ""))
-    body = json.dumps(payload, separators=(",", ":"), default=str).encode()
-    pending, final = spool_dir / f"{PENDING}{event_id}.json", spool_dir / f"{event_id}.json"
-    error = None
+    prepared = prepared_file(spool_dir, event_id, json.dumps(payload, separators=(",", ":"), default=str).encode())
     try:
         private_dir(spool_dir)
-        write_atomic(pending, body)
+        write_atomic(prepared.pending, prepared.body)
     except OSError as exc:
         error = f"could not spool alert {event_id} under {spool_dir}: {exc.strerror or exc}" + (
             " (disk full)" if exc.errno == errno.ENOSPC else ""
         )
-    return Prepared(event_id, body, pending, final, error)
+        return dataclasses.replace(prepared, error=error)
+    return prepared
 
 
 def commit_file(prepared: Prepared) -> Path:

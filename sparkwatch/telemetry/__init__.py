@@ -1,7 +1,7 @@
 """The telemetry process: everything that watches and reports, supervised by the guard and restarted when it stalls.
 
 What runs here: the telemetry loop (`loop`: the /proc census, compilers, JIT caches, NVML), the metrics endpoint
-(`exporter/`), the alert outbox (`outbox`), the driver check (`driver`) and its udev trigger, the low-headroom
+(`exporter/`), the alert outbox (`outbox/`), the driver check (`driver`) and its udev trigger, the low-headroom
 alerts (`headroom`), and the guard's state as the channel carries it (`remote`). `process` wires them;
 `python -m sparkwatch.telemetry` starts it (the guard does, with its end of the channel).
 
