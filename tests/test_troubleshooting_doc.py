@@ -82,6 +82,13 @@ def _grep_kill(done: subprocess.CompletedProcess[str], _cwd: Path, kill: dict[st
     assert json.loads(line)["id"] == kill["id"]
 
 
+def _status_guard(done: subprocess.CompletedProcess[str], _cwd: Path, kill: dict[str, Any]) -> None:
+    # "is a guard running now: armed, or in dry run?": the running daemon, in dry run.
+    assert done.returncode == 0, done.stderr
+    (line,) = done.stdout.splitlines()
+    assert line.startswith(f"GUARD      guard pid {kill['guard_pid']} (") and "DRY RUN" in line, line
+
+
 def _postmortem_text(text: str) -> None:
     first = text.splitlines()[0]
     assert first.startswith("previous boot "), text
@@ -132,6 +139,7 @@ SPARKWATCH: dict[str, Check] = {
     "sparkwatch events": _events_lines,
     "sparkwatch events --system": _events_system,
     'sparkwatch events -n 200 --json | grep \'"kind": "kill"\'': _grep_kill,
+    "sparkwatch status --once | grep '^GUARD'": _status_guard,
     "sparkwatch postmortem": _postmortem,
     "sparkwatch postmortem --json": _postmortem_json_out,
     "sparkwatch postmortem --json > postmortem.json": _postmortem_json_file,
@@ -185,7 +193,7 @@ def test_each_sparkwatch_command_finds_what_the_doc_says(tmp_path: Path, spawner
     env = {"SPARKWATCH_STATE_DIR": str(state), "SPARKWATCH_ENGINE_BUDGETS": budgets}
     with sparkwatch_run(tmp_path, "--dry-run", env=env) as daemon:
         daemon.state_dir = state  # the helper's is tmp_path/state; the env above moved it
-        kill = _record_a_kill(tmp_path, spawner, daemon)
+        kill = {**_record_a_kill(tmp_path, spawner, daemon), "guard_pid": daemon.proc.pid}
         base = {k: v for k, v in os.environ.items() if not k.startswith("SPARKWATCH_")}
         base.update(
             PATH=f"{Path(sys.executable).parent}:{base.get('PATH', '')}",  # `sparkwatch` as installed in this venv
