@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -130,3 +131,26 @@ def test_the_guard_publishes_where_readers_look() -> None:
         paths = guardstate.reader_paths(env, state_dir)
         assert guardstate.SYSTEM_DIR / "guard.json" in paths and state_dir / "guard.json" in paths
         assert guardstate.guard_dir(env, state_dir) / "guard.json" in paths
+
+
+def test_a_real_guard_publishes_its_state_again_after_a_reload_and_removes_it_on_stop(tmp_path: Path) -> None:
+    from tests.conftest import wait_until
+    from tests.daemon import sparkwatch_run
+
+    config = tmp_path / "config.toml"
+    config.write_text('floor = "1GiB"\ndry_run = true\nengine_budgets = ["2GiB=sw-guard-state"]\n')
+    with sparkwatch_run(tmp_path, "--config", str(config)) as daemon:
+        published = tmp_path / "run" / "sparkwatch" / "guard.json"  # the daemon's runtime dir (tests/daemon.py)
+        env = {"XDG_RUNTIME_DIR": str(tmp_path / "run")}
+        (state,) = guardstate.read_guards(guardstate.reader_paths(env, daemon.state_dir)).states
+        assert (state.pid, state.uid, state.dry_run) == (daemon.proc.pid, os.geteuid(), True)
+        assert (state.floor_bytes, state.budget_rules, state.taken) == (1 << 30, 1, ())
+        config.write_text('floor = "2GiB"\ndry_run = false\n')
+        daemon.proc.send_signal(signal.SIGHUP)
+
+        def reloaded() -> bool:
+            seen = guardstate.read_guards([published]).states
+            return bool(seen) and (seen[0].floor_bytes, seen[0].dry_run, seen[0].budgets) == (2 << 30, False, 0)
+
+        assert wait_until(reloaded, 30), published.read_text()
+    assert not published.exists()

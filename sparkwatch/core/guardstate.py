@@ -91,5 +91,5 @@ def taken_line(state: GuardState, budget_bytes: int | None) -> str:
 
 def not_taken_line(states: Sequence[GuardState], budget_bytes: int | None, waited_s: float) -> str:
     pids = ", ".join(str(s.pid) for s in states)
-    head = f"guard pid {pids} has not taken it within {waited_s:.0f} s (it reads another user's or runtime dir?)"
+    head = f"guard pid {pids} has not taken it within {waited_s:.0f} s (does it read this runtime dir?)"
     return f"{head}: the budget is not enforced" if budget_bytes else head
