@@ -229,3 +229,21 @@ def test_an_armed_guard_takes_the_declaration_and_doctor_finds_it_ok(box: Box, t
     assert guard[0].startswith(f"guard pid {pid} (") and ", armed, floor 1.0 GiB, no budget" in guard[0], guard
     check = next(c for c in json.loads(doctor.stdout)["checks"] if c["id"] == "guard")
     assert check["status"] == "ok" and f"guard pid {pid} " in check["summary"] and ", armed," in check["summary"]
+
+
+def test_a_guard_that_does_not_read_this_runtime_dir_is_said_not_to_have_taken_it(box: Box, tmp_path: Path) -> None:
+    """The guard's runtime dir cannot be made (its XDG_RUNTIME_DIR is a file): it publishes in the state dir, which
+    launch also reads, but it reads no declaration of launch's runtime dir: after the bounded wait, launch says so."""
+    blocked = tmp_path / "not-a-dir"
+    blocked.write_text("")
+    with sparkwatch_run(tmp_path, "--dry-run", "--floor", "1GiB", env={"XDG_RUNTIME_DIR": str(blocked)}) as d:
+        assert (box.state / "guard.json").is_file()
+        assert any("could not publish the guard's state in" in line for line in d.stderr_lines), d.stderr_lines
+        model = small_model(tmp_path)
+        proc = box.launch("--budget", "2GiB", "--", *small_args(model, fitting_util()), "--phase-s", "0.05",
+                          "--serve-s", "7")  # fmt: skip
+        _out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err.decode()
+    line = f"sparkwatch: guard pid {d.proc.pid} has not taken it within 5 s (does it read this runtime dir?): the "
+    assert line + "budget is not enforced\n" in err.decode(), err.decode()
+    assert "no guard is running" not in err.decode()

@@ -8,6 +8,9 @@
 - stdout and stderr come through pipes and are copied unchanged, chunk by chunk (os.read/os.write, no line
   splitting); the phase recogniser (core.bootphase) searches each chunk for the anchors that can still come.
 - the declaration (common.launched) is written at start, on every phase, when the measured peak grew, and at exit.
+- one line says where it went; then, from the guard's published state (common.guardstate), whether a guard took it
+  (within GUARD_WORD_WAIT_S), or at once and only once that no guard is running (with a budget: that it is not
+  enforced).
 - Ctrl-C (SIGINT) is forwarded to the whole tree; a second one sends SIGTERM, a third SIGKILL. SIGTERM and SIGHUP
   are forwarded as they are. When the root is gone, what is left of the tree gets SIGTERM, then SIGKILL after
   LEFTOVER_GRACE_S, and is reaped.

@@ -14,6 +14,11 @@ the whole config in a short child process (`sparkwatch run --print-settings`, th
 thread of its own, then the guard applies the new values, then the telemetry process gets them over the channel and
 says which keys its components took; the log names what applied and what needs a restart. A bad config is logged
 and the running one kept.
+
+Published state: the main thread writes guard.json (common.guardstate: pid and start time, armed or dry run, floor,
+budgets, the launched engines taken) at start, after a reload, and when the pool watch says the set of launched
+engines it took changed; it removes it on a clean stop. No heartbeat: a reader checks that the pid still has the
+start time the file gives, so a dead guard's file reads as stale without the guard writing every tick.
 """
 
 from __future__ import annotations
