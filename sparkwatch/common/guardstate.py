@@ -26,9 +26,16 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from sparkwatch.common.durable import StateFileError, private_dir, read_regular, refuse_foreign, write_atomic
+from sparkwatch.common.durable import (
+    StateFileError,
+    open_regular,
+    private_dir,
+    read_regular,
+    refuse_foreign,
+    write_atomic,
+)
 from sparkwatch.common.launched import runtime_dir
-from sparkwatch.common.sources.procs import read_start_ticks
+from sparkwatch.common.sources.procs import read_fd, read_start_ticks
 from sparkwatch.common.wiretypes import WireError, from_json, to_json
 from sparkwatch.core.guardstate import VERSION, GuardState
 
@@ -112,20 +119,25 @@ class Untrusted(Exception):
 
 
 def read_one(path: Path, proc_root: Path | str = "/proc") -> GuardState:
-    """The state in `path` if a live guard wrote it. Raises FileNotFoundError when absent, Untrusted otherwise."""
-    st = os.lstat(path)
-    if not stat.S_ISREG(st.st_mode):
-        raise Untrusted(f"{path} is not a regular file")
-    if st.st_uid not in (0, os.geteuid()):
-        raise Untrusted(f"{path} is owned by uid {st.st_uid}, neither root nor you")
-    if st.st_mode & 0o022:
-        raise Untrusted(f"{path} is writable by others (mode {stat.S_IMODE(st.st_mode):04o})")
+    """The state in `path` if a live guard wrote it. Raises FileNotFoundError when absent, Untrusted otherwise.
+    One open (never through a symlink, never blocking on a FIFO), and the checks on what that open got."""
     try:
-        state = decode(read_regular(path, MAX_BYTES + 1), st.st_uid)
+        fd = open_regular(path)
+    except StateFileError as exc:
+        raise Untrusted(f"{path} {exc.strerror}") from None
+    try:
+        st = os.fstat(fd)
+        if st.st_uid not in (0, os.geteuid()):
+            raise Untrusted(f"{path} is owned by uid {st.st_uid}, neither root nor you")
+        if st.st_mode & 0o022:
+            raise Untrusted(f"{path} is writable by others (mode {stat.S_IMODE(st.st_mode):04o})")
+        state = decode(read_fd(fd, MAX_BYTES + 1), st.st_uid)
     except (WireError, ValueError) as exc:
         raise Untrusted(f"{path}: {exc}") from None
     except OSError as exc:
         raise Untrusted(f"{path}: {exc.strerror or exc}") from None
+    finally:
+        os.close(fd)
     ticks = read_start_ticks(proc_root, state.pid)
     try:
         owner = os.stat(f"{proc_root}/{state.pid}").st_uid
