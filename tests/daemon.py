@@ -50,7 +50,7 @@ class RunningDaemon:
 
 def daemon_env(tmp_path: Path, port: int) -> dict[str, str]:
     """The environment of a daemon confined to this test: engines below this test process only, a private state dir
-    (tmp_path/state), config dir and port, no JIT cache."""
+    (tmp_path/state), runtime dir (tmp_path/run), config dir and port, no JIT cache."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("SPARKWATCH_")}
     env.update(
         {
@@ -59,6 +59,9 @@ def daemon_env(tmp_path: Path, port: int) -> dict[str, str]:
             "SPARKWATCH_LISTEN": f"127.0.0.1:{port}",
             "SPARKWATCH_JIT_CACHE_DIRS": f'["{tmp_path / "no-jit-cache"}"]',
             "XDG_CONFIG_HOME": str(tmp_path / "xdg"),
+            # Its runtime dir too (launch's declarations, the guard's published state guard.json): a root daemon
+            # without one would publish in /run/sparkwatch, where another test's daemon could be taken for it.
+            "XDG_RUNTIME_DIR": str(tmp_path / "run"),
             # Blind to the real kernel log unless a test asks for it: the kernel-log tests write NVRM lines into
             # /dev/kmsg, and another test's daemon running meanwhile must not act on them.
             "SPARKWATCH_KERNEL_LOG_PATH": str(tmp_path / "no-kmsg"),

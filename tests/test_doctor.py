@@ -27,6 +27,7 @@ CHECK_IDS = [
     "max-jobs",
     "ray-memory-monitor",
     "floor",
+    "guard",
     "kernel-log",
     "recent-xids",
 ]
@@ -346,3 +347,16 @@ def test_max_jobs_summary_counts_every_process_it_lists() -> None:
     assert ok.summary == "MAX_JOBS set in 1 of 2 engine/raylet processes; environment unreadable in 1"
     single = max_jobs_check(targets[:1], {10: {"MAX_JOBS": "4"}}, jobs_alert=8)
     assert single.summary == "MAX_JOBS set in its engine/raylet process"
+
+
+def test_no_running_guard_is_a_warning_and_a_fixture_root_skips_the_check(tmp_path: Path) -> None:
+    env = {**clean_env(tmp_path), "XDG_RUNTIME_DIR": str(tmp_path / "run")}
+    proc = subprocess.run(
+        [sys.executable, "-m", "sparkwatch", "doctor", "--json"], capture_output=True, text=True, timeout=90, env=env
+    )
+    assert proc.returncode in (0, 1), proc.stderr
+    guard = by_id(json.loads(proc.stdout))["guard"]
+    assert guard["status"] == "warn" and guard["summary"].startswith("no guard is running: nothing kills an engine")
+    assert "sparkwatch install-service" in guard["fix"]
+    _code, data = doctor_json(tmp_path, fx.healthy(tmp_path / "root").write())
+    assert by_id(data)["guard"]["status"] == "skip"

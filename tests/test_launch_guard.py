@@ -4,8 +4,11 @@ trusted for a process it does not name."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
+import subprocess
+import sys
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -19,8 +22,9 @@ from sparkwatch.common.flightrec import RING_NAME, read_ring
 from sparkwatch.common.sources.procs import read_start_ticks
 from sparkwatch.core.bootphase import BootPhase
 from sparkwatch.guard.launchwatch import LaunchedEngines
+from tests.conftest import wait_until
 from tests.daemon import sparkwatch_run, wait_for_event
-from tests.launchbox import Box, box_for, fitting_util, small_args, small_model
+from tests.launchbox import Box, box_for, fitting_util, small_args, small_model, wait_ready
 
 
 @pytest.fixture
@@ -135,3 +139,111 @@ def test_engines_shows_a_launched_trees_budget_footprint_and_phase(box: Box, tmp
     finally:
         proc.terminate()
         proc.communicate(timeout=30)
+
+
+# --- what launch, status and doctor say about the guard (its published state, common.guardstate)
+
+
+def _run(box: Box, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "sparkwatch", *args], env=box.env, capture_output=True, text=True, timeout=90
+    )
+
+
+def _frame_section(out: str, label: str) -> list[str]:
+    lines = out.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(label))
+    body = [lines[start][len(label) :].strip()]
+    body += [line.strip() for line in itertools.takewhile(lambda x: x[:1] == " ", lines[start + 1 :])]
+    return body
+
+
+def test_launch_with_a_budget_and_no_guard_says_once_that_the_budget_is_not_enforced(box: Box, tmp_path: Path) -> None:
+    model = small_model(tmp_path)
+    proc = box.launch("--budget", "2GiB", "--", *small_args(model, fitting_util()), "--phase-s", "0.05",
+                      "--serve-s", "2")  # fmt: skip
+    _out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err.decode()
+    text = err.decode()
+    assert text.count("no guard is running") == 1, text
+    assert "sparkwatch: no guard is running: the budget is not enforced\n" in text
+    (decl,) = box.declarations()
+    where = box.run_dir / "sparkwatch" / "launched" / f"{decl['root_pid']}-{decl['start_ticks']}.json"
+    assert f"sparkwatch: declared in {where}\n" in text
+    # Without a budget, a softer line, also once.
+    proc = box.launch("--", *small_args(model, fitting_util()), "--phase-s", "0.05", "--serve-s", "0")
+    _out, err = proc.communicate(timeout=60)
+    assert err.decode().count("no guard is running") == 1 and "budget is not enforced" not in err.decode()
+
+
+def test_a_dry_run_guard_takes_the_declaration_and_status_and_doctor_say_so(box: Box, tmp_path: Path) -> None:
+    """A real daemon in dry run: launch says the guard took its declaration and that its budget is only watched;
+    `status` shows the guard (dry run, floor, budgets) and the engine's boot phase; `doctor` warns."""
+    with sparkwatch_run(tmp_path, "--dry-run", "--floor", "1GiB", env={"XDG_RUNTIME_DIR": str(box.run_dir)}) as d:
+        published = box.run_dir / "sparkwatch" / "guard.json"
+        assert oct(published.stat().st_mode & 0o777) == "0o644"
+        model = small_model(tmp_path)
+        proc = box.launch("--budget", "2GiB", "--", *small_args(model, fitting_util()), "--phase-s", "0.05",
+                          "--serve-s", "30", "--pidfile", str(box.pidfile))  # fmt: skip
+        try:
+            decl = wait_ready(box)
+            key = [decl["root_pid"], decl["start_ticks"]]
+            assert wait_until(lambda: key in json.loads(published.read_text())["taken"], 10), published.read_text()
+            status = _run(box, "status", "--once")
+            doctor = _run(box, "doctor", "--json")
+        finally:
+            proc.terminate()
+            _out, err = proc.communicate(timeout=30)
+        text = err.decode()
+        pid = d.proc.pid
+        took = f"sparkwatch: guard pid {pid} (DRY RUN) took it: its budget 2.0 GiB is watched and recorded, nothing is "
+        assert took in text, text
+        assert "no guard is running" not in text
+        # The guard republished when the engine it took went away.
+        assert wait_until(lambda: json.loads(published.read_text())["taken"] == [], 10), published.read_text()
+    assert status.returncode == 0, status.stderr
+    who = "root" if os.geteuid() == 0 else f"uid {os.geteuid()}"
+    guard = _frame_section(status.stdout, "GUARD")
+    assert guard == [
+        f"guard pid {pid} ({who}), DRY RUN (records, kills nothing), floor 1.0 GiB, 1 budget, 1 launched engine"
+    ]
+    engines = _frame_section(status.stdout, "ENGINES")
+    row = next(line for line in engines if line.startswith(f"vllm {decl['root_pid']} "))
+    assert "launched: phase ready for " in row and "budget 2.0 GiB" in row, row
+    check = next(c for c in json.loads(doctor.stdout)["checks"] if c["id"] == "guard")
+    assert check["status"] == "warn" and f"guard pid {pid} " in check["summary"] and "DRY RUN" in check["summary"]
+    assert not published.exists()  # a clean stop removes it: no reader takes a stopped guard as running
+
+
+def test_an_armed_guard_takes_the_declaration_and_doctor_finds_it_ok(box: Box, tmp_path: Path) -> None:
+    with sparkwatch_run(tmp_path, "--floor", "1GiB", env={"XDG_RUNTIME_DIR": str(box.run_dir)}) as d:
+        model = small_model(tmp_path)
+        proc = box.launch("--", *small_args(model, fitting_util()), "--phase-s", "0.05", "--serve-s", "3")
+        _out, err = proc.communicate(timeout=60)
+        status = _run(box, "status", "--once")
+        doctor = _run(box, "doctor", "--json")
+        pid = d.proc.pid
+    assert proc.returncode == 0, err.decode()
+    assert f"sparkwatch: guard pid {pid} (armed) took it\n" in err.decode(), err.decode()
+    guard = _frame_section(status.stdout, "GUARD")
+    assert guard[0].startswith(f"guard pid {pid} (") and ", armed, floor 1.0 GiB, no budget" in guard[0], guard
+    check = next(c for c in json.loads(doctor.stdout)["checks"] if c["id"] == "guard")
+    assert check["status"] == "ok" and f"guard pid {pid} " in check["summary"] and ", armed," in check["summary"]
+
+
+def test_a_guard_that_does_not_read_this_runtime_dir_is_said_not_to_have_taken_it(box: Box, tmp_path: Path) -> None:
+    """The guard's runtime dir cannot be made (its XDG_RUNTIME_DIR is a file): it publishes in the state dir, which
+    launch also reads, but it reads no declaration of launch's runtime dir: after the bounded wait, launch says so."""
+    blocked = tmp_path / "not-a-dir"
+    blocked.write_text("")
+    with sparkwatch_run(tmp_path, "--dry-run", "--floor", "1GiB", env={"XDG_RUNTIME_DIR": str(blocked)}) as d:
+        assert (box.state / "guard.json").is_file()
+        assert any("could not publish the guard's state in" in line for line in d.stderr_lines), d.stderr_lines
+        model = small_model(tmp_path)
+        proc = box.launch("--budget", "2GiB", "--", *small_args(model, fitting_util()), "--phase-s", "0.05",
+                          "--serve-s", "7")  # fmt: skip
+        _out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err.decode()
+    line = f"sparkwatch: guard pid {d.proc.pid} has not taken it within 5 s (does it read this runtime dir?): the "
+    assert line + "budget is not enforced\n" in err.decode(), err.decode()
+    assert "no guard is running" not in err.decode()

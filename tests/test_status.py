@@ -77,6 +77,7 @@ def status_env(home: Path, **extra: str) -> dict[str, str]:
         SPARKWATCH_JIT_CACHE_DIRS=json.dumps([str(home / ".cache" / "flashinfer")]),
         SPARKWATCH_VLLM_CACHE_DIRS="[]",
         SPARKWATCH_STATE_DIR=str(home / "state"),
+        XDG_RUNTIME_DIR=str(home / "run"),  # where a guard of this test would publish its state (guard.json)
         HOME=str(home),
         TZ="UTC",
     )
@@ -220,6 +221,8 @@ def test_once_degrades_with_nothing_to_show(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr
     out = result.stdout
     assert section(out, "ENGINES") == ["no engine processes"]
+    # No guard runs for this state and runtime dir (a dead guard's file would be stale, never "running").
+    assert section(out, "GUARD") == ["no guard is running: nothing is killed before the pool runs out"]
     compilers = section(out, "COMPILERS")
     # Other people's builds may run on this shared machine: then they are all counted outside any engine.
     if compilers != ["no compiler processes"]:

@@ -8,7 +8,9 @@ from datetime import UTC
 from rich.console import Console
 
 from sparkwatch.core.enums import JitState, MaxJobsState
+from sparkwatch.core.guardstate import GuardState
 from sparkwatch.core.model import (
+    BootState,
     CollectorStatus,
     CompileCensus,
     EngineCompile,
@@ -254,3 +256,25 @@ def test_a_finished_quiet_cache_is_one_short_line() -> None:
     cache = JitCacheState("flashinfer", "0.2.7", "121a", "/c", 900 * MiB, 4000, 1_795_000_000.0 - 86400, 40, 40, 10, 10)
     out = text_of(render(_frame(builds=(BuildView(cache, BuildRate(None, None, 0.0)),)), 140, tz=UTC))
     assert "flashinfer 0.2.7 121a  complete: 40 objects, 10 modules, 900 MiB · changed 1d00h ago" in out
+
+
+def test_the_guard_row_and_a_launched_engines_boot_phase() -> None:
+    now = 1_795_000_000.0
+    boot = BootState(4242, "vllm", "/models/Qwen3-32B", "jit_compile", now - 192, now - 300, budget_bytes=60 * GiB)
+    snap = replace(_frame().snapshot, boots=(boot, BootState(5151, "sglang", "m", "ready", now - 60, now - 200, 140.0)))
+    armed = GuardState(77, 1, 0, False, 8 * GiB, 0, 1, ((4242, 9),), now)
+    out = text_of(render(_frame(snapshot=snap, guards=(armed,)), 160, tz=UTC))
+    assert "GUARD      guard pid 77 (root), armed, floor 8.0 GiB, 1 budget, 1 launched engine\n" in out
+    engines = out.split("ENGINES", 1)[1]
+    assert (
+        "vllm 4242 · VLLM::EngineCore · 3 processes · RSS 1.2 GiB · launched: phase jit_compile for 3m12s, " in engines
+    )
+    assert "budget 60.0 GiB · JIT compiling" in engines
+    # Declared, but not an engine tree in this cycle's scan: still shown, with its phase.
+    assert "sglang 5151 · m · launched: phase ready for 1m00s (ready after 2m20s)" in engines
+    dry = replace(armed, uid=1000, dry_run=True, budget_rules=2, declared_budgets=0, taken=())
+    out = text_of(render(_frame(guards=(dry,), guard_notes=("/run/sparkwatch/guard.json is stale: …",)), 160))
+    assert "GUARD      guard pid 77 (uid 1000), DRY RUN (records, kills nothing), floor 8.0 GiB, 2 budgets\n" in out
+    assert "           /run/sparkwatch/guard.json is stale: …\n" in out
+    none = text_of(render(_frame(), 160))
+    assert "GUARD      no guard is running: nothing is killed before the pool runs out\n" in none

@@ -341,6 +341,34 @@ def test_kill_through_cgroup_kill(unit: SystemUnit) -> None:
         ct.run(["systemctl", "restart", UNIT], check=False)
 
 
+def test_the_system_guard_publishes_its_state_for_every_user(unit: SystemUnit) -> None:
+    """/run/sparkwatch/guard.json (the unit's RuntimeDirectory, writable under ProtectSystem=strict): root's, 0644 in
+    a 0755 directory. `tester` reads it: status and doctor find the system guard armed at its floor, and tester's
+    launch says the system guard took its declaration (the system guard reads every /run/user/*/ declaration)."""
+    main = unit.main_pid()
+    unit.wait(
+        "guard.json", lambda: unit.ct.run(["test", "-f", "/run/sparkwatch/guard.json"], check=False).returncode == 0
+    )
+    modes = unit.ct.run(["stat", "-c", "%U %a", "/run/sparkwatch", "/run/sparkwatch/guard.json"]).stdout.split()
+    assert modes == ["root", "755", "root", "644"], modes
+    status = unit.ct.as_tester(["/opt/sw/bin/sparkwatch", "status", "--once"])
+    assert f"GUARD      guard pid {main} (root), armed, floor 2.0 GiB" in status.stdout, status.stdout
+    doctor = unit.ct.as_tester(["/opt/sw/bin/sparkwatch", "doctor", "--json"], check=False)
+    check = next(c for c in json.loads(doctor.stdout)["checks"] if c["id"] == "guard")
+    assert check["status"] == "ok" and f"guard pid {main} (root), armed" in check["summary"], check
+    argv = ["/opt/sw/bin/sparkwatch", "launch", "--budget", "1GiB", "--settle-timeout", "0", "--", "sleep", "4"]
+    launched = unit.ct.as_tester(argv, check=False)
+    assert launched.returncode == 0, launched.stderr
+    assert f"sparkwatch: guard pid {main} (armed) took it: its budget 1.0 GiB is enforced" in launched.stderr, (
+        launched.stderr
+    )
+    unit.ct.run(["systemctl", "stop", UNIT])
+    try:
+        assert unit.ct.run(["test", "-e", "/run/sparkwatch/guard.json"], check=False).returncode != 0  # removed
+    finally:
+        unit.ct.run(["systemctl", "start", UNIT], timeout_s=60)
+
+
 def test_user_unit_under_the_user_manager(ct: nspawn.Container) -> None:
     """The shipped user unit under tester's (lingering) user manager: READY, and the kernel log is not readable
     where kernel.dmesg_restrict=1, with the hint to run the system unit, which the test above shows reads it."""
@@ -353,6 +381,14 @@ def test_user_unit_under_the_user_manager(ct: nspawn.Container) -> None:
         assert ct.as_tester(["systemctl", "--user", "is-active", UNIT]).stdout.strip() == "active"
         main = int(ct.as_tester(["systemctl", "--user", "show", "-p", "MainPID", "--value", UNIT]).stdout)
         assert ct.run(["ps", "-o", "uid=", "-p", str(main)]).stdout.strip() == "1000"
+        # Its published state, in its runtime dir (RuntimeDirectory=, writable under ProtectSystem=strict): tester's.
+        published = "/run/user/1000/sparkwatch/guard.json"
+        deadline = time.monotonic() + 20
+        while ct.run(["test", "-f", published], check=False).returncode != 0 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert ct.run(["stat", "-c", "%U %a", published]).stdout.split() == ["tester", "644"]
+        status = ct.as_tester(["/opt/sw/bin/sparkwatch", "status", "--once"]).stdout
+        assert f"GUARD      guard pid {main} (uid 1000), armed" in status, status
         if Path("/proc/sys/kernel/dmesg_restrict").read_text().strip() == "1":
             deadline = time.monotonic() + 20
             journal = ""

@@ -29,10 +29,11 @@ def add_parser(sub: Any, parent: argparse.ArgumentParser) -> None:
     p = sub.add_parser(
         "doctor",
         parents=[parent],
-        help="one-shot health report: driver, swap, MAX_JOBS, Ray, floor, kernel log, Xids",
+        help="one-shot health report: driver, swap, MAX_JOBS, Ray, floor, guard, kernel log, Xids",
         description="A one-shot health report of this node: a stranded NVIDIA driver (with the commands that fix "
         "it), the kernel that boots next, swap, MAX_JOBS in the engines' environments, Ray's memory monitor, the "
-        "floor, whether the kernel log is readable, recent Xids. Exit 1 when a check fails.",
+        "floor, whether a guard runs and is armed, whether the kernel log is readable, recent Xids. Exit 1 when a "
+        "check fails.",
     )
     p.add_argument("--json", action="store_true", help='print {"ok": …, "checks": […]}')
     p.set_defaults(handler=handle)
@@ -41,12 +42,14 @@ def add_parser(sub: Any, parent: argparse.ArgumentParser) -> None:
 def run_checks(args: argparse.Namespace) -> tuple[list[Check], Path, bool]:
     from sparkwatch.cli import settings_from
     from sparkwatch.common.guardconfig import engine_rules
+    from sparkwatch.common.guardstate import read_guards, reader_paths
     from sparkwatch.common.sources.kmsg import read_kmsg_ring
     from sparkwatch.common.sources.meminfo import MeminfoError, parse_meminfo
     from sparkwatch.common.sources.procs import ProcScanner
     from sparkwatch.core.doctor import (
         env_targets,
         floor_check,
+        guard_check,
         kernel_log_check,
         max_jobs_check,
         ray_monitor_check,
@@ -87,6 +90,9 @@ def run_checks(args: argparse.Namespace) -> tuple[list[Check], Path, bool]:
     checks.append(max_jobs_check(targets, environ, settings.compile_jobs_alert))
     checks.append(ray_monitor_check(targets, environ))
     checks.append(floor_check(settings.floor, settings.warn_headroom, mem))
+    # The running guard's own word (common.guardstate); only this machine's: a fixture root has no processes to ask.
+    guards = read_guards(reader_paths(os.environ, settings.state_dir)) if live else None
+    checks.append(guard_check(guards.states if guards else (), guards.notes if guards else (), live))
     # The kernel log: this machine's /dev/kmsg (kernel_log_path), or DIR/dev/kmsg (a file of records) under --root.
     kmsg = settings.kernel_log_path if live else root / "dev" / "kmsg"
     records, why_not = read_kmsg_ring(kmsg, records_file=not live)

@@ -12,6 +12,9 @@
   reparented to launch: a worker that double-forked with setsid), its scope's memory.current, and NVML's per-process
   bytes where NVML loads (checked in a throwaway child first, as `status` does). The pool's drop is never a peak:
   everything else on the box is in it.
+- one line says where it went; then, from the guard's published state (common.guardstate), whether a guard took it
+  (within GUARD_WORD_WAIT_S), or at once and only once that no guard is running (with a budget: that it is not
+  enforced).
 - Ctrl-C (SIGINT) is forwarded to the whole tree; a second one sends SIGTERM, a third SIGKILL. SIGTERM and SIGHUP
   are forwarded as they are. When the root is gone, what is left of the tree gets SIGTERM, then SIGKILL after
   LEFTOVER_GRACE_S, and is reaped.
@@ -35,7 +38,7 @@ from types import FrameType
 from typing import Any
 
 from sparkwatch.cli.launch_plan import PlanContext
-from sparkwatch.common import launched, peakstore, syscalls
+from sparkwatch.common import guardstate, launched, peakstore, syscalls
 from sparkwatch.common.events import read_events
 from sparkwatch.common.launched import Declaration
 from sparkwatch.common.sources.cgroupmem import read_memory_current
@@ -46,6 +49,7 @@ from sparkwatch.core import launchenv, peaks
 from sparkwatch.core.bootphase import BootPhase, PhaseRecognizer
 from sparkwatch.core.budget import memory_high_bytes
 from sparkwatch.core.footprint import FootprintInputs, footprint
+from sparkwatch.core.guardstate import no_guard_line, not_taken_line, taken_line
 from sparkwatch.core.plan import Plan
 from sparkwatch.core.units import MiB, format_size
 
@@ -60,6 +64,9 @@ PIPE_BYTES = 1 << 20
 F_SETPIPE_SZ = 1031
 LEFTOVER_GRACE_S = 5.0
 DRAIN_S = 2.0
+# How long launch looks for a guard to take its declaration: the guard reads the declarations each tick (at most
+# poll_max_s, 1 s, apart) and republishes guard.json at once when it took a new one.
+GUARD_WORD_WAIT_S = 5.0
 KILL_EVENT_WAIT_S = 6.0  # the guard writes its kill event after the reap and its settle time (1 s by default)
 PEAK_WRITE_MIN_BYTES = 256 * MiB  # rewrite the declaration when the peak grew by this much (or 5 %)
 SYSTEM_EVENTS = Path("/var/lib/sparkwatch/events.jsonl")  # the system unit's (XDG_STATE_HOME=/var/lib)
@@ -186,6 +193,7 @@ class Launch:
         self.killed_by: dict[str, Any] | None = None
         self.unit = f"{SCOPE_PREFIX}{os.getpid()}"
         self.gpu: Any | None = None
+        self._guard_wait_until: float | None = None  # monotonic; None: nothing (more) to say about the guard
 
     # --- output
     def note(self, text: str) -> None:
@@ -238,6 +246,38 @@ class Launch:
             self.note(f"{self.decl.kind} is ready after {self.decl.ready_s or 0:.0f} s (phase ready)")
         else:
             self.note(f"phase {phase} after {now - self.decl.launched_at:.0f} s")
+
+    # --- the guard's word (common.guardstate): where the declaration went, and whether a guard took it
+    def _declared_to_guard(self) -> None:
+        """One line saying where the declaration went; at once when no guard runs, else once one took it (or
+        GUARD_WORD_WAIT_S passed), from `_guard_word`."""
+        if self.decl is None:
+            return
+        path = self.directory / self.decl.file_name
+        if not path.exists():
+            return  # _write_decl said why
+        self.note(f"declared in {path}")
+        seen = guardstate.read_guards(guardstate.reader_paths(self.env, self.settings.state_dir))
+        if not seen.running:
+            self.note(no_guard_line(self.plan.budget_bytes))
+            return
+        self._guard_wait_until = time.monotonic() + GUARD_WORD_WAIT_S
+        self._guard_word()
+
+    def _guard_word(self) -> None:
+        if self._guard_wait_until is None or self.decl is None:
+            return
+        seen = guardstate.read_guards(guardstate.reader_paths(self.env, self.settings.state_dir))
+        state = seen.taken_by(self.decl.tree_key)
+        if state is not None:
+            self.note(taken_line(state, self.plan.budget_bytes))
+        elif not seen.running:
+            self.note(no_guard_line(self.plan.budget_bytes))  # it stopped meanwhile
+        elif time.monotonic() >= self._guard_wait_until:
+            self.note(not_taken_line(seen.states, self.plan.budget_bytes, GUARD_WORD_WAIT_S))
+        else:
+            return
+        self._guard_wait_until = None
 
     # --- signals
     def _on_signal(self, signum: int, _frame: FrameType | None) -> None:
@@ -359,6 +399,7 @@ class Launch:
             f"started {est.kind} as pid {pid}"
             + (f", budget {format_size(self.plan.budget_bytes)}" if self.plan.budget_bytes else "")
         )
+        self._declared_to_guard()
         pidfd = syscalls.pidfd_open(pid)
         out_fd, err_fd = proc.stdout.fileno(), proc.stderr.fileno()
         for fd in (out_fd, err_fd):
@@ -400,7 +441,8 @@ class Launch:
                 self._forward(pid)
                 status = self._reap(pid)
                 if time.monotonic() >= next_sample and status is None:
-                    next_sample = time.monotonic() + SAMPLE_EVERY_S
+                    next_sample = time.monotonic() + min(SAMPLE_EVERY_S, self._guard_poll_s())
+                    self._guard_word()
                     if scoped and cgroup is None:
                         cgroup = self._scope_cgroup(pid)
                     fp = self._sample(pid, cgroup)
@@ -422,6 +464,10 @@ class Launch:
         self._end_leftovers(pid)
         self._drain(streams, open_streams, poller)
         return self._finish(pid, status, peak, started_wall)
+
+    def _guard_poll_s(self) -> float:
+        """While waiting for a guard's word, look four times a second: the line comes when the guard took it."""
+        return SAMPLE_EVERY_S if self._guard_wait_until is None else 0.25
 
     def _declare_exit(self, status: int | None, peak: int) -> None:
         sig = os.WTERMSIG(status) if status is not None and os.WIFSIGNALED(status) else None

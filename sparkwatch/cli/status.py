@@ -1,7 +1,9 @@
 """`sparkwatch status [--once]`: the live terminal view.
 
 It runs the daemon's own snapshot code (`Telemetry(settings).collect()`) in this process, so it needs no daemon, and
-like the telemetry it only reads: /proc, the JIT caches, NVML, the events file. It never signals and never writes.
+like the telemetry it only reads: /proc, the JIT caches, NVML, the events file, launch's declarations (their boot
+phases) and the running guard's published state (common.guardstate: a few stats and one small read a frame). It
+never signals and never writes.
 
 Light over a slow SSH link: one redraw a second (rich Live with auto-refresh off, updated once per cycle, in the
 normal screen, not the alternate one), a frame of about 25 lines; on a pipe, frames are printed one after another.
@@ -41,10 +43,11 @@ def add_parser(sub: Any, parent: argparse.ArgumentParser) -> None:
     p = sub.add_parser(
         "status",
         parents=[parent],
-        help="live terminal view: pool, engines, compilers, JIT, GPU",
-        description="A live terminal view, redrawn once a second: the memory pool against the floor, the engines, "
-        "compilers and MAX_JOBS, JIT build progress with an ETA, the GPU, the driver and the last kill. Needs no "
-        "daemon; q or Ctrl-C quits. On a pipe it prints plain frames.",
+        help="live terminal view: pool, guard, engines, compilers, JIT, GPU",
+        description="A live terminal view, redrawn once a second: the memory pool against the floor, the guard "
+        "(running, armed or dry run), the engines and their boot phases, compilers and MAX_JOBS, JIT build progress "
+        "with an ETA, the GPU, the driver and the last kill. Needs no daemon; q or Ctrl-C quits. On a pipe it prints "
+        "plain frames.",
     )
     p.add_argument("--once", action="store_true", help="print one frame and exit (for scripts and bug reports)")
     p.add_argument(
@@ -105,7 +108,12 @@ class StatusApp:
             builds.append(BuildView(cache, build_rate(list(hist), cache.objects_total)))
         for path in set(self.objects_done) - seen:
             del self.objects_done[path]
+        from sparkwatch.common.guardstate import read_guards, reader_paths
+
+        guards = read_guards(reader_paths(os.environ, self.settings.state_dir))
         return StatusFrame(
+            guards=guards.states,
+            guard_notes=guards.notes,
             snapshot=snap,
             host=self.host,
             floor_bytes=self.settings.floor,

@@ -1,5 +1,5 @@
 """The non-driver checks of `sparkwatch doctor`: swap, MAX_JOBS and Ray's memory monitor in running engines, floor,
-the kernel log and the Xids in it.
+the guard (running, armed or dry run), the kernel log and the Xids in it.
 
 Pure: processes, their environments and meminfo come in as data.
 """
@@ -12,6 +12,7 @@ from typing import Literal
 
 from sparkwatch.core.engines import EngineRules, engine_kind
 from sparkwatch.core.enums import CheckStatus
+from sparkwatch.core.guardstate import GuardState, describe, describe_all
 from sparkwatch.core.kernlog import KmsgRecord, NvrmError, XidLine, is_from_kernel, parse_nvrm, xid_info
 from sparkwatch.core.model import Check, MemInfo, Proc
 from sparkwatch.core.redact import redact
@@ -195,6 +196,33 @@ def floor_check(floor_bytes: int, warn_headroom_bytes: int, mem: MemInfo | None)
             "floor", CheckStatus.WARN, f"{shown}: floor + warn_headroom exceeds MemTotal; always warning", fix=fix
         )
     return Check("floor", CheckStatus.OK, shown)
+
+
+def guard_check(states: Sequence[GuardState], notes: Sequence[str], live: bool) -> Check:
+    """Whether a guard runs (its published state, common.guardstate) and would kill. Not running or in dry run is a
+    warning, not a failure: the node itself is healthy, only unguarded."""
+    if not live:
+        return Check("guard", CheckStatus.SKIP, "not this machine's root: no running guard to ask")
+    detail = "\n".join(notes) or None
+    if not states:
+        return Check(
+            "guard",
+            CheckStatus.WARN,
+            f"{describe_all(states)}: nothing kills an engine before the pool runs out, and no budget is enforced",
+            fix="sparkwatch install-service   # the user unit; engines of other users or in Docker: "
+            "sudo sparkwatch install-service --system",
+            detail=detail,
+        )
+    dry = [s for s in states if s.dry_run]
+    if dry and len(dry) == len(states):
+        return Check(
+            "guard",
+            CheckStatus.WARN,
+            f"{describe_all(states)}: it records what it would kill and signals nothing",
+            fix="sparkwatch run without --dry-run (or dry_run = false in the config), then restart sparkwatch",
+            detail=detail,
+        )
+    return Check("guard", CheckStatus.OK, "; ".join(describe(s) for s in states), detail=detail)
 
 
 # --- the kernel log (core.kernlog)

@@ -172,6 +172,10 @@ class PoolWatch:
         self._budget_victims: dict[policy.TreeKey, float] = {}  # killed for their budget -> teardown deadline
         # Telemetry's count of engine trees (a reference read): a change starts a budget discovery at once.
         self.engines_hint: Callable[[], int | None] = lambda: None
+        # Called (on this thread; it must not block) when the set of launched engines the guard took changed: the
+        # guard process republishes its state (common.guardstate) on its main thread.
+        self.on_taken: Callable[[], None] | None = None
+        self._taken: frozenset[policy.TreeKey] = frozenset()
         self._last_mem: MemInfo | None = None
 
     # Settings applied on SIGHUP without a restart: those GuardConfig marks LIVE (the one declaration).
@@ -313,6 +317,7 @@ class PoolWatch:
         budget anywhere). Never raises: a budget is a refinement; the floor stays the last line."""
         try:
             self.launched.poll(time.monotonic())
+            self._note_taken()
             with self.lock:
                 rules, scope, bparams, budgets = self.rules, self.scope, self.budget_params, self.engine_budgets
             live = self.launched.live()
@@ -339,6 +344,13 @@ class PoolWatch:
         if self._budget_victims:
             self._budget_victims = {k: d for k, d in self._budget_victims.items() if d > now}
         return wake
+
+    def _note_taken(self) -> None:
+        declared = self.launched.declared()
+        if declared.keys() != self._taken:  # a handful of keys compared: no allocation unless they changed
+            self._taken = frozenset(declared)
+            if self.on_taken is not None:
+                self.on_taken()
 
     def _budget_kill(self, tracked: Tracked, fp: Footprint) -> None:
         """Kill one tree over its budget, alone, whatever the pool; recorded like every kill (trigger `budget`)."""

@@ -14,6 +14,11 @@ the whole config in a short child process (`sparkwatch run --print-settings`, th
 thread of its own, then the guard applies the new values, then the telemetry process gets them over the channel and
 says which keys its components took; the log names what applied and what needs a restart. A bad config is logged
 and the running one kept.
+
+Published state: the main thread writes guard.json (common.guardstate: pid and start time, armed or dry run, floor,
+budgets, the launched engines taken) at start, after a reload, and when the pool watch says the set of launched
+engines it took changed; it removes it on a clean stop. No heartbeat: a reader checks that the pid still has the
+start time the file gives, so a dead guard's file reads as stale without the guard writing every tick.
 """
 
 from __future__ import annotations
@@ -28,10 +33,11 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from sparkwatch.common import logs, syscalls
+from sparkwatch.common import guardstate, logs, syscalls
 from sparkwatch.common.events import make_event
 from sparkwatch.common.guardconfig import GuardConfig, describe_wire_changes
 from sparkwatch.common.lifecycle import Component, CountersOnly, apply_all, start_all, stop_all
@@ -40,10 +46,12 @@ from sparkwatch.common.recording import open_recording
 from sparkwatch.common.selfwatch import rss_bytes
 from sparkwatch.common.sharing import events_gid
 from sparkwatch.common.signals import DAEMON_SIGNALS
+from sparkwatch.common.sources.procs import read_start_ticks
 from sparkwatch.common.spool import FileSpool
 from sparkwatch.common.systemd import Notifier, ServiceNotifier
 from sparkwatch.common.threads import daemon_thread
 from sparkwatch.core.eventkinds import EventKind
+from sparkwatch.core.guardstate import GuardState
 from sparkwatch.core.redact import remember_secrets
 from sparkwatch.core.status import status_line
 from sparkwatch.guard.poolwatch import PoolWatch
@@ -162,6 +170,7 @@ class GuardProcess:
         self.guard.gpu_bytes_by_pid = self.supervisor.gpu.latest
         self.guard.on_news = self.supervisor.wake  # the first sample, and each entry into the floor's band
         self.guard.engines_hint = lambda: self.supervisor.engines  # a new engine tree: budgets look at once
+        self.guard.on_taken = self.request_publish  # the launched engines it guards changed: guard.json says so
         # The flight recorder: fed by the pool watch's tick (no wake-up of its own), written on its own thread, with
         # what the guard already knows (its last scan, telemetry's engine trees and GPU bytes); the next boot judges it.
         self.recorder = FlightRecorder(
@@ -211,6 +220,10 @@ class GuardProcess:
         # right after a reload's validator ended left the daemon running, 1 run in 7-12.
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._reloading: threading.Thread | None = None
+        # The published state (common.guardstate): written by the main thread only, never by the guard's.
+        self._publish = threading.Event()
+        self._state_path: Path | None = None
+        self._state_error_logged = False
 
     def _event_counters(self) -> dict[str, int]:
         router = self.router
@@ -248,6 +261,11 @@ class GuardProcess:
 
     def request_reload(self) -> None:
         self._reload.set()
+        self._poke()
+
+    def request_publish(self) -> None:
+        """Rewrite guard.json soon, on the main thread (safe from any thread: a flag and a pipe write)."""
+        self._publish.set()
         self._poke()
 
     def _poke(self) -> None:
@@ -310,6 +328,7 @@ class GuardProcess:
             if self._stop.is_set():
                 return False
             self._apply(new)
+            self.request_publish()  # a new floor, dry run or budgets: readers see them
             return True
         finally:
             if not self._stop.is_set():
@@ -353,6 +372,48 @@ class GuardProcess:
             return
         self._reloading = daemon_thread(self.reload, "sparkwatch-reload")
         self._reloading.start()
+
+    # --- the published state
+    def published_state(self) -> GuardState:
+        c = self.config
+        live = self.guard.launched.live()
+        return GuardState(
+            pid=os.getpid(),
+            start_ticks=read_start_ticks("/proc", os.getpid()) or 0,
+            uid=os.geteuid(),
+            dry_run=c.dry_run,
+            floor_bytes=c.floor,
+            budget_rules=len(c.engine_budgets),
+            declared_budgets=sum(1 for d in live if d.budget_bytes),
+            taken=tuple(sorted(d.tree_key for d in live)),
+            written_at=time.time(),
+        )
+
+    def _write_state(self) -> None:
+        """Publish guard.json in the runtime dir, else in the state dir; a failure is logged once, never fatal."""
+        state = self.published_state()
+        first = guardstate.guard_dir(os.environ, self.config.state_dir)
+        for directory in dict.fromkeys((first, self.config.state_dir)):
+            try:
+                path = guardstate.write(directory, state)
+            except OSError as exc:
+                if not self._state_error_logged:
+                    self._state_error_logged = True
+                    log.warning(
+                        "could not publish the guard's state in %s: %s (status and launch look there)",
+                        directory,
+                        exc.strerror or exc,
+                    )
+                continue
+            if self._state_path is not None and self._state_path != path:
+                guardstate.remove(self._state_path, state.pid)
+            self._state_path = path
+            return
+
+    def _remove_state(self) -> None:
+        if self._state_path is not None:
+            guardstate.remove(self._state_path, os.getpid())
+            self._state_path = None
 
     # --- run
     def _protect_self(self) -> None:
@@ -413,16 +474,21 @@ class GuardProcess:
             self.journal.backend,
             f", sd_notify via {self.sd.notifier.backend}" if self.sd.notifier.enabled else "",
         )
+        self._write_state()
         syscalls.trim_heap()  # hand back what importing and building everything left free
-        # The main thread wakes for a signal (the wakeup fd, then its handler) or the supervisor's word that we are
-        # over the RSS cap: it never polls.
+        # The main thread wakes for a signal (the wakeup fd, then its handler), the supervisor's word that we are
+        # over the RSS cap, or a state to publish: it never polls.
         while not self._stop.is_set() and self._over_cap_rss is None:
             self._sleep_until_woken()
             if self._reload.is_set() and not self._stop.is_set():
                 self._reload.clear()
                 self._start_reload()
+            if self._publish.is_set() and not self._stop.is_set():
+                self._publish.clear()
+                self._write_state()
         over = self._over_cap_rss
         self.sd.stopping()  # first, so systemd knows the exit that follows is wanted
+        self._remove_state()  # no longer guarding: readers must not take this guard as running
         log.info("stopping")
         if isinstance(self.validate, Validator):
             self.validate.cancel()

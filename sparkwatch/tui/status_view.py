@@ -1,7 +1,8 @@
 """`sparkwatch status`: one frame of the live view, from records to rich renderables. No I/O here.
 
-The frame answers, top to bottom: how close is the pool to the floor and how fast is it moving; which engines hold
-it; is a compiler burst running and is MAX_JOBS bounding it; is each JIT build moving (objects done / total, rate,
+The frame answers, top to bottom: how close is the pool to the floor and how fast is it moving; does a guard run,
+and would it kill (armed) or only record (dry run); which engines hold it, and where each launched one is in its
+boot; is a compiler burst running and is MAX_JOBS bounding it; is each JIT build moving (objects done / total, rate,
 ETA: the answer to "is it hung?" during a 15-minute first boot); what the GPU and the driver say; and the last kill.
 
 Bars are drawn from characters, not rich's progress widgets, so a frame is the same text on a terminal, in a pipe
@@ -20,7 +21,9 @@ from rich.table import Table
 from rich.text import Text
 
 from sparkwatch.core.enums import DriverVerdict, JitState, MaxJobsState
+from sparkwatch.core.guardstate import GuardState, describe, describe_all
 from sparkwatch.core.model import (
+    BootState,
     CompileCensus,
     DriverReport,
     EngineTree,
@@ -68,6 +71,9 @@ class StatusFrame:
     live: bool = False
     # Wall time of the viewer's first snapshot: a state "since" then may be older; the view says "for ≥ …".
     started_ts: float = 0.0
+    # The running guards' published state (common.guardstate), and why any other state file found was not taken.
+    guards: tuple[GuardState, ...] = ()
+    guard_notes: tuple[str, ...] = ()
 
 
 # --- small formatters
@@ -155,6 +161,32 @@ def trend_line(frame: StatusFrame) -> Text:
     return line
 
 
+def guard_lines(guards: Sequence[GuardState], notes: Sequence[str]) -> list[Text]:
+    """One line per running guard: armed in green, dry run in yellow; none running in yellow, and why a file found
+    was not taken (a dead guard's, another user's) dimmed below it."""
+    if not guards:
+        out = [Text(f"{describe_all(guards)}: nothing is killed before the pool runs out", style="yellow")]
+    else:
+        out = [Text(describe(g), style="yellow" if g.dry_run else "green") for g in guards]
+    out += [Text(note, style="dim") for note in notes]
+    return out
+
+
+def _boot_for(tree: EngineTree, boots: Sequence[BootState]) -> BootState | None:
+    return next((b for b in boots if b.root_pid == tree.root.pid), None)
+
+
+def boot_text(boot: BootState, now: float) -> str:
+    """`launched: phase jit_compile for 3m12s, budget 60.0 GiB` (ready: `ready after 41 s`)."""
+    since = fmt_duration(now - boot.phase_since_ts) if boot.phase_since_ts else "?"
+    text = f"launched: phase {boot.phase} for {since}"
+    if boot.phase == "ready" and boot.ready_s is not None:
+        text += f" (ready after {fmt_duration(boot.ready_s)})"
+    if boot.budget_bytes:
+        text += f", budget {format_size(boot.budget_bytes)}"
+    return text
+
+
 def _jit_state_for(tree: EngineTree, states: Sequence[JitEngineState]) -> JitEngineState | None:
     for state in states:
         if state.root_pid == tree.root.pid:
@@ -164,15 +196,19 @@ def _jit_state_for(tree: EngineTree, states: Sequence[JitEngineState]) -> JitEng
 
 def engine_lines(frame: StatusFrame) -> list[Text]:
     snap = frame.snapshot
-    if not snap.engines:
+    if not snap.engines and not snap.boots:
         return [Text("no engine processes", style="dim")]
     out = []
+    roots = {tree.root.pid for tree in snap.engines}
     for tree in snap.engines:
         count = len(tree.members)
         name = redact(tree.root.display_name)
         line = Text(
             f"{tree.kind} {tree.root.pid} · {name} · {plural(count, 'process')} · RSS {format_size(tree.rss_bytes)}"
         )
+        boot = _boot_for(tree, snap.boots)
+        if boot is not None:
+            line.append(f" · {boot_text(boot, snap.ts)}", style="green" if boot.phase == "ready" else "cyan")
         state = _jit_state_for(tree, snap.jit_states)
         if state is not None:
             style = {JitState.COMPILING: "cyan", JitState.STALLED: "bold red"}.get(state.state, "")
@@ -186,6 +222,9 @@ def engine_lines(frame: StatusFrame) -> list[Text]:
             if state.state != JitState.IDLE and state.reason:
                 line.append(f": {state.reason}", style="dim")
         out.append(line)
+    for boot in snap.boots:
+        if boot.root_pid not in roots:  # declared, but not (yet) an engine tree in this cycle's scan
+            out.append(Text(f"{boot.kind} {boot.root_pid} · {boot.model} · {boot_text(boot, snap.ts)}"))
     return out
 
 
@@ -370,6 +409,7 @@ def render(frame: StatusFrame, width: int, tz: tzinfo | None = None) -> Renderab
     hint = " · q or Ctrl-C quits" if frame.live else ""
     header = Text(f"sparkwatch status · {frame.host} · {stamp}{hint}", style="bold")
     section("POOL", pool_lines(frame, width))
+    section("GUARD", guard_lines(frame.guards, frame.guard_notes))
     section("ENGINES", engine_lines(frame))
     section("COMPILERS", compile_lines(snap.compile, frame.compile_jobs_alert))
     section("JIT", jit_lines(frame.builds, snap.ts, width))
