@@ -20,6 +20,7 @@ from tests.conftest import Spawner, alive, pids_in, require, require_tool, wait_
 from tests.daemon import sparkwatch_run, wait_for_event
 from tests.grafana_support import alerts_over_scrapes
 from tests.launchbox import Box, box_for, fitting_util, small_args, small_model, wait_ready
+from tests.receiver import Receiver
 
 pytestmark = pytest.mark.pressure
 MiB = 1 << 20
@@ -117,16 +118,24 @@ def counters(text: str, family: str) -> dict[str, float]:
     return out
 
 
+@pytest.fixture
+def receiver() -> Iterator[Receiver]:
+    r = Receiver().start()
+    yield r
+    r.stop()
+
+
 def test_a_dry_run_records_the_same_decision_signals_nothing_and_moves_no_kill_counter(
-    tmp_path: Path, spawner: Spawner
+    tmp_path: Path, spawner: Spawner, receiver: Receiver
 ) -> None:
-    """The decision is a `would_kill` (not a `kill`), counted in its own counter; the shipped rules, run by promtool
-    over the daemon's own scrapes before and after, raise the warning SparkwatchGuardWouldKill and never the
-    critical SparkwatchGuardKilled."""
+    """The decision is a `would_kill` (not a `kill`), counted in its own counter and sent to the webhook as a
+    warning; the shipped rules, run by promtool over the daemon's own scrapes before and after, raise the warning
+    SparkwatchGuardWouldKill and never the critical SparkwatchGuardKilled."""
     promtool = require_tool("promtool")
     enough_memory(1200 * MiB)
     budgets = json.dumps(["300MiB=sw-budget-dry"])
-    with sparkwatch_run(tmp_path, "--dry-run", env={"SPARKWATCH_ENGINE_BUDGETS": budgets}) as daemon:
+    env = {"SPARKWATCH_ENGINE_BUDGETS": budgets, "SPARKWATCH_WEBHOOK_URL": f"{receiver.url_base}/hook"}
+    with sparkwatch_run(tmp_path, "--dry-run", env=env) as daemon:
         before = scrape(daemon.port)
         pidfile = tmp_path / "tree.pids"
         spawner.engine("--title", "VLLM::EngineCore_sw-budget-dry", "--hog-rate-mib", "300",
@@ -143,6 +152,11 @@ def test_a_dry_run_records_the_same_decision_signals_nothing_and_moves_no_kill_c
         events = read_events(daemon.events_path)
         assert [e["kind"] for e in events if e["kind"] in ("kill", "would_kill", "kill_loop")] == ["would_kill"]
         after = scrape(daemon.port)
+        # The webhook hears it as a warning (docs/contract.md, Webhook): its own kind, a warning icon, no skull.
+        assert wait_until(lambda: any(d.payload["kind"] == "would_kill" for d in receiver.deliveries), 30)
+    sent = [d.payload for d in receiver.deliveries]
+    assert [p["kind"] for p in sent if p["kind"] in ("kill", "would_kill")] == ["would_kill"]
+    assert str(next(p for p in sent if p["kind"] == "would_kill")["text"]).startswith(":warning: sparkwatch on ")
     assert set(counters(after, "sparkwatch_guard_kills_total").values()) == {0.0}  # every trigger, still 0
     assert "sparkwatch_guard_killed_processes_total 0.0" in after
     assert "sparkwatch_guard_last_kill_timestamp_seconds" not in after
