@@ -100,7 +100,7 @@ def test_100_declarations_with_9_kb_models_keep_metrics_bounded(
 ) -> None:
     """64 declarations in the runtime dir and 36 in the state dir (each directory's most), each naming a 9 KB model:
     the labels are cut to 128 characters, the boot families keep 64 engines and count the rest as dropped. Before
-    this, 64 such declarations made /metrics 5.9 MB."""
+    this, the scrape was 6.6 MB (64 such declarations: 4.2 MB); now 150 KB."""
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     dirs = [run_dir / "sparkwatch" / "launched"] * 64 + [tmp_path / "state" / "launched"] * 36

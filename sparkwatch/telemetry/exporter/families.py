@@ -8,7 +8,8 @@ And every label value passes through here, so /metrics holds to what events and 
 - per family, at most SERIES_SETS_MAX label sets keyed by an engine, a pid, a model, a name or a JIT cache (the
   state-set labels `state` and `phase` do not count: one engine's 8 phases are one set). What is past the cap is
   left out and counted in `sparkwatch_metrics_series_dropped_total`.
-Measured: 64 launched declarations with 9 KB model names made /metrics 5.9 MB before; now it stays under 200 KB.
+Measured with a real daemon: 64 launched declarations naming 9 KB models made a scrape 4.2 MB before, 100 of them
+(two directories) 6.6 MB; now 149 KB and 150 KB.
 """
 
 from __future__ import annotations
