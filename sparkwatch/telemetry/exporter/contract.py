@@ -695,9 +695,10 @@ METRICS: tuple[MetricSpec, ...] = (
         "counter",
         "",
         "always",
-        "series /metrics left out: past 64 label sets (engine, pid, model, name or JIT cache) in one family; label "
-        "values are redacted and cut to 128 characters",
-        help="Series left out of /metrics past 64 label sets of one family (engine, pid, model, name, JIT cache)",
+        "series left out of /metrics, summed over scrapes: those past 64 label sets (engine, pid, model, name or JIT "
+        "cache) in one family; label values are redacted and cut to 128 characters",
+        help="Series left out of /metrics past 64 label sets of one family (engine, pid, model, name, JIT cache), "
+        "summed over scrapes",
     ),
     _m("guard_psi_trigger", "gauge", "", "daemon", "1 while the guard also wakes on a PSI memory trigger"),
 )
