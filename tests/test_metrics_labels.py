@@ -136,3 +136,27 @@ def _dropped(text: str) -> float:
         if line.startswith("sparkwatch_metrics_series_dropped_total "):
             return float(line.split()[1])
     return 0.0
+
+
+def test_two_jit_caches_named_alike_for_128_characters_are_one_series_not_a_broken_scrape(tmp_path: Path) -> None:
+    """Two flashinfer version directories whose 201-character names differ only at the end: cut to 128 characters
+    they would be the same series twice (Prometheus refuses such a scrape), so the second is left out and counted."""
+    cache = tmp_path / "flashinfer"
+    names = ["v" * 200 + "1", "v" * 200 + "2"]
+    for name in names:
+        (cache / name / "121a" / "cached_ops").mkdir(parents=True)
+    cut = "v" * (LABEL_MAX_CHARS - 1) + "…"
+    env = {"SPARKWATCH_JIT_CACHE_DIRS": json.dumps([str(cache)])}
+    with sparkwatch_run(tmp_path, "--dry-run", env=env) as daemon:
+        text = ""
+
+        def shown() -> bool:
+            nonlocal text
+            text = scrape(daemon.port)
+            return "sparkwatch_jit_cache_bytes{" in text
+
+        assert wait_until(shown, 30), text[-2000:]
+    series = [line for line in text.splitlines() if line.startswith("sparkwatch_jit_cache_bytes{")]
+    assert len(series) == 1 and f'version="{cut}"' in series[0], series
+    assert not any(name in text for name in names)
+    assert _dropped(text) >= 1
