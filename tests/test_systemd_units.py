@@ -28,6 +28,14 @@ from tests.conftest import require, require_tool
 REPO = Path(__file__).resolve().parent.parent
 
 
+def root_owns_this_sparkwatch() -> bool:
+    """Whether the system unit would run this checkout (root owns it, its venv and every directory above them)."""
+    # Imported here: on a sparkwatch without the check, the tests that need it fail, not this module's import.
+    from sparkwatch.cli.install_service import root_runs_user_code
+
+    return root_runs_user_code() is None
+
+
 def verify(unit: Path, user: bool, tmp_path: Path, home: Path | None = None) -> None:
     """`systemd-analyze verify` must exit 0 and print nothing: unknown keys and bad syscall names are only warnings
     (exit 0), so any output is a failure too."""
@@ -195,6 +203,7 @@ def test_install_keeps_a_changed_previous_unit_and_no_start(tmp_path: Path) -> N
 
 def test_install_system_unit(tmp_path: Path) -> None:
     require(os.geteuid() == 0, "the system unit install path runs as root")
+    require(root_owns_this_sparkwatch(), "the system unit installs only a sparkwatch root owns")
     root = fake_systemd_root(tmp_path)
     out, runner = io.StringIO(), Recorder()
     assert install(system=True, start=True, print_only=False, root=root, runner=runner, out=out) == 0
@@ -245,6 +254,10 @@ def test_cli_install_service_in_this_container(tmp_path: Path, capsys: pytest.Ca
 def test_cli_print_shows_the_unit(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["install-service", "--print"]) == 0
     assert capsys.readouterr().out == render_unit(False, exec_start())
+    if not root_owns_this_sparkwatch():  # a checkout or venv not root's (a CI runner's): the refusal, in one line
+        assert main(["install-service", "--system", "--print"]) == 1
+        assert capsys.readouterr().err.startswith("sparkwatch: refusing the system unit: it runs as root and ")
+        return
     assert main(["install-service", "--system", "--print"]) == 0
     assert "User=root" in capsys.readouterr().out
 
@@ -356,11 +369,7 @@ def test_the_system_unit_refuses_a_venv_another_user_can_change(scratch: Path, h
 def test_the_system_unit_accepts_a_venv_root_owns(scratch: Path) -> None:
     """The same venv made by root, its chain (python's symlink target, this checkout, every parent) root's."""
     require(os.geteuid() == 0, "the system unit's check passes only for root's files")
-    from sparkwatch.cli.install_service import (
-        root_runs_user_code,
-    )  # new with the check: old code fails the test, not its import
-
-    require(root_runs_user_code() is None, "this checkout or its venv is not root's")
+    require(root_owns_this_sparkwatch(), "this checkout or its venv is not root's")
     venv = venv_with_this_sparkwatch(scratch, 0)
     done = print_system_unit(venv)
     assert done.returncode == 0, done.stderr
