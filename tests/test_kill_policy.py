@@ -10,6 +10,7 @@ import shlex
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 from typing import cast
 
@@ -198,6 +199,15 @@ def test_memory_still_under_the_floor_kills_the_next_engine_never_the_allocator(
         if dry_run:
             assert tree_alive(old) and tree_alive(new)
             assert sum("DRY-RUN would KILL vllm tree" in line for line in daemon.stderr_lines) == 2
+            # Both decisions (the first trigger and the next: escalate, floor or predicted) are would-kills only.
+            with urllib.request.urlopen(f"http://127.0.0.1:{daemon.port}/metrics", timeout=5) as resp:
+                text = resp.read().decode()
+            counts = {"sparkwatch_guard_kills_total": 0.0, "sparkwatch_guard_would_kills_total": 0.0}
+            for line in text.splitlines():
+                name = line.split("{", 1)[0]
+                if name in counts:
+                    counts[name] += float(line.rsplit(" ", 1)[1])
+            assert counts == {"sparkwatch_guard_kills_total": 0.0, "sparkwatch_guard_would_kills_total": 2.0}, text
         else:
             assert wait_until(lambda: tree_dead(new) and tree_dead(old), 15)
         assert all(alive(pid) for pid in stress_pids)
