@@ -23,7 +23,7 @@ from typing import Any
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.samples import Exemplar, Timestamp
 
-from sparkwatch.core.redact import redact
+from sparkwatch.core.redact import own_secrets, redact
 from sparkwatch.telemetry.exporter.contract import PREFIX, help_of
 
 LABEL_MAX_CHARS = 128
@@ -45,7 +45,8 @@ def dropped_total() -> int:
 
 
 @functools.lru_cache(maxsize=4096)
-def _short_label(value: str) -> str:
+def _short_label(value: str, _own_secrets: tuple[str, ...]) -> str:
+    """Remembered per value and per set of sparkwatch's own secrets (a reload may register a new webhook secret)."""
     return _cut(redact(value))
 
 
@@ -55,7 +56,7 @@ def _cut(text: str) -> str:
 
 def label_value(value: str) -> str:
     """A label value as /metrics may show it: redacted, one line, at most LABEL_MAX_CHARS characters."""
-    return _short_label(value) if len(value) <= _CACHED_MAX_CHARS else _cut(redact(value))
+    return _short_label(value, own_secrets()) if len(value) <= _CACHED_MAX_CHARS else _cut(redact(value))
 
 
 class _Bounded:
