@@ -348,7 +348,7 @@ def guard_row() -> list[Json]:
         stat(
             "Guard mode",
             "ARMED: the guard will SIGKILL engine trees at the floor. DRY RUN: it decides and records, signals "
-            "nothing; kills counted below did not happen.",
+            "nothing; its decisions show below as would-kills, never as kills.",
             "none",
             [Target(m("guard_dry_run"), "{{instance}}")],
             w=6,
@@ -411,7 +411,7 @@ def guard_row() -> list[Json]:
             "Kills",
             "Engine-tree kills per interval, by trigger ('floor': MemAvailable at the floor; 'predicted': the fill "
             "rate would reach it within the kill budget), and the processes they took. Each kill is also an "
-            "annotation on every time graph.",
+            "annotation on every time graph. In dry run the guard's decisions are would-kills: nothing was signalled.",
             "short",
             [
                 Target(
@@ -421,6 +421,10 @@ def guard_row() -> list[Json]:
                 Target(
                     f"sum by (instance) (increase({m('guard_killed_processes_total')}[$__rate_interval]))",
                     "{{instance}} processes killed",
+                ),
+                Target(
+                    f"sum by (instance, trigger) (increase({m('guard_would_kills_total')}[$__rate_interval]))",
+                    "{{instance}} would kill, dry run ({{trigger}})",
                 ),
             ],
             draw="bars",

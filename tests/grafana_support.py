@@ -7,7 +7,9 @@ held to as well (tests/test_contract.py).
 from __future__ import annotations
 
 import json
+import math
 import re
+import subprocess
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -113,3 +115,59 @@ def metric_names(expr: str) -> set[str]:
 def contract_series() -> set[str]:
     """Every series name the exporter may publish: the contract's families, a histogram's _bucket/_sum/_count."""
     return {name for spec in METRICS for name in series_names(spec)}
+
+
+def alerts_over_scrapes(
+    scrapes: list[tuple[str, int]], eval_time: str, expect: dict[str, list[str]], tmp: Path, promtool: str
+) -> subprocess.CompletedProcess[str]:
+    """Run the shipped rules over real scrapes with `promtool test rules`: each (exposition text, samples) holds for
+    that many 15 s samples, one after the other, as instance "dut:9847" of job "sparkwatch". `expect` maps an alert
+    name to the instances it must fire for at `eval_time` (an empty list: it must not fire); each alert's summary and
+    description are the rule's, rendered for that instance (only `$labels.instance` is templated in them)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    parsed: list[dict[str, float]] = []
+    for text, _n in scrapes:
+        values: dict[str, float] = {}
+        for family in text_string_to_metric_families(text):
+            for s in family.samples:
+                if math.isfinite(s.value):
+                    labels = {"job": "sparkwatch", "instance": "dut:9847", **s.labels}
+                    inner = ",".join(f"{k}={json.dumps(v)}" for k, v in sorted(labels.items()))
+                    values[f"{s.name}{{{inner}}}"] = s.value
+        parsed.append(values)
+    series = sorted({name for values in parsed for name in values})
+    input_series = [
+        {
+            "series": name,
+            "values": " ".join(
+                f"{values[name]!r}x{n - 1}" if name in values else f"_x{n - 1}"
+                for values, (_t, n) in zip(parsed, scrapes, strict=True)
+            ),
+        }
+        for name in series
+    ]
+    rules = {r["alert"]: r for r in load_rules()}
+    tests = []
+    for alert, instances in expect.items():
+        rule = rules[alert]
+        exp = [
+            {
+                "exp_labels": {"job": "sparkwatch", "instance": inst, **rule.get("labels", {})},
+                "exp_annotations": {
+                    k: v.replace("{{ $labels.instance }}", inst) for k, v in rule["annotations"].items()
+                },
+            }
+            for inst in instances
+        ]
+        tests.append({"eval_time": eval_time, "alertname": alert, "exp_alerts": exp})
+    doc = {
+        "rule_files": [str(ALERTS)],
+        "evaluation_interval": "15s",
+        "tests": [{"name": "real scrapes", "interval": "15s", "input_series": input_series, "alert_rule_test": tests}],
+    }
+    path = tmp / "scrapes_test.yml"
+    path.write_text(yaml.safe_dump(doc, sort_keys=False), encoding="utf-8")
+    return subprocess.run(
+        [promtool, "test", "rules", str(path)], capture_output=True, text=True, timeout=60, check=False
+    )

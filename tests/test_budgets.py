@@ -17,9 +17,11 @@ import pytest
 
 from sparkwatch.common.events import read_events
 from sparkwatch.common.sources.meminfo import MeminfoReader
-from tests.conftest import Spawner, alive, pids_in, require
+from tests.conftest import Spawner, alive, pids_in, require, require_tool, wait_until
 from tests.daemon import sparkwatch_run, wait_for_event
+from tests.grafana_support import alerts_over_scrapes
 from tests.launchbox import Box, box_for, fitting_util, small_args, small_model, wait_ready
+from tests.receiver import Receiver
 
 pytestmark = pytest.mark.pressure
 MiB = 1 << 20
@@ -102,19 +104,74 @@ def test_a_config_budget_applies_to_an_engine_not_started_by_launch(tmp_path: Pa
         assert near["root_pid"] in victims
 
 
-def test_a_dry_run_records_the_same_decision_and_signals_nothing(tmp_path: Path, spawner: Spawner) -> None:
+def scrape(port: int) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
+        return str(resp.read().decode())
+
+
+def counters(text: str, family: str) -> dict[str, float]:
+    """trigger -> value of one by-trigger counter family in an exposition."""
+    out = {}
+    for line in text.splitlines():
+        if line.startswith(family + "{"):
+            labels, value = line.rsplit(" ", 1)
+            out[labels.split('trigger="', 1)[1].split('"', 1)[0]] = float(value)
+    return out
+
+
+@pytest.fixture
+def receiver() -> Iterator[Receiver]:
+    r = Receiver().start()
+    yield r
+    r.stop()
+
+
+def test_a_dry_run_records_the_same_decision_signals_nothing_and_moves_no_kill_counter(
+    tmp_path: Path, spawner: Spawner, receiver: Receiver
+) -> None:
+    """The decision is a `would_kill` (not a `kill`), counted in its own counter and sent to the webhook as a
+    warning; the shipped rules, run by promtool over the daemon's own scrapes before and after, raise the warning
+    SparkwatchGuardWouldKill and never the critical SparkwatchGuardKilled."""
+    promtool = require_tool("promtool")
     enough_memory(1200 * MiB)
     budgets = json.dumps(["300MiB=sw-budget-dry"])
-    with sparkwatch_run(tmp_path, "--dry-run", env={"SPARKWATCH_ENGINE_BUDGETS": budgets}) as daemon:
+    env = {"SPARKWATCH_ENGINE_BUDGETS": budgets, "SPARKWATCH_WEBHOOK_URL": f"{receiver.url_base}/hook"}
+    with sparkwatch_run(tmp_path, "--dry-run", env=env) as daemon:
+        before = scrape(daemon.port)
         pidfile = tmp_path / "tree.pids"
         spawner.engine("--title", "VLLM::EngineCore_sw-budget-dry", "--hog-rate-mib", "300",
                        "--hog-limit-mib", "800", pidfile=pidfile, wait_for=2)  # fmt: skip
-        event: dict[str, Any] = wait_for_event(daemon.events_path, "kill", timeout_s=60)
+        event: dict[str, Any] = wait_for_event(daemon.events_path, "would_kill", timeout_s=60)
         assert event["trigger"] == "budget" and event["dry_run"] is True and event["method"] == "dry-run"
+        assert event["summary"].startswith("Would have killed")
         assert {v["pid"] for v in event["victims"]} == set(pids_in(pidfile))
+        assert wait_until(
+            lambda: counters(scrape(daemon.port), "sparkwatch_guard_would_kills_total")["budget"] == 1, 10
+        )
         time.sleep(1.0)
         assert all(alive(pid, ticks) for pid, (ticks, _r) in pids_in(pidfile).items())
-        assert len(kills(daemon.events_path)) == 1  # one decision, not one per tick
+        events = read_events(daemon.events_path)
+        assert [e["kind"] for e in events if e["kind"] in ("kill", "would_kill", "kill_loop")] == ["would_kill"]
+        after = scrape(daemon.port)
+        # The webhook hears it as a warning (docs/contract.md, Webhook): its own kind, a warning icon, no skull.
+        assert wait_until(lambda: any(d.payload["kind"] == "would_kill" for d in receiver.deliveries), 30)
+    sent = [d.payload for d in receiver.deliveries]
+    assert [p["kind"] for p in sent if p["kind"] in ("kill", "would_kill")] == ["would_kill"]
+    assert str(next(p for p in sent if p["kind"] == "would_kill")["text"]).startswith(":warning: sparkwatch on ")
+    assert set(counters(after, "sparkwatch_guard_kills_total").values()) == {0.0}  # every trigger, still 0
+    assert "sparkwatch_guard_killed_processes_total 0.0" in after
+    assert "sparkwatch_guard_last_kill_timestamp_seconds" not in after
+    assert counters(after, "sparkwatch_guard_would_kills_total") == {
+        t: 1.0 if t == "budget" else 0.0 for t in counters(before, "sparkwatch_guard_would_kills_total")
+    }
+    result = alerts_over_scrapes(
+        [(before, 4), (after, 20)],
+        "2m",
+        {"SparkwatchGuardWouldKill": ["dut:9847"], "SparkwatchGuardKilled": [], "SparkwatchTPPeerLost": []},
+        tmp_path,
+        promtool,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
 
 
 HOG = """
@@ -190,3 +247,25 @@ def test_a_child_that_double_forks_out_of_the_tree_counts_in_the_budget_and_dies
         ((orphan, ticks),) = [tuple(map(int, line.split())) for line in orphan_file.read_text().splitlines()]
         assert orphan in {v["pid"] for v in event["victims"]}
         assert not alive(orphan, ticks)
+
+
+def test_a_launched_engine_over_its_budget_in_dry_run_exits_as_would_have_been_killed(box: Box, tmp_path: Path) -> None:
+    """engine_exited after a dry run's decision: killed_by stays null, dry_run is true, and the summary says the
+    engine would have been killed (the engine ended by its own SIGTERM, long after the decision)."""
+    enough_memory(1500 * MiB)
+    with sparkwatch_run(tmp_path, "--dry-run", env={"XDG_RUNTIME_DIR": str(box.run_dir)}) as daemon:
+        model = small_model(tmp_path)
+        runaway = box.launch("--budget", "400MiB", "-q", "--", *small_args(model, fitting_util()),
+                             "--phase-mib", "loading_weights=100", "--phase-s", "0.1", "--grow-mib-per-s", "400",
+                             "--grow-limit-mib", "900", "--pidfile", str(box.pidfile))  # fmt: skip
+        try:
+            event: dict[str, Any] = wait_for_event(daemon.events_path, "would_kill", timeout_s=60)
+            assert event["trigger"] == "budget" and event["budget_source"] == "launch"
+            assert runaway.poll() is None  # nothing was signalled
+        finally:
+            runaway.terminate()
+            runaway.communicate(timeout=60)
+        exited = wait_for_event(daemon.events_path, "engine_exited")
+    assert exited["killed_by"] is None and exited["dry_run"] is True and exited["trigger"] == "budget"
+    assert "would have been killed by sparkwatch in a dry run (trigger budget)" in str(exited["summary"])
+    assert not kills(daemon.events_path)

@@ -14,6 +14,7 @@ from tests.grafana_support import ALERTS, ALERTS_TEST, ASSETS, GRAFANA, load_rul
 
 REQUIRED_ALERTS = {
     "SparkwatchGuardKilled",  # a kill happened
+    "SparkwatchGuardWouldKill",  # dry run: the guard would have killed (a warning)
     "SparkwatchHeadroomLow",
     "SparkwatchDriverStranded",
     "SparkwatchDriverWillStrand",

@@ -9,11 +9,13 @@ from __future__ import annotations
 import os
 import threading
 import time
+import urllib.request
 from pathlib import Path
 from typing import cast
 
 import pytest
 
+from sparkwatch.common.events import read_events
 from sparkwatch.common.sources.meminfo import MeminfoReader
 from sparkwatch.core.units import GiB, MiB
 from tests.conftest import Spawner, alive, pids_in, settled_available_bytes, wait_until
@@ -98,10 +100,18 @@ def test_dry_run_under_real_pressure_records_but_signals_nothing(spawner: Spawne
             pidfile=pidfile,
             wait_for=3,
         )
-        event = wait_for_event(daemon.events_path, "kill", timeout_s=60)
+        event = wait_for_event(daemon.events_path, "would_kill", timeout_s=60)
         assert event["dry_run"] is True
         assert event["signal_to_reaped_ms"] is None
         time.sleep(0.5)
         assert all(alive(pid, t) for pid, (t, _) in pids_in(pidfile).items())
         assert any("DRY-RUN would KILL vllm tree" in line for line in daemon.stderr_lines)
+        # A floor (or predicted) would-kill moves its own counter and never a kill counter.
+        with urllib.request.urlopen(f"http://127.0.0.1:{daemon.port}/metrics", timeout=5) as resp:
+            text = resp.read().decode()
+        families = ("sparkwatch_guard_would_kills_total{", "sparkwatch_guard_kills_total{")
+        would = {x.split(" ")[0]: float(x.split(" ")[1]) for x in text.splitlines() if x.startswith(families)}
+        assert sum(v for k, v in would.items() if k.startswith("sparkwatch_guard_kills_total")) == 0, would
+        assert would[f'sparkwatch_guard_would_kills_total{{trigger="{event["trigger"]}"}}'] >= 1, would
+        assert not [e for e in read_events(daemon.events_path) if e["kind"] == "kill"]
     assert os.path.exists(pidfile)

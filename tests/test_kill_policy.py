@@ -10,6 +10,7 @@ import shlex
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 from typing import cast
 
@@ -181,9 +182,10 @@ def test_memory_still_under_the_floor_kills_the_next_engine_never_the_allocator(
         # from what is available now: others on the box may have freed memory since the floor was set.
         engines_hold = (1024 + STEADY_MIB) * MiB
         stress = start_stress_ng(spawner, stress_ng, max(0, available_bytes() - floor) + engines_hold + 768 * MiB)
-        assert wait_until(lambda: len(events(daemon, "kill")) >= 2, 60), daemon.stderr_lines[-20:]
+        kind = "would_kill" if dry_run else "kill"  # a dry run's decisions are never `kill` events
+        assert wait_until(lambda: len(events(daemon, kind)) >= 2, 60), daemon.stderr_lines[-20:]
         assert wait_until(lambda: bool(events(daemon, "no_victim")), 15)  # then it keeps looking, finds nothing
-        kills = events(daemon, "kill")
+        kills = events(daemon, kind)
         assert victim_roots(kills) == [root_of(new)[0], root_of(old)[0]]
         assert [k["dry_run"] for k in kills] == [dry_run, dry_run]
         # The next tree died in the same episode: on the floor after the settle time ("escalate"), or on the
@@ -197,6 +199,15 @@ def test_memory_still_under_the_floor_kills_the_next_engine_never_the_allocator(
         if dry_run:
             assert tree_alive(old) and tree_alive(new)
             assert sum("DRY-RUN would KILL vllm tree" in line for line in daemon.stderr_lines) == 2
+            # Both decisions (the first trigger and the next: escalate, floor or predicted) are would-kills only.
+            with urllib.request.urlopen(f"http://127.0.0.1:{daemon.port}/metrics", timeout=5) as resp:
+                text = resp.read().decode()
+            counts = {"sparkwatch_guard_kills_total": 0.0, "sparkwatch_guard_would_kills_total": 0.0}
+            for line in text.splitlines():
+                name = line.split("{", 1)[0]
+                if name in counts:
+                    counts[name] += float(line.rsplit(" ", 1)[1])
+            assert counts == {"sparkwatch_guard_kills_total": 0.0, "sparkwatch_guard_would_kills_total": 2.0}, text
         else:
             assert wait_until(lambda: tree_dead(new) and tree_dead(old), 15)
         assert all(alive(pid) for pid in stress_pids)

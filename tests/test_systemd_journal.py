@@ -225,7 +225,7 @@ def test_real_daemon_kill_event_reaches_journal_socket(
     backend: str, tmp_path: Path, daemons: Callable[..., Daemon]
 ) -> None:
     """A real dry-run kill: an engine titled VLLM::EngineCore under this test, a floor above MemAvailable, and the
-    daemon's kill event arriving at the journal socket with its structured fields."""
+    daemon's would_kill event arriving at the journal socket with its structured fields."""
     env = clean_env(tmp_path)
     if backend == "systemd-python":
         require(has_systemd_python(), "systemd-python is not installed (pip install '.[systemd]')")
@@ -244,15 +244,15 @@ def test_real_daemon_kill_event_reaches_journal_socket(
         with real_journal_path() as rx:
             args = ["--dry-run", "--floor", f"{floor}B", "--listen", f"127.0.0.1:{free_port()}"]
             d = daemons([*args, "--state-dir", str(tmp_path / "s")], env)
-            f = rx.fields_from(d.proc.pid, timeout_s=15, event="kill")  # low_headroom may come first
+            f = rx.fields_from(d.proc.pid, timeout_s=15, event="would_kill")  # low_headroom may come first
             d.wait_stderr("sparkwatch: running:")  # the guard kills during start-up; stop only once it is running
             d.proc.send_signal(signal.SIGTERM)
             assert d.proc.wait(10) == 0
         # The guard speaks the native protocol itself whether systemd-python is installed or not (its libsystemd was
         # 1.0 MiB of mlocked RSS); installed, only telemetry uses it.
         assert "journal via native" in d.stderr
-        assert f["SPARKWATCH_EVENT"] == ["kill"]
-        assert f["PRIORITY"] == ["3"]
+        assert f["SPARKWATCH_EVENT"] == ["would_kill"]
+        assert f["PRIORITY"] == ["4"]  # a dry run's decision is a warning: nothing died
         assert f["SYSLOG_IDENTIFIER"] == ["sparkwatch"]
         assert f["MESSAGE"][0].startswith("Would have killed vllm (root pid "), f["MESSAGE"]
         assert f["SPARKWATCH_TRIGGER"] == ["floor"]

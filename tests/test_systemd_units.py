@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import io
 import os
+import shutil
 import subprocess
 import sys
+import sysconfig
+import tempfile
 import zipfile
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pytest
@@ -23,6 +26,14 @@ from sparkwatch.cli.install_service import (
 from tests.conftest import require, require_tool
 
 REPO = Path(__file__).resolve().parent.parent
+
+
+def root_owns_this_sparkwatch() -> bool:
+    """Whether the system unit would run this checkout (root owns it, its venv and every directory above them)."""
+    # Imported here: on a sparkwatch without the check, the tests that need it fail, not this module's import.
+    from sparkwatch.cli.install_service import root_runs_user_code
+
+    return root_runs_user_code() is None
 
 
 def verify(unit: Path, user: bool, tmp_path: Path, home: Path | None = None) -> None:
@@ -192,6 +203,7 @@ def test_install_keeps_a_changed_previous_unit_and_no_start(tmp_path: Path) -> N
 
 def test_install_system_unit(tmp_path: Path) -> None:
     require(os.geteuid() == 0, "the system unit install path runs as root")
+    require(root_owns_this_sparkwatch(), "the system unit installs only a sparkwatch root owns")
     root = fake_systemd_root(tmp_path)
     out, runner = io.StringIO(), Recorder()
     assert install(system=True, start=True, print_only=False, root=root, runner=runner, out=out) == 0
@@ -242,6 +254,10 @@ def test_cli_install_service_in_this_container(tmp_path: Path, capsys: pytest.Ca
 def test_cli_print_shows_the_unit(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["install-service", "--print"]) == 0
     assert capsys.readouterr().out == render_unit(False, exec_start())
+    if not root_owns_this_sparkwatch():  # a checkout or venv not root's (a CI runner's): the refusal, in one line
+        assert main(["install-service", "--system", "--print"]) == 1
+        assert capsys.readouterr().err.startswith("sparkwatch: refusing the system unit: it runs as root and ")
+        return
     assert main(["install-service", "--system", "--print"]) == 0
     assert "User=root" in capsys.readouterr().out
 
@@ -270,3 +286,91 @@ def test_templates_ship_in_the_wheel(tmp_path: Path) -> None:
     names = zipfile.ZipFile(wheel).namelist()
     assert "sparkwatch/unit_templates/sparkwatch.service.in" in names
     assert "sparkwatch/unit_templates/sparkwatch-system.service.in" in names
+
+
+NOBODY = 65534
+
+
+def as_user(uid: int, script: str, *args: str) -> None:
+    """A shell script as `uid` (its own gid, no supplementary groups) through setpriv, as another local user would."""
+    ids = [] if uid == 0 else ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups"]
+    subprocess.run([*ids, "sh", "-c", script, "sh", *args], check=True, timeout=60)
+
+
+@pytest.fixture
+def scratch() -> Iterator[Path]:
+    """A directory under /tmp another user may create things in (sticky, like /tmp itself)."""
+    path = Path(tempfile.mkdtemp(prefix="sw-unit-", dir="/tmp"))
+    path.chmod(0o1777)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def venv_with_this_sparkwatch(scratch: Path, uid: int, source: Path = REPO) -> Path:
+    """A real venv, handed to `uid`, whose site-packages that user points at `source` (this checkout, or a clone of
+    its package) and at the test venv's dependencies (a .pth file, as an editable install writes one), so its python
+    runs that sparkwatch. Returns the venv. (The venv is made by root and chowned: the interpreter it is made from
+    may live where `nobody` cannot run it.)"""
+    venv = scratch / "venv"
+    base = getattr(sys, "_base_executable", sys.executable)  # the interpreter the test venv was made from
+    subprocess.run([base, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=60)
+    for path in [venv, *venv.rglob("*")]:
+        os.lchown(path, uid, uid)
+    purelib = sysconfig.get_paths()["purelib"]  # the test venv's site-packages: pydantic, prometheus_client, ...
+    site = next((venv / "lib").glob("python*/site-packages"))
+    as_user(uid, 'printf "%s\\n%s\\n" "$1" "$2" > "$3"', str(source), purelib, str(site / "this-sparkwatch.pth"))
+    return venv
+
+
+def clone_of_this_package(scratch: Path, uid: int) -> Path:
+    """The package copied to scratch/clone and handed to `uid`: an editable install from that user's clone."""
+    clone = scratch / "clone"
+    shutil.copytree(REPO / "sparkwatch", clone / "sparkwatch", ignore=shutil.ignore_patterns("__pycache__"))
+    for path in [clone, *clone.rglob("*")]:
+        os.lchown(path, uid, uid)
+    return clone
+
+
+def print_system_unit(venv: Path) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    return subprocess.run(
+        [str(venv / "bin" / "python"), "-m", "sparkwatch", "install-service", "--system", "--print"],
+        capture_output=True, text=True, timeout=60, check=False, cwd="/", env=env,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("how", ["owned", "group-writable", "editable-clone"])
+def test_the_system_unit_refuses_a_venv_another_user_can_change(scratch: Path, how: str) -> None:
+    """`nobody` owns the venv; or root does and left its site-packages writable by nobody's group; or root's venv runs
+    sparkwatch from nobody's clone (an editable install): either way nobody could change the code root would run,
+    so --system refuses, even with --print, in one line that says how to install for the system."""
+    require(os.geteuid() == 0 and shutil.which("setpriv") is not None, "needs root and setpriv to act as nobody")
+    clone = clone_of_this_package(scratch, NOBODY) if how == "editable-clone" else REPO
+    venv = venv_with_this_sparkwatch(scratch, NOBODY if how == "owned" else 0, clone)
+    site = next((venv / "lib").glob("python*/site-packages"))
+    if how == "group-writable":
+        os.chown(site, 0, NOBODY)
+        site.chmod(0o775)
+    done = print_system_unit(venv)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert done.stdout == ""  # no unit printed
+    (line,) = done.stderr.splitlines()
+    expected = {
+        "owned": f"{venv}/bin/python is owned by nobody (uid 65534)",
+        "group-writable": f"{site} is writable by group nogroup (gid 65534)",
+        "editable-clone": f"{clone}/sparkwatch is owned by nobody (uid 65534)",
+    }[how]
+    assert f"it runs as root and {expected}, so that user could change the code root runs" in line, line
+    assert line.startswith("sparkwatch: refusing the system unit: ")
+    assert "sudo python3 -m venv /opt/sparkwatch && sudo /opt/sparkwatch/bin/pip install" in line
+    assert "sudo /opt/sparkwatch/bin/sparkwatch install-service --system" in line
+
+
+def test_the_system_unit_accepts_a_venv_root_owns(scratch: Path) -> None:
+    """The same venv made by root, its chain (python's symlink target, this checkout, every parent) root's."""
+    require(os.geteuid() == 0, "the system unit's check passes only for root's files")
+    require(root_owns_this_sparkwatch(), "this checkout or its venv is not root's")
+    venv = venv_with_this_sparkwatch(scratch, 0)
+    done = print_system_unit(venv)
+    assert done.returncode == 0, done.stderr
+    assert f"ExecStart={venv}/bin/python -m sparkwatch run" in done.stdout

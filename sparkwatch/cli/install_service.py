@@ -4,20 +4,30 @@ The unit is rendered from the template shipped in the package (sparkwatch/unit_t
 absolute path of the interpreter running this command, so it starts the same sparkwatch, venv and all. The user
 unit goes to ~/.config/systemd/user/, the system unit (root; for engines run as root or in Docker) to
 /etc/systemd/system/; both are named sparkwatch.service, so `systemctl [--user] status sparkwatch` finds either.
+
+The system unit runs as root, so it must run only code root owns: `--system` (with `--print` too) refuses when the
+interpreter, its symlink's target, the script, the sparkwatch package (for an editable install, the source tree),
+a directory on the import path or a `.pth` file in one, or any directory above any of them up to /, is owned by
+another user or writable by one (group- or other-writable; a sticky directory such as /tmp only guards what root
+owns in it). A user's venv would otherwise let that user change the code root runs at the next restart.
 """
 
 from __future__ import annotations
 
 import argparse
+import grp
 import os
 import pwd
 import shlex
+import stat
 import subprocess
 import sys
 from collections.abc import Callable, Sequence
 from importlib import resources
 from pathlib import Path
 from typing import Any, TextIO
+
+import sparkwatch
 
 UNIT_NAME = "sparkwatch.service"
 USER_TEMPLATE = "sparkwatch.service.in"
@@ -55,7 +65,8 @@ def add_parser(sub: Any, parent: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--system",
         action="store_true",
-        help="install the system unit (runs as root) for engines run as root or in Docker; needs root",
+        help="install the system unit (runs as root) for engines run as root or in Docker; needs root, and a "
+        "sparkwatch only root can change (a venv root made: docs/systemd.md)",
     )
     p.add_argument("--no-start", action="store_true", help="write and enable the unit, but do not start it now")
     p.add_argument("--print", action="store_true", dest="print_only", help="print the unit and change nothing")
@@ -84,6 +95,119 @@ def exec_start(executable: str | None = None, config: Path | None = None) -> str
     if config is not None:
         argv += ["--config", os.path.abspath(config)]
     return " ".join(_systemd_quote(a, command=i == 0) for i, a in enumerate(argv))
+
+
+# `sparkwatch install-service --system` from a venv root owns, said in the refusal.
+ROOT_INSTALL_HINT = (
+    "install it where only root can write: sudo python3 -m venv /opt/sparkwatch && "
+    "sudo /opt/sparkwatch/bin/pip install <this clone, or sparkwatch> && "
+    "sudo /opt/sparkwatch/bin/sparkwatch install-service --system"
+)
+PACKAGE_FILES_MAX = 4096  # the package holds ~150 files; a tree past this is not one to walk from a CLI
+
+
+def _unsafe(path: str) -> str | None:
+    """Why a non-root user could change `path` (it, or a directory above it), or None. Looks at the path as
+    written and at where its symlinks lead."""
+    seen: set[str] = set()
+    for candidate in (os.path.abspath(path), os.path.realpath(path)):
+        parts = candidate.split(os.sep)
+        for i in range(len(parts), 0, -1):  # the leaf first: its owner is what the message names first
+            current = os.sep.join(parts[:i]) or os.sep
+            if current in seen:
+                continue
+            seen.add(current)
+            try:
+                st = os.lstat(current)
+            except FileNotFoundError:
+                continue
+            except OSError as exc:
+                return f"{current} cannot be checked ({exc.strerror})"
+            why = _unsafe_inode(current, st)
+            if why is not None:
+                return why
+    return None
+
+
+def _unsafe_inode(path: str, st: os.stat_result) -> str | None:
+    """Root owns it and no one else may write it. A sticky directory (/tmp) writable by all is fine: there no one may
+    rename or remove what root owns."""
+    if st.st_uid != 0:
+        return f"{path} is owned by {_user(st.st_uid)}"
+    if stat.S_ISLNK(st.st_mode):
+        return None  # a symlink's own mode means nothing; its directory and its target are checked
+    sticky_dir = stat.S_ISDIR(st.st_mode) and bool(st.st_mode & stat.S_ISVTX)
+    if st.st_mode & stat.S_IWOTH and not sticky_dir:
+        return f"{path} is writable by every user"
+    if st.st_mode & stat.S_IWGRP and st.st_gid != 0 and not sticky_dir:
+        return f"{path} is writable by group {_group(st.st_gid)}"
+    return None
+
+
+def _user(uid: int) -> str:
+    try:
+        return f"{pwd.getpwuid(uid).pw_name} (uid {uid})"
+    except KeyError:
+        return f"uid {uid}"
+
+
+def _group(gid: int) -> str:
+    try:
+        return f"{grp.getgrgid(gid).gr_name} (gid {gid})"
+    except KeyError:
+        return f"gid {gid}"
+
+
+def package_dir() -> str:
+    """The sparkwatch package this command runs from: site-packages/sparkwatch, or the clone's for an editable
+    install."""
+    return os.path.dirname(os.path.abspath(sparkwatch.__file__))
+
+
+def code_paths(executable: str | None = None) -> list[str]:
+    """What the system unit would run: the interpreter, the script beside it, the sparkwatch package, each directory
+    on the import path and the `.pth` files in them (the working directory left out: the unit does not run here)."""
+    python = os.path.abspath(executable or sys.executable)
+    out = [python]
+    script = os.path.join(os.path.dirname(python), "sparkwatch")
+    if os.path.isfile(script):
+        out.append(script)
+    out.append(package_dir())
+    cwd = os.getcwd()
+    for entry in sys.path:
+        if not entry or os.path.abspath(entry) == cwd or not os.path.exists(entry):
+            continue
+        out.append(os.path.abspath(entry))
+        if os.path.isdir(entry):
+            try:
+                out += [os.path.join(entry, n) for n in sorted(os.listdir(entry)) if n.endswith(".pth")]
+            except OSError:
+                pass
+    return out
+
+
+def root_runs_user_code(executable: str | None = None) -> str | None:
+    """The first reason the system unit would run code a non-root user can change, or None (root owns it all)."""
+    for path in code_paths(executable):
+        why = _unsafe(path)
+        if why is not None:
+            return why
+    package = package_dir()  # and every file and directory in it (its __pycache__ too: Python runs those)
+    walked = 0
+    for dirpath, dirnames, filenames in os.walk(package):
+        for name in [*dirnames, *filenames]:
+            walked += 1
+            if walked > PACKAGE_FILES_MAX:
+                return f"{package} holds over {PACKAGE_FILES_MAX} files: not a sparkwatch package to run as root"
+            full = os.path.join(dirpath, name)
+            try:
+                st = os.lstat(full)
+            except OSError:
+                continue
+            why = _unsafe_inode(full, st)
+            if why is not None:
+                return why
+    return None
 
 
 def template(system: bool) -> str:
@@ -142,6 +266,15 @@ def install(
     out = out or sys.stdout
     err = err or sys.stderr
     unit = render_unit(system, exec_start(executable, config))
+    if system:
+        why = root_runs_user_code(executable)
+        if why is not None:
+            print(
+                f"sparkwatch: refusing the system unit: it runs as root and {why}, so that user could change the code "
+                f"root runs; {ROOT_INSTALL_HINT}",
+                file=err,
+            )
+            return 1
     if print_only:
         out.write(unit)
         return 0

@@ -140,7 +140,8 @@ class StatusApp:
         key = (st.st_mtime_ns, st.st_size)
         if key != self._events_key:  # re-read only when the file changed
             self._events_key = key
-            kills = [e for e in read_events(path, KILL_LOOKBACK_EVENTS) if e.get("kind") == "kill"]
+            # A dry run's would_kill shows too (the view marks it "[dry run]"): it is the decision a kill would be.
+            kills = [e for e in read_events(path, KILL_LOOKBACK_EVENTS) if e.get("kind") in ("kill", "would_kill")]
             self._last_kill = kills[-1] if kills else None
         return self._last_kill
 

@@ -37,7 +37,8 @@ class GuardStats:
     fill_rate_bytes_per_s: float = 0.0
     poll_interval_s: float = 0.0
     armed: bool = True
-    kills_total: dict[str, int] = field(default_factory=dict)
+    kills_total: dict[str, int] = field(default_factory=dict)  # trees signalled, by trigger; never in dry run
+    would_kills_total: dict[str, int] = field(default_factory=dict)  # dry run: trees chosen and not signalled
     killed_processes_total: int = 0
     last_kill_timestamp_s: float | None = None
     kill_duration_bucket_counts: list[int] = field(default_factory=lambda: [0] * (len(KILL_DURATION_BUCKETS_S) + 1))
@@ -57,9 +58,21 @@ class GuardStats:
         return replace(
             self,
             kills_total=dict(self.kills_total),
+            would_kills_total=dict(self.would_kills_total),
             kill_duration_bucket_counts=list(self.kill_duration_bucket_counts),
             budgets=list(self.budgets),
         )
+
+    def count_kill(self, trigger: str, dry_run: bool, processes: int, wall_s: float) -> None:
+        """One decided kill: a kill, or in dry run a would-kill. A dry run moves no kill counter and no last-kill
+        time, so nothing that alerts on kills (SparkwatchGuardKilled, the TP-peer rule) fires for a kill that
+        never happened."""
+        if dry_run:
+            self.would_kills_total[trigger] = self.would_kills_total.get(trigger, 0) + 1
+            return
+        self.kills_total[trigger] = self.kills_total.get(trigger, 0) + 1
+        self.killed_processes_total += processes
+        self.last_kill_timestamp_s = wall_s
 
     def observe_kill_duration(self, seconds: float) -> None:
         for i, edge in enumerate(KILL_DURATION_BUCKETS_S):

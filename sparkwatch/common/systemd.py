@@ -37,6 +37,7 @@ PRIORITY_CRIT, PRIORITY_ERR, PRIORITY_WARNING, PRIORITY_NOTICE, PRIORITY_INFO = 
 # A kill (or a low-memory firing that found nothing to kill) is an error; `journalctl -p err` must show it.
 EVENT_PRIORITY: dict[str, int] = {
     EventKind.KILL: PRIORITY_ERR,
+    EventKind.WOULD_KILL: PRIORITY_WARNING,  # a dry run's decision: nothing was signalled
     EventKind.NO_VICTIM: PRIORITY_ERR,
     EventKind.KILL_LOOP: PRIORITY_ERR,  # something restarts an engine into the same spike: a human must look
     EventKind.DRIVER_STRANDED: PRIORITY_ERR,

@@ -3,6 +3,7 @@
 A stranded driver is checked every minute for as long as it lasts (hours, until someone reboots): it must alert once
 when the episode starts and once when it ends, not sixty times an hour. Low headroom alerts when MemAvailable enters
 the warning band and again only after it has left it by a margin. Kills always alert; each kill is its own event.
+A dry run's `would_kill` alerts the same way, at warning level (journal priority 4, a :warning: icon): nothing died.
 """
 
 from __future__ import annotations
@@ -17,6 +18,9 @@ from sparkwatch.core.model import DriverReport
 # Event kind -> minimum seconds between two alerts with the same dedup key. 0: every event alerts.
 ALERT_MIN_INTERVAL_S: Mapping[EventKind, float] = {
     EventKind.KILL: 0.0,
+    # A dry run's would-kill: a warning (nothing died), each one, so the first week of a dry run shows every decision.
+    # The guard decides a tree once per episode (once per budget breach), so these do not repeat per tick.
+    EventKind.WOULD_KILL: 0.0,
     EventKind.NO_VICTIM: 0.0,  # the guard fired and found no engine to kill: the box is on its own, a human must look
     EventKind.KILL_LOOP: 0.0,  # one event per loop is decided upstream (core.killloop): something restarts the engine
     EventKind.DRIVER_STRANDED: 0.0,  # episodes are cut upstream (driver_step): one event per episode
@@ -60,8 +64,8 @@ def is_quiet(kind: EventKind, fields: Mapping[str, object]) -> bool:
 
 def dedup_key(kind: EventKind, fields: Mapping[str, object]) -> str:
     """Events with the same key are one alert stream for rate limiting. A kill is never folded into another."""
-    if kind == EventKind.KILL:
-        return f"kill:{fields.get('id', '')}"
+    if kind in (EventKind.KILL, EventKind.WOULD_KILL):
+        return f"{kind}:{fields.get('id', '')}"
     if kind == EventKind.XID:
         return f"xid:code={fields.get('code')}:device={fields.get('device')}"
     for name in ("engine_root_pid", "root_pid", "pid", "cache", "kernel"):
@@ -202,6 +206,7 @@ def alert_text(kind: str, node: str, summary: str) -> str:
     """The one `text` line Slack-compatible receivers show as is."""
     icons: Mapping[str, str] = {
         EventKind.KILL: ":skull:",
+        EventKind.WOULD_KILL: ":warning:",
         EventKind.NO_VICTIM: ":rotating_light:",
         EventKind.DRIVER_STRANDED: ":rotating_light:",
         EventKind.DRIVER_WILL_STRAND: ":warning:",

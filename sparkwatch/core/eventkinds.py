@@ -12,6 +12,7 @@ from enum import StrEnum
 class EventKind(StrEnum):
     # The guard
     KILL = "kill"  # engine trees SIGKILLed below the floor
+    WOULD_KILL = "would_kill"  # dry run: the same decision as a kill, and nothing was signalled
     NO_VICTIM = "no_victim"  # the guard fired and found no engine it may kill
     KILL_CANCELLED = "kill_cancelled"  # memory recovered between the decision and the signal: nothing was signalled
     KILL_LOOP = "kill_loop"  # the same engine was killed again and again (a supervisor restarts it into the spike)

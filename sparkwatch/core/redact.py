@@ -79,6 +79,11 @@ def remember_secrets(values: Iterable[str | None]) -> None:
     _OWN_SECRETS = tuple(sorted(known, key=len, reverse=True))
 
 
+def own_secrets() -> tuple[str, ...]:
+    """The secrets `remember_secrets` registered (a cache of redacted text keys on them)."""
+    return _OWN_SECRETS
+
+
 def redact(text: str) -> str:
     """`text` with every secret form above replaced by <redacted>, and control characters cut."""
     for secret in _OWN_SECRETS:

@@ -9,7 +9,8 @@ process on a user's word). Trusted declarations are engines for the guard's tree
   recorded: a restarted guard does not repeat them);
 - `engine_ready` when its boot phase reaches ready, with the seconds to ready and the peak launch measured;
 - `engine_exited` when launch declares the exit (exit code or signal) or the root is gone, with `killed_by`
-  `sparkwatch` when this guard killed it (`note_kill`).
+  `sparkwatch` when this guard killed it (`note_kill`); after a dry run's decision `killed_by` stays null, `dry_run`
+  is true and the summary says it would have been killed.
 Liveness of declared roots is checked at most once a second (a stat read per declared engine).
 """
 
@@ -68,7 +69,8 @@ class LaunchedEngines:
         self.started_at = time.time() if now_wall is None else now_wall
         self._seen: dict[tuple[int, int], _Seen] = {}
         self._next_liveness = 0.0
-        self._kills: dict[tuple[int, int], str] = {}  # tree key -> trigger, for engine_exited's killed_by
+        # tree key -> (trigger, dry run), for engine_exited's killed_by
+        self._kills: dict[tuple[int, int], tuple[str, bool]] = {}
         # What other threads read (the scout): replaced whole after each poll, never mutated.
         self._declared: Declared = {}
         self._launchers: Launchers = {}
@@ -98,8 +100,8 @@ class LaunchedEngines:
             for d in self._live
         )
 
-    def note_kill(self, key: tuple[int, int], trigger: str) -> None:
-        self._kills[key] = trigger
+    def note_kill(self, key: tuple[int, int], trigger: str, dry_run: bool = False) -> None:
+        self._kills[key] = (trigger, dry_run)
         while len(self._kills) > KILLS_REMEMBERED:
             self._kills.pop(next(iter(self._kills)))
 
@@ -204,22 +206,26 @@ class LaunchedEngines:
         self.record(EventKind.ENGINE_READY, summary, fields, logging.INFO, f"sparkwatch: {summary}")
 
     def _exited(self, decl: Declaration) -> None:
-        trigger = self._kills.get(decl.tree_key)
+        trigger, dry_run = self._kills.get(decl.tree_key, (None, False))
         if decl.exit_signal is not None:
             how = f"killed by signal {decl.exit_signal}"
         elif decl.exit_code is not None:
             how = f"exit code {decl.exit_code}"
         else:
             how = "exit status unknown (its launcher is gone)"
-        by = f"; killed by sparkwatch (trigger {trigger})" if trigger else ""
+        by = ""
+        if trigger:
+            by = f"; {'would have been killed by sparkwatch in a dry run' if dry_run else 'killed by sparkwatch'} "
+            by += f"(trigger {trigger})"
         ran = (decl.exited_at or time.time()) - decl.launched_at
         summary = f"{decl.kind} {decl.model} (root pid {decl.root_pid}) exited after {ran:.0f} s: {how}{by}."
         fields = {
             **self._fields(decl),
             "exit_code": decl.exit_code,
             "signal": decl.exit_signal,
-            "killed_by": "sparkwatch" if trigger else None,
+            "killed_by": "sparkwatch" if trigger and not dry_run else None,
             "trigger": trigger,
+            "dry_run": dry_run,
             "phase": str(decl.phases[-2][0] if decl.phase == BootPhase.EXITED and len(decl.phases) > 1 else decl.phase),
             "peak_bytes": decl.peak_bytes,
             "ran_s": round(ran, 3),

@@ -380,12 +380,9 @@ class PoolWatch:
             budget_source=tracked.source,
         )
         self._budget_victims[tracked.key] = detected_at + core.teardown_deadline_s(fp.bytes)
-        self.launched.note_kill(tracked.key, "budget")
+        self.launched.note_kill(tracked.key, "budget", dry_run=settings.dry_run)
         with self.lock:
-            self.stats.kills_total["budget"] = self.stats.kills_total.get("budget", 0) + 1
-            if not settings.dry_run:
-                self.stats.killed_processes_total += len(victims)
-            self.stats.last_kill_timestamp_s = time.time()
+            self.stats.count_kill("budget", settings.dry_run, len(victims), time.time())
         self.reaper.submit(KillJob(facts, victims, detected_at, signaled_at, mem.available_bytes, notes))
 
     def _record(self, kind: EventKind, summary: str, fields: dict[str, object], level: int, line: str) -> None:
@@ -533,7 +530,7 @@ class PoolWatch:
         )
         now = time.monotonic()
         self._episode_victims.add(victim.key)
-        self.launched.note_kill(victim.key, trigger)
+        self.launched.note_kill(victim.key, trigger, dry_run=settings.dry_run)
         held = victim.rss_bytes + (victim.gpu_bytes or 0)
         teardown_s = core.teardown_deadline_s(held)
         if not settings.dry_run and victims:
@@ -542,10 +539,7 @@ class PoolWatch:
         if victim.key not in self._outstanding:
             self.state = core.reaped(self.state, params, now)  # dry run, or already gone: nothing to wait for
         with self.lock:
-            self.stats.kills_total[trigger] = self.stats.kills_total.get(trigger, 0) + 1
-            if not settings.dry_run:
-                self.stats.killed_processes_total += len(victims)
-            self.stats.last_kill_timestamp_s = time.time()
+            self.stats.count_kill(trigger, settings.dry_run, len(victims), time.time())
         self.reaper.submit(
             KillJob(
                 facts=facts,
@@ -556,6 +550,8 @@ class PoolWatch:
                 notes=notes,
             )
         )
+        if settings.dry_run:
+            return  # a tree chosen again and again in dry run was never killed: no kill loop to report
         self.loops, count = note_kill(self.loops, now, loop_identity(tree))
         if count is not None:
             self._record_loop(tree, count, facts)
@@ -607,7 +603,8 @@ class PoolWatch:
     # --- on the reaper's thread
     def _announce(self, job: KillJob) -> None:
         """The greppable line, right after the signals: `journalctl --user -u sparkwatch | grep KILL`."""
-        log.error(kill_line(job.facts))  # a kill is an error: `journalctl -p err` shows it
+        # A kill is an error: `journalctl -p err` shows it. A dry run's would-kill is a warning: nothing died.
+        log.log(logging.WARNING if job.facts.dry_run and job.facts.trees else logging.ERROR, kill_line(job.facts))
         for note in job.notes:
             log.info("kill: %s", note)
         if job.signaled_at is not None:  # the owner's own terminal says who killed it (guard.ttynote)
@@ -626,7 +623,10 @@ class PoolWatch:
                 list(facts.survivors),
                 self.reaper.wait_s,
             )
-        kind = EventKind.KILL if facts.trees else EventKind.NO_VICTIM
+        if not facts.trees:
+            kind = EventKind.NO_VICTIM
+        else:  # a dry run's decision has a kind of its own: nothing that reads `kill` mistakes it for a kill
+            kind = EventKind.WOULD_KILL if facts.dry_run else EventKind.KILL
         event = make_event(kind, kill_summary(facts), kill_fields(facts))
         try:
             self.events.append(event)

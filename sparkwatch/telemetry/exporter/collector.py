@@ -28,11 +28,12 @@ from sparkwatch.core.compile import TOOLS
 from sparkwatch.core.enums import JitState, MaxJobsState
 from sparkwatch.core.kernlog import NVRM_KINDS, XID_CATALOGUE
 from sparkwatch.core.model import DriverReport, GpuReport, MemInfo, Snapshot
-from sparkwatch.telemetry.exporter.families import counter, gauge, histogram
+from sparkwatch.telemetry.exporter.families import counter, dropped_total, gauge, histogram
 from sparkwatch.telemetry.exporter.gpu import gpu_families
 
-# core.guard's triggers and core.kernlog's: exported at 0 so rate() works from the start
-GUARD_TRIGGERS = ("floor", "predicted", "driver_alloc_failed", "budget")
+# core.trigger's triggers (each may choose a tree), core.kernlog's and core.budget's: exported at 0 so increase() sees
+# the first kill (or, in dry run, the first would-kill) of each from the start
+GUARD_TRIGGERS = ("floor", "predicted", "escalate", "hunt", "driver_alloc_failed", "budget")
 
 
 class GuardLike(Protocol):
@@ -105,6 +106,8 @@ class SparkwatchCollector(Collector):
         snap = self.latest()
         stats, live = _guard_copy(self.guard)
         yield from self._families(snap, stats, live if isinstance(live, Settings) else self.settings)
+        # Last: it counts what the families above left out in this scrape too (telemetry.exporter.families).
+        yield counter("metrics_series_dropped", value=dropped_total())
 
     # --- rendering
     def _families(self, snap: Snapshot | None, stats: GuardStats | None, settings: Settings) -> Iterator[Metric]:
@@ -201,6 +204,11 @@ class SparkwatchCollector(Collector):
         for trigger in sorted(set(GUARD_TRIGGERS) | set(s.kills_total)):
             kills.add_metric([trigger], s.kills_total.get(trigger, 0))
         yield kills
+        # A dry run's decisions: their own counter, so no rule or panel that reads kills sees one that never happened.
+        would = counter("guard_would_kills", labels=["trigger"])
+        for trigger in sorted(set(GUARD_TRIGGERS) | set(s.would_kills_total)):
+            would.add_metric([trigger], s.would_kills_total.get(trigger, 0))
+        yield would
         yield counter("guard_killed_processes", value=s.killed_processes_total)
         if s.last_kill_timestamp_s is not None:
             yield gauge(

@@ -122,8 +122,17 @@ METRICS: tuple[MetricSpec, ...] = (
         "counter",
         "trigger",
         "guard",
-        "kills of engine trees, by trigger (each exported at 0)",
+        "kills of engine trees, by trigger (each exported at 0); never moves in dry run",
         help="Kills of engine trees, by trigger",
+    ),
+    _m(
+        "guard_would_kills_total",
+        "counter",
+        "trigger",
+        "guard",
+        "dry run: engine trees the guard chose and did not signal, by trigger (each exported at 0); a dry run moves "
+        "no kill counter",
+        help="Dry run: engine trees the guard would have killed, by trigger (nothing was signalled)",
     ),
     _m(
         "guard_kills_cancelled_total",
@@ -680,6 +689,16 @@ METRICS: tuple[MetricSpec, ...] = (
         "daemon",
         "times the guard restarted the telemetry process",
         help="Times the guard restarted the telemetry process",
+    ),
+    _m(
+        "metrics_series_dropped_total",
+        "counter",
+        "",
+        "always",
+        "series left out of /metrics, summed over scrapes: those past 64 label sets (engine, pid, model, name or JIT "
+        "cache) in one family; label values are redacted and cut to 128 characters",
+        help="Series left out of /metrics past 64 label sets of one family (engine, pid, model, name, JIT cache), "
+        "summed over scrapes",
     ),
     _m("guard_psi_trigger", "gauge", "", "daemon", "1 while the guard also wakes on a PSI memory trigger"),
 )
