@@ -190,3 +190,24 @@ def test_events_finds_the_system_units_record_and_says_whose_it_shows(tmp_path: 
     conf.parent.mkdir(parents=True)
     conf.write_text('state_dir = "/srv/sw"\n', encoding="utf-8")
     assert "killed after a move" in cli_events(tmp_path, "--system").stdout
+
+
+def test_system_shows_the_system_units_record_whatever_this_users_state_dir(tmp_path: Path) -> None:
+    """`--system` names whose record: a state_dir in the user's environment or config file does not turn it back into
+    the user's own (it did: the configured state_dir won, silently)."""
+    write_events(tmp_path / "root" / "var" / "lib" / "sparkwatch" / "events.jsonl", "killed by the system unit")
+    mine = tmp_path / "mine"
+    write_events(mine / "events.jsonl", "killed by my user unit")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SPARKWATCH_")}
+    env |= {"XDG_CONFIG_HOME": str(tmp_path / "own-config"), "SPARKWATCH_STATE_DIR": str(mine)}
+    res = subprocess.run(
+        [sys.executable, "-m", "sparkwatch", "events", "--root", str(tmp_path / "root"), "--system"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert res.returncode == 0, res.stderr
+    assert "killed by the system unit" in res.stdout and "killed by my user unit" not in res.stdout
+    assert "the system unit's events" in res.stderr

@@ -70,11 +70,12 @@ def _has_events(path: Path) -> bool:
 def choose_events_path(args: argparse.Namespace, state_dir: Path, configured: bool, root: Path) -> tuple[Path, str]:
     """(events.jsonl to show, a line for stderr saying whose it is, or "")."""
     own = state_dir / "events.jsonl"
+    if args.system:  # asked for by name: a state_dir in this user's config or environment does not change whose
+        system = system_state_dir(root) / "events.jsonl"
+        return system, f"sparkwatch: the system unit's events ({system})"
     if args.state_dir is not None or configured:
         return own, ""
     system = system_state_dir(root) / "events.jsonl"
-    if args.system:
-        return system, f"sparkwatch: the system unit's events ({system})"
     if system == own:
         return own, ""
     own_has, system_has = _has_events(own), _has_events(system)
