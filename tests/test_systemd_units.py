@@ -374,3 +374,27 @@ def test_the_system_unit_accepts_a_venv_root_owns(scratch: Path) -> None:
     done = print_system_unit(venv)
     assert done.returncode == 0, done.stderr
     assert f"ExecStart={venv}/bin/python -m sparkwatch run" in done.stdout
+
+
+def test_the_system_unit_refuses_a_config_another_user_can_edit(scratch: Path) -> None:
+    """The code is root's, the --config file nobody's: the file says what root's guard kills and spares, so --system
+    refuses it as it refuses code, in one line naming the file."""
+    require(os.geteuid() == 0 and shutil.which("setpriv") is not None, "needs root and setpriv to act as nobody")
+    require(root_owns_this_sparkwatch(), "this checkout or its venv is not root's")
+    venv = venv_with_this_sparkwatch(scratch, 0)
+    config = scratch / "config.toml"
+    as_user(NOBODY, 'printf "never_kill = [\\".\\"]\\n" > "$1"', str(config))
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    argv = [str(venv / "bin" / "python"), "-m", "sparkwatch", "install-service", "--system", "--print"]
+    done = subprocess.run(
+        [*argv, "--config", str(config)], capture_output=True, text=True, timeout=60, check=False, cwd="/", env=env
+    )
+    assert done.returncode == 1 and done.stdout == "", done.stdout + done.stderr
+    (line,) = done.stderr.splitlines()
+    assert f"it reads --config {config} as root and {config} is owned by nobody (uid 65534)" in line, line
+    os.chown(config, 0, 0)  # the same file, root's: accepted, and the unit reads it
+    done = subprocess.run(
+        [*argv, "--config", str(config)], capture_output=True, text=True, timeout=60, check=False, cwd="/", env=env
+    )
+    assert done.returncode == 0, done.stderr
+    assert f"--config {config}" in done.stdout

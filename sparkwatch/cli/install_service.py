@@ -275,6 +275,17 @@ def install(
                 file=err,
             )
             return 1
+        # The config is no code, but it says what root's guard may kill and spare (never_kill, ancestor_pid,
+        # protect_patterns, engine_budgets, state_dir): a file another user can edit steers the guard as surely.
+        why = None if config is None else _unsafe(str(config))
+        if why is not None:
+            print(
+                f"sparkwatch: refusing the system unit: it reads --config {os.path.abspath(config or '')} as root and "
+                f"{why}, so that user could steer root's guard; keep the system unit's config where root alone "
+                "writes (/etc/sparkwatch/config.toml, the unit's default)",
+                file=err,
+            )
+            return 1
     if print_only:
         out.write(unit)
         return 0
