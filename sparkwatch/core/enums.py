@@ -19,7 +19,7 @@ JitCacheKind = Literal["flashinfer", "vllm"]
 
 
 class DriverVerdict(StrEnum):
-    """The drift verdict (core.drift), worst first; the `verdict` label of sparkwatch_driver_info."""
+    """The drift verdict (core.driver), worst first; the `verdict` label of sparkwatch_driver_info."""
 
     STRANDED = "stranded"  # the running kernel has no NVIDIA modules
     WILL_STRAND = "will_strand"  # the next boot's kernel has none

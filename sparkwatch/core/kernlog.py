@@ -1,7 +1,7 @@
 """The driver's own view of memory: NVRM and Xid lines from the kernel log, and free memory by buddy order.
 
 Pure: /dev/kmsg records, /proc/buddyinfo text and the page size come in as data; `corroborate` takes the time and
-MemAvailable as arguments, in the shape of core.guard.step (state in, decision out).
+MemAvailable as arguments, in the shape of core.trigger.step (state in, decision out).
 
 Line formats are the driver's own (NVIDIA open-gpu-kernel-modules, and public reports quoting dmesg):
   NVRM: Xid (PCI:0000:01:00): 79, pid='<unknown>', name=<unknown>, GPU has fallen off the bus.

@@ -1,4 +1,4 @@
-"""Frozen records that flow from the sources through the core to the actuators and the exporter.
+"""Frozen records that flow from the sources through the core to the guard, the outbox and the exporter.
 
 Everything here is plain data: no I/O, no methods that reach outside the object.
 """
@@ -121,7 +121,7 @@ class Event:
         }
 
 
-# --- The driver (sources.system reads DriverFacts, core.drift judges them into a DriverReport)
+# --- The driver (telemetry.sources.driver reads DriverFacts, core.driver judges them into a DriverReport)
 
 
 @dataclass(frozen=True, slots=True)
@@ -380,7 +380,7 @@ class Snapshot:
     compile: CompileCensus | None = None  # telemetry: core.compile
     jit: tuple[JitCacheState, ...] = ()  # telemetry: per cache/version/arch
     gpu: GpuReport | None = None  # sources.nvml
-    driver: DriverReport | None = None  # core.drift over sources.system
+    driver: DriverReport | None = None  # core.driver over telemetry.sources.driver
     collectors: tuple[CollectorStatus, ...] = ()
     psi: PsiMemory | None = None  # None: the kernel has no PSI (or it is off)
     jit_states: tuple[JitEngineState, ...] = ()  # per engine tree

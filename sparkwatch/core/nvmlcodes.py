@@ -1,7 +1,7 @@
 """NVML's return codes: the one list sparkwatch uses (nvml.h names; tests hold them to pynvml's own constants).
 
-sources.nvml is the one adapter that calls NVML; the drift verdict (core.drift), the exporter's help text and the
-status view read the codes from here, so "9" and "18" are written once.
+telemetry.sources.nvml is the one adapter that calls NVML; the drift verdict (core.driver), the exporter's help text
+and the status view read the codes from here, so "9" and "18" are written once.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Rates from short histories, for people watching a terminal: how fast the pool fills, how fast a JIT build goes.
 
-The guard has its own fill rate (core.guard.smooth_fill_rate, a 0.3 s time constant for 50 ms polling near the
+The guard has its own fill rate (core.trigger.smooth_fill_rate, a 0.3 s time constant for 50 ms polling near the
 floor). A view refreshing once a second wants a steadier figure: a least-squares slope over the last few seconds,
 so MemAvailable's ~100 MiB per 5 s noise (measured on Sparks) reads as about 0.02 GiB/s rather than a flicker of
 ±0.1 GiB/s.

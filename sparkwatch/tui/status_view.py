@@ -356,7 +356,7 @@ def gpu_lines(gpu: GpuReport | None, unknown: Sequence[GpuHolder] = ()) -> list[
 
 
 def driver_lines(driver: DriverReport | None, error: str | None = None) -> list[Text]:
-    """The drift verdict (core.drift) and its sentence."""
+    """The drift verdict (core.driver) and its sentence."""
     out = []
     if driver is None and error is None:
         out.append(Text("not checked yet", style="dim"))
