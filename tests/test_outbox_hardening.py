@@ -58,6 +58,7 @@ def test_hostile_spool_files_are_quarantined_and_alerted_once(tmp_path: Path, re
     (spool / "evil\r\nsparkwatch: KILL forged.json").write_text(json.dumps(good))
     (spool / "0000000000000aaaaaaaaaaaa.json").write_text("[" * 200_000 + "]" * 200_000)
     (spool / "0000000000000bbbbbbbbbbbb.json").write_bytes(b"\xff\xfe not json")
+    (spool / "0000000000000cccccccccccc\n.json").write_text(json.dumps(good))  # `$` matched before the newline
     logs: list[str] = []
     box = outbox(spool, receiver.url_base + "/hook", logs)
     events = EventLog(state / "events.jsonl")
@@ -65,8 +66,8 @@ def test_hostile_spool_files_are_quarantined_and_alerted_once(tmp_path: Path, re
     box.start()
     try:
         assert wait_until(lambda: str(good["id"]) in receiver.ids(), timeout_s=15)
-        assert box.quarantined_total == 3
-        assert len(list((spool / "bad").iterdir())) == 3
+        assert box.quarantined_total == 4
+        assert len(list((spool / "bad").iterdir())) == 4
         quarantined = [e for e in read_events(state / "events.jsonl") if e["kind"] == "outbox_quarantined"]
         assert len(quarantined) == 1  # one alert for the lot
         assert wait_until(lambda: any(d.payload["kind"] == "outbox_quarantined" for d in receiver.deliveries))

@@ -30,7 +30,7 @@ from sparkwatch.common.durable import fsync_dir, private_dir, write_atomic
 from sparkwatch.core.alerts import RateState, alert_text, dedup_key, is_alerting, is_quiet, rate_limit
 from sparkwatch.core.model import Event
 
-SAFE_ID = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
+SAFE_ID = re.compile(r"[A-Za-z0-9_-]{1,128}")  # always fullmatch: `$` also matches before a trailing newline
 PENDING = ".pending-"  # spooled before its event was written; promoted once the event is durable
 SUFFIX = ".json"
 TMP = ".tmp-"  # durable.write_atomic's temporary name: a torn write
@@ -46,7 +46,7 @@ def alert_payload(event: Event) -> dict[str, object]:
 
 def spool_id(raw_id: str) -> str:
     """The file name stem for an event id: the id itself, or a hash of anything that is not a safe name."""
-    if SAFE_ID.match(raw_id):
+    if SAFE_ID.fullmatch(raw_id):
         return raw_id  # every id sparkwatch makes (common.events.new_event_id)
     # Only a foreign id gets here. hashlib loads OpenSSL's libcrypto (3.3 MiB of the guard's locked RSS, measured):
     # imported when needed, never at the guard's start.
@@ -69,7 +69,7 @@ def parse_name(name: str) -> tuple[str, bool] | None:
     name this protocol never writes."""
     pending = name.startswith(PENDING)
     final = name[len(PENDING) :] if pending else name
-    if not final.endswith(SUFFIX) or SAFE_ID.match(final[: -len(SUFFIX)]) is None:
+    if not final.endswith(SUFFIX) or SAFE_ID.fullmatch(final[: -len(SUFFIX)]) is None:
         return None
     return final[: -len(SUFFIX)], pending
 
