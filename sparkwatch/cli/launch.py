@@ -36,7 +36,6 @@ from pathlib import Path
 from typing import Any
 
 from sparkwatch.cli import argtypes
-from sparkwatch.core.units import format_size
 
 EXIT_DOES_NOT_FIT = 75  # sysexits' EX_TEMPFAIL: try again when memory is back
 EXIT_NOT_FOUND = 127
@@ -184,7 +183,3 @@ def _forget(settings: Any, key: str | None) -> int:
     what = "every learned peak" if key is None else f"the peaks learned for {key}"
     print(f"sparkwatch: forgot {what}: the estimate stands again", file=sys.stderr)
     return 0
-
-
-def describe_bytes(value: int | None) -> str:
-    return "unknown" if value is None else format_size(value)

@@ -57,7 +57,6 @@ class PlanContext:
     key: str
     engine_version: tuple[int, ...] | None
     estimate_bytes: int
-    available_at_plan_bytes: int
     declared: tuple[launched.Declaration, ...] = ()
     took_s: float = 0.0
     record: peaks.PeakRecord | None = None  # what earlier runs with this key measured, confirmed or not
@@ -197,7 +196,6 @@ def gather(settings: Settings, inputs: PlanInputs) -> tuple[Plan, PlanContext]:
         key=key,
         engine_version=version,
         estimate_bytes=plan.estimate.needs_bytes,
-        available_at_plan_bytes=view.available_bytes,
         declared=decls,
         took_s=time.monotonic() - started,
         record=record,

@@ -43,7 +43,6 @@ class GuardStats:
     last_kill_timestamp_s: float | None = None
     kill_duration_bucket_counts: list[int] = field(default_factory=lambda: [0] * (len(KILL_DURATION_BUCKETS_S) + 1))
     kill_duration_sum_s: float = 0.0
-    kill_duration_count: int = 0
     meminfo_errors_total: int = 0
     last_error: str | None = None
     last_loop_monotonic: float = 0.0
@@ -82,7 +81,6 @@ class GuardStats:
         else:
             self.kill_duration_bucket_counts[-1] += 1
         self.kill_duration_sum_s += seconds
-        self.kill_duration_count += 1
 
 
 @dataclass

@@ -33,7 +33,7 @@ from sparkwatch.core.model import Event
 JOURNAL_SOCKET = Path("/run/systemd/journal/socket")
 
 # syslog priorities, as journald's PRIORITY= field takes them.
-PRIORITY_CRIT, PRIORITY_ERR, PRIORITY_WARNING, PRIORITY_NOTICE, PRIORITY_INFO = 2, 3, 4, 5, 6
+PRIORITY_ERR, PRIORITY_WARNING, PRIORITY_NOTICE = 3, 4, 5
 # A kill (or a low-memory firing that found nothing to kill) is an error; `journalctl -p err` must show it.
 EVENT_PRIORITY: dict[str, int] = {
     EventKind.KILL: PRIORITY_ERR,

@@ -34,8 +34,6 @@ DKMS_RE = re.compile(r"^nvidia-dkms-(?:(?P<branch>\d+)(?:-|$))?(?P<server>server
 LIBRARY_PKG_RE = re.compile(r"^(?:libnvidia-compute|nvidia-utils)-(?:\d+)?(?:-server)?$|^libnvidia-compute$")
 KERNEL_SOURCE_PKG_RE = re.compile(r"^nvidia-(?:kernel-source|kernel-common)-(?:\d+)?(?:-server)?(?:-open)?$")
 
-VERDICTS: tuple[DriverVerdict, ...] = tuple(DriverVerdict)  # worst first
-
 
 def version_key(text: str) -> tuple[tuple[int, int | str], ...]:
     """Natural sort for kernel releases: 6.17.0-1008-nvidia > 6.11.0-1016-nvidia, 6.8.0-100 > 6.8.0-99."""

@@ -19,8 +19,6 @@ from sparkwatch.core.model import JitEngineState
 from sparkwatch.core.words import plural
 
 IDLE, COMPILING, STALLED = JitState.IDLE, JitState.COMPILING, JitState.STALLED
-STATES: tuple[JitState, ...] = tuple(JitState)
-
 _VAR_RE = re.compile(r"\$\{([A-Za-z0-9_.-]+)\}|\$([A-Za-z0-9_-]+)")
 
 

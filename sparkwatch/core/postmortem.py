@@ -62,7 +62,6 @@ class BootEnd(StrEnum):
     UNKNOWN = "unknown"
 
 
-CAUSES = (BootEnd.KERNEL_OOM, BootEnd.DRIVER_NO_MEMORY, BootEnd.XID, BootEnd.SPARKWATCH_KILL)
 # A cause line counts when it came this close to the end of the boot's record. A box that wedges on memory logs its
 # last OOM or NVRM line seconds to minutes before it stops logging at all; ten minutes leaves room for the slow ones.
 NEAR_END_S = 600.0

@@ -59,11 +59,6 @@ class EngineFinder:
         )
 
 
-def live_members(trees: list[EngineTree]) -> int:
-    """Engine-tree processes still alive (zombies excluded: see GONE_STATES)."""
-    return len(live_processes(trees))
-
-
 def live_processes(trees: list[EngineTree]) -> list[Proc]:
     """The engine-tree processes still alive, roots first (zombies excluded: see GONE_STATES)."""
     return [p for t in trees for p in t.members if p.state not in GONE_STATES]
