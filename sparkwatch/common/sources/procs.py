@@ -38,7 +38,7 @@ scan goes on; the count is reported.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import NamedTuple
@@ -406,6 +406,38 @@ def read_ancestors(proc_root: Path | str, pid: int, limit: int = 64) -> frozense
         out.add(ppid)
         cur = ppid
     return frozenset(out)
+
+
+def read_cgroup(proc_root: Path | str, pid: int) -> str | None:
+    """The cgroup v2 path of a live pid (its `0::` line); None if gone or unreadable."""
+    return _read_cgroup(f"{proc_root}/{pid}")
+
+
+def read_rss_bytes(proc_root: Path | str, pids: Iterable[int]) -> int:
+    """The RSS of `pids` summed, from their stat files; a pid gone meanwhile counts nothing."""
+    total = 0
+    for pid in pids:
+        try:
+            total += parse_stat(pid, _read(f"{proc_root}/{pid}/stat"))[5] * _PAGE_SIZE
+        except (OSError, ValueError):  # ProcParseError is a ValueError
+            continue
+    return total
+
+
+def read_descendants(proc_root: Path | str, roots: Iterable[int]) -> list[int]:
+    """`roots` and every descendant of theirs, each once, from the kernel's children lists (read_children); a
+    kernel without CONFIG_PROC_CHILDREN gives the roots alone."""
+    out: list[int] = []
+    seen: set[int] = set()
+    frontier = list(roots)
+    while frontier:
+        pid = frontier.pop()
+        if pid in seen:
+            continue
+        seen.add(pid)
+        out.append(pid)
+        frontier.extend(read_children(proc_root, pid) or [])
+    return out
 
 
 def read_children(proc_root: Path | str, pid: int) -> list[int] | None:
