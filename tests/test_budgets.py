@@ -6,7 +6,10 @@ run records the same decision and signals nothing."""
 from __future__ import annotations
 
 import json
+import os
+import select
 import sys
+import threading
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -269,3 +272,62 @@ def test_a_launched_engine_over_its_budget_in_dry_run_exits_as_would_have_been_k
     assert exited["killed_by"] is None and exited["dry_run"] is True and exited["trigger"] == "budget"
     assert "would have been killed by sparkwatch in a dry run (trigger budget)" in str(exited["summary"])
     assert not kills(daemon.events_path)
+
+
+def test_a_guard_kill_of_a_launched_engine_reaches_its_terminal_as_one_line_without_the_event_log(
+    box: Box, tmp_path: Path, spawner: Spawner
+) -> None:
+    """launch on a pseudo-terminal (its controlling terminal, as a shell gives it), the guard with a state dir of its
+    own: launch finds no events.jsonl of the guard's anywhere it could look and learns of the budget kill from the
+    guard's published word on its declaration; the guard, whose kill launch reports, writes no line of its own on
+    that terminal. The owner reads one line naming the kill."""
+    require_tool("setsid")
+    enough_memory(1500 * MiB)
+    master, slave = os.openpty()
+    out: list[bytes] = []
+    done = threading.Event()
+
+    def read() -> None:
+        while not done.is_set():
+            ready, _, _ = select.select([master], [], [], 0.2)
+            if ready:
+                try:
+                    chunk = os.read(master, 65536)
+                except OSError:
+                    return  # EIO: nothing holds the terminal any more
+                if not chunk:
+                    return
+                out.append(chunk)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        with sparkwatch_run(tmp_path, env={"XDG_RUNTIME_DIR": str(box.run_dir)}) as daemon:
+            env = {**box.env, "SPARKWATCH_STATE_DIR": str(tmp_path / "launch-state")}  # not the guard's state dir
+            runaway = spawner.popen(
+                ["setsid", "-c", sys.executable, "-m", "sparkwatch", "launch", "--settle-timeout", "0",
+                 "--budget", "600MiB", "--", *small_args(small_model(tmp_path), fitting_util()),
+                 "--phase-mib", "loading_weights=100", "--phase-s", "0.1", "--grow-mib-per-s", "400",
+                 "--grow-limit-mib", "1200", "--pidfile", str(box.pidfile)],
+                stdin=slave, stdout=slave, stderr=slave, env=env, close_fds=True,
+            )  # fmt: skip
+            os.close(slave)
+            slave = -1
+            assert runaway.wait(60) == 137
+            # The kill event comes after the guard's line on the terminal (guard.poolwatch._announce) would have.
+            event: dict[str, Any] = wait_for_event(daemon.events_path, "kill")
+            assert event["trigger"] == "budget"
+            assert not (tmp_path / "launch-state" / "events.jsonl").exists()
+            assert wait_until(lambda: b"exited after" in b"".join(out), 10)
+    finally:
+        done.set()
+        reader.join(5)
+        if slave >= 0:
+            os.close(slave)
+        os.close(master)
+    text = b"".join(out).decode(errors="replace").replace("\r", "")
+    kill_lines = ("sparkwatch: the guard killed", "sparkwatch: killed this", "sparkwatch: vllm (pid ")
+    told = [x for x in text.splitlines() if x.startswith(kill_lines)]  # launch's, the guard's, launch's unknown kill
+    assert len(told) == 1, text
+    assert told[0].startswith("sparkwatch: the guard killed vllm (pid ") and "trigger budget" in told[0], text
+    assert "over its budget" in told[0] and "no sparkwatch kill event" not in text, text

@@ -19,7 +19,7 @@ import pytest
 
 from sparkwatch.common import guardstate
 from sparkwatch.common.sources.procs import read_start_ticks
-from sparkwatch.core.guardstate import GuardState, describe, describe_all
+from sparkwatch.core.guardstate import SUMMARY_MAX, GuardState, KillWord, describe, describe_all
 
 NOBODY = 65534
 
@@ -154,3 +154,18 @@ def test_a_real_guard_publishes_its_state_again_after_a_reload_and_removes_it_on
 
         assert wait_until(reloaded, 30), published.read_text()
     assert not published.exists()
+
+
+def test_the_guards_word_on_a_launched_engine_it_killed_is_read_by_its_declaration(
+    tmp_path: Path, stand_in: subprocess.Popen[bytes]
+) -> None:
+    """launch's one route to a kill (core.guardstate.KillWord): keyed by (root pid, start ticks), never by pid alone;
+    the fullest state (64 engines taken, KILLS_PUBLISHED words of SUMMARY_MAX characters) stays within MAX_BYTES."""
+    taken = tuple((4_194_304 + i, 10**12 + i) for i in range(64))
+    words = tuple(KillWord(pid, ticks, "driver_alloc_failed", "x" * SUMMARY_MAX, False) for pid, ticks in taken[:8])
+    path = guardstate.write(tmp_path, state_of(stand_in.pid, taken=taken, kills=words))
+    assert path.stat().st_size <= guardstate.MAX_BYTES
+    seen = guardstate.read_guards([path])
+    assert seen.killed(taken[3]) == words[3]
+    assert seen.killed((taken[3][0], taken[3][1] + 1)) is None  # the same pid, another process: not this kill
+    assert seen.killed(taken[20]) is None  # taken, not killed

@@ -20,8 +20,10 @@ from typing import Any
 
 import pytest
 
-from sparkwatch.common.events import EventLog, make_event
+from sparkwatch.common import guardstate
 from sparkwatch.common.sources.meminfo import MeminfoReader
+from sparkwatch.common.sources.procs import read_start_ticks
+from sparkwatch.core.guardstate import GuardState, KillWord
 from tests.conftest import alive
 from tests.launchbox import (
     BOOT_ENGINE,
@@ -206,27 +208,32 @@ def test_ctrl_c_reaches_the_whole_tree_and_leaves_no_process_behind(box: Box, tm
 
 
 def test_a_guard_kill_is_reported_on_the_terminal_with_its_reason(box: Box, tmp_path: Path) -> None:
+    """launch learns of the kill from the guard's published state (common.guardstate), keyed by its declaration:
+    a live process stands in for the guard, and no events.jsonl exists anywhere launch could look."""
     model = small_model(tmp_path)
+    guard = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
     proc = box.launch("--", *small_args(model, fitting_util()), "--phase-s", "0.05", "--pidfile", str(box.pidfile))
     try:
         decl = wait_ready(box)
-        root = int(decl["root_pid"])
-        # The guard's record of a kill (guard.poolwatch writes it through EventLog after the reap): then the signal.
-        EventLog(box.state / "events.jsonl").append(
-            make_event(
-                __import__("sparkwatch.core.eventkinds", fromlist=["EventKind"]).EventKind.KILL,
-                f"Killed vllm (root pid {root}, 2 processes): footprint 9.1 GiB over its budget 8.0 GiB.",
-                {"trigger": "budget", "dry_run": False, "victims": [{"pid": root, "engine": "vllm"}]},
-            )
-        )
+        root, ticks = int(decl["root_pid"]), int(decl["start_ticks"])
+        # The guard's word (guard.poolwatch has it published right after its signals): then the signal.
+        summary = f"Killed vllm (root pid {root}, 2 processes): footprint 9.1 GiB over its budget 8.0 GiB."
+        guard_ticks = read_start_ticks("/proc", guard.pid)
+        assert guard_ticks is not None
+        state = GuardState(guard.pid, guard_ticks, os.geteuid(), False, 1 << 30, 0, 0, ((root, ticks),), time.time(),
+                           kills=(KillWord(root, ticks, "budget", summary, False),))  # fmt: skip
+        guardstate.write(box.run_dir / "sparkwatch", state)
         os.kill(root, signal.SIGKILL)
         _out, err = proc.communicate(timeout=30)
     finally:
         if proc.poll() is None:
             proc.kill()
+        guard.kill()
+        guard.wait(10)
     assert proc.returncode == 137
     line = next(x for x in err.decode().splitlines() if "the guard killed" in x)
-    assert "trigger budget" in line and "over its budget" in line
+    assert line == f"sparkwatch: the guard killed vllm (pid {root}), trigger budget: {summary}"
+    assert not (box.state / "events.jsonl").exists()
 
 
 def test_a_kill_that_is_not_the_guards_says_so(box: Box, tmp_path: Path) -> None:

@@ -14,7 +14,10 @@
   (within GUARD_WORD_WAIT_S), or at once and only once that no guard is running (with a budget: that it is not
   enforced).
 - the exit code passes through (128+N for signal N). A SIGKILL that launch did not send is looked up in the guard's
-  events.jsonl: a `kill` event naming the root is printed in one line, and launch exits 137.
+  published state (common.guardstate: its word on the launched engines it killed, keyed by the declaration), waited
+  for up to KILL_WORD_WAIT_S while a guard runs and not at all when none does: the guard's word is printed in one
+  line, and launch exits 137. The guard writes no line of its own on the terminal of an engine whose launch tells
+  it (guard.launchwatch.told_by_launch), so the owner reads one.
 - the tree is read from /proc by common.sources.procs (children lists, stat, cgroup): no parser of its own here.
 """
 
@@ -25,13 +28,11 @@ import signal
 import sys
 import time
 from dataclasses import replace
-from pathlib import Path
 from typing import Any
 
 from sparkwatch.cli.launch_plan import PlanContext
 from sparkwatch.cli.launch_supervisor import Supervisor
 from sparkwatch.common import guardstate, launched, peakstore, syscalls
-from sparkwatch.common.events import read_events
 from sparkwatch.common.launched import Declaration
 from sparkwatch.common.sources.cgroupmem import read_memory_current
 from sparkwatch.common.sources.meminfo import MeminfoError, MeminfoReader
@@ -46,7 +47,7 @@ from sparkwatch.config.settings import Settings
 from sparkwatch.core import launchenv, peaks
 from sparkwatch.core.bootphase import BootPhase, PhaseRecognizer
 from sparkwatch.core.footprint import FootprintInputs, footprint
-from sparkwatch.core.guardstate import no_guard_line, not_taken_line, taken_line
+from sparkwatch.core.guardstate import KillWord, no_guard_line, not_taken_line, taken_line
 from sparkwatch.core.plan import Plan
 from sparkwatch.core.units import MiB, format_size
 
@@ -54,9 +55,10 @@ SAMPLE_EVERY_S = 1.0  # footprint samples while the engine runs (a /proc walk of
 # How long launch looks for a guard to take its declaration: the guard reads the declarations each tick (at most
 # poll_max_s, 1 s, apart) and republishes guard.json at once when it took a new one.
 GUARD_WORD_WAIT_S = 5.0
-KILL_EVENT_WAIT_S = 6.0  # the guard writes its kill event after the reap and its settle time (1 s by default)
+# How long launch looks for a running guard's word on a SIGKILL it did not send: the guard asks its main thread to
+# republish guard.json right after its signals, and launch looks only after its own reap, leftovers and drain.
+KILL_WORD_WAIT_S = 3.0
 PEAK_WRITE_MIN_BYTES = 256 * MiB  # rewrite the declaration when the peak grew by this much (or 5 %)
-SYSTEM_EVENTS = Path("/var/lib/sparkwatch/events.jsonl")  # the system unit's (XDG_STATE_HOME=/var/lib)
 
 
 def gpu_reader(settings: Settings) -> Any | None:
@@ -81,31 +83,6 @@ def gpu_bytes_of(source: Any | None, pids: list[int]) -> int | None:
         return None
     wanted = set(pids)
     return sum(p.used_gpu_memory_bytes or 0 for p in report.processes if p.pid in wanted)
-
-
-def find_kill_event(paths: list[Path], root_pid: int, since_wall: float) -> dict[str, Any] | None:
-    """The guard's kill event whose victims include `root_pid`, recorded after `since_wall`."""
-    from datetime import datetime
-
-    for path in paths:
-        try:
-            events = read_events(path, 64)
-        except OSError:
-            continue
-        for event in reversed(events):
-            if event.get("kind") != "kill" or event.get("dry_run"):
-                continue
-            try:
-                ts = datetime.fromisoformat(str(event.get("ts", "")).replace("Z", "+00:00")).timestamp()
-            except ValueError:
-                continue
-            if ts < since_wall - 1:
-                continue
-            victims = event.get("victims") or []
-            if any(isinstance(v, dict) and v.get("pid") == root_pid for v in victims):
-                found: dict[str, Any] = event
-                return found
-    return None
 
 
 class Launch:
@@ -136,7 +113,7 @@ class Launch:
         self.phase_peaks: dict[str, int] = {}
         self.decl: Declaration | None = None
         self.directory = launched.launched_dir(self.env, settings.state_dir)
-        self.killed_by: dict[str, Any] | None = None
+        self.killed_by: KillWord | None = None
         self.unit = self.supervisor.unit
         self.gpu: Any | None = None
         self._guard_wait_until: float | None = None  # monotonic; None: nothing (more) to say about the guard
@@ -238,7 +215,7 @@ class Launch:
             close = getattr(self.gpu, "close", None)
             if close is not None:
                 close()
-        return self._finish(pid, status, self.peak, self._started_wall)
+        return self._finish(pid, status, self.peak)
 
     # --- the supervisor's hooks (cli.launch_supervisor.Hooks)
     def started(self, pid: int) -> None:
@@ -334,7 +311,7 @@ class Launch:
             )
         ).bytes
 
-    def _finish(self, pid: int, status: int | None, peak: int, started_wall: float) -> int:
+    def _finish(self, pid: int, status: int | None, peak: int) -> int:
         code, sig = 0, None
         if status is not None:
             if os.WIFSIGNALED(status):
@@ -346,21 +323,15 @@ class Launch:
         if self.decl is not None and self.decl.ready_s is not None and peak > 0:
             self._learn(peak)
         if sig == signal.SIGKILL and signal.SIGKILL not in self.supervisor.sent:
-            paths = [self.settings.state_dir / "events.jsonl", SYSTEM_EVENTS]
-            deadline = time.monotonic() + KILL_EVENT_WAIT_S
-            event = None
-            while event is None and time.monotonic() < deadline:
-                event = find_kill_event(paths, pid, started_wall)
-                if event is None:
-                    time.sleep(0.2)
-            self.killed_by = event
-            if event is not None:
+            word = self._guard_kill_word()
+            self.killed_by = word
+            if word is not None:
                 print(
                     f"sparkwatch: the guard killed {self.plan.estimate.kind} (pid {pid}), trigger "
-                    f"{event.get('trigger')}: {event.get('summary')}",
+                    f"{word.trigger}: {word.summary}",
                     file=sys.stderr,
                 )
-                self.exit_text = f"killed by the sparkwatch guard ({event.get('trigger')})"
+                self.exit_text = f"killed by the sparkwatch guard ({word.trigger})"
             else:
                 print(
                     f"sparkwatch: {self.plan.estimate.kind} (pid {pid}) was killed with SIGKILL; no sparkwatch kill "
@@ -369,6 +340,22 @@ class Launch:
                 )
             return 128 + signal.SIGKILL
         return code
+
+    def _guard_kill_word(self) -> KillWord | None:
+        """A running guard's word that it killed this engine, keyed by its declaration (common.guardstate), looked
+        for until KILL_WORD_WAIT_S passed; at once None when no guard runs. A dry run's decision is not a kill."""
+        if self.decl is None:
+            return None
+        paths = guardstate.reader_paths(self.env, self.settings.state_dir)
+        deadline = time.monotonic() + KILL_WORD_WAIT_S
+        while True:
+            seen = guardstate.read_guards(paths)
+            word = seen.killed(self.decl.tree_key)
+            if word is not None and not word.dry_run:
+                return word
+            if not seen.running or time.monotonic() >= deadline:
+                return None
+            time.sleep(0.1)
 
     def _learn(self, peak: int) -> None:
         assert self.decl is not None

@@ -9,6 +9,10 @@ stops cleanly. Where:
 - a user guard: $XDG_RUNTIME_DIR/sparkwatch/guard.json (beside the launched/ declarations, common.launched);
 - either, when that directory cannot be written: <state_dir>/guard.json.
 
+It also carries the guard's word on the launched engines it killed (core.guardstate.KillWord, keyed by the
+declaration): the guard asks for a republish when it kills one it took, and `launch` reads its own there once its
+engine died of a SIGKILL it did not send (the one route by which launch learns of a guard kill).
+
 `status`, `doctor` and `launch` read every place a guard of theirs may write (`reader_paths`) with `read_guards`,
 which trusts a file only when it is a regular file (never through a symlink), at most MAX_BYTES, owned by root or by
 the reader's own uid and writable by nobody else, declares the uid that owns it, and names a live process: its pid
@@ -37,11 +41,12 @@ from sparkwatch.common.durable import (
 from sparkwatch.common.launched import runtime_dir
 from sparkwatch.common.sources.procs import read_fd, read_start_ticks
 from sparkwatch.common.wiretypes import WireError, from_json, to_json
-from sparkwatch.core.guardstate import VERSION, GuardState
+from sparkwatch.core.guardstate import VERSION, GuardState, KillWord
 
 FILE_NAME = "guard.json"
 SYSTEM_DIR = Path("/run/sparkwatch")
-# A state is ~200 bytes plus ~25 per launched engine taken; common.launched keeps at most 64 per directory.
+# A state is ~200 bytes plus ~25 per launched engine taken (common.launched keeps at most 64 per directory) and ~510
+# per kill word (core.guardstate.KILLS_PUBLISHED of them, each summary cut at SUMMARY_MAX): 5,813 bytes at most.
 MAX_BYTES = 8 << 10
 
 
@@ -161,6 +166,10 @@ class GuardsSeen:
 
     def taken_by(self, key: tuple[int, int]) -> GuardState | None:
         return next((s for s in self.states if s.took(key)), None)
+
+    def killed(self, key: tuple[int, int]) -> KillWord | None:
+        """A running guard's word that it killed the launched engine declared as `key`."""
+        return next((w for s in self.states if (w := s.killed(key)) is not None), None)
 
 
 def read_guards(paths: Sequence[Path], proc_root: Path | str = "/proc") -> GuardsSeen:

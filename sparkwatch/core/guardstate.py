@@ -2,7 +2,9 @@
 
 The guard process writes this record into its runtime dir (common.guardstate owns the file: where, how, and when a
 reader may trust it); the terminal commands read it to say whether a guard runs, whether it would kill (armed) or
-only records (dry run), at which floor, with how many budgets, and which launched engines it took.
+only records (dry run), at which floor, with how many budgets, and which launched engines it took. `launch` also
+reads its `kills`: the guard's word that it killed (or in a dry run would have killed) a launched engine it took,
+keyed by the declaration, so launch learns of a kill from the guard's own record by one route.
 """
 
 from __future__ import annotations
@@ -15,6 +17,24 @@ from sparkwatch.core.words import plural
 
 VERSION = 1
 NO_GUARD = "no guard is running"
+KILLS_PUBLISHED = 8  # the latest kills of launched engines: launch reads its own within seconds of the kill
+SUMMARY_MAX = 400  # characters of a kill's summary in the state (a summary is ~250; the file stays small)
+
+
+@dataclass(frozen=True, slots=True)
+class KillWord:
+    """The guard killed (or, `dry_run`, would have killed) the launched engine whose declaration is (root_pid,
+    start_ticks): the trigger and the kill's summary (core.killrecord.kill_summary), for launch's one line."""
+
+    root_pid: int
+    start_ticks: int
+    trigger: str
+    summary: str
+    dry_run: bool
+
+    @property
+    def tree_key(self) -> tuple[int, int]:
+        return (self.root_pid, self.start_ticks)
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,6 +51,7 @@ class GuardState:
     declared_budgets: int
     taken: tuple[tuple[int, int], ...]
     written_at: float  # wall-clock seconds
+    kills: tuple[KillWord, ...] = ()  # the latest KILLS_PUBLISHED kills of launched engines it took, oldest first
     version: int = VERSION
 
     @property
@@ -47,6 +68,10 @@ class GuardState:
 
     def took(self, key: tuple[int, int]) -> bool:
         return key in self.taken
+
+    def killed(self, key: tuple[int, int]) -> KillWord | None:
+        """Its word that it killed the launched engine declared as `key` (None: it did not, or not yet)."""
+        return next((k for k in reversed(self.kills) if k.tree_key == key), None)
 
 
 def describe(state: GuardState) -> str:

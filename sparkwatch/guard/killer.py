@@ -68,6 +68,8 @@ class KillJob:
     signaled_at: float | None
     available_at_signal: int
     notes: list[str] = field(default_factory=list)
+    # Roots whose owner reads the kill from their launch (guard.launchwatch.told_by_launch): no terminal line.
+    told_by_launch: frozenset[int] = frozenset()
 
 
 def find_cgroup2_mount(proc_root: Path) -> Path | None:

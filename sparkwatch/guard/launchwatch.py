@@ -11,6 +11,9 @@ process on a user's word). Trusted declarations are engines for the guard's tree
 - `engine_exited` when launch declares the exit (exit code or signal) or the root is gone, with `killed_by`
   `sparkwatch` when this guard killed it (`note_kill`); after a dry run's decision `killed_by` stays null, `dry_run`
   is true and the summary says it would have been killed.
+The same kills are the guard's word to launch (`kill_words`, published in guard.json by the guard process,
+common.guardstate): launch reads the one keyed by its declaration, and for a tree whose launch is alive to print that
+line (`told_by_launch`) the guard writes no line on the engine's terminal (guard.ttynote), so the owner reads one.
 Liveness of declared roots is checked at most once a second (a stat read per declared engine).
 """
 
@@ -30,6 +33,7 @@ from sparkwatch.core.bootphase import BootPhase
 from sparkwatch.core.engines import Declared, Launchers
 from sparkwatch.core.eventkinds import EventKind
 from sparkwatch.core.flight import LaunchedEngine
+from sparkwatch.core.guardstate import KILLS_PUBLISHED, SUMMARY_MAX, KillWord
 from sparkwatch.core.units import format_size
 
 log = logs.get("guard")
@@ -71,6 +75,8 @@ class LaunchedEngines:
         self._next_liveness = 0.0
         # tree key -> (trigger, dry run), for engine_exited's killed_by
         self._kills: dict[tuple[int, int], tuple[str, bool]] = {}
+        # The latest kills of declared engines, for launch (guard.json): replaced whole, read from the main thread.
+        self._kill_words: tuple[KillWord, ...] = ()
         # What other threads read (the scout): replaced whole after each poll, never mutated.
         self._declared: Declared = {}
         self._launchers: Launchers = {}
@@ -100,10 +106,27 @@ class LaunchedEngines:
             for d in self._live
         )
 
-    def note_kill(self, key: tuple[int, int], trigger: str, dry_run: bool = False) -> None:
+    def note_kill(self, key: tuple[int, int], trigger: str, dry_run: bool = False, summary: str = "") -> bool:
+        """Remember a kill (or a dry run's decision) for engine_exited; when the tree is a declared engine, also as the
+        guard's word to its launch (`kill_words`). True when it was one: the caller has guard.json republished."""
         self._kills[key] = (trigger, dry_run)
         while len(self._kills) > KILLS_REMEMBERED:
             self._kills.pop(next(iter(self._kills)))
+        if key not in self._declared:
+            return False
+        word = KillWord(key[0], key[1], trigger, summary[:SUMMARY_MAX], dry_run)
+        self._kill_words = (*(w for w in self._kill_words if w.tree_key != key), word)[-KILLS_PUBLISHED:]
+        return True
+
+    def kill_words(self) -> tuple[KillWord, ...]:
+        """The latest kills of declared engines (safe from any thread), for guard.json."""
+        return self._kill_words
+
+    def told_by_launch(self, key: tuple[int, int], parent_pid: int) -> bool:
+        """Whether the owner learns of this tree's kill from its launch: a declared root whose parent is the launch
+        that declared it (alive when the guard scanned; it prints the guard's word on its own terminal)."""
+        launcher = self._launchers.get(key)
+        return launcher is not None and launcher == parent_pid
 
     # --- the tick
     def poll(self, now: float) -> None:

@@ -172,8 +172,8 @@ class PoolWatch:
         self._budget_victims: dict[policy.TreeKey, float] = {}  # killed for their budget -> teardown deadline
         # Telemetry's count of engine trees (a reference read): a change starts a budget discovery at once.
         self.engines_hint: Callable[[], int | None] = lambda: None
-        # Called (on this thread; it must not block) when the set of launched engines the guard took changed: the
-        # guard process republishes its state (common.guardstate) on its main thread.
+        # Called (on this thread; it must not block) when the set of launched engines the guard took changed, or it
+        # killed one of them: the guard process republishes its state (common.guardstate) on its main thread.
         self.on_taken: Callable[[], None] | None = None
         self._taken: frozenset[policy.TreeKey] = frozenset()
         self._last_mem: MemInfo | None = None
@@ -380,10 +380,19 @@ class PoolWatch:
             budget_source=tracked.source,
         )
         self._budget_victims[tracked.key] = detected_at + core.teardown_deadline_s(fp.bytes)
-        self.launched.note_kill(tracked.key, "budget", dry_run=settings.dry_run)
+        told = self._note_kill(tracked.key, tree, facts)
         with self.lock:
             self.stats.count_kill("budget", settings.dry_run, len(victims), time.time())
-        self.reaper.submit(KillJob(facts, victims, detected_at, signaled_at, mem.available_bytes, notes))
+        self.reaper.submit(KillJob(facts, victims, detected_at, signaled_at, mem.available_bytes, notes, told))
+
+    def _note_kill(self, key: policy.TreeKey, tree: EngineTree, facts: KillFacts) -> frozenset[int]:
+        """The kill for engine_exited and, for a launched engine, as the guard's word to its launch (guard.json is
+        republished at once). Returns the roots whose launch tells the owner: no line on their terminal then."""
+        launched = self.launched.note_kill(key, facts.trigger, dry_run=facts.dry_run, summary=kill_summary(facts))
+        if launched and self.on_taken is not None:
+            self.on_taken()
+        told = self.launched.told_by_launch(key, tree.root.ppid)
+        return frozenset({tree.root.pid}) if told else frozenset()
 
     def _record(self, kind: EventKind, summary: str, fields: dict[str, object], level: int, line: str) -> None:
         """An event from the launched engines or the budgets, written on the reaper's thread (never on the guard's)."""
@@ -530,7 +539,7 @@ class PoolWatch:
         )
         now = time.monotonic()
         self._episode_victims.add(victim.key)
-        self.launched.note_kill(victim.key, trigger, dry_run=settings.dry_run)
+        told = self._note_kill(victim.key, tree, facts)
         held = victim.rss_bytes + (victim.gpu_bytes or 0)
         teardown_s = core.teardown_deadline_s(held)
         if not settings.dry_run and victims:
@@ -548,6 +557,7 @@ class PoolWatch:
                 signaled_at=signaled_at,
                 available_at_signal=available_now,
                 notes=notes,
+                told_by_launch=told,
             )
         )
         if settings.dry_run:
@@ -609,8 +619,8 @@ class PoolWatch:
             log.info("kill: %s", note)
         if job.signaled_at is not None:  # the owner's own terminal says who killed it (guard.ttynote)
             roots = {t.root.pid: t for t in job.facts.trees}
-            for v in job.victims:
-                if v.tty_nr and v.proc.pid in roots:
+            for v in job.victims:  # a launched root's launch prints the guard's word there itself: one line
+                if v.tty_nr and v.proc.pid in roots and v.proc.pid not in job.told_by_launch:
                     tell_terminal(v.tty_nr, v.proc.uid, terminal_note(job.facts, roots[v.proc.pid]))
 
     def _finish(self, job: KillJob, facts: KillFacts) -> None:

@@ -16,9 +16,10 @@ says which keys its components took; the log names what applied and what needs a
 and the running one kept.
 
 Published state: the main thread writes guard.json (common.guardstate: pid and start time, armed or dry run, floor,
-budgets, the launched engines taken) at start, after a reload, and when the pool watch says the set of launched
-engines it took changed; it removes it on a clean stop. No heartbeat: a reader checks that the pid still has the
-start time the file gives, so a dead guard's file reads as stale without the guard writing every tick.
+budgets, the launched engines taken, the latest kills of them for their launch) at start, after a reload, and when
+the pool watch says the set of launched engines it took changed or it killed one; it removes it on a clean stop. No
+heartbeat: a reader checks that the pid still has the start time the file gives, so a dead guard's file reads as
+stale without the guard writing every tick.
 """
 
 from __future__ import annotations
@@ -387,6 +388,7 @@ class GuardProcess:
             declared_budgets=sum(1 for d in live if d.budget_bytes),
             taken=tuple(sorted(d.tree_key for d in live)),
             written_at=time.time(),
+            kills=self.guard.launched.kill_words(),
         )
 
     def _write_state(self) -> None:
