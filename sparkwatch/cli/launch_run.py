@@ -350,7 +350,7 @@ class Launch:
         peak = 0
         written_peak = 0
         others_booting = False
-        watch = launched.LaunchedWatch(launched.launched_dirs(self.env, self.settings.state_dir))
+        watch = launched.LaunchedWatch.of(self.env, self.settings.state_dir, self.settings.proc_root)
         try:
             busy = False
             while status is None:
