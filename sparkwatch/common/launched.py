@@ -205,7 +205,11 @@ def decode(data: bytes, owner_uid: int) -> Declaration:
 
 def write(directory: Path, decl: Declaration) -> Path:
     """Declare (or update) one engine, atomically."""
-    private_dir(directory.parent)
+    if directory == SYSTEM_LAUNCHED_DIR:
+        # /run/sparkwatch is shared with other system files of sparkwatch's: made 0755 if missing, never tightened.
+        directory.parent.mkdir(mode=0o755, exist_ok=True)
+    else:
+        private_dir(directory.parent)
     private_dir(directory)
     path = directory / decl.file_name
     write_atomic(path, encode(decl), mode=0o644)
