@@ -107,10 +107,10 @@ def episode(arm: str, rate_mib: int, tmp: Path, users: Path, system: Path) -> Ep
             if read_start_ticks("/proc", pid) == ticks:
                 os.kill(pid, signal.SIGKILL)
         engine.wait(10)
-    if kill is None:
-        raise SystemExit(f"{arm}: no kill in 60 s")
     samples = sampler.samples
     low_t, low = min(samples, key=lambda s: s[1])
+    if kill is None:  # the pool moved under the episode (another process freed memory): said, not dropped
+        return Episode(arm, None, (low - floor) / MiB, "no kill in 60 s", None)
     window = [(t, a) for t, a in samples if low_t - 0.1 <= t <= low_t]
     rate = (window[0][1] - window[-1][1]) / (window[-1][0] - window[0][0]) / MiB if len(window) >= 2 else None
     own = None
@@ -195,7 +195,7 @@ def main() -> None:
     lines += ["", "Medians:", "", "| arm | lowest − floor MiB | detect→reaped ms |", "| --- | --- | --- |"]
     for arm in ("quiet", "hostile"):
         mine = [e for e in episodes if e.arm == arm]
-        margin = statistics.median(e.margin_mib for e in mine)
+        margin = statistics.median(e.margin_mib for e in mine if e.trigger != "no kill in 60 s")
         owns = [e.detect_to_reaped_ms for e in mine if e.detect_to_reaped_ms is not None]
         own = f"{statistics.median(owns):,.0f}" if owns else "-"
         lines.append(f"| {arm} | {margin:,.0f} | {own} |")
