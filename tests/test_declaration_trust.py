@@ -34,6 +34,7 @@ from sparkwatch.common import launched
 from sparkwatch.common.events import read_events
 from sparkwatch.common.sources.meminfo import MeminfoReader
 from sparkwatch.common.sources.procs import read_start_ticks
+from sparkwatch.common.wiretypes import WireError
 from sparkwatch.core.bootphase import BootPhase
 from sparkwatch.core.units import GiB, MiB
 from sparkwatch.guard.launchwatch import LaunchedEngines
@@ -535,3 +536,15 @@ def test_a_symlinked_launched_dir_is_refused_and_said_once(
     assert watch.errors_total >= 1
     assert sum("is a symlink" in r.getMessage() for r in caplog.records) == 1, caplog.records
     assert stat.S_ISLNK(os.lstat(home / "sparkwatch" / "launched").st_mode)
+
+
+def test_every_decoding_failure_is_one_wire_error() -> None:
+    """Whatever the bytes, decode raises WireError (a counted bad file), never OverflowError or RecursionError."""
+    good = json.loads(launched.encode(declaration(1, 1, NOBODY, None)))
+    for body in (OVERFLOW, b"[" * 5_000, b"\xff\xfe", json.dumps({**good, "budget_bytes": 1.5}).encode(),
+                 json.dumps({**good, "phases": [["ready", 10**400]]}).encode()):  # fmt: skip
+        with pytest.raises(WireError):
+            launched.decode(body, NOBODY)
+    with pytest.raises(WireError, match="declares uid 65534 in a file owned by uid 7"):
+        launched.decode(launched.encode(declaration(1, 1, NOBODY, None)), VICTIM)
+    assert launched.decode(launched.encode(declaration(1, 1, VICTIM, None)), 0).uid == VICTIM  # root's: any uid
