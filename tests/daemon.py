@@ -8,7 +8,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -75,14 +75,17 @@ def daemon_env(tmp_path: Path, port: int) -> dict[str, str]:
 
 
 @contextmanager
-def sparkwatch_run(tmp_path: Path, *args: str, env: dict[str, str] | None = None) -> Iterator[RunningDaemon]:
-    """`sparkwatch run` with engines confined to this test process's descendants, a private state dir and port."""
+def sparkwatch_run(
+    tmp_path: Path, *args: str, env: dict[str, str] | None = None, prefix: Sequence[str] = ()
+) -> Iterator[RunningDaemon]:
+    """`sparkwatch run` with engines confined to this test process's descendants, a private state dir and port.
+    `prefix`: a command that execs the rest (e.g. `unshare` into a mount namespace of the test's own)."""
     state_dir = tmp_path / "state"
     port = free_port()
     full_env = daemon_env(tmp_path, port)
     full_env.update(env or {})
     proc = subprocess.Popen(
-        [sys.executable, "-m", "sparkwatch", "run", *args],
+        [*prefix, sys.executable, "-m", "sparkwatch", "run", *args],
         env=full_env,
         text=True,
         stdout=subprocess.DEVNULL,

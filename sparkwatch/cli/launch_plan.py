@@ -124,7 +124,7 @@ def running(
     fix, reserving nothing: what it holds is already out of MemAvailable)."""
     from sparkwatch.common.sources.engines import EngineFinder
 
-    watch = launched.LaunchedWatch(launched.launched_dirs(env, settings.state_dir))
+    watch = launched.LaunchedWatch.of(env, settings.state_dir, settings.proc_root)
     decls = tuple(d for d in watch.poll() if d.exited_at is None and _alive(d.root_pid, d.start_ticks, settings))
     out = [
         Reservation(

@@ -118,7 +118,10 @@ def _int(value: Any, where: str) -> int:
 def _float(value: Any, where: str) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise WireError(f"{where}: expected a number")
-    return float(value)
+    try:
+        return float(value)
+    except OverflowError:  # an int past a float's range (10**400): refused like any other bad value
+        raise WireError(f"{where}: number too large") from None
 
 
 def _str(value: Any, where: str) -> str:

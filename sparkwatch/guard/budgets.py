@@ -199,6 +199,8 @@ class BudgetWatch:
         for tree in find_engine_trees(procs, rules, scope, declared=declared, launchers=launchers):
             key = tree.root.key
             decl = by_key.get(key)
+            if decl is not None and decl.uid != tree.root.uid:
+                decl = None  # a declaration speaks only for its own uid's process: never another user's budget
             budget, source = (decl.budget_bytes, "launch") if decl is not None and decl.budget_bytes else (None, "")
             if budget is None:
                 budget, source = first_match(tree, config_budgets), "config"

@@ -1,12 +1,16 @@
 """The engines `sparkwatch launch` declared (common.launched), as the guard knows them: who they are, and their events.
 
-The pool watch calls `poll()` on its tick: one stat per declarations directory; files are read again only when a
-directory changed (common.launched.LaunchedWatch). A declaration is trusted only for the process it names, checked
-here in /proc: the same pid and start time, owned by the uid whose file it is (never another user's or root's
-process on a user's word). Trusted declarations are engines for the guard's tree building (core.engines, by
-(pid, start_ticks)), and the guard records what it sees of them, so one writer keeps events.jsonl:
-- `engine_started` when a declared root appears (declarations made before this guard started are taken as already
-  recorded: a restarted guard does not repeat them);
+The declarations are read on a thread of their own (`start()`: "sparkwatch-decl", every POLL_EVERY_S), never on the
+pool watch's tick: the files are other users' to write, so however many they make, or however they make them, the
+guard loop's latency does not depend on them. The pool watch, the budgets and the scout read the last result
+(`live()`, `declared()`: replaced whole after each poll, never mutated). Each poll is one stat per declarations
+directory; files are read again only when a directory changed, and every read is bounded (common.launched).
+A declaration counts only for the process it names, as the kernel reports it (common.launched.vouched): the same pid
+and start time, owned by the uid whose file it is (never another user's or root's process on a user's word).
+Trusted declarations are engines for the guard's tree building (core.engines, by (pid, start_ticks)), and the guard
+records what it sees of them, so one writer keeps events.jsonl:
+- `engine_started` when a declared root appears alive (declarations made before this guard started are taken as
+  already recorded: a restarted guard does not repeat them); a declaration the guard never saw alive makes no event;
 - `engine_ready` when its boot phase reaches ready, with the seconds to ready and the peak launch measured;
 - `engine_exited` when launch declares the exit (exit code or signal) or the root is gone, with `killed_by`
   `sparkwatch` when this guard killed it (`note_kill`); after a dry run's decision `killed_by` stays null, `dry_run`
@@ -21,14 +25,16 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from sparkwatch.common import logs
-from sparkwatch.common.launched import Declaration, LaunchedWatch, launched_dirs
+from sparkwatch.common.launched import Declaration, LaunchedWatch
 from sparkwatch.common.sources.procs import read_start_ticks
+from sparkwatch.common.threads import daemon_thread
 from sparkwatch.core.bootphase import BootPhase
 from sparkwatch.core.engines import Declared, Launchers
 from sparkwatch.core.eventkinds import EventKind
@@ -39,6 +45,7 @@ from sparkwatch.core.units import format_size
 log = logs.get("guard")
 
 LIVENESS_EVERY_S = 1.0
+POLL_EVERY_S = 0.2  # a new declaration counts within this (a budget's first look follows at once)
 # A declaration made this long before the guard started is taken as already recorded by an earlier guard.
 STARTED_BEFORE_US_S = 5.0
 KILLS_REMEMBERED = 64
@@ -51,23 +58,23 @@ Recorder = Callable[[EventKind, str, dict[str, object], int, str], None]
 @dataclass
 class _Seen:
     decl: Declaration
-    trusted: bool
     started: bool
     ready: bool
     exited: bool
     gone_since: float | None = None
 
 
-def _uid_of(proc_root: str, pid: int) -> int | None:
-    try:
-        return os.stat(f"{proc_root}/{pid}").st_uid
-    except OSError:
-        return None
-
-
 class LaunchedEngines:
-    def __init__(self, dirs: Sequence[Path], proc_root: str, record: Recorder, now_wall: float | None = None) -> None:
-        self.watch = LaunchedWatch(dirs)
+    def __init__(
+        self,
+        dirs: Sequence[Path],
+        proc_root: str,
+        record: Recorder,
+        now_wall: float | None = None,
+        *,
+        users_root: Path | None = None,
+    ) -> None:
+        self.watch = LaunchedWatch(dirs, users_root, proc_root)
         self.proc_root = proc_root
         self.record = record
         self.started_at = time.time() if now_wall is None else now_wall
@@ -81,10 +88,34 @@ class LaunchedEngines:
         self._declared: Declared = {}
         self._launchers: Launchers = {}
         self._live: tuple[Declaration, ...] = ()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.poll_failures_total = 0
 
     @classmethod
     def for_settings(cls, state_dir: Path, proc_root: Path, record: Recorder) -> LaunchedEngines:
-        return cls(launched_dirs(os.environ, state_dir), str(proc_root), record)
+        watch = LaunchedWatch.of(os.environ, state_dir, proc_root)
+        return cls(watch.dirs, str(proc_root), record, users_root=watch.users_root)
+
+    # --- the thread
+    def start(self) -> None:
+        self._thread = daemon_thread(self._run, "sparkwatch-decl")
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(1)  # a daemon thread: never wait on a slow filesystem long
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.poll(time.monotonic())
+            except Exception as exc:  # never let one bad poll end the thread: the next one reads again
+                self.poll_failures_total += 1
+                if self.poll_failures_total == 1:
+                    log.warning("launched engines: poll failed: %r", exc)
+            self._stop.wait(POLL_EVERY_S)
 
     # --- what the guard uses
     def declared(self) -> Declared:
@@ -130,12 +161,9 @@ class LaunchedEngines:
 
     # --- the tick
     def poll(self, now: float) -> None:
-        """Read what changed; record what happened. Never raises (a bad file is counted by the watch)."""
-        try:
-            decls = self.watch.poll()
-        except OSError as exc:
-            log.warning("launched engines: %s", exc)
-            return
+        """Read what changed; record what happened (on the declarations thread; a bad file is counted by the watch,
+        which returns only the declarations the kernel vouches for)."""
+        decls = self.watch.poll()
         current = {d.tree_key: d for d in decls}
         check_live = now >= self._next_liveness
         if check_live:
@@ -143,16 +171,11 @@ class LaunchedEngines:
         for key, decl in current.items():
             seen = self._seen.get(key)
             if seen is None:
-                trusted = self._trusted(decl)
                 old = decl.launched_at < self.started_at - STARTED_BEFORE_US_S
-                seen = _Seen(decl, trusted, started=old, ready=old and not decl.booting, exited=False)
-                if decl.exited_at is not None and old:
-                    seen.exited = True
+                seen = _Seen(decl, started=old, ready=old and not decl.booting, exited=False)
                 self._seen[key] = seen
             else:
                 seen.decl = decl
-            if not seen.trusted:
-                continue
             if not seen.started:
                 seen.started = True
                 self._started(decl)
@@ -165,23 +188,16 @@ class LaunchedEngines:
         for key in list(self._seen):
             if key not in current:
                 seen = self._seen.pop(key)
-                if seen.trusted and not seen.exited and not self._alive(seen.decl):
+                if not seen.exited and not self._alive(seen.decl):
                     self._exited(seen.decl)  # the file went with its engine (a launcher that cleaned up early)
-                elif seen.trusted and not seen.exited:
+                elif not seen.exited:
                     self._seen[key] = seen  # the file is gone, the engine is not: keep guarding it
-        live = [s for s in self._seen.values() if s.trusted and not s.exited]
+        live = [s for s in self._seen.values() if not s.exited]
         self._live = tuple(s.decl for s in live)
         self._declared = {s.decl.tree_key: (s.decl.kind, s.decl.uid) for s in live}
         self._launchers = {s.decl.tree_key: s.decl.launcher_pid for s in live}
         for key in [k for k, s in self._seen.items() if s.exited and k not in current]:
             del self._seen[key]  # bounded: an exited engine whose file is gone is forgotten
-
-    def _trusted(self, decl: Declaration) -> bool:
-        ok = read_start_ticks(self.proc_root, decl.root_pid) == decl.start_ticks
-        uid = _uid_of(self.proc_root, decl.root_pid)
-        if decl.exited_at is not None:
-            return uid is None or uid == decl.uid  # gone: the file's owner check (common.launched) is all there is
-        return ok and uid == decl.uid
 
     def _alive(self, decl: Declaration) -> bool:
         return read_start_ticks(self.proc_root, decl.root_pid) == decl.start_ticks
@@ -254,7 +270,3 @@ class LaunchedEngines:
             "ran_s": round(ran, 3),
         }
         self.record(EventKind.ENGINE_EXITED, summary, fields, logging.INFO, f"sparkwatch: {summary}")
-
-
-def declared_of(engines: LaunchedEngines | None) -> Mapping[tuple[int, int], tuple[str, int]]:
-    return {} if engines is None else engines.declared()

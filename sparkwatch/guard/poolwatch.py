@@ -210,6 +210,7 @@ class PoolWatch:
     def start(self) -> None:
         self.reaper.start()
         self.kernlog.start()
+        self.launched.start()
         self._scout = daemon_thread(self._scout_run, "sparkwatch-scout")
         self._scout.start()
         self._thread = daemon_thread(self.run, "sparkwatch-guard")
@@ -229,6 +230,7 @@ class PoolWatch:
             self._thread.join(5)
         if self._scout is not None:
             self._scout.join(1)  # a scout stuck in a /proc read is a daemon thread: never wait on it long
+        self.launched.stop()
         self.kernlog.stop()
         self.reaper.stop()
 
@@ -315,8 +317,7 @@ class PoolWatch:
     def _engines_tick(self, now: float, mem: MemInfo) -> float | None:
         """Launched engines' declarations and per-engine budgets: the seconds until a budget wants a look (None: no
         budget anywhere). Never raises: a budget is a refinement; the floor stays the last line."""
-        try:
-            self.launched.poll(time.monotonic())
+        try:  # the declarations are read on their own thread (guard.launchwatch): here only its last result
             self._note_taken()
             with self.lock:
                 rules, scope, bparams, budgets = self.rules, self.scope, self.budget_params, self.engine_budgets

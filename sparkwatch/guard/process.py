@@ -3,8 +3,8 @@
 `sparkwatch run` validates the config (pydantic, in `sparkwatch.config`), then execs into `python -m
 sparkwatch.guard` with the validated values on a memfd, so this process never imports pydantic, NVML,
 prometheus_client, HTTP or rich: its RSS is the guard's (bench/RESULTS-idle.md). Threads: the pool watch, the
-reaper, the scout, the kernel-log recorder, the flight recorder's writer, the sd_notify sender, the telemetry
-supervisor; the main thread only
+reaper, the scout, the launch declarations reader (other users' files: never read on the pool watch's loop), the
+kernel-log recorder, the flight recorder's writer, the sd_notify sender, the telemetry supervisor; the main thread only
 waits for signals, checks the process's own RSS, and starts reloads. A hung NVML load, a stuck scrape or a thread
 explosion happens in the telemetry process, whose GIL is not ours.
 

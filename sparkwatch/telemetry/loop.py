@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 from sparkwatch.common import logs, syscalls
 from sparkwatch.common.events import make_event
 from sparkwatch.common.guardconfig import engine_rules, engine_scope
-from sparkwatch.common.launched import LaunchedWatch, launched_dirs
+from sparkwatch.common.launched import LaunchedWatch
 from sparkwatch.common.sources.buddyinfo import page_size_bytes, read_contiguous_free
 from sparkwatch.common.sources.meminfo import MeminfoReader
 from sparkwatch.common.sources.procs import IncrementalScanner
@@ -116,7 +116,7 @@ class Telemetry:
         self.gpu_holder_keys: frozenset[tuple[int, int]] = frozenset()
         # Engines `sparkwatch launch` declared (common.launched): their boot phase is exported, and their roots are
         # engine trees here as they are for the guard. Re-read only when a directory changed.
-        self.launched = LaunchedWatch(launched_dirs(os.environ, settings.state_dir))
+        self.launched = LaunchedWatch.of(os.environ, settings.state_dir, settings.proc_root)
 
     LIVE_KEYS = frozenset(
         {

@@ -11,7 +11,7 @@ from collections.abc import Collection
 from pathlib import Path
 
 from sparkwatch.common.guardconfig import EngineSettings, engine_rules, engine_scope
-from sparkwatch.common.launched import Declaration, LaunchedWatch, launched_dirs
+from sparkwatch.common.launched import Declaration, LaunchedWatch
 from sparkwatch.common.sources.procs import ProcScanner
 from sparkwatch.core.engines import EngineRules, Scope, find_engine_trees
 from sparkwatch.core.model import EngineTree, Proc
@@ -41,7 +41,7 @@ class EngineFinder:
         container holds the same unified pool as one of ours.
         """
         state_dir = getattr(settings, "state_dir", None)
-        watch = LaunchedWatch(launched_dirs(os.environ, state_dir)) if isinstance(state_dir, Path) else None
+        watch = LaunchedWatch.of(os.environ, state_dir, proc_root) if isinstance(state_dir, Path) else None
         return cls(proc_root, engine_rules(settings), engine_scope(settings, any_user=any_user), watch)
 
     def find(self) -> list[EngineTree]:
