@@ -5,7 +5,9 @@ filled its `launched/` with ENTRIES directory entries and touches it every 20 ms
 change pays for the whole listing each time); in the quiet arm nobody's runtime dir is empty. Each episode runs a real
 `sparkwatch run` (as root, in a mount namespace where a scratch directory is /run/user), a fake vLLM tree whose hog
 touches anonymous memory at RATE toward a floor set 1.5 GiB under the current MemAvailable, and a 2 ms sampler of
-MemAvailable. Arms alternate A B B A A B … Reported per episode: the fill rate in the 100 ms before the kill, where
+MemAvailable. A third arm runs earlyoom (`-M floor,floor -r 0 --prefer '^sw-hog$'`: straight to SIGKILL of the hog at
+the floor) in the same run with the hostile directory present, the tool an owner would otherwise run. Arms rotate
+A B C, B C A, C A B … Reported per episode: the fill rate in the 100 ms before the kill, where
 MemAvailable was at its lowest relative to the floor (positive: the kill landed above it), the trigger, and the
 guard's own detect → last member reaped.
 
@@ -15,6 +17,7 @@ guard's own detect → last member reaped.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import platform
 import shutil
@@ -23,14 +26,15 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.guard_bench import Sampler  # noqa: E402  (the 2 ms MemAvailable sampler, one for every guard bench)
 from sparkwatch.common.events import read_events  # noqa: E402
 from sparkwatch.common.sources.meminfo import MeminfoReader  # noqa: E402
 from sparkwatch.common.sources.procs import read_start_ticks  # noqa: E402
@@ -42,21 +46,8 @@ MiB = 1 << 20
 NOBODY = 65534
 HEADROOM = int(1.5 * GiB)
 HOG_EXTRA = 1 * GiB
+ARMS = ("quiet", "hostile", "earlyoom")
 AS_NOBODY = ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups"]
-
-
-class Sampler(threading.Thread):
-    def __init__(self) -> None:
-        super().__init__(daemon=True)
-        self.reader = MeminfoReader()
-        self.samples: list[tuple[float, int]] = []
-        self.stop = threading.Event()
-
-    def run(self) -> None:
-        while not self.stop.is_set():
-            self.samples.append((time.monotonic(), self.reader.read().available_bytes))
-            time.sleep(0.002)
-        self.reader.close()
 
 
 @dataclass
@@ -86,11 +77,38 @@ def prefix(users: Path, system: Path) -> list[str]:
     return ["unshare", "--mount", "--propagation", "private", "sh", "-c", script, "sh", str(users), str(system)]
 
 
+@contextlib.contextmanager
+def earlyoom_running(floor: int) -> Iterator[None]:
+    """earlyoom 1.7 at the same floor, straight to SIGKILL (-M term,kill both at it), preferring the hog."""
+    kib = floor // 1024
+    proc = subprocess.Popen(["earlyoom", "-M", f"{kib},{kib}", "-r", "0", "--prefer", "^sw-hog$"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    time.sleep(0.5)  # it reads meminfo first: let it poll before the hog starts
+    try:
+        yield
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+def _hog_gone(pidfile: Path) -> bool:
+    hogs = [
+        (pid, ticks) for pid, (ticks, role) in (pids_in(pidfile) if pidfile.exists() else {}).items() if role == "hog"
+    ]
+    return bool(hogs) and all(read_start_ticks("/proc", pid) != ticks for pid, ticks in hogs)
+
+
 def episode(arm: str, rate_mib: int, tmp: Path, users: Path, system: Path) -> Episode:
     with MeminfoReader() as r:
         floor = r.read().available_bytes - HEADROOM
     pidfile = tmp / "tree.pids"
-    with sparkwatch_run(tmp, env={"SPARKWATCH_FLOOR": f"{floor}B"}, prefix=prefix(users, system)) as daemon:
+    daemon = None
+    with contextlib.ExitStack() as stack:
+        if arm == "earlyoom":
+            stack.enter_context(earlyoom_running(floor))
+        else:
+            env = {"SPARKWATCH_FLOOR": f"{floor}B"}
+            daemon = stack.enter_context(sparkwatch_run(tmp, env=env, prefix=prefix(users, system)))
         sampler = Sampler()
         sampler.start()
         engine = subprocess.Popen([sys.executable, str(FAKE_ENGINE), "--hog-rate-mib", str(rate_mib), "--hog-limit-mib",
@@ -98,8 +116,11 @@ def episode(arm: str, rate_mib: int, tmp: Path, users: Path, system: Path) -> Ep
         deadline = time.monotonic() + 60
         kill: dict[str, object] | None = None
         while kill is None and time.monotonic() < deadline:
-            kill = next((e for e in read_events(daemon.events_path) if e["kind"] == "kill"), None)
-            time.sleep(0.05)
+            if daemon is not None:
+                kill = next((e for e in read_events(daemon.events_path) if e["kind"] == "kill"), None)
+            elif _hog_gone(pidfile):
+                kill = {"trigger": "earlyoom"}
+            time.sleep(0.05 if daemon is not None else 0.005)
         time.sleep(0.3)
         sampler.stop.set()
         sampler.join()
@@ -126,8 +147,8 @@ def main() -> None:
     ap.add_argument("--entries", type=int, default=500_000)
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
-    if os.geteuid() != 0 or not all(shutil.which(t) for t in ("setpriv", "unshare")):
-        sys.exit("needs root, setpriv and unshare")
+    if os.geteuid() != 0 or not all(shutil.which(t) for t in ("setpriv", "unshare", "earlyoom")):
+        sys.exit("needs root, setpriv, unshare and earlyoom")
     made = not Path("/run/sparkwatch").exists()
     if made:
         Path("/run/sparkwatch").mkdir(mode=0o755)
@@ -153,7 +174,7 @@ def main() -> None:
         toucher = subprocess.Popen([*AS_NOBODY, "sh", "-c", touch, "sh", str(big)])
         n = 0
         for i in range(args.episodes):
-            for arm in ("quiet", "hostile") if i % 2 == 0 else ("hostile", "quiet"):
+            for arm in ARMS[i % 3 :] + ARMS[: i % 3]:
                 n += 1
                 ep_dir = scratch / f"ep{n}"
                 ep_dir.mkdir()
@@ -180,10 +201,12 @@ def main() -> None:
         f"Machine: {platform.machine()}, {os.cpu_count()} cores, kernel {platform.release()}. Floor = MemAvailable − "
         f"{HEADROOM // MiB} MiB; the hog fills at {args.rate_mib} MiB/s and would go {HOG_EXTRA // MiB} MiB under it. "
         f"Hostile arm: nobody's `launched/` holds {args.entries:,} entries (made in {made_s:.0f} s) and is touched "
-        "every 20 ms; quiet arm: nobody's runtime dir is empty. Arms alternate A B B A.",
+        "every 20 ms; quiet arm: nobody's runtime dir is empty; earlyoom arm: earlyoom 1.7 at the same floor "
+        "(`-M floor,floor -r 0 --prefer '^sw-hog$'`), the hostile directory present. Arms rotate A B C, B C A, C A B.",
         "",
         "rate = fill rate in the 100 ms before MemAvailable's lowest point (MiB/s); lowest − floor = how far above "
-        "(positive) or under the floor MemAvailable went (MiB); detect→reaped = the guard's own record of the kill.",
+        "(positive) or under the floor MemAvailable went (MiB); detect→reaped = the guard's own record "
+        "of the kill (sparkwatch only).",
         "",
         "| arm | rate MiB/s | lowest − floor MiB | trigger | detect→reaped ms |",
         "| --- | --- | --- | --- | --- |",
@@ -193,8 +216,10 @@ def main() -> None:
         own = "-" if ep.detect_to_reaped_ms is None else f"{ep.detect_to_reaped_ms:,.0f}"
         lines.append(f"| {ep.arm} | {rate} | {ep.margin_mib:,.0f} | {ep.trigger} | {own} |")
     lines += ["", "Medians:", "", "| arm | lowest − floor MiB | detect→reaped ms |", "| --- | --- | --- |"]
-    for arm in ("quiet", "hostile"):
+    for arm in ARMS:
         mine = [e for e in episodes if e.arm == arm]
+        if not mine:
+            continue
         margin = statistics.median(e.margin_mib for e in mine if e.trigger != "no kill in 60 s")
         owns = [e.detect_to_reaped_ms for e in mine if e.detect_to_reaped_ms is not None]
         own = f"{statistics.median(owns):,.0f}" if owns else "-"

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import struct
 import subprocess
 from dataclasses import replace
 from pathlib import Path
@@ -360,28 +359,9 @@ def test_hf_cache_layout_with_symlinked_blobs_and_an_index(tmp_path: Path) -> No
     assert read_facts("Qwen/Qwen3-8B", {"HF_HUB_CACHE": str(tmp_path / "elsewhere")}).error is not None
 
 
-def _gguf(path: Path, kv: list[tuple[str, int, object]]) -> None:
-    def s(text: str) -> bytes:
-        return struct.pack("<Q", len(text)) + text.encode()
-
-    out = b"GGUF" + struct.pack("<IQQ", 3, 0, len(kv))
-    for key, vtype, value in kv:
-        out += s(key) + struct.pack("<I", vtype)
-        if vtype == 8:
-            assert isinstance(value, str)
-            out += s(value)
-        elif vtype == 9:
-            out += struct.pack("<IQ", 8, 2) + s("a") + s("b")
-        else:
-            out += struct.pack("<I", value)
-    path.write_bytes(out)
-    with open(path, "r+b") as fh:
-        fh.truncate(4 * GiB)  # the tensors: never read
-
-
 def test_gguf_header_gives_the_shape_without_reading_tensors(tmp_path: Path) -> None:
     model = tmp_path / "m.gguf"
-    _gguf(
+    planbox.gguf(
         model,
         [
             ("general.architecture", 8, "llama"),
@@ -392,6 +372,7 @@ def test_gguf_header_gives_the_shape_without_reading_tensors(tmp_path: Path) -> 
             ("llama.attention.head_count_kv", 4, 8),
             ("tokenizer.ggml.tokens", 9, None),
         ],
+        size=4 * GiB,  # the tensors: never read
     )
     assert gguf_metadata(model) == {"layers": 32, "max_len": 8192, "hidden_size": 4096, "kv_heads": 8, "head_dim": 128}
     facts = read_facts(str(model), {})
