@@ -37,7 +37,7 @@ sys.path.insert(0, str(ROOT))
 from bench.guard_bench import Sampler  # noqa: E402  (the 2 ms MemAvailable sampler, one for every guard bench)
 from sparkwatch.common.events import read_events  # noqa: E402
 from sparkwatch.common.sources.meminfo import MeminfoReader  # noqa: E402
-from sparkwatch.common.sources.procs import read_start_ticks  # noqa: E402
+from sparkwatch.common.sources.procs import parse_stat, read_start_ticks  # noqa: E402
 from tests.conftest import FAKE_ENGINE, pids_in  # noqa: E402
 from tests.daemon import sparkwatch_run  # noqa: E402
 
@@ -95,7 +95,25 @@ def _hog_gone(pidfile: Path) -> bool:
     hogs = [
         (pid, ticks) for pid, (ticks, role) in (pids_in(pidfile) if pidfile.exists() else {}).items() if role == "hog"
     ]
-    return bool(hogs) and all(read_start_ticks("/proc", pid) != ticks for pid, ticks in hogs)
+    return bool(hogs) and not any(_alive(pid, ticks) for pid, ticks in hogs)
+
+
+def _alive(pid: int, ticks: int) -> bool:
+    """Running with that start time: a killed hog stays a zombie until its parent reaps it, and that is gone."""
+    try:
+        _comm, state, _ppid, _flags, start, _rss = parse_stat(pid, Path(f"/proc/{pid}/stat").read_bytes())
+    except (OSError, ValueError):
+        return False
+    return start == ticks and state not in ("Z", "X")
+
+
+def _end_tree(engine: subprocess.Popen[bytes], pidfile: Path) -> None:
+    """What is left of this episode's tree (started here, checked by start time), then its root reaped."""
+    for pid, (ticks, _role) in (pids_in(pidfile) if pidfile.exists() else {}).items():
+        if read_start_ticks("/proc", pid) == ticks:
+            os.kill(pid, signal.SIGKILL)
+    engine.kill()
+    engine.wait(10)
 
 
 def episode(arm: str, rate_mib: int, tmp: Path, users: Path, system: Path) -> Episode:
@@ -113,6 +131,7 @@ def episode(arm: str, rate_mib: int, tmp: Path, users: Path, system: Path) -> Ep
         sampler.start()
         engine = subprocess.Popen([sys.executable, str(FAKE_ENGINE), "--hog-rate-mib", str(rate_mib), "--hog-limit-mib",
                                    str((HEADROOM + HOG_EXTRA) // MiB), "--pidfile", str(pidfile)])  # fmt: skip
+        stack.callback(_end_tree, engine, pidfile)  # also when the bench is interrupted mid-episode
         deadline = time.monotonic() + 60
         kill: dict[str, object] | None = None
         while kill is None and time.monotonic() < deadline:
@@ -124,10 +143,6 @@ def episode(arm: str, rate_mib: int, tmp: Path, users: Path, system: Path) -> Ep
         time.sleep(0.3)
         sampler.stop.set()
         sampler.join()
-        for pid, (ticks, _role) in (pids_in(pidfile) if pidfile.exists() else {}).items():
-            if read_start_ticks("/proc", pid) == ticks:
-                os.kill(pid, signal.SIGKILL)
-        engine.wait(10)
     samples = sampler.samples
     low_t, low = min(samples, key=lambda s: s[1])
     if kill is None:  # the pool moved under the episode (another process freed memory): said, not dropped
