@@ -27,7 +27,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,6 +39,7 @@ from sparkwatch.common.sources.meminfo import MeminfoReader  # noqa: E402
 from sparkwatch.config.settings import load_settings  # noqa: E402
 from sparkwatch.core.budget import BudgetParams, limit_bytes  # noqa: E402
 from sparkwatch.guard.poolwatch import PoolWatch  # noqa: E402
+from tests.memsampler import Sampler  # noqa: E402
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -160,20 +160,6 @@ def crossing_episode(tmp: Path, rate_gib: float) -> Crossing:
         real = (before[-1][1] - before[0][1]) / (before[-1][0] - before[0][0]) / GiB
     at_signal = max((r for t, r in rows if t <= signals[0]), default=cross[1])
     return Crossing(rate_gib, real, (signals[0] - cross[0]) * 1000, (at_signal - limit) / MiB)
-
-
-class Sampler(threading.Thread):
-    def __init__(self) -> None:
-        super().__init__(daemon=True)
-        self.reader = MeminfoReader()
-        self.low: int | None = None
-        self.stop = threading.Event()
-
-    def run(self) -> None:
-        while not self.stop.is_set():
-            a = self.reader.read().available_bytes
-            self.low = a if self.low is None else min(self.low, a)
-            time.sleep(0.002)
 
 
 def floor_episode(tmp: Path, contender: str) -> float | None:

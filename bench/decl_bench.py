@@ -34,12 +34,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.guard_bench import Sampler  # noqa: E402  (the 2 ms MemAvailable sampler, one for every guard bench)
 from sparkwatch.common.events import read_events  # noqa: E402
 from sparkwatch.common.sources.meminfo import MeminfoReader  # noqa: E402
 from sparkwatch.common.sources.procs import parse_stat, read_start_ticks  # noqa: E402
 from tests.conftest import FAKE_ENGINE, pids_in  # noqa: E402
 from tests.daemon import sparkwatch_run  # noqa: E402
+from tests.memsampler import Sampler  # noqa: E402
 
 GiB = 1 << 30
 MiB = 1 << 20

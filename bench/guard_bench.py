@@ -47,24 +47,12 @@ from sparkwatch.common.sources.meminfo import MeminfoReader  # noqa: E402
 from sparkwatch.common.sources.procs import read_start_ticks  # noqa: E402
 from tests.conftest import FAKE_ENGINE, pids_in  # noqa: E402
 from tests.daemon import free_port  # noqa: E402
+from tests.memsampler import Sampler  # noqa: E402
 
 GiB = 1 << 30
 MiB = 1 << 20
 HEADROOM = 2 * GiB
 HOG_EXTRA = int(1.5 * GiB)
-
-
-class Sampler(threading.Thread):
-    def __init__(self) -> None:
-        super().__init__(daemon=True)
-        self.reader = MeminfoReader()
-        self.samples: list[tuple[float, int]] = []
-        self.stop = threading.Event()
-
-    def run(self) -> None:
-        while not self.stop.is_set():
-            self.samples.append((time.monotonic(), self.reader.read().available_bytes))
-            time.sleep(0.002)
 
 
 @dataclass
