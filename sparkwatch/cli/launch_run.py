@@ -37,6 +37,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+from sparkwatch.cli.anchorsearch import any_anchor
 from sparkwatch.cli.launch_plan import PlanContext
 from sparkwatch.common import guardstate, launched, peakstore, syscalls
 from sparkwatch.common.events import read_events
@@ -186,7 +187,7 @@ class Launch:
         self._signals: list[int] = []
         self._sent: list[int] = []
         self._stderr_at_line_start = True
-        self.recognizer = PhaseRecognizer(str(plan.estimate.kind))
+        self.recognizer = PhaseRecognizer(str(plan.estimate.kind), any_of=any_anchor)
         self.phase_peaks: dict[str, int] = {}
         self.decl: Declaration | None = None
         self.directory = launched.launched_dir(self.env, settings.state_dir)
