@@ -30,6 +30,7 @@ import time
 from dataclasses import replace
 from typing import Any
 
+from sparkwatch.cli.anchorsearch import any_anchor
 from sparkwatch.cli.launch_plan import PlanContext
 from sparkwatch.cli.launch_supervisor import Supervisor
 from sparkwatch.common import guardstate, launched, peakstore, syscalls
@@ -109,7 +110,7 @@ class Launch:
         self.proc_root = str(settings.proc_root)
         self.exit_text = ""
         self.supervisor = Supervisor(cmd, self.env, self.proc_root, quiet=quiet, use_scope=use_scope)
-        self.recognizer = PhaseRecognizer(str(plan.estimate.kind))
+        self.recognizer = PhaseRecognizer(str(plan.estimate.kind), any_of=any_anchor)
         self.phase_peaks: dict[str, int] = {}
         self.decl: Declaration | None = None
         self.directory = launched.launched_dir(self.env, settings.state_dir)

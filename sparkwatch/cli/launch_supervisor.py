@@ -38,10 +38,11 @@ from sparkwatch.core.budget import memory_high_bytes
 
 CHUNK_BYTES = 1 << 20
 # Under a stream of output, wake at most this often: each wake-up costs a poll, a read and a write whatever its size,
-# and 8 KiB writes at 10 MB/s were 1,200 wake-ups a second (2.2 % of a core on this VM). The pipes are made
-# PIPE_BYTES large so the engine never blocks on them meanwhile (10 MB/s fills 200 KB in 20 ms). Idle streams are
-# read the moment they have data.
-COALESCE_S = 0.02
+# and 8 KiB writes at 10 MB/s were 1,200 wake-ups a second (2.2 % of a core on this VM); 50 wake-ups (20 ms) still
+# cost 1.0 % at 10 MB/s, 20 (50 ms) 0.7 % (bench/RESULTS-passthrough.md). The pipes are made PIPE_BYTES large so the
+# engine never blocks on them meanwhile (10 MB/s fills 500 KB in 50 ms). Idle streams are read the moment they have
+# data.
+COALESCE_S = 0.05
 PIPE_BYTES = 1 << 20
 F_SETPIPE_SZ = 1031
 LEFTOVER_GRACE_S = 5.0
