@@ -220,8 +220,9 @@ def main() -> None:
         "",
         "What changed: each chunk is screened by one ahocorasick-rs pass over the live anchors (cli/anchorsearch.py) "
         "and searched anchor by anchor only when the screen finds one (core.bootphase); under a stream launch wakes "
-        "at most every 50 ms instead of 20 (cli/launch_run.py COALESCE_S): a wake-up's poll, read, write and loop "
-        "cost about as much as a 200 KB read itself, so the copy at 10 MB/s went from 50 wake-ups a second to 20. "
+        "at most every 50 ms instead of 20 (COALESCE_S, now in cli/launch_supervisor.py): a wake-up's poll, read, "
+        "write and loop cost about as much as a 200 KB read itself, so the copy at 10 MB/s went from 50 wake-ups a "
+        "second to 20. "
         "The ready row is the coalescing alone, the booting row both. Launch with no output costs 0.04 % of a core.",
         "",
         "Per round (schedstat %, booting / ready): "
