@@ -10,7 +10,9 @@ dir), so nothing here reads or writes the host's. Root only (skipped otherwise).
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import functools
 import json
 import os
 import shutil
@@ -18,7 +20,6 @@ import signal
 import stat
 import subprocess
 import sys
-import sysconfig
 import tempfile
 import time
 from collections.abc import Iterator
@@ -124,17 +125,36 @@ def declaration(pid: int, ticks: int, uid: int, budget: int | None, **kw: Any) -
     return replace(decl.entered(BootPhase.STARTING, now), **kw)
 
 
+@functools.cache
+def user_code() -> Path:
+    """A world-readable copy of what another user's engine runs: the fake engine and setproctitle (its one import
+    beyond the standard library). The checkout and its venv may sit where that user may not enter (a clone under a
+    0700 `mktemp -d` or root's home): the test must pass wherever the clone is. Removed when the session ends."""
+    import setproctitle
+
+    base = Path(tempfile.mkdtemp(prefix="sw-usercode-", dir="/tmp"))
+    shutil.copy(FAKE_ENGINE, base / "fake_engine.py")
+    package = Path(setproctitle.__file__).parent
+    shutil.copytree(package, base / package.name, ignore=shutil.ignore_patterns("__pycache__"))
+    for path in [base, *base.rglob("*")]:
+        path.chmod(0o755 if path.is_dir() else 0o644)
+    atexit.register(shutil.rmtree, base, True)
+    return base
+
+
 def user_python(uid: int) -> list[str]:
-    """A command line that runs this interpreter's Python, with its packages, as `uid`: sys.executable where `uid` may
-    run it, else the system's python of the same version (a venv on a pyenv under root's 0700 home is not)."""
+    """A command line that runs this interpreter's Python as `uid`, with user_code() on its path: sys.executable where
+    `uid` may run it, else the system's python of the same version (a venv on a pyenv under root's 0700 home is not)."""
     real = os.path.realpath(sys.executable)
     mode = ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "test", "-x", real]
     if subprocess.run(mode, check=False).returncode == 0:
-        return [sys.executable]
-    other = shutil.which(f"python{sys.version_info.major}.{sys.version_info.minor}", path="/usr/bin:/usr/local/bin")
-    if other is None:
-        pytest.skip(f"uid {uid} may not run {real} and there is no system python of its version")
-    return ["env", f"PYTHONPATH={sysconfig.get_path('purelib')}:{sysconfig.get_path('platlib')}", other]
+        python = sys.executable
+    else:
+        found = shutil.which(f"python{sys.version_info.major}.{sys.version_info.minor}", path="/usr/bin:/usr/local/bin")
+        if found is None:
+            pytest.skip(f"uid {uid} may not run {real} and there is no system python of its version")
+        python = found
+    return ["env", f"PYTHONPATH={user_code()}", python]
 
 
 def user_engine(spawner: Spawner, rt: Runtime, uid: int, *args: str) -> tuple[int, int]:
@@ -142,8 +162,8 @@ def user_engine(spawner: Spawner, rt: Runtime, uid: int, *args: str) -> tuple[in
     pidfile = rt.root / f"engine-{uid}-{len(spawner.procs)}.pids"
     pidfile.touch()
     os.chown(pidfile, uid, uid)
-    argv = ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", *user_python(uid), str(FAKE_ENGINE),
-            *args, "--pidfile", str(pidfile)]  # fmt: skip
+    argv = ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", *user_python(uid),
+            str(user_code() / "fake_engine.py"), *args, "--pidfile", str(pidfile)]  # fmt: skip
     spawner.pidfiles.append(pidfile)
     spawner.popen(argv)
     assert wait_until(lambda: len(pidfile.read_text().splitlines()) >= 1, 20)

@@ -95,19 +95,21 @@ def sleepers() -> Iterator[list[subprocess.Popen[bytes]]]:
         p.wait(5)
 
 
-def test_100_declarations_with_9_kb_models_keep_metrics_bounded(
+def test_100_declarations_with_long_models_keep_metrics_bounded(
     tmp_path: Path, sleepers: list[subprocess.Popen[bytes]]
 ) -> None:
-    """64 declarations in the runtime dir and 36 in the state dir (each directory's most), each naming a 9 KB model:
-    the labels are cut to 128 characters, the boot families keep 64 engines and count the rest as dropped. Before
-    this, the scrape was 6.6 MB (64 such declarations: 4.2 MB); now 150 KB."""
+    """64 declarations in the runtime dir and 36 in the state dir (each directory's most), each naming a 3 KB model:
+    the labels are cut to 128 characters, the boot families keep 64 engines and count the rest as dropped. (A
+    directory's declarations are read up to common.launched.MAX_DIR_BYTES, 256 KiB: 64 of 9 KB no longer all count,
+    so the models are as long as 64 of them may be.) Before this, 64 declarations of 9 KB models made a 4.2 MB
+    scrape, 100 made 6.6 MB; now about 150 KB."""
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     dirs = [run_dir / "sparkwatch" / "launched"] * 64 + [tmp_path / "state" / "launched"] * 36
     with sparkwatch_run(tmp_path, "--dry-run", env={"XDG_RUNTIME_DIR": str(run_dir)}) as daemon:
         for i, directory in enumerate(dirs):
             sleepers.append(subprocess.Popen(["sleep", "600"]))
-            declare(directory, sleepers[-1].pid, f"/models/{i:03d}-" + "m" * 9 * 1024)
+            declare(directory, sleepers[-1].pid, f"/models/{i:03d}-" + "m" * 3000)
         text = ""
 
         def all_seen() -> bool:  # every declaration exported, or those past the cap counted as dropped
@@ -118,7 +120,7 @@ def test_100_declarations_with_9_kb_models_keep_metrics_bounded(
 
         assert wait_until(all_seen, 30), text[-2000:]
     size = len(text.encode())
-    print(f"/metrics with {len(dirs)} declarations of 9 KB models: {size} bytes")
+    print(f"/metrics with {len(dirs)} declarations of 3 KB models: {size} bytes")
     assert size < 512 * 1024
     assert max(len(v) for v in label_values(text)) <= LABEL_MAX_CHARS
     assert len(_boot_pids(text)) == SERIES_SETS_MAX
