@@ -9,6 +9,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -180,6 +181,25 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     frozen."""
     gc.collect()
     gc.freeze()
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _a_runtime_dir_of_the_suites_own() -> Iterator[None]:
+    """Every guard a test starts publishes its state in $XDG_RUNTIME_DIR/sparkwatch (common.guardstate), and root
+    without one in /run/sparkwatch, the system unit's: the host's, where status, doctor and launch on this machine (and
+    another suite's tests) would take it for a real guard. The suite gets a runtime dir of its own; a test about the
+    system dir says so in its own environment or mounts a scratch one (tests/test_declaration_trust.py)."""
+    runtime = Path(tempfile.mkdtemp(prefix="sw-suite-run-"))
+    before = os.environ.get("XDG_RUNTIME_DIR")
+    os.environ["XDG_RUNTIME_DIR"] = str(runtime)
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("XDG_RUNTIME_DIR", None)
+        else:
+            os.environ["XDG_RUNTIME_DIR"] = before
+        shutil.rmtree(runtime, ignore_errors=True)
 
 
 @pytest.fixture(autouse=True)

@@ -2,8 +2,9 @@
 
 The commands are read from the doc's `sh` code blocks (so the list cannot drift from the doc: a command added there
 and not here fails `test_every_command_in_the_doc_is_checked`). Each `sparkwatch` command runs verbatim, pipes and
-redirections included, through bash, against the state dir of a real daemon that recorded a real kill decision (a
-dry run: a fake engine tree over its budget, nothing signalled), while that daemon runs. The others read what this
+redirections included, through bash, against the state dir of a real daemon that recorded a real kill (a fake engine
+tree of this test's over its budget: the daemon is armed and confined to this test's processes), while that daemon
+runs. (A dry run records `would_kill`, which the doc's kill commands rightly do not find.) The others read what this
 machine cannot have (journald, an NVIDIA driver, pstore, sudo, earlyoom beside sparkwatch): each is parsed by bash,
 and where it leans on what sparkwatch writes (the journal fields of a kill, the KILL line), that is checked against
 the same real kill.
@@ -83,10 +84,10 @@ def _grep_kill(done: subprocess.CompletedProcess[str], _cwd: Path, kill: dict[st
 
 
 def _status_guard(done: subprocess.CompletedProcess[str], _cwd: Path, kill: dict[str, Any]) -> None:
-    # "is a guard running now: armed, or in dry run?": the running daemon, in dry run.
+    # "is a guard running now: armed, or in dry run?": the running daemon, armed.
     assert done.returncode == 0, done.stderr
     (line,) = done.stdout.splitlines()
-    assert line.startswith(f"GUARD      guard pid {kill['guard_pid']} (") and "DRY RUN" in line, line
+    assert line.startswith(f"GUARD      guard pid {kill['guard_pid']} (") and ", armed, " in line, line
 
 
 def _postmortem_text(text: str) -> None:
@@ -130,9 +131,9 @@ def _events_file(done: subprocess.CompletedProcess[str], cwd: Path, kill: dict[s
 def _doctor_file(done: subprocess.CompletedProcess[str], cwd: Path, _kill: dict[str, Any]) -> None:
     assert done.returncode in (0, 1), done.stderr  # 1: a check fails on this machine
     checks = {c["id"]: c for c in json.loads((cwd / "doctor.json").read_text())["checks"]}
-    # "driver, kernel, next-boot modules, swap, MAX_JOBS", and the running guard (in dry run: a warning).
+    # "driver, kernel, next-boot modules, swap, MAX_JOBS", and the running guard (armed: ok).
     assert {"driver-modules", "next-boot-modules", "swap", "max-jobs", "kernel-log", "guard"} <= set(checks)
-    assert checks["guard"]["status"] == "warn" and "DRY RUN" in checks["guard"]["summary"]
+    assert checks["guard"]["status"] == "ok" and "armed" in checks["guard"]["summary"]
 
 
 SPARKWATCH: dict[str, Check] = {
@@ -174,12 +175,12 @@ def test_every_command_in_the_doc_is_checked() -> None:
 
 
 def _record_a_kill(tmp_path: Path, spawner: Spawner, daemon: RunningDaemon) -> dict[str, Any]:
-    """A fake engine tree grows to 480 MiB, past its 64 MiB budget and the 256 MiB margin: a dry-run kill."""
+    """A fake engine tree grows to 480 MiB, past its 64 MiB budget and the 256 MiB margin: killed, trigger budget."""
     pidfile = tmp_path / "tree.pids"
     spawner.engine("--title", "VLLM::EngineCore_sw-troubleshoot", "--hog-rate-mib", "160", "--hog-limit-mib", "480",
                    pidfile=pidfile, wait_for=2)  # fmt: skip
     kill: dict[str, Any] = wait_for_event(daemon.events_path, "kill", timeout_s=60)
-    assert kill["dry_run"] is True and kill["trigger"] == "budget"
+    assert kill["dry_run"] is False and kill["trigger"] == "budget"
     assert {v["pid"] for v in kill["victims"]} == set(pids_in(pidfile))
     return kill
 
@@ -191,7 +192,7 @@ def test_each_sparkwatch_command_finds_what_the_doc_says(tmp_path: Path, spawner
     state = root / "var" / "lib" / "sparkwatch"
     budgets = json.dumps(["64MiB=sw-troubleshoot"])
     env = {"SPARKWATCH_STATE_DIR": str(state), "SPARKWATCH_ENGINE_BUDGETS": budgets}
-    with sparkwatch_run(tmp_path, "--dry-run", env=env) as daemon:
+    with sparkwatch_run(tmp_path, env=env) as daemon:  # armed, confined to this test's processes (tests/daemon.py)
         daemon.state_dir = state  # the helper's is tmp_path/state; the env above moved it
         kill = {**_record_a_kill(tmp_path, spawner, daemon), "guard_pid": daemon.proc.pid}
         base = {k: v for k, v in os.environ.items() if not k.startswith("SPARKWATCH_")}
@@ -224,7 +225,7 @@ def test_each_sparkwatch_command_finds_what_the_doc_says(tmp_path: Path, spawner
                 why = f"{command!r}: {exc}\n--- stdout:\n{done.stdout}\n--- stderr:\n{done.stderr}"
                 raise AssertionError(why) from None
         # What the journal commands rely on: the kill as the guard journals it (common.systemd.journal_fields),
-        # and its KILL line (a dry run's says so) on stderr, which the journal keeps.
+        # and its KILL line on stderr, which the journal keeps.
         fields = journal_fields(
             Event(
                 id=kill["id"],
@@ -238,4 +239,4 @@ def test_each_sparkwatch_command_finds_what_the_doc_says(tmp_path: Path, spawner
         assert ("SPARKWATCH_EVENT", "kill") in fields
         victims = {int(v) for k, v in fields if k == "SPARKWATCH_VICTIM_PID"}
         assert victims == {v["pid"] for v in kill["victims"]}
-        assert any("KILL" in line and "DRY-RUN" in line for line in daemon.stderr_lines), daemon.stderr_lines
+        assert any("sparkwatch: KILL " in line for line in daemon.stderr_lines), daemon.stderr_lines
