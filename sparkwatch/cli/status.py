@@ -21,13 +21,15 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sparkwatch.cli import argtypes
-from sparkwatch.config.settings import Settings
-from sparkwatch.core.model import DriverReport
 from sparkwatch.core.trend import build_rate, pool_trend
-from sparkwatch.tui.status_view import BuildView, StatusFrame
+
+if TYPE_CHECKING:
+    from sparkwatch.config.settings import Settings
+    from sparkwatch.core.model import DriverReport
+    from sparkwatch.tui.status_view import StatusFrame
 
 # History kept for the rates: 5 s of MemAvailable (the span a Spark's ~100 MiB noise was measured over); 60 s of
 # objects done, because an nvcc job takes tens of seconds and objects finish in steps.
@@ -88,6 +90,8 @@ class StatusApp:
         self._started_ts: float | None = None
 
     def frame(self, live: bool = False) -> StatusFrame:
+        from sparkwatch.tui.status_view import BuildView, StatusFrame  # rich: only when there is a frame to draw
+
         snap = self.telemetry.collect()
         self.telemetry.drain_events()  # the daemon records these; a viewer drops them
         now = self.clock()
