@@ -12,7 +12,6 @@ are the schema module's, imported from here on first use.
 from __future__ import annotations
 
 import os
-import tomllib
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
@@ -65,7 +64,9 @@ class ConfigError(Exception):
 
 
 def _read_toml(path: Path) -> dict[str, Any]:
-    from sparkwatch.common.durable import StateFileError, read_regular  # noqa: PLC0415 - only with a file to read
+    import tomllib  # noqa: PLC0415 - only with a file to read
+
+    from sparkwatch.common.durable import StateFileError, read_regular  # noqa: PLC0415
 
     try:
         # Never blocks: a FIFO, a device or a directory given as the config is refused at once (durable's rule).
