@@ -9,9 +9,10 @@ the checkout nor the venv's editable install can stand in for the other; before 
 `sparkwatch` package lives and which config module it has (the baseline has no config/defaults.py), and the bench
 stops if either answer is wrong. Rounds alternate A B, then B A, so a slow minute on a shared box falls on both.
 
-The commands: `--version`, `events` (a state dir with 200 events), `engines --window 0`, `status --once`,
-`launch --plan -- vllm serve <a 4-shard sparse checkpoint>`, each with no config file, no SPARKWATCH_* variable
-and no flag (the defaults, where nothing needs validating), and `events --config FILE`, which does.
+The commands: the interpreter alone (`python -P -c pass`, the floor under all of them), `--version`, `events`
+(a state dir with 200 events), `engines --window 0`, `status --once`, `launch --plan -- vllm serve <a 4-shard sparse
+checkpoint>`, each with no config file, no SPARKWATCH_* variable and no flag (the defaults: nothing to validate), and
+`events --config FILE`, which validates.
 """
 
 from __future__ import annotations
@@ -71,6 +72,7 @@ def make_fixture(tmp: Path) -> dict[str, str]:
 
 def commands(tmp: Path) -> list[tuple[str, list[str]]]:
     return [
+        ("python -P -c pass (the interpreter alone)", BARE),
         ("sparkwatch --version", ["--version"]),
         ("sparkwatch events", ["events"]),
         ("sparkwatch engines --window 0", ["engines", "--window", "0"]),
@@ -83,10 +85,14 @@ def commands(tmp: Path) -> list[tuple[str, list[str]]]:
     ]
 
 
+# The interpreter alone, for reference: the floor under every command (the same in A and B).
+BARE = ["-c", "pass"]
+
+
 def run_once(tree: Path, argv: list[str], env: dict[str, str], cwd: Path) -> tuple[float, int]:
     t0 = time.perf_counter()
     rc = subprocess.run(
-        [sys.executable, "-P", "-m", "sparkwatch", *argv],
+        [sys.executable, "-P", *(argv if argv == BARE else ["-m", "sparkwatch", *argv])],
         env={**env, "PYTHONPATH": str(tree)},
         cwd=cwd,
         stdout=subprocess.DEVNULL,
