@@ -4,10 +4,11 @@ this tree, alternated on the same machine.
     .venv/bin/python bench/startup_bench.py --baseline 51ae5be --rounds 30 --out bench/RESULTS-startup.md
 
 A is the baseline commit, written out with `git archive` into a temporary directory; B is this checkout. Each runs
-as `python -P -m sparkwatch …` from an empty working directory with PYTHONPATH naming its tree only, so that neither
-the checkout nor the venv's editable install can stand in for the other; before timing, each tree is asked where its
-`sparkwatch` package lives and which config module it has (the baseline has no config/defaults.py), and the bench
-stops if either answer is wrong. Rounds alternate A B, then B A, so a slow minute on a shared box falls on both.
+as the installed `sparkwatch` script does (`python -P -c "…from sparkwatch.entry import main…" ARGS`) from an
+empty working directory with PYTHONPATH naming its tree only, so that neither the checkout nor the venv's editable
+install can stand in for the other; before timing, each tree is asked where its `sparkwatch` package lives and
+whether it has config/defaults.py (the baseline has not), and the bench stops if either answer is wrong. Rounds
+alternate A B, then B A, so a slow minute on a shared box falls on both.
 
 The commands: the interpreter alone (`python -P -c pass`, the floor under all of them), `--version`, `events`
 (a state dir with 200 events), `engines --window 0`, `status --once`, `launch --plan -- vllm serve <a 4-shard sparse
@@ -85,6 +86,8 @@ def commands(tmp: Path) -> list[tuple[str, list[str]]]:
     ]
 
 
+# What the installed `sparkwatch` script runs (pip's console-script wrapper), with the tree's own entry point.
+ENTRY = "import re, sys; from sparkwatch.entry import main; sys.exit(main())"
 # The interpreter alone, for reference: the floor under every command (the same in A and B).
 BARE = ["-c", "pass"]
 
@@ -92,7 +95,7 @@ BARE = ["-c", "pass"]
 def run_once(tree: Path, argv: list[str], env: dict[str, str], cwd: Path) -> tuple[float, int]:
     t0 = time.perf_counter()
     rc = subprocess.run(
-        [sys.executable, "-P", *(argv if argv == BARE else ["-m", "sparkwatch", *argv])],
+        [sys.executable, "-P", *(argv if argv == BARE else ["-c", ENTRY, *argv])],
         env={**env, "PYTHONPATH": str(tree)},
         cwd=cwd,
         stdout=subprocess.DEVNULL,
@@ -178,7 +181,8 @@ def main() -> None:
         f"{platform.python_version()}, load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} (a box shared with "
         "other work: medians, rounds alternated A B / B A).",
         f"A: {base} (`git archive`), B: {head}{' with uncommitted changes' if dirty else ''}. Each run is "
-        "`python -P -m sparkwatch …` from an empty directory with PYTHONPATH naming its tree; no config file, no "
+        "the `sparkwatch` script's lines (`python -P -c '…from sparkwatch.entry import main…' ARGS`) from an "
+        "empty directory with PYTHONPATH naming its tree; no config file, no "
         f"SPARKWATCH_* variable. {args.rounds} rounds each; exit codes equal in A and B.",
         "",
         "| command | A median (ms) | B median (ms) | B / A | exit |",
