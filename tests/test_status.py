@@ -415,3 +415,29 @@ def test_live_build_progress_gets_a_rate_and_an_eta(
     # Once the first object lands the row has a pace and a time left, not just a count.
     assert re.search(r" 1/2 objects · 0/1 modules · \d+\.\d objects/min · ETA \d", text), text[-3000:]
     assert " 2/2 objects · 1/1 modules · done" in text
+
+
+def test_gpu_preflight_does_not_hold_up_the_cycle_and_its_verdict_holds(monkeypatch: pytest.MonkeyPatch) -> None:
+    """status starts NVML's preflight child on a thread and waits for it at the GPU read, the cycle's last; a
+    preflight that says NVML is off still keeps NVML off."""
+    import threading
+
+    from sparkwatch.cli.status import PreflightedGpu
+    from sparkwatch.telemetry.sources import nvml_preflight
+
+    release = threading.Event()
+
+    def slow_verdict(timeout_s: float = 10.0) -> str | None:
+        release.wait(30)
+        return "NVML off: the test's hung library"
+
+    monkeypatch.setattr(nvml_preflight, "nvml_hang_reason", slow_verdict)
+    gpu = PreflightedGpu(Path("/proc"))
+    try:
+        assert gpu._thread.is_alive()  # built without waiting for the verdict
+        release.set()
+        report = gpu.collect()
+        assert not report.up and report.error == "NVML off: the test's hung library"
+    finally:
+        release.set()
+        gpu.close()

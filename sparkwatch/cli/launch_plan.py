@@ -15,14 +15,13 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sparkwatch.common import launched, peakstore
 from sparkwatch.common.durable import read_regular
 from sparkwatch.common.sources.buddyinfo import page_size_bytes, read_buddyinfo
 from sparkwatch.common.sources.checkpoint import read_facts
 from sparkwatch.common.sources.meminfo import MeminfoReader
-from sparkwatch.config.settings import Settings
 from sparkwatch.core import launchenv, peaks
 from sparkwatch.core.enginecli import EngineCommand, EngineKind, recognise
 from sparkwatch.core.kernlog import BuddyinfoError, free_bytes_in_blocks
@@ -37,6 +36,9 @@ from sparkwatch.core.plan import (
     plan_launch,
 )
 from sparkwatch.core.units import MiB, format_size
+
+if TYPE_CHECKING:
+    from sparkwatch.config.settings import Settings
 
 CONTIGUOUS_BLOCK_BYTES = 2 * MiB
 

@@ -28,7 +28,7 @@ import signal
 import sys
 import time
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sparkwatch.cli.anchorsearch import any_anchor
 from sparkwatch.cli.launch_plan import PlanContext
@@ -44,13 +44,15 @@ from sparkwatch.common.sources.procs import (
     read_rss_bytes,
     read_start_ticks,
 )
-from sparkwatch.config.settings import Settings
 from sparkwatch.core import launchenv, peaks
 from sparkwatch.core.bootphase import BootPhase, PhaseRecognizer
 from sparkwatch.core.footprint import FootprintInputs, footprint
 from sparkwatch.core.guardstate import KillWord, no_guard_line, not_taken_line, taken_line
 from sparkwatch.core.plan import Plan
 from sparkwatch.core.units import MiB, format_size
+
+if TYPE_CHECKING:
+    from sparkwatch.config.settings import Settings
 
 SAMPLE_EVERY_S = 1.0  # footprint samples while the engine runs (a /proc walk of the tree and, with NVML, one read)
 # How long launch looks for a guard to take its declaration: the guard reads the declarations each tick (at most

@@ -11,14 +11,17 @@ from __future__ import annotations
 
 import sys
 import time
+from typing import TYPE_CHECKING
 
 from sparkwatch.cli.wait_settled import DEFAULT_INTERVAL_S, ProgressLine
 from sparkwatch.common.sources.engines import EngineFinder
 from sparkwatch.common.sources.meminfo import MeminfoError, MeminfoReader
 from sparkwatch.common.sources.procs import holds_gpu_device
-from sparkwatch.config.settings import Settings
 from sparkwatch.core.model import EngineTree, Proc
 from sparkwatch.core.settle import SettleParams, SettleState, describe, is_orphan_worker, settle_step
+
+if TYPE_CHECKING:
+    from sparkwatch.config.settings import Settings
 
 
 def still_letting_go(procs: tuple[Proc, ...], trees: list[EngineTree], proc_root: str) -> int:

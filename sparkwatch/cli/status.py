@@ -17,17 +17,20 @@ import os
 import select
 import socket
 import sys
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sparkwatch.cli import argtypes
-from sparkwatch.config.settings import Settings
-from sparkwatch.core.model import DriverReport
 from sparkwatch.core.trend import build_rate, pool_trend
-from sparkwatch.tui.status_view import BuildView, StatusFrame
+
+if TYPE_CHECKING:
+    from sparkwatch.config.settings import Settings
+    from sparkwatch.core.model import DriverReport, GpuReport
+    from sparkwatch.tui.status_view import StatusFrame
 
 # History kept for the rates: 5 s of MemAvailable (the span a Spark's ~100 MiB noise was measured over); 60 s of
 # objects done, because an nvcc job takes tens of seconds and objects finish in steps.
@@ -61,22 +64,52 @@ def add_parser(sub: Any, parent: argparse.ArgumentParser) -> None:
     p.set_defaults(handler=handle)
 
 
+class PreflightedGpu:
+    """The GPU source, NVML behind its preflight. A hung libnvidia-ml load would freeze this whole process (it holds
+    the GIL), so a throwaway child loads it first (`nvml_hang_reason`); that child starts here, on a thread, and is
+    waited for on the first GPU read, the last of a cycle: its 65 ms on the 2-core VM run beside this process's
+    imports and /proc scan instead of before them (bench/RESULTS-startup.md)."""
+
+    def __init__(self, proc_root: Path) -> None:
+        self.proc_root = proc_root
+        self._reason: str | None = None
+        self._source: Any = None
+        self._thread = threading.Thread(target=self._preflight, name="nvml-preflight", daemon=True)
+        self._thread.start()
+
+    def _preflight(self) -> None:
+        from sparkwatch.telemetry.sources.nvml_preflight import nvml_hang_reason
+
+        self._reason = nvml_hang_reason()
+
+    def collect(self) -> GpuReport:
+        if self._source is None:
+            from sparkwatch.telemetry.sources.nvml import NvmlSource
+            from sparkwatch.telemetry.sources.nvml_preflight import NvmlOff
+
+            self._thread.join()
+            self._source = NvmlSource(proc_root=self.proc_root) if self._reason is None else NvmlOff(self._reason)
+        report: GpuReport = self._source.collect()
+        return report
+
+    def close(self) -> None:
+        self._thread.join()
+        close = getattr(self._source, "close", None)
+        if close is not None:
+            close()
+
+
 class StatusApp:
     """Collects a snapshot a cycle and keeps the short histories the rates need. Reads only."""
 
     def __init__(self, settings: Settings, clock: Callable[[], float] = time.monotonic) -> None:
+        gpu = PreflightedGpu(settings.proc_root)  # first: its child runs while the imports below do
         from sparkwatch.telemetry.loop import Telemetry
 
         self.settings = settings
         self.clock = clock
         # The daemon hands Telemetry its drift watcher's latest report; here a once-a-minute check stands in for it.
-        from sparkwatch.telemetry.sources.nvml_preflight import NvmlOff, nvml_hang_reason
-
-        # A hung libnvidia-ml load would freeze this whole process (it holds the GIL): check in a child first.
-        nvml_off = nvml_hang_reason()
-        self.telemetry = Telemetry(
-            settings, gpu_source=None if nvml_off is None else NvmlOff(nvml_off), driver=self._driver_report
-        )
+        self.telemetry = Telemetry(settings, gpu_source=gpu, driver=self._driver_report)
         self.host = socket.gethostname()
         self.available: deque[tuple[float, float]] = deque()
         self.objects_done: dict[str, deque[tuple[float, float]]] = {}
@@ -88,6 +121,8 @@ class StatusApp:
         self._started_ts: float | None = None
 
     def frame(self, live: bool = False) -> StatusFrame:
+        from sparkwatch.tui.status_view import BuildView, StatusFrame  # rich: only when there is a frame to draw
+
         snap = self.telemetry.collect()
         self.telemetry.drain_events()  # the daemon records these; a viewer drops them
         now = self.clock()

@@ -1,391 +1,73 @@
-"""Settings: defaults < TOML file < SPARKWATCH_* environment < command-line flags.
+"""Settings: defaults < TOML file < SPARKWATCH_* environment < command-line flags, loaded by `load_settings`, the one
+loader; `schema.Settings` (pydantic) is the one schema and validation owner.
 
 Every mistake becomes a `ConfigError` whose one-line message names the key and what was expected; the CLI prints it
-and exits 2. Defaults are safe with no file at all.
+and exits 2. Defaults are safe with no file at all. With no file, no SPARKWATCH_* variable and no flag there is
+nothing to validate: the read-only commands then get the schema's defaults from its generated snapshot
+(`defaults.DefaultSettings`) and never import pydantic, which was 0.2 s of their 0.5 s start-up on a 2-core VM
+(bench/RESULTS-startup.md). This module imports no pydantic; `Settings`, `settings_to_wire` and `settings_from_wire`
+are the schema module's, imported from here on first use.
 """
 
 from __future__ import annotations
 
-import difflib
-import ipaddress
 import os
-import socket
-import tomllib
-import urllib.parse
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Any, cast
 
-from pydantic import (
-    AnyHttpUrl,
-    BeforeValidator,
-    Field,
-    PlainSerializer,
-    SecretStr,
-    ValidationError,
-    ValidationInfo,
-    field_validator,
-    model_validator,
+from sparkwatch.config.defaults import (
+    DefaultSettings,
+    default_config_file,
+    default_jit_cache_dirs,
+    default_state_dir,
+    default_vllm_cache_dirs,
 )
-from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+from sparkwatch.core.units import format_size
 
-from sparkwatch.common.durable import StateFileError, read_regular
-from sparkwatch.common.sharing import group_id
-from sparkwatch.core import bounded
-from sparkwatch.core.engines import compile_engine_patterns, compile_protect_patterns
-from sparkwatch.core.policy import (
-    DEFAULT_KILL_ORDER,
-    compile_never_kill,
-    parse_engine_budgets,
-    parse_kill_order,
-    parse_kill_priority,
-)
-from sparkwatch.core.redact import remember_secrets
-from sparkwatch.core.units import SIZE_MAX_BYTES, GiB, format_size, parse_size
-from sparkwatch.core.urls import redact_url
+if TYPE_CHECKING:
+    from sparkwatch.config.schema import Settings, settings_from_wire, settings_to_wire
 
-ENV_PREFIX = "SPARKWATCH_"
-DEFAULT_PORT = 9847  # sparkwatch's metrics port; free in the Prometheus default-port allocation list.
-
-
-def _size(value: object) -> int:
-    """A size a person wrote (TOML, env, flag) needs a unit: `floor = 8` would be an 8-byte floor that never fires.
-    The wire form between sparkwatch's own processes carries byte counts; settings_from_wire writes them "<n>B"."""
-    if isinstance(value, bool) or not isinstance(value, (str, int)):
-        raise ValueError("expected a size such as 8GiB or 512MiB")
-    if isinstance(value, int):
-        raise ValueError(f"{value} has no unit; write {value}GiB or {value}MiB (or {value}B for bytes)")
-    return parse_size(value)  # a 400-digit number is a ValueError there, never an OverflowError
-
-
-# A floor under this cannot protect anything: an engine's start-up spike drains gigabytes a second (29 -> 2.5 GiB in
-# 9 s on a Spark), and doctor already warns under 2 GiB; "1MiB" or "8" (bytes) is a guard switched off by mistake.
-FLOOR_MIN_BYTES = 1 * GiB
-CONFIG_FILE_MAX_BYTES = 1 << 20
-# Every number has a range (core.bounded says why): a pid is at most the kernel's PID_MAX_LIMIT (4,194,304 on 64-bit,
-# include/linux/threads.h); a burst of 4096 compilers or a JIT silent for more than a day is a typo, and `jit_stall_s =
-# 1e400` was inf, taken: the stall alert never fired.
-PID_MAX_LIMIT = 1 << 22
-COMPILE_JOBS_MAX = 4096
-JIT_STALL_MAX_S = 86400.0  # a config file is a few hundred bytes; a bigger one is not a config file
-
-# A byte count written like "8GiB"; serialized back the same way so check-config prints what people write. The
-# defaults are byte counts of our own and are not run through _size (validate_default=False on each size field).
-ByteSize = Annotated[
-    int,
-    BeforeValidator(_size),
-    PlainSerializer(format_size, return_type=str),
-    Field(ge=0, le=SIZE_MAX_BYTES),
+__all__ = [
+    "ConfigError",
+    "Settings",
+    "check_memory_bounds",
+    "default_config_file",
+    "default_jit_cache_dirs",
+    "default_state_dir",
+    "default_vllm_cache_dirs",
+    "load_settings",
+    "read_memtotal_bytes",
+    "settings_from_wire",
+    "settings_to_wire",
 ]
 
+ENV_PREFIX = "SPARKWATCH_"
+# Names under this prefix belong to the test suite (SPARKWATCH_TEST_REQUIRE_TOOLS), not to the daemon.
+TEST_ENV_PREFIX = ENV_PREFIX + "TEST_"
+CONFIG_FILE_MAX_BYTES = 1 << 20  # a config file is a few hundred bytes; a bigger one is not a config file
 
-def default_state_dir() -> Path:
-    base = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
-    return Path(base) / "sparkwatch"
-
-
-def default_config_file() -> Path:
-    base = os.environ.get("XDG_CONFIG_HOME") or str(Path.home() / ".config")
-    return Path(base) / "sparkwatch" / "config.toml"
+_SCHEMA_NAMES = frozenset({"Settings", "settings_to_wire", "settings_from_wire"})
 
 
-def default_jit_cache_dirs() -> list[Path]:
-    # flashinfer puts its JIT cache under ${FLASHINFER_WORKSPACE_BASE:-$HOME}/.cache/flashinfer/<version>/<arch>/.
-    base = os.environ.get("FLASHINFER_WORKSPACE_BASE") or str(Path.home())
-    return [Path(base) / ".cache" / "flashinfer"]
+def __getattr__(name: str) -> Any:
+    """`from sparkwatch.config.settings import Settings` imports the schema (and pydantic) then, not before."""
+    if name in _SCHEMA_NAMES:
+        from sparkwatch.config import schema  # noqa: PLC0415 - on first use, on purpose
 
-
-def default_vllm_cache_dirs() -> list[Path]:
-    # vLLM keeps torch.compile artifacts under ${VLLM_CACHE_ROOT:-$HOME/.cache/vllm}/torch_compile_cache/.
-    base = os.environ.get("VLLM_CACHE_ROOT") or str(Path.home() / ".cache" / "vllm")
-    return [Path(base) / "torch_compile_cache"]
+        return getattr(schema, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 class ConfigError(Exception):
     """A configuration mistake, already phrased for a human in one line."""
 
 
-# The list keys and the core function that parses each: it raises ValueError naming the bad entry.
-_LIST_CHECKS: dict[str, Callable[[list[str]], object]] = {
-    "engine_patterns": compile_engine_patterns,
-    "protect_patterns": compile_protect_patterns,
-    "kill_order": parse_kill_order,
-    "kill_priority": parse_kill_priority,
-    "never_kill": compile_never_kill,
-    "engine_budgets": parse_engine_budgets,
-}
-
-
-class Settings(BaseSettings):
-    """Every key is documented in README.md and docs/contract.md; the names are a contract."""
-
-    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="forbid", frozen=True, validate_default=True)
-
-    # --- the guard
-    floor: ByteSize = Field(
-        8 * GiB, validate_default=False, description="kill engine trees when MemAvailable is at or under this"
-    )
-    warn_headroom: ByteSize = Field(
-        4 * GiB, validate_default=False, description="alert when MemAvailable is within this of the floor"
-    )
-    kill_budget_s: float = Field(
-        0.25, gt=0, le=10, description="fire early when the smoothed fill rate would reach the floor within this"
-    )
-    debounce_samples: int = Field(2, ge=1, le=20, description="consecutive samples a trigger must hold")
-    poll_min_s: float = Field(0.05, gt=0, le=1)
-    poll_max_s: float = Field(1.0, gt=0, le=5)
-    rearm_headroom: ByteSize = Field(
-        1 * GiB, validate_default=False, description="memory must come back this far above the floor to re-arm"
-    )
-    dry_run: bool = False
-    mlock: bool = True
-    ancestor_pid: int = Field(
-        0,
-        ge=0,
-        le=PID_MAX_LIMIT,
-        description="only engines descending from this PID are candidates (0: all); confines the guard",
-    )
-    engine_patterns: list[str] = Field(default_factory=list, description="extra engines, as 'kind=regex'")
-    kernel_log_corroboration: bool = Field(
-        True,
-        description="a driver allocation failure (NVRM NV_ERR_NO_MEMORY) while MemAvailable is within warn_headroom "
-        "of the floor counts as a floor crossing; needs a readable kernel log (system unit or dmesg_restrict=0)",
-    )
-    kernel_log_path: Path = Field(Path("/dev/kmsg"), description="the kernel log device read for NVRM and Xid lines")
-    kernel_log_accept_injected: bool = Field(
-        False,
-        description="also act on NVRM and Xid lines a root process wrote into the kernel log (the kernel marks them "
-        "facility user; the driver's own are facility kernel): only to try an alert route end to end",
-    )
-    protect_patterns: list[str] = Field(
-        default_factory=list, description="extra protected processes, regexes on comm, entry point or executable path"
-    )
-    guard_gpu_holders: bool = Field(
-        False, description="treat a process NVML lists as holding GPU memory, that no rule names, as an engine"
-    )
-    kill_order: list[str] = Field(
-        default_factory=lambda: list(DEFAULT_KILL_ORDER),
-        description="criteria ranking the engine trees, first decides: priority, growth, youngest, largest",
-    )
-    kill_priority: list[str] = Field(
-        default_factory=list, description="'priority=regex': trees matching die earlier (higher) or later (negative)"
-    )
-    never_kill: list[str] = Field(default_factory=list, description="regexes: matching engine trees are never killed")
-    kill_settle_s: float = Field(
-        1.0, gt=0, le=10, description="after a victim is reaped, wait this long for memory before the next tree"
-    )
-    engine_budgets: list[str] = Field(
-        default_factory=list,
-        description="'SIZE=regex': a memory budget for engine trees whose kind, title or command line match (as "
-        "kill_priority); the guard kills a tree over its budget alone",
-    )
-
-    # --- telemetry and its outputs
-    telemetry_interval_s: float = Field(1.0, gt=0, le=60)
-    listen: str = f"127.0.0.1:{DEFAULT_PORT}"
-    tls_cert_file: Path | None = None
-    tls_key_file: Path | None = None
-    tls_client_ca_file: Path | None = None
-    jit_cache_dirs: list[Path] = Field(default_factory=default_jit_cache_dirs)
-    vllm_cache_dirs: list[Path] = Field(
-        default_factory=default_vllm_cache_dirs, description="vLLM torch.compile caches watched like jit_cache_dirs"
-    )
-    compile_jobs_alert: int = Field(
-        8, ge=1, le=COMPILE_JOBS_MAX, description="a compiler burst wider than this many nvcc/cicc jobs alerts"
-    )
-    jit_stall_s: float = Field(
-        300.0, gt=0, le=JIT_STALL_MAX_S, description="engine asleep, no compiler, no cache growth this long"
-    )
-
-    # --- records and alerts
-    state_dir: Path = Field(default_factory=default_state_dir)
-    webhook_url: AnyHttpUrl | None = None
-    webhook_secret: SecretStr | None = None
-    webhook_timeout_s: float = Field(10.0, gt=0, le=120, description="one delivery attempt gives up after this")
-    webhook_backoff_min_s: float = Field(1.0, gt=0, le=3600, description="first retry delay; doubles per failure")
-    webhook_backoff_max_s: float = Field(
-        300.0, gt=0, le=86400, description="retry delay cap: a receiver down for hours is retried every 5 min"
-    )
-    events_max_bytes: ByteSize = Field(
-        16 << 20,
-        validate_default=False,
-        description="events.jsonl rotates to events.jsonl.1 past this (one old generation kept)",
-    )
-    events_group: str | None = Field(
-        None, description="a group whose members may read events.jsonl (0640, the state dir 0750); unset: owner only"
-    )
-    outbox_max_alerts: int = Field(
-        1000, ge=1, le=1_000_000, description="undelivered alerts kept; past this the oldest are dropped and counted"
-    )
-    driver_check_interval_s: float = Field(
-        60.0, gt=0, le=3600, description="driver drift check period (a udev event on nvidia runs it at once)"
-    )
-    recorder_window_s: float = Field(
-        600.0,
-        ge=0,
-        le=3600,
-        description="seconds of pool samples (one a second, every guard tick near the floor) the flight recorder keeps "
-        "in <state_dir>/recorder.ring for the next boot's postmortem; 0: off",
-    )
-    postmortem: bool = Field(
-        True, description="judge how the previous boot ended once per boot, at start (a previous_boot event)"
-    )
-    postmortem_journal_dir: Path | None = Field(
-        None,
-        description="read the previous boot from this journal directory (journalctl --directory) instead of the "
-        "system journal: a journal copied from another box, or a test's",
-    )
-
-    # --- where the system is read from (tests point these at fixture trees)
-    proc_root: Path = Path("/proc")
-    root: Path = Path("/")
-
-    @field_validator("floor")
-    @classmethod
-    def _check_floor(cls, value: int) -> int:
-        if value < FLOOR_MIN_BYTES:
-            raise ValueError(
-                f"{format_size(value)} is under {format_size(FLOOR_MIN_BYTES)}: no kill could beat a start-up spike "
-                "from there (doctor warns under 2 GiB); the default is 8GiB"
-            )
-        return value
-
-    @field_validator("listen")
-    @classmethod
-    def _check_listen(cls, value: str) -> str:
-        host, sep, port = value.rpartition(":")
-        if not sep or not port.isdigit() or not 0 < int(port) < 65536:
-            raise ValueError("expected host:port, for example 127.0.0.1:9847")
-        host = host.strip("[]")
-        if not host:
-            raise ValueError("the host is missing: write 127.0.0.1:PORT (this machine) or 0.0.0.0:PORT (every address)")
-        try:
-            ipaddress.ip_address(host)
-        except ValueError:
-            try:
-                socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
-            except (OSError, UnicodeError) as exc:
-                raise ValueError(f"host {host!r} does not resolve ({exc})") from None
-        return value
-
-    @field_validator("tls_cert_file", "tls_key_file", "tls_client_ca_file")
-    @classmethod
-    def _check_readable(cls, value: Path | None) -> Path | None:
-        if value is None:
-            return None
-        try:
-            read_regular(value, 1, follow_symlinks=True)  # a FIFO here would hang the validator, then the exporter
-        except OSError as exc:
-            raise ValueError(f"{value}: {exc.strerror or exc}") from None
-        return value
-
-    @field_validator("events_group")
-    @classmethod
-    def _check_group(cls, value: str | None) -> str | None:
-        if value is not None:
-            group_id(value)  # ValueError names the group
-        return value
-
-    @field_validator("webhook_secret")
-    @classmethod
-    def _check_secret(cls, value: SecretStr | None) -> SecretStr | None:
-        if value is not None and not value.get_secret_value().strip():
-            raise ValueError("is empty, so alerts would go out unsigned; set a secret or remove the key")
-        return value
-
-    @field_validator(*_LIST_CHECKS)
-    @classmethod
-    def _check_lists(cls, value: list[str], info: ValidationInfo) -> list[str]:
-        """Each pattern list parsed by its owner (core.engines, core.policy): a bad entry is named in the error."""
-        _LIST_CHECKS[str(info.field_name)](value)
-        return value
-
-    @model_validator(mode="after")
-    def _check_consistency(self) -> Settings:
-        if self.poll_min_s > self.poll_max_s:
-            raise ValueError("poll_min_s must not exceed poll_max_s")
-        if (self.tls_cert_file is None) != (self.tls_key_file is None):
-            raise ValueError("tls_cert_file and tls_key_file go together")
-        if self.tls_client_ca_file is not None and self.tls_cert_file is None:
-            raise ValueError("tls_client_ca_file needs tls_cert_file and tls_key_file")
-        return self
-
-    @property
-    def listen_is_loopback(self) -> bool:
-        host = self.listen_host
-        if host == "localhost":
-            return True
-        try:
-            return ipaddress.ip_address(host).is_loopback
-        except ValueError:
-            return False
-
-    def warnings(self) -> list[str]:
-        """Settings that work but are risky; the daemon logs them at start and check-config prints them."""
-        out = []
-        if self.tls_cert_file is None and not self.listen_is_loopback:
-            out.append(
-                f"listen: metrics are served as plain HTTP on {self.listen}, beyond this machine; "
-                "set tls_cert_file/tls_key_file (and tls_client_ca_file for mTLS) or firewall the port "
-                "(docs/security.md)"
-            )
-        return out
-
-    @property
-    def listen_host(self) -> str:
-        return self.listen.rpartition(":")[0].strip("[]")
-
-    @property
-    def listen_port(self) -> int:
-        return int(self.listen.rpartition(":")[2])
-
-    @property
-    def events_path(self) -> Path:
-        return self.state_dir / "events.jsonl"
-
-    @property
-    def outbox_dir(self) -> Path:
-        return self.state_dir / "outbox"
-
-    def secrets(self) -> list[str]:
-        """Strings of this config that must never leave the process: the webhook URL's path, query and password
-        (a Slack-style URL carries its secret in the path), and the HMAC secret."""
-        out: list[str] = []
-        if self.webhook_url is not None:
-            url = str(self.webhook_url)
-            parts = urllib.parse.urlsplit(url)
-            out += [url, parts.query, parts.password or ""]
-            if parts.path not in ("", "/"):
-                out.append(parts.path)
-        if self.webhook_secret is not None:
-            out.append(self.webhook_secret.get_secret_value())
-        return [s for s in out if s]
-
-    def public_dict(self) -> dict[str, Any]:
-        """The effective settings, secrets masked, as check-config prints them."""
-        data = self.model_dump(mode="json")
-        if self.webhook_secret is not None:
-            data["webhook_secret"] = "********"
-        if self.webhook_url is not None:
-            data["webhook_url"] = redact_url(str(self.webhook_url)) + "/…"
-        return data
-
-
-class _MappingSource(PydanticBaseSettingsSource):
-    """The TOML file's table as a settings source (pydantic-settings' own TOML source takes a fixed path)."""
-
-    def __init__(self, settings_cls: type[BaseSettings], data: Mapping[str, Any]) -> None:
-        super().__init__(settings_cls)
-        self._data = dict(data)
-
-    def get_field_value(self, field: Any, field_name: str) -> tuple[Any, str, bool]:  # pragma: no cover - unused
-        return self._data.get(field_name), field_name, False
-
-    def __call__(self) -> dict[str, Any]:
-        return dict(self._data)
-
-
 def _read_toml(path: Path) -> dict[str, Any]:
+    import tomllib  # noqa: PLC0415 - only with a file to read
+
+    from sparkwatch.common.durable import StateFileError, read_regular  # noqa: PLC0415
+
     try:
         # Never blocks: a FIFO, a device or a directory given as the config is refused at once (durable's rule).
         raw = read_regular(path, CONFIG_FILE_MAX_BYTES + 1, follow_symlinks=True)
@@ -413,44 +95,10 @@ def _read_toml(path: Path) -> dict[str, Any]:
     return data
 
 
-# Names under this prefix belong to the test suite (SPARKWATCH_TEST_REQUIRE_TOOLS), not to the daemon.
-TEST_ENV_PREFIX = ENV_PREFIX + "TEST_"
-
-
-def _check_env_keys(env: Mapping[str, str]) -> None:
-    known = set(Settings.model_fields)
-    for name in env:
-        if name.startswith(ENV_PREFIX) and not name.startswith(TEST_ENV_PREFIX):
-            key = name[len(ENV_PREFIX) :].lower()
-            if key not in known:
-                raise ConfigError(f"{name}: unknown setting{_did_you_mean(key, known)}")
-
-
-def _did_you_mean(key: str, known: set[str]) -> str:
-    close = difflib.get_close_matches(key, sorted(known), n=1)
-    return f" (did you mean {close[0]!r}?)" if close else ""
-
-
-def _describe(exc: ValidationError, toml_keys: set[str]) -> str:
-    err = exc.errors()[0]
-    key = ".".join(str(part) for part in err["loc"]) or "config"
-    known = set(Settings.model_fields)
-    if err["type"] == "extra_forbidden":
-        return f"{key}: unknown setting{_did_you_mean(key, known)}"
-    message = err["msg"].removeprefix("Value error, ")
-    value = err.get("input")
-    shown = "" if key.startswith("webhook") or isinstance(value, dict) else f" (got {bounded.shown(value)})"
-    if isinstance(value, (int, str)) and str(value) and message.startswith((repr(value), str(value))):
-        shown = ""  # the message already shows the value ("floor: 8 has no unit; …")
-    origin = ""
-    if key in known:
-        env_name = ENV_PREFIX + key.upper()
-        if env_name in os.environ:
-            origin = f" [from {env_name}]"
-        elif key in toml_keys:
-            origin = " [from config file]"
-    more = f"; and {len(exc.errors()) - 1} more" if len(exc.errors()) > 1 else ""
-    return f"{key}: {message}{shown}{origin}{more}"
+def _sets_a_key(name: str) -> bool:
+    """An environment variable the schema would read or refuse (pydantic-settings matches names case-insensitively)."""
+    upper = name.upper()
+    return upper.startswith(ENV_PREFIX) and not upper.startswith(TEST_ENV_PREFIX) and upper != ENV_PREFIX + "CONFIG"
 
 
 def load_settings(
@@ -471,30 +119,22 @@ def load_settings(
         candidate = Path(os.environ.get(ENV_PREFIX + "CONFIG", "")) if os.environ.get(ENV_PREFIX + "CONFIG") else None
         # lexists, not is_file: a FIFO or directory at the default path is refused, not silently skipped.
         path = candidate or (default_config_file() if os.path.lexists(default_config_file()) else None)
+    flags = {k: v for k, v in (overrides or {}).items() if v is not None}
+    if (
+        path is None
+        and not flags
+        and not check_memory
+        and not require_meminfo
+        and not any(map(_sets_a_key, os.environ))
+    ):
+        # Nothing to validate: the schema's own defaults (its generated snapshot; no secrets among them). The daemon
+        # and check-config (check_memory) always go through the schema.
+        return cast("Settings", DefaultSettings())
     toml_data = _read_toml(path) if path is not None else {}
-    env = {k: v for k, v in os.environ.items() if k != ENV_PREFIX + "CONFIG"}
-    _check_env_keys(env)
+    from sparkwatch.config.schema import validate  # noqa: PLC0415 - pydantic, only when there is something to check
+    from sparkwatch.core.redact import remember_secrets  # noqa: PLC0415
 
-    class _Layered(Settings):
-        @classmethod
-        def settings_customise_sources(
-            cls,
-            settings_cls: type[BaseSettings],
-            init_settings: PydanticBaseSettingsSource,
-            env_settings: PydanticBaseSettingsSource,
-            dotenv_settings: PydanticBaseSettingsSource,
-            file_secret_settings: PydanticBaseSettingsSource,
-        ) -> tuple[PydanticBaseSettingsSource, ...]:
-            return (init_settings, env_settings, _MappingSource(settings_cls, toml_data))
-
-    try:
-        loaded = _Layered(**{k: v for k, v in (overrides or {}).items() if v is not None})
-    except ValidationError as exc:
-        raise ConfigError(_describe(exc, set(toml_data))) from None
-    except ValueError as exc:  # env values that are not valid JSON for list fields, for example
-        raise ConfigError(str(exc).splitlines()[0]) from None
-    # Hand back a plain Settings so callers and reprs never see the layering class.
-    settings = Settings.model_construct(**{name: getattr(loaded, name) for name in Settings.model_fields})
+    settings = validate(toml_data, flags)
     if check_memory or require_meminfo:
         check_memory_bounds(settings, require_meminfo=require_meminfo)
     remember_secrets(settings.secrets())
@@ -538,42 +178,3 @@ def check_memory_bounds(settings: Settings, *, require_meminfo: bool = False) ->
             f"rearm_headroom: floor + rearm_headroom ({format_size(settings.floor + settings.rearm_headroom)}) is at "
             f"or above MemTotal ({shown}): the guard would never re-arm after a kill"
         )
-
-
-def settings_to_wire(settings: Settings) -> dict[str, Any]:
-    """The validated values in plain JSON types (sizes in bytes, paths and URLs as strings, the secret revealed) for
-    the guard process (`guardconfig.GuardConfig.from_wire`) and the telemetry process (`settings_from_wire`). Only
-    ever sent over a pipe or socketpair between sparkwatch's own processes; never logged."""
-    out: dict[str, Any] = {}
-    for name in Settings.model_fields:
-        out[name] = _wire_value(getattr(settings, name))
-    return out
-
-
-def _wire_value(value: object) -> Any:
-    if isinstance(value, SecretStr):
-        return value.get_secret_value()
-    if isinstance(value, (list, tuple)):
-        return [_wire_value(v) for v in value]
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return value
-    return str(value)  # Path, AnyHttpUrl
-
-
-_SIZE_KEYS = frozenset(
-    name
-    for name, info in Settings.model_fields.items()
-    if any(isinstance(m, BeforeValidator) and m.func is _size for m in info.metadata)
-)
-
-
-def settings_from_wire(wire: Mapping[str, Any]) -> Settings:
-    """A Settings from `settings_to_wire`'s output: the same schema, no environment or file read. Raises ConfigError."""
-    try:
-        # Sizes travel as byte counts; said so here, since a bare number is refused everywhere a person writes one.
-        sizes = {k: f"{v}B" for k, v in wire.items() if k in _SIZE_KEYS and type(v) is int}
-        settings = Settings.model_validate({**wire, **sizes})
-    except ValidationError as exc:
-        raise ConfigError(_describe(exc, set())) from None
-    remember_secrets(settings.secrets())  # this process's redaction knows them before it logs a line
-    return settings

@@ -12,18 +12,21 @@ import json
 import threading
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from sparkwatch.common import logs
 from sparkwatch.common.durable import private_dir, read_regular, write_atomic
 from sparkwatch.common.events import EventLog, EventLogError, make_event
 from sparkwatch.common.threads import daemon_thread
-from sparkwatch.config.settings import Settings
 from sparkwatch.core.alerts import driver_step
 from sparkwatch.core.driver import judge
 from sparkwatch.core.enums import DriverProblem
 from sparkwatch.core.model import DriverReport, NvmlFacts
 from sparkwatch.telemetry.sources.driver import read_driver_facts
 from sparkwatch.telemetry.sources.nvml import probe_nvml
+
+if TYPE_CHECKING:
+    from sparkwatch.config.settings import Settings
 
 # A burst of uevents (nvidia, nvidia_uvm, nvidia_modeset, nvidia_drm, each add/remove) becomes one check.
 STATE_MAX_BYTES = 65536  # the driver state is a few dozen bytes of JSON

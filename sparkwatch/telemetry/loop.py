@@ -15,7 +15,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from sparkwatch.common import logs, syscalls
 from sparkwatch.common.events import make_event
@@ -26,7 +26,6 @@ from sparkwatch.common.sources.meminfo import MeminfoReader
 from sparkwatch.common.sources.procs import IncrementalScanner
 from sparkwatch.common.sources.psi import read_psi
 from sparkwatch.common.threads import daemon_thread
-from sparkwatch.config.settings import Settings
 from sparkwatch.core import compile as compile_core
 from sparkwatch.core import jit as jit_core
 from sparkwatch.core.engines import find_engine_trees, unknown_gpu_holders
@@ -49,6 +48,9 @@ from sparkwatch.core.model import (
 from sparkwatch.telemetry.sources.jitcache import JitCacheSource
 from sparkwatch.telemetry.sources.nvml import NvmlSource
 from sparkwatch.telemetry.sources.procenv import EnvironReader, read_wchan
+
+if TYPE_CHECKING:
+    from sparkwatch.config.settings import Settings
 
 log = logs.get("telemetry")
 T = TypeVar("T")

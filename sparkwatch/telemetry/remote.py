@@ -8,11 +8,14 @@ message (common.messages.StateMsg), so a scrape never sees half of one.
 from __future__ import annotations
 
 import threading
+from typing import TYPE_CHECKING
 
 from sparkwatch.common.events import EventLog
 from sparkwatch.common.messages import StateMsg
 from sparkwatch.common.stats import GuardStats, KernelLogStats
-from sparkwatch.config.settings import Settings
+
+if TYPE_CHECKING:
+    from sparkwatch.config.settings import Settings
 
 
 class RemoteKernelLog:

@@ -1,0 +1,120 @@
+"""What a command loads before it answers, held in a real child process (`sys.modules` at exit), not timed: speed
+lives in bench/startup_bench.py. `sparkwatch --version` loads no pydantic, rich or command module; a command's
+`--help` loads that command's module only; with nothing to validate (no config file, no SPARKWATCH_* variable, no
+flag) the read-only commands load no pydantic, and `events`, which prints plain lines, no rich either."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from sparkwatch.cli import COMMANDS
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# Runs `sparkwatch ARGV…` in this interpreter and prints the modules it had loaded when it returned (or exited).
+PROBE = """
+import json, sys
+from sparkwatch.entry import main
+try:
+    code = main(sys.argv[1:])
+except SystemExit as exc:
+    code = exc.code
+sys.stdout.flush()
+print("\\nMODULES " + json.dumps(sorted(sys.modules)))
+sys.exit(code or 0)
+"""
+
+HEAVY = ("pydantic", "pydantic_core", "pydantic_settings", "rich")
+
+
+def loaded(tmp_path: Path, *argv: str, env: dict[str, str] | None = None) -> tuple[set[str], str]:
+    home = tmp_path / "home"
+    (home / "state" / "sparkwatch").mkdir(parents=True, exist_ok=True)
+    (home / "config").mkdir(exist_ok=True)
+    base = {k: v for k, v in os.environ.items() if not k.upper().startswith("SPARKWATCH_")}
+    base.update(XDG_CONFIG_HOME=str(home / "config"), XDG_STATE_HOME=str(home / "state"), TERM="dumb")
+    res = subprocess.run(
+        [sys.executable, "-c", PROBE, *argv],
+        env={**base, **(env or {})},
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    out, _, mods = res.stdout.rpartition("\nMODULES ")
+    assert mods, res.stdout + res.stderr
+    return set(json.loads(mods)), out + res.stderr
+
+
+def heavy(modules: set[str]) -> list[str]:
+    return sorted(m for m in modules if m.split(".")[0] in HEAVY)
+
+
+def command_modules(modules: set[str]) -> set[str]:
+    return {name for name, mod in COMMANDS.items() if f"sparkwatch.cli.{mod}" in modules}
+
+
+def test_version_loads_no_command_and_nothing_heavy(tmp_path: Path) -> None:
+    modules, out = loaded(tmp_path, "--version")
+    assert out.startswith("sparkwatch ")
+    assert heavy(modules) == []
+    assert command_modules(modules) == set()
+    assert "sparkwatch.config.schema" not in modules and "sparkwatch.core.model" not in modules
+
+
+@pytest.mark.parametrize("command", list(COMMANDS))
+def test_help_of_one_command_loads_that_command_only(tmp_path: Path, command: str) -> None:
+    modules, out = loaded(tmp_path, command, "--help")
+    assert f"usage: sparkwatch {command}" in out
+    assert heavy(modules) == []
+    assert command_modules(modules) == {command}
+
+
+def test_bare_help_lists_every_command(tmp_path: Path) -> None:
+    modules, out = loaded(tmp_path, "--help")
+    assert all(name in out for name in COMMANDS)
+    assert command_modules(modules) == set(COMMANDS)
+    assert heavy(modules) == []
+
+
+def test_events_with_nothing_to_validate_loads_no_pydantic_and_no_rich(tmp_path: Path) -> None:
+    modules, out = loaded(tmp_path, "events")
+    assert "no events in" in out
+    assert heavy(modules) == []
+
+
+@pytest.mark.parametrize(
+    "argv", [("engines", "--window", "0"), ("status", "--once"), ("launch", "--plan", "--", "vllm", "serve", "MODEL")]
+)
+def test_read_only_commands_with_nothing_to_validate_load_no_pydantic(tmp_path: Path, argv: tuple[str, ...]) -> None:
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "model.safetensors").write_bytes(b"")
+    modules, _ = loaded(tmp_path, *(str(model) if a == "MODEL" else a for a in argv))
+    assert [m for m in heavy(modules) if not m.startswith("rich")] == []
+
+
+@pytest.mark.parametrize(
+    ("how", "extra", "env"),
+    [
+        ("a config file", ("--config", "CONFIG"), {}),
+        ("a SPARKWATCH_ variable", (), {"SPARKWATCH_FLOOR": "9GiB"}),
+        ("a lower-case one (pydantic-settings reads it too)", (), {"sparkwatch_floor": "9GiB"}),
+        ("a flag", ("--state-dir", "STATE"), {}),
+    ],
+)
+def test_events_validates_when_there_is_something_to_validate(
+    tmp_path: Path, how: str, extra: tuple[str, ...], env: dict[str, str]
+) -> None:
+    config = tmp_path / "config.toml"
+    config.write_text('floor = "9GiB"\n')
+    argv = [{"CONFIG": str(config), "STATE": str(tmp_path)}.get(a, a) for a in extra]
+    modules, _ = loaded(tmp_path, "events", *argv, env=env)
+    assert "pydantic" in modules and "sparkwatch.config.schema" in modules, how
