@@ -198,6 +198,7 @@ class GuardProcess:
                 lambda: {
                     "meminfo_errors": self.guard.stats.meminfo_errors_total,
                     "launched_errors": self.guard.launched.watch.errors_total,  # unreadable declarations
+                    "launched_poll_failures": self.guard.launched.poll_failures_total,  # its thread's failed reads
                     "budget_errors": self.guard.budget_errors_total,
                 },
             ),
