@@ -361,19 +361,7 @@ def test_hf_cache_layout_with_symlinked_blobs_and_an_index(tmp_path: Path) -> No
 
 def test_gguf_header_gives_the_shape_without_reading_tensors(tmp_path: Path) -> None:
     model = tmp_path / "m.gguf"
-    planbox.gguf(
-        model,
-        [
-            ("general.architecture", 8, "llama"),
-            ("llama.block_count", 4, 32),
-            ("llama.context_length", 4, 8192),
-            ("llama.embedding_length", 4, 4096),
-            ("llama.attention.head_count", 4, 32),
-            ("llama.attention.head_count_kv", 4, 8),
-            ("tokenizer.ggml.tokens", 9, None),
-        ],
-        size=4 * GiB,  # the tensors: never read
-    )
+    planbox.gguf(model, planbox.LLAMA_HEADER, size=4 * GiB)  # the tensors: never read
     assert gguf_metadata(model) == {"layers": 32, "max_len": 8192, "hidden_size": 4096, "kv_heads": 8, "head_dim": 128}
     facts = read_facts(str(model), {})
     assert facts.weights_bytes == 4 * GiB and facts.format == "gguf" and facts.layers == 32
