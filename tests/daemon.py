@@ -95,6 +95,10 @@ def sparkwatch_run(
     try:
         daemon.wait_ready()
         yield daemon
+    except BaseException:
+        # pytest shows a failed test's captured output: the daemon's own account of what it saw and did
+        print("--- sparkwatch run stderr:", *daemon.stderr_lines[-200:], sep="\n")
+        raise
     finally:
         proc.terminate()
         try:
@@ -116,4 +120,5 @@ def wait_for_event(path: Path, kind: str, timeout_s: float = 30) -> dict[str, ob
             if event["kind"] == kind:
                 return event
         time.sleep(0.05)
-    raise AssertionError(f"no {kind} event in {path} after {timeout_s} s")
+    seen = [e["kind"] for e in read_events(path)]
+    raise AssertionError(f"no {kind} event in {path} after {timeout_s} s; recorded: {seen}")

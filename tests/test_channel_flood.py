@@ -18,10 +18,10 @@ from typing import Any
 import pytest
 
 from sparkwatch.common.selfwatch import GUARD_RSS_CAP_BYTES
-from sparkwatch.core.units import GiB, MiB
+from sparkwatch.core.units import GiB
 from tests.conftest import Spawner, alive, pids_in, settled_available_bytes, wait_until
 from tests.daemon import daemon_env, free_port, wait_for_event
-from tests.test_guard_pressure import HEADROOM_BYTES, HOG_EXTRA_BYTES, OVERSHOOT_MARGIN_BYTES, MinTracker
+from tests.test_guard_pressure import HEADROOM_BYTES, OVERSHOOT_MARGIN_BYTES, MinTracker, hog_args
 
 HELPERS = Path(__file__).parent / "helpers"
 FLOOD_S = 30.0
@@ -76,10 +76,7 @@ def test_a_flooding_telemetry_cannot_hurt_the_guard(spawner: Spawner, tmp_path: 
             "--worker",
             "VLLM::Worker_TP0",
             "--ignore-term",
-            "--hog-rate-mib",
-            "1024",
-            "--hog-limit-mib",
-            str((HEADROOM_BYTES + HOG_EXTRA_BYTES) // MiB),
+            *hog_args(floor, HEADROOM_BYTES),
             pidfile=pidfile,
             wait_for=2,
         )

@@ -396,13 +396,13 @@ def test_a_directory_of_500000_entries_does_not_delay_a_floor_kill(
     toucher = spawner.popen([*as_nobody, *user_python(NOBODY), "-c", touch, str(big)])
     try:
         with sparkwatch_run(tmp_path, env={"SPARKWATCH_FLOOR": f"{floor}B"}, prefix=runtime.prefix) as daemon:
-            from tests.test_guard_pressure import MinTracker
+            from tests.test_guard_pressure import MinTracker, hog_args
 
             tracker = MinTracker()
             tracker.start()
             pidfile = tmp_path / "tree.pids"
-            spawner.engine("--hog-rate-mib", "400", "--hog-limit-mib", str((headroom + GiB) // MiB),
-                           pidfile=pidfile, wait_for=1)  # fmt: skip
+            hog = [*hog_args(floor, headroom, extra_bytes=GiB), "--hog-rate-mib", "400"]  # the later rate wins
+            spawner.engine(*hog, pidfile=pidfile, wait_for=1)
             event = wait_for_event(daemon.events_path, "kill", timeout_s=60)
             tracker.stop.set()
             tracker.join()

@@ -24,6 +24,17 @@ from tests.daemon import sparkwatch_run, wait_for_event
 HEADROOM_BYTES = int(1.5 * GiB)  # floor = MemAvailable now - this
 OVERSHOOT_MARGIN_BYTES = 1 * GiB  # stated margin: MemAvailable may not go further than this under the floor
 HOG_EXTRA_BYTES = int(1.5 * GiB)  # the hog would go this far under the floor if nobody stopped it
+# What the hog may touch beyond floor distance + HOG_EXTRA_BYTES to get there: right after an earlier test's hog is
+# killed, memory it gave back is allocatable before MemAvailable shows it (tests/helpers/fake_engine.py, hog).
+HOG_UNSEEN_BYTES = 1 * GiB
+
+
+def hog_args(floor_bytes: int, headroom_bytes: int, extra_bytes: int = HOG_EXTRA_BYTES) -> list[str]:
+    """The fake engine's hog flags: fill at 1 GiB/s until MemAvailable is `extra_bytes` under the floor, touching
+    at most headroom + extra + HOG_UNSEEN_BYTES."""
+    limit_mib = (headroom_bytes + extra_bytes + HOG_UNSEEN_BYTES) // MiB
+    until_mib = (floor_bytes - extra_bytes) // MiB
+    return ["--hog-rate-mib", "1024", "--hog-limit-mib", str(limit_mib), "--hog-until-available-mib", str(until_mib)]
 
 
 class MinTracker(threading.Thread):
@@ -47,7 +58,6 @@ def test_real_pressure_kills_the_whole_tree_near_the_floor(spawner: Spawner, tmp
     if available < 6 * GiB:
         pytest.skip(f"only {available >> 20} MiB available; this test wants 6 GiB")
     floor = available - HEADROOM_BYTES
-    hog_mib = (HEADROOM_BYTES + HOG_EXTRA_BYTES) // MiB
     with sparkwatch_run(tmp_path, env={"SPARKWATCH_FLOOR": f"{floor}B"}) as daemon:
         tracker = MinTracker()
         tracker.start()
@@ -57,10 +67,7 @@ def test_real_pressure_kills_the_whole_tree_near_the_floor(spawner: Spawner, tmp
             "VLLM::Worker_TP0",
             "--compiler",
             "--ignore-term",
-            "--hog-rate-mib",
-            "1024",
-            "--hog-limit-mib",
-            str(hog_mib),
+            *hog_args(floor, HEADROOM_BYTES),
             pidfile=pidfile,
             wait_for=6,
         )
@@ -87,16 +94,12 @@ def test_dry_run_under_real_pressure_records_but_signals_nothing(spawner: Spawne
     if available < 6 * GiB:
         pytest.skip(f"only {available >> 20} MiB available; this test wants 6 GiB")
     floor = available - 1 * GiB
-    hog_mib = (1 * GiB + 512 * MiB) // MiB  # 512 MiB under the floor, then it holds
     with sparkwatch_run(tmp_path, "--dry-run", env={"SPARKWATCH_FLOOR": f"{floor}B"}) as daemon:
         pidfile = tmp_path / "tree.pids"
         spawner.engine(
             "--worker",
             "VLLM::Worker_TP0",
-            "--hog-rate-mib",
-            "1024",
-            "--hog-limit-mib",
-            str(hog_mib),
+            *hog_args(floor, 1 * GiB, extra_bytes=512 * MiB),  # 512 MiB under the floor, then it holds
             pidfile=pidfile,
             wait_for=3,
         )

@@ -24,7 +24,7 @@ import pytest
 
 from sparkwatch.common.events import read_events
 from sparkwatch.common.sources.meminfo import MeminfoReader
-from sparkwatch.core.units import GiB, MiB
+from sparkwatch.core.units import GiB
 from tests.conftest import Spawner, alive, pids_in, require_tool, wait_until
 from tests.daemon import sparkwatch_run, wait_for_event
 from tests.sdtools import (
@@ -35,7 +35,7 @@ from tests.sdtools import (
     free_port,
     notify_rx_fixture,  # noqa: F401 - the `notify_rx` fixture
 )
-from tests.test_guard_pressure import MinTracker
+from tests.test_guard_pressure import HEADROOM_BYTES, OVERSHOOT_MARGIN_BYTES, MinTracker, hog_args
 
 HANG_IN_INIT = r"""
 #include <unistd.h>
@@ -92,11 +92,6 @@ def mapped_by_children(lib: str, pid: int) -> bool:
     return any(lib in maps_of(child) for child in children_of(pid))
 
 
-HEADROOM_BYTES = int(1.5 * GiB)  # floor = MemAvailable now - this
-HOG_EXTRA_BYTES = int(1.5 * GiB)  # the hog would go this far under the floor if nobody stopped it
-OVERSHOOT_MARGIN_BYTES = 1 * GiB  # the same stated margin as tests/test_guard_pressure.py
-
-
 def kill_under_pressure(
     spawner: Spawner, tmp_path: Path, daemons: Callable[..., Daemon], env: dict[str, str], libdir: Path | None
 ) -> tuple[int, float, Daemon]:
@@ -115,9 +110,7 @@ def kill_under_pressure(
     tracker = MinTracker()
     tracker.start()
     pidfile = tmp_path / f"tree-{state.name}.pids"
-    hog_mib = (HEADROOM_BYTES + HOG_EXTRA_BYTES) // MiB
-    hog = ["--hog-rate-mib", "1024", "--hog-limit-mib", str(hog_mib)]
-    spawner.engine("--worker", "VLLM::Worker_TP0", *hog, pidfile=pidfile, wait_for=2)
+    spawner.engine("--worker", "VLLM::Worker_TP0", *hog_args(floor, HEADROOM_BYTES), pidfile=pidfile, wait_for=2)
     try:
         event = wait_for_event(state / "events.jsonl", "kill", timeout_s=60)
     finally:

@@ -11,7 +11,8 @@ Roles:
 - worker: sleeps; with --ignore-term ignores SIGTERM like an engine mid-allocation.
 - compiler: a ninja -> nvcc -> cicc shaped chain of sleeping processes with -gencode arch=compute_121a arguments.
 - forker: keeps forking short-lived children (a ninja still spawning nvcc); each child records its pid.
-- hog: allocates and touches anonymous memory at a target rate up to a limit, then holds it. With --hog-memfd it
+- hog: allocates and touches anonymous memory at a target rate up to a limit, then holds it. With
+  --hog-until-available-mib it stops early, once MemAvailable is at or under that figure. With --hog-memfd it
   writes the memory into an unmapped memfd instead: shmem pages that drain MemAvailable but show in neither RSS nor
   oom_score, as a GB10's GPU allocations (driver-held system memory) do not.
 """
@@ -51,14 +52,30 @@ def spawn(args: list[str], title: str, pidfile: str | None, extra: list[str] | N
     return subprocess.Popen(cmd + (extra or []))
 
 
-def hog(rate_mib: float, limit_mib: int, chunk_mib: int = 32, memfd: bool = False) -> None:
-    """Touch `limit_mib` of anonymous memory at about `rate_mib` MiB/s, then hold it."""
+def available_mib() -> int:
+    with open("/proc/meminfo", encoding="ascii") as fh:
+        for line in fh:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) // 1024
+    raise RuntimeError("no MemAvailable in /proc/meminfo")
+
+
+def hog(
+    rate_mib: float, limit_mib: int, until_available_mib: int = 0, chunk_mib: int = 32, memfd: bool = False
+) -> None:
+    """Touch `limit_mib` of anonymous memory at about `rate_mib` MiB/s, then hold it. With `until_available_mib`,
+    stop as soon as MemAvailable is at or under it: a test that must end up under its floor cannot count on N MiB
+    touched lowering MemAvailable by N MiB. In a VM with free page reporting, memory a killed process gave back
+    comes back into MemAvailable at about 16 MiB/s yet is allocatable at once: 1,536 MiB touched lowered
+    MemAvailable by 880 MiB seconds after an earlier test's 3 GiB hog was killed (CI's VMs and this one)."""
     chunks = []
     block = b"\xa5" * (chunk_mib * MiB)
     start = time.monotonic()
     done = 0
     fd = os.memfd_create("sw-gpu-like") if memfd else -1
     while done < limit_mib:
+        if until_available_mib and available_mib() <= until_available_mib:
+            break
         if memfd:
             os.write(fd, block)  # shmem, never mapped: MemAvailable drops, RSS and oom_score do not see it
         else:
@@ -83,6 +100,7 @@ def main() -> None:
     ap.add_argument("--ignore-term", action="store_true")
     ap.add_argument("--hog-rate-mib", type=float, default=0)
     ap.add_argument("--hog-limit-mib", type=int, default=0)
+    ap.add_argument("--hog-until-available-mib", type=int, default=0)
     ap.add_argument("--hog-memfd", action="store_true")
     ap.add_argument("--hog-title", default="sw-hog")
     ap.add_argument("--pidfile")
@@ -111,6 +129,8 @@ def main() -> None:
                     str(args.hog_rate_mib),
                     "--hog-limit-mib",
                     str(args.hog_limit_mib),
+                    "--hog-until-available-mib",
+                    str(args.hog_until_available_mib),
                     *(["--hog-memfd"] if args.hog_memfd else []),
                 ],
                 args.hog_title,
@@ -134,7 +154,7 @@ def main() -> None:
     elif args.role == "hog":
         with open(f"/proc/{os.getpid()}/oom_score_adj", "w", encoding="ascii") as fh:
             fh.write("1000")  # if anything must die for this test's memory, let it be this
-        hog(args.hog_rate_mib, args.hog_limit_mib, memfd=args.hog_memfd)
+        hog(args.hog_rate_mib, args.hog_limit_mib, args.hog_until_available_mib, memfd=args.hog_memfd)
     while True:
         time.sleep(60)
 
