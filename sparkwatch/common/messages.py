@@ -21,6 +21,9 @@ telemetry → guard
   with the wall-clock time they were read, the (pid, start time) of every GPU holder, and the (kind, root pid) of
   each engine tree (for the flight recorder). The guard treats all of it
   as a hint: a holder is checked again in /proc before it can become a kill candidate (guard.gpuboard).
+- `GroupTeardownMsg`: a group spanning nodes (core.raygroup) lost a member: this node's members of it, as
+  (pid, start ticks, role), the first death and its cause. The guard checks each member again itself (same start
+  time, this node's network namespace, the role's shape) before it signals anything (guard.groupwatch).
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ class Kind(StrEnum):
     APPLIED = "applied"
     ACK = "ack"
     TEL = "tel"
+    GROUP_TEARDOWN = "group_teardown"
 
 
 class BadMessage(ValueError):
@@ -107,9 +111,20 @@ class TelMsg:
     engine_roots: tuple[tuple[str, int], ...] = ()
 
 
-Message = SettingsMsg | StateMsg | EventMsg | AppliedMsg | AckMsg | TelMsg
+@dataclass(frozen=True, slots=True)
+class GroupTeardownMsg:
+    KIND: ClassVar[Kind] = Kind.GROUP_TEARDOWN
+    group: str  # the group's id (Ray: its placement group)
+    cause: str  # core.raygroup: rank_died, node_dead
+    first_node: str  # where the first member died (Ray: its node's address)
+    first_pid: int | None
+    members: tuple[tuple[int, int, str], ...] = ()  # this node's members: (pid, start ticks, role)
+    detected_ts: float = 0.0  # wall clock when telemetry saw the death
+
+
+Message = SettingsMsg | StateMsg | EventMsg | AppliedMsg | AckMsg | TelMsg | GroupTeardownMsg
 _BY_KIND: dict[str, type[Any]] = {
-    cls.KIND: cls for cls in (SettingsMsg, StateMsg, EventMsg, AppliedMsg, AckMsg, TelMsg)
+    cls.KIND: cls for cls in (SettingsMsg, StateMsg, EventMsg, AppliedMsg, AckMsg, TelMsg, GroupTeardownMsg)
 }
 
 
@@ -151,6 +166,8 @@ def _check_sizes(msg: Message) -> None:
         sizes = [len(msg.gpu_pids), len(msg.gpu_holders), len(msg.engine_roots)]
     elif isinstance(msg, AckMsg):
         sizes = [len(msg.ids)]
+    elif isinstance(msg, GroupTeardownMsg):
+        sizes = [len(msg.members)]
     elif isinstance(msg, StateMsg):
         sizes = [len(msg.counters), *(len(c) for c in msg.counters.values())]
     if any(n > MAX_ITEMS for n in sizes):

@@ -40,6 +40,7 @@ EVENT_PRIORITY: dict[str, int] = {
     EventKind.WOULD_KILL: PRIORITY_WARNING,  # a dry run's decision: nothing was signalled
     EventKind.NO_VICTIM: PRIORITY_ERR,
     EventKind.KILL_LOOP: PRIORITY_ERR,  # something restarts an engine into the same spike: a human must look
+    EventKind.GROUP_TEARDOWN: PRIORITY_ERR,  # a kill too: this node's half of an engine whose rank died elsewhere
     EventKind.DRIVER_STRANDED: PRIORITY_ERR,
     EventKind.DRIVER_ALLOC_FAILED: PRIORITY_ERR,
     EventKind.XID: PRIORITY_WARNING,

@@ -164,6 +164,16 @@ class Settings(BaseSettings, Derived):
 
     # --- telemetry and its outputs
     telemetry_interval_s: float = Field(1.0, gt=0, le=60)
+    # --- groups spanning nodes (issue 29; docs/multinode.md)
+    group_teardown: bool = Field(
+        True, description="when a member of an engine group spanning nodes dies, stop this node's members of it"
+    )
+    ray_dashboard_url: str = Field(
+        "http://127.0.0.1:8265",
+        pattern=r"^(https?://\S+)?$",
+        description="Ray's dashboard: its state API names the groups (empty: never asked)",
+    )
+    ray_poll_s: float = Field(1.0, ge=0.2, le=60, description="how often Ray's state API is read while a raylet runs")
     listen: str = f"127.0.0.1:{DEFAULT_PORT}"
     tls_cert_file: Path | None = None
     tls_key_file: Path | None = None

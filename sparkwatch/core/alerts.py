@@ -22,6 +22,7 @@ ALERT_MIN_INTERVAL_S: Mapping[EventKind, float] = {
     # The guard decides a tree once per episode (once per budget breach), so these do not repeat per tick.
     EventKind.WOULD_KILL: 0.0,
     EventKind.NO_VICTIM: 0.0,  # the guard fired and found no engine to kill: the box is on its own, a human must look
+    EventKind.GROUP_TEARDOWN: 0.0,  # one per group and node: a rank died elsewhere and this node stopped its half
     EventKind.KILL_LOOP: 0.0,  # one event per loop is decided upstream (core.killloop): something restarts the engine
     EventKind.DRIVER_STRANDED: 0.0,  # episodes are cut upstream (driver_step): one event per episode
     EventKind.DRIVER_WILL_STRAND: 0.0,

@@ -55,6 +55,7 @@ from sparkwatch.core.eventkinds import EventKind
 from sparkwatch.core.guardstate import GuardState
 from sparkwatch.core.redact import remember_secrets
 from sparkwatch.core.status import status_line
+from sparkwatch.guard.groupwatch import GroupWatch
 from sparkwatch.guard.poolwatch import PoolWatch
 from sparkwatch.guard.recorder import FlightRecorder
 from sparkwatch.guard.start import exec_guard
@@ -186,6 +187,8 @@ class GuardProcess:
         )
         self.guard.recorder = self.recorder
         self.supervisor.on_over_cap = self._over_cap_seen
+        self.groupwatch = GroupWatch(config, self.events)
+        self.supervisor.on_group_teardown = self.groupwatch.handle
         self.events.subscribe(self.supervisor.forward)
         self.components: list[Component[GuardConfig]] = [
             # Before the guard: it stops after the pool watch, so its last sample (marked `stopping`) is the last tick.
@@ -210,6 +213,7 @@ class GuardProcess:
                 lambda: {"notify_send_errors": self.sd.notifier.send_errors_total},
             ),
             Component("events", CountersOnly(), counters=self._event_counters),
+            Component("groupwatch", CountersOnly(), counters=self.groupwatch.counters),
         ]
         if telemetry is not None:
             self.components.append(Component("telemetry", self.supervisor, counters=self.supervisor.counters))

@@ -32,7 +32,16 @@ from sparkwatch.common.channel import Channel, ChannelClosed, socketpair
 from sparkwatch.common.events import EventLog, EventLogError, make_event
 from sparkwatch.common.guardconfig import GuardConfig
 from sparkwatch.common.lifecycle import Backoff, run_with_restarts
-from sparkwatch.common.messages import AckMsg, AppliedMsg, EventMsg, Message, SettingsMsg, StateMsg, TelMsg
+from sparkwatch.common.messages import (
+    AckMsg,
+    AppliedMsg,
+    EventMsg,
+    GroupTeardownMsg,
+    Message,
+    SettingsMsg,
+    StateMsg,
+    TelMsg,
+)
 from sparkwatch.common.selfwatch import GUARD_RSS_CAP_BYTES
 from sparkwatch.common.threads import daemon_thread
 from sparkwatch.core.eventkinds import EventKind
@@ -142,6 +151,8 @@ class TelemetrySupervisor:
         # The guard process's RSS cap, checked on the state each look builds (its RSS is in it already).
         self.rss_cap_bytes = GUARD_RSS_CAP_BYTES
         self.on_over_cap: Callable[[int], None] | None = None
+        # A group spanning nodes lost a member (guard.groupwatch checks and kills this node's members of it).
+        self.on_group_teardown: Callable[[GroupTeardownMsg], object] | None = None
         self._last_state_at = 0.0
 
     # --- component interface
@@ -368,6 +379,9 @@ class TelemetrySupervisor:
             self.engines, self.compile_jobs = msg.engines, msg.compile_jobs
             self.engine_roots = msg.engine_roots if msg.engines is not None else None
             self.gpu.update(msg)
+        elif isinstance(msg, GroupTeardownMsg):
+            if self.on_group_teardown is not None:
+                self.on_group_teardown(msg)
         elif isinstance(msg, AckMsg):
             for event_id in msg.ids:
                 self._unacked.pop(event_id, None)

@@ -40,6 +40,7 @@ from sparkwatch.telemetry.headroom import HeadroomWatcher
 from sparkwatch.telemetry.loop import Telemetry, TelemetryLoop, gpu_bytes_by_pid, quiet
 from sparkwatch.telemetry.outbox import Outbox
 from sparkwatch.telemetry.postmortem import PostmortemWatch
+from sparkwatch.telemetry.raywatch import RayWatch
 from sparkwatch.telemetry.remote import EventErrors, RemoteGuard
 from sparkwatch.telemetry.sources.nvml_preflight import NvmlOff, nvml_hang_reason
 from sparkwatch.telemetry.sources.udev import UdevWatcher
@@ -153,6 +154,10 @@ class TelemetryProcess:
                 lambda: {"event_errors": headroom.event_errors_total},
             )
         )
+        # Engines spanning nodes over Ray: their groups from Ray's state API, a teardown to the guard when one loses a
+        # member (telemetry.raywatch; the guard checks each member itself before any signal).
+        raywatch = self.raywatch = RayWatch(settings, self._send)
+        out.append(Component("raywatch", raywatch, RayWatch.LIVE_KEYS, raywatch.apply, raywatch.counters))
         return out
 
     def _endpoint(self) -> list[Component[Settings]]:

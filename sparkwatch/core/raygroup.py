@@ -1,0 +1,199 @@
+"""Engine groups that span nodes over Ray, and when one must be torn down: pure decisions over Ray's own state.
+
+A group is what Ray's GCS says one engine is (issue 29): its driver (the job's driver process, vLLM's
+`VLLM::EngineCore`), its placement group, and its ranks (the actors placed in that group, `ray::RayWorkerWrapper`),
+each with its node. Telemetry reads that state from the dashboard's state API (telemetry.sources.raystate) and hands
+it here as frozen records; this module decides, with no I/O:
+- which groups have a member on this node (`local_members`), from the node ids this node's raylet serves;
+- whether a group has lost a member (`first_death`): a rank DEAD, or on a node Ray marks DEAD;
+- what this node must stop (`teardowns`): its own ranks, the driver when it runs here, and the driver's parent when
+  that is the `vllm serve` API server. Only processes in this node's process table with the same start time.
+
+The guard checks every member again itself (`member_shape`, the pid and start time, its own node) before any signal:
+Ray's word is a reason to look, never a reason to kill.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+from sparkwatch.core.model import Proc
+
+# Roles of a group's local members, as the guard checks their shape (member_shape).
+RANK = "rank"
+DRIVER = "driver"
+API = "api"
+
+# Causes of a teardown (the event's `cause` field).
+RANK_DIED = "rank_died"
+NODE_DEAD = "node_dead"
+
+
+@dataclass(frozen=True, slots=True)
+class RayNode:
+    node_id: str
+    node_ip: str
+    alive: bool
+
+
+@dataclass(frozen=True, slots=True)
+class RayJob:
+    job_id: str
+    driver_pid: int | None
+    driver_ip: str
+    running: bool
+
+
+@dataclass(frozen=True, slots=True)
+class RayActor:
+    actor_id: str
+    class_name: str
+    state: str  # ALIVE, DEAD, RESTARTING, PENDING_CREATION, DEPENDENCIES_UNREADY
+    job_id: str
+    node_id: str
+    pid: int | None
+    placement_group_id: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class RayPlacementGroup:
+    placement_group_id: str
+    creator_job_id: str
+    state: str  # CREATED, PENDING, REMOVED, RESCHEDULING
+    node_ids: tuple[str, ...]  # each bundle's node
+
+
+@dataclass(frozen=True, slots=True)
+class RayState:
+    nodes: tuple[RayNode, ...]
+    jobs: tuple[RayJob, ...]
+    actors: tuple[RayActor, ...]
+    placement_groups: tuple[RayPlacementGroup, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class RayGroup:
+    """One engine over Ray: a live placement group, the job that made it, and the actors placed in it."""
+
+    group: str  # the placement group's id
+    job: RayJob | None
+    driver_node_id: str | None
+    ranks: tuple[RayActor, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Death:
+    cause: str
+    node_id: str
+    node_ip: str
+    pid: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class Member:
+    pid: int
+    start_ticks: int
+    role: str
+
+
+@dataclass(frozen=True, slots=True)
+class Teardown:
+    """What this node must stop for one group, and why."""
+
+    group: str
+    job_id: str
+    death: Death
+    members: tuple[Member, ...]
+
+
+def groups(state: RayState) -> tuple[RayGroup, ...]:
+    """Every live placement group (CREATED or RESCHEDULING) with its job and the actors placed in it."""
+    jobs = {j.job_id: j for j in state.jobs}
+    by_ip = {n.node_ip: n.node_id for n in state.nodes}
+    out = []
+    for pg in state.placement_groups:
+        if pg.state not in ("CREATED", "RESCHEDULING"):
+            continue
+        job = jobs.get(pg.creator_job_id)
+        ranks = tuple(a for a in state.actors if a.placement_group_id == pg.placement_group_id)
+        out.append(RayGroup(pg.placement_group_id, job, by_ip.get(job.driver_ip) if job else None, ranks))
+    return tuple(out)
+
+
+def first_death(group: RayGroup, state: RayState) -> Death | None:
+    """The member whose loss ends the group, or None while every member lives. A rank DEAD in Ray's state (its
+    worker process gone: killed, OOM-killed, crashed), or a rank or the driver on a node Ray marks DEAD."""
+    nodes = {n.node_id: n for n in state.nodes}
+    for actor in group.ranks:
+        node = nodes.get(actor.node_id)
+        ip = node.node_ip if node is not None else ""
+        if actor.state == "DEAD":
+            return Death(RANK_DIED, actor.node_id, ip, actor.pid)
+        if node is not None and not node.alive:
+            return Death(NODE_DEAD, actor.node_id, ip, actor.pid)
+    driver_node = nodes.get(group.driver_node_id or "")
+    if driver_node is not None and not driver_node.alive and group.job is not None:
+        return Death(NODE_DEAD, driver_node.node_id, driver_node.node_ip, group.job.driver_pid)
+    return None
+
+
+def local_members(group: RayGroup, local_node_ids: frozenset[str], procs: Mapping[int, Proc]) -> tuple[Member, ...]:
+    """The group's members that run on this node, as this node's process table shows them (`procs`: pid -> Proc of
+    the processes on this node): its ranks still alive there, the driver when its node is this one, and the driver's
+    parent when it is shaped like vLLM's API server. A pid missing from the table is left out."""
+    out: list[Member] = []
+    for actor in group.ranks:
+        proc = procs.get(actor.pid or 0)
+        if actor.node_id in local_node_ids and proc is not None and member_shape(RANK, proc.argv):
+            out.append(Member(proc.pid, proc.start_ticks, RANK))
+    if group.job is not None and group.driver_node_id in local_node_ids:
+        driver = procs.get(group.job.driver_pid or 0)
+        if driver is not None:
+            out.append(Member(driver.pid, driver.start_ticks, DRIVER))
+            api = procs.get(driver.ppid)
+            if api is not None and member_shape(API, api.argv):
+                out.append(Member(api.pid, api.start_ticks, API))
+    return tuple(out)
+
+
+def teardowns(
+    state: RayState, local_node_ids: frozenset[str], procs: Mapping[int, Proc], done: Iterable[str] = ()
+) -> tuple[Teardown, ...]:
+    """The groups with a dead member and a live member on this node, with what this node must stop. `done`: groups
+    already torn down here whose members are all gone (never asked again)."""
+    skip = frozenset(done)
+    out = []
+    for group in groups(state):
+        if group.group in skip:
+            continue
+        death = first_death(group, state)
+        if death is None:
+            continue
+        members = local_members(group, local_node_ids, procs)
+        if members:
+            out.append(Teardown(group.group, group.job.job_id if group.job else "", death, members))
+    return tuple(out)
+
+
+def member_shape(role: str, argv: tuple[str, ...]) -> bool:
+    """Whether a process looks like what its role says, by the title the engine and Ray give it: a rank is a Ray
+    worker running an actor (`ray::ClassName...`, never `ray::IDLE` or Ray's own agents), a driver is vLLM's engine
+    core (`VLLM::EngineCore`, `VLLM::EngineCore_DP0`), the API server runs `vllm serve`."""
+    if not argv:
+        return False
+    head = argv[0]
+    if role == RANK:
+        return (
+            head.startswith("ray::")
+            and not head.startswith(("ray::IDLE", "ray::DashboardAgent", "ray::RuntimeEnvAgent"))
+            and len(head) > len("ray::")
+        )
+    if role == DRIVER:
+        return head.split(" ", 1)[0].startswith("VLLM::EngineCore")
+    if role == API:
+        for i, arg in enumerate(argv[:3]):
+            if arg.rsplit("/", 1)[-1] == "vllm" and argv[i + 1 : i + 2] == ("serve",):
+                return True
+        return False
+    return False

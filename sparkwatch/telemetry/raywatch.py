@@ -1,0 +1,159 @@
+"""The group watch: engines that span nodes over Ray, learned from Ray's own state, and their teardown handed to the
+guard (issue 29; docs/multinode.md).
+
+On its own thread, every `ray_poll_s` (1 s) while a raylet runs in this node's network namespace (looked for every
+`RAYLET_LOOK_S` otherwise, one /proc scan: a box without Ray pays that and nothing else):
+1. read nodes, jobs, actors and placement groups from the dashboard's state API (telemetry.sources.raystate);
+2. core.raygroup decides which groups lost a member and which of this node's processes belong to them, from the
+   pids Ray names, read one by one from /proc (only those in our network namespace, with their start time);
+3. for each, a `GroupTeardownMsg` to the guard, which checks every member again itself and kills them
+   (guard.groupwatch). Sent again at most every `RESEND_S` while a member still runs (the guard may have been busy).
+
+Every failed poll is counted by kind (`ray_errors_*`) and said in the log once per change of reason; a failure
+decides nothing. With `group_teardown` off nothing is sent.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from sparkwatch.common import logs
+from sparkwatch.common.messages import GroupTeardownMsg
+from sparkwatch.common.sources.procs import ProcParseError, ProcScanner
+from sparkwatch.common.threads import daemon_thread
+from sparkwatch.core import raygroup
+from sparkwatch.core.model import Proc
+from sparkwatch.telemetry.sources.raystate import RayStateError, RayStateSource, local_node_ids, same_netns
+
+if TYPE_CHECKING:
+    from sparkwatch.config.settings import Settings
+
+log = logs.get("raywatch")
+RAYLET_LOOK_S = 10.0  # a raylet started later is found within this
+RESEND_S = 2.0
+MAX_PIDS = 512  # pids read from /proc a poll: ranks, drivers and their parents of the groups Ray lists
+
+
+class RayWatch:
+    LIVE_KEYS = frozenset({"group_teardown", "ray_poll_s"})
+
+    def __init__(self, settings: Settings, send: Callable[[GroupTeardownMsg], None]) -> None:
+        self.settings = settings
+        self.send = send
+        self.proc_root = Path(settings.proc_root)
+        self.source = RayStateSource(settings.ray_dashboard_url)
+        self.scanner = ProcScanner(settings.proc_root)
+        self.node_ids: frozenset[str] = frozenset()
+        self.groups: tuple[raygroup.RayGroup, ...] = ()  # the last poll's groups (for `engines` and metrics later)
+        self.teardowns_sent_total = 0
+        self.proc_errors_total = 0
+        self._sent_at: dict[str, float] = {}
+        self._next_look = 0.0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._said: str | None = None
+
+    def start(self) -> None:
+        if not self.settings.ray_dashboard_url:
+            return
+        self._stop.clear()
+        self._thread = daemon_thread(self._run, "sparkwatch-raywatch")
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(5)
+
+    def apply(self, settings: Settings) -> frozenset[str]:
+        self.settings = settings
+        return self.LIVE_KEYS
+
+    def counters(self) -> dict[str, int]:
+        out = {f"ray_errors_{kind}": n for kind, n in self.source.errors.items()}
+        out["proc_errors"] = self.proc_errors_total
+        return out
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.poll_once()
+            except Exception as exc:  # a bug: reported, counted, survived
+                self.source.errors["internal"] = self.source.errors.get("internal", 0) + 1
+                log.error("group watch failed: %s: %s", type(exc).__name__, exc)
+            self._stop.wait(self.settings.ray_poll_s)
+
+    def poll_once(self) -> list[GroupTeardownMsg]:
+        now = time.monotonic()
+        if not self.node_ids and now < self._next_look:
+            return []
+        if not self.node_ids or now >= self._next_look:
+            self.node_ids = local_node_ids(self.scanner.scan().procs, self.proc_root)
+            self._next_look = now + RAYLET_LOOK_S
+        if not self.node_ids:
+            self.groups = ()
+            return []
+        try:
+            state = self.source.poll()
+        except RayStateError:
+            if self.source.last_error != self._said:
+                log.warning("Ray's state API: %s (group teardown waits for an answer)", self.source.last_error)
+                self._said = self.source.last_error
+            return []
+        if self._said is not None:
+            log.info("Ray's state API answers again")
+            self._said = None
+        self.groups = raygroup.groups(state)
+        procs = self._local_procs(self.groups)
+        sent = []
+        for teardown in raygroup.teardowns(state, self.node_ids, procs):
+            if not self.settings.group_teardown or now - self._sent_at.get(teardown.group, -RESEND_S) < RESEND_S:
+                continue
+            msg = GroupTeardownMsg(
+                group=teardown.group,
+                cause=teardown.death.cause,
+                first_node=teardown.death.node_ip or teardown.death.node_id,
+                first_pid=teardown.death.pid,
+                members=tuple((m.pid, m.start_ticks, m.role) for m in teardown.members),
+                detected_ts=time.time(),
+            )
+            self._sent_at[teardown.group] = now
+            self.send(msg)
+            self.teardowns_sent_total += 1
+            sent.append(msg)
+        live = {g.group for g in self.groups}
+        self._sent_at = {g: t for g, t in self._sent_at.items() if g in live}
+        return sent
+
+    def _local_procs(self, groups: tuple[raygroup.RayGroup, ...]) -> dict[int, Proc]:
+        """The processes Ray names for these groups (ranks, drivers) and the drivers' parents, read one by one,
+        kept only when they run in our network namespace (this node)."""
+        wanted: list[int] = []
+        for g in groups:
+            wanted += [a.pid for a in g.ranks if a.pid]
+            if g.job is not None and g.job.driver_pid:
+                wanted.append(g.job.driver_pid)
+        out: dict[int, Proc] = {}
+        for pid in wanted[:MAX_PIDS]:
+            proc = self._read(pid)
+            if proc is None:
+                continue
+            out[pid] = proc
+            parent = self._read(proc.ppid) if proc.ppid > 1 else None
+            if parent is not None:
+                out[parent.pid] = parent
+        return out
+
+    def _read(self, pid: int) -> Proc | None:
+        try:
+            proc = self.scanner.read_proc(pid)
+        except (ProcParseError, ValueError):
+            self.proc_errors_total += 1
+            return None
+        if proc is None or not same_netns(self.proc_root, pid):
+            return None
+        return proc

@@ -1,0 +1,201 @@
+"""Ray's own state, read from the GCS through the dashboard's state API: nodes, jobs, actors, placement groups.
+
+Plain urllib, no Ray import: four GETs (`/api/v0/{nodes,jobs,actors,placement_groups}`), each bounded in time
+(`TIMEOUT_S`) and size (`MAX_BODY_BYTES`), measured at 0.14 s for the four on a two-node cluster. The source only
+polls while a raylet runs on this node (a box without Ray costs nothing), and every failure (refused, timeout, not
+JSON, a field of the wrong type) is counted by kind and said once in `last_error`; a failed poll leaves the groups
+unknown, never decides anything.
+
+Which node is this one: the raylets in this node's network namespace (the same `/proc/PID/ns/net` as ours) name
+their node on their command line (`--node_id=`). On a
+Spark every process shares the host's namespace; in the two-node test each node is a namespace of its own.
+
+What follows from the state (which groups have a dead member, which local processes are theirs) is decided in
+core.raygroup; telemetry.raywatch hands the guard what to stop.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import urllib.error
+import urllib.request
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from sparkwatch.core.model import Proc
+from sparkwatch.core.raygroup import RayActor, RayJob, RayNode, RayPlacementGroup, RayState
+
+TIMEOUT_S = 1.0  # one GET; the four measured 0.14 s together on a 2-core box with a two-node cluster
+MAX_BODY_BYTES = 8 << 20  # a cluster with thousands of actors answers a few MiB
+LIMIT = 2000  # rows a call: ranks are a handful per engine; the state API's default is 100
+PATHS = ("nodes", "jobs", "actors", "placement_groups")
+
+
+class RayStateError(Exception):
+    """The state API did not give a usable answer; `kind` is the counter it is counted under."""
+
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
+def fetch_json(url: str, timeout_s: float = TIMEOUT_S) -> Any:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as resp:
+            body = resp.read(MAX_BODY_BYTES + 1)
+    except TimeoutError:
+        raise RayStateError("timeout", "timed out") from None
+    except urllib.error.HTTPError as exc:
+        raise RayStateError("http", f"HTTP {exc.code}") from None
+    except (urllib.error.URLError, OSError) as exc:
+        reason = getattr(exc, "reason", exc)
+        kind = "timeout" if isinstance(reason, TimeoutError) else "unreachable"
+        raise RayStateError(kind, str(reason)) from None
+    if len(body) > MAX_BODY_BYTES:
+        raise RayStateError("too_big", f"answer over {MAX_BODY_BYTES >> 20} MiB")
+    try:
+        return json.loads(body)
+    except ValueError:
+        raise RayStateError("bad_answer", "not JSON") from None
+
+
+def _rows(doc: Any, path: str) -> list[dict[str, Any]]:
+    try:
+        rows = doc["data"]["result"]["result"]
+    except (KeyError, TypeError):
+        raise RayStateError("bad_answer", f"{path}: no data.result.result") from None
+    if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
+        raise RayStateError("bad_answer", f"{path}: result is not a list of objects")
+    return rows
+
+
+def _str(row: dict[str, Any], key: str, path: str) -> str:
+    value = row.get(key)
+    if value is None:
+        return ""
+    if not isinstance(value, str):
+        raise RayStateError("bad_answer", f"{path}: {key} is not a string")
+    return value
+
+
+def _pid(value: object, path: str) -> int | None:
+    """Ray sends pids as numbers (actors) or strings (a job's driver_info)."""
+    if value is None or value == "":
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise RayStateError("bad_answer", f"{path}: pid is not a number")
+    try:
+        pid = int(value)
+    except ValueError:
+        raise RayStateError("bad_answer", f"{path}: pid is not a number") from None
+    return pid if pid > 0 else None
+
+
+def parse_state(docs: dict[str, Any]) -> RayState:
+    """The four answers as core.raygroup records. Raises RayStateError on a field of the wrong type."""
+    nodes = tuple(
+        RayNode(_str(r, "node_id", "nodes"), _str(r, "node_ip", "nodes"), _str(r, "state", "nodes") == "ALIVE")
+        for r in _rows(docs["nodes"], "nodes")
+    )
+    jobs = []
+    for r in _rows(docs["jobs"], "jobs"):
+        info = r.get("driver_info") or {}
+        if not isinstance(info, dict):
+            raise RayStateError("bad_answer", "jobs: driver_info is not an object")
+        jobs.append(
+            RayJob(
+                job_id=_str(r, "job_id", "jobs"),
+                driver_pid=_pid(info.get("pid"), "jobs"),
+                driver_ip=_str(info, "node_ip_address", "jobs"),
+                running=_str(r, "status", "jobs") == "RUNNING",
+            )
+        )
+    actors = tuple(
+        RayActor(
+            actor_id=_str(r, "actor_id", "actors"),
+            class_name=_str(r, "class_name", "actors"),
+            state=_str(r, "state", "actors"),
+            job_id=_str(r, "job_id", "actors"),
+            node_id=_str(r, "node_id", "actors"),
+            pid=_pid(r.get("pid"), "actors"),
+            placement_group_id=_str(r, "placement_group_id", "actors") or None,
+        )
+        for r in _rows(docs["actors"], "actors")
+    )
+    pgs = []
+    for r in _rows(docs["placement_groups"], "placement_groups"):
+        bundles = r.get("bundles") or []
+        if not isinstance(bundles, list):
+            raise RayStateError("bad_answer", "placement_groups: bundles is not a list")
+        pgs.append(
+            RayPlacementGroup(
+                placement_group_id=_str(r, "placement_group_id", "placement_groups"),
+                creator_job_id=_str(r, "creator_job_id", "placement_groups"),
+                state=_str(r, "state", "placement_groups"),
+                node_ids=tuple(str(b.get("node_id") or "") for b in bundles if isinstance(b, dict)),
+            )
+        )
+    return RayState(nodes, tuple(jobs), actors, tuple(pgs))
+
+
+class RayStateSource:
+    """Polls the state API at `base_url` (e.g. http://127.0.0.1:8265); `poll()` returns a RayState or raises
+    RayStateError, counted in `errors` by kind."""
+
+    def __init__(self, base_url: str, timeout_s: float = TIMEOUT_S) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.timeout_s = timeout_s
+        self.errors: dict[str, int] = {}
+        self.polls_total = 0
+        self.last_error: str | None = None
+
+    def poll(self) -> RayState:
+        self.polls_total += 1
+        try:
+            docs = {
+                path: fetch_json(f"{self.base_url}/api/v0/{path}?limit={LIMIT}&detail=true", self.timeout_s)
+                for path in PATHS
+            }
+            state = parse_state(docs)
+        except RayStateError as exc:
+            self.errors[exc.kind] = self.errors.get(exc.kind, 0) + 1
+            self.last_error = f"{exc.kind}: {exc}"
+            raise
+        self.last_error = None
+        return state
+
+
+RAYLET_COMM = "raylet"
+_NODE_ID_FLAG = "--node_id="
+
+
+def local_node_ids(procs: Iterable[Proc], proc_root: Path) -> frozenset[str]:
+    """The Ray node ids of the raylets in our own network namespace (a few readlinks: raylets only)."""
+    try:
+        own = os.readlink(proc_root / "self" / "ns" / "net")
+    except OSError:
+        return frozenset()
+    out = set()
+    for p in procs:
+        if p.comm != RAYLET_COMM:
+            continue
+        node_id = next((a[len(_NODE_ID_FLAG) :] for a in p.argv if a.startswith(_NODE_ID_FLAG)), None)
+        if not node_id:
+            continue
+        try:
+            if os.readlink(proc_root / str(p.pid) / "ns" / "net") != own:
+                continue
+        except OSError:
+            continue
+        out.add(node_id)
+    return frozenset(out)
+
+
+def same_netns(proc_root: Path, pid: int) -> bool:
+    """Whether `pid` lives in our network namespace (the node it belongs to, in the test's two-node cluster)."""
+    try:
+        return os.readlink(proc_root / str(pid) / "ns" / "net") == os.readlink(proc_root / "self" / "ns" / "net")
+    except OSError:
+        return False

@@ -1,0 +1,287 @@
+"""Two Sparks, one engine (issue 29): a rank dies on node B and node A's agent stops its own half of the group.
+
+A real two-node Ray cluster (tests/raycluster.py: two network namespaces, `ray start --head` / `--address`), a
+vLLM-shaped engine on it (tests/helpers/ray_engine.py: `vllm serve` -> `VLLM::EngineCore` as the Ray driver, a
+STRICT_SPREAD placement group, one `RayWorkerWrapper` actor per node), and a real `sparkwatch run` in node A's
+namespace. The rank on node B is SIGKILLed; node A's telemetry learns it from Ray's state API and hands the guard
+A's members, which the guard checks and kills: every one gone within 5 s, the placement group gone, and a
+`group_teardown` event saying why. The pure decisions and the guard's own checks are tested here too, without Ray.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from sparkwatch.common import syscalls
+from sparkwatch.common.events import EventLog, read_events
+from sparkwatch.common.messages import GroupTeardownMsg, decode, encode
+from sparkwatch.common.sources.procs import read_start_ticks
+from sparkwatch.config.settings import load_settings
+from sparkwatch.core import raygroup
+from sparkwatch.core.model import Proc
+from sparkwatch.guard.groupwatch import GroupWatch
+from tests.conftest import alive, require, wait_until
+from tests.daemon import sparkwatch_run, wait_for_event
+from tests.raycluster import RayCluster, netns_permitted, ray_cluster, ray_env
+
+ENGINE = Path(__file__).resolve().parent / "helpers" / "ray_engine.py"
+SHAPE = Path(__file__).resolve().parent / "helpers" / "shape_proc.py"
+TEARDOWN_GOAL_S = 5.0
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[RayCluster]:
+    why = netns_permitted()
+    require(why is None, why or "")
+    require(shutil.which("ray", path=str(Path(sys.executable).parent)) is not None, "ray is not installed")
+    with ray_cluster() as c:
+        yield c
+
+
+def _netns(pid: int) -> str:
+    return os.readlink(f"/proc/{pid}/ns/net")
+
+
+def _read_line(proc: subprocess.Popen[str], timeout_s: float) -> str:
+    assert proc.stdout is not None
+    ready, _, _ = select.select([proc.stdout], [], [], timeout_s)
+    if not ready:
+        raise AssertionError(f"the engine printed nothing in {timeout_s} s")
+    return proc.stdout.readline()
+
+
+def _sigkill(pid: int, start_ticks: int) -> None:
+    """SIGKILL that very process (pinned by a pidfd, its start time checked)."""
+    fd = syscalls.pidfd_open(pid)
+    try:
+        if read_start_ticks("/proc", pid) == start_ticks:
+            syscalls.pidfd_send_signal(fd, signal.SIGKILL)
+    finally:
+        os.close(fd)
+
+
+def test_rank_death_on_b_stops_node_a_members(cluster: RayCluster, tmp_path: Path) -> None:
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    vllm = bindir / "vllm"
+    shutil.copy(ENGINE, vllm)
+    env = {
+        **ray_env(cluster.tmp / "a"),
+        "RAY_ENGINE_ADDRESS": cluster.address,
+        "RAY_ENGINE_NODE_IP": cluster.ip_a,
+        "PYTHONPATH": str(Path(__file__).resolve().parent.parent),
+    }
+    with sparkwatch_run(tmp_path, prefix=cluster.in_ns(cluster.ns_a, [])) as daemon:
+        api = subprocess.Popen(
+            cluster.in_ns(
+                cluster.ns_a, [sys.executable, str(vllm), "serve", "tiny-model", "--tensor-parallel-size", "2"]
+            ),
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        keys: dict[str, tuple[int, int]] = {}
+        try:
+            info = json.loads(_read_line(api, 120))
+            by_node = {r["node_id"]: r["pid"] for r in info["ranks"]}
+            rank_a, rank_b = by_node[cluster.node_ids[cluster.ip_a]], by_node[cluster.node_ids[cluster.ip_b]]
+            assert info["api"] == api.pid
+            for role, pid in (("api", api.pid), ("driver", info["driver"]), ("rank_a", rank_a), ("rank_b", rank_b)):
+                ticks = read_start_ticks("/proc", pid)
+                assert ticks is not None, role
+                keys[role] = (pid, ticks)
+            ns_a, ns_b = _netns(api.pid), _netns(rank_b)
+            assert _netns(rank_a) == ns_a != ns_b  # each rank on its own node
+            pg = info["placement_group"]
+            assert [g["state"] for g in cluster.state("placement_groups") if g["placement_group_id"] == pg] == [
+                "CREATED"
+            ]
+
+            died_at = time.monotonic()
+            _sigkill(*keys["rank_b"])
+            local = [keys["api"], keys["driver"], keys["rank_a"]]
+            assert wait_until(lambda: not any(alive(*k) for k in local), timeout_s=30, step_s=0.01), [
+                k for k in local if alive(*k)
+            ]
+            took_s = time.monotonic() - died_at
+            print(f"group teardown on node A: last member gone {took_s:.2f} s after the rank on B died")
+            assert took_s <= TEARDOWN_GOAL_S
+            api.wait(10)
+
+            event = wait_for_event(daemon.events_path, "group_teardown", timeout_s=10)
+            assert event["group"] == pg
+            assert event["cause"] == raygroup.RANK_DIED
+            assert event["first_node"] == cluster.ip_b
+            assert event["first_pid"] == rank_b
+            members = event["members"]
+            assert isinstance(members, list)
+            assert {(m["pid"], m["role"]) for m in members} == {
+                (api.pid, raygroup.API),
+                (info["driver"], raygroup.DRIVER),
+                (rank_a, raygroup.RANK),
+            }
+            # The driver's death ended its job, and Ray removed the placement group with it.
+            assert wait_until(
+                lambda: (
+                    [g["state"] for g in cluster.state("placement_groups") if g["placement_group_id"] == pg]
+                    == ["REMOVED"]
+                ),
+                timeout_s=10,
+                step_s=0.2,
+            )
+            assert sum(1 for e in read_events(daemon.events_path) if e["kind"] == "group_teardown") == 1
+        finally:
+            for role in ("rank_a", "driver"):  # a failed test leaves nothing of its engine behind
+                if role in keys and alive(*keys[role]):
+                    _sigkill(*keys[role])
+            if api.poll() is None:
+                api.kill()
+            api.wait(10)
+            if api.stdout is not None:
+                api.stdout.close()
+
+
+# --- the pure decisions (core.raygroup), over Ray's records
+
+
+NODE_A, NODE_B = "a" * 56, "b" * 56
+
+
+def _state(rank_b_state: str = "ALIVE", node_b_alive: bool = True) -> raygroup.RayState:
+    return raygroup.RayState(
+        nodes=(raygroup.RayNode(NODE_A, "10.0.0.1", True), raygroup.RayNode(NODE_B, "10.0.0.2", node_b_alive)),
+        jobs=(raygroup.RayJob("01000000", 100, "10.0.0.1", True),),
+        actors=(
+            raygroup.RayActor("x1", "RayWorkerWrapper", "ALIVE", "01000000", NODE_A, 200, "pg1"),
+            raygroup.RayActor("x2", "RayWorkerWrapper", rank_b_state, "01000000", NODE_B, 300, "pg1"),
+        ),
+        placement_groups=(raygroup.RayPlacementGroup("pg1", "01000000", "CREATED", (NODE_A, NODE_B)),),
+    )
+
+
+def _proc(pid: int, ppid: int, argv: tuple[str, ...], ticks: int = 7) -> Proc:
+    return Proc(pid, ppid, 0, argv[0][:15], "S", ticks, 0, argv)
+
+
+PROCS = {
+    99: _proc(99, 1, ("/usr/bin/python3", "/usr/local/bin/vllm", "serve", "m")),
+    100: _proc(100, 99, ("VLLM::EngineCore",)),
+    200: _proc(200, 50, ("ray::RayWorkerWrapper.execute_method",)),
+}
+
+
+def test_no_teardown_while_every_member_lives() -> None:
+    assert raygroup.teardowns(_state(), frozenset({NODE_A}), PROCS) == ()
+
+
+@pytest.mark.parametrize(
+    ("state", "cause"),
+    [(_state(rank_b_state="DEAD"), raygroup.RANK_DIED), (_state(node_b_alive=False), raygroup.NODE_DEAD)],
+)
+def test_a_dead_rank_or_node_tears_down_the_local_half(state: raygroup.RayState, cause: str) -> None:
+    (teardown,) = raygroup.teardowns(state, frozenset({NODE_A}), PROCS)
+    assert teardown.group == "pg1"
+    assert teardown.death == raygroup.Death(cause, NODE_B, "10.0.0.2", 300)
+    assert {(m.pid, m.role) for m in teardown.members} == {
+        (99, raygroup.API),
+        (100, raygroup.DRIVER),
+        (200, raygroup.RANK),
+    }
+
+
+def test_only_this_nodes_members_and_their_shapes() -> None:
+    state = _state(rank_b_state="DEAD")
+    # Node B's view: its rank is dead, the driver and the other rank run elsewhere: nothing of its own to stop.
+    assert raygroup.teardowns(state, frozenset({NODE_B}), PROCS) == ()
+    # A pid Ray names that this node's table shows as something else (not a Ray worker) is never a member.
+    procs = {**PROCS, 200: _proc(200, 50, ("sshd",))}
+    (teardown,) = raygroup.teardowns(state, frozenset({NODE_A}), procs)
+    assert 200 not in {m.pid for m in teardown.members}
+    # A removed placement group is no group.
+    gone = raygroup.RayState(
+        state.nodes, state.jobs, state.actors, (raygroup.RayPlacementGroup("pg1", "01000000", "REMOVED", ()),)
+    )
+    assert raygroup.teardowns(gone, frozenset({NODE_A}), PROCS) == ()
+
+
+def test_member_shapes() -> None:
+    assert raygroup.member_shape(raygroup.RANK, ("ray::RayWorkerWrapper",))
+    assert not raygroup.member_shape(raygroup.RANK, ("ray::IDLE",))
+    assert not raygroup.member_shape(raygroup.RANK, ("ray::DashboardAgent",))
+    assert raygroup.member_shape(raygroup.DRIVER, ("VLLM::EngineCore_DP0",))
+    assert not raygroup.member_shape(raygroup.DRIVER, ("python3", "engine.py"))
+    assert raygroup.member_shape(raygroup.API, ("/usr/bin/python3", "/usr/local/bin/vllm", "serve", "m"))
+    assert raygroup.member_shape(raygroup.API, ("/usr/local/bin/vllm", "serve"))
+    assert not raygroup.member_shape(raygroup.API, ("python3", "vllm", "bench"))
+
+
+def test_teardown_message_round_trip() -> None:
+    msg = GroupTeardownMsg("pg1", raygroup.RANK_DIED, "10.0.0.2", 300, ((200, 7, "rank"),), 1.5)
+    assert decode(encode(msg)) == msg
+
+
+# --- the guard's own checks (guard.groupwatch), on real processes
+
+
+def _shaped(title: str) -> subprocess.Popen[bytes]:
+    env = {**os.environ, "SHAPE_TITLE": title, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    proc = subprocess.Popen([sys.executable, str(SHAPE)], env=env)
+    assert wait_until(lambda: _cmdline(proc.pid).startswith(title))
+    return proc
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as fh:
+            return fh.read().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
+def test_guard_kills_only_members_it_verifies_itself(tmp_path: Path) -> None:
+    settings = load_settings(
+        None, {"state_dir": str(tmp_path / "state"), "ancestor_pid": os.getpid(), "postmortem": False}
+    )
+    events = EventLog(tmp_path / "events.jsonl")
+    watch = GroupWatch(settings, events)
+    rank = _shaped("ray::RayWorkerWrapper")
+    other = _shaped("ray::RayWorkerWrapper")
+    plain = subprocess.Popen(["sleep", "60"])
+    procs = (rank, other, plain)
+    try:
+        ticks = {p.pid: read_start_ticks("/proc", p.pid) or 0 for p in procs}
+        msg = GroupTeardownMsg(
+            "pg1",
+            raygroup.RANK_DIED,
+            "10.0.0.2",
+            300,
+            (
+                (rank.pid, ticks[rank.pid], raygroup.RANK),  # passes every check
+                (other.pid, ticks[other.pid] + 1, raygroup.RANK),  # another start time: a reused pid
+                (plain.pid, ticks[plain.pid], raygroup.RANK),  # not shaped like a Ray worker
+            ),
+            time.time(),
+        )
+        assert watch.handle(msg) == 1
+        assert rank.wait(5) == -signal.SIGKILL
+        assert other.poll() is None and plain.poll() is None
+        assert watch.refused_total == 2
+        (event,) = [e for e in read_events(tmp_path / "events.jsonl") if e["kind"] == "group_teardown"]
+        assert event["members"] == [{"pid": rank.pid, "role": raygroup.RANK}]
+        assert (event["cause"], event["first_node"], event["first_pid"]) == (raygroup.RANK_DIED, "10.0.0.2", 300)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait(5)
