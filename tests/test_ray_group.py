@@ -10,13 +10,16 @@ A's members, which the guard checks and kills: every one gone within 5 s, the pl
 
 from __future__ import annotations
 
+import http.server
 import json
 import os
 import select
 import shutil
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -31,6 +34,8 @@ from sparkwatch.config.settings import load_settings
 from sparkwatch.core import raygroup
 from sparkwatch.core.model import Proc
 from sparkwatch.guard.groupwatch import GroupWatch
+from sparkwatch.telemetry.raywatch import RayWatch
+from sparkwatch.telemetry.sources.raystate import RayStateError, RayStateSource
 from tests.conftest import alive, require, wait_until
 from tests.daemon import sparkwatch_run, wait_for_event
 from tests.raycluster import RayCluster, netns_permitted, ray_cluster, ray_env
@@ -285,3 +290,72 @@ def test_guard_kills_only_members_it_verifies_itself(tmp_path: Path) -> None:
             if p.poll() is None:
                 p.kill()
             p.wait(5)
+
+
+# --- telemetry's reading of Ray's state API (telemetry.sources.raystate): every failure counted, none decides
+
+
+class _Answers(http.server.BaseHTTPRequestHandler):
+    body = b"{}"
+
+    def do_GET(self) -> None:
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(self.body)))
+        self.end_headers()
+        self.wfile.write(self.body)
+
+    def log_message(self, format: str, *args: object) -> None:
+        pass
+
+
+@pytest.mark.parametrize(
+    ("body", "kind"),
+    [
+        (b"<html>not the state API</html>", "bad_answer"),
+        (b'{"data": {"result": {"result": "nope"}}}', "bad_answer"),
+        (b'{"data": {"result": {"result": [{"node_id": 5}]}}}', "bad_answer"),
+    ],
+)
+def test_a_bad_answer_is_counted_and_decides_nothing(body: bytes, kind: str) -> None:
+    handler = type("Handler", (_Answers,), {"body": body})
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        source = RayStateSource(f"http://127.0.0.1:{server.server_address[1]}")
+        with pytest.raises(RayStateError):
+            source.poll()
+        assert source.errors[kind] == 1
+        assert source.last_error is not None and source.last_error.startswith(kind)
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(5)
+
+
+def test_an_unreachable_api_is_counted() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # bound, never listening: refused
+        source = RayStateSource(f"http://127.0.0.1:{port}")
+        with pytest.raises(RayStateError):
+            source.poll()
+    assert source.errors["unreachable"] == 1
+
+
+def test_no_raylet_here_no_request(tmp_path: Path) -> None:
+    """A box without a raylet in its namespace never asks Ray anything (the URL would be refused and counted). Its
+    process table is an empty proc root: another suite's Ray on this machine is not this box's."""
+    (tmp_path / "proc").mkdir()
+    settings = load_settings(
+        None,
+        {
+            "state_dir": str(tmp_path / "state"),
+            "proc_root": str(tmp_path / "proc"),
+            "ray_dashboard_url": "http://127.0.0.1:9",
+        },
+    )
+    sent: list[GroupTeardownMsg] = []
+    watch = RayWatch(settings, sent.append)
+    assert watch.poll_once() == [] and sent == []
+    assert watch.source.polls_total == 0 and not any(watch.source.errors.values())
