@@ -76,85 +76,137 @@ def _sigkill(pid: int, start_ticks: int) -> None:
         os.close(fd)
 
 
-def test_rank_death_on_b_stops_node_a_members(cluster: RayCluster, tmp_path: Path) -> None:
-    bindir = tmp_path / "bin"
-    bindir.mkdir()
-    vllm = bindir / "vllm"
-    shutil.copy(ENGINE, vllm)
-    env = {
-        **ray_env(cluster.tmp / "a"),
-        "RAY_ENGINE_ADDRESS": cluster.address,
-        "RAY_ENGINE_NODE_IP": cluster.ip_a,
-        "PYTHONPATH": str(Path(__file__).resolve().parent.parent),
-    }
-    with sparkwatch_run(tmp_path, prefix=cluster.in_ns(cluster.ns_a, [])) as daemon:
-        api = subprocess.Popen(
-            cluster.in_ns(
-                cluster.ns_a, [sys.executable, str(vllm), "serve", "tiny-model", "--tensor-parallel-size", "2"]
-            ),
+class Engine:
+    """A vLLM-shaped engine on the cluster (tests/helpers/ray_engine.py), its API server and driver on `node`
+    ("a" or "b"); (pid, start ticks) of each member in `keys`: api, driver, rank_a, rank_b."""
+
+    def __init__(self, cluster: RayCluster, tmp_path: Path, node: str) -> None:
+        ns, ip = (cluster.ns_a, cluster.ip_a) if node == "a" else (cluster.ns_b, cluster.ip_b)
+        vllm = tmp_path / f"bin-{node}" / "vllm"
+        vllm.parent.mkdir(exist_ok=True)
+        shutil.copy(ENGINE, vllm)
+        env = {
+            **ray_env(cluster.tmp / node),
+            "RAY_ENGINE_ADDRESS": cluster.address,
+            "RAY_ENGINE_NODE_IP": ip,
+            "PYTHONPATH": str(Path(__file__).resolve().parent.parent),
+        }
+        self.api = subprocess.Popen(
+            cluster.in_ns(ns, [sys.executable, str(vllm), "serve", "tiny-model", "--tensor-parallel-size", "2"]),
             stdout=subprocess.PIPE,
             text=True,
             env=env,
         )
-        keys: dict[str, tuple[int, int]] = {}
+        self.keys: dict[str, tuple[int, int]] = {}
         try:
-            info = json.loads(_read_line(api, 120))
+            info = json.loads(_read_line(self.api, 120))
+            assert info["api"] == self.api.pid
             by_node = {r["node_id"]: r["pid"] for r in info["ranks"]}
-            rank_a, rank_b = by_node[cluster.node_ids[cluster.ip_a]], by_node[cluster.node_ids[cluster.ip_b]]
-            assert info["api"] == api.pid
-            for role, pid in (("api", api.pid), ("driver", info["driver"]), ("rank_a", rank_a), ("rank_b", rank_b)):
+            pids = {
+                "api": self.api.pid,
+                "driver": info["driver"],
+                "rank_a": by_node[cluster.node_ids[cluster.ip_a]],
+                "rank_b": by_node[cluster.node_ids[cluster.ip_b]],
+            }
+            for role, pid in pids.items():
                 ticks = read_start_ticks("/proc", pid)
                 assert ticks is not None, role
-                keys[role] = (pid, ticks)
-            ns_a, ns_b = _netns(api.pid), _netns(rank_b)
-            assert _netns(rank_a) == ns_a != ns_b  # each rank on its own node
-            pg = info["placement_group"]
-            assert [g["state"] for g in cluster.state("placement_groups") if g["placement_group_id"] == pg] == [
-                "CREATED"
-            ]
+                self.keys[role] = (pid, ticks)
+        except BaseException:
+            self.close()
+            raise
+        self.placement_group: str = info["placement_group"]
+        self.pid = {role: key[0] for role, key in self.keys.items()}
+        assert _netns(self.pid["rank_a"]) != _netns(self.pid["rank_b"])  # each rank on its own node
+
+    def close(self) -> None:
+        """SIGKILL what is left of it (only its own processes, each by pid and start time) and reap the API server."""
+        for role in ("driver", "rank_a", "rank_b"):
+            if role in self.keys and alive(*self.keys[role]):
+                _sigkill(*self.keys[role])
+        if self.api.poll() is None:
+            self.api.kill()
+        self.api.wait(10)
+        if self.api.stdout is not None:
+            self.api.stdout.close()
+        ranks = [self.keys[r] for r in ("rank_a", "rank_b") if r in self.keys]
+        assert wait_until(lambda: not any(alive(*k) for k in ranks), timeout_s=10)
+
+
+def _pg_state(cluster: RayCluster, pg: str) -> list[str]:
+    return [g["state"] for g in cluster.state("placement_groups") if g["placement_group_id"] == pg]
+
+
+def _gone_within(keys: list[tuple[int, int]], since: float) -> float:
+    """Seconds from `since` until the last of these processes was gone (fails after 30 s)."""
+    assert wait_until(lambda: not any(alive(*k) for k in keys), timeout_s=30, step_s=0.01), [
+        k for k in keys if alive(*k)
+    ]
+    return time.monotonic() - since
+
+
+def test_rank_death_on_b_stops_node_a_members(cluster: RayCluster, tmp_path: Path) -> None:
+    with sparkwatch_run(tmp_path, prefix=cluster.in_ns(cluster.ns_a, [])) as daemon:
+        engine = Engine(cluster, tmp_path, "a")
+        try:
+            pid = engine.pid
+            assert _netns(pid["api"]) == _netns(pid["rank_a"])
+            assert _pg_state(cluster, engine.placement_group) == ["CREATED"]
 
             died_at = time.monotonic()
-            _sigkill(*keys["rank_b"])
-            local = [keys["api"], keys["driver"], keys["rank_a"]]
-            assert wait_until(lambda: not any(alive(*k) for k in local), timeout_s=30, step_s=0.01), [
-                k for k in local if alive(*k)
-            ]
-            took_s = time.monotonic() - died_at
+            _sigkill(*engine.keys["rank_b"])
+            took_s = _gone_within([engine.keys["api"], engine.keys["driver"], engine.keys["rank_a"]], died_at)
             print(f"group teardown on node A: last member gone {took_s:.2f} s after the rank on B died")
             assert took_s <= TEARDOWN_GOAL_S
-            api.wait(10)
 
             event = wait_for_event(daemon.events_path, "group_teardown", timeout_s=10)
-            assert event["group"] == pg
+            assert event["group"] == engine.placement_group
             assert event["cause"] == raygroup.RANK_DIED
             assert event["first_node"] == cluster.ip_b
-            assert event["first_pid"] == rank_b
+            assert event["first_pid"] == pid["rank_b"]
             members = event["members"]
             assert isinstance(members, list)
             assert {(m["pid"], m["role"]) for m in members} == {
-                (api.pid, raygroup.API),
-                (info["driver"], raygroup.DRIVER),
-                (rank_a, raygroup.RANK),
+                (pid["api"], raygroup.API),
+                (pid["driver"], raygroup.DRIVER),
+                (pid["rank_a"], raygroup.RANK),
             }
             # The driver's death ended its job, and Ray removed the placement group with it.
-            assert wait_until(
-                lambda: (
-                    [g["state"] for g in cluster.state("placement_groups") if g["placement_group_id"] == pg]
-                    == ["REMOVED"]
-                ),
-                timeout_s=10,
-                step_s=0.2,
-            )
+            assert wait_until(lambda: _pg_state(cluster, engine.placement_group) == ["REMOVED"], 10, 0.2)
             assert sum(1 for e in read_events(daemon.events_path) if e["kind"] == "group_teardown") == 1
         finally:
-            for role in ("rank_a", "driver"):  # a failed test leaves nothing of its engine behind
-                if role in keys and alive(*keys[role]):
-                    _sigkill(*keys[role])
-            if api.poll() is None:
-                api.kill()
-            api.wait(10)
-            if api.stdout is not None:
-                api.stdout.close()
+            engine.close()
+
+
+def test_wedged_driver_on_b_its_placement_group_is_removed_from_a(cluster: RayCluster, tmp_path: Path) -> None:
+    """The driver runs on node B and is wedged (SIGSTOP), then B's rank dies: A's agent stops A's rank, and since the
+    wedged driver holds the placement group, removes it through Ray; a new launch then gets its group."""
+    with sparkwatch_run(tmp_path, prefix=cluster.in_ns(cluster.ns_a, [])) as daemon:
+        engine = Engine(cluster, tmp_path, "b")
+        try:
+            assert _netns(engine.pid["api"]) == _netns(engine.pid["rank_b"])
+            fd = syscalls.pidfd_open(engine.pid["driver"])
+            try:
+                assert read_start_ticks("/proc", engine.pid["driver"]) == engine.keys["driver"][1]
+                syscalls.pidfd_send_signal(fd, signal.SIGSTOP)
+            finally:
+                os.close(fd)
+            died_at = time.monotonic()
+            _sigkill(*engine.keys["rank_b"])
+            took_s = _gone_within([engine.keys["rank_a"]], died_at)
+            print(f"group teardown on node A (driver wedged on B): rank gone {took_s:.2f} s after B's rank died")
+            assert took_s <= TEARDOWN_GOAL_S
+            event = wait_for_event(daemon.events_path, "group_teardown", timeout_s=10)
+            assert event["members"] == [{"pid": engine.pid["rank_a"], "role": raygroup.RANK}]
+            assert alive(*engine.keys["driver"]) and alive(*engine.keys["api"])  # node B's: never touched from A
+
+            assert wait_until(lambda: _pg_state(cluster, engine.placement_group) == ["REMOVED"], 30, 0.2)
+            removed_s = time.monotonic() - died_at
+            print(f"leaked placement group removed {removed_s:.1f} s after B's rank died")
+            again = Engine(cluster, tmp_path, "a")  # a new launch is not blocked on the old group
+            again.close()
+        finally:
+            engine.close()
 
 
 # --- the pure decisions (core.raygroup), over Ray's records
@@ -359,3 +411,11 @@ def test_no_raylet_here_no_request(tmp_path: Path) -> None:
     watch = RayWatch(settings, sent.append)
     assert watch.poll_once() == [] and sent == []
     assert watch.source.polls_total == 0 and not any(watch.source.errors.values())
+
+
+def test_a_placement_group_outliving_its_teardown_is_leaked() -> None:
+    live = raygroup.groups(_state(rank_b_state="DEAD"))
+    assert raygroup.leaked_groups(live, {}, 100.0) == ()  # not torn down here: not ours to remove
+    assert raygroup.leaked_groups(live, {"pg1": 99.0}, 100.0) == ()  # the driver's death removes it within 0.2 s
+    assert raygroup.leaked_groups(live, {"pg1": 100.0 - raygroup.PG_GRACE_S}, 100.0) == ("pg1",)
+    assert raygroup.leaked_groups((), {"pg1": 0.0}, 100.0) == ()  # gone already

@@ -197,3 +197,15 @@ def member_shape(role: str, argv: tuple[str, ...]) -> bool:
                 return True
         return False
     return False
+
+
+# The driver's death removes its placement group within 0.2 s (measured on the two-node test cluster); one still
+# there this long after this node's teardown is held by a driver that did not die (wedged, or on a node whose agent
+# did not act), and the next launch would wait on it.
+PG_GRACE_S = 3.0
+
+
+def leaked_groups(live: Iterable[RayGroup], torn_at: Mapping[str, float], now: float) -> tuple[str, ...]:
+    """Groups this node tore down at least PG_GRACE_S ago (`torn_at`: group -> monotonic time of its teardown) whose
+    placement group Ray still holds: to be removed."""
+    return tuple(g.group for g in live if g.group in torn_at and now - torn_at[g.group] >= PG_GRACE_S)

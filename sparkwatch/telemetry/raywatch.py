@@ -7,7 +7,11 @@ On its own thread, every `ray_poll_s` (1 s) while a raylet runs in this node's n
 2. core.raygroup decides which groups lost a member and which of this node's processes belong to them, from the
    pids Ray names, read one by one from /proc (only those in our network namespace, with their start time);
 3. for each, a `GroupTeardownMsg` to the guard, which checks every member again itself and kills them
-   (guard.groupwatch). Sent again at most every `RESEND_S` while a member still runs (the guard may have been busy).
+   (guard.groupwatch). Sent again at most every `RESEND_S` while a member still runs (the guard may have been busy);
+4. a placement group Ray still holds `PG_GRACE_S` after this node's teardown (its driver did not die: wedged, or on
+   a node whose agent did not act) is removed by a short-lived helper in the engine's own interpreter (the one the
+   local raylet runs its Python workers with): `ray.init(address=<GCS>)` and `remove_placement_group`, at most
+   `REMOVE_TIMEOUT_S`, once per group. Ray offers no REST call for it, and Ray is never imported here.
 
 Every failed poll is counted by kind (`ray_errors_*`) and said in the log once per change of reason; a failure
 decides nothing. With `group_teardown` off nothing is sent.
@@ -15,6 +19,8 @@ decides nothing. With `group_teardown` off nothing is sent.
 
 from __future__ import annotations
 
+import os
+import subprocess
 import threading
 import time
 from collections.abc import Callable
@@ -27,7 +33,13 @@ from sparkwatch.common.sources.procs import ProcParseError, ProcScanner
 from sparkwatch.common.threads import daemon_thread
 from sparkwatch.core import raygroup
 from sparkwatch.core.model import Proc
-from sparkwatch.telemetry.sources.raystate import RayStateError, RayStateSource, local_node_ids, same_netns
+from sparkwatch.telemetry.sources.raystate import (
+    LocalRaylet,
+    RayStateError,
+    RayStateSource,
+    local_raylets,
+    same_netns,
+)
 
 if TYPE_CHECKING:
     from sparkwatch.config.settings import Settings
@@ -36,6 +48,17 @@ log = logs.get("raywatch")
 RAYLET_LOOK_S = 10.0  # a raylet started later is found within this
 RESEND_S = 2.0
 MAX_PIDS = 512  # pids read from /proc a poll: ranks, drivers and their parents of the groups Ray lists
+REMOVE_TIMEOUT_S = 30.0  # the helper connects as a Ray driver: 2-3 s on the 2-core test box
+# Run by the engine's interpreter: argv[1] the GCS address, argv[2] the placement group's id (hex).
+REMOVE_PG = """
+import sys
+import ray
+from ray._raylet import PlacementGroupID
+from ray.util.placement_group import PlacementGroup, remove_placement_group
+ray.init(address=sys.argv[1], logging_level=40, log_to_driver=False)
+remove_placement_group(PlacementGroup(PlacementGroupID(bytes.fromhex(sys.argv[2]))))
+ray.shutdown()
+"""
 
 
 class RayWatch:
@@ -47,11 +70,17 @@ class RayWatch:
         self.proc_root = Path(settings.proc_root)
         self.source = RayStateSource(settings.ray_dashboard_url)
         self.scanner = ProcScanner(settings.proc_root)
+        self.raylets: tuple[LocalRaylet, ...] = ()
         self.node_ids: frozenset[str] = frozenset()
         self.groups: tuple[raygroup.RayGroup, ...] = ()  # the last poll's groups (for `engines` and metrics later)
         self.teardowns_sent_total = 0
         self.proc_errors_total = 0
         self._sent_at: dict[str, float] = {}
+        self._torn_at: dict[str, float] = {}  # group -> when this node first tore it down (monotonic)
+        self._removing: dict[str, tuple[subprocess.Popen[bytes], float]] = {}  # group -> (helper, started)
+        self._remove_tried: set[str] = set()
+        self.pg_removed_total = 0
+        self.pg_remove_errors_total = 0
         self._next_look = 0.0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -68,6 +97,10 @@ class RayWatch:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(5)
+        for helper, _started in self._removing.values():  # our own children, never anything else
+            helper.kill()
+            helper.wait()
+        self._removing.clear()
 
     def apply(self, settings: Settings) -> frozenset[str]:
         self.settings = settings
@@ -76,6 +109,7 @@ class RayWatch:
     def counters(self) -> dict[str, int]:
         out = {f"ray_errors_{kind}": n for kind, n in self.source.errors.items()}
         out["proc_errors"] = self.proc_errors_total
+        out["pg_remove_errors"] = self.pg_remove_errors_total
         return out
 
     def _run(self) -> None:
@@ -92,7 +126,8 @@ class RayWatch:
         if not self.node_ids and now < self._next_look:
             return []
         if not self.node_ids or now >= self._next_look:
-            self.node_ids = local_node_ids(self.scanner.scan().procs, self.proc_root)
+            self.raylets = local_raylets(self.scanner.scan().procs, self.proc_root)
+            self.node_ids = frozenset(r.node_id for r in self.raylets)
             self._next_look = now + RAYLET_LOOK_S
         if not self.node_ids:
             self.groups = ()
@@ -122,12 +157,60 @@ class RayWatch:
                 detected_ts=time.time(),
             )
             self._sent_at[teardown.group] = now
+            self._torn_at.setdefault(teardown.group, now)
             self.send(msg)
             self.teardowns_sent_total += 1
             sent.append(msg)
         live = {g.group for g in self.groups}
         self._sent_at = {g: t for g, t in self._sent_at.items() if g in live}
+        self._reap_helpers(now)
+        for group in raygroup.leaked_groups(self.groups, self._torn_at, now):
+            if group not in self._remove_tried:
+                self._remove_tried.add(group)
+                self._remove(group, now)
+        self._torn_at = {g: t for g, t in self._torn_at.items() if g in live or g in self._removing}
+        self._remove_tried &= live | set(self._removing)
         return sent
+
+    def _remove(self, group: str, now: float) -> None:
+        """Start the helper that removes a leaked placement group (see the module's docstring)."""
+        raylet = next((r for r in self.raylets if r.python and r.gcs_address), None)
+        if raylet is None:
+            self.pg_remove_errors_total += 1
+            log.error("placement group %s outlived its teardown; no local raylet names an interpreter", group[:12])
+            return
+        env = {k: v for k, v in os.environ.items() if not k.startswith("SPARKWATCH_")}
+        env["RAY_USAGE_STATS_ENABLED"] = "0"
+        try:
+            helper = subprocess.Popen(
+                [raylet.python, "-c", REMOVE_PG, raylet.gcs_address, group],
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+        except OSError as exc:
+            self.pg_remove_errors_total += 1
+            log.error("placement group %s: could not start %s: %s", group[:12], raylet.python, exc.strerror)
+            return
+        log.warning("placement group %s outlived its teardown by %.0f s: removing it", group[:12], raygroup.PG_GRACE_S)
+        self._removing[group] = (helper, now)
+
+    def _reap_helpers(self, now: float) -> None:
+        for group, (helper, started) in list(self._removing.items()):
+            rc = helper.poll()
+            if rc is None and now - started < REMOVE_TIMEOUT_S:
+                continue
+            if rc is None:
+                helper.kill()
+                helper.wait()
+            del self._removing[group]
+            if rc == 0:
+                self.pg_removed_total += 1
+                log.info("placement group %s removed", group[:12])
+            else:
+                self.pg_remove_errors_total += 1
+                log.error("placement group %s: its removal %s", group[:12], "timed out" if rc is None else f"exit {rc}")
 
     def _local_procs(self, groups: tuple[raygroup.RayGroup, ...]) -> dict[int, Proc]:
         """The processes Ray names for these groups (ranks, drivers) and the drivers' parents, read one by one,

@@ -7,7 +7,8 @@ JSON, a field of the wrong type) is counted by kind and said once in `last_error
 unknown, never decides anything.
 
 Which node is this one: the raylets in this node's network namespace (the same `/proc/PID/ns/net` as ours) name
-their node on their command line (`--node_id=`). On a
+their node, their cluster's GCS and the interpreter of their Python workers on their command line (`--node_id=`,
+`--gcs-address=`, `--python_worker_command=`). On a
 Spark every process shares the host's namespace; in the two-node test each node is a namespace of its own.
 
 What follows from the state (which groups have a dead member, which local processes are theirs) is decided in
@@ -21,6 +22,7 @@ import os
 import urllib.error
 import urllib.request
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -171,20 +173,34 @@ class RayStateSource:
 
 
 RAYLET_COMM = "raylet"
-_NODE_ID_FLAG = "--node_id="
 
 
-def local_node_ids(procs: Iterable[Proc], proc_root: Path) -> frozenset[str]:
-    """The Ray node ids of the raylets in our own network namespace (a few readlinks: raylets only)."""
+@dataclass(frozen=True, slots=True)
+class LocalRaylet:
+    """A raylet in our network namespace, from its command line: the node it serves, its cluster's GCS, and the
+    interpreter its Python workers run (the engine's own: Ray runs every worker with the driver's environment)."""
+
+    node_id: str
+    gcs_address: str
+    python: str
+
+
+def _flag(argv: tuple[str, ...], name: str) -> str:
+    prefix = f"--{name}="
+    return next((a[len(prefix) :] for a in argv if a.startswith(prefix)), "")
+
+
+def local_raylets(procs: Iterable[Proc], proc_root: Path) -> tuple[LocalRaylet, ...]:
+    """The raylets in our own network namespace (a few readlinks: raylets only)."""
     try:
         own = os.readlink(proc_root / "self" / "ns" / "net")
     except OSError:
-        return frozenset()
-    out = set()
+        return ()
+    out = []
     for p in procs:
         if p.comm != RAYLET_COMM:
             continue
-        node_id = next((a[len(_NODE_ID_FLAG) :] for a in p.argv if a.startswith(_NODE_ID_FLAG)), None)
+        node_id = _flag(p.argv, "node_id")
         if not node_id:
             continue
         try:
@@ -192,8 +208,9 @@ def local_node_ids(procs: Iterable[Proc], proc_root: Path) -> frozenset[str]:
                 continue
         except OSError:
             continue
-        out.add(node_id)
-    return frozenset(out)
+        worker = _flag(p.argv, "python_worker_command").split(" ", 1)[0]
+        out.append(LocalRaylet(node_id, _flag(p.argv, "gcs-address"), worker))
+    return tuple(out)
 
 
 def same_netns(proc_root: Path, pid: int) -> bool:
