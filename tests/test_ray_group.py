@@ -311,7 +311,7 @@ def test_guard_kills_only_members_it_verifies_itself(tmp_path: Path) -> None:
         None, {"state_dir": str(tmp_path / "state"), "ancestor_pid": os.getpid(), "postmortem": False}
     )
     events = EventLog(tmp_path / "events.jsonl")
-    watch = GroupWatch(settings, events)
+    watch = GroupWatch(lambda: settings, events)
     rank = _shaped("ray::RayWorkerWrapper")
     other = _shaped("ray::RayWorkerWrapper")
     plain = subprocess.Popen(["sleep", "60"])
@@ -419,3 +419,19 @@ def test_a_placement_group_outliving_its_teardown_is_leaked() -> None:
     assert raygroup.leaked_groups(live, {"pg1": 99.0}, 100.0) == ()  # the driver's death removes it within 0.2 s
     assert raygroup.leaked_groups(live, {"pg1": 100.0 - raygroup.PG_GRACE_S}, 100.0) == ("pg1",)
     assert raygroup.leaked_groups((), {"pg1": 0.0}, 100.0) == ()  # gone already
+
+
+def test_guard_dry_run_signals_nothing(tmp_path: Path) -> None:
+    settings = load_settings(None, {"state_dir": str(tmp_path / "state"), "dry_run": True, "postmortem": False})
+    watch = GroupWatch(lambda: settings, EventLog(tmp_path / "events.jsonl"))
+    rank = _shaped("ray::RayWorkerWrapper")
+    try:
+        ticks = read_start_ticks("/proc", rank.pid) or 0
+        msg = GroupTeardownMsg("pg1", raygroup.RANK_DIED, "10.0.0.2", 300, ((rank.pid, ticks, raygroup.RANK),))
+        assert watch.handle(msg) == 1
+        (event,) = read_events(tmp_path / "events.jsonl")
+        assert event["dry_run"] is True and "would stop" in str(event["summary"])
+        assert not wait_until(lambda: rank.poll() is not None, timeout_s=0.3)  # a SIGKILL would end it at once
+    finally:
+        rank.kill()
+        rank.wait(5)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 
 from sparkwatch.common import logs
 from sparkwatch.common.events import EventLog, EventLogError, make_event
@@ -37,14 +38,17 @@ ROLES = (raygroup.API, raygroup.DRIVER, raygroup.RANK)  # the tree's order: the 
 
 
 class GroupWatch:
-    def __init__(self, settings: GuardSettings, events: EventLog) -> None:
+    def __init__(self, settings: Callable[[], GuardSettings], events: EventLog) -> None:
+        """`settings`: the guard's settings now (the pool watch's, swapped whole on SIGHUP): the rules and dry_run of
+        each teardown are those in force when it comes."""
         self.settings = settings
         self.events = events
-        self.proc_root = settings.proc_root
-        self.rules = engine_rules(settings)
-        self.scope = engine_scope(settings)
-        self.scanner = ProcScanner(settings.proc_root)
-        self.killer = Killer(settings.proc_root, self.rules, self.scope)  # its own: this runs on another thread
+        first = settings()
+        self.proc_root = first.proc_root
+        self.rules = engine_rules(first)
+        self.scope = engine_scope(first)
+        self.scanner = ProcScanner(first.proc_root)
+        self.killer = Killer(first.proc_root, self.rules, self.scope)  # its own: this runs on another thread
         self.teardowns_total = 0
         self.refused_total = 0  # members telemetry named that the guard's own checks refused
         self.errors_total = 0
@@ -77,13 +81,16 @@ class GroupWatch:
 
     def handle(self, msg: GroupTeardownMsg) -> int:
         """Kill this node's verified members of the group; returns how many were signalled."""
+        settings = self.settings()
+        self.rules = self.killer.rules = engine_rules(settings)
+        self.scope = self.killer.scope = engine_scope(settings)
         members = self.verified(msg)
         if not members:
             return 0
         members.sort(key=lambda m: ROLES.index(m[1]) if m[1] in ROLES else len(ROLES))
         procs = tuple(p for p, _role in members)
         tree = EngineTree(kind="ray-group", root=procs[0], members=procs)
-        dry_run = self.settings.dry_run
+        dry_run = settings.dry_run
         victims, _signaled_at, notes, method = self.killer.kill([tree], dry_run=dry_run)
         if not dry_run:
             for v in victims:

@@ -187,7 +187,7 @@ class GuardProcess:
         )
         self.guard.recorder = self.recorder
         self.supervisor.on_over_cap = self._over_cap_seen
-        self.groupwatch = GroupWatch(config, self.events)
+        self.groupwatch = GroupWatch(lambda: self.guard.settings, self.events)
         self.supervisor.on_group_teardown = self.groupwatch.handle
         self.events.subscribe(self.supervisor.forward)
         self.components: list[Component[GuardConfig]] = [
