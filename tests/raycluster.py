@@ -89,9 +89,41 @@ class RayCluster:
         rows: list[dict[str, Any]] = json.loads(out.stdout)["data"]["result"]["result"]
         return rows
 
+    def wait_nodes(self, timeout_s: float = 60) -> None:
+        """Until both nodes are ALIVE in Ray's node table; `node_ids` then maps each address to its live node."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            nodes = [n for n in self.state("nodes") if n["state"] == "ALIVE"]
+            if len(nodes) == 2 or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        self.node_ids = {n["node_ip"]: n["node_id"] for n in nodes}
+        if set(self.node_ids) != {self.ip_a, self.ip_b}:
+            raise RuntimeError(f"the cluster has nodes {self.node_ids}, not {self.ip_a} and {self.ip_b}")
+
+    def restart_b(self) -> None:
+        """Node B anew (after a test killed part of it): every process in its namespace stopped, `ray start` again."""
+        left = _stop_namespace(self, self.ns_b)
+        if left:
+            raise AssertionError(f"processes left in {self.ns_b} after SIGKILL: {left}")
+        argv = [str(RAY), "start", "--address", self.address, "--node-ip-address", self.ip_b, *COMMON]
+        _ray_start(self, self.ns_b, self.tmp / "b", argv)
+        self.wait_nodes()
+
     def netns_pids(self, ns: str) -> list[int]:
         out = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True, check=False)
         return [int(x) for x in out.stdout.split()]
+
+
+COMMON = ["--num-cpus", "1", "--object-store-memory", str(OBJECT_STORE_BYTES), "--disable-usage-stats"]
+
+
+def _ray_start(cluster: RayCluster, ns: str, node_tmp: Path, argv: list[str]) -> None:
+    done = subprocess.run(
+        cluster.in_ns(ns, argv), env=ray_env(node_tmp), capture_output=True, text=True, timeout=120, check=False
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(argv[:3])} in {ns} failed:\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
 
 
 def _ip(*argv: str) -> None:
@@ -185,7 +217,6 @@ def ray_cluster() -> Iterator[RayCluster]:
             _ip("-n", ns, "addr", "add", f"{ip}/24", "dev", veth)
             _ip("-n", ns, "link", "set", "lo", "up")
             _ip("-n", ns, "link", "set", veth, "up")
-        common = ["--num-cpus", "1", "--object-store-memory", str(OBJECT_STORE_BYTES), "--disable-usage-stats"]
         for ns, node_tmp, argv in (
             (
                 cluster.ns_a,
@@ -193,30 +224,18 @@ def ray_cluster() -> Iterator[RayCluster]:
                 [
                     str(RAY), "start", "--head", "--node-ip-address", cluster.ip_a, "--port", str(GCS_PORT),
                     "--include-dashboard", "true", "--dashboard-host", "127.0.0.1",
-                    "--dashboard-port", str(DASHBOARD_PORT), "--temp-dir", str(tmp / "a"), *common,
+                    "--dashboard-port", str(DASHBOARD_PORT), "--temp-dir", str(tmp / "a"), *COMMON,
                 ],
             ),
             (
                 cluster.ns_b,
                 tmp / "b",
-                [str(RAY), "start", "--address", cluster.address, "--node-ip-address", cluster.ip_b, *common],
+                [str(RAY), "start", "--address", cluster.address, "--node-ip-address", cluster.ip_b, *COMMON],
             ),
         ):  # fmt: skip
             node_tmp.mkdir()
-            done = subprocess.run(
-                cluster.in_ns(ns, argv), env=ray_env(node_tmp), capture_output=True, text=True, timeout=120, check=False
-            )
-            if done.returncode != 0:
-                raise RuntimeError(f"{' '.join(argv[:3])} in {ns} failed:\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
-        deadline = time.monotonic() + 60
-        while True:
-            nodes = [n for n in cluster.state("nodes") if n["state"] == "ALIVE"]
-            if len(nodes) == 2 or time.monotonic() > deadline:
-                break
-            time.sleep(0.2)
-        cluster.node_ids = {n["node_ip"]: n["node_id"] for n in nodes}
-        if set(cluster.node_ids) != {cluster.ip_a, cluster.ip_b}:
-            raise RuntimeError(f"the cluster has nodes {cluster.node_ids}, not {cluster.ip_a} and {cluster.ip_b}")
+            _ray_start(cluster, ns, node_tmp, argv)
+        cluster.wait_nodes()
         cluster.start_s = time.monotonic() - t0
         yield cluster
     finally:

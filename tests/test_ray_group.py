@@ -209,6 +209,40 @@ def test_wedged_driver_on_b_its_placement_group_is_removed_from_a(cluster: RayCl
             engine.close()
 
 
+def test_node_b_lost_raylet_killed_stops_node_a_members(cluster: RayCluster, tmp_path: Path) -> None:
+    """Node B's raylet SIGKILLed (a lost node): Ray marks B's node and rank dead, and A stops its half.
+
+    Ray itself takes about 15 s to mark the node dead (its GCS health check), so the 5 s goal is held from the moment
+    Ray's state says so; the whole time is printed. Closing that gap needs the peer agents (issue 29, not built)."""
+    with sparkwatch_run(tmp_path, prefix=cluster.in_ns(cluster.ns_a, [])) as daemon:
+        engine = Engine(cluster, tmp_path, "a")
+        try:
+            raylets = [p for p in cluster.netns_pids(cluster.ns_b) if _cmdline(p).split(" ", 1)[0].endswith("/raylet")]
+            assert len(raylets) == 1
+            ticks = read_start_ticks("/proc", raylets[0])
+            assert ticks is not None
+            died_at = time.monotonic()
+            _sigkill(raylets[0], ticks)
+            took_s = _gone_within([engine.keys["api"], engine.keys["driver"], engine.keys["rank_a"]], died_at)
+            gone_ts = time.time()
+            event = wait_for_event(daemon.events_path, "group_teardown", timeout_s=10)
+            detected_ts = event["detected_ts"]
+            assert isinstance(detected_ts, float)
+            print(
+                f"group teardown on node A after B's raylet died: last member gone {took_s:.2f} s later, "
+                f"{gone_ts - detected_ts:.2f} s after Ray's state said so"
+            )
+            assert gone_ts - detected_ts <= TEARDOWN_GOAL_S
+            assert took_s <= 30  # Ray's own detection, measured 15.7 s
+            assert event["group"] == engine.placement_group
+            assert event["cause"] in (raygroup.RANK_DIED, raygroup.NODE_DEAD)
+            assert event["first_node"] == cluster.ip_b
+            assert wait_until(lambda: _pg_state(cluster, engine.placement_group) == ["REMOVED"], 10, 0.2)
+        finally:
+            engine.close()
+            cluster.restart_b()  # the next test gets two nodes again
+
+
 # --- the pure decisions (core.raygroup), over Ray's records
 
 

@@ -113,6 +113,7 @@ class GroupWatch:
             "members": [{"pid": v.proc.pid, "role": roles.get(v.proc.pid, "child")} for v in victims],
             "method": method,
             "dry_run": dry_run,
+            "detected_ts": msg.detected_ts or None,  # wall clock: when telemetry saw the death in Ray's state
             "since_detected_s": latency,
         }
         if notes:
