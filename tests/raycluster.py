@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import shutil
 import signal
 import subprocess
@@ -32,6 +33,7 @@ from typing import Any
 
 from sparkwatch.common import syscalls
 from sparkwatch.common.sources.procs import read_start_ticks
+from tests.conftest import alive, wait_until
 
 RAY = Path(sys.executable).parent / "ray"
 OBJECT_STORE_BYTES = 100_000_000  # Ray's floor is 75 MB
@@ -248,3 +250,99 @@ def ray_cluster() -> Iterator[RayCluster]:
         print(f"ray cluster: start {cluster.start_s:.1f} s, stop {cluster.stop_s:.1f} s", file=sys.stderr)
         if left:
             raise AssertionError(f"processes left in the cluster's namespaces after SIGKILL: {left}")
+
+
+# --- a vLLM-shaped engine on it (tests/helpers/ray_engine.py)
+
+ENGINE = Path(__file__).resolve().parent / "helpers" / "ray_engine.py"
+
+
+def netns(pid: int) -> str:
+    return os.readlink(f"/proc/{pid}/ns/net")
+
+
+def read_line(proc: subprocess.Popen[str], timeout_s: float) -> str:
+    assert proc.stdout is not None
+    ready, _, _ = select.select([proc.stdout], [], [], timeout_s)
+    if not ready:
+        raise AssertionError(f"the engine printed nothing in {timeout_s} s")
+    return proc.stdout.readline()
+
+
+def sigkill(pid: int, start_ticks: int) -> None:
+    """SIGKILL that very process (pinned by a pidfd, its start time checked)."""
+    fd = syscalls.pidfd_open(pid)
+    try:
+        if read_start_ticks("/proc", pid) == start_ticks:
+            syscalls.pidfd_send_signal(fd, signal.SIGKILL)
+    finally:
+        os.close(fd)
+
+
+class Engine:
+    """A vLLM-shaped engine on the cluster (tests/helpers/ray_engine.py), its API server and driver on `node`
+    ("a" or "b"); (pid, start ticks) of each member in `keys`: api, driver, rank_a, rank_b."""
+
+    def __init__(self, cluster: RayCluster, tmp_path: Path, node: str) -> None:
+        ns, ip = (cluster.ns_a, cluster.ip_a) if node == "a" else (cluster.ns_b, cluster.ip_b)
+        vllm = tmp_path / f"bin-{node}" / "vllm"
+        vllm.parent.mkdir(exist_ok=True)
+        shutil.copy(ENGINE, vllm)
+        env = {
+            **ray_env(cluster.tmp / node),
+            "RAY_ENGINE_ADDRESS": cluster.address,
+            "RAY_ENGINE_NODE_IP": ip,
+            "PYTHONPATH": str(Path(__file__).resolve().parent.parent),
+        }
+        self.api = subprocess.Popen(
+            cluster.in_ns(ns, [sys.executable, str(vllm), "serve", "tiny-model", "--tensor-parallel-size", "2"]),
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        self.keys: dict[str, tuple[int, int]] = {}
+        try:
+            info = json.loads(read_line(self.api, 120))
+            assert info["api"] == self.api.pid
+            by_node = {r["node_id"]: r["pid"] for r in info["ranks"]}
+            pids = {
+                "api": self.api.pid,
+                "driver": info["driver"],
+                "rank_a": by_node[cluster.node_ids[cluster.ip_a]],
+                "rank_b": by_node[cluster.node_ids[cluster.ip_b]],
+            }
+            for role, pid in pids.items():
+                ticks = read_start_ticks("/proc", pid)
+                assert ticks is not None, role
+                self.keys[role] = (pid, ticks)
+        except BaseException:
+            self.close()
+            raise
+        self.placement_group: str = info["placement_group"]
+        self.pid = {role: key[0] for role, key in self.keys.items()}
+        assert netns(self.pid["rank_a"]) != netns(self.pid["rank_b"])  # each rank on its own node
+
+    def close(self) -> None:
+        """SIGKILL what is left of it (only its own processes, each by pid and start time) and reap the API server."""
+        for role in ("driver", "rank_a", "rank_b"):
+            if role in self.keys and alive(*self.keys[role]):
+                sigkill(*self.keys[role])
+        if self.api.poll() is None:
+            self.api.kill()
+        self.api.wait(10)
+        if self.api.stdout is not None:
+            self.api.stdout.close()
+        ranks = [self.keys[r] for r in ("rank_a", "rank_b") if r in self.keys]
+        assert wait_until(lambda: not any(alive(*k) for k in ranks), timeout_s=10)
+
+
+def pg_state(cluster: RayCluster, pg: str) -> list[str]:
+    return [g["state"] for g in cluster.state("placement_groups") if g["placement_group_id"] == pg]
+
+
+def gone_within(keys: list[tuple[int, int]], since: float) -> float:
+    """Seconds from `since` until the last of these processes was gone (fails after 30 s)."""
+    assert wait_until(lambda: not any(alive(*k) for k in keys), timeout_s=30, step_s=0.01), [
+        k for k in keys if alive(*k)
+    ]
+    return time.monotonic() - since

@@ -11,9 +11,7 @@ A's members, which the guard checks and kills: every one gone within 5 s, the pl
 from __future__ import annotations
 
 import http.server
-import json
 import os
-import select
 import shutil
 import signal
 import socket
@@ -38,9 +36,8 @@ from sparkwatch.telemetry.raywatch import RayWatch
 from sparkwatch.telemetry.sources.raystate import RayStateError, RayStateSource
 from tests.conftest import alive, require, wait_until
 from tests.daemon import sparkwatch_run, wait_for_event
-from tests.raycluster import RayCluster, netns_permitted, ray_cluster, ray_env
+from tests.raycluster import Engine, RayCluster, gone_within, netns, netns_permitted, pg_state, ray_cluster, sigkill
 
-ENGINE = Path(__file__).resolve().parent / "helpers" / "ray_engine.py"
 SHAPE = Path(__file__).resolve().parent / "helpers" / "shape_proc.py"
 TEARDOWN_GOAL_S = 5.0
 
@@ -54,108 +51,17 @@ def cluster() -> Iterator[RayCluster]:
         yield c
 
 
-def _netns(pid: int) -> str:
-    return os.readlink(f"/proc/{pid}/ns/net")
-
-
-def _read_line(proc: subprocess.Popen[str], timeout_s: float) -> str:
-    assert proc.stdout is not None
-    ready, _, _ = select.select([proc.stdout], [], [], timeout_s)
-    if not ready:
-        raise AssertionError(f"the engine printed nothing in {timeout_s} s")
-    return proc.stdout.readline()
-
-
-def _sigkill(pid: int, start_ticks: int) -> None:
-    """SIGKILL that very process (pinned by a pidfd, its start time checked)."""
-    fd = syscalls.pidfd_open(pid)
-    try:
-        if read_start_ticks("/proc", pid) == start_ticks:
-            syscalls.pidfd_send_signal(fd, signal.SIGKILL)
-    finally:
-        os.close(fd)
-
-
-class Engine:
-    """A vLLM-shaped engine on the cluster (tests/helpers/ray_engine.py), its API server and driver on `node`
-    ("a" or "b"); (pid, start ticks) of each member in `keys`: api, driver, rank_a, rank_b."""
-
-    def __init__(self, cluster: RayCluster, tmp_path: Path, node: str) -> None:
-        ns, ip = (cluster.ns_a, cluster.ip_a) if node == "a" else (cluster.ns_b, cluster.ip_b)
-        vllm = tmp_path / f"bin-{node}" / "vllm"
-        vllm.parent.mkdir(exist_ok=True)
-        shutil.copy(ENGINE, vllm)
-        env = {
-            **ray_env(cluster.tmp / node),
-            "RAY_ENGINE_ADDRESS": cluster.address,
-            "RAY_ENGINE_NODE_IP": ip,
-            "PYTHONPATH": str(Path(__file__).resolve().parent.parent),
-        }
-        self.api = subprocess.Popen(
-            cluster.in_ns(ns, [sys.executable, str(vllm), "serve", "tiny-model", "--tensor-parallel-size", "2"]),
-            stdout=subprocess.PIPE,
-            text=True,
-            env=env,
-        )
-        self.keys: dict[str, tuple[int, int]] = {}
-        try:
-            info = json.loads(_read_line(self.api, 120))
-            assert info["api"] == self.api.pid
-            by_node = {r["node_id"]: r["pid"] for r in info["ranks"]}
-            pids = {
-                "api": self.api.pid,
-                "driver": info["driver"],
-                "rank_a": by_node[cluster.node_ids[cluster.ip_a]],
-                "rank_b": by_node[cluster.node_ids[cluster.ip_b]],
-            }
-            for role, pid in pids.items():
-                ticks = read_start_ticks("/proc", pid)
-                assert ticks is not None, role
-                self.keys[role] = (pid, ticks)
-        except BaseException:
-            self.close()
-            raise
-        self.placement_group: str = info["placement_group"]
-        self.pid = {role: key[0] for role, key in self.keys.items()}
-        assert _netns(self.pid["rank_a"]) != _netns(self.pid["rank_b"])  # each rank on its own node
-
-    def close(self) -> None:
-        """SIGKILL what is left of it (only its own processes, each by pid and start time) and reap the API server."""
-        for role in ("driver", "rank_a", "rank_b"):
-            if role in self.keys and alive(*self.keys[role]):
-                _sigkill(*self.keys[role])
-        if self.api.poll() is None:
-            self.api.kill()
-        self.api.wait(10)
-        if self.api.stdout is not None:
-            self.api.stdout.close()
-        ranks = [self.keys[r] for r in ("rank_a", "rank_b") if r in self.keys]
-        assert wait_until(lambda: not any(alive(*k) for k in ranks), timeout_s=10)
-
-
-def _pg_state(cluster: RayCluster, pg: str) -> list[str]:
-    return [g["state"] for g in cluster.state("placement_groups") if g["placement_group_id"] == pg]
-
-
-def _gone_within(keys: list[tuple[int, int]], since: float) -> float:
-    """Seconds from `since` until the last of these processes was gone (fails after 30 s)."""
-    assert wait_until(lambda: not any(alive(*k) for k in keys), timeout_s=30, step_s=0.01), [
-        k for k in keys if alive(*k)
-    ]
-    return time.monotonic() - since
-
-
 def test_rank_death_on_b_stops_node_a_members(cluster: RayCluster, tmp_path: Path) -> None:
     with sparkwatch_run(tmp_path, prefix=cluster.in_ns(cluster.ns_a, [])) as daemon:
         engine = Engine(cluster, tmp_path, "a")
         try:
             pid = engine.pid
-            assert _netns(pid["api"]) == _netns(pid["rank_a"])
-            assert _pg_state(cluster, engine.placement_group) == ["CREATED"]
+            assert netns(pid["api"]) == netns(pid["rank_a"])
+            assert pg_state(cluster, engine.placement_group) == ["CREATED"]
 
             died_at = time.monotonic()
-            _sigkill(*engine.keys["rank_b"])
-            took_s = _gone_within([engine.keys["api"], engine.keys["driver"], engine.keys["rank_a"]], died_at)
+            sigkill(*engine.keys["rank_b"])
+            took_s = gone_within([engine.keys["api"], engine.keys["driver"], engine.keys["rank_a"]], died_at)
             print(f"group teardown on node A: last member gone {took_s:.2f} s after the rank on B died")
             assert took_s <= TEARDOWN_GOAL_S
 
@@ -172,7 +78,7 @@ def test_rank_death_on_b_stops_node_a_members(cluster: RayCluster, tmp_path: Pat
                 (pid["rank_a"], raygroup.RANK),
             }
             # The driver's death ended its job, and Ray removed the placement group with it.
-            assert wait_until(lambda: _pg_state(cluster, engine.placement_group) == ["REMOVED"], 10, 0.2)
+            assert wait_until(lambda: pg_state(cluster, engine.placement_group) == ["REMOVED"], 10, 0.2)
             assert sum(1 for e in read_events(daemon.events_path) if e["kind"] == "group_teardown") == 1
         finally:
             engine.close()
@@ -184,7 +90,7 @@ def test_wedged_driver_on_b_its_placement_group_is_removed_from_a(cluster: RayCl
     with sparkwatch_run(tmp_path, prefix=cluster.in_ns(cluster.ns_a, [])) as daemon:
         engine = Engine(cluster, tmp_path, "b")
         try:
-            assert _netns(engine.pid["api"]) == _netns(engine.pid["rank_b"])
+            assert netns(engine.pid["api"]) == netns(engine.pid["rank_b"])
             fd = syscalls.pidfd_open(engine.pid["driver"])
             try:
                 assert read_start_ticks("/proc", engine.pid["driver"]) == engine.keys["driver"][1]
@@ -192,15 +98,15 @@ def test_wedged_driver_on_b_its_placement_group_is_removed_from_a(cluster: RayCl
             finally:
                 os.close(fd)
             died_at = time.monotonic()
-            _sigkill(*engine.keys["rank_b"])
-            took_s = _gone_within([engine.keys["rank_a"]], died_at)
+            sigkill(*engine.keys["rank_b"])
+            took_s = gone_within([engine.keys["rank_a"]], died_at)
             print(f"group teardown on node A (driver wedged on B): rank gone {took_s:.2f} s after B's rank died")
             assert took_s <= TEARDOWN_GOAL_S
             event = wait_for_event(daemon.events_path, "group_teardown", timeout_s=10)
             assert event["members"] == [{"pid": engine.pid["rank_a"], "role": raygroup.RANK}]
             assert alive(*engine.keys["driver"]) and alive(*engine.keys["api"])  # node B's: never touched from A
 
-            assert wait_until(lambda: _pg_state(cluster, engine.placement_group) == ["REMOVED"], 30, 0.2)
+            assert wait_until(lambda: pg_state(cluster, engine.placement_group) == ["REMOVED"], 30, 0.2)
             removed_s = time.monotonic() - died_at
             print(f"leaked placement group removed {removed_s:.1f} s after B's rank died")
             again = Engine(cluster, tmp_path, "a")  # a new launch is not blocked on the old group
@@ -222,8 +128,8 @@ def test_node_b_lost_raylet_killed_stops_node_a_members(cluster: RayCluster, tmp
             ticks = read_start_ticks("/proc", raylets[0])
             assert ticks is not None
             died_at = time.monotonic()
-            _sigkill(raylets[0], ticks)
-            took_s = _gone_within([engine.keys["api"], engine.keys["driver"], engine.keys["rank_a"]], died_at)
+            sigkill(raylets[0], ticks)
+            took_s = gone_within([engine.keys["api"], engine.keys["driver"], engine.keys["rank_a"]], died_at)
             gone_ts = time.time()
             event = wait_for_event(daemon.events_path, "group_teardown", timeout_s=10)
             detected_ts = event["detected_ts"]
@@ -237,7 +143,7 @@ def test_node_b_lost_raylet_killed_stops_node_a_members(cluster: RayCluster, tmp
             assert event["group"] == engine.placement_group
             assert event["cause"] in (raygroup.RANK_DIED, raygroup.NODE_DEAD)
             assert event["first_node"] == cluster.ip_b
-            assert wait_until(lambda: _pg_state(cluster, engine.placement_group) == ["REMOVED"], 10, 0.2)
+            assert wait_until(lambda: pg_state(cluster, engine.placement_group) == ["REMOVED"], 10, 0.2)
         finally:
             engine.close()
             cluster.restart_b()  # the next test gets two nodes again

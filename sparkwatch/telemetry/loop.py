@@ -100,6 +100,7 @@ class Telemetry:
         self.scope = engine_scope(settings)
         self.scanner = IncrementalScanner(settings.proc_root)
         self._hot: set[int] = set()  # engine members and compilers: re-read every cycle
+        self.last_procs: tuple[Proc, ...] = ()  # the last cycle's process table
         self.environ = EnvironReader(settings.proc_root, compile_core.MAX_JOBS_VARS)
         self.jitcache = JitCacheSource(list(settings.jit_cache_dirs), list(settings.vllm_cache_dirs))
         self.jit_params = jit_core.JitParams(stall_s=settings.jit_stall_s)
@@ -172,6 +173,8 @@ class Telemetry:
         psi = run("psi", lambda: read_psi(self.settings.proc_root))
         contiguous = run("buddyinfo", lambda: read_contiguous_free(self.settings.proc_root, self.page_size_bytes))
         procs = run("procs", lambda: self.scanner.scan(self._hot).procs)
+        if procs is not None:
+            self.last_procs = procs  # telemetry.raywatch looks for raylets here (a reference, read on its thread)
         trees: tuple[EngineTree, ...] = ()
         boots = run("launched", lambda: self._boots(procs)) or ()
         declared = {(b.root_pid, s): (b.kind, u) for b, s, u, _l in self._declared}

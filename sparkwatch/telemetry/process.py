@@ -156,7 +156,7 @@ class TelemetryProcess:
         )
         # Engines spanning nodes over Ray: their groups from Ray's state API, a teardown to the guard when one loses a
         # member (telemetry.raywatch; the guard checks each member itself before any signal).
-        raywatch = self.raywatch = RayWatch(settings, self._send)
+        raywatch = self.raywatch = RayWatch(settings, self._send, procs=lambda: self.loop.telemetry.last_procs)
         out.append(Component("raywatch", raywatch, RayWatch.LIVE_KEYS, raywatch.apply, raywatch.counters))
         return out
 

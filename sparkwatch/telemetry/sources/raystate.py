@@ -21,14 +21,15 @@ import json
 import os
 import urllib.error
 import urllib.request
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from sparkwatch.core.model import Proc
 from sparkwatch.core.raygroup import RayActor, RayJob, RayNode, RayPlacementGroup, RayState
 
+T = TypeVar("T")
 TIMEOUT_S = 1.0  # one GET; the four measured 0.14 s together on a 2-core box with a two-node cluster
 MAX_BODY_BYTES = 8 << 20  # a cluster with thousands of actors answers a few MiB
 LIMIT = 2000  # rows a call: ranks are a handful per engine; the state API's default is 100
@@ -115,18 +116,7 @@ def parse_state(docs: dict[str, Any]) -> RayState:
                 running=_str(r, "status", "jobs") == "RUNNING",
             )
         )
-    actors = tuple(
-        RayActor(
-            actor_id=_str(r, "actor_id", "actors"),
-            class_name=_str(r, "class_name", "actors"),
-            state=_str(r, "state", "actors"),
-            job_id=_str(r, "job_id", "actors"),
-            node_id=_str(r, "node_id", "actors"),
-            pid=_pid(r.get("pid"), "actors"),
-            placement_group_id=_str(r, "placement_group_id", "actors") or None,
-        )
-        for r in _rows(docs["actors"], "actors")
-    )
+    actors = parse_actors(docs["actors"])
     pgs = []
     for r in _rows(docs["placement_groups"], "placement_groups"):
         bundles = r.get("bundles") or []
@@ -143,6 +133,21 @@ def parse_state(docs: dict[str, Any]) -> RayState:
     return RayState(nodes, tuple(jobs), actors, tuple(pgs))
 
 
+def parse_actors(doc: Any) -> tuple[RayActor, ...]:
+    return tuple(
+        RayActor(
+            actor_id=_str(r, "actor_id", "actors"),
+            class_name=_str(r, "class_name", "actors"),
+            state=_str(r, "state", "actors"),
+            job_id=_str(r, "job_id", "actors"),
+            node_id=_str(r, "node_id", "actors"),
+            pid=_pid(r.get("pid"), "actors"),
+            placement_group_id=_str(r, "placement_group_id", "actors") or None,
+        )
+        for r in _rows(doc, "actors")
+    )
+
+
 class RayStateSource:
     """Polls the state API at `base_url` (e.g. http://127.0.0.1:8265); `poll()` returns a RayState or raises
     RayStateError, counted in `errors` by kind."""
@@ -157,19 +162,26 @@ class RayStateSource:
         self.last_error: str | None = None
 
     def poll(self) -> RayState:
+        """All four listings."""
+        return self._counted(lambda: parse_state({path: self._get(path) for path in PATHS}))
+
+    def poll_actors(self) -> tuple[RayActor, ...]:
+        """The actors only (one listing): between full polls, a death shows here first."""
+        return self._counted(lambda: parse_actors(self._get("actors")))
+
+    def _get(self, path: str) -> Any:
+        return fetch_json(f"{self.base_url}/api/v0/{path}?limit={LIMIT}&detail=true", self.timeout_s)
+
+    def _counted(self, fn: Callable[[], T]) -> T:
         self.polls_total += 1
         try:
-            docs = {
-                path: fetch_json(f"{self.base_url}/api/v0/{path}?limit={LIMIT}&detail=true", self.timeout_s)
-                for path in PATHS
-            }
-            state = parse_state(docs)
+            value = fn()
         except RayStateError as exc:
             self.errors[exc.kind] = self.errors.get(exc.kind, 0) + 1
             self.last_error = f"{exc.kind}: {exc}"
             raise
         self.last_error = None
-        return state
+        return value
 
 
 RAYLET_COMM = "raylet"
@@ -180,6 +192,7 @@ class LocalRaylet:
     """A raylet in our network namespace, from its command line: the node it serves, its cluster's GCS, and the
     interpreter its Python workers run (the engine's own: Ray runs every worker with the driver's environment)."""
 
+    pid: int
     node_id: str
     gcs_address: str
     python: str
@@ -209,7 +222,7 @@ def local_raylets(procs: Iterable[Proc], proc_root: Path) -> tuple[LocalRaylet, 
         except OSError:
             continue
         worker = _flag(p.argv, "python_worker_command").split(" ", 1)[0]
-        out.append(LocalRaylet(node_id, _flag(p.argv, "gcs-address"), worker))
+        out.append(LocalRaylet(p.pid, node_id, _flag(p.argv, "gcs-address"), worker))
     return tuple(out)
 
 

@@ -1,0 +1,156 @@
+"""Group teardown over Ray (issue 29): how long node A takes to stop its half of an engine after the rank on node B
+dies, and what watching Ray costs telemetry.
+
+    .venv/bin/python bench/group_teardown_bench.py --runs 20 --idle-s 60 --out bench/RESULTS-group-teardown.md
+
+The real two-node cluster of the tests (tests/raycluster.py: two network namespaces, `ray start --head` and
+`--address`), a real `sparkwatch run` in node A's namespace, and the vLLM-shaped engine (`vllm serve` ->
+`VLLM::EngineCore` as the Ray driver, a STRICT_SPREAD placement group, one `RayWorkerWrapper` per node).
+
+Part 1, latency: each run starts the engine, SIGKILLs the rank on node B, and measures (CLOCK_MONOTONIC in this
+process) until node A's API server, driver and rank are all gone, then waits for the placement group's REMOVED.
+
+Part 2, cost: with the engine running and nothing dying, the CPU time of telemetry's group-watch thread
+(`sw-raywatch`, /proc/PID/task/TID/stat) over `--idle-s`, and telemetry's RSS against a daemon with
+`ray_dashboard_url = ""` (the watch off) in the same conditions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from tests.conftest import wait_until  # noqa: E402
+from tests.daemon import sparkwatch_run  # noqa: E402
+from tests.raycluster import Engine, RayCluster, gone_within, pg_state, ray_cluster, sigkill  # noqa: E402
+
+TICKS_S = os.sysconf("SC_CLK_TCK")
+
+
+def telemetry_pid(guard_pid: int) -> int:
+    for _ in range(100):
+        for task in os.listdir(f"/proc/{guard_pid}/task"):
+            try:
+                children = Path(f"/proc/{guard_pid}/task/{task}/children").read_text().split()
+            except OSError:
+                continue
+            for child in children:
+                if b"telemetry" in Path(f"/proc/{child}/cmdline").read_bytes():
+                    return int(child)
+        time.sleep(0.1)
+    raise RuntimeError("no telemetry process")
+
+
+def thread_cpu_s(pid: int, comm: str) -> float | None:
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            if Path(f"/proc/{pid}/task/{tid}/comm").read_text().strip() != comm:
+                continue
+            fields = Path(f"/proc/{pid}/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        return (int(fields[11]) + int(fields[12])) / TICKS_S  # utime, stime
+    return None
+
+
+def rss_bytes(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def removed(cluster: RayCluster, pg: str) -> bool:
+    return pg_state(cluster, pg) == ["REMOVED"]
+
+
+def latency_runs(cluster: RayCluster, tmp: Path, runs: int) -> list[tuple[float, float]]:
+    out = []
+    (tmp / "lat").mkdir()
+    with sparkwatch_run(tmp / "lat", prefix=cluster.in_ns(cluster.ns_a, [])):
+        for i in range(runs):
+            engine = Engine(cluster, tmp / "lat", "a")
+            try:
+                died_at = time.monotonic()
+                sigkill(*engine.keys["rank_b"])
+                took = gone_within([engine.keys["api"], engine.keys["driver"], engine.keys["rank_a"]], died_at)
+                assert wait_until(functools.partial(removed, cluster, engine.placement_group), 30, 0.1)
+                pg_s = time.monotonic() - died_at
+            finally:
+                engine.close()
+            print(f"run {i + 1}: members gone {took:.2f} s, placement group removed {pg_s:.2f} s", file=sys.stderr)
+            out.append((took, pg_s))
+    return out
+
+
+def idle_cost(cluster: RayCluster, tmp: Path, idle_s: float, watch: bool) -> tuple[float | None, int]:
+    env = {} if watch else {"SPARKWATCH_RAY_DASHBOARD_URL": ""}
+    name = "on" if watch else "off"
+    (tmp / name).mkdir()
+    with sparkwatch_run(tmp / name, env=env, prefix=cluster.in_ns(cluster.ns_a, [])) as daemon:
+        engine = Engine(cluster, tmp / name, "a")
+        try:
+            tel = telemetry_pid(daemon.proc.pid)
+            time.sleep(5)  # warm-up: the first polls, imports
+            cpu0 = thread_cpu_s(tel, "sw-raywatch")
+            time.sleep(idle_s)
+            cpu1 = thread_cpu_s(tel, "sw-raywatch")
+            share = (cpu1 - cpu0) / idle_s if cpu0 is not None and cpu1 is not None else None
+            return share, rss_bytes(tel)
+        finally:
+            engine.close()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--runs", type=int, default=20)
+    ap.add_argument("--idle-s", type=float, default=60)
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args()
+    tmp = Path(tempfile.mkdtemp(prefix="swgtb"))
+    with ray_cluster() as cluster:
+        runs = latency_runs(cluster, tmp, args.runs)
+        share_on, rss_on = idle_cost(cluster, tmp, args.idle_s, watch=True)
+        _share_off, rss_off = idle_cost(cluster, tmp, args.idle_s, watch=False)
+        start_s = cluster.start_s
+    took = sorted(r[0] for r in runs)
+    pg = sorted(r[1] for r in runs)
+    lines = [
+        "# Group teardown over Ray: latency and cost",
+        "",
+        f"`{' '.join(['bench/group_teardown_bench.py', *sys.argv[1:]])}` on {platform.node()} "
+        f"({os.cpu_count()} cores, {platform.release()}); cluster up in {start_s:.1f} s.",
+        "",
+        "The rank on node B SIGKILLed; node A's `sparkwatch run` stops the API server, the driver and A's rank.",
+        "",
+        "| what | runs | median | worst |",
+        "| --- | --- | --- | --- |",
+        f"| last of node A's members gone after the death | {len(took)} | {statistics.median(took):.2f} s "
+        f"| {took[-1]:.2f} s |",
+        f"| placement group REMOVED after the death | {len(pg)} | {statistics.median(pg):.2f} s | {pg[-1]:.2f} s |",
+        "",
+        f"Cost, an engine running and nothing dying, over {args.idle_s:.0f} s: the group watch's thread took "
+        + (f"{share_on * 100:.3f} % of a core" if share_on is not None else "(thread not found)")
+        + f"; telemetry's RSS {rss_on / 2**20:.1f} MiB with the watch, {rss_off / 2**20:.1f} MiB without "
+        f"({(rss_on - rss_off) / 2**20:+.1f} MiB).",
+        "",
+        "Every run: " + ", ".join(f"{t:.2f}" for t, _ in runs) + " s.",
+    ]
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if args.out:
+        args.out.write_text(text)
+
+
+if __name__ == "__main__":
+    main()
