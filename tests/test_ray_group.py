@@ -231,9 +231,9 @@ def test_teardown_message_round_trip() -> None:
 # --- the guard's own checks (guard.groupwatch), on real processes
 
 
-def _shaped(title: str) -> subprocess.Popen[bytes]:
+def _shaped(title: str, prefix: tuple[str, ...] = ()) -> subprocess.Popen[bytes]:
     env = {**os.environ, "SHAPE_TITLE": title, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
-    proc = subprocess.Popen([sys.executable, str(SHAPE)], env=env)
+    proc = subprocess.Popen([*prefix, sys.executable, str(SHAPE)], env=env)
     assert wait_until(lambda: _cmdline(proc.pid).startswith(title))
     return proc
 
@@ -255,7 +255,8 @@ def test_guard_kills_only_members_it_verifies_itself(tmp_path: Path) -> None:
     rank = _shaped("ray::RayWorkerWrapper")
     other = _shaped("ray::RayWorkerWrapper")
     plain = subprocess.Popen(["sleep", "60"])
-    procs = (rank, other, plain)
+    elsewhere = _shaped("ray::RayWorkerWrapper", ("unshare", "--net"))  # another network namespace: another node
+    procs = (rank, other, plain, elsewhere)
     try:
         ticks = {p.pid: read_start_ticks("/proc", p.pid) or 0 for p in procs}
         msg = GroupTeardownMsg(
@@ -267,13 +268,14 @@ def test_guard_kills_only_members_it_verifies_itself(tmp_path: Path) -> None:
                 (rank.pid, ticks[rank.pid], raygroup.RANK),  # passes every check
                 (other.pid, ticks[other.pid] + 1, raygroup.RANK),  # another start time: a reused pid
                 (plain.pid, ticks[plain.pid], raygroup.RANK),  # not shaped like a Ray worker
+                (elsewhere.pid, ticks[elsewhere.pid], raygroup.RANK),  # not on this node
             ),
             time.time(),
         )
         assert watch.handle(msg) == 1
         assert rank.wait(5) == -signal.SIGKILL
-        assert other.poll() is None and plain.poll() is None
-        assert watch.refused_total == 2
+        assert other.poll() is None and plain.poll() is None and elsewhere.poll() is None
+        assert watch.refused_total == 3
         (event,) = [e for e in read_events(tmp_path / "events.jsonl") if e["kind"] == "group_teardown"]
         assert event["members"] == [{"pid": rank.pid, "role": raygroup.RANK}]
         assert (event["cause"], event["first_node"], event["first_pid"]) == (raygroup.RANK_DIED, "10.0.0.2", 300)
@@ -333,6 +335,14 @@ def test_an_unreachable_api_is_counted() -> None:
         with pytest.raises(RayStateError):
             source.poll()
     assert source.errors["unreachable"] == 1
+
+
+@pytest.mark.parametrize("url", ["http://:8265", "http://127.0.0.1:port"])
+def test_a_bad_url_is_counted_never_raised_at_start(url: str) -> None:
+    source = RayStateSource(url)
+    with pytest.raises(RayStateError):
+        source.poll_actors()
+    assert source.errors["bad_url"] == 1
 
 
 def test_no_raylet_here_no_request(tmp_path: Path) -> None:

@@ -113,6 +113,7 @@ class RayWatch:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(5)
+        self.source.close()
         for helper, _started in self._removing.values():  # our own children, never anything else
             helper.kill()
             helper.wait()

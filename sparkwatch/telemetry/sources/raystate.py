@@ -1,15 +1,15 @@
 """Ray's own state, read from the GCS through the dashboard's state API: nodes, jobs, actors, placement groups.
 
-Plain urllib, no Ray import: four GETs (`/api/v0/{nodes,jobs,actors,placement_groups}`), each bounded in time
-(`TIMEOUT_S`) and size (`MAX_BODY_BYTES`), measured at 0.14 s for the four on a two-node cluster. The source only
-polls while a raylet runs on this node (a box without Ray costs nothing), and every failure (refused, timeout, not
-JSON, a field of the wrong type) is counted by kind and said once in `last_error`; a failed poll leaves the groups
-unknown, never decides anything.
+Plain http.client on one kept-alive connection, no Ray import: GETs of `/api/v0/{nodes,jobs,actors,
+placement_groups}`, each bounded in time (`TIMEOUT_S`) and size (`MAX_BODY_BYTES`): 0.6 ms of CPU and 4-9 ms of
+wall time a listing on the two-node test cluster. The source is polled only while a raylet runs on this node (a box
+without Ray costs nothing), and every failure (refused, timeout, HTTP status, not JSON, a field of the wrong type)
+is counted by kind and said once in `last_error`; a failed poll leaves the groups unknown, never decides anything.
 
 Which node is this one: the raylets in this node's network namespace (the same `/proc/PID/ns/net` as ours) name
 their node, their cluster's GCS and the interpreter of their Python workers on their command line (`--node_id=`,
-`--gcs-address=`, `--python_worker_command=`). On a
-Spark every process shares the host's namespace; in the two-node test each node is a namespace of its own.
+`--gcs-address=`, `--python_worker_command=`). On a Spark every process shares the host's namespace; in the two-node
+test each node is a namespace of its own.
 
 What follows from the state (which groups have a dead member, which local processes are theirs) is decided in
 core.raygroup; telemetry.raywatch hands the guard what to stop.
@@ -17,10 +17,10 @@ core.raygroup; telemetry.raywatch hands the guard what to stop.
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
-import urllib.error
-import urllib.request
+import urllib.parse
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,7 +34,7 @@ TIMEOUT_S = 1.0  # one GET; the four measured 0.14 s together on a 2-core box wi
 MAX_BODY_BYTES = 8 << 20  # a cluster with thousands of actors answers a few MiB
 LIMIT = 2000  # rows a call: ranks are a handful per engine; the state API's default is 100
 PATHS = ("nodes", "jobs", "actors", "placement_groups")
-ERROR_KINDS = ("unreachable", "timeout", "http", "too_big", "bad_answer", "internal")
+ERROR_KINDS = ("unreachable", "timeout", "http", "too_big", "bad_answer", "bad_url", "internal")
 
 
 class RayStateError(Exception):
@@ -45,24 +45,59 @@ class RayStateError(Exception):
         self.kind = kind
 
 
-def fetch_json(url: str, timeout_s: float = TIMEOUT_S) -> Any:
-    try:
-        with urllib.request.urlopen(url, timeout=timeout_s) as resp:
+class Connection:
+    """One kept-alive HTTP connection to the dashboard (http.client): a poll reuses it rather than connecting and
+    building urllib's opener each time (measured: 0.87 ms of CPU a listing through urllib). Any failure closes it;
+    the next request connects again."""
+
+    def __init__(self, base_url: str, timeout_s: float) -> None:
+        parts = urllib.parse.urlsplit(base_url)
+        try:
+            port = parts.port
+        except ValueError:
+            port = None
+            self.bad: str | None = "ray_dashboard_url: not a port"
+        else:
+            self.bad = None if parts.scheme in ("http", "https") and parts.hostname else "ray_dashboard_url: no host"
+        self.https = parts.scheme == "https"
+        self.host = parts.hostname or ""
+        self.port = port
+        self.prefix = parts.path.rstrip("/")
+        self.timeout_s = timeout_s
+        self._conn: http.client.HTTPConnection | None = None
+
+    def get_json(self, path: str) -> Any:
+        if self.bad is not None:
+            raise RayStateError("bad_url", self.bad)
+        if self._conn is None:
+            cls = http.client.HTTPSConnection if self.https else http.client.HTTPConnection
+            self._conn = cls(self.host, self.port, timeout=self.timeout_s)
+        try:
+            self._conn.request("GET", self.prefix + path)
+            resp = self._conn.getresponse()
             body = resp.read(MAX_BODY_BYTES + 1)
-    except TimeoutError:
-        raise RayStateError("timeout", "timed out") from None
-    except urllib.error.HTTPError as exc:
-        raise RayStateError("http", f"HTTP {exc.code}") from None
-    except (urllib.error.URLError, OSError) as exc:
-        reason = getattr(exc, "reason", exc)
-        kind = "timeout" if isinstance(reason, TimeoutError) else "unreachable"
-        raise RayStateError(kind, str(reason)) from None
-    if len(body) > MAX_BODY_BYTES:
-        raise RayStateError("too_big", f"answer over {MAX_BODY_BYTES >> 20} MiB")
-    try:
-        return json.loads(body)
-    except ValueError:
-        raise RayStateError("bad_answer", "not JSON") from None
+            status = resp.status
+            if len(body) > MAX_BODY_BYTES or resp.will_close:
+                self.close()  # the rest of an oversized answer is never read: never reuse that connection
+        except TimeoutError:
+            self.close()
+            raise RayStateError("timeout", "timed out") from None
+        except (http.client.HTTPException, OSError) as exc:
+            self.close()
+            raise RayStateError("unreachable", str(exc) or type(exc).__name__) from None
+        if status != 200:
+            raise RayStateError("http", f"HTTP {status}")
+        if len(body) > MAX_BODY_BYTES:
+            raise RayStateError("too_big", f"answer over {MAX_BODY_BYTES >> 20} MiB")
+        try:
+            return json.loads(body)
+        except ValueError:
+            raise RayStateError("bad_answer", "not JSON") from None
+
+    def close(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
 
 
 def _rows(doc: Any, path: str) -> list[dict[str, Any]]:
@@ -153,8 +188,7 @@ class RayStateSource:
     RayStateError, counted in `errors` by kind."""
 
     def __init__(self, base_url: str, timeout_s: float = TIMEOUT_S) -> None:
-        self.base_url = base_url.rstrip("/")
-        self.timeout_s = timeout_s
+        self.conn = Connection(base_url, timeout_s)
         # Every kind a failed poll is counted under, exported from the start (a counter that appears only after
         # its first error hides the zero before it).
         self.errors: dict[str, int] = dict.fromkeys(ERROR_KINDS, 0)
@@ -170,7 +204,10 @@ class RayStateSource:
         return self._counted(lambda: parse_actors(self._get("actors")))
 
     def _get(self, path: str) -> Any:
-        return fetch_json(f"{self.base_url}/api/v0/{path}?limit={LIMIT}&detail=true", self.timeout_s)
+        return self.conn.get_json(f"/api/v0/{path}?limit={LIMIT}&detail=true")
+
+    def close(self) -> None:
+        self.conn.close()
 
     def _counted(self, fn: Callable[[], T]) -> T:
         self.polls_total += 1
