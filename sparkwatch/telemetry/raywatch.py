@@ -4,7 +4,7 @@ guard (issue 29; docs/multinode.md).
 On its own thread, every `ray_poll_s` (1 s) while a raylet runs in this node's network namespace (looked for in the
 telemetry loop's own process table every `RAYLET_LOOK_S`: a box without Ray pays that and nothing else):
 1. read the actors from the dashboard's state API (telemetry.sources.raystate), and nodes, jobs and placement groups
-   with them every `FULL_EVERY_S` or when an actor names a placement group not known yet;
+   with them every `FULL_EVERY_S` or as soon as an actor not known yet appears;
 2. core.raygroup decides which groups lost a member and which of this node's processes belong to them, from the
    pids Ray names, read one by one from /proc only for a group that lost one (only those in our network
    namespace, with their start time);
@@ -49,9 +49,10 @@ if TYPE_CHECKING:
 
 log = logs.get("raywatch")
 RAYLET_LOOK_S = 5.0  # a raylet started later is found within this (a look goes over telemetry's last table)
-# All four listings this often; in between only the actors (a death shows there first). Measured on the two-node
-# test cluster: 0.6 ms of CPU a listing, and the group watch took 0.72 % of a core polling all four every second
-# and re-reading its members' /proc entries, against a 0.1 % target (issue 29).
+# All four listings this often; in between only the actors (a death shows there first), without Ray's detail.
+# Measured on the two-node test cluster: polling all four every second and re-reading the members' /proc entries,
+# the group watch's thread took 0.72 % of a core; the actors alone through urllib 0.32 %, on one kept-alive
+# connection 0.27 % (the dead actors of 20 runs in each answer, death causes and all); bench/RESULTS-group-teardown.md
 FULL_EVERY_S = 10.0
 RESEND_S = 2.0
 MAX_PIDS = 512  # pids read from /proc a poll: ranks, drivers and their parents of the groups Ray lists
@@ -229,10 +230,13 @@ class RayWatch:
         listings; in between only the actors (their states carry a death), over the last nodes, jobs and groups."""
         try:
             if self._state is not None and now - self._full_at < FULL_EVERY_S:
+                # Without detail Ray leaves out each actor's placement group: the last full poll's, by actor id.
+                placed = {a.actor_id: a.placement_group_id for a in self._state.actors}
                 actors = self.source.poll_actors()
-                known = {pg.placement_group_id for pg in self._state.placement_groups}
-                if all(a.placement_group_id is None or a.placement_group_id in known for a in actors):
-                    self._state = replace(self._state, actors=actors)
+                if all(a.actor_id in placed for a in actors):  # a new actor: its group, its job: a full poll now
+                    self._state = replace(
+                        self._state, actors=tuple(replace(a, placement_group_id=placed[a.actor_id]) for a in actors)
+                    )
                     return self._state
             self._state = self.source.poll()
             self._full_at = now

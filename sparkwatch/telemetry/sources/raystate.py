@@ -200,11 +200,12 @@ class RayStateSource:
         return self._counted(lambda: parse_state({path: self._get(path) for path in PATHS}))
 
     def poll_actors(self) -> tuple[RayActor, ...]:
-        """The actors only (one listing): between full polls, a death shows here first."""
-        return self._counted(lambda: parse_actors(self._get("actors")))
+        """The actors only (one listing, without Ray's detail: no placement group, no death cause, a tenth of the
+        bytes once dead actors pile up): between full polls, a death shows here first."""
+        return self._counted(lambda: parse_actors(self._get("actors", detail=False)))
 
-    def _get(self, path: str) -> Any:
-        return self.conn.get_json(f"/api/v0/{path}?limit={LIMIT}&detail=true")
+    def _get(self, path: str, detail: bool = True) -> Any:
+        return self.conn.get_json(f"/api/v0/{path}?limit={LIMIT}" + ("&detail=true" if detail else ""))
 
     def close(self) -> None:
         self.conn.close()
