@@ -11,7 +11,7 @@ Part 1, latency: each run starts the engine, SIGKILLs the rank on node B, and me
 process) until node A's API server, driver and rank are all gone, then waits for the placement group's REMOVED.
 
 Part 2, cost: with the engine running and nothing dying, the CPU time of telemetry's group-watch thread
-(`sw-raywatch`, /proc/PID/task/TID/stat) over `--idle-s`, and telemetry's RSS against a daemon with
+(`sw-raywatch`, /proc/PID/task/TID/schedstat) over `--idle-s`, and telemetry's RSS against a daemon with
 `ray_dashboard_url = ""` (the watch off) in the same conditions.
 """
 
@@ -34,8 +34,6 @@ from tests.conftest import wait_until  # noqa: E402
 from tests.daemon import sparkwatch_run  # noqa: E402
 from tests.raycluster import Engine, RayCluster, gone_within, pg_state, ray_cluster, sigkill  # noqa: E402
 
-TICKS_S = os.sysconf("SC_CLK_TCK")
-
 
 def telemetry_pid(guard_pid: int) -> int:
     for _ in range(100):
@@ -52,14 +50,15 @@ def telemetry_pid(guard_pid: int) -> int:
 
 
 def thread_cpu_s(pid: int, comm: str) -> float | None:
+    """CPU time of the thread named `comm`, from the scheduler's own nanosecond count (/proc/.../schedstat): utime
+    and stime come in 10 ms ticks, charged to whichever thread runs at a tick."""
     for tid in os.listdir(f"/proc/{pid}/task"):
         try:
             if Path(f"/proc/{pid}/task/{tid}/comm").read_text().strip() != comm:
                 continue
-            fields = Path(f"/proc/{pid}/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()
+            return int(Path(f"/proc/{pid}/task/{tid}/schedstat").read_text().split()[0]) / 1e9
         except OSError:
             continue
-        return (int(fields[11]) + int(fields[12])) / TICKS_S  # utime, stime
     return None
 
 
