@@ -99,6 +99,7 @@ class RayWatch:
         self.pg_removed_total = 0
         self.pg_remove_errors_total = 0
         self._next_look = 0.0  # the next look for raylets in the process table
+        self._looked = False  # a look went over a process table (telemetry's first cycle has run)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._said: str | None = None
@@ -137,7 +138,9 @@ class RayWatch:
             except Exception as exc:  # a bug: reported, counted, survived
                 self.source.errors["internal"] = self.source.errors.get("internal", 0) + 1
                 log.error("group watch failed: %s: %s", type(exc).__name__, exc)
-            self._stop.wait(self.settings.ray_poll_s)
+            # Without a raylet here the thread wakes only to look for one (a quiet box stays quiet); before telemetry's
+            # first process table it looks again at the poll interval.
+            self._stop.wait(self.settings.ray_poll_s if self.node_ids or not self._looked else RAYLET_LOOK_S)
 
     def poll_once(self) -> list[GroupTeardownMsg]:
         now = time.monotonic()
@@ -148,6 +151,7 @@ class RayWatch:
             self.node_ids = frozenset(r.node_id for r in self.raylets)
             if table:  # before telemetry's first cycle there is no table yet: look again at the next poll
                 self._next_look = now + RAYLET_LOOK_S
+                self._looked = True
         if not self.node_ids:
             self.groups, self._state = (), None
             return []
