@@ -6,9 +6,9 @@ this tree, alternated on the same machine.
 A is the baseline commit, written out with `git archive` into a temporary directory; B is this checkout. Each runs
 as the installed `sparkwatch` script does (`python -P -c "…from sparkwatch.entry import main…" ARGS`) from an
 empty working directory with PYTHONPATH naming its tree only, so that neither the checkout nor the venv's editable
-install can stand in for the other; before timing, each tree is asked where its `sparkwatch` package lives and
-whether it has config/defaults.py (the baseline has not), and the bench stops if either answer is wrong. Rounds
-alternate A B, then B A, so a slow minute on a shared box falls on both.
+install can stand in for the other; before timing, each tree is asked where its `sparkwatch` package lives, and the
+bench stops if the answer is not that tree. Rounds alternate A B, then B A, so a slow minute on a shared box falls on
+both.
 
 The commands: the interpreter alone (`python -P -c pass`, the floor under all of them), `--version`, `events`
 (a state dir with 200 events), `engines --window 0`, `status --once`, `launch --plan -- vllm serve <a 4-shard sparse
@@ -28,6 +28,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from tables import archive_tree, git_short, publish
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -111,21 +113,17 @@ def run_once(tree: Path, argv: list[str], env: dict[str, str], cwd: Path) -> tup
     return (time.perf_counter() - t0) * 1000, rc
 
 
-def where(tree: Path, env: dict[str, str], cwd: Path) -> tuple[str, bool]:
-    """The package the tree's interpreter really imports, and whether it has the defaults snapshot."""
-    probe = (
-        "import importlib.util, sparkwatch; print(sparkwatch.__file__); "
-        "print(importlib.util.find_spec('sparkwatch.config.defaults') is not None)"
-    )
-    out = subprocess.run(
+def where(tree: Path, env: dict[str, str], cwd: Path) -> str:
+    """The package the tree's interpreter really imports."""
+    probe = "import sparkwatch; print(sparkwatch.__file__)"
+    return subprocess.run(
         [sys.executable, "-P", "-c", probe],
         env={**env, "PYTHONPATH": str(tree)},
         cwd=cwd,
         capture_output=True,
         text=True,
         check=True,
-    ).stdout.split()
-    return out[0], out[1] == "True"
+    ).stdout.strip()
 
 
 def main() -> None:
@@ -133,36 +131,25 @@ def main() -> None:
     ap.add_argument("--baseline", default="main", help="commit A (default: main)")
     ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--out", type=Path)
+    ap.add_argument("--only", metavar="TEXT", help="only the commands whose label contains TEXT (a quick look)")
     args = ap.parse_args()
-    base = subprocess.run(
-        ["git", "-C", str(ROOT), "rev-parse", "--short", args.baseline], capture_output=True, text=True, check=True
-    ).stdout.strip()
-    head = subprocess.run(
-        ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
-    ).stdout.strip()
-    dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "sparkwatch"], capture_output=True,
-                           text=True, check=True).stdout.strip()  # fmt: skip
+    base, head, dirty = git_short(ROOT, args.baseline)
     with tempfile.TemporaryDirectory(prefix="sw-startup-") as td:
         tmp = Path(td)
-        tree_a = tmp / "a"
-        tree_a.mkdir()
-        archive = subprocess.run(
-            ["git", "-C", str(ROOT), "archive", base, "sparkwatch"], capture_output=True, check=True
-        )
-        subprocess.run(["tar", "-x", "-C", str(tree_a)], input=archive.stdout, check=True)
+        tree_a = archive_tree(ROOT, base, tmp / "a")
         env = make_fixture(tmp)
         cwd = tmp / "cwd"
         cwd.mkdir()
         trees = {"A": tree_a, "B": ROOT}
         for name, tree in trees.items():
-            path, has_defaults = where(tree, env, cwd)
+            path = where(tree, env, cwd)
             if not path.startswith(str(tree) + "/"):
                 sys.exit(f"{name}: imports sparkwatch from {path}, not from {tree}")
-            print(f"{name}: {path} (config/defaults.py: {has_defaults})", file=sys.stderr)
-        if where(tree_a, env, cwd)[1]:
-            sys.exit("A has config/defaults.py: not the baseline this bench compares with")
+            print(f"{name}: {path}", file=sys.stderr)
         rows = []
         for label, argv, target in commands(tmp):
+            if args.only and args.only not in label:
+                continue
             times: dict[str, list[float]] = {"A": [], "B": []}
             rcs: dict[str, set[int]] = {"A": set(), "B": set()}
             for tree in trees.values():  # warm the bytecode caches; not timed
@@ -196,10 +183,7 @@ def main() -> None:
     ]
     for label, a, b, target, exits in rows:
         out.append(f"| `{label}` | {a:.0f} | {b:.0f} | {b / a:.2f} | {target} | {','.join(map(str, exits))} |")
-    text = "\n".join(out) + "\n"
-    print(text)
-    if args.out:
-        args.out.write_text(text)
+    publish(out, args.out)
 
 
 if __name__ == "__main__":
