@@ -6,7 +6,8 @@ A is the baseline commit, written out with `git archive` into a temporary direct
 starts `python -P -m sparkwatch run --dry-run` with PYTHONPATH naming one tree only, in a private state dir, runtime
 dir and port (tests.daemon.daemon_env, the host's journal and pstore read as in production: the postmortem on), and
 reads its stderr: the clock starts at the guard's `running:` line (the guard polls), and telemetry is up at the first
-`GET /metrics` that answers 200 (tried every 5 ms from that line on) and at its own `telemetry running` line. The
+`GET /metrics` that answers 200 (tried every 5 ms from that line on); beside it, telemetry's own `telemetry running`
+line and the first scrape with a telemetry cycle in it (`sparkwatch_collector_success`). The
 daemon is stopped with SIGTERM and waited for before the next round. Rounds alternate A B, then B A, so a slow minute
 on a shared box falls on both. Issue 28's target: telemetry up <= 1 s after the guard.
 """
@@ -36,19 +37,26 @@ START_TIMEOUT_S = 30.0
 POLL_S = 0.005
 
 
-def metrics_ok(port: int) -> bool:
+def scrape(port: int) -> str | None:
+    """The /metrics body, or None when it does not answer 200."""
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=1)
     try:
         conn.request("GET", "/metrics")
-        return conn.getresponse().status == 200
+        response = conn.getresponse()
+        body = response.read().decode(errors="replace")
+        return body if response.status == 200 else None
     except OSError:
-        return False
+        return None
     finally:
         conn.close()
 
 
-def one_start(tree: Path, tmp: Path) -> tuple[float, float, float]:
-    """(guard's `running:` after spawn, /metrics 200 after `running:`, `telemetry running` after `running:`), s."""
+CYCLE_METRIC = "sparkwatch_collector_success{"  # in a scrape once telemetry's first cycle is done
+
+
+def one_start(tree: Path, tmp: Path) -> tuple[float, float, float, float]:
+    """Seconds: the guard's `running:` after the spawn; after that line, the first /metrics 200, telemetry's
+    `telemetry running` line, the first scrape with a telemetry cycle in it."""
     port = free_port()
     env = daemon_env(tmp, port)
     env.pop("SPARKWATCH_POSTMORTEM")  # as in production
@@ -82,11 +90,17 @@ def one_start(tree: Path, tmp: Path) -> tuple[float, float, float]:
         if not seen.wait(START_TIMEOUT_S):
             raise SystemExit(f"{tree}: no `running:` line within {START_TIMEOUT_S:.0f} s")
         deadline = time.monotonic() + START_TIMEOUT_S
-        while not metrics_ok(port):
+        while (body := scrape(port)) is None:
             if time.monotonic() > deadline:
                 raise SystemExit(f"{tree}: /metrics did not answer within {START_TIMEOUT_S:.0f} s")
             time.sleep(POLL_S)
         up = time.monotonic()
+        while CYCLE_METRIC not in body:
+            if time.monotonic() > deadline:
+                raise SystemExit(f"{tree}: no telemetry cycle in /metrics within {START_TIMEOUT_S:.0f} s")
+            time.sleep(POLL_S)
+            body = scrape(port) or ""
+        cycle = time.monotonic()
         while "line" not in marks and time.monotonic() < deadline:
             time.sleep(POLL_S)
     finally:
@@ -98,7 +112,7 @@ def one_start(tree: Path, tmp: Path) -> tuple[float, float, float]:
             proc.wait(5)
         reader.join(5)
     running = marks["running"]
-    return running - t0, up - running, marks.get("line", float("nan")) - running
+    return running - t0, up - running, marks.get("line", float("nan")) - running, cycle - running
 
 
 def main() -> None:
@@ -108,7 +122,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     base, head, dirty = git_short(ROOT, args.baseline)
-    runs: dict[str, list[tuple[float, float, float]]] = {"A": [], "B": []}
+    runs: dict[str, list[tuple[float, float, float, float]]] = {"A": [], "B": []}
     with tempfile.TemporaryDirectory(prefix="sw-telstart-") as td:
         tmp = Path(td)
         trees = {"A": archive_tree(ROOT, base, tmp / "a"), "B": ROOT}
@@ -147,6 +161,7 @@ def main() -> None:
     for i, label, target in (
         (1, "first `GET /metrics` 200 after the guard's `running:`", "≤ 1000 ms"),
         (2, "telemetry's `telemetry running` line after `running:`", "-"),
+        (3, "first `/metrics` with a telemetry cycle in it after `running:`", "-"),
         (0, "the guard's `running:` after the spawn of `sparkwatch run`", "-"),
     ):
         a, b = med("A", i), med("B", i)
