@@ -22,6 +22,7 @@ import argparse
 import json
 import os
 import platform
+import resource
 import statistics
 import subprocess
 import sys
@@ -100,7 +101,9 @@ ENTRY = "import re, sys; from sparkwatch.entry import main; sys.exit(main())"
 BARE = ["-c", "pass"]
 
 
-def run_once(tree: Path, argv: list[str], env: dict[str, str], cwd: Path) -> tuple[float, int]:
+def run_once(tree: Path, argv: list[str], env: dict[str, str], cwd: Path) -> tuple[float, float, int]:
+    """(wall ms, CPU ms: user + system of the process and the children it waited for, exit code)."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
     rc = subprocess.run(
         [sys.executable, "-P", *(argv if argv == BARE else ["-c", ENTRY, *argv])],
@@ -110,7 +113,10 @@ def run_once(tree: Path, argv: list[str], env: dict[str, str], cwd: Path) -> tup
         stderr=subprocess.DEVNULL,
         check=False,
     ).returncode
-    return (time.perf_counter() - t0) * 1000, rc
+    wall_ms = (time.perf_counter() - t0) * 1000
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu_ms = (after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime) * 1000
+    return wall_ms, cpu_ms, rc
 
 
 def where(tree: Path, env: dict[str, str], cwd: Path) -> str:
@@ -151,18 +157,21 @@ def main() -> None:
             if args.only and args.only not in label:
                 continue
             times: dict[str, list[float]] = {"A": [], "B": []}
+            cpus: dict[str, list[float]] = {"A": [], "B": []}
             rcs: dict[str, set[int]] = {"A": set(), "B": set()}
             for tree in trees.values():  # warm the bytecode caches; not timed
                 run_once(tree, argv, env, cwd)
             for r in range(args.rounds):
                 for name in ("A", "B") if r % 2 == 0 else ("B", "A"):
-                    ms, rc = run_once(trees[name], argv, env, cwd)
+                    ms, cpu_ms, rc = run_once(trees[name], argv, env, cwd)
                     times[name].append(ms)
+                    cpus[name].append(cpu_ms)
                     rcs[name].add(rc)
             if rcs["A"] != rcs["B"]:
                 sys.exit(f"{label}: exit codes differ, A {sorted(rcs['A'])} B {sorted(rcs['B'])}")
             a, b = statistics.median(times["A"]), statistics.median(times["B"])
-            rows.append((label, a, b, target, sorted(rcs["B"])))
+            cpu_a, cpu_b = statistics.median(cpus["A"]), statistics.median(cpus["B"])
+            rows.append((label, a, b, cpu_a, cpu_b, target, sorted(rcs["B"])))
             print(f"{label}: A {a:.0f} ms, B {b:.0f} ms", file=sys.stderr)
     load = os.getloadavg()
     out = [
@@ -176,13 +185,18 @@ def main() -> None:
         f"A: {base} (`git archive`), B: {head}{' with uncommitted changes' if dirty else ''}. Each run is "
         "the `sparkwatch` script's lines (`python -P -c '…from sparkwatch.entry import main…' ARGS`) from an "
         "empty directory with PYTHONPATH naming its tree; no config file, no "
-        f"SPARKWATCH_* variable. {args.rounds} rounds each; exit codes equal in A and B.",
+        f"SPARKWATCH_* variable. {args.rounds} rounds each; exit codes equal in A and B. Wall time is what the "
+        "target is about; CPU time (user + system, the process and the children it waited for) moves less with "
+        "the box's load.",
         "",
-        "| command | A median (ms) | B median (ms) | B / A | target | exit |",
-        "| --- | ---: | ---: | ---: | --- | ---: |",
+        "| command | A median (ms) | B median (ms) | B / A | A CPU (ms) | B CPU (ms) | B / A CPU | target | exit |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: |",
     ]
-    for label, a, b, target, exits in rows:
-        out.append(f"| `{label}` | {a:.0f} | {b:.0f} | {b / a:.2f} | {target} | {','.join(map(str, exits))} |")
+    for label, a, b, cpu_a, cpu_b, target, exits in rows:
+        out.append(
+            f"| `{label}` | {a:.0f} | {b:.0f} | {b / a:.2f} | {cpu_a:.0f} | {cpu_b:.0f} | {cpu_b / cpu_a:.2f} | "
+            f"{target} | {','.join(map(str, exits))} |"
+        )
     publish(out, args.out)
 
 
