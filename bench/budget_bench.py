@@ -31,6 +31,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from tables import publish
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
@@ -265,9 +267,7 @@ def main() -> None:
                 f"{len(floors[c])} |"
             )
     text = "\n".join(lines) + "\n"
-    print(text)
-    if args.out:
-        args.out.write_text(text)
+    publish(text, args.out)
 
 
 if __name__ == "__main__":

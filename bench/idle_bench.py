@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
+from tables import publish
 
 ROOT = Path(__file__).resolve().parent.parent
 MiB = 1 << 20
@@ -216,9 +217,7 @@ def main() -> None:
             f"{statistics.median(rss):.1f} ({min(rss):.1f}-{max(rss):.1f}) |"
         )
     text = "\n".join(lines) + "\n"
-    print(text)
-    if args.out:
-        args.out.write_text(text)
+    publish(text, args.out)
 
 
 if __name__ == "__main__":

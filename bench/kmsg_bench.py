@@ -30,6 +30,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tables import publish
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
@@ -174,9 +176,7 @@ def main() -> int:
                         flush=True,
                     )
     text = report(episodes, args)
-    print(text)
-    if args.out:
-        args.out.write_text(text)
+    publish(text, args.out)
     return 0
 
 

@@ -41,7 +41,7 @@ from sparkwatch.telemetry.loop import Telemetry, TelemetryLoop, gpu_bytes_by_pid
 from sparkwatch.telemetry.outbox import Outbox
 from sparkwatch.telemetry.postmortem import PostmortemWatch
 from sparkwatch.telemetry.remote import EventErrors, RemoteGuard
-from sparkwatch.telemetry.sources.nvml_preflight import NvmlOff, nvml_hang_reason
+from sparkwatch.telemetry.sources.nvml_preflight import NvmlOff, Preflight
 from sparkwatch.telemetry.sources.udev import UdevWatcher
 
 log = logs.get("telemetry")
@@ -289,7 +289,13 @@ class TelemetryProcess:
             # A port in use is not a failure here: the server keeps trying to bind on its own thread (BIND_RETRY_S)
             # while the rest runs. Any other failure to start the endpoint (unreadable TLS files) exits, and the
             # guard's supervisor tries again after its backoff.
-            started = start_all(self.components, essential={"metrics"})
+            # The endpoint first: it serves (a scrape before the first cycle says so) while the other components'
+            # threads start, and the driver check's first dpkg read, the postmortem verdict, pyudev's import and the
+            # first /proc scan no longer come before it (bench/RESULTS-telemetry-start.md). Stopped last.
+            first = [c for c in self.components if c.obj is self.metrics]
+            started = start_all(
+                [*first, *(c for c in self.components if c.obj is not self.metrics)], essential={"metrics"}
+            )
         except Exception:
             return 3
         endpoint = ""
@@ -325,7 +331,9 @@ def first_settings(channel: Channel, stop: threading.Event) -> tuple[Settings | 
     return None, []
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None, preflight: Preflight | None = None) -> int:
+    """`preflight`: NVML's load check, already started (telemetry/__main__.py starts it before the imports); None:
+    started here, unless --no-nvml."""
     stop = threading.Event()
     target: list[TelemetryProcess] = []
 
@@ -342,10 +350,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--guard-pid", type=int, default=0)
     parser.add_argument("--no-nvml", action="store_true", help="never load libnvidia-ml (after it hung twice)")
     args = parser.parse_args(argv)
+    if args.no_nvml and preflight is not None:
+        preflight.abandon()
+        preflight = None
+    elif not args.no_nvml and preflight is None:
+        preflight = Preflight.start()
+
+    def give_up(status: int) -> int:
+        if preflight is not None:
+            preflight.abandon()  # its child is ours to reap
+        return status
+
     # Die with the guard (even one killed with SIGKILL): a telemetry process left behind would hold the metrics port.
     syscalls.set_parent_death_signal(signal.SIGKILL)
     if args.guard_pid and os.getppid() != args.guard_pid:
-        return 0  # the guard is already gone
+        return give_up(0)  # the guard is already gone
     syscalls.set_comm("sparkwatch-tel")
     # Before any thread starts (the guard process does the same): glibc gives each thread that mallocs its own arena
     # (up to 8 per core), and memory freed in one arena is not reused by the others.
@@ -356,11 +375,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         settings, early = first_settings(channel, stop)
     except (ChannelClosed, ConfigError) as exc:
         log.error("no usable config from the guard: %s", exc)
-        return 2
+        return give_up(2)
     if settings is None:
-        return 0 if stop.is_set() else 2
+        return give_up(0 if stop.is_set() else 2)
     # NVML is loaded only after a child process showed it loads: a hung load would stop this whole interpreter.
-    nvml_off = NVML_OFF if args.no_nvml else nvml_hang_reason()
+    nvml_off = NVML_OFF if preflight is None else preflight.reason()
     if nvml_off is not None:
         log.error("%s", nvml_off)
     process = TelemetryProcess(settings, channel, log_handler=handler, nvml_off=nvml_off)

@@ -19,6 +19,7 @@ Identity (uuid, name, bus id, max clocks, power limit) is read once per initiali
 
 from __future__ import annotations
 
+import ctypes
 import importlib
 import math
 import queue
@@ -33,6 +34,7 @@ from sparkwatch.common.threads import daemon_thread
 from sparkwatch.core.model import GpuDevice, GpuProcess, GpuReport, NvmlFacts
 from sparkwatch.core.nvmlcodes import FATAL_CODES as _FATAL_CODES
 from sparkwatch.core.nvmlcodes import NvmlReturn
+from sparkwatch.telemetry.sources.nvml_preflight import LIBRARY
 
 # Memory info "about MemTotal" means unified memory. A GB10 report saw total ≈ 128.5 GB against MemTotal
 # 127,600,748 kB (130.7 GB): 1.7 % apart; if that figure was GiB (the physical 128 GiB) it is 5.6 % above MemTotal,
@@ -312,6 +314,15 @@ class NvmlSource:
 
     def _init(self) -> None:
         if self._nvml is None:
+            # Without libnvidia-ml at all (a box without the driver's user space), nvmlInit's answer is known before
+            # pynvml is imported: its import (ctypes.util, tempfile, 3,000 lines of structures) was 22-31 ms of
+            # `sparkwatch status`'s start-up on the 2-core VM. The same report as pynvml's (code 12, its class name).
+            try:
+                ctypes.CDLL(LIBRARY)  # where it loads, pynvml's own load right after finds it loaded
+            except OSError:
+                raise NvmlCallError(
+                    "nvmlInit", NvmlReturn.ERROR_LIBRARY_NOT_FOUND, "NVMLError_LibraryNotFound"
+                ) from None
             try:
                 # Imported on first use: `sparkwatch events` and the guard never load it.
                 self._nvml = importlib.import_module("pynvml")
