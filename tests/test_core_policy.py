@@ -231,6 +231,7 @@ def test_should_cancel_rereads_like_earlyoom() -> None:
     assert not g.should_cancel("floor", params, 7 * GiB, 7 * GiB, rate)
     assert g.should_cancel("floor", params, 7 * GiB, 9 * GiB, rate)
     assert not g.should_cancel("driver_alloc_failed", params, 20 * GiB, 30 * GiB, rate)
+    assert not g.should_cancel("budget", params, 20 * GiB, 30 * GiB, rate)  # the engine's own limit, not the pool's
     decided = 8 * GiB + 80 * MiB  # 0.2 s from the floor at 400 MiB/s: a prediction
     assert not g.should_cancel("predicted", params, decided, decided - 50 * MiB, rate)  # still falling
     assert not g.should_cancel("predicted", params, decided, decided, rate)  # a pause in a bursty fill

@@ -15,10 +15,11 @@ from pathlib import Path
 import pytest
 
 from sparkwatch.common.events import EventLog, read_events
+from sparkwatch.config.schema import guard_config
 from sparkwatch.config.settings import load_settings
 from sparkwatch.core import policy
 from sparkwatch.core.units import GiB, MiB
-from sparkwatch.guard.poolwatch import PoolWatch
+from sparkwatch.guard.poolwatch import GpuBytesSource, GuardLinks, PoolWatch
 from tests.conftest import Spawner, alive, pids_in, rewrite_in_place, wait_until
 
 GB10 = (Path(__file__).parent / "fixtures" / "proc" / "meminfo.gb10-idle").read_text()
@@ -40,7 +41,7 @@ def link_tree(proc_root: Path, pidfile: Path) -> dict[int, tuple[int, str]]:
     return pids
 
 
-def make_guard(proc_root: Path, state_dir: Path) -> PoolWatch:
+def make_guard(proc_root: Path, state_dir: Path, gpu: GpuBytesSource | None = None) -> PoolWatch:
     settings = load_settings(
         overrides={
             "proc_root": proc_root,
@@ -50,21 +51,20 @@ def make_guard(proc_root: Path, state_dir: Path) -> PoolWatch:
             "ancestor_pid": os.getpid(),
         }
     )
-    return PoolWatch(settings, EventLog(settings.events_path))
+    return PoolWatch(guard_config(settings), EventLog(settings.events_path), GuardLinks(gpu_bytes_by_pid=gpu))
 
 
 def test_memory_recovered_while_choosing_cancels_the_kill(spawner: Spawner, proc_root: Path, tmp_path: Path) -> None:
     pidfile = tmp_path / "tree.pids"
     spawner.engine("--worker", "VLLM::Worker_TP0", pidfile=pidfile, wait_for=2)
     pids = link_tree(proc_root, pidfile)
-    guard = make_guard(proc_root, tmp_path / "state")
 
     def gpu_and_recovery() -> policy.GpuBytes | None:
         # Called while the guard ranks its victims: memory comes back right then (an engine freed its cache).
         rewrite_in_place(proc_root / "meminfo", GB10)
         return None
 
-    guard.gpu_bytes_by_pid = gpu_and_recovery
+    guard = make_guard(proc_root, tmp_path / "state", gpu_and_recovery)
     guard.reaper.start()
     try:
         rewrite_in_place(proc_root / "meminfo", LOW)
@@ -103,15 +103,14 @@ def test_a_predicted_kill_is_cancelled_only_when_memory_came_back(
     pidfile = tmp_path / "tree.pids"
     spawner.engine("--worker", "VLLM::Worker_TP0", pidfile=pidfile, wait_for=2)
     pids = link_tree(proc_root, pidfile)
-    guard = make_guard(proc_root, tmp_path / "state")
-    floor = guard.params.floor_bytes
-    decided = floor + 64 * MiB  # a few GiB/s of fill: the floor is well within the 0.25 s kill budget
+    decided = 8 * GiB + 64 * MiB  # a few GiB/s of fill: the floor is well within the 0.25 s kill budget
 
     def moved_while_choosing() -> policy.GpuBytes | None:
         rewrite_in_place(proc_root / "meminfo", meminfo_at(decided + moved_mib * MiB))
         return None
 
-    guard.gpu_bytes_by_pid = moved_while_choosing
+    guard = make_guard(proc_root, tmp_path / "state", moved_while_choosing)
+    assert guard.config.floor == 8 * GiB
     guard.reaper.start()
     try:
         rewrite_in_place(proc_root / "meminfo", meminfo_at(decided))
@@ -140,9 +139,8 @@ def test_the_kill_record_holds_the_victims_rss_and_gpu_bytes(spawner: Spawner, p
     spawner.engine("--worker", "VLLM::Worker_TP0", "--ignore-term", pidfile=pidfile, wait_for=2)
     pids = link_tree(proc_root, pidfile)
     worker = next(pid for pid, (_t, role) in pids.items() if role == "worker")
-    guard = make_guard(proc_root, tmp_path / "state")
     # Telemetry's last per-pid reading: the worker holds 20 GiB of GPU memory; a pid outside the tree is ignored.
-    guard.gpu_bytes_by_pid = lambda: (time.monotonic(), {worker: 20 * GiB, 1: 5 * GiB})
+    guard = make_guard(proc_root, tmp_path / "state", lambda: (time.monotonic(), {worker: 20 * GiB, 1: 5 * GiB}))
     guard.reaper.start()
     try:
         rewrite_in_place(proc_root / "meminfo", LOW)

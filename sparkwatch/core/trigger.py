@@ -243,12 +243,16 @@ def should_cancel(
     """Re-read right before the signal, as earlyoom does: cancel when memory recovered since the decision. For the
     floor, escalation and hunting: MemAvailable is above the floor now. For a prediction (made above the floor): at
     the fill rate it was made with, the floor is now more than RECOVERED_AFTER_BUDGETS kill budgets away. A driver
-    allocation failure is never cancelled."""
+    allocation failure and a budget are never cancelled."""
     if available_now_bytes <= params.floor_bytes:
         return False
     if trigger == "driver_alloc_failed":
         # The driver already failed an allocation: MemAvailable is what lags there (a box showed 22.5 GiB available
         # while the driver logged NV_ERR_NO_MEMORY at 119.2 of 121.7 GiB used), so a re-read cannot cancel it.
+        return False
+    if trigger == "budget":
+        # A budget is the engine's own limit, measured on its own tree: the pool having room says nothing about it
+        # (a budget kill is made far above the floor by design).
         return False
     if trigger == "predicted":
         if available_now_bytes <= decided_available_bytes:
