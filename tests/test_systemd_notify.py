@@ -185,7 +185,7 @@ def test_guard_reconfigure_applies_live(tmp_path: Path) -> None:
         assert {"floor", "dry_run", "poll_max_s"} <= applied
         assert "listen" not in applied and "state_dir" not in applied
         snap = guard.snapshot  # one reference, swapped whole: the next tick reads all of it
-        assert snap.config.floor == 4 * GiB and snap.params.floor_bytes == 4 * GiB and snap.params.poll_max_s == 0.5
+        assert snap.config.floor == 4 * GiB and snap.config.poll_max_s == 0.5
         assert snap.config.dry_run is False  # the kill path hands the tick's snapshot to the killer per kill
     finally:
         guard.meminfo.close()  # never started: nothing else to stop

@@ -24,7 +24,6 @@ from sparkwatch.common.wiretypes import WireError, from_json
 from sparkwatch.core.budget import BudgetParams
 from sparkwatch.core.engines import EngineRules, Scope, rules_for
 from sparkwatch.core.policy import PolicyParams, parse_engine_budgets
-from sparkwatch.core.trigger import GuardParams
 
 
 class EngineSettings(Protocol):
@@ -152,12 +151,11 @@ def _shown(value: object) -> str:
 
 @dataclass(frozen=True)
 class GuardSnapshot:
-    """One GuardConfig with what the guard compiles from it (core's parameters, the engine rules and scope, the kill
-    policy, the config's budgets), built whole at start and on each reload and swapped as one reference: the guard's
-    tick reads it once, so every decision of a tick is made under one config."""
+    """One GuardConfig with what the guard compiles from it (the budgets' parameters, the engine rules and scope, the
+    kill policy's compiled patterns, the config's budgets), built whole at start and on each reload and swapped as
+    one reference: the guard's tick reads it once, so every decision of a tick is made under one config."""
 
     config: GuardConfig
-    params: GuardParams
     budget_params: BudgetParams
     policy: PolicyParams
     rules: EngineRules
@@ -168,15 +166,6 @@ class GuardSnapshot:
     def of(cls, config: GuardConfig) -> GuardSnapshot:
         return cls(
             config=config,
-            params=GuardParams(
-                floor_bytes=config.floor,
-                kill_budget_s=config.kill_budget_s,
-                debounce_samples=config.debounce_samples,
-                poll_min_s=config.poll_min_s,
-                poll_max_s=config.poll_max_s,
-                rearm_headroom_bytes=config.rearm_headroom,
-                settle_s=config.kill_settle_s,
-            ),
             budget_params=BudgetParams(
                 debounce_samples=config.debounce_samples, poll_min_s=config.poll_min_s, poll_max_s=config.poll_max_s
             ),

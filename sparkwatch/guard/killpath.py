@@ -266,17 +266,17 @@ class KillPath:
             if now >= deadline:
                 del self._outstanding[key]
         if not self._outstanding:
-            state = core.reaped(state, snap.params, now)
+            state = core.reaped(state, now, kill_settle_s=snap.config.kill_settle_s)
         return state
 
     # --- the kill
     def fire(self, req: KillRequest, state: core.GuardState, snap: GuardSnapshot) -> core.GuardState:
         """Act on one request; returns core.trigger's state with what came of it."""
-        config, params = snap.config, snap.params
+        config = snap.config
         facts = KillFacts(
             trigger=req.trigger,
             mem=req.mem,
-            floor_bytes=params.floor_bytes,
+            floor_bytes=config.floor,
             fill_rate_bytes_per_s=state.fill_rate_bytes_per_s,
             dry_run=config.dry_run,
             trees=(),
@@ -310,7 +310,7 @@ class KillPath:
                 facts, ranking=tuple((c.tree.root.pid, c.tree.kind, c.reasons) for c in ranking[:RANKING_IN_EVENT])
             )
             if picked is None:
-                state = core.fired(state, params, time.monotonic(), core.Outcome.NONE)
+                state = core.fired(state, time.monotonic(), core.Outcome.NONE)
                 if not req.growing_only and not self._hunt_recorded:
                     self._hunt_recorded = True  # one no_victim event; the guard keeps looking while under the floor
                     self.records.reaper.submit(KillJob(facts, [], req.detected_at, None, req.mem.available_bytes))
@@ -328,8 +328,12 @@ class KillPath:
             available_now = self.meminfo.read().available_bytes
         except MeminfoError:
             available_now = req.mem.available_bytes  # the decision stands on the last good sample
-        if core.should_cancel(req.trigger, params, req.mem.available_bytes, available_now, state.fill_rate_bytes_per_s):
-            state = core.fired(state, params, time.monotonic(), core.Outcome.CANCELLED)
+        decided = req.mem.available_bytes
+        rate = state.fill_rate_bytes_per_s
+        if core.should_cancel(
+            req.trigger, decided, available_now, rate, floor=config.floor, kill_budget_s=config.kill_budget_s
+        ):
+            state = core.fired(state, time.monotonic(), core.Outcome.CANCELLED)
             with self.lock:
                 self.stats.cancelled_total += 1
             self.records.cancelled(facts, choice.tree, choice.reasons, available_now)
@@ -386,9 +390,10 @@ class KillPath:
         teardown_s = core.teardown_deadline_s(choice.held_bytes)
         if not dry_run and victims:
             self._outstanding[choice.key] = now + teardown_s
-        state = core.fired(state, snap.params, now, core.Outcome.KILLED, teardown_s)
+        state = core.fired(state, now, core.Outcome.KILLED, teardown_s)
         if choice.key not in self._outstanding:
-            state = core.reaped(state, snap.params, now)  # dry run, or already gone: nothing to wait for
+            # Dry run, or already gone: nothing to wait for.
+            state = core.reaped(state, now, kill_settle_s=snap.config.kill_settle_s)
         with self.lock:
             self.stats.count_kill(req.trigger, dry_run, len(victims), time.time())
         self.records.reaper.submit(

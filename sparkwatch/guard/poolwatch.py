@@ -237,7 +237,7 @@ class PoolWatch:
     def tick(self) -> float:
         """One look at meminfo, and a kill if due. Returns the seconds to sleep. Reads the config snapshot once."""
         snap = self.snapshot
-        params = snap.params
+        c = snap.config
         now = time.monotonic()
         try:
             mem = self.meminfo.read()
@@ -251,10 +251,21 @@ class PoolWatch:
                 self._last_error_logged = now
                 log.error("ERROR %s", exc)
             self._beat(now)
-            return params.poll_min_s * 4
+            return c.poll_min_s * 4
         kills = self.kills
         self.state = kills.reaped(self.state, snap, now)
-        self.state, decision = core.step(self.state, params, now, mem.available_bytes)
+        self.state, decision = core.step(
+            self.state,
+            now,
+            mem.available_bytes,
+            floor=c.floor,
+            kill_budget_s=c.kill_budget_s,
+            debounce_samples=c.debounce_samples,
+            poll_min_s=c.poll_min_s,
+            poll_max_s=c.poll_max_s,
+            rearm_headroom=c.rearm_headroom,
+            kill_settle_s=c.kill_settle_s,
+        )
         if decision.rearmed:
             kills.rearmed()
             self.records.line(logging.INFO, f"sparkwatch: re-armed: MemAvailable {format_size(mem.available_bytes)}")
@@ -344,7 +355,7 @@ class PoolWatch:
         """The kernel-log hook: a driver allocation failure near the floor fires like a crossing (core.kernlog), through
         the same kill path as any other firing (one tree, the one causing the spike)."""
         trigger = self.kernlog.poll(
-            now, mem.available_bytes, snap.params.floor_bytes, snap.config.warn_headroom, self.state.armed
+            now, mem.available_bytes, snap.config.floor, snap.config.warn_headroom, self.state.armed
         )
         if trigger is None:
             return False
@@ -354,7 +365,7 @@ class PoolWatch:
     def _near_floor(self, available_bytes: int, decision: core.Decision, snap: GuardSnapshot) -> bool:
         if self.state.in_episode:
             return True  # growth history must stay fresh while a kill may follow
-        if available_bytes <= snap.params.floor_bytes + snap.config.warn_headroom:
+        if available_bytes <= snap.config.floor + snap.config.warn_headroom:
             return True
         return decision.seconds_to_floor is not None and decision.seconds_to_floor < WARM_SCAN_HORIZON_S
 
