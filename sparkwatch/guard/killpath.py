@@ -273,15 +273,6 @@ class KillPath:
     def fire(self, req: KillRequest, state: core.GuardState, snap: GuardSnapshot) -> core.GuardState:
         """Act on one request; returns core.trigger's state with what came of it."""
         config = snap.config
-        facts = KillFacts(
-            trigger=req.trigger,
-            mem=req.mem,
-            floor_bytes=config.floor,
-            fill_rate_bytes_per_s=state.fill_rate_bytes_per_s,
-            dry_run=config.dry_run,
-            trees=(),
-            victims=(),
-        )
         exclude = self._episode_victims.union(self._outstanding)
         if req.budget is not None:
             b = req.budget
@@ -289,16 +280,16 @@ class KillPath:
             if key in exclude:
                 return state  # already this episode's victim: that kill is under way and recorded
             fp = b.footprint
-            choice = _Choice(
-                b.tree,
-                key,
-                fp.bytes,
-                b.tree.rss_bytes,
-                fp.gpu_bytes,
-                (f"over its budget {format_size(b.budget_bytes)} ({b.source})",),
-            )
-            facts = replace(
-                facts,
+            reasons = (f"over its budget {format_size(b.budget_bytes)} ({b.source})",)
+            choice = _Choice(b.tree, key, fp.bytes, b.tree.rss_bytes, fp.gpu_bytes, reasons)
+            facts = KillFacts(
+                trigger=req.trigger,
+                mem=req.mem,
+                floor_bytes=config.floor,
+                fill_rate_bytes_per_s=state.fill_rate_bytes_per_s,
+                dry_run=config.dry_run,
+                trees=(),
+                victims=(),
                 budget_bytes=b.budget_bytes,
                 footprint_bytes=fp.bytes,
                 footprint_source=str(fp.source),
@@ -306,8 +297,15 @@ class KillPath:
             )
         else:
             picked, ranking = self._choose(req, exclude, snap)
-            facts = replace(
-                facts, ranking=tuple((c.tree.root.pid, c.tree.kind, c.reasons) for c in ranking[:RANKING_IN_EVENT])
+            facts = KillFacts(
+                trigger=req.trigger,
+                mem=req.mem,
+                floor_bytes=config.floor,
+                fill_rate_bytes_per_s=state.fill_rate_bytes_per_s,
+                dry_run=config.dry_run,
+                trees=(),
+                victims=(),
+                ranking=tuple((c.tree.root.pid, c.tree.kind, c.reasons) for c in ranking[:RANKING_IN_EVENT]),
             )
             if picked is None:
                 state = core.fired(state, time.monotonic(), core.Outcome.NONE)
@@ -315,14 +313,8 @@ class KillPath:
                     self._hunt_recorded = True  # one no_victim event; the guard keeps looking while under the floor
                     self.records.reaper.submit(KillJob(facts, [], req.detected_at, None, req.mem.available_bytes))
                 return state
-            choice = _Choice(
-                picked.tree,
-                picked.key,
-                picked.rss_bytes + (picked.gpu_bytes or 0),
-                picked.rss_bytes,
-                picked.gpu_bytes,
-                picked.reasons,
-            )
+            held = picked.rss_bytes + (picked.gpu_bytes or 0)
+            choice = _Choice(picked.tree, picked.key, held, picked.rss_bytes, picked.gpu_bytes, picked.reasons)
         # Re-read right before the signal, as earlyoom does: memory may have come back while we chose.
         try:
             available_now = self.meminfo.read().available_bytes

@@ -31,7 +31,7 @@ from sparkwatch.common.guardconfig import GuardConfig, GuardSnapshot
 from sparkwatch.common.sources.kmsg import KmsgSource
 from sparkwatch.common.sources.meminfo import MeminfoError, MeminfoReader
 from sparkwatch.common.sources.procs import ProcScanner
-from sparkwatch.common.stats import GuardStats
+from sparkwatch.common.stats import GuardStats, KernelLogStats
 from sparkwatch.common.threads import daemon_thread
 from sparkwatch.core import policy
 from sparkwatch.core import trigger as core
@@ -175,6 +175,18 @@ class PoolWatch:
             self.kernlog.accept_injected = config.kernel_log_accept_injected
         self._wake()  # a new floor or poll interval takes effect now, not after the current sleep
         return self.LIVE_KEYS
+
+    def stats_snapshot(self) -> GuardStats:
+        """The guard's stats, copied under its lock (for the state message)."""
+        with self.lock:
+            return self.stats.snapshot()
+
+    def kernel_log_snapshot(self) -> KernelLogStats:
+        with self.kernlog.lock:
+            return self.kernlog.stats.snapshot()
+
+    def kernel_log_dropped(self) -> int:
+        return self.kernlog.stats.events_dropped_total
 
     def counters(self) -> dict[str, int]:
         """The guard's internal error counters, for the guard process's `counters` message."""

@@ -242,7 +242,7 @@ class GuardProcess:
             "alert_spool_errors": self.spool.spool_errors_total if self.spool is not None else 0,
             "alerts_suppressed": router.suppressed_total if router is not None else 0,
             "router_errors": router.errors_total if router is not None else 0,
-            "kernel_log_events_dropped": self.guard.kernlog.stats.events_dropped_total,
+            "kernel_log_events_dropped": self.guard.kernel_log_dropped(),
         }
 
     # --- what the channel carries
@@ -250,14 +250,9 @@ class GuardProcess:
         return {component.name: dict(component.counters()) for component in self.components}
 
     def state(self) -> StateMsg:
-        g = self.guard
-        with g.lock:
-            stats = g.stats.snapshot()
-        with g.kernlog.lock:
-            kernlog = g.kernlog.stats.snapshot()
         return StateMsg(
-            guard=stats,
-            kernlog=kernlog,
+            guard=self.guard.stats_snapshot(),
+            kernlog=self.guard.kernel_log_snapshot(),
             counters=self.counters(),
             rss_bytes=rss_bytes(),
             watchdog_pings_total=self.sd.watchdog_pings_total,
