@@ -196,9 +196,8 @@ def step(
     counting = phase != Phase.WATCH or below > 0 or predict > 0
     return new_state, Decision(
         trigger=trigger,
-        next_interval_s=next_interval(
-            available_bytes, rate, counting, floor=floor, poll_min_s=poll_min_s, poll_max_s=poll_max_s
-        ),
+        # next_interval, inlined: this runs on every tick, and a keyword call costs ~0.3 µs here.
+        next_interval_s=poll_min_s if counting else interval_for(available_bytes - floor, rate, poll_min_s, poll_max_s),
         rearmed=rearmed,
         seconds_to_floor=eta,
         growing_only=growing_only,
