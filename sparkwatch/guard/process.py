@@ -166,6 +166,7 @@ class GuardProcess:
             self.state,
             command=telemetry or telemetry_command,
             near_floor=lambda: self.guard.near_floor,
+            on_over_cap=self._over_cap_seen,
         )
         gpu = self.supervisor.gpu
         # The flight recorder: fed by the pool watch's tick (no wake-up of its own), written on its own thread, with
@@ -195,7 +196,6 @@ class GuardProcess:
                 recorder=self.recorder,
             ),
         )
-        self.supervisor.on_over_cap = self._over_cap_seen
         self.events.subscribe(self.supervisor.forward)
         self.components: list[Component[GuardConfig]] = [
             # Before the guard: it stops after the pool watch, so its last sample (marked `stopping`) is the last tick.
