@@ -30,6 +30,7 @@ from pydantic import (
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from sparkwatch.common.durable import read_regular
+from sparkwatch.common.guardconfig import GuardConfig
 from sparkwatch.common.sharing import group_id
 from sparkwatch.config.defaults import (
     FACTORIES,
@@ -398,6 +399,12 @@ def _wire_value(value: object) -> Any:
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
     return str(value)  # Path, AnyHttpUrl
+
+
+def guard_config(settings: Settings) -> GuardConfig:
+    """Settings -> the guard's GuardConfig: the one conversion, the same wire form `sparkwatch run` hands the guard
+    process (tests build the guard through here, as production does)."""
+    return GuardConfig.from_wire(settings_to_wire(settings), settings.public_dict())
 
 
 _SIZE_KEYS = frozenset(

@@ -97,7 +97,10 @@ def budget_step(
     elif warned and seen < params.rearm_ratio * budget_bytes:
         warned = False
     counting = count > 0
-    interval = params.poll_min_s if counting else interval_for(limit - footprint_bytes, rate, params)
+    if counting:
+        interval = params.poll_min_s
+    else:
+        interval = interval_for(limit - footprint_bytes, rate, params.poll_min_s, params.poll_max_s)
     new = replace(
         state,
         last_t=t,

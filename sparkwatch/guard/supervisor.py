@@ -104,6 +104,7 @@ class TelemetrySupervisor:
         *,
         command: Callable[[int, bool], list[str]] = telemetry_command,
         near_floor: Callable[[], bool] = lambda: False,
+        on_over_cap: Callable[[int], None] | None = None,
     ) -> None:
         self.config = config
         self.events = events
@@ -141,7 +142,7 @@ class TelemetrySupervisor:
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         # The guard process's RSS cap, checked on the state each look builds (its RSS is in it already).
         self.rss_cap_bytes = GUARD_RSS_CAP_BYTES
-        self.on_over_cap: Callable[[int], None] | None = None
+        self.on_over_cap = on_over_cap
         self._last_state_at = 0.0
 
     # --- component interface

@@ -21,6 +21,7 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from sparkwatch import __version__
+from sparkwatch.common.guardconfig import GuardConfig
 from sparkwatch.common.stats import KILL_DURATION_BUCKETS_S, GuardStats, KernelLogStats
 from sparkwatch.config.settings import Settings
 from sparkwatch.core.bootphase import BootPhase
@@ -63,13 +64,18 @@ class OutboxLike(Protocol):
     def pending(self) -> int: ...
 
 
-def _guard_copy(guard: GuardLike | None) -> tuple[GuardStats | None, Settings | None]:
+# The keys the collector reads live: telemetry's Settings (RemoteGuard) or, with the pool watch in the same process,
+# its GuardConfig; both name them alike.
+LiveConfig = Settings | GuardConfig
+
+
+def _guard_copy(guard: GuardLike | None) -> tuple[GuardStats | None, LiveConfig | None]:
     """The guard's counters and its live settings (SIGHUP may change floor, warn headroom, dry run), under its lock."""
     if guard is None:
         return None, None
     with guard.lock:  # a handful of field copies: the guard never waits on a scrape for longer than that
         out = guard.stats.snapshot()
-        settings = getattr(guard, "settings", None)
+        settings = getattr(guard, "settings", None) or getattr(guard, "config", None)
     return out, settings
 
 
@@ -105,12 +111,12 @@ class SparkwatchCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         snap = self.latest()
         stats, live = _guard_copy(self.guard)
-        yield from self._families(snap, stats, live if isinstance(live, Settings) else self.settings)
+        yield from self._families(snap, stats, live if isinstance(live, Settings | GuardConfig) else self.settings)
         # Last: it counts what the families above left out in this scrape too (telemetry.exporter.families).
         yield counter("metrics_series_dropped", value=dropped_total())
 
     # --- rendering
-    def _families(self, snap: Snapshot | None, stats: GuardStats | None, settings: Settings) -> Iterator[Metric]:
+    def _families(self, snap: Snapshot | None, stats: GuardStats | None, settings: LiveConfig) -> Iterator[Metric]:
         info = gauge("build_info", labels=["version"])
         info.add_metric([__version__], 1)
         yield info
@@ -159,7 +165,7 @@ class SparkwatchCollector(Collector):
         return guard_mem if guard_age_s <= own_age_s else own_mem
 
     def _memory(
-        self, mem: MemInfo | None, snap: Snapshot | None, stats: GuardStats | None, settings: Settings
+        self, mem: MemInfo | None, snap: Snapshot | None, stats: GuardStats | None, settings: LiveConfig
     ) -> Iterator[Metric]:
         if mem is not None:
             for name, value in (
