@@ -164,6 +164,7 @@ class GuardProcess:
             self.state,
             command=telemetry or telemetry_command,
             near_floor=lambda: self.guard.near_floor,
+            on_gpu_sample=self.guard._wake,  # a near-budget engine's GPU bytes moved: its budget is looked at now
         )
         # From telemetry's last cycle, over the channel: NVML's GPU holders and per-pid GPU bytes (the guard never
         # loads NVML itself; a stale or missing reading never delays a kill: the policy ranks without it).

@@ -36,11 +36,13 @@ from sparkwatch.telemetry.driver import DriverWatcher
 from sparkwatch.telemetry.exporter.internal import InternalCollector
 from sparkwatch.telemetry.exporter.postmortem import PostmortemCollector
 from sparkwatch.telemetry.exporter.server import MetricsServer, build_registry
+from sparkwatch.telemetry.gpufast import GpuFastSampler
 from sparkwatch.telemetry.headroom import HeadroomWatcher
 from sparkwatch.telemetry.loop import Telemetry, TelemetryLoop, gpu_bytes_by_pid, quiet
 from sparkwatch.telemetry.outbox import Outbox
 from sparkwatch.telemetry.postmortem import PostmortemWatch
 from sparkwatch.telemetry.remote import EventErrors, RemoteGuard
+from sparkwatch.telemetry.sources.nvml import NvmlSource
 from sparkwatch.telemetry.sources.nvml_preflight import NvmlOff, nvml_hang_reason
 from sparkwatch.telemetry.sources.udev import UdevWatcher
 
@@ -99,6 +101,19 @@ class TelemetryProcess:
                 Telemetry.LIVE_KEYS | {"telemetry_interval_s"},
                 loop.reconfigure,
                 lambda: {"cycle_errors": loop.errors_total, "launched_errors": loop.telemetry.launched.errors_total},
+            )
+        )
+        # Near-budget engines' GPU bytes, sampled fast on a thread of its own (the guard names them in its state).
+        source = loop.telemetry.gpu_source
+        nvml = source if isinstance(source, NvmlSource) else None
+        fast = self.gpu_fast = GpuFastSampler(
+            None if nvml is None else nvml.process_bytes, self._send, proc_root=str(settings.proc_root)
+        )
+        self.components.append(
+            Component(
+                "gpu_fast",
+                fast,
+                counters=lambda: {**fast.counters(), "nvml_call_errors": nvml.fast_errors_total if nvml else 0},
             )
         )
         self.components += self._endpoint()
@@ -224,6 +239,7 @@ class TelemetryProcess:
         if isinstance(msg, StateMsg):
             self.remote.update(msg)
             self.headroom.tick()
+            self.gpu_fast.watch([key for b in msg.guard.budgets for key in b.gpu_watch])
         elif isinstance(msg, EventMsg):
             if self.router is not None:
                 self.router(msg.event)  # already durable in events.jsonl and in the journal: only the alert is left
