@@ -104,7 +104,7 @@ def episode(tree: Path, tmp: Path, args: argparse.Namespace) -> dict[str, Any]:
         SPARKWATCH_STATE_DIR=str(state),
         SPARKWATCH_LISTEN=f"127.0.0.1:{free_port()}",
         SPARKWATCH_FLOOR="1GiB",
-        SPARKWATCH_ENGINE_PATTERNS=json.dumps([r"vllm=gpu_runaway_bench\.py engine"]),
+        SPARKWATCH_ENGINE_PATTERNS=json.dumps([r"gpurunaway=gpu_runaway_bench\.py engine"]),
         SPARKWATCH_ENGINE_BUDGETS=json.dumps([f"{args.budget_mib}MiB=gpu.runaway"]),
         SPARKWATCH_KERNEL_LOG_PATH=str(tmp / "no-kmsg"),
         SPARKWATCH_JIT_CACHE_DIRS=json.dumps([str(tmp / "no-jit")]),
