@@ -18,7 +18,9 @@ from typing import Annotated, Any
 
 from pydantic import (
     AnyHttpUrl,
+    BaseModel,
     BeforeValidator,
+    ConfigDict,
     Field,
     PlainSerializer,
     SecretStr,
@@ -27,7 +29,6 @@ from pydantic import (
     field_validator,
     model_validator,
 )
-from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from sparkwatch.common.durable import read_regular
 from sparkwatch.common.sharing import group_id
@@ -98,10 +99,14 @@ _LIST_CHECKS: dict[str, Callable[[list[str]], object]] = {
 }
 
 
-class Settings(BaseSettings, Derived):
-    """Every key is documented in README.md and docs/contract.md; the names are a contract."""
+class Settings(BaseModel, Derived):
+    """Every key is documented in README.md and docs/contract.md; the names are a contract.
 
-    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="forbid", frozen=True, validate_default=True)
+    A plain pydantic model: the layering of file, environment and flags (pydantic-settings) is `validate`'s alone, in
+    the one process that loads a config. The telemetry process builds its Settings from the guard's wire values and
+    never imports pydantic-settings: its 188 modules were 16.6 MiB of telemetry's RSS (bench/RESULTS-rss-gpu.md)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
 
     # --- the guard
     floor: ByteSize = Field(
@@ -302,20 +307,6 @@ class Settings(BaseSettings, Derived):
         return data
 
 
-class _MappingSource(PydanticBaseSettingsSource):
-    """The TOML file's table as a settings source (pydantic-settings' own TOML source takes a fixed path)."""
-
-    def __init__(self, settings_cls: type[BaseSettings], data: Mapping[str, Any]) -> None:
-        super().__init__(settings_cls)
-        self._data = dict(data)
-
-    def get_field_value(self, field: Any, field_name: str) -> tuple[Any, str, bool]:  # pragma: no cover - unused
-        return self._data.get(field_name), field_name, False
-
-    def __call__(self) -> dict[str, Any]:
-        return dict(self._data)
-
-
 def _check_env_keys(env: Mapping[str, str]) -> None:
     known = set(Settings.model_fields)
     for name in env:
@@ -355,10 +346,31 @@ def _describe(exc: ValidationError, toml_keys: set[str]) -> str:
 def validate(toml_data: Mapping[str, Any], overrides: Mapping[str, Any]) -> Settings:
     """Defaults < the TOML file's table < SPARKWATCH_* environment < `overrides` (the flags), validated as a whole.
     Raises ConfigError naming the key. `settings.load_settings` is the one caller."""
+    from pydantic_settings import (  # noqa: PLC0415 - only the process that loads a config pays for it
+        BaseSettings,
+        PydanticBaseSettingsSource,
+        SettingsConfigDict,
+    )
+
     env = {k: v for k, v in os.environ.items() if k != ENV_PREFIX + "CONFIG"}
     _check_env_keys(env)
 
-    class _Layered(Settings):
+    class _MappingSource(PydanticBaseSettingsSource):
+        """The TOML file's table as a settings source (pydantic-settings' own TOML source takes a fixed path)."""
+
+        def __init__(self, settings_cls: type[BaseSettings], data: Mapping[str, Any]) -> None:
+            super().__init__(settings_cls)
+            self._data = dict(data)
+
+        def get_field_value(self, field: Any, field_name: str) -> tuple[Any, str, bool]:  # pragma: no cover
+            return self._data.get(field_name), field_name, False
+
+        def __call__(self) -> dict[str, Any]:
+            return dict(self._data)
+
+    class _Layered(BaseSettings, Settings):
+        model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="forbid", frozen=True, validate_default=True)
+
         @classmethod
         def settings_customise_sources(
             cls,
