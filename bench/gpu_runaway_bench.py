@@ -156,6 +156,7 @@ def episode(tree: Path, tmp: Path, args: argparse.Namespace) -> dict[str, Any]:
             events = [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.exists() else []
             kill = next((e for e in events if e["kind"] == "kill"), None)
             time.sleep(0.2)
+        reaped_ms = (kill or {}).get("signal_to_reaped_ms")
         stepped = float(marks["stepped"][0]) if "stepped" in marks else None
         step = float(marks["step"][0]) if "step" in marks else None
         return {
@@ -168,6 +169,7 @@ def episode(tree: Path, tmp: Path, args: argparse.Namespace) -> dict[str, Any]:
             "gpu_bytes": kill.get("victim_gpu_bytes") if kill else None,
             "footprint_bytes": kill.get("footprint_bytes") if kill else None,
             "source": kill.get("footprint_source") if kill else None,
+            "signal_to_reaped_s": None if reaped_ms is None else reaped_ms / 1000,
         }
     finally:
         daemon.terminate()
@@ -184,6 +186,14 @@ def gib(n: float | None) -> str:
 
 def ms(s: float | None) -> str:
     return "-" if s is None else f"{s * 1000:.0f}"
+
+
+def to_signal(r: dict[str, Any]) -> float | None:
+    """Step start -> the guard's SIGKILL: the death this script saw, less the guard's own signal -> reaped time (a
+    process holding 15 GiB of device memory takes a while to be torn down by the driver)."""
+    if r["latency_s"] is None or r["signal_to_reaped_s"] is None:
+        return None
+    return float(r["latency_s"]) - float(r["signal_to_reaped_s"])
 
 
 def med(values: list[float | None]) -> float | None:
@@ -234,23 +244,25 @@ def main() -> None:
         f"{args.step_gib:g} GiB.",
         "",
         "| arm | episode | footprint before the step GiB | step took ms | step start -> death ms "
-        "| step end -> death ms | trigger "
+        "| step end -> death ms | signal -> reaped ms (guard) | step start -> signal ms | trigger "
         "| GPU bytes at the kill GiB | footprint at the kill GiB (source) |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for name, i, r in rows:
         lines.append(
             f"| {name} | {i} | {gib(r['near_bytes'])} | {ms(r['step_s'])} | {ms(r['latency_s'])} "
-            f"| {ms(r['after_end_s'])} | {r['trigger']} "
+            f"| {ms(r['after_end_s'])} | {ms(r['signal_to_reaped_s'])} | {ms(to_signal(r))} | {r['trigger']} "
             f"| {gib(r['gpu_bytes'])} | {gib(r['footprint_bytes'])} ({r['source']}) |"
         )
-    lines += ["", "Medians per arm:", "", "| arm | step start -> death ms | step end -> death ms "
-              "| GPU bytes at the kill GiB | killed on budget |", "| --- | --- | --- | --- | --- |"]  # fmt: skip
+    lines += ["", "Medians per arm:", "", "| arm | step start -> signal ms | step start -> death ms "
+              "| step end -> death ms | GPU bytes at the kill GiB | killed on budget |",
+              "| --- | --- | --- | --- | --- | --- |"]  # fmt: skip
     for name, _tree in arms:
         mine = [r for n, _i, r in rows if n == name]
         budget_kills = sum(1 for r in mine if r["trigger"] == "budget")
         lines.append(
-            f"| {name} | {ms(med([r['latency_s'] for r in mine]))} | {ms(med([r['after_end_s'] for r in mine]))} "
+            f"| {name} | {ms(med([to_signal(r) for r in mine]))} | {ms(med([r['latency_s'] for r in mine]))} "
+            f"| {ms(med([r['after_end_s'] for r in mine]))} "
             f"| {gib(med([r['gpu_bytes'] for r in mine]))} | {budget_kills} of {len(mine)} |"
         )
     text = "\n".join(lines) + "\n"
