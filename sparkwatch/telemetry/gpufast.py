@@ -27,6 +27,9 @@ from sparkwatch.common.threads import daemon_thread
 from sparkwatch.core.budget import FAST_PERIOD_S
 
 ProcessBytes = Callable[[], dict[int, int] | None]
+# With no reading (NVML not initialised yet by a telemetry cycle, down, or stuck) the next try waits this long: the
+# cycle's own reading and its report of NVML's state stand meanwhile, and a dead NVML costs no 20 Hz of futile tries.
+NO_READING_RETRY_S = 1.0
 
 
 def start_ticks(proc_root: str, pid: int) -> int | None:
@@ -111,8 +114,10 @@ class GpuFastSampler:
                 self._changed.clear()
                 continue
             started = time.monotonic()
+            errors = self.nvml_errors_total
             self.sample()
-            self._stop.wait(max(0.0, started + self.period_s - time.monotonic()))
+            period_s = self.period_s if self.nvml_errors_total == errors else NO_READING_RETRY_S
+            self._stop.wait(max(0.0, started + period_s - time.monotonic()))
 
     def sample(self) -> GpuSampleMsg | None:
         """One sample of the watched pids; the message sent, if their bytes changed (None otherwise)."""
