@@ -18,13 +18,16 @@ import pytest
 
 from sparkwatch.common.channel import Channel, socketpair
 from sparkwatch.common.events import EventLog, read_events
+from sparkwatch.common.guardconfig import GuardConfig
 from sparkwatch.common.messages import GpuSampleMsg, StateMsg, TelMsg, decode, encode
-from sparkwatch.common.stats import GuardStats, KernelLogStats
-from sparkwatch.config.settings import load_settings
+from sparkwatch.common.stats import BudgetStat, GuardStats, KernelLogStats
+from sparkwatch.config.settings import load_settings, settings_to_wire
 from sparkwatch.core.units import GiB
 from sparkwatch.guard.gpuboard import GpuBoard
 from sparkwatch.guard.poolwatch import PoolWatch
+from sparkwatch.guard.supervisor import TelemetrySupervisor
 from sparkwatch.telemetry.gpufast import GpuFastSampler, start_ticks
+from sparkwatch.telemetry.process import TelemetryProcess
 from sparkwatch.telemetry.sources.nvml import NvmlSource
 from tests.conftest import Spawner, alive, pids_in, wait_until
 from tests.helpers.fake_nvml import FakeNvml, gb10
@@ -185,3 +188,47 @@ def test_a_state_never_asks_for_more_than_the_bound_of_pids() -> None:
     with pytest.raises(ValueError, match="more than 64 pids"):
         decode(encode(msg))
     assert isinstance(decode(encode(StateMsg(stats, KernelLogStats()))), StateMsg)
+
+
+def test_telemetry_watches_what_the_guards_state_names_and_the_supervisor_wakes_the_guard(tmp_path: Path) -> None:
+    """The wiring of both processes: a state naming a near tree's members sets telemetry's watch (and one naming
+    none clears it); a sample coming back is laid over the cycle's reading and wakes the guard's loop."""
+    settings = load_settings(
+        None,
+        {"state_dir": tmp_path / "state", "root": tmp_path / "root", "mlock": False, "listen": "127.0.0.1:9"},
+    )
+    me = os.getpid()
+    start = start_ticks("/proc", me)
+    assert start is not None
+    guard_end, telemetry_end = (Channel(s) for s in socketpair())
+    tp = TelemetryProcess(settings, telemetry_end)
+    try:
+        near = GuardStats(budgets=[BudgetStat(me, "vllm", "m", 6 * GiB, 5 * GiB, "rss+gpu", 5 * GiB, "config",
+                                              gpu_watch=((me, start),))])  # fmt: skip
+        assert guard_end.send(StateMsg(near, KernelLogStats()))
+        for msg in telemetry_end.receive(5.0):
+            tp.handle(msg)
+        assert tp.gpu_fast.watched == frozenset({me})
+        assert guard_end.send(StateMsg(GuardStats(), KernelLogStats()))
+        for msg in telemetry_end.receive(5.0):
+            tp.handle(msg)
+        assert tp.gpu_fast.watched == frozenset()
+    finally:
+        guard_end.close()
+        telemetry_end.close()
+        tp.loop.telemetry.close()
+
+    config = GuardConfig.from_wire(settings_to_wire(settings), settings.public_dict())
+    woken: list[int] = []
+    sup = TelemetrySupervisor(
+        config, EventLog(tmp_path / "events.jsonl"), lambda: StateMsg(GuardStats(), KernelLogStats()),
+        on_gpu_sample=lambda: woken.append(1),
+    )  # fmt: skip
+    sup._handle(TelMsg(gpu_ts=time.time() - 1.0, gpu_pids={me: 5 * GiB, 1: 1 * GiB}))
+    sup._handle(GpuSampleMsg(time.time(), {me: 15 * GiB}))
+    assert woken == [1]
+    latest = sup.gpu.latest()
+    assert latest is not None and latest[1] == {me: 15 * GiB, 1: 1 * GiB}
+    sup._handle(TelMsg(gpu_ts=time.time() + 1.0, gpu_pids={me: 6 * GiB}))  # a newer cycle reading wins
+    latest = sup.gpu.latest()
+    assert latest is not None and latest[1] == {me: 6 * GiB}
