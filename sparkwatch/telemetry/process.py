@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sparkwatch.common import logs, syscalls
 from sparkwatch.common.channel import Channel, ChannelClosed
@@ -30,7 +30,7 @@ from sparkwatch.common.messages import AckMsg, AppliedMsg, EventMsg, Message, Se
 from sparkwatch.common.recording import open_recording
 from sparkwatch.common.selfwatch import rss_bytes
 from sparkwatch.common.sharing import events_gid
-from sparkwatch.config.settings import ConfigError, Settings, settings_from_wire
+from sparkwatch.config.settings import ConfigError, wire_settings
 from sparkwatch.core.model import NvmlFacts, Snapshot
 from sparkwatch.telemetry.driver import DriverWatcher
 from sparkwatch.telemetry.exporter.internal import InternalCollector
@@ -45,6 +45,9 @@ from sparkwatch.telemetry.remote import EventErrors, RemoteGuard
 from sparkwatch.telemetry.sources.nvml import NvmlSource
 from sparkwatch.telemetry.sources.nvml_preflight import NvmlOff, nvml_hang_reason
 from sparkwatch.telemetry.sources.udev import UdevWatcher
+
+if TYPE_CHECKING:
+    from sparkwatch.config.settings import Settings
 
 log = logs.get("telemetry")
 FIRST_SETTINGS_S = 30.0
@@ -246,7 +249,7 @@ class TelemetryProcess:
             self._send(AckMsg((msg.event.id,)))  # the outbox has it (spooled, fsynced): the guard may forget it
         elif isinstance(msg, SettingsMsg) and msg.reload:
             try:
-                new = settings_from_wire(msg.wire)
+                new = wire_settings(msg.wire)
             except ConfigError as exc:
                 self._send(AppliedMsg((), (f"config refused: {exc}",)))
                 return
@@ -337,7 +340,7 @@ def first_settings(channel: Channel, stop: threading.Event) -> tuple[Settings | 
         msgs = channel.receive(0.5)
         for i, msg in enumerate(msgs):
             if isinstance(msg, SettingsMsg):
-                return settings_from_wire(msg.wire), msgs[i + 1 :]
+                return wire_settings(msg.wire), msgs[i + 1 :]
     return None, []
 
 

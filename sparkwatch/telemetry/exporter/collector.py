@@ -13,7 +13,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from prometheus_client.core import (
     Metric,
@@ -22,7 +22,7 @@ from prometheus_client.registry import Collector
 
 from sparkwatch import __version__
 from sparkwatch.common.stats import KILL_DURATION_BUCKETS_S, GuardStats, KernelLogStats
-from sparkwatch.config.settings import Settings
+from sparkwatch.config.defaults import Derived
 from sparkwatch.core.bootphase import BootPhase
 from sparkwatch.core.compile import TOOLS
 from sparkwatch.core.enums import JitState, MaxJobsState
@@ -30,6 +30,9 @@ from sparkwatch.core.kernlog import NVRM_KINDS, XID_CATALOGUE
 from sparkwatch.core.model import DriverReport, GpuReport, MemInfo, Snapshot
 from sparkwatch.telemetry.exporter.families import counter, dropped_total, gauge, histogram
 from sparkwatch.telemetry.exporter.gpu import gpu_families
+
+if TYPE_CHECKING:
+    from sparkwatch.config.settings import Settings
 
 # core.trigger's triggers (each may choose a tree), core.kernlog's and core.budget's: exported at 0 so increase() sees
 # the first kill (or, in dry run, the first would-kill) of each from the start
@@ -105,7 +108,7 @@ class SparkwatchCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         snap = self.latest()
         stats, live = _guard_copy(self.guard)
-        yield from self._families(snap, stats, live if isinstance(live, Settings) else self.settings)
+        yield from self._families(snap, stats, live if isinstance(live, Derived) else self.settings)
         # Last: it counts what the families above left out in this scrape too (telemetry.exporter.families).
         yield counter("metrics_series_dropped", value=dropped_total())
 
