@@ -4,7 +4,7 @@
 
 Episodes alternate A B A B: the daemon (`sparkwatch run`, both processes, its metrics endpoint scraped every 5 s as
 Prometheus would), then earlyoom 1.7 on the same box, `--rounds` times each. Every episode lets the process settle
-for 10 s (telemetry imports pydantic, prometheus_client and pynvml, and its first cycles warm its caches), then
+for 10 s (telemetry imports prometheus_client and pynvml, and its first cycles warm its caches), then
 measures `--seconds`: CPU time (user + system, from /proc/PID/stat through psutil) over wall time, in % of one core,
 and the largest RSS seen in 1 s samples; at the episode's end, each process's PSS (smaps_rollup) and its RSS split
 into anonymous, file and locked pages (/proc/PID/status). Medians over the rounds; these VMs are noisy.

@@ -102,9 +102,10 @@ _LIST_CHECKS: dict[str, Callable[[list[str]], object]] = {
 class Settings(BaseModel, Derived):
     """Every key is documented in README.md and docs/contract.md; the names are a contract.
 
-    A plain pydantic model: the layering of file, environment and flags (pydantic-settings) is `validate`'s alone, in
-    the one process that loads a config. The telemetry process builds its Settings from the guard's wire values and
-    never imports pydantic-settings: its 188 modules were 16.6 MiB of telemetry's RSS (bench/RESULTS-rss-gpu.md)."""
+    A plain pydantic model: the layering of file, environment and flags (pydantic-settings, 188 modules) is
+    `validate`'s alone, in the one process that loads a config; a Settings validated from wire values does without it.
+    The telemetry process takes the guard's wire values without pydantic at all (config.defaults.WireSettings,
+    bench/RESULTS-rss-gpu.md)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
 
@@ -394,7 +395,7 @@ def validate(toml_data: Mapping[str, Any], overrides: Mapping[str, Any]) -> Sett
 
 def settings_to_wire(settings: Settings) -> dict[str, Any]:
     """The validated values in plain JSON types (sizes in bytes, paths and URLs as strings, the secret revealed) for
-    the guard process (`guardconfig.GuardConfig.from_wire`) and the telemetry process (`settings_from_wire`). Only
+    the guard process (`guardconfig.GuardConfig.from_wire`) and the telemetry process (`settings.wire_settings`). Only
     ever sent over a pipe or socketpair between sparkwatch's own processes; never logged."""
     out: dict[str, Any] = {}
     for name in Settings.model_fields:

@@ -80,7 +80,7 @@ def telemetry_env(environ: Mapping[str, str]) -> dict[str, str]:
 # Telemetry's main thread answers every 0.25-1 s whatever its cycle does; only a process-wide stop (a C call holding
 # the GIL, such as a dlopen of a hung libnvidia-ml) or a reload waiting behind a slow cycle silences it.
 STALL_MIN_S = 15.0
-# Before its first message telemetry imports pydantic, prometheus_client and pynvml and checks that NVML loads (up to
+# Before its first message telemetry imports prometheus_client and pynvml and checks that NVML loads (up to
 # 10 s, telemetry/sources/nvml_preflight.py): allow that much more, on a loaded box.
 STARTUP_ALLOWANCE_S = 60.0
 
