@@ -173,7 +173,7 @@ class PoolWatch:
             self.records.reaper.settle_s = config.kill_settle_s
             self.kernlog.enabled = config.kernel_log_corroboration
             self.kernlog.accept_injected = config.kernel_log_accept_injected
-        self._wake()  # a new floor or poll interval takes effect now, not after the current sleep
+        self.wake()  # a new floor or poll interval takes effect now, not after the current sleep
         return self.LIVE_KEYS
 
     def stats_snapshot(self) -> GuardStats:
@@ -207,7 +207,7 @@ class PoolWatch:
         self._thread = daemon_thread(self.run, "sparkwatch-guard")
         self._thread.start()
 
-    def _wake(self) -> None:
+    def wake(self) -> None:
         try:
             os.write(self._wake_w, b"x")
         except OSError:
@@ -215,7 +215,7 @@ class PoolWatch:
 
     def stop(self) -> None:
         self._stop.set()
-        self._wake()
+        self.wake()
         self._warm.set()
         if self._thread is not None:
             self._thread.join(5)

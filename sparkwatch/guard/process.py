@@ -167,6 +167,8 @@ class GuardProcess:
             command=telemetry or telemetry_command,
             near_floor=lambda: self.guard.near_floor,
             on_over_cap=self._over_cap_seen,
+            # a near-budget engine's GPU bytes moved: its budget is looked at now
+            on_gpu_sample=lambda: self.guard.wake(),  # noqa: PLW0108 - late-bound: the guard is built after this
         )
         gpu = self.supervisor.gpu
         # The flight recorder: fed by the pool watch's tick (no wake-up of its own), written on its own thread, with

@@ -32,7 +32,16 @@ from sparkwatch.common.channel import Channel, ChannelClosed, socketpair
 from sparkwatch.common.events import EventLog, EventLogError, make_event
 from sparkwatch.common.guardconfig import GuardConfig
 from sparkwatch.common.lifecycle import Backoff, run_with_restarts
-from sparkwatch.common.messages import AckMsg, AppliedMsg, EventMsg, Message, SettingsMsg, StateMsg, TelMsg
+from sparkwatch.common.messages import (
+    AckMsg,
+    AppliedMsg,
+    EventMsg,
+    GpuSampleMsg,
+    Message,
+    SettingsMsg,
+    StateMsg,
+    TelMsg,
+)
 from sparkwatch.common.selfwatch import GUARD_RSS_CAP_BYTES
 from sparkwatch.common.threads import daemon_thread
 from sparkwatch.core.eventkinds import EventKind
@@ -71,7 +80,7 @@ def telemetry_env(environ: Mapping[str, str]) -> dict[str, str]:
 # Telemetry's main thread answers every 0.25-1 s whatever its cycle does; only a process-wide stop (a C call holding
 # the GIL, such as a dlopen of a hung libnvidia-ml) or a reload waiting behind a slow cycle silences it.
 STALL_MIN_S = 15.0
-# Before its first message telemetry imports pydantic, prometheus_client and pynvml and checks that NVML loads (up to
+# Before its first message telemetry imports prometheus_client and pynvml and checks that NVML loads (up to
 # 10 s, telemetry/sources/nvml_preflight.py): allow that much more, on a loaded box.
 STARTUP_ALLOWANCE_S = 60.0
 
@@ -105,13 +114,15 @@ class TelemetrySupervisor:
         command: Callable[[int, bool], list[str]] = telemetry_command,
         near_floor: Callable[[], bool] = lambda: False,
         on_over_cap: Callable[[int], None] | None = None,
+        on_gpu_sample: Callable[[], None] = lambda: None,
     ) -> None:
+        """`on_gpu_sample`: wakes the pool watch when a fast GPU sample of a near-budget engine came (guard.budgets)."""
         self.config = config
         self.events = events
         self.state = state
         self.near_floor = near_floor
         self.command = command
-        self.gpu = GpuBoard()
+        self.gpu = GpuBoard(on_sample=on_gpu_sample)
         self.engines: int | None = None
         self.compile_jobs: int | None = None
         self.engine_roots: tuple[tuple[str, int], ...] | None = None  # telemetry's engine trees (kind, root pid)
@@ -369,6 +380,8 @@ class TelemetrySupervisor:
             self.engines, self.compile_jobs = msg.engines, msg.compile_jobs
             self.engine_roots = msg.engine_roots if msg.engines is not None else None
             self.gpu.update(msg)
+        elif isinstance(msg, GpuSampleMsg):
+            self.gpu.update_fast(msg)
         elif isinstance(msg, AckMsg):
             for event_id in msg.ids:
                 self._unacked.pop(event_id, None)

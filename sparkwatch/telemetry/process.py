@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sparkwatch.common import logs, syscalls
 from sparkwatch.common.channel import Channel, ChannelClosed
@@ -30,19 +30,24 @@ from sparkwatch.common.messages import AckMsg, AppliedMsg, EventMsg, Message, Se
 from sparkwatch.common.recording import open_recording
 from sparkwatch.common.selfwatch import rss_bytes
 from sparkwatch.common.sharing import events_gid
-from sparkwatch.config.settings import ConfigError, Settings, settings_from_wire
+from sparkwatch.config.settings import ConfigError, wire_settings
 from sparkwatch.core.model import NvmlFacts, Snapshot
 from sparkwatch.telemetry.driver import DriverWatcher
 from sparkwatch.telemetry.exporter.internal import InternalCollector
 from sparkwatch.telemetry.exporter.postmortem import PostmortemCollector
 from sparkwatch.telemetry.exporter.server import MetricsServer, build_registry
+from sparkwatch.telemetry.gpufast import GpuFastSampler
 from sparkwatch.telemetry.headroom import HeadroomWatcher
 from sparkwatch.telemetry.loop import Telemetry, TelemetryLoop, gpu_bytes_by_pid, quiet
 from sparkwatch.telemetry.outbox import Outbox
 from sparkwatch.telemetry.postmortem import PostmortemWatch
 from sparkwatch.telemetry.remote import EventErrors, RemoteGuard
+from sparkwatch.telemetry.sources.nvml import NvmlSource
 from sparkwatch.telemetry.sources.nvml_preflight import NvmlOff, Preflight
 from sparkwatch.telemetry.sources.udev import UdevWatcher
+
+if TYPE_CHECKING:
+    from sparkwatch.config.settings import Settings
 
 log = logs.get("telemetry")
 FIRST_SETTINGS_S = 30.0
@@ -99,6 +104,19 @@ class TelemetryProcess:
                 Telemetry.LIVE_KEYS | {"telemetry_interval_s"},
                 loop.reconfigure,
                 lambda: {"cycle_errors": loop.errors_total, "launched_errors": loop.telemetry.launched.errors_total},
+            )
+        )
+        # Near-budget engines' GPU bytes, sampled fast on a thread of its own (the guard names them in its state).
+        source = loop.telemetry.gpu_source
+        nvml = source if isinstance(source, NvmlSource) else None
+        fast = self.gpu_fast = GpuFastSampler(
+            None if nvml is None else nvml.process_bytes, self._send, proc_root=str(settings.proc_root)
+        )
+        self.components.append(
+            Component(
+                "gpu_fast",
+                fast,
+                counters=lambda: {**fast.counters(), "nvml_call_errors": nvml.fast_errors_total if nvml else 0},
             )
         )
         self.components += self._endpoint()
@@ -224,13 +242,14 @@ class TelemetryProcess:
         if isinstance(msg, StateMsg):
             self.remote.update(msg)
             self.headroom.tick()
+            self.gpu_fast.watch([key for b in msg.guard.budgets for key in b.gpu_watch])
         elif isinstance(msg, EventMsg):
             if self.router is not None:
                 self.router(msg.event)  # already durable in events.jsonl and in the journal: only the alert is left
             self._send(AckMsg((msg.event.id,)))  # the outbox has it (spooled, fsynced): the guard may forget it
         elif isinstance(msg, SettingsMsg) and msg.reload:
             try:
-                new = settings_from_wire(msg.wire)
+                new = wire_settings(msg.wire)
             except ConfigError as exc:
                 self._send(AppliedMsg((), (f"config refused: {exc}",)))
                 return
@@ -327,7 +346,7 @@ def first_settings(channel: Channel, stop: threading.Event) -> tuple[Settings | 
         msgs = channel.receive(0.5)
         for i, msg in enumerate(msgs):
             if isinstance(msg, SettingsMsg):
-                return settings_from_wire(msg.wire), msgs[i + 1 :]
+                return wire_settings(msg.wire), msgs[i + 1 :]
     return None, []
 
 
