@@ -31,11 +31,14 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from tables import publish
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from sparkwatch.common.events import EventLog  # noqa: E402
 from sparkwatch.common.sources.meminfo import MeminfoReader  # noqa: E402
+from sparkwatch.config.schema import guard_config  # noqa: E402
 from sparkwatch.config.settings import load_settings  # noqa: E402
 from sparkwatch.core.budget import BudgetParams, limit_bytes  # noqa: E402
 from sparkwatch.guard.poolwatch import PoolWatch  # noqa: E402
@@ -96,16 +99,17 @@ def guard(tmp: Path, budgets: list[str], floor: int) -> tuple[PoolWatch, list[fl
             "kernel_log_path": tmp / "no-kmsg",
         }
     )
-    pool = PoolWatch(settings, EventLog(settings.events_path))
+    pool = PoolWatch(guard_config(settings), EventLog(settings.events_path))
     signals: list[float] = []
-    kill = pool.killer.kill
+    killer = pool.kills.killer
+    kill = killer.kill
 
     def recording_kill(*a: object, **kw: object) -> object:
         out = kill(*a, **kw)  # type: ignore[arg-type]
         signals.append(time.monotonic() if out[1] is None else out[1])
         return out
 
-    pool.killer.kill = recording_kill  # type: ignore[method-assign,assignment]
+    killer.kill = recording_kill  # type: ignore[method-assign,assignment]
     pool.start()
     return pool, signals
 
@@ -265,9 +269,7 @@ def main() -> None:
                 f"{len(floors[c])} |"
             )
     text = "\n".join(lines) + "\n"
-    print(text)
-    if args.out:
-        args.out.write_text(text)
+    publish(text, args.out)
 
 
 if __name__ == "__main__":

@@ -37,6 +37,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from tables import publish
+
 ROOT = Path(__file__).resolve().parent.parent
 GiB = 1 << 30
 MiB = 1 << 20
@@ -277,9 +279,7 @@ def main() -> None:
     launch_line = next((x for x in results[-1]["stderr"].splitlines() if "the guard killed" in x), "(no line)")
     lines += ["", f"launch's line: `{launch_line}`", ""]
     text = "\n".join(lines) + "\n"
-    print(text)
-    if args.out:
-        args.out.write_text(text)
+    publish(text, args.out)
 
 
 if __name__ == "__main__":

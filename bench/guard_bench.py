@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
+from tables import publish
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -460,9 +461,7 @@ def main() -> None:
                         print(two[-1], flush=True)
                         time.sleep(1)
         text = two_engine_report(two, sys.argv[1:])
-        print(text)
-        if args.out:
-            args.out.write_text(text)
+        publish(text, args.out)
         return
     episodes: list[Episode] = []
     with tempfile.TemporaryDirectory() as tmpdir:
@@ -557,9 +556,7 @@ def main() -> None:
             lines.append(f"| {c} | {cpu:.2f} | {rss:.1f} |")
         lines += split_rss_lines(args.idle_s, split)
     text = "\n".join(lines) + "\n"
-    print(text)
-    if args.out:
-        args.out.write_text(text)
+    publish(text, args.out)
 
 
 if __name__ == "__main__":

@@ -27,6 +27,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from tables import publish
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
@@ -155,9 +157,7 @@ def main() -> int:
         a, b, c = med("A", key), med("B", key), med("C", key)
         lines.append(f"| {label} | {ms(a)} | {ms(b)} | {ms(c)} | {ratio(b, a)} | {ratio(c, b)} |")
     text = "\n".join(lines) + "\n"
-    print(text)
-    if args.out:
-        args.out.write_text(text)
+    publish(text, args.out)
     return 0
 
 

@@ -4,9 +4,10 @@
 
 Episodes alternate A B A B: the daemon (`sparkwatch run`, both processes, its metrics endpoint scraped every 5 s as
 Prometheus would), then earlyoom 1.7 on the same box, `--rounds` times each. Every episode lets the process settle
-for 10 s (telemetry imports pydantic, prometheus_client and pynvml, and its first cycles warm its caches), then
+for 10 s (telemetry imports prometheus_client and pynvml, and its first cycles warm its caches), then
 measures `--seconds`: CPU time (user + system, from /proc/PID/stat through psutil) over wall time, in % of one core,
-and the largest RSS seen in 1 s samples. Medians over the rounds; these VMs are noisy.
+and the largest RSS seen in 1 s samples; at the episode's end, each process's PSS (smaps_rollup) and its RSS split
+into anonymous, file and locked pages (/proc/PID/status). Medians over the rounds; these VMs are noisy.
 
 On a GPU machine (where libnvidia-ml loads) the telemetry process polls NVML every cycle, as it does on a Spark;
 `--nvml` in the table says whether it did. Run as root so mlockall applies as in the unit.
@@ -29,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
+from tables import publish
 
 ROOT = Path(__file__).resolve().parent.parent
 MiB = 1 << 20
@@ -40,6 +42,37 @@ SETTLE_S = 10.0
 class Sample:
     cpu_pct: float
     rss_mib: float
+    # At the episode's end, from /proc/PID/status and smaps_rollup: RSS split into anonymous and file pages, the
+    # locked part (the guard's mlockall), and PSS (shared library pages divided among the processes that map them).
+    pss_mib: float = 0.0
+    anon_mib: float = 0.0
+    file_mib: float = 0.0
+    locked_mib: float = 0.0
+
+
+def kib_fields(path: str, names: tuple[str, ...]) -> dict[str, float]:
+    """The named `Name:   N kB` lines of a /proc file, in MiB (0 where missing or unreadable)."""
+    out = dict.fromkeys(names, 0.0)
+    try:
+        with open(path) as fh:
+            for line in fh:
+                key, _, rest = line.partition(":")
+                if key in out:
+                    out[key] = int(rest.split()[0]) / 1024
+    except OSError:
+        pass
+    return out
+
+
+def memory_detail(pid: int) -> dict[str, float]:
+    status = kib_fields(f"/proc/{pid}/status", ("RssAnon", "RssFile", "RssShmem", "VmLck"))
+    rollup = kib_fields(f"/proc/{pid}/smaps_rollup", ("Pss",))
+    return {
+        "pss_mib": rollup["Pss"],
+        "anon_mib": status["RssAnon"],
+        "file_mib": status["RssFile"] + status["RssShmem"],
+        "locked_mib": status["VmLck"],
+    }
 
 
 def free_port() -> int:
@@ -78,13 +111,24 @@ def measure(procs: dict[str, psutil.Process], seconds: float, tick: object = Non
             peak[n] = max(peak[n], p.memory_info().rss)
         time.sleep(1)
     wall = time.monotonic() - t0
-    out = {n: Sample((sum(p.cpu_times()[:2]) - cpu0[n]) / wall * 100, peak[n] / MiB) for n, p in procs.items()}
+    out = {
+        n: Sample((sum(p.cpu_times()[:2]) - cpu0[n]) / wall * 100, peak[n] / MiB, **memory_detail(p.pid))
+        for n, p in procs.items()
+    }
     for n, p in procs.items():  # where the time went, per thread: to the log (stderr), not the table
         after = thread_cpu_s(p.pid)
         spent = {t: (after[t] - threads0[n].get(t, 0.0)) / wall * 100 for t in after}
         busy = ", ".join(f"{t} {pct:.3f} %" for t, pct in sorted(spent.items(), key=lambda kv: -kv[1]) if pct > 0)
         print(f"  {n} threads: {busy or 'none measurable'}", file=sys.stderr)
-    out["whole agent"] = Sample(sum(s.cpu_pct for s in out.values()), sum(s.rss_mib for s in out.values()))
+    parts = list(out.values())
+    out["whole agent"] = Sample(
+        sum(s.cpu_pct for s in parts),
+        sum(s.rss_mib for s in parts),
+        sum(s.pss_mib for s in parts),
+        sum(s.anon_mib for s in parts),
+        sum(s.file_mib for s in parts),
+        sum(s.locked_mib for s in parts),
+    )
     return out
 
 
@@ -205,20 +249,21 @@ def main() -> None:
         + (f" and the baseline tree {args.baseline}" if args.baseline else "")
         + "; medians (min-max):",
         "",
-        "| process | CPU % of one core | max RSS MiB |",
-        "| --- | --- | --- |",
+        "| process | CPU % of one core | max RSS MiB | PSS MiB | RSS anon MiB | RSS file MiB | locked MiB |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
     ]
+
+    def cell(values: list[float], digits: int) -> str:
+        return f"{statistics.median(values):.{digits}f} ({min(values):.{digits}f}-{max(values):.{digits}f})"
+
     for name, samples in runs.items():
-        cpus = [s.cpu_pct for s in samples]
-        rss = [s.rss_mib for s in samples]
         lines.append(
-            f"| {name} | {statistics.median(cpus):.3f} ({min(cpus):.3f}-{max(cpus):.3f}) | "
-            f"{statistics.median(rss):.1f} ({min(rss):.1f}-{max(rss):.1f}) |"
+            f"| {name} | {cell([s.cpu_pct for s in samples], 3)} | {cell([s.rss_mib for s in samples], 1)} | "
+            f"{cell([s.pss_mib for s in samples], 1)} | {cell([s.anon_mib for s in samples], 1)} | "
+            f"{cell([s.file_mib for s in samples], 1)} | {cell([s.locked_mib for s in samples], 1)} |"
         )
     text = "\n".join(lines) + "\n"
-    print(text)
-    if args.out:
-        args.out.write_text(text)
+    publish(text, args.out)
 
 
 if __name__ == "__main__":

@@ -27,6 +27,8 @@ import time
 from pathlib import Path
 from types import ModuleType
 
+from tables import publish
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
@@ -149,9 +151,7 @@ def main() -> None:
         ts = times[v]
         lines.append(f"| {v} | {med[v]:.2f} | {min(ts):.2f} | {max(ts):.2f} | {med[v] / med['C']:.2f} |")
     text = "\n".join(lines) + "\n"
-    print(text)
-    if args.out:
-        args.out.write_text(text)
+    publish(text, args.out)
 
 
 if __name__ == "__main__":

@@ -30,10 +30,13 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tables import publish
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from sparkwatch.common.events import EventLog  # noqa: E402
+from sparkwatch.config.schema import guard_config  # noqa: E402
 from sparkwatch.config.settings import load_settings  # noqa: E402
 from sparkwatch.guard.poolwatch import PoolWatch  # noqa: E402
 
@@ -117,7 +120,7 @@ def run_episode(ep: Episode, seconds: float, rate: float, tmp: Path) -> None:
             "kernel_log_path": "/dev/kmsg" if ep.kernel_log else str(tmp / "no-kmsg"),
         }
     )
-    guard = TimedGuard(settings, EventLog(settings.events_path))
+    guard = TimedGuard(guard_config(settings), EventLog(settings.events_path))
     guard.start()
     time.sleep(0.3)
     writer = None
@@ -174,9 +177,7 @@ def main() -> int:
                         flush=True,
                     )
     text = report(episodes, args)
-    print(text)
-    if args.out:
-        args.out.write_text(text)
+    publish(text, args.out)
     return 0
 
 

@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 
 import psutil
+from tables import publish
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -240,9 +241,7 @@ def main() -> None:
         "ready. A phase is seen within one coalescing interval of its line.",
     ]
     text = "\n".join(lines) + "\n"
-    print(text)
-    if args.out:
-        args.out.write_text(text)
+    publish(text, args.out)
 
 
 if __name__ == "__main__":

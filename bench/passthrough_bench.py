@@ -27,6 +27,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from tables import publish
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
@@ -233,9 +235,7 @@ def main() -> None:
         ),
     ]
     text = "\n".join(lines) + "\n"
-    print(text)
-    if args.out:
-        args.out.write_text(text)
+    publish(text, args.out)
 
 
 if __name__ == "__main__":

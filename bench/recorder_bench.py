@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
+from tables import publish
 
 from sparkwatch.common.flightrec import SLOT_BYTES, RingWriter, ring_bytes, ring_capacity
 from sparkwatch.common.sources.meminfo import MeminfoReader
@@ -230,9 +231,7 @@ def main() -> None:
                 f"{spread(wake, '{:.2f}') if wake else '-'} |"
             )
     text = "\n".join(lines) + "\n"
-    print(text)
-    if args.out:
-        args.out.write_text(text)
+    publish(text, args.out)
 
 
 if __name__ == "__main__":

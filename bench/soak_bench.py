@@ -33,6 +33,8 @@ import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
+from tables import publish
+
 ROOT = Path(__file__).resolve().parent.parent
 
 # No compiler names (nvcc, cicc): the compile census is machine-wide, so they would page every other sparkwatch on
@@ -227,9 +229,7 @@ def main() -> int:
         "",
     ]
     text = "\n".join(rows)
-    print(text)
-    if args.out is not None:
-        args.out.write_text(text)
+    publish(text, args.out)
     shutil.rmtree(tmp, ignore_errors=True)
     return 0 if growth <= 1.0 else 1
 

@@ -6,9 +6,9 @@ this tree, alternated on the same machine.
 A is the baseline commit, written out with `git archive` into a temporary directory; B is this checkout. Each runs
 as the installed `sparkwatch` script does (`python -P -c "…from sparkwatch.entry import main…" ARGS`) from an
 empty working directory with PYTHONPATH naming its tree only, so that neither the checkout nor the venv's editable
-install can stand in for the other; before timing, each tree is asked where its `sparkwatch` package lives and
-whether it has config/defaults.py (the baseline has not), and the bench stops if either answer is wrong. Rounds
-alternate A B, then B A, so a slow minute on a shared box falls on both.
+install can stand in for the other; before timing, each tree is asked where its `sparkwatch` package lives, and the
+bench stops if the answer is not that tree. Rounds alternate A B, then B A, so a slow minute on a shared box falls on
+both.
 
 The commands: the interpreter alone (`python -P -c pass`, the floor under all of them), `--version`, `events`
 (a state dir with 200 events), `engines --window 0`, `status --once`, `launch --plan -- vllm serve <a 4-shard sparse
@@ -22,12 +22,15 @@ import argparse
 import json
 import os
 import platform
+import resource
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from tables import archive_tree, git_short, publish
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -98,7 +101,9 @@ ENTRY = "import re, sys; from sparkwatch.entry import main; sys.exit(main())"
 BARE = ["-c", "pass"]
 
 
-def run_once(tree: Path, argv: list[str], env: dict[str, str], cwd: Path) -> tuple[float, int]:
+def run_once(tree: Path, argv: list[str], env: dict[str, str], cwd: Path) -> tuple[float, float, int]:
+    """(wall ms, CPU ms: user + system of the process and the children it waited for, exit code)."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
     rc = subprocess.run(
         [sys.executable, "-P", *(argv if argv == BARE else ["-c", ENTRY, *argv])],
@@ -108,24 +113,23 @@ def run_once(tree: Path, argv: list[str], env: dict[str, str], cwd: Path) -> tup
         stderr=subprocess.DEVNULL,
         check=False,
     ).returncode
-    return (time.perf_counter() - t0) * 1000, rc
+    wall_ms = (time.perf_counter() - t0) * 1000
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu_ms = (after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime) * 1000
+    return wall_ms, cpu_ms, rc
 
 
-def where(tree: Path, env: dict[str, str], cwd: Path) -> tuple[str, bool]:
-    """The package the tree's interpreter really imports, and whether it has the defaults snapshot."""
-    probe = (
-        "import importlib.util, sparkwatch; print(sparkwatch.__file__); "
-        "print(importlib.util.find_spec('sparkwatch.config.defaults') is not None)"
-    )
-    out = subprocess.run(
+def where(tree: Path, env: dict[str, str], cwd: Path) -> str:
+    """The package the tree's interpreter really imports."""
+    probe = "import sparkwatch; print(sparkwatch.__file__)"
+    return subprocess.run(
         [sys.executable, "-P", "-c", probe],
         env={**env, "PYTHONPATH": str(tree)},
         cwd=cwd,
         capture_output=True,
         text=True,
         check=True,
-    ).stdout.split()
-    return out[0], out[1] == "True"
+    ).stdout.strip()
 
 
 def main() -> None:
@@ -133,49 +137,41 @@ def main() -> None:
     ap.add_argument("--baseline", default="main", help="commit A (default: main)")
     ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--out", type=Path)
+    ap.add_argument("--only", metavar="TEXT", help="only the commands whose label contains TEXT (a quick look)")
     args = ap.parse_args()
-    base = subprocess.run(
-        ["git", "-C", str(ROOT), "rev-parse", "--short", args.baseline], capture_output=True, text=True, check=True
-    ).stdout.strip()
-    head = subprocess.run(
-        ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
-    ).stdout.strip()
-    dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "sparkwatch"], capture_output=True,
-                           text=True, check=True).stdout.strip()  # fmt: skip
+    base, head, dirty = git_short(ROOT, args.baseline)
     with tempfile.TemporaryDirectory(prefix="sw-startup-") as td:
         tmp = Path(td)
-        tree_a = tmp / "a"
-        tree_a.mkdir()
-        archive = subprocess.run(
-            ["git", "-C", str(ROOT), "archive", base, "sparkwatch"], capture_output=True, check=True
-        )
-        subprocess.run(["tar", "-x", "-C", str(tree_a)], input=archive.stdout, check=True)
+        tree_a = archive_tree(ROOT, base, tmp / "a")
         env = make_fixture(tmp)
         cwd = tmp / "cwd"
         cwd.mkdir()
         trees = {"A": tree_a, "B": ROOT}
         for name, tree in trees.items():
-            path, has_defaults = where(tree, env, cwd)
+            path = where(tree, env, cwd)
             if not path.startswith(str(tree) + "/"):
                 sys.exit(f"{name}: imports sparkwatch from {path}, not from {tree}")
-            print(f"{name}: {path} (config/defaults.py: {has_defaults})", file=sys.stderr)
-        if where(tree_a, env, cwd)[1]:
-            sys.exit("A has config/defaults.py: not the baseline this bench compares with")
+            print(f"{name}: {path}", file=sys.stderr)
         rows = []
         for label, argv, target in commands(tmp):
+            if args.only and args.only not in label:
+                continue
             times: dict[str, list[float]] = {"A": [], "B": []}
+            cpus: dict[str, list[float]] = {"A": [], "B": []}
             rcs: dict[str, set[int]] = {"A": set(), "B": set()}
             for tree in trees.values():  # warm the bytecode caches; not timed
                 run_once(tree, argv, env, cwd)
             for r in range(args.rounds):
                 for name in ("A", "B") if r % 2 == 0 else ("B", "A"):
-                    ms, rc = run_once(trees[name], argv, env, cwd)
+                    ms, cpu_ms, rc = run_once(trees[name], argv, env, cwd)
                     times[name].append(ms)
+                    cpus[name].append(cpu_ms)
                     rcs[name].add(rc)
             if rcs["A"] != rcs["B"]:
                 sys.exit(f"{label}: exit codes differ, A {sorted(rcs['A'])} B {sorted(rcs['B'])}")
             a, b = statistics.median(times["A"]), statistics.median(times["B"])
-            rows.append((label, a, b, target, sorted(rcs["B"])))
+            cpu_a, cpu_b = statistics.median(cpus["A"]), statistics.median(cpus["B"])
+            rows.append((label, a, b, cpu_a, cpu_b, target, sorted(rcs["B"])))
             print(f"{label}: A {a:.0f} ms, B {b:.0f} ms", file=sys.stderr)
     load = os.getloadavg()
     out = [
@@ -189,17 +185,19 @@ def main() -> None:
         f"A: {base} (`git archive`), B: {head}{' with uncommitted changes' if dirty else ''}. Each run is "
         "the `sparkwatch` script's lines (`python -P -c '…from sparkwatch.entry import main…' ARGS`) from an "
         "empty directory with PYTHONPATH naming its tree; no config file, no "
-        f"SPARKWATCH_* variable. {args.rounds} rounds each; exit codes equal in A and B.",
+        f"SPARKWATCH_* variable. {args.rounds} rounds each; exit codes equal in A and B. Wall time is what the "
+        "target is about; CPU time (user + system, the process and the children it waited for) moves less with "
+        "the box's load.",
         "",
-        "| command | A median (ms) | B median (ms) | B / A | target | exit |",
-        "| --- | ---: | ---: | ---: | --- | ---: |",
+        "| command | A median (ms) | B median (ms) | B / A | A CPU (ms) | B CPU (ms) | B / A CPU | target | exit |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: |",
     ]
-    for label, a, b, target, exits in rows:
-        out.append(f"| `{label}` | {a:.0f} | {b:.0f} | {b / a:.2f} | {target} | {','.join(map(str, exits))} |")
-    text = "\n".join(out) + "\n"
-    print(text)
-    if args.out:
-        args.out.write_text(text)
+    for label, a, b, cpu_a, cpu_b, target, exits in rows:
+        out.append(
+            f"| `{label}` | {a:.0f} | {b:.0f} | {b / a:.2f} | {cpu_a:.0f} | {cpu_b:.0f} | {cpu_b / cpu_a:.2f} | "
+            f"{target} | {','.join(map(str, exits))} |"
+        )
+    publish(out, args.out)
 
 
 if __name__ == "__main__":

@@ -86,13 +86,13 @@ def test_unacknowledged_events_go_to_the_next_telemetry_process(tmp_path: Path) 
     """A kill event sent to a telemetry process that died before its outbox had it is sent again to the next one;
     an acknowledged one is not."""
     from sparkwatch.common.events import EventLog, make_event
-    from sparkwatch.common.guardconfig import GuardConfig
-    from sparkwatch.config.settings import load_settings, settings_to_wire
+    from sparkwatch.config.schema import guard_config
+    from sparkwatch.config.settings import load_settings
     from sparkwatch.core.eventkinds import EventKind
     from sparkwatch.guard.supervisor import TelemetrySupervisor
 
     settings = load_settings(None, {"state_dir": tmp_path})
-    config = GuardConfig.from_wire(settings_to_wire(settings), settings.public_dict())
+    config = guard_config(settings)
     sup = TelemetrySupervisor(config, EventLog(tmp_path / "events.jsonl"), state)
     first, second = (make_event(EventKind.KILL, f"kill {n}") for n in (1, 2))
     sup.forward(first)
@@ -218,13 +218,13 @@ def test_state_goes_out_when_it_changed_not_when_memory_moved(tmp_path: Path) ->
     """The guard's state crosses the channel on a change or a heartbeat, not each tick: MemAvailable moving is not
     a change, a kill is."""
     from sparkwatch.common.events import EventLog
-    from sparkwatch.common.guardconfig import GuardConfig
-    from sparkwatch.config.settings import load_settings, settings_to_wire
+    from sparkwatch.config.schema import guard_config
+    from sparkwatch.config.settings import load_settings
     from sparkwatch.core.model import MemInfo
     from sparkwatch.guard.supervisor import TelemetrySupervisor
 
     settings = load_settings(None, {"state_dir": tmp_path})
-    config = GuardConfig.from_wire(settings_to_wire(settings), settings.public_dict())
+    config = guard_config(settings)
     current = [StateMsg(GuardStats(last_loop_monotonic=1.0), KernelLogStats())]
     sup = TelemetrySupervisor(config, EventLog(tmp_path / "events.jsonl"), lambda: current[0])
     a, b = socketpair()

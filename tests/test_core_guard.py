@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from itertools import pairwise
+from typing import Any
 
 from hypothesis import given
 from hypothesis import strategies as st
 
+from sparkwatch.common.guardconfig import GuardConfig
 from sparkwatch.core.trigger import (
-    GuardParams,
     GuardState,
     Outcome,
     fired,
@@ -18,19 +20,22 @@ from sparkwatch.core.trigger import (
     step,
 )
 from sparkwatch.core.units import GiB, MiB
+from tests.helpers.configs import guard_config_with, trigger_keys
 
-P = GuardParams(floor_bytes=8 * GiB)
+P = guard_config_with(floor="8GiB")
+K = trigger_keys(P)
+BOUNDS: dict[str, Any] = {"floor": P.floor, "poll_min_s": P.poll_min_s, "poll_max_s": P.poll_max_s}
 
 
-def run(samples: list[tuple[float, int]], params: GuardParams = P) -> list[str | None]:
+def run(samples: list[tuple[float, int]], params: GuardConfig = P) -> list[str | None]:
     """Every firing kills a tree that is reaped at once (one engine per firing, plenty of engines)."""
     state = GuardState()
     out = []
     for t, avail in samples:
-        state, decision = step(state, params, t, avail)
+        state, decision = step(state, t, avail, **trigger_keys(params))
         out.append(decision.trigger)
         if decision.trigger is not None:
-            state = reaped(fired(state, params, t, Outcome.KILLED, teardown_s=5.0), params, t)
+            state = reaped(fired(state, t, Outcome.KILLED, teardown_s=5.0), t, kill_settle_s=params.kill_settle_s)
     return out
 
 
@@ -59,7 +64,7 @@ def test_fast_fill_is_predicted_before_the_floor() -> None:
     triggers = run(samples)
     first = next(i for i, t in enumerate(triggers) if t)
     assert triggers[first] == "predicted"
-    assert samples[first][1] > P.floor_bytes  # fired with memory to spare
+    assert samples[first][1] > P.floor  # fired with memory to spare
 
 
 def test_one_episode_escalates_after_each_settle_and_rearms_after_recovery() -> None:
@@ -76,19 +81,19 @@ def test_one_episode_escalates_after_each_settle_and_rearms_after_recovery() -> 
 
 def test_no_rearm_until_memory_clears_floor_plus_headroom() -> None:
     state = GuardState(in_episode=True)
-    state, d = step(state, P, 0.0, P.floor_bytes + P.rearm_headroom_bytes - 1)
+    state, d = step(state, 0.0, P.floor + P.rearm_headroom - 1, **K)
     assert not state.armed and not d.rearmed
-    state, d = step(state, P, 0.1, P.floor_bytes + P.rearm_headroom_bytes)
+    state, d = step(state, 0.1, P.floor + P.rearm_headroom, **K)
     assert state.armed and d.rearmed
 
 
 def test_interval_is_short_near_the_floor_and_at_most_poll_max_far_away() -> None:
-    assert next_interval(P, 100 * GiB, 0.0, False) == P.poll_max_s
-    assert next_interval(P, P.floor_bytes + 256 * MiB, 0.0, False) == P.poll_min_s
-    mid = next_interval(P, P.floor_bytes + 1 * GiB, 0.0, False)
+    assert next_interval(100 * GiB, 0.0, False, **BOUNDS) == P.poll_max_s
+    assert next_interval(P.floor + 256 * MiB, 0.0, False, **BOUNDS) == P.poll_min_s
+    mid = next_interval(P.floor + 1 * GiB, 0.0, False, **BOUNDS)
     assert P.poll_min_s < mid <= 0.1
-    assert next_interval(P, 100 * GiB, 50 * GiB, False) < P.poll_max_s  # a fast fill shortens the sleep
-    assert next_interval(P, 100 * GiB, 0.0, True) == P.poll_min_s  # debouncing: look again soon
+    assert next_interval(100 * GiB, 50 * GiB, False, **BOUNDS) < P.poll_max_s  # a fast fill shortens the sleep
+    assert next_interval(100 * GiB, 0.0, True, **BOUNDS) == P.poll_min_s  # debouncing: look again soon
 
 
 def test_seconds_to_floor() -> None:
@@ -97,11 +102,11 @@ def test_seconds_to_floor() -> None:
     assert seconds_to_floor(10 * GiB, 8 * GiB, -1.0) is None
 
 
-@given(st.lists(st.integers(min_value=P.floor_bytes + 2 * GiB, max_value=120 * GiB), min_size=1, max_size=200))
+@given(st.lists(st.integers(min_value=P.floor + 2 * GiB, max_value=120 * GiB), min_size=1, max_size=200))
 def test_steady_memory_well_above_the_floor_never_fires(levels: list[int]) -> None:
     # Memory that moves slowly (one sample a second) far above the floor never triggers.
     samples = [(float(i), level) for i, level in enumerate(levels)]
-    params = GuardParams(floor_bytes=P.floor_bytes, kill_budget_s=0.25)
+    params = replace(P, kill_budget_s=0.25)
     triggers = run(samples, params)
     # The largest possible one-second drop is ~112 GiB: that *is* a fill the guard should predict, so only check
     # the steady case: consecutive drops under 4 GiB/s cannot predict a crossing 2 GiB away within 0.25 s.
@@ -113,5 +118,5 @@ def test_steady_memory_well_above_the_floor_never_fires(levels: list[int]) -> No
 def test_interval_always_within_bounds(levels: list[int]) -> None:
     state = GuardState()
     for i, level in enumerate(levels):
-        state, d = step(state, P, i * 0.1, level)
+        state, d = step(state, i * 0.1, level, **K)
         assert P.poll_min_s <= d.next_interval_s <= P.poll_max_s

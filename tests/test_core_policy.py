@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
@@ -12,6 +14,7 @@ from sparkwatch.core import trigger as g
 from sparkwatch.core.killloop import LOOP_KILLS, LOOP_WINDOW_S, LoopState, note_kill
 from sparkwatch.core.model import EngineTree, Proc
 from sparkwatch.core.units import GiB, MiB
+from tests.helpers.configs import guard_config_with, trigger_keys
 
 
 def proc(pid: int, title: str, rss_mib: int, start: int, argv: tuple[str, ...] = ()) -> Proc:
@@ -166,11 +169,12 @@ def test_kill_loop_alerts_once_per_loop() -> None:
     assert count == LOOP_KILLS
 
 
-PARAMS = g.GuardParams(floor_bytes=8 * GiB)
+PARAMS = guard_config_with(floor="8GiB")
+K = trigger_keys(PARAMS)
 DT = st.sampled_from([0.05, 0.1, 0.25, 0.5])
 # Under the floor continuously, the guard looks for a victim at least this often (after its first firing): a settle
 # time, a look interval, and the debounce samples at the slowest poll.
-MAX_GAP_S = PARAMS.settle_s + g.LOOK_EVERY_S + (PARAMS.debounce_samples + 1) * 0.5
+MAX_GAP_S = PARAMS.kill_settle_s + g.LOOK_EVERY_S + (PARAMS.debounce_samples + 1) * 0.5
 
 
 class GuardMachine(RuleBasedStateMachine):
@@ -188,9 +192,9 @@ class GuardMachine(RuleBasedStateMachine):
     def sample(self, dt: float, available: int, outcome: g.Outcome) -> None:
         self.t += dt
         before = self.state
-        self.state, d = g.step(self.state, PARAMS, self.t, available)
+        self.state, d = g.step(self.state, self.t, available, **K)
         self.recent = [*self.recent, available][-PARAMS.debounce_samples :]
-        under = available <= PARAMS.floor_bytes
+        under = available <= PARAMS.floor
         self.under_since = (self.under_since if self.under_since is not None else self.t) if under else None
         if d.trigger is None:
             if under and self.last_look is not None and self.under_since is not None:
@@ -200,24 +204,24 @@ class GuardMachine(RuleBasedStateMachine):
         if d.trigger in ("escalate", "hunt"):
             assert under, "a kill after the first one is only made at or under the floor"
         if d.trigger == "floor":
-            assert all(a <= PARAMS.floor_bytes for a in self.recent)
+            assert all(a <= PARAMS.floor for a in self.recent)
         if d.growing_only:
             assert before.phase == g.Phase.TEARDOWN
         if outcome == g.Outcome.CANCELLED and under:
             outcome = g.Outcome.KILLED  # should_cancel never cancels under the floor
-        self.state = g.fired(self.state, PARAMS, self.t, outcome, g.teardown_deadline_s(10 * GiB))
+        self.state = g.fired(self.state, self.t, outcome, g.teardown_deadline_s(10 * GiB))
 
     @precondition(lambda self: self.state.phase == g.Phase.TEARDOWN)
     @rule()
     def reap(self) -> None:
-        self.state = g.reaped(self.state, PARAMS, self.t)
+        self.state = g.reaped(self.state, self.t, kill_settle_s=PARAMS.kill_settle_s)
         assert self.state.phase == g.Phase.SETTLE
 
     @invariant()
     def phase_deadlines_are_bounded(self) -> None:
         if self.state.phase in (g.Phase.TEARDOWN, g.Phase.SETTLE):
             assert self.state.phase_until is not None
-            assert self.state.phase_until - self.t <= g.TEARDOWN_MAX_S + PARAMS.settle_s
+            assert self.state.phase_until - self.t <= g.TEARDOWN_MAX_S + PARAMS.kill_settle_s
         assert self.state.armed == (not self.state.in_episode)
 
 
@@ -226,16 +230,17 @@ TestGuardMachine = GuardMachine.TestCase
 
 
 def test_should_cancel_rereads_like_earlyoom() -> None:
-    params = g.GuardParams(floor_bytes=8 * GiB)  # kill budget 0.25 s
+    cancel: dict[str, Any] = {"floor": 8 * GiB, "kill_budget_s": 0.25}
     rate = 400.0 * MiB  # the smoothed fill rate the decision used
-    assert not g.should_cancel("floor", params, 7 * GiB, 7 * GiB, rate)
-    assert g.should_cancel("floor", params, 7 * GiB, 9 * GiB, rate)
-    assert not g.should_cancel("driver_alloc_failed", params, 20 * GiB, 30 * GiB, rate)
+    assert not g.should_cancel("floor", 7 * GiB, 7 * GiB, rate, **cancel)
+    assert g.should_cancel("floor", 7 * GiB, 9 * GiB, rate, **cancel)
+    assert not g.should_cancel("driver_alloc_failed", 20 * GiB, 30 * GiB, rate, **cancel)
+    assert not g.should_cancel("budget", 20 * GiB, 30 * GiB, rate, **cancel)  # the engine's own limit, not the pool's
     decided = 8 * GiB + 80 * MiB  # 0.2 s from the floor at 400 MiB/s: a prediction
-    assert not g.should_cancel("predicted", params, decided, decided - 50 * MiB, rate)  # still falling
-    assert not g.should_cancel("predicted", params, decided, decided, rate)  # a pause in a bursty fill
-    assert not g.should_cancel("predicted", params, decided, decided + 100 * MiB, rate)  # 0.45 s away: not back yet
-    assert g.should_cancel("predicted", params, decided, decided + 150 * MiB, rate)  # 0.575 s away: came back
+    assert not g.should_cancel("predicted", decided, decided - 50 * MiB, rate, **cancel)  # still falling
+    assert not g.should_cancel("predicted", decided, decided, rate, **cancel)  # a pause in a bursty fill
+    assert not g.should_cancel("predicted", decided, decided + 100 * MiB, rate, **cancel)  # 0.45 s away: not back yet
+    assert g.should_cancel("predicted", decided, decided + 150 * MiB, rate, **cancel)  # 0.575 s away: came back
 
 
 @given(
@@ -247,19 +252,26 @@ def test_should_cancel_rereads_like_earlyoom() -> None:
 def test_a_prediction_is_cancelled_only_by_memory_coming_back(
     decided_over_floor: int, rise: int, more: int, rate_mib_s: float
 ) -> None:
-    params = g.GuardParams(floor_bytes=8 * GiB)
+    params = PARAMS  # kill budget 0.25 s
     assume(decided_over_floor <= rate_mib_s * params.kill_budget_s)  # a prediction: the floor within one budget
-    decided = params.floor_bytes + decided_over_floor * MiB
+    decided = params.floor + decided_over_floor * MiB
     now = decided + rise * MiB
 
     def cancel(available_now: int) -> bool:
-        return g.should_cancel("predicted", params, decided, available_now, rate_mib_s * MiB)
+        return g.should_cancel(
+            "predicted",
+            decided,
+            available_now,
+            rate_mib_s * MiB,
+            floor=params.floor,
+            kill_budget_s=params.kill_budget_s,
+        )
 
     if rise <= 0:
         assert not cancel(now)  # still falling, or paused: the kill goes ahead
     if cancel(now):
         assert cancel(now + more * MiB)  # more memory back never un-cancels it
-    if now - params.floor_bytes > rate_mib_s * MiB:  # a whole second of fill away from the floor: clearly back
+    if now - params.floor > rate_mib_s * MiB:  # a whole second of fill away from the floor: clearly back
         assert cancel(now)
 
 
@@ -276,10 +288,10 @@ def test_a_firing_with_no_victim_keeps_looking_while_under_the_floor() -> None:
     looks = []
     for _ in range(40):  # 2 s under the floor, no engine
         t += 0.05
-        state, d = g.step(state, PARAMS, t, 4 * GiB)
+        state, d = g.step(state, t, 4 * GiB, **K)
         if d.trigger:
             looks.append((t, d.trigger))
-            state = g.fired(state, PARAMS, t, g.Outcome.NONE)
+            state = g.fired(state, t, g.Outcome.NONE)
     assert looks[0][1] == "floor" and {k for _, k in looks[1:]} == {"hunt"}
     assert len(looks) >= 6  # every LOOK_EVERY_S: an engine that starts now is found within a quarter second
     assert state.in_episode

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from sparkwatch.common.events import EventLog, read_events
+from sparkwatch.config.schema import guard_config
 from sparkwatch.config.settings import load_settings
 from sparkwatch.core.alerts import RateState, dedup_key, driver_step, headroom_step, rate_limit
 from sparkwatch.core.driver import judge
@@ -173,7 +174,7 @@ def test_low_headroom_alerts_on_entering_the_band(tmp_path: Path) -> None:
         },
     )
     events = EventLog(settings.events_path)
-    guard = PoolWatch(settings, events)
+    guard = PoolWatch(guard_config(settings), events)
     watch = HeadroomWatcher(
         settings, lambda: None if guard.stats.mem is None else guard.stats.mem.available_bytes, events
     )

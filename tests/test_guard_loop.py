@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 
 from sparkwatch.common.events import EventLog, read_events
+from sparkwatch.config.schema import guard_config
 from sparkwatch.config.settings import load_settings
-from sparkwatch.guard.poolwatch import PoolWatch
+from sparkwatch.guard.poolwatch import GuardLinks, PoolWatch
 from tests.conftest import rewrite_in_place, wait_until
 
 GB10 = (Path(__file__).parent / "fixtures" / "proc" / "meminfo.gb10-idle").read_text()
@@ -27,11 +28,11 @@ def proc_root(tmp_path: Path) -> Path:
     return root
 
 
-def make_guard(proc_root: Path, state_dir: Path, **overrides: object) -> PoolWatch:
+def make_guard(proc_root: Path, state_dir: Path, links: GuardLinks | None = None, **overrides: object) -> PoolWatch:
     settings = load_settings(
         overrides={"proc_root": proc_root, "state_dir": state_dir, "floor": "8GiB", "mlock": False, **overrides}
     )
-    return PoolWatch(settings, EventLog(settings.events_path))
+    return PoolWatch(guard_config(settings), EventLog(settings.events_path), links or GuardLinks())
 
 
 def test_garbled_meminfo_is_reported_never_a_kill(proc_root: Path, tmp_path: Path) -> None:
@@ -88,13 +89,12 @@ def test_unwritable_state_dir_keeps_the_guard_running(
 
 
 def test_loop_thread_polls_and_stops(proc_root: Path, tmp_path: Path) -> None:
-    guard = make_guard(proc_root, tmp_path / "state")
     beats: list[float] = []
-    guard.heartbeat = beats.append
+    guard = make_guard(proc_root, tmp_path / "state", GuardLinks(heartbeat=beats.append))
     guard.start()
     try:
         assert wait_until(lambda: len(beats) >= 2, 5)  # far from the floor: about one look a second
-        assert guard.stats.poll_interval_s == guard.params.poll_max_s
+        assert guard.stats.poll_interval_s == guard.config.poll_max_s
         rewrite_in_place(proc_root / "meminfo", low(9 * 1024 * 1024))  # 1 GiB above the floor
         n = len(beats)
         assert wait_until(lambda: len(beats) >= n + 5, 5)  # near the floor it looks much more often

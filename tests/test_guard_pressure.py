@@ -83,8 +83,10 @@ def test_real_pressure_kills_the_whole_tree_near_the_floor(spawner: Spawner, tmp
         assert event["signal_to_reaped_ms"] is not None
         overshoot = floor - tracker.min_available
         assert overshoot <= OVERSHOOT_MARGIN_BYTES, f"went {overshoot >> 20} MiB under the floor"
+        # The kill gave memory back. Not "back over floor + 512 MiB": in a VM with free page reporting, part of what
+        # a killed process frees shows in MemAvailable only at 10-16 MiB/s (448-900 MiB of a 1.5 GiB hog, here).
         with MeminfoReader() as reader:
-            assert wait_until(lambda: reader.read().available_bytes > floor + 512 * MiB, 10)
+            assert wait_until(lambda: reader.read().available_bytes > tracker.min_available + 256 * MiB, 10)
         assert any("sparkwatch: KILL vllm tree root=" in line for line in daemon.stderr_lines)
 
 

@@ -182,7 +182,9 @@ def test_telemetry_restarted_with_an_event(tmp_path: Path, daemons: Callable[...
     d.wait_stderr("running:")
     assert wait_until(lambda: len(children_of(d.proc.pid)) == 1, 20)
     (first,) = children_of(d.proc.pid)
-    d.wait_stderr("telemetry running")
+    started = d.wait_stderr("telemetry running").split("telemetry running", 1)[1].splitlines()[0]
+    # The endpoint starts first (it serves while the other components start: bench/RESULTS-telemetry-start.md).
+    assert started.startswith(f" (pid {first}): metrics, "), started
     assert Path(f"/proc/{first}/comm").read_text().strip() == "sparkwatch-tel"
     assert Path(f"/proc/{d.proc.pid}/comm").read_text().strip() == "sparkwatch"
     if "PYTHONMALLOC" not in env:  # telemetry runs on glibc's allocator (supervisor.telemetry_env); the guard does not
@@ -373,8 +375,8 @@ def test_hung_nvml_load_degrades_clearly(tmp_path: Path, daemons: Callable[..., 
 def test_silent_telemetry_is_killed_and_restarted(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A telemetry process that never says a word (stuck as a hung dlopen leaves it) is killed and restarted with a
     component_restarted event, while the guard's loop runs on. The stuck process is a real `sleep`."""
-    from sparkwatch.common.guardconfig import GuardConfig
-    from sparkwatch.config.settings import load_settings, settings_to_wire
+    from sparkwatch.config.schema import guard_config
+    from sparkwatch.config.settings import load_settings
     from sparkwatch.guard import supervisor
     from sparkwatch.guard.process import GuardProcess
 
@@ -382,7 +384,7 @@ def test_silent_telemetry_is_killed_and_restarted(tmp_path: Path, monkeypatch: p
     monkeypatch.setattr(supervisor, "BACKOFF_MIN_S", 0.2)
     sleep = require_tool("sleep")
     settings = load_settings(None, {"state_dir": tmp_path / "s", "mlock": False, "floor": "1GiB"})
-    config = GuardConfig.from_wire(settings_to_wire(settings), settings.public_dict())
+    config = guard_config(settings)
     gp = GuardProcess(config, telemetry=lambda _fd, _nvml: [sleep, "1000"])
     gp.guard.start()
     gp.supervisor.start()
@@ -406,13 +408,13 @@ def test_a_guard_over_its_rss_cap_says_so_and_restarts(tmp_path: Path) -> None:
     """Past its RSS cap the guard records why, stops its parts and hands over to `restart` (in the daemon: an exec
     into a fresh guard process with the same PID)."""
     from sparkwatch.common.events import read_events
-    from sparkwatch.common.guardconfig import GuardConfig
-    from sparkwatch.config.settings import load_settings, settings_to_wire
+    from sparkwatch.config.schema import guard_config
+    from sparkwatch.config.settings import load_settings
     from sparkwatch.guard.process import GuardProcess
 
     sleep = require_tool("sleep")
     settings = load_settings(None, {"state_dir": tmp_path / "s", "mlock": False, "floor": "1GiB"})
-    config = GuardConfig.from_wire(settings_to_wire(settings), settings.public_dict())
+    config = guard_config(settings)
     restarted: list[bool] = []
     gp = GuardProcess(config, telemetry=lambda _fd, _nvml: [sleep, "1000"], restart=lambda: restarted.append(True))
     gp.supervisor.rss_cap_bytes = 1 << 20  # any Python process is over 1 MiB

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from sparkwatch.common.channel import Channel, socketpair
-from sparkwatch.common.guardconfig import GuardConfig
-from sparkwatch.config.settings import load_settings, settings_to_wire
+from sparkwatch.config.schema import guard_config
+from sparkwatch.config.settings import load_settings
 from sparkwatch.guard.process import GuardProcess
 from sparkwatch.telemetry.exporter.server import render
 from sparkwatch.telemetry.process import TelemetryProcess
@@ -70,7 +70,7 @@ def test_every_internal_counter_reaches_the_exposition(tmp_path: Path, monkeypat
         },
     )
     guard_end, telemetry_end = (Channel(s) for s in socketpair())
-    gp = GuardProcess(GuardConfig.from_wire(settings_to_wire(settings), settings.public_dict()))
+    gp = GuardProcess(guard_config(settings))
     tp = TelemetryProcess(settings, telemetry_end)
     try:
         counters = walk(gp) + walk(tp, skip=(RemoteGuard,))  # RemoteGuard mirrors the guard's: not an owner

@@ -4,6 +4,9 @@ pynvml where the real outcome here is "library not found"."""
 from __future__ import annotations
 
 import ctypes.util
+import json
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -140,6 +143,40 @@ def test_real_pynvml_without_the_library_reports_code_12_every_cycle() -> None:
         assert report.nvml_return_code == pynvml.NVML_ERROR_LIBRARY_NOT_FOUND == 12
         assert report.error is not None and "LibraryNotFound" in report.error
         assert report.devices == ()
+
+
+# In a child process (this one has pynvml loaded): what NvmlSource reports without the library, whether that loaded
+# pynvml, and then what the real pynvml's nvmlInit says.
+WITHOUT_LIBRARY_PROBE = """
+import json, sys
+from sparkwatch.telemetry.sources.nvml import NvmlSource
+src = NvmlSource(timeout_s=2.0)
+report = src.collect()
+loaded = "pynvml" in sys.modules
+src.close()
+import pynvml
+try:
+    pynvml.nvmlInit()
+    real = None
+except pynvml.NVMLError as exc:
+    real = [exc.value, type(exc).__name__]
+print(json.dumps({"up": report.up, "code": report.nvml_return_code, "error": report.error, "loaded": loaded,
+                  "real": real}))
+"""
+
+
+@pytest.mark.skipif(ctypes.util.find_library("nvidia-ml") is not None, reason="this machine has libnvidia-ml")
+def test_without_the_library_pynvml_is_not_imported_and_the_report_is_pynvmls() -> None:
+    """With no libnvidia-ml at all, nvmlInit's answer is given without importing pynvml (its import was 22-31 ms
+    of `status`'s start-up here), and it is the answer the real pynvml gives, word for word."""
+    out = subprocess.run([sys.executable, "-c", WITHOUT_LIBRARY_PROBE], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout.splitlines()[-1])
+    code, name = got["real"]
+    assert code == pynvml.NVML_ERROR_LIBRARY_NOT_FOUND
+    assert not got["loaded"]
+    assert not got["up"] and got["code"] == code
+    assert got["error"] == f"nvmlInit: {name} (NVML code {code})"
 
 
 @pytest.mark.parametrize(

@@ -26,8 +26,10 @@ import pytest
 
 from sparkwatch.common import syscalls
 from sparkwatch.common.events import EventLog, read_events
+from sparkwatch.common.guardconfig import GuardSnapshot
 from sparkwatch.common.messages import GroupTeardownMsg, decode, encode
 from sparkwatch.common.sources.procs import read_start_ticks
+from sparkwatch.config.schema import guard_config
 from sparkwatch.config.settings import load_settings
 from sparkwatch.core import raygroup
 from sparkwatch.core.model import Proc
@@ -251,7 +253,8 @@ def test_guard_kills_only_members_it_verifies_itself(tmp_path: Path) -> None:
         None, {"state_dir": str(tmp_path / "state"), "ancestor_pid": os.getpid(), "postmortem": False}
     )
     events = EventLog(tmp_path / "events.jsonl")
-    watch = GroupWatch(lambda: settings, events)
+    snap = GuardSnapshot.of(guard_config(settings))
+    watch = GroupWatch(lambda: snap, events)
     rank = _shaped("ray::RayWorkerWrapper")
     other = _shaped("ray::RayWorkerWrapper")
     plain = subprocess.Popen(["sleep", "60"])
@@ -373,7 +376,8 @@ def test_a_placement_group_outliving_its_teardown_is_leaked() -> None:
 
 def test_guard_dry_run_signals_nothing(tmp_path: Path) -> None:
     settings = load_settings(None, {"state_dir": str(tmp_path / "state"), "dry_run": True, "postmortem": False})
-    watch = GroupWatch(lambda: settings, EventLog(tmp_path / "events.jsonl"))
+    snap = GuardSnapshot.of(guard_config(settings))
+    watch = GroupWatch(lambda: snap, EventLog(tmp_path / "events.jsonl"))
     rank = _shaped("ray::RayWorkerWrapper")
     try:
         ticks = read_start_ticks("/proc", rank.pid) or 0

@@ -118,3 +118,51 @@ def test_events_validates_when_there_is_something_to_validate(
     argv = [{"CONFIG": str(config), "STATE": str(tmp_path)}.get(a, a) for a in extra]
     modules, _ = loaded(tmp_path, "events", *argv, env=env)
     assert "pydantic" in modules and "sparkwatch.config.schema" in modules, how
+
+
+# Runs `python -m sparkwatch.telemetry` as the guard's supervisor does, on a channel whose other end is already closed
+# (telemetry gives up at once: no usable config), and says what was loaded when the NVML load check's child started
+# and whether that child was reaped before the process returned.
+TELEMETRY_PROBE = """
+import json, runpy, socket, subprocess, sys
+spawned = []
+real_popen = subprocess.Popen
+class Popen(real_popen):
+    def __init__(self, args, *a, **k):
+        super().__init__(args, *a, **k)
+        if "-c" in args:  # the preflight child
+            spawned.append((self, sorted(sys.modules)))
+subprocess.Popen = Popen
+ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+ours.close()
+sys.argv = ["sparkwatch-telemetry", "--channel-fd", str(theirs.fileno())]
+try:
+    runpy.run_module("sparkwatch.telemetry", run_name="__main__")
+except SystemExit as exc:
+    code = exc.code
+(child, modules), = spawned
+print("\\nPROBE " + json.dumps({"code": code, "modules": modules, "reaped": child.returncode is not None}))
+"""
+
+
+def test_telemetry_starts_the_nvml_check_before_its_imports_and_reaps_it(tmp_path: Path) -> None:
+    """The telemetry process's NVML load check (a child process) starts before pydantic, prometheus_client, the
+    settings and the model are imported, so the child runs beside those imports; a process that stops before it
+    needs the answer (here: the guard's end of the channel is closed) still reaps the child."""
+    res = subprocess.run(
+        [sys.executable, "-c", TELEMETRY_PROBE],
+        env={k: v for k, v in os.environ.items() if not k.upper().startswith("SPARKWATCH_")},
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    _, _, probe = res.stdout.rpartition("\nPROBE ")
+    assert probe, res.stdout + res.stderr
+    got = json.loads(probe)
+    assert got["code"] == 2  # "no usable config from the guard"
+    early = set(got["modules"])
+    assert heavy(early) == []
+    assert not early & {"prometheus_client", "sparkwatch.telemetry.process", "sparkwatch.core.model"}
+    assert got["reaped"]

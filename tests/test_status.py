@@ -418,26 +418,27 @@ def test_live_build_progress_gets_a_rate_and_an_eta(
 
 
 def test_gpu_preflight_does_not_hold_up_the_cycle_and_its_verdict_holds(monkeypatch: pytest.MonkeyPatch) -> None:
-    """status starts NVML's preflight child on a thread and waits for it at the GPU read, the cycle's last; a
-    preflight that says NVML is off still keeps NVML off."""
-    import threading
-
+    """status starts NVML's preflight child at once and waits for it at the GPU read, the cycle's last; a preflight
+    child that hangs (a real one, blocked as a hung dlopen would leave it) still keeps NVML off, and is reaped."""
     from sparkwatch.cli.status import PreflightedGpu
     from sparkwatch.telemetry.sources import nvml_preflight
 
-    release = threading.Event()
-
-    def slow_verdict(timeout_s: float = 10.0) -> str | None:
-        release.wait(30)
-        return "NVML off: the test's hung library"
-
-    monkeypatch.setattr(nvml_preflight, "nvml_hang_reason", slow_verdict)
+    monkeypatch.setattr(nvml_preflight, "_CHILD", "import time\ntime.sleep(60)\n")
+    monkeypatch.setattr(nvml_preflight, "PREFLIGHT_TIMEOUT_S", 1.0)
     gpu = PreflightedGpu(Path("/proc"))
+    child = gpu._preflight.proc
+    assert child is not None
     try:
-        assert gpu._thread.is_alive()  # built without waiting for the verdict
-        release.set()
+        assert child.poll() is None  # built without waiting for the verdict
         report = gpu.collect()
-        assert not report.up and report.error == "NVML off: the test's hung library"
+        assert not report.up
+        assert (
+            report.error
+            == f"NVML off: {nvml_preflight.LIBRARY} did not load and initialise within 1 s (hung library or driver?)"
+        )
+        assert child.returncode is not None  # killed and reaped
     finally:
-        release.set()
         gpu.close()
+        if child.poll() is None:
+            child.kill()
+            child.wait()

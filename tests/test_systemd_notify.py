@@ -15,6 +15,7 @@ from sparkwatch.common.events import EventLog
 from sparkwatch.common.guardconfig import describe_wire_changes
 from sparkwatch.common.messages import TelMsg
 from sparkwatch.common.systemd import Notifier, ServiceNotifier, notify_address, watchdog_interval_s
+from sparkwatch.config.schema import guard_config
 from sparkwatch.config.settings import Settings, load_settings, settings_to_wire
 from sparkwatch.core.policy import fresh_gpu
 from sparkwatch.core.status import status_line
@@ -174,18 +175,18 @@ def test_status_line() -> None:
 @pytest.mark.usefixtures("no_sparkwatch_env")
 def test_guard_reconfigure_applies_live(tmp_path: Path) -> None:
     settings = load_settings(None, {"state_dir": tmp_path, "floor": "8GiB", "dry_run": True, "mlock": False})
-    guard = PoolWatch(settings, EventLog(settings.events_path))
+    guard = PoolWatch(guard_config(settings), EventLog(settings.events_path))
     try:
         new = load_settings(
             None,
             {"state_dir": tmp_path, "floor": "4GiB", "dry_run": False, "poll_max_s": 0.5, "mlock": False},
         )
-        applied = guard.reconfigure(new)
+        applied = guard.reconfigure(guard_config(new))
         assert {"floor", "dry_run", "poll_max_s"} <= applied
         assert "listen" not in applied and "state_dir" not in applied
-        assert guard.params.floor_bytes == 4 * GiB and guard.params.poll_max_s == 0.5
-        assert guard.settings.dry_run is False  # fire() hands it to the killer per kill
-        assert guard.killer.rules is guard.rules and guard.killer.scope is guard.scope
+        snap = guard.snapshot  # one reference, swapped whole: the next tick reads all of it
+        assert snap.config.floor == 4 * GiB and snap.config.poll_max_s == 0.5
+        assert snap.config.dry_run is False  # the kill path hands the tick's snapshot to the killer per kill
     finally:
         guard.meminfo.close()  # never started: nothing else to stop
 
@@ -222,13 +223,11 @@ def test_daemon_status_line_takes_telemetry_parts_when_present(tmp_path: Path) -
     """STATUS= uses the guard's MemAvailable and floor, and engines and compile jobs as the telemetry process sends
     them over the channel (a real socketpair)."""
     from sparkwatch.common.channel import Channel, socketpair
-    from sparkwatch.common.guardconfig import GuardConfig
-    from sparkwatch.config.settings import settings_to_wire
     from sparkwatch.core.model import MemInfo
     from sparkwatch.guard.process import GuardProcess
 
     settings = load_settings(None, {"state_dir": tmp_path, "floor": "8GiB", "mlock": False})
-    daemon = GuardProcess(GuardConfig.from_wire(settings_to_wire(settings), settings.public_dict()), telemetry=None)
+    daemon = GuardProcess(guard_config(settings), telemetry=None)
     a, b = socketpair()
     guard_end, telemetry_end = Channel(a), Channel(b)
     try:

@@ -11,6 +11,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from sparkwatch.common.events import EventLog, read_events
 from sparkwatch.common.sources.meminfo import MeminfoReader
+from sparkwatch.config.schema import guard_config
 from sparkwatch.config.settings import load_settings
 from sparkwatch.core.model import GpuReport, Snapshot
 from sparkwatch.guard.poolwatch import PoolWatch
@@ -183,7 +184,7 @@ def test_scrape_during_a_kill(spawner: Spawner, tmp_path: Path) -> None:
     spawner.engine("--worker", "VLLM::Worker_TP0", "--worker", "VLLM::Worker_TP1", pidfile=pidfile, wait_for=3)
     members = pids_in(pidfile)
     events = EventLog(settings.events_path)
-    guard = PoolWatch(settings, events)
+    guard = PoolWatch(guard_config(settings), events)
     loop = TelemetryLoop(Telemetry(settings), 0.05)
     loop.run_once()
     registry = build_registry(settings, lambda: loop.latest, guard, events)

@@ -7,6 +7,7 @@ from pathlib import Path
 from prometheus_client.parser import text_string_to_metric_families
 
 from sparkwatch.common.events import EventLog
+from sparkwatch.config.schema import guard_config
 from sparkwatch.core.model import Event
 from sparkwatch.guard.poolwatch import PoolWatch
 from sparkwatch.telemetry.exporter.server import build_registry, render
@@ -46,10 +47,10 @@ def test_reload_applies_between_cycles(tmp_path: Path) -> None:
 def test_exporter_follows_the_guards_live_floor(tmp_path: Path) -> None:
     settings = build_scenario(tmp_path)
     events = EventLog(settings.events_path)
-    guard = PoolWatch(settings, events)
+    guard = PoolWatch(guard_config(settings), events)
     registry = build_registry(settings, lambda: None, guard, events)
     assert value(render(registry), "sparkwatch_memory_floor_bytes") == 8 << 30
     assert value(render(registry), "sparkwatch_guard_dry_run") == 0
-    guard.reconfigure(settings.model_copy(update={"floor": 6 << 30, "dry_run": True}))
+    guard.reconfigure(guard_config(settings.model_copy(update={"floor": 6 << 30, "dry_run": True})))
     assert value(render(registry), "sparkwatch_memory_floor_bytes") == 6 << 30
     assert value(render(registry), "sparkwatch_guard_dry_run") == 1

@@ -17,7 +17,6 @@ import os
 import select
 import socket
 import sys
-import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping
@@ -66,34 +65,30 @@ def add_parser(sub: Any, parent: argparse.ArgumentParser) -> None:
 
 class PreflightedGpu:
     """The GPU source, NVML behind its preflight. A hung libnvidia-ml load would freeze this whole process (it holds
-    the GIL), so a throwaway child loads it first (`nvml_hang_reason`); that child starts here, on a thread, and is
-    waited for on the first GPU read, the last of a cycle: its 65 ms on the 2-core VM run beside this process's
+    the GIL), so a throwaway child loads it first (telemetry.sources.nvml_preflight); that child starts here and is
+    waited for on the first GPU read, the last of a cycle: its time on the 2-core VM runs beside this process's
     imports and /proc scan instead of before them (bench/RESULTS-startup.md)."""
 
     def __init__(self, proc_root: Path) -> None:
+        from sparkwatch.telemetry.sources.nvml_preflight import Preflight
+
         self.proc_root = proc_root
-        self._reason: str | None = None
+        self._preflight = Preflight.start()
         self._source: Any = None
-        self._thread = threading.Thread(target=self._preflight, name="nvml-preflight", daemon=True)
-        self._thread.start()
-
-    def _preflight(self) -> None:
-        from sparkwatch.telemetry.sources.nvml_preflight import nvml_hang_reason
-
-        self._reason = nvml_hang_reason()
 
     def collect(self) -> GpuReport:
         if self._source is None:
             from sparkwatch.telemetry.sources.nvml import NvmlSource
             from sparkwatch.telemetry.sources.nvml_preflight import NvmlOff
 
-            self._thread.join()
-            self._source = NvmlSource(proc_root=self.proc_root) if self._reason is None else NvmlOff(self._reason)
+            reason = self._preflight.reason()
+            self._source = NvmlSource(proc_root=self.proc_root) if reason is None else NvmlOff(reason)
         report: GpuReport = self._source.collect()
         return report
 
     def close(self) -> None:
-        self._thread.join()
+        if self._source is None:
+            self._preflight.abandon()  # no GPU read came: its child is still ours to reap
         close = getattr(self._source, "close", None)
         if close is not None:
             close()

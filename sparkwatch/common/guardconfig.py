@@ -14,13 +14,16 @@ Also the one place engine rules and the guard's scope are built from settings (`
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Protocol
 
 from sparkwatch.common.wiretypes import WireError, from_json
+from sparkwatch.core.budget import BudgetParams
 from sparkwatch.core.engines import EngineRules, Scope, rules_for
+from sparkwatch.core.policy import PolicyParams, parse_engine_budgets
 
 
 class EngineSettings(Protocol):
@@ -34,47 +37,6 @@ class EngineSettings(Protocol):
     def ancestor_pid(self) -> int: ...
     @property
     def guard_gpu_holders(self) -> bool: ...
-
-
-class GuardSettings(EngineSettings, Protocol):
-    """The keys the guard loop reads."""
-
-    @property
-    def floor(self) -> int: ...
-    @property
-    def warn_headroom(self) -> int: ...
-    @property
-    def kill_budget_s(self) -> float: ...
-    @property
-    def debounce_samples(self) -> int: ...
-    @property
-    def poll_min_s(self) -> float: ...
-    @property
-    def poll_max_s(self) -> float: ...
-    @property
-    def rearm_headroom(self) -> int: ...
-    @property
-    def dry_run(self) -> bool: ...
-    @property
-    def proc_root(self) -> Path: ...
-    @property
-    def kill_order(self) -> Sequence[str]: ...
-    @property
-    def kill_priority(self) -> Sequence[str]: ...
-    @property
-    def never_kill(self) -> Sequence[str]: ...
-    @property
-    def kill_settle_s(self) -> float: ...
-    @property
-    def kernel_log_corroboration(self) -> bool: ...
-    @property
-    def kernel_log_path(self) -> Path: ...
-    @property
-    def kernel_log_accept_injected(self) -> bool: ...
-    @property
-    def engine_budgets(self) -> Sequence[str]: ...
-    @property
-    def state_dir(self) -> Path: ...
 
 
 def engine_rules(settings: EngineSettings) -> EngineRules:
@@ -94,15 +56,16 @@ def engine_scope(settings: EngineSettings, *, any_user: bool = False) -> Scope:
 
 # A key the guard process applies on SIGHUP without a restart (guard.poolwatch reads it each tick); the others
 # (proc_root, state_dir, …) need a new process. GuardConfig is the one declaration of the guard's keys: their names
-# and types here, their validation in config.settings.Settings, and tests hold the two (and GuardSettings) together.
+# and types here, their validation in config.schema.Settings (converted by config.schema.guard_config), and tests
+# hold the two together.
 LIVE: Mapping[str, bool] = {"live": True}
 
 
 @dataclass(frozen=True)
 class GuardConfig:
     """The validated settings as the guard process holds them, built only from `wire` (already validated): a new
-    guard key is one line here (with LIVE if the guard applies it on reload), and one in `GuardSettings` if the pool
-    watch reads it."""
+    guard key is one line here (with LIVE if the guard applies it on reload). The guard's components take it (or the
+    GuardSnapshot compiled from it) in their constructors; tests build it as production does (from_wire)."""
 
     floor: int = field(metadata=LIVE)
     warn_headroom: int
@@ -184,3 +147,30 @@ def _shown(value: object) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
     return str(value)
+
+
+@dataclass(frozen=True)
+class GuardSnapshot:
+    """One GuardConfig with what the guard compiles from it (the budgets' parameters, the engine rules and scope, the
+    kill policy's compiled patterns, the config's budgets), built whole at start and on each reload and swapped as
+    one reference: the guard's tick reads it once, so every decision of a tick is made under one config."""
+
+    config: GuardConfig
+    budget_params: BudgetParams
+    policy: PolicyParams
+    rules: EngineRules
+    scope: Scope
+    engine_budgets: tuple[tuple[int, re.Pattern[str]], ...]
+
+    @classmethod
+    def of(cls, config: GuardConfig) -> GuardSnapshot:
+        return cls(
+            config=config,
+            budget_params=BudgetParams(
+                debounce_samples=config.debounce_samples, poll_min_s=config.poll_min_s, poll_max_s=config.poll_max_s
+            ),
+            policy=PolicyParams.build(config.kill_order, config.kill_priority, config.never_kill),
+            rules=engine_rules(config),
+            scope=engine_scope(config),
+            engine_budgets=tuple(parse_engine_budgets(config.engine_budgets)),
+        )

@@ -24,6 +24,11 @@ telemetry → guard
 - `GroupTeardownMsg`: a group spanning nodes (core.raygroup) lost a member: this node's members of it, as
   (pid, start ticks, role), the first death and its cause. The guard checks each member again itself (same start
   time, this node's network namespace, the role's shape) before it signals anything (guard.groupwatch).
+- `GpuSampleMsg` (telemetry/gpufast.py, up to FAST_PERIOD_S apart): NVML's per-process bytes of the pids the guard
+  asked to be watched closely (the members of an engine tree at GPU_FAST_RATIO of its budget or more, named in the
+  state's budgets, `BudgetStat.gpu_watch`), sent when they changed. The guard overlays them on the last `tel`
+  reading and looks at the budget at once (guard.budgets): a GPU runaway that grows in steps is seen within one
+  fast period, not the telemetry cycle's second.
 """
 
 from __future__ import annotations
@@ -44,6 +49,10 @@ VERSION = 2
 MAX_MESSAGE_BYTES = 1 << 20
 # Collections a peer may send: a box runs a handful of engines and a few thousand processes at most.
 MAX_ITEMS = 4096
+# Pids sampled fast for GPU bytes at once (telemetry/gpufast.py): the members of near-budget engine trees. A vLLM
+# engine is a handful of processes (API server, EngineCore, one worker a GPU); past this the rest wait their turn in
+# the telemetry cycle's reading.
+MAX_GPU_WATCH_PIDS = 64
 
 
 class Kind(StrEnum):
@@ -54,6 +63,7 @@ class Kind(StrEnum):
     ACK = "ack"
     TEL = "tel"
     GROUP_TEARDOWN = "group_teardown"
+    GPU_SAMPLE = "gpu_sample"
 
 
 class BadMessage(ValueError):
@@ -122,9 +132,18 @@ class GroupTeardownMsg:
     detected_ts: float = 0.0  # wall clock when telemetry saw the death
 
 
-Message = SettingsMsg | StateMsg | EventMsg | AppliedMsg | AckMsg | TelMsg | GroupTeardownMsg
+@dataclass(frozen=True, slots=True)
+class GpuSampleMsg:
+    KIND: ClassVar[Kind] = Kind.GPU_SAMPLE
+    ts: float  # wall clock of the NVML reading
+    # pid -> NVML's bytes, for every watched pid (0: NVML listed it with nothing, or not at all)
+    pids: dict[int, int] = field(default_factory=dict)
+
+
+Message = SettingsMsg | StateMsg | EventMsg | AppliedMsg | AckMsg | TelMsg | GpuSampleMsg | GroupTeardownMsg
 _BY_KIND: dict[str, type[Any]] = {
-    cls.KIND: cls for cls in (SettingsMsg, StateMsg, EventMsg, AppliedMsg, AckMsg, TelMsg, GroupTeardownMsg)
+    cls.KIND: cls
+    for cls in (SettingsMsg, StateMsg, EventMsg, AppliedMsg, AckMsg, TelMsg, GpuSampleMsg, GroupTeardownMsg)
 }
 
 
@@ -164,6 +183,8 @@ def _check_sizes(msg: Message) -> None:
     sizes: list[int] = []
     if isinstance(msg, TelMsg):
         sizes = [len(msg.gpu_pids), len(msg.gpu_holders), len(msg.engine_roots)]
+    elif isinstance(msg, GpuSampleMsg) and len(msg.pids) > MAX_GPU_WATCH_PIDS:
+        raise BadMessage(f"{msg.KIND}: more than {MAX_GPU_WATCH_PIDS} pids")
     elif isinstance(msg, AckMsg):
         sizes = [len(msg.ids)]
     elif isinstance(msg, GroupTeardownMsg):

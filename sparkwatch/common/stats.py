@@ -27,6 +27,9 @@ class BudgetStat:
     footprint_source: str | None
     peak_bytes: int
     budget_source: str  # "launch" | "config"
+    # (pid, start_ticks) of the tree's members while its footprint is at core.budget.GPU_FAST_RATIO of its budget or
+    # more: telemetry samples their GPU bytes at FAST_PERIOD_S (telemetry/gpufast.py). Empty: the cycle's reading does.
+    gpu_watch: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass

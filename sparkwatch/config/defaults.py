@@ -11,7 +11,7 @@ are the functions below, which the schema's fields take as their default factori
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -202,3 +202,67 @@ class DefaultSettings(Derived):
 
     def __repr__(self) -> str:
         return f"DefaultSettings({object.__getattribute__(self, '_values')!r})"
+
+
+class Secret:
+    """A secret as the wire carries it, shown as pydantic's SecretStr shows one: never its value."""
+
+    __slots__ = ("_value",)
+
+    def __init__(self, value: str) -> None:
+        self._value = value
+
+    def get_secret_value(self) -> str:
+        return self._value
+
+    def __eq__(self, other: object) -> bool:
+        getter = getattr(other, "get_secret_value", None)
+        return callable(getter) and getter() == self._value
+
+    def __hash__(self) -> int:
+        return hash(self._value)
+
+    def __repr__(self) -> str:
+        return "Secret('**********')"
+
+    def __str__(self) -> str:
+        return "**********"
+
+
+# The keys whose wire form (a string) is not the value a Settings holds: paths, lists of paths, the secret. Every
+# other key travels as Settings holds it (sizes as byte counts, the webhook URL as its string). Held to the schema,
+# key by key, by tests/test_config_defaults.py.
+PATH_KEYS = frozenset(
+    {"state_dir", "kernel_log_path", "proc_root", "root", "tls_cert_file", "tls_key_file", "tls_client_ca_file",
+     "postmortem_journal_dir"}
+)  # fmt: skip
+PATH_LIST_KEYS = frozenset({"jit_cache_dirs", "vllm_cache_dirs"})
+
+
+class WireSettings(DefaultSettings):
+    """The settings the guard validated, rebuilt from its wire values (`schema.settings_to_wire`) without pydantic:
+    what the telemetry process runs on. The guard process validated them once with the schema; pydantic and the
+    Settings model are about 16 MiB of an interpreter's RSS (bench/RESULTS-rss-gpu.md), which telemetry, with NVML
+    loaded, cannot spare. Like DefaultSettings, anything but a key and what Derived computes builds a real Settings
+    on first use."""
+
+    __slots__ = ()
+
+    def __init__(self, wire: Mapping[str, Any]) -> None:
+        values: dict[str, object] = {}
+        for name, value in wire.items():
+            if value is None:
+                values[name] = None
+            elif name in PATH_KEYS:
+                values[name] = Path(value)
+            elif name in PATH_LIST_KEYS:
+                values[name] = [Path(v) for v in value]
+            elif name == "webhook_secret":
+                values[name] = Secret(value)
+            else:
+                values[name] = list(value) if isinstance(value, list) else value
+        object.__setattr__(self, "_values", values)
+        object.__setattr__(self, "_full", None)
+
+    def __repr__(self) -> str:
+        return f"WireSettings({sorted(object.__getattribute__(self, '_values'))!r})"

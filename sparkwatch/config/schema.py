@@ -18,7 +18,9 @@ from typing import Annotated, Any
 
 from pydantic import (
     AnyHttpUrl,
+    BaseModel,
     BeforeValidator,
+    ConfigDict,
     Field,
     PlainSerializer,
     SecretStr,
@@ -27,9 +29,9 @@ from pydantic import (
     field_validator,
     model_validator,
 )
-from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from sparkwatch.common.durable import read_regular
+from sparkwatch.common.guardconfig import GuardConfig
 from sparkwatch.common.sharing import group_id
 from sparkwatch.config.defaults import (
     FACTORIES,
@@ -98,10 +100,15 @@ _LIST_CHECKS: dict[str, Callable[[list[str]], object]] = {
 }
 
 
-class Settings(BaseSettings, Derived):
-    """Every key is documented in README.md and docs/contract.md; the names are a contract."""
+class Settings(BaseModel, Derived):
+    """Every key is documented in README.md and docs/contract.md; the names are a contract.
 
-    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="forbid", frozen=True, validate_default=True)
+    A plain pydantic model: the layering of file, environment and flags (pydantic-settings, 188 modules) is
+    `validate`'s alone, in the one process that loads a config; a Settings validated from wire values does without it.
+    The telemetry process takes the guard's wire values without pydantic at all (config.defaults.WireSettings,
+    bench/RESULTS-rss-gpu.md)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
 
     # --- the guard
     floor: ByteSize = Field(
@@ -312,20 +319,6 @@ class Settings(BaseSettings, Derived):
         return data
 
 
-class _MappingSource(PydanticBaseSettingsSource):
-    """The TOML file's table as a settings source (pydantic-settings' own TOML source takes a fixed path)."""
-
-    def __init__(self, settings_cls: type[BaseSettings], data: Mapping[str, Any]) -> None:
-        super().__init__(settings_cls)
-        self._data = dict(data)
-
-    def get_field_value(self, field: Any, field_name: str) -> tuple[Any, str, bool]:  # pragma: no cover - unused
-        return self._data.get(field_name), field_name, False
-
-    def __call__(self) -> dict[str, Any]:
-        return dict(self._data)
-
-
 def _check_env_keys(env: Mapping[str, str]) -> None:
     known = set(Settings.model_fields)
     for name in env:
@@ -365,10 +358,31 @@ def _describe(exc: ValidationError, toml_keys: set[str]) -> str:
 def validate(toml_data: Mapping[str, Any], overrides: Mapping[str, Any]) -> Settings:
     """Defaults < the TOML file's table < SPARKWATCH_* environment < `overrides` (the flags), validated as a whole.
     Raises ConfigError naming the key. `settings.load_settings` is the one caller."""
+    from pydantic_settings import (  # noqa: PLC0415 - only the process that loads a config pays for it
+        BaseSettings,
+        PydanticBaseSettingsSource,
+        SettingsConfigDict,
+    )
+
     env = {k: v for k, v in os.environ.items() if k != ENV_PREFIX + "CONFIG"}
     _check_env_keys(env)
 
-    class _Layered(Settings):
+    class _MappingSource(PydanticBaseSettingsSource):
+        """The TOML file's table as a settings source (pydantic-settings' own TOML source takes a fixed path)."""
+
+        def __init__(self, settings_cls: type[BaseSettings], data: Mapping[str, Any]) -> None:
+            super().__init__(settings_cls)
+            self._data = dict(data)
+
+        def get_field_value(self, field: Any, field_name: str) -> tuple[Any, str, bool]:  # pragma: no cover
+            return self._data.get(field_name), field_name, False
+
+        def __call__(self) -> dict[str, Any]:
+            return dict(self._data)
+
+    class _Layered(BaseSettings, Settings):
+        model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="forbid", frozen=True, validate_default=True)
+
         @classmethod
         def settings_customise_sources(
             cls,
@@ -392,7 +406,7 @@ def validate(toml_data: Mapping[str, Any], overrides: Mapping[str, Any]) -> Sett
 
 def settings_to_wire(settings: Settings) -> dict[str, Any]:
     """The validated values in plain JSON types (sizes in bytes, paths and URLs as strings, the secret revealed) for
-    the guard process (`guardconfig.GuardConfig.from_wire`) and the telemetry process (`settings_from_wire`). Only
+    the guard process (`guardconfig.GuardConfig.from_wire`) and the telemetry process (`settings.wire_settings`). Only
     ever sent over a pipe or socketpair between sparkwatch's own processes; never logged."""
     out: dict[str, Any] = {}
     for name in Settings.model_fields:
@@ -408,6 +422,12 @@ def _wire_value(value: object) -> Any:
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
     return str(value)  # Path, AnyHttpUrl
+
+
+def guard_config(settings: Settings) -> GuardConfig:
+    """Settings -> the guard's GuardConfig: the one conversion, the same wire form `sparkwatch run` hands the guard
+    process (tests build the guard through here, as production does)."""
+    return GuardConfig.from_wire(settings_to_wire(settings), settings.public_dict())
 
 
 _SIZE_KEYS = frozenset(

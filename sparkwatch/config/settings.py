@@ -40,6 +40,7 @@ __all__ = [
     "read_memtotal_bytes",
     "settings_from_wire",
     "settings_to_wire",
+    "wire_settings",
 ]
 
 ENV_PREFIX = "SPARKWATCH_"
@@ -99,6 +100,24 @@ def _sets_a_key(name: str) -> bool:
     """An environment variable the schema would read or refuse (pydantic-settings matches names case-insensitively)."""
     upper = name.upper()
     return upper.startswith(ENV_PREFIX) and not upper.startswith(TEST_ENV_PREFIX) and upper != ENV_PREFIX + "CONFIG"
+
+
+def wire_settings(wire: Mapping[str, Any]) -> Settings:
+    """The telemetry process's settings: the guard's validated values (`settings_to_wire`) as they are, without
+    pydantic (config.defaults.WireSettings). Raises ConfigError when the keys are not this schema's (a guard of
+    another version)."""
+    from sparkwatch.config.defaults import FACTORIES, STATIC, WireSettings  # noqa: PLC0415
+    from sparkwatch.core.redact import remember_secrets  # noqa: PLC0415
+
+    known = set(STATIC) | set(FACTORIES)
+    unknown, missing = sorted(set(wire) - known), sorted(known - set(wire))
+    if unknown:
+        raise ConfigError(f"{unknown[0]}: not a key of this version's settings")
+    if missing:
+        raise ConfigError(f"{missing[0]}: missing from the guard's settings")
+    settings = cast("Settings", WireSettings(wire))
+    remember_secrets(settings.secrets())  # this process's redaction knows them before it logs a line
+    return settings
 
 
 def load_settings(

@@ -8,6 +8,10 @@ A budget comes from `sparkwatch launch --budget` (the declaration) or the config
   absorbs the sampling noise of a footprint read from several sources at slightly different times;
 - at WARN_RATIO of the budget: one `budget_near` event, again only after it fell back under REARM_RATIO. The warning
   may also come from `warn_bytes` (the pool's drop while the engine boots alone, core.footprint), which never kills;
+- at GPU_FAST_RATIO of the budget or more, the tree's GPU bytes are sampled every FAST_PERIOD_S (telemetry samples
+  NVML for its pids alone, telemetry/gpufast.py) and each new sample is looked at at once (guard.budgets), so a GPU
+  runaway that takes gigabytes in one step is caught within about one fast period and the debounce, not the
+  telemetry cycle's second;
 - the next look comes after half the predicted time to the limit at the faster of the tree's measured growth and
   trigger.REFERENCE_FILL_RATE_BYTES_PER_S, clamped to the guard's poll bounds: the floor loop's rule
   (core.trigger.interval_for), applied to the distance to the budget instead of to the floor.
@@ -25,6 +29,11 @@ BUDGET_MARGIN_RATIO = 0.02
 BUDGET_MARGIN_MIN_BYTES = 256 * MiB
 WARN_RATIO = 0.90
 REARM_RATIO = 0.80
+GPU_FAST_RATIO = 0.80
+# 20 Hz: a step is seen within 50 ms, and with the debounce's second look (poll_min_s later) killed within about
+# 100 ms. One nvmlDeviceGetComputeRunningProcesses costs 2-9 us of CPU on an H200 (bench/RESULTS-idle.md); the thread's
+# wake-ups are the cost, and only while an engine is near its budget.
+FAST_PERIOD_S = 0.05
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,7 +106,10 @@ def budget_step(
     elif warned and seen < params.rearm_ratio * budget_bytes:
         warned = False
     counting = count > 0
-    interval = params.poll_min_s if counting else interval_for(limit - footprint_bytes, rate, params)
+    if counting:
+        interval = params.poll_min_s
+    else:
+        interval = interval_for(limit - footprint_bytes, rate, params.poll_min_s, params.poll_max_s)
     new = replace(
         state,
         last_t=t,

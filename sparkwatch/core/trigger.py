@@ -1,7 +1,11 @@
 """The guard's decision: when to fire, when to kill the next tree, and how long to sleep before the next look.
 
 Pure: the caller passes the monotonic time and MemAvailable; `step` returns the next state and a decision. After each
-firing the caller reports what came of it (`fired`), and when its victims are reaped (`reaped`).
+firing the caller reports what came of it (`fired`), and when its victims are reaped (`reaped`). The config's keys come
+as keyword arguments named as the guard's GuardConfig names them (common.guardconfig, the one declaration): `floor`
+(bytes), `kill_budget_s`, `debounce_samples`, `poll_min_s`, `poll_max_s`, `rearm_headroom` (bytes) and
+`kill_settle_s` (after the reap, how long memory may take to show up before the next tree dies: on this project's VM
+freed pages sat in per-CPU lists and MemAvailable rose over ~1 s after a 1.3 GiB tree was reaped).
 
 The phases of an episode (it starts at the first firing and ends when MemAvailable is back above
 floor + rearm_headroom):
@@ -19,7 +23,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 from enum import StrEnum
-from typing import Protocol
 
 from sparkwatch.core.units import GiB, MiB
 
@@ -66,19 +69,6 @@ class Outcome(StrEnum):
 
 
 @dataclass(frozen=True, slots=True)
-class GuardParams:
-    floor_bytes: int
-    kill_budget_s: float = 0.25
-    debounce_samples: int = 2
-    poll_min_s: float = 0.05
-    poll_max_s: float = 1.0
-    rearm_headroom_bytes: int = 1024 * MiB
-    # After the reap, how long memory may take to show up before the next tree dies. On this project's VM freed pages
-    # sit in per-CPU lists and MemAvailable rose over ~1 s after a 1.3 GiB tree was reaped; 1 s bounds the wait.
-    settle_s: float = 1.0
-
-
-@dataclass(frozen=True, slots=True)
 class GuardState:
     last_t: float | None = None
     last_available_bytes: int | None = None
@@ -121,33 +111,46 @@ def seconds_to_floor(available_bytes: int, floor_bytes: int, fill_rate_bytes_per
     return max(available_bytes - floor_bytes, 0) / fill_rate_bytes_per_s
 
 
-class PollBounds(Protocol):
-    @property
-    def poll_min_s(self) -> float: ...
-    @property
-    def poll_max_s(self) -> float: ...
-
-
-def interval_for(headroom_bytes: int, rate_bytes_per_s: float, bounds: PollBounds) -> float:
+def interval_for(headroom_bytes: int, rate_bytes_per_s: float, poll_min_s: float, poll_max_s: float) -> float:
     """Half the predicted time to use up `headroom_bytes` at the faster of the measured rate and the reference rate,
     within the poll bounds: the one rule for how soon to look again (the floor here, a budget in core.budget)."""
     rate = max(rate_bytes_per_s, REFERENCE_FILL_RATE_BYTES_PER_S)
-    return min(max(max(headroom_bytes, 0) / rate / 2.0, bounds.poll_min_s), bounds.poll_max_s)
+    return min(max(max(headroom_bytes, 0) / rate / 2.0, poll_min_s), poll_max_s)
 
 
-def next_interval(params: GuardParams, available_bytes: int, fill_rate_bytes_per_s: float, counting: bool) -> float:
+def next_interval(
+    available_bytes: int,
+    fill_rate_bytes_per_s: float,
+    counting: bool,
+    *,
+    floor: int,
+    poll_min_s: float,
+    poll_max_s: float,
+) -> float:
     if counting:
-        return params.poll_min_s
-    return interval_for(available_bytes - params.floor_bytes, fill_rate_bytes_per_s, params)
+        return poll_min_s
+    return interval_for(available_bytes - floor, fill_rate_bytes_per_s, poll_min_s, poll_max_s)
 
 
-def step(state: GuardState, params: GuardParams, t: float, available_bytes: int) -> tuple[GuardState, Decision]:
+def step(
+    state: GuardState,
+    t: float,
+    available_bytes: int,
+    *,
+    floor: int,
+    kill_budget_s: float,
+    debounce_samples: int,
+    poll_min_s: float,
+    poll_max_s: float,
+    rearm_headroom: int,
+    kill_settle_s: float,
+) -> tuple[GuardState, Decision]:
     """Feed one MemAvailable sample taken at monotonic time `t`."""
     rate = smooth_fill_rate(state, t, available_bytes)
-    eta = seconds_to_floor(available_bytes, params.floor_bytes, rate)
-    under = available_bytes <= params.floor_bytes
+    eta = seconds_to_floor(available_bytes, floor, rate)
+    under = available_bytes <= floor
     below = state.below_count + 1 if under else 0
-    predicted = eta is not None and eta <= params.kill_budget_s
+    predicted = eta is not None and eta <= kill_budget_s
     predict = state.predict_count + 1 if predicted else 0
     phase, until, in_episode, next_look = state.phase, state.phase_until, state.in_episode, state.next_look_t
     rearmed = False
@@ -155,7 +158,7 @@ def step(state: GuardState, params: GuardParams, t: float, available_bytes: int)
     growing_only = False
 
     if phase == Phase.TEARDOWN and until is not None and t >= until:
-        phase, until = Phase.SETTLE, t + params.settle_s  # not reaped in time: stuck, count it as done
+        phase, until = Phase.SETTLE, t + kill_settle_s  # not reaped in time: stuck, count it as done
     if phase == Phase.SETTLE and until is not None and t >= until:
         if under:
             trigger = "escalate"  # still at or under the floor after the settle time: the next tree
@@ -164,14 +167,14 @@ def step(state: GuardState, params: GuardParams, t: float, available_bytes: int)
     if phase == Phase.HUNT and not under:
         phase = Phase.WATCH
     if phase == Phase.WATCH:
-        if in_episode and available_bytes >= params.floor_bytes + params.rearm_headroom_bytes:
+        if in_episode and available_bytes >= floor + rearm_headroom:
             in_episode, rearmed = False, True
-        if below >= params.debounce_samples:
+        if below >= debounce_samples:
             trigger = "floor"
-        elif predict >= params.debounce_samples:
+        elif predict >= debounce_samples:
             trigger = "predicted"
     elif phase == Phase.TEARDOWN:
-        if below >= params.debounce_samples and t >= next_look:
+        if below >= debounce_samples and t >= next_look:
             trigger, growing_only = "escalate", True
     elif phase == Phase.HUNT and t >= next_look:
         trigger = "hunt"
@@ -193,14 +196,15 @@ def step(state: GuardState, params: GuardParams, t: float, available_bytes: int)
     counting = phase != Phase.WATCH or below > 0 or predict > 0
     return new_state, Decision(
         trigger=trigger,
-        next_interval_s=next_interval(params, available_bytes, rate, counting),
+        # next_interval, inlined: this runs on every tick, and a keyword call costs ~0.3 µs here.
+        next_interval_s=poll_min_s if counting else interval_for(available_bytes - floor, rate, poll_min_s, poll_max_s),
         rearmed=rearmed,
         seconds_to_floor=eta,
         growing_only=growing_only,
     )
 
 
-def fired(state: GuardState, params: GuardParams, t: float, outcome: Outcome, teardown_s: float = 0.0) -> GuardState:
+def fired(state: GuardState, t: float, outcome: Outcome, teardown_s: float = 0.0) -> GuardState:
     """What the firing `step` asked for came to. `teardown_s`: the victims' reap deadline (teardown_deadline_s)."""
     if outcome == Outcome.KILLED:
         until = t + teardown_s
@@ -217,11 +221,11 @@ def fired(state: GuardState, params: GuardParams, t: float, outcome: Outcome, te
     return replace(state, phase=Phase.WATCH, phase_until=None)
 
 
-def reaped(state: GuardState, params: GuardParams, t: float) -> GuardState:
-    """Every victim signalled so far has exited: give memory `settle_s` to show up."""
+def reaped(state: GuardState, t: float, *, kill_settle_s: float) -> GuardState:
+    """Every victim signalled so far has exited: give memory `kill_settle_s` to show up."""
     if state.phase != Phase.TEARDOWN:
         return state
-    return replace(state, phase=Phase.SETTLE, phase_until=t + params.settle_s)
+    return replace(state, phase=Phase.SETTLE, phase_until=t + kill_settle_s)
 
 
 # A prediction is cancelled only when memory came back, not when it paused. A hog's fill comes in bursts (250-1,700
@@ -235,24 +239,30 @@ RECOVERED_AFTER_BUDGETS = 2.0
 
 def should_cancel(
     trigger: str,
-    params: GuardParams,
     decided_available_bytes: int,
     available_now_bytes: int,
     fill_rate_bytes_per_s: float,
+    *,
+    floor: int,
+    kill_budget_s: float,
 ) -> bool:
     """Re-read right before the signal, as earlyoom does: cancel when memory recovered since the decision. For the
     floor, escalation and hunting: MemAvailable is above the floor now. For a prediction (made above the floor): at
     the fill rate it was made with, the floor is now more than RECOVERED_AFTER_BUDGETS kill budgets away. A driver
-    allocation failure is never cancelled."""
-    if available_now_bytes <= params.floor_bytes:
+    allocation failure and a budget are never cancelled."""
+    if available_now_bytes <= floor:
         return False
     if trigger == "driver_alloc_failed":
         # The driver already failed an allocation: MemAvailable is what lags there (a box showed 22.5 GiB available
         # while the driver logged NV_ERR_NO_MEMORY at 119.2 of 121.7 GiB used), so a re-read cannot cancel it.
         return False
+    if trigger == "budget":
+        # A budget is the engine's own limit, measured on its own tree: the pool having room says nothing about it
+        # (a budget kill is made far above the floor by design).
+        return False
     if trigger == "predicted":
         if available_now_bytes <= decided_available_bytes:
             return False  # still falling, or a pause in a bursty fill
-        eta = seconds_to_floor(available_now_bytes, params.floor_bytes, fill_rate_bytes_per_s)
-        return eta is None or eta > RECOVERED_AFTER_BUDGETS * params.kill_budget_s
+        eta = seconds_to_floor(available_now_bytes, floor, fill_rate_bytes_per_s)
+        return eta is None or eta > RECOVERED_AFTER_BUDGETS * kill_budget_s
     return True

@@ -12,7 +12,11 @@ syntax). Only those trees are looked at, and only as often as their distance to 
   launched engine booting, the pool's drop since its launch too, which may warn but never kills;
 - over budget + margin for the guard's debounce: the killer kills that tree alone (trigger `budget`), recorded as
   every kill is (the reaper writes the event); in dry-run the same decision is recorded and nothing is signalled;
-- at 90 %: one `budget_near` event (again only after it fell under 80 %).
+- at 90 %: one `budget_near` event (again only after it fell under 80 %);
+- at GPU_FAST_RATIO (80 %) or more: the tree's members go to telemetry in the state (`BudgetStat.gpu_watch`), which
+  samples their GPU bytes every FAST_PERIOD_S and sends each change (common.messages.GpuSampleMsg); the guard's
+  supervisor wakes this loop for it, and a near tree whose GPU bytes moved is looked at on that tick, whatever its
+  schedule said (`_gpu_moved`).
 With no budget anywhere, `tick` returns at once: the idle guard pays one attribute check a tick.
 """
 
@@ -26,6 +30,7 @@ from dataclasses import dataclass, field
 
 from sparkwatch.common import logs
 from sparkwatch.common.launched import Declaration
+from sparkwatch.common.messages import MAX_GPU_WATCH_PIDS
 from sparkwatch.common.sources.cgroupmem import read_memory_current
 from sparkwatch.common.sources.procs import ProcScanner, parse_stat
 from sparkwatch.common.stats import BudgetStat
@@ -34,7 +39,7 @@ from sparkwatch.core.engines import EngineRules, Scope, find_engine_trees
 from sparkwatch.core.eventkinds import EventKind
 from sparkwatch.core.footprint import Footprint, FootprintInputs, FootprintSource, footprint, owned_scope
 from sparkwatch.core.model import EngineTree, Proc
-from sparkwatch.core.policy import GpuBytes, TreeKey, first_match
+from sparkwatch.core.policy import GPU_STALE_S, GpuBytes, TreeKey, first_match
 from sparkwatch.core.units import format_size
 
 log = logs.get("guard")
@@ -91,6 +96,20 @@ def read_member_rss(proc_root: str, members: Sequence[Proc]) -> tuple[int, int]:
     return total, gone
 
 
+def near_gpu(t: Tracked, ratio: float) -> bool:
+    """The tree's last footprint is at `ratio` of its budget or more."""
+    return t.last is not None and t.last.bytes >= ratio * t.budget_bytes
+
+
+def _gpu_moved(t: Tracked, gpu: GpuBytes | None, now: float) -> bool:
+    """A near-budget tree whose GPU bytes in the latest (fresh) reading differ from those its last look counted: a
+    fast sample (or the cycle's reading) moved them, so it is looked at now. Far from its budget its schedule stands."""
+    if gpu is None or t.last is None or now - gpu[0] > GPU_STALE_S or not near_gpu(t, core.GPU_FAST_RATIO):
+        return False
+    by_pid = gpu[1]
+    return sum(by_pid.get(p.pid, 0) for p in t.tree.members) != (t.last.gpu_bytes or 0)
+
+
 class BudgetWatch:
     def __init__(
         self,
@@ -115,8 +134,13 @@ class BudgetWatch:
 
     def stats(self) -> list[BudgetStat]:
         out = []
+        watched = 0
         for t in self.tracked.values():
             fp = t.last
+            watch: tuple[tuple[int, int], ...] = ()
+            if not t.killed and near_gpu(t, core.GPU_FAST_RATIO):
+                watch = tuple(p.key for p in t.tree.members[: MAX_GPU_WATCH_PIDS - watched])
+                watched += len(watch)
             out.append(
                 BudgetStat(
                     root_pid=t.key[0],
@@ -127,6 +151,7 @@ class BudgetWatch:
                     footprint_source=None if fp is None else str(fp.source),
                     peak_bytes=t.state.peak_bytes,
                     budget_source=t.source,
+                    gpu_watch=watch,
                 )
             )
         return out
@@ -156,7 +181,7 @@ class BudgetWatch:
             self._discover(now, rules, scope, config_budgets, launched)
         booting = [d for d in launched if d.booting]
         for t in list(self.tracked.values()):
-            if t.killed or now < t.next_t:
+            if t.killed or (now < t.next_t and not _gpu_moved(t, gpu, now)):
                 continue
             fp, gone = self._footprint(t, now, available_bytes, gpu, sole_booting=len(booting) == 1)
             self.samples_total += 1

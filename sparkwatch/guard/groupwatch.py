@@ -13,7 +13,7 @@ The members that pass are one tree for guard.killer.Killer (pin by pidfd, SIGSTO
 `group_teardown` event says the group, the cause, and the node and pid of the first death.
 
 Runs on the supervisor's thread (it receives the message); a kill takes milliseconds and never waits for the exits.
-TODO(killpath): hand the tree to the guard's one kill owner once it takes kill requests.
+TODO(killpath): hand the tree to guard.killpath.KillPath once it takes a request that is not about memory.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from collections.abc import Callable
 
 from sparkwatch.common import logs
 from sparkwatch.common.events import EventLog, EventLogError, make_event
-from sparkwatch.common.guardconfig import GuardSettings, engine_rules, engine_scope
+from sparkwatch.common.guardconfig import GuardSnapshot
 from sparkwatch.common.messages import GroupTeardownMsg
 from sparkwatch.common.sources.procs import ProcParseError, ProcScanner
 from sparkwatch.core import raygroup
@@ -38,17 +38,17 @@ ROLES = (raygroup.API, raygroup.DRIVER, raygroup.RANK)  # the tree's order: the 
 
 
 class GroupWatch:
-    def __init__(self, settings: Callable[[], GuardSettings], events: EventLog) -> None:
-        """`settings`: the guard's settings now (the pool watch's, swapped whole on SIGHUP): the rules and dry_run of
-        each teardown are those in force when it comes."""
-        self.settings = settings
+    def __init__(self, snapshot: Callable[[], GuardSnapshot], events: EventLog) -> None:
+        """`snapshot`: the guard's config snapshot now (the pool watch's, swapped whole on SIGHUP): the rules, scope
+        and dry_run of each teardown are those in force when it comes."""
+        self.snapshot = snapshot
         self.events = events
-        first = settings()
-        self.proc_root = first.proc_root
-        self.rules = engine_rules(first)
-        self.scope = engine_scope(first)
-        self.scanner = ProcScanner(first.proc_root)
-        self.killer = Killer(first.proc_root, self.rules, self.scope)  # its own: this runs on another thread
+        first = snapshot()
+        self.proc_root = first.config.proc_root
+        self.rules = first.rules
+        self.scope = first.scope
+        self.scanner = ProcScanner(first.config.proc_root)
+        self.killer = Killer(first.config.proc_root, first.rules, first.scope)  # its own: on the supervisor's thread
         self.teardowns_total = 0
         self.refused_total = 0  # members telemetry named that the guard's own checks refused
         self.errors_total = 0
@@ -81,17 +81,18 @@ class GroupWatch:
 
     def handle(self, msg: GroupTeardownMsg) -> int:
         """Kill this node's verified members of the group; returns how many were signalled."""
-        settings = self.settings()
-        self.rules = self.killer.rules = engine_rules(settings)
-        self.scope = self.killer.scope = engine_scope(settings)
+        snap = self.snapshot()
+        self.rules, self.scope = snap.rules, snap.scope
         members = self.verified(msg)
         if not members:
             return 0
         members.sort(key=lambda m: ROLES.index(m[1]) if m[1] in ROLES else len(ROLES))
         procs = tuple(p for p, _role in members)
         tree = EngineTree(kind="ray-group", root=procs[0], members=procs)
-        dry_run = settings.dry_run
-        victims, _signaled_at, notes, method = self.killer.kill([tree], dry_run=dry_run)
+        dry_run = snap.config.dry_run
+        victims, _signaled_at, notes, method = self.killer.kill(
+            [tree], dry_run=dry_run, rules=self.rules, scope=self.scope
+        )
         if not dry_run:
             for v in victims:
                 os.close(v.pidfd)

@@ -121,12 +121,22 @@ class Killer:
         self._self_ancestors: frozenset[int] = frozenset()
 
     def kill(
-        self, trees: Iterable[EngineTree], dry_run: bool = False
+        self,
+        trees: Iterable[EngineTree],
+        dry_run: bool = False,
+        *,
+        rules: EngineRules | None = None,
+        scope: Scope | None = None,
     ) -> tuple[list[Victim], float | None, list[str], str]:
         """Stop and SIGKILL every tree. Returns (victims, monotonic time of the last SIGKILL, notes, method).
 
-        `dry_run` is the caller's, per kill: the record it writes and what is signalled can never disagree.
+        `dry_run`, `rules` and `scope` are the caller's, per kill (the config snapshot of the tick that chose the
+        tree): the record it writes, what is signalled and what the sweep may touch can never disagree.
         """
+        if rules is not None:
+            self.rules = rules
+        if scope is not None:
+            self.scope = scope
         notes: list[str] = []
         victims: dict[int, Victim] = {}
         trees = list(trees)
@@ -289,10 +299,15 @@ class Reaper:
         finish: Callable[[KillJob, KillFacts], None],
         wait_s: float = 10.0,
         settle_s: float = 0.5,
+        *,
+        reaped: Callable[[KillJob], None] | None = None,
     ) -> None:
         self._queue: queue.SimpleQueue[KillJob | Callable[[], None] | None] = queue.SimpleQueue()
         self._announce = announce
         self._finish = finish
+        # Told (on this thread) when a job's victims have all exited or its wait ran out: the guard's teardown state
+        # learns of the reap from here, the one place that checks it.
+        self._reaped = reaped
         self.wait_s = wait_s
         self.settle_s = settle_s
         self._meminfo = MeminfoReader(proc_root)
@@ -367,6 +382,8 @@ class Reaper:
             alive = [v for v in p.job.victims if v.pidfd not in exited]
             if not alive or now >= p.deadline:
                 p.reaped_at, p.survivors = now, alive
+                if self._reaped is not None:
+                    self._reaped(p.job)
 
     def _finish_now(self, pending: list[_Pending]) -> None:
         """Stopping in the middle of a teardown or settle time (SIGTERM, a restart): record every pending kill now with

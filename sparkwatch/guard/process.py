@@ -52,11 +52,12 @@ from sparkwatch.common.spool import FileSpool
 from sparkwatch.common.systemd import Notifier, ServiceNotifier
 from sparkwatch.common.threads import daemon_thread
 from sparkwatch.core.eventkinds import EventKind
+from sparkwatch.core.flight import LaunchedEngine
 from sparkwatch.core.guardstate import GuardState
 from sparkwatch.core.redact import remember_secrets
 from sparkwatch.core.status import status_line
 from sparkwatch.guard.groupwatch import GroupWatch
-from sparkwatch.guard.poolwatch import PoolWatch
+from sparkwatch.guard.poolwatch import GuardLinks, PoolWatch
 from sparkwatch.guard.recorder import FlightRecorder
 from sparkwatch.guard.start import exec_guard
 from sparkwatch.guard.supervisor import TelemetrySupervisor, telemetry_command
@@ -158,21 +159,19 @@ class GuardProcess:
         )
         self.events, self.journal, self.router = self.recording.events, self.recording.journal, self.recording.router
         self.sd = ServiceNotifier(Notifier(backend="builtin"), self.status_line, poll_max_s=config.poll_max_s)
-        self.guard = PoolWatch(config, self.events, heartbeat=self.sd.beat)
+        # Built in dependency order, each given what it needs in its constructor; the late-bound lambdas are read only
+        # once the threads run (after __init__).
         self.supervisor = TelemetrySupervisor(
             config,
             self.events,
             self.state,
             command=telemetry or telemetry_command,
             near_floor=lambda: self.guard.near_floor,
+            on_over_cap=self._over_cap_seen,
+            # a near-budget engine's GPU bytes moved: its budget is looked at now
+            on_gpu_sample=lambda: self.guard.wake(),  # noqa: PLW0108 - late-bound: the guard is built after this
         )
-        # From telemetry's last cycle, over the channel: NVML's GPU holders and per-pid GPU bytes (the guard never
-        # loads NVML itself; a stale or missing reading never delays a kill: the policy ranks without it).
-        self.guard.gpu_holders = self.supervisor.gpu.holder_keys
-        self.guard.gpu_bytes_by_pid = self.supervisor.gpu.latest
-        self.guard.on_news = self.supervisor.wake  # the first sample, and each entry into the floor's band
-        self.guard.engines_hint = lambda: self.supervisor.engines  # a new engine tree: budgets look at once
-        self.guard.on_taken = self.request_publish  # the launched engines it guards changed: guard.json says so
+        gpu = self.supervisor.gpu
         # The flight recorder: fed by the pool watch's tick (no wake-up of its own), written on its own thread, with
         # what the guard already knows (its last scan, telemetry's engine trees and GPU bytes); the next boot judges it.
         self.recorder = FlightRecorder(
@@ -182,12 +181,25 @@ class GuardProcess:
             trees=lambda: self.guard.seen_trees,
             roots=lambda: self.supervisor.engine_roots,
             engines=lambda: self.supervisor.engines,
-            gpu=self.supervisor.gpu.latest,
-            launched=self.guard.launched.boot_phases,
+            gpu=gpu.latest,
+            launched=self._boot_phases,
         )
-        self.guard.recorder = self.recorder
-        self.supervisor.on_over_cap = self._over_cap_seen
-        self.groupwatch = GroupWatch(lambda: self.guard.settings, self.events)
+        self.guard = PoolWatch(
+            config,
+            self.events,
+            GuardLinks(
+                heartbeat=self.sd.beat,
+                # From telemetry's last cycle, over the channel: NVML's GPU holders and per-pid GPU bytes (the guard
+                # never loads NVML itself; a stale or missing reading never delays a kill: the policy ranks without it).
+                gpu_bytes_by_pid=gpu.latest,
+                gpu_holders=gpu.holder_keys,
+                on_news=self.supervisor.wake,  # the first sample, and each entry into the floor's band
+                engines_hint=lambda: self.supervisor.engines,  # a new engine tree: budgets look at once
+                on_taken=self.request_publish,  # the launched engines it guards changed: guard.json says so
+                recorder=self.recorder,
+            ),
+        )
+        self.groupwatch = GroupWatch(lambda: self.guard.snapshot, self.events)
         self.supervisor.on_group_teardown = self.groupwatch.handle
         self.events.subscribe(self.supervisor.forward)
         self.components: list[Component[GuardConfig]] = [
@@ -198,12 +210,7 @@ class GuardProcess:
                 self.guard,
                 PoolWatch.LIVE_KEYS,
                 self.guard.reconfigure,
-                lambda: {
-                    "meminfo_errors": self.guard.stats.meminfo_errors_total,
-                    "launched_errors": self.guard.launched.watch.errors_total,  # unreadable declarations
-                    "launched_poll_failures": self.guard.launched.poll_failures_total,  # its thread's failed reads
-                    "budget_errors": self.guard.budget_errors_total,
-                },
+                self.guard.counters,
             ),
             Component(
                 "sd_notify",
@@ -231,6 +238,9 @@ class GuardProcess:
         self._state_path: Path | None = None
         self._state_error_logged = False
 
+    def _boot_phases(self) -> tuple[LaunchedEngine, ...]:
+        return self.guard.launched.boot_phases()  # the guard is built after the recorder it feeds
+
     def _event_counters(self) -> dict[str, int]:
         router = self.router
         return {
@@ -238,7 +248,7 @@ class GuardProcess:
             "alert_spool_errors": self.spool.spool_errors_total if self.spool is not None else 0,
             "alerts_suppressed": router.suppressed_total if router is not None else 0,
             "router_errors": router.errors_total if router is not None else 0,
-            "kernel_log_events_dropped": self.guard.kernlog.stats.events_dropped_total,
+            "kernel_log_events_dropped": self.guard.kernel_log_dropped(),
         }
 
     # --- what the channel carries
@@ -246,14 +256,9 @@ class GuardProcess:
         return {component.name: dict(component.counters()) for component in self.components}
 
     def state(self) -> StateMsg:
-        g = self.guard
-        with g.lock:
-            stats = g.stats.snapshot()
-        with g.kernlog.lock:
-            kernlog = g.kernlog.stats.snapshot()
         return StateMsg(
-            guard=stats,
-            kernlog=kernlog,
+            guard=self.guard.stats_snapshot(),
+            kernlog=self.guard.kernel_log_snapshot(),
             counters=self.counters(),
             rss_bytes=rss_bytes(),
             watchdog_pings_total=self.sd.watchdog_pings_total,
@@ -305,7 +310,7 @@ class GuardProcess:
             mem = g.stats.mem
             armed = g.stats.armed
             error = g.stats.last_error if mem is None else None
-            floor = g.params.floor_bytes
+            floor = g.config.floor
         return status_line(
             None if mem is None else mem.available_bytes,
             floor,

@@ -36,6 +36,7 @@ from sparkwatch.common.messages import (
     AckMsg,
     AppliedMsg,
     EventMsg,
+    GpuSampleMsg,
     GroupTeardownMsg,
     Message,
     SettingsMsg,
@@ -80,7 +81,7 @@ def telemetry_env(environ: Mapping[str, str]) -> dict[str, str]:
 # Telemetry's main thread answers every 0.25-1 s whatever its cycle does; only a process-wide stop (a C call holding
 # the GIL, such as a dlopen of a hung libnvidia-ml) or a reload waiting behind a slow cycle silences it.
 STALL_MIN_S = 15.0
-# Before its first message telemetry imports pydantic, prometheus_client and pynvml and checks that NVML loads (up to
+# Before its first message telemetry imports prometheus_client and pynvml and checks that NVML loads (up to
 # 10 s, telemetry/sources/nvml_preflight.py): allow that much more, on a loaded box.
 STARTUP_ALLOWANCE_S = 60.0
 
@@ -113,13 +114,16 @@ class TelemetrySupervisor:
         *,
         command: Callable[[int, bool], list[str]] = telemetry_command,
         near_floor: Callable[[], bool] = lambda: False,
+        on_over_cap: Callable[[int], None] | None = None,
+        on_gpu_sample: Callable[[], None] = lambda: None,
     ) -> None:
+        """`on_gpu_sample`: wakes the pool watch when a fast GPU sample of a near-budget engine came (guard.budgets)."""
         self.config = config
         self.events = events
         self.state = state
         self.near_floor = near_floor
         self.command = command
-        self.gpu = GpuBoard()
+        self.gpu = GpuBoard(on_sample=on_gpu_sample)
         self.engines: int | None = None
         self.compile_jobs: int | None = None
         self.engine_roots: tuple[tuple[str, int], ...] | None = None  # telemetry's engine trees (kind, root pid)
@@ -150,7 +154,7 @@ class TelemetrySupervisor:
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         # The guard process's RSS cap, checked on the state each look builds (its RSS is in it already).
         self.rss_cap_bytes = GUARD_RSS_CAP_BYTES
-        self.on_over_cap: Callable[[int], None] | None = None
+        self.on_over_cap = on_over_cap
         # A group spanning nodes lost a member (guard.groupwatch checks and kills this node's members of it).
         self.on_group_teardown: Callable[[GroupTeardownMsg], object] | None = None
         self._last_state_at = 0.0
@@ -382,6 +386,8 @@ class TelemetrySupervisor:
         elif isinstance(msg, GroupTeardownMsg):
             if self.on_group_teardown is not None:
                 self.on_group_teardown(msg)
+        elif isinstance(msg, GpuSampleMsg):
+            self.gpu.update_fast(msg)
         elif isinstance(msg, AckMsg):
             for event_id in msg.ids:
                 self._unacked.pop(event_id, None)

@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sparkwatch.common import logs, syscalls
 from sparkwatch.common.channel import Channel, ChannelClosed
@@ -30,20 +30,25 @@ from sparkwatch.common.messages import AckMsg, AppliedMsg, EventMsg, Message, Se
 from sparkwatch.common.recording import open_recording
 from sparkwatch.common.selfwatch import rss_bytes
 from sparkwatch.common.sharing import events_gid
-from sparkwatch.config.settings import ConfigError, Settings, settings_from_wire
+from sparkwatch.config.settings import ConfigError, wire_settings
 from sparkwatch.core.model import NvmlFacts, Snapshot
 from sparkwatch.telemetry.driver import DriverWatcher
 from sparkwatch.telemetry.exporter.internal import InternalCollector
 from sparkwatch.telemetry.exporter.postmortem import PostmortemCollector
 from sparkwatch.telemetry.exporter.server import MetricsServer, build_registry
+from sparkwatch.telemetry.gpufast import GpuFastSampler
 from sparkwatch.telemetry.headroom import HeadroomWatcher
 from sparkwatch.telemetry.loop import Telemetry, TelemetryLoop, gpu_bytes_by_pid, quiet
 from sparkwatch.telemetry.outbox import Outbox
 from sparkwatch.telemetry.postmortem import PostmortemWatch
 from sparkwatch.telemetry.raywatch import RayWatch
 from sparkwatch.telemetry.remote import EventErrors, RemoteGuard
-from sparkwatch.telemetry.sources.nvml_preflight import NvmlOff, nvml_hang_reason
+from sparkwatch.telemetry.sources.nvml import NvmlSource
+from sparkwatch.telemetry.sources.nvml_preflight import NvmlOff, Preflight
 from sparkwatch.telemetry.sources.udev import UdevWatcher
+
+if TYPE_CHECKING:
+    from sparkwatch.config.settings import Settings
 
 log = logs.get("telemetry")
 FIRST_SETTINGS_S = 30.0
@@ -100,6 +105,19 @@ class TelemetryProcess:
                 Telemetry.LIVE_KEYS | {"telemetry_interval_s"},
                 loop.reconfigure,
                 lambda: {"cycle_errors": loop.errors_total, "launched_errors": loop.telemetry.launched.errors_total},
+            )
+        )
+        # Near-budget engines' GPU bytes, sampled fast on a thread of its own (the guard names them in its state).
+        source = loop.telemetry.gpu_source
+        nvml = source if isinstance(source, NvmlSource) else None
+        fast = self.gpu_fast = GpuFastSampler(
+            None if nvml is None else nvml.process_bytes, self._send, proc_root=str(settings.proc_root)
+        )
+        self.components.append(
+            Component(
+                "gpu_fast",
+                fast,
+                counters=lambda: {**fast.counters(), "nvml_call_errors": nvml.fast_errors_total if nvml else 0},
             )
         )
         self.components += self._endpoint()
@@ -229,13 +247,14 @@ class TelemetryProcess:
         if isinstance(msg, StateMsg):
             self.remote.update(msg)
             self.headroom.tick()
+            self.gpu_fast.watch([key for b in msg.guard.budgets for key in b.gpu_watch])
         elif isinstance(msg, EventMsg):
             if self.router is not None:
                 self.router(msg.event)  # already durable in events.jsonl and in the journal: only the alert is left
             self._send(AckMsg((msg.event.id,)))  # the outbox has it (spooled, fsynced): the guard may forget it
         elif isinstance(msg, SettingsMsg) and msg.reload:
             try:
-                new = settings_from_wire(msg.wire)
+                new = wire_settings(msg.wire)
             except ConfigError as exc:
                 self._send(AppliedMsg((), (f"config refused: {exc}",)))
                 return
@@ -294,7 +313,13 @@ class TelemetryProcess:
             # A port in use is not a failure here: the server keeps trying to bind on its own thread (BIND_RETRY_S)
             # while the rest runs. Any other failure to start the endpoint (unreadable TLS files) exits, and the
             # guard's supervisor tries again after its backoff.
-            started = start_all(self.components, essential={"metrics"})
+            # The endpoint first: it serves (a scrape before the first cycle says so) while the other components'
+            # threads start, and the driver check's first dpkg read, the postmortem verdict, pyudev's import and the
+            # first /proc scan no longer come before it (bench/RESULTS-telemetry-start.md). Stopped last.
+            first = [c for c in self.components if c.obj is self.metrics]
+            started = start_all(
+                [*first, *(c for c in self.components if c.obj is not self.metrics)], essential={"metrics"}
+            )
         except Exception:
             return 3
         endpoint = ""
@@ -326,11 +351,13 @@ def first_settings(channel: Channel, stop: threading.Event) -> tuple[Settings | 
         msgs = channel.receive(0.5)
         for i, msg in enumerate(msgs):
             if isinstance(msg, SettingsMsg):
-                return settings_from_wire(msg.wire), msgs[i + 1 :]
+                return wire_settings(msg.wire), msgs[i + 1 :]
     return None, []
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None, preflight: Preflight | None = None) -> int:
+    """`preflight`: NVML's load check, already started (telemetry/__main__.py starts it before the imports); None:
+    started here, unless --no-nvml."""
     stop = threading.Event()
     target: list[TelemetryProcess] = []
 
@@ -347,10 +374,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--guard-pid", type=int, default=0)
     parser.add_argument("--no-nvml", action="store_true", help="never load libnvidia-ml (after it hung twice)")
     args = parser.parse_args(argv)
+    if args.no_nvml and preflight is not None:
+        preflight.abandon()
+        preflight = None
+    elif not args.no_nvml and preflight is None:
+        preflight = Preflight.start()
+
+    def give_up(status: int) -> int:
+        if preflight is not None:
+            preflight.abandon()  # its child is ours to reap
+        return status
+
     # Die with the guard (even one killed with SIGKILL): a telemetry process left behind would hold the metrics port.
     syscalls.set_parent_death_signal(signal.SIGKILL)
     if args.guard_pid and os.getppid() != args.guard_pid:
-        return 0  # the guard is already gone
+        return give_up(0)  # the guard is already gone
     syscalls.set_comm("sparkwatch-tel")
     # Before any thread starts (the guard process does the same): glibc gives each thread that mallocs its own arena
     # (up to 8 per core), and memory freed in one arena is not reused by the others.
@@ -361,11 +399,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         settings, early = first_settings(channel, stop)
     except (ChannelClosed, ConfigError) as exc:
         log.error("no usable config from the guard: %s", exc)
-        return 2
+        return give_up(2)
     if settings is None:
-        return 0 if stop.is_set() else 2
+        return give_up(0 if stop.is_set() else 2)
     # NVML is loaded only after a child process showed it loads: a hung load would stop this whole interpreter.
-    nvml_off = NVML_OFF if args.no_nvml else nvml_hang_reason()
+    nvml_off = NVML_OFF if preflight is None else preflight.reason()
     if nvml_off is not None:
         log.error("%s", nvml_off)
     process = TelemetryProcess(settings, channel, log_handler=handler, nvml_off=nvml_off)

@@ -19,8 +19,9 @@ import time
 from pathlib import Path
 
 from sparkwatch.common.events import EventLog
+from sparkwatch.config.schema import guard_config
 from sparkwatch.config.settings import load_settings
-from sparkwatch.guard.poolwatch import PoolWatch
+from sparkwatch.guard.poolwatch import GuardLinks, PoolWatch
 from sparkwatch.guard.recorder import FlightRecorder
 
 
@@ -39,10 +40,10 @@ def run_guard(state_dir: Path) -> None:
             "recorder_window_s": 30,
         }
     )
-    guard = PoolWatch(settings, EventLog(settings.events_path))
-    recorder = FlightRecorder(settings.state_dir, settings.recorder_window_s, settings.proc_root)
-    recorder.trees = lambda: guard.seen_trees
-    guard.recorder = recorder
+    recorder = FlightRecorder(
+        settings.state_dir, settings.recorder_window_s, settings.proc_root, trees=lambda: guard.seen_trees
+    )
+    guard = PoolWatch(guard_config(settings), EventLog(settings.events_path), GuardLinks(recorder=recorder))
     recorder.start()
     guard.start()
     while True:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from prometheus_client.core import (
     Metric,
@@ -21,8 +21,9 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from sparkwatch import __version__
+from sparkwatch.common.guardconfig import GuardConfig
 from sparkwatch.common.stats import KILL_DURATION_BUCKETS_S, GuardStats, KernelLogStats
-from sparkwatch.config.settings import Settings
+from sparkwatch.config.defaults import Derived
 from sparkwatch.core.bootphase import BootPhase
 from sparkwatch.core.compile import TOOLS
 from sparkwatch.core.enums import JitState, MaxJobsState
@@ -30,6 +31,13 @@ from sparkwatch.core.kernlog import NVRM_KINDS, XID_CATALOGUE
 from sparkwatch.core.model import DriverReport, GpuReport, MemInfo, Snapshot
 from sparkwatch.telemetry.exporter.families import counter, dropped_total, gauge, histogram
 from sparkwatch.telemetry.exporter.gpu import gpu_families
+
+if TYPE_CHECKING:
+    from sparkwatch.config.settings import Settings
+
+    # The keys the collector reads live: telemetry's settings (RemoteGuard; pydantic's Settings or the guard's wire
+    # values, both Derived) or, with the pool watch in the same process, its GuardConfig; all name them alike.
+    LiveConfig = Settings | GuardConfig
 
 # core.trigger's triggers (each may choose a tree), core.kernlog's and core.budget's: exported at 0 so increase() sees
 # the first kill (or, in dry run, the first would-kill) of each from the start
@@ -63,13 +71,13 @@ class OutboxLike(Protocol):
     def pending(self) -> int: ...
 
 
-def _guard_copy(guard: GuardLike | None) -> tuple[GuardStats | None, Settings | None]:
+def _guard_copy(guard: GuardLike | None) -> tuple[GuardStats | None, LiveConfig | None]:
     """The guard's counters and its live settings (SIGHUP may change floor, warn headroom, dry run), under its lock."""
     if guard is None:
         return None, None
     with guard.lock:  # a handful of field copies: the guard never waits on a scrape for longer than that
         out = guard.stats.snapshot()
-        settings = getattr(guard, "settings", None)
+        settings = getattr(guard, "settings", None) or getattr(guard, "config", None)
     return out, settings
 
 
@@ -105,12 +113,12 @@ class SparkwatchCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         snap = self.latest()
         stats, live = _guard_copy(self.guard)
-        yield from self._families(snap, stats, live if isinstance(live, Settings) else self.settings)
+        yield from self._families(snap, stats, live if isinstance(live, Derived | GuardConfig) else self.settings)
         # Last: it counts what the families above left out in this scrape too (telemetry.exporter.families).
         yield counter("metrics_series_dropped", value=dropped_total())
 
     # --- rendering
-    def _families(self, snap: Snapshot | None, stats: GuardStats | None, settings: Settings) -> Iterator[Metric]:
+    def _families(self, snap: Snapshot | None, stats: GuardStats | None, settings: LiveConfig) -> Iterator[Metric]:
         info = gauge("build_info", labels=["version"])
         info.add_metric([__version__], 1)
         yield info
@@ -159,7 +167,7 @@ class SparkwatchCollector(Collector):
         return guard_mem if guard_age_s <= own_age_s else own_mem
 
     def _memory(
-        self, mem: MemInfo | None, snap: Snapshot | None, stats: GuardStats | None, settings: Settings
+        self, mem: MemInfo | None, snap: Snapshot | None, stats: GuardStats | None, settings: LiveConfig
     ) -> Iterator[Metric]:
         if mem is not None:
             for name, value in (

@@ -31,13 +31,13 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.exposition import choose_encoder
 
 from sparkwatch.common import logs
 from sparkwatch.common.threads import daemon_thread
-from sparkwatch.config.settings import Settings
 from sparkwatch.core.model import Snapshot
 from sparkwatch.telemetry.exporter.collector import (
     EventLogLike,
@@ -46,6 +46,9 @@ from sparkwatch.telemetry.exporter.collector import (
     OutboxLike,
     SparkwatchCollector,
 )
+
+if TYPE_CHECKING:
+    from sparkwatch.config.settings import Settings
 
 MAX_CONNECTIONS = 64  # open connections at once; Prometheus and a curl need one or two
 WORKERS = 2  # scrapes render in ~1 ms; two workers keep one slow client from delaying the next scrape

@@ -19,6 +19,7 @@ Identity (uuid, name, bus id, max clocks, power limit) is read once per initiali
 
 from __future__ import annotations
 
+import ctypes
 import importlib
 import math
 import queue
@@ -33,6 +34,7 @@ from sparkwatch.common.threads import daemon_thread
 from sparkwatch.core.model import GpuDevice, GpuProcess, GpuReport, NvmlFacts
 from sparkwatch.core.nvmlcodes import FATAL_CODES as _FATAL_CODES
 from sparkwatch.core.nvmlcodes import NvmlReturn
+from sparkwatch.telemetry.sources.nvml_preflight import LIBRARY
 
 # Memory info "about MemTotal" means unified memory. A GB10 report saw total ≈ 128.5 GB against MemTotal
 # 127,600,748 kB (130.7 GB): 1.7 % apart; if that figure was GiB (the physical 128 GiB) it is 5.6 % above MemTotal,
@@ -278,6 +280,7 @@ class NvmlSource:
         self._identities: list[_Identity] = []
         self._mem_total_bytes: int | None = None
         self.call_timeouts_total = 0
+        self.fast_errors_total = 0  # failed or timed-out calls of process_bytes (the fast sampler's)
         self._no_library: tuple[float, GpuReport] | None = None  # (when, the report) while libnvidia-ml is missing
 
     # --- the one guarded query -------------------------------------------------------------------------------------
@@ -312,6 +315,15 @@ class NvmlSource:
 
     def _init(self) -> None:
         if self._nvml is None:
+            # Without libnvidia-ml at all (a box without the driver's user space), nvmlInit's answer is known before
+            # pynvml is imported: its import (ctypes.util, tempfile, 3,000 lines of structures) was 22-31 ms of
+            # `sparkwatch status`'s start-up on the 2-core VM. The same report as pynvml's (code 12, its class name).
+            try:
+                ctypes.CDLL(LIBRARY)  # where it loads, pynvml's own load right after finds it loaded
+            except OSError:
+                raise NvmlCallError(
+                    "nvmlInit", NvmlReturn.ERROR_LIBRARY_NOT_FOUND, "NVMLError_LibraryNotFound"
+                ) from None
             try:
                 # Imported on first use: `sparkwatch events` and the guard never load it.
                 self._nvml = importlib.import_module("pynvml")
@@ -550,6 +562,44 @@ class NvmlSource:
             supported=supported,
             field_errors=errors,
         )
+
+    # --- fast samples of a few pids (telemetry/gpufast.py) ---------------------------------------------------------
+
+    def process_bytes(self) -> dict[int, int] | None:
+        """NVML's bytes per pid over every GPU (compute and graphics lists, the larger figure of a pid listed twice;
+        summed over GPUs), two calls a GPU in one hand-off to the worker: None while NVML is not initialised by a
+        cycle, or stuck. Never raises; a failed call is counted (`fast_errors_total`)."""
+        with self._lock:
+            if not self._ready or self._worker.stuck_call() is not None:
+                return None
+            nvml = self._nvml
+            steps: list[Step] = []
+            gpus: list[int] = []  # the GPU of each step
+            for ident in self._identities:
+                for name in ("nvmlDeviceGetComputeRunningProcesses", "nvmlDeviceGetGraphicsRunningProcesses"):
+                    fn = getattr(nvml, name, None)
+                    if fn is not None:
+                        steps.append((name, fn, (ident.handle,)))
+                        gpus.append(ident.index)
+            try:
+                results = self._worker.run_batch(steps, self.timeout_s)
+            except NvmlTimeout:
+                self.call_timeouts_total += 1
+                self.fast_errors_total += 1
+                return None
+        per_gpu: dict[tuple[int, int], int] = {}  # (gpu, pid) -> bytes: a pid in both lists of one GPU counts once
+        for gpu, (procs, exc) in zip(gpus, results, strict=False):
+            if exc is not None:
+                self.fast_errors_total += 1
+                continue
+            for proc in procs or []:
+                used = proc.usedGpuMemory
+                key = (gpu, int(proc.pid))
+                per_gpu[key] = max(per_gpu.get(key, 0), 0 if used is None else int(used))
+        out: dict[int, int] = {}
+        for (_gpu, pid), used in per_gpu.items():
+            out[pid] = out.get(pid, 0) + used
+        return out
 
 
 # --- the one-shot probe (drift check, doctor) ---------------------------------------------------------------------
