@@ -21,6 +21,7 @@ import argparse
 import functools
 import os
 import platform
+import shutil
 import statistics
 import sys
 import tempfile
@@ -117,11 +118,14 @@ def main() -> None:
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="swgtb"))
-    with ray_cluster() as cluster:
-        runs = latency_runs(cluster, tmp, args.runs)
-        share_on, rss_on = idle_cost(cluster, tmp, args.idle_s, watch=True)
-        _share_off, rss_off = idle_cost(cluster, tmp, args.idle_s, watch=False)
-        start_s = cluster.start_s
+    try:
+        with ray_cluster() as cluster:
+            runs = latency_runs(cluster, tmp, args.runs)
+            share_on, rss_on = idle_cost(cluster, tmp, args.idle_s, watch=True)
+            _share_off, rss_off = idle_cost(cluster, tmp, args.idle_s, watch=False)
+            start_s = cluster.start_s
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     took = sorted(r[0] for r in runs)
     pg = sorted(r[1] for r in runs)
     lines = [
