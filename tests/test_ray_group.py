@@ -20,13 +20,13 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 
 from sparkwatch.common import syscalls
 from sparkwatch.common.events import EventLog, read_events
-from sparkwatch.common.guardconfig import GuardSnapshot
 from sparkwatch.common.messages import GroupTeardownMsg, decode, encode
 from sparkwatch.common.sources.procs import read_start_ticks
 from sparkwatch.config.schema import guard_config
@@ -34,6 +34,7 @@ from sparkwatch.config.settings import load_settings
 from sparkwatch.core import raygroup
 from sparkwatch.core.model import Proc
 from sparkwatch.guard.groupwatch import GroupWatch
+from sparkwatch.guard.poolwatch import PoolWatch
 from sparkwatch.telemetry.raywatch import RayWatch
 from sparkwatch.telemetry.sources.raystate import RayStateError, RayStateSource
 from tests.conftest import alive, require, wait_until
@@ -248,13 +249,31 @@ def _cmdline(pid: int) -> str:
         return ""
 
 
-def test_guard_kills_only_members_it_verifies_itself(tmp_path: Path) -> None:
+@contextmanager
+def guard_with_groups(tmp_path: Path, **overrides: object) -> Iterator[tuple[PoolWatch, GroupWatch]]:
+    """A pool watch (its reaper running, ticked by the test) and the group watch that hands it teardowns, as the
+    guard process wires them: a teardown goes through the guard's one kill path (guard.killpath)."""
     settings = load_settings(
-        None, {"state_dir": str(tmp_path / "state"), "ancestor_pid": os.getpid(), "postmortem": False}
+        None,
+        {
+            "state_dir": str(tmp_path / "state"),
+            "ancestor_pid": os.getpid(),
+            "postmortem": False,
+            "floor": "1GiB",  # far under MemAvailable here: only the teardown fires
+            "mlock": False,
+            "kernel_log_path": str(tmp_path / "no-kmsg"),
+            **overrides,
+        },
     )
-    events = EventLog(tmp_path / "events.jsonl")
-    snap = GuardSnapshot.of(guard_config(settings))
-    watch = GroupWatch(lambda: snap, events)
+    pool = PoolWatch(guard_config(settings), EventLog(tmp_path / "events.jsonl"))
+    pool.reaper.start()
+    try:
+        yield pool, GroupWatch(lambda: pool.snapshot, pool.request_group_teardown)
+    finally:
+        pool.reaper.stop()
+
+
+def test_guard_kills_only_members_it_verifies_itself(tmp_path: Path) -> None:
     rank = _shaped("ray::RayWorkerWrapper")
     other = _shaped("ray::RayWorkerWrapper")
     plain = subprocess.Popen(["sleep", "60"])
@@ -275,13 +294,20 @@ def test_guard_kills_only_members_it_verifies_itself(tmp_path: Path) -> None:
             ),
             time.time(),
         )
-        assert watch.handle(msg) == 1
-        assert rank.wait(5) == -signal.SIGKILL
-        assert other.poll() is None and plain.poll() is None and elsewhere.poll() is None
-        assert watch.refused_total == 3
-        (event,) = [e for e in read_events(tmp_path / "events.jsonl") if e["kind"] == "group_teardown"]
+        with guard_with_groups(tmp_path) as (pool, watch):
+            assert watch.handle(msg) == 1
+            assert rank.poll() is None  # the check only asks: the kill path kills, on the guard's tick
+            pool.tick()
+            assert rank.wait(5) == -signal.SIGKILL
+            assert other.poll() is None and plain.poll() is None and elsewhere.poll() is None
+            assert watch.refused_total == 3
+            assert pool.stats.kills_total == {"group_teardown": 1}  # counted like every kill
+            events = tmp_path / "events.jsonl"
+            assert wait_until(lambda: any(e["kind"] == "group_teardown" for e in read_events(events)))
+        (event,) = [e for e in read_events(events) if e["kind"] == "group_teardown"]
         assert event["members"] == [{"pid": rank.pid, "role": raygroup.RANK}]
         assert (event["cause"], event["first_node"], event["first_pid"]) == (raygroup.RANK_DIED, "10.0.0.2", 300)
+        assert event["trigger"] == "group_teardown" and event["signal_to_reaped_ms"] is not None
     finally:
         for p in procs:
             if p.poll() is None:
@@ -375,17 +401,19 @@ def test_a_placement_group_outliving_its_teardown_is_leaked() -> None:
 
 
 def test_guard_dry_run_signals_nothing(tmp_path: Path) -> None:
-    settings = load_settings(None, {"state_dir": str(tmp_path / "state"), "dry_run": True, "postmortem": False})
-    snap = GuardSnapshot.of(guard_config(settings))
-    watch = GroupWatch(lambda: snap, EventLog(tmp_path / "events.jsonl"))
     rank = _shaped("ray::RayWorkerWrapper")
     try:
-        ticks = read_start_ticks("/proc", rank.pid) or 0
-        msg = GroupTeardownMsg("pg1", raygroup.RANK_DIED, "10.0.0.2", 300, ((rank.pid, ticks, raygroup.RANK),))
-        assert watch.handle(msg) == 1
-        (event,) = read_events(tmp_path / "events.jsonl")
-        assert event["dry_run"] is True and "would stop" in str(event["summary"])
-        assert not wait_until(lambda: rank.poll() is not None, timeout_s=0.3)  # a SIGKILL would end it at once
+        with guard_with_groups(tmp_path, dry_run=True) as (pool, watch):
+            ticks = read_start_ticks("/proc", rank.pid) or 0
+            msg = GroupTeardownMsg("pg1", raygroup.RANK_DIED, "10.0.0.2", 300, ((rank.pid, ticks, raygroup.RANK),))
+            assert watch.handle(msg) == 1
+            pool.tick()
+            assert wait_until(lambda: bool(read_events(tmp_path / "events.jsonl")))
+            (event,) = read_events(tmp_path / "events.jsonl")
+            assert event["kind"] == "group_teardown"
+            assert event["dry_run"] is True and "would stop" in str(event["summary"])
+            assert pool.stats.kills_total == {} and pool.stats.would_kills_total == {"group_teardown": 1}
+            assert not wait_until(lambda: rank.poll() is not None, timeout_s=0.3)  # a SIGKILL would end it at once
     finally:
         rank.kill()
         rank.wait(5)

@@ -12,6 +12,20 @@ from sparkwatch.core.words import plural
 
 
 @dataclass(frozen=True, slots=True)
+class GroupLoss:
+    """Trigger `group_teardown`: an engine group spanning nodes lost a member (core.raygroup), and this node stops its
+    own members of it. `roles`: (pid, role) of the members the guard checked; `detected_ts`: wall clock of the death
+    in Ray's state (0: unknown)."""
+
+    group: str
+    cause: str
+    first_node: str
+    first_pid: int | None
+    roles: tuple[tuple[int, str], ...]
+    detected_ts: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
 class KillFacts:
     """Everything known about one guard firing, measured by the guard and the reaper."""
 
@@ -42,6 +56,7 @@ class KillFacts:
     footprint_bytes: int | None = None
     footprint_source: str | None = None
     budget_source: str | None = None
+    group: GroupLoss | None = None  # trigger "group_teardown"
 
 
 def _reason(facts: KillFacts) -> str:
@@ -55,6 +70,9 @@ def _reason(facts: KillFacts) -> str:
             f"footprint {format_size(facts.footprint_bytes)} ({facts.footprint_source}) over its budget "
             f"{format_size(facts.budget_bytes)} ({facts.budget_source}); MemAvailable {avail}"
         )
+    if facts.group is not None:
+        g = facts.group
+        return f"group {g.group[:12]} lost a member: {g.cause} on {g.first_node} (pid {g.first_pid})"
     if facts.trigger == "escalate":
         return f"MemAvailable {avail} still <= floor {floor} after the last kill"
     if facts.trigger == "predicted":
@@ -89,6 +107,14 @@ def terminal_note(facts: KillFacts, tree: EngineTree) -> str:
 
 
 def kill_summary(facts: KillFacts) -> str:
+    if facts.group is not None:
+        g, roles = facts.group, dict(facts.group.roles)
+        members = ", ".join(f"{roles.get(p.pid, 'child')} {p.pid}" for p, _kind in facts.victims)
+        verb = "would stop" if facts.dry_run else "stopped"
+        return (
+            f"group {g.group[:12]}: {g.cause} on {g.first_node} (pid {g.first_pid}); "
+            f"{verb} {plural(len(facts.victims), 'local member')}: {members}"
+        )
     if not facts.trees:
         return f"Memory ran low ({_reason(facts)}) but no engine process was found to kill."
     names = ", ".join(f"{t.kind} (root pid {t.root.pid}, {plural(len(t.members), 'process')})" for t in facts.trees)
@@ -144,6 +170,19 @@ def kill_fields(facts: KillFacts) -> dict[str, object]:
             if facts.trigger == "budget"
             else {}
         ),
+        **(_group_fields(facts.group, facts.victims) if facts.group is not None else {}),
+    }
+
+
+def _group_fields(g: GroupLoss, victims: Sequence[tuple[Proc, str]]) -> dict[str, object]:
+    roles = dict(g.roles)
+    return {
+        "group": g.group,
+        "cause": g.cause,
+        "first_node": g.first_node,
+        "first_pid": g.first_pid,
+        "members": [{"pid": p.pid, "role": roles.get(p.pid, "child")} for p, _kind in victims],
+        "detected_ts": g.detected_ts or None,  # wall clock: when telemetry saw the death in Ray's state
     }
 
 

@@ -9,47 +9,44 @@ reads of /proc:
 - it has its role's shape (core.raygroup.member_shape: `ray::<Actor>` for a rank, `VLLM::EngineCore` for a driver,
   `vllm serve` for the API server), and the guard's own rules let it be touched (core.engines.may_touch: its uid,
   never a protected or system process, never the guard's ancestors).
-The members that pass are one tree for guard.killer.Killer (pin by pidfd, SIGSTOP, sweep children, SIGKILL), and one
-`group_teardown` event says the group, the cause, and the node and pid of the first death.
+The members that pass are one tree (the API server first), handed to the guard's one kill path as a request
+(guard.killpath, trigger `group_teardown`): the pool watch's next tick, woken at once, kills it (pin by pidfd,
+SIGSTOP, sweep children, SIGKILL), counts it and tracks its teardown like any other kill, and the reaper records one
+`group_teardown` event: the group, the cause, the node and pid of the first death, this node's members.
 
-Runs on the supervisor's thread (it receives the message); a kill takes milliseconds and never waits for the exits.
-TODO(killpath): hand the tree to guard.killpath.KillPath once it takes a request that is not about memory.
+Runs on the supervisor's thread (it receives the message): the checks read a few small /proc files per member.
 """
 
 from __future__ import annotations
 
 import os
-import time
 from collections.abc import Callable
 
-from sparkwatch.common import logs
-from sparkwatch.common.events import EventLog, EventLogError, make_event
 from sparkwatch.common.guardconfig import GuardSnapshot
 from sparkwatch.common.messages import GroupTeardownMsg
 from sparkwatch.common.sources.procs import ProcParseError, ProcScanner
 from sparkwatch.core import raygroup
 from sparkwatch.core.engines import may_touch
-from sparkwatch.core.eventkinds import EventKind
+from sparkwatch.core.killrecord import GroupLoss
 from sparkwatch.core.model import EngineTree, Proc
-from sparkwatch.guard.killer import Killer
+from sparkwatch.guard.killpath import GroupFacts
 
-log = logs.get("groupwatch")
 ROLES = (raygroup.API, raygroup.DRIVER, raygroup.RANK)  # the tree's order: the API server first (it is the root)
 
 
 class GroupWatch:
-    def __init__(self, snapshot: Callable[[], GuardSnapshot], events: EventLog) -> None:
-        """`snapshot`: the guard's config snapshot now (the pool watch's, swapped whole on SIGHUP): the rules, scope
-        and dry_run of each teardown are those in force when it comes."""
+    def __init__(self, snapshot: Callable[[], GuardSnapshot], submit: Callable[[GroupFacts], None]) -> None:
+        """`snapshot`: the guard's config snapshot now (the pool watch's, swapped whole on SIGHUP): the rules and scope
+        of each check are those in force when it comes. `submit`: hands the checked members to the kill path
+        (guard.poolwatch.PoolWatch.request_group_teardown)."""
         self.snapshot = snapshot
-        self.events = events
+        self.submit = submit
         first = snapshot()
         self.proc_root = first.config.proc_root
         self.rules = first.rules
         self.scope = first.scope
         self.scanner = ProcScanner(first.config.proc_root)
-        self.killer = Killer(first.config.proc_root, first.rules, first.scope)  # its own: on the supervisor's thread
-        self.teardowns_total = 0
+        self.teardowns_total = 0  # teardowns handed to the kill path
         self.refused_total = 0  # members telemetry named that the guard's own checks refused
         self.errors_total = 0
 
@@ -80,7 +77,7 @@ class GroupWatch:
         return out
 
     def handle(self, msg: GroupTeardownMsg) -> int:
-        """Kill this node's verified members of the group; returns how many were signalled."""
+        """Check this node's members of the group and hand those that pass to the kill path; returns how many."""
         snap = self.snapshot()
         self.rules, self.scope = snap.rules, snap.scope
         members = self.verified(msg)
@@ -88,44 +85,17 @@ class GroupWatch:
             return 0
         members.sort(key=lambda m: ROLES.index(m[1]) if m[1] in ROLES else len(ROLES))
         procs = tuple(p for p, _role in members)
-        tree = EngineTree(kind="ray-group", root=procs[0], members=procs)
-        dry_run = snap.config.dry_run
-        victims, _signaled_at, notes, method = self.killer.kill(
-            [tree], dry_run=dry_run, rules=self.rules, scope=self.scope
+        loss = GroupLoss(
+            group=msg.group,
+            cause=msg.cause,
+            first_node=msg.first_node,
+            first_pid=msg.first_pid,
+            roles=tuple((p.pid, role) for p, role in members),
+            detected_ts=msg.detected_ts,
         )
-        if not dry_run:
-            for v in victims:
-                os.close(v.pidfd)
-        if not victims:
-            return 0
+        self.submit(GroupFacts(EngineTree(kind="ray-group", root=procs[0], members=procs), loss))
         self.teardowns_total += 1
-        roles = {p.pid: role for p, role in members}
-        latency = round(time.time() - msg.detected_ts, 3) if msg.detected_ts else None
-        summary = (
-            f"group {msg.group[:12]}: {msg.cause} on {msg.first_node} (pid {msg.first_pid}); "
-            f"{'would stop' if dry_run else 'stopped'} {len(victims)} local member(s): "
-            + ", ".join(f"{roles.get(v.proc.pid, 'child')} {v.proc.pid}" for v in victims)
-        )
-        fields: dict[str, object] = {
-            "group": msg.group,
-            "cause": msg.cause,
-            "first_node": msg.first_node,
-            "first_pid": msg.first_pid,
-            "members": [{"pid": v.proc.pid, "role": roles.get(v.proc.pid, "child")} for v in victims],
-            "method": method,
-            "dry_run": dry_run,
-            "detected_ts": msg.detected_ts or None,  # wall clock: when telemetry saw the death in Ray's state
-            "since_detected_s": latency,
-        }
-        if notes:
-            fields["notes"] = notes
-        log.warning("%s", summary)
-        try:
-            self.events.append(make_event(EventKind.GROUP_TEARDOWN, summary, fields))
-        except EventLogError as exc:
-            self.errors_total += 1
-            log.error("could not record group_teardown event: %s", exc)
-        return len(victims)
+        return len(members)
 
     def _read(self, pid: int) -> Proc | None:
         try:

@@ -1,16 +1,18 @@
 """The kill path: every kill the guard makes, from the request to its record, in one place (oomd's one kill plugin).
 
 The detectors only decide: the pool watch's floor and prediction (core.trigger: `floor`, `predicted`, `escalate`,
-`hunt`), the kernel-log hook (`driver_alloc_failed`, guard.kernlog) and the budgets (`budget`, guard.budgets). Each
-builds one frozen KillRequest (its trigger, the MemInfo sample it decided on, when, and for a budget the tree it
-chose with its budget facts) and hands it to `KillPath.fire` on the guard's own thread. That one owner:
+`hunt`), the kernel-log hook (`driver_alloc_failed`, guard.kernlog), the budgets (`budget`, guard.budgets) and the
+group watch (`group_teardown`, guard.groupwatch: a group spanning nodes lost a member). Each builds one frozen
+KillRequest (its trigger, the MemInfo sample it decided on, when, and for a budget or a group the tree it chose with
+its facts) and hands it to `KillPath.fire` on the guard's own thread. That one owner:
 1. chooses: a /proc scan ranked by core.policy (growth history, GPU bytes, kill order), never a tree already
-   signalled in this episode or still tearing down; a budget's request names its tree, which is chosen unless it is
-   such a tree (its kill is then the one under way: nothing more is signalled or recorded);
+   signalled in this episode or still tearing down; a budget's or a group's request names its tree, which is chosen
+   unless it is such a tree (its kill is then the one under way: nothing more is signalled or recorded);
 2. re-reads MemAvailable right before the signal, as earlyoom does, and applies core.trigger.should_cancel: a floor,
    escalation or hunt is cancelled when memory is back above the floor, a prediction when the floor is again more
-   than two kill budgets away; a driver allocation failure and a budget are never cancelled by the pool (the driver
-   failed already; a budget is the engine's own limit, which a pool that came back does not lift);
+   than two kill budgets away; a driver allocation failure, a budget and a group teardown are never cancelled by the
+   pool (the driver failed already; a budget is the engine's own limit, which a pool that came back does not lift; a
+   group that lost a member on another node is stuck whatever this node's pool holds);
 3. kills (guard.killer.Killer: pidfds, SIGSTOP, sweep, cgroup.kill, SIGKILL), with the tick's own rules and scope;
 4. counts (common.stats.GuardStats, under the guard's lock);
 5. tracks the teardown: the victim is excluded from every later choice until the episode ends, its reap is waited
@@ -46,7 +48,15 @@ from sparkwatch.core.engines import find_engine_trees
 from sparkwatch.core.eventkinds import EventKind
 from sparkwatch.core.footprint import Footprint
 from sparkwatch.core.killloop import LOOP_WINDOW_S, LoopState, loop_identity, note_kill
-from sparkwatch.core.killrecord import KillFacts, kill_fields, kill_line, kill_summary, terminal_note, victims_of
+from sparkwatch.core.killrecord import (
+    GroupLoss,
+    KillFacts,
+    kill_fields,
+    kill_line,
+    kill_summary,
+    terminal_note,
+    victims_of,
+)
 from sparkwatch.core.model import EngineTree, MemInfo
 from sparkwatch.core.units import format_size
 from sparkwatch.guard.gpuboard import device_check, verified_holders
@@ -71,15 +81,26 @@ class BudgetFacts:
 
 
 @dataclass(frozen=True, slots=True)
+class GroupFacts:
+    """What a group teardown request carries: this node's members of the group, checked by guard.groupwatch and made
+    one tree (the API server first), and what was lost."""
+
+    tree: EngineTree
+    loss: GroupLoss
+
+
+@dataclass(frozen=True, slots=True)
 class KillRequest:
     """One trigger's word to the kill path. `mem`: the sample it decided on; `detected_at`: monotonic time of it;
-    `growing_only`: during a teardown only a tree that is itself growing may die; `budget`: set for trigger `budget`."""
+    `growing_only`: during a teardown only a tree that is itself growing may die; `budget`: set for trigger `budget`;
+    `group`: set for trigger `group_teardown`."""
 
     trigger: str
     mem: MemInfo
     detected_at: float
     growing_only: bool = False
     budget: BudgetFacts | None = None
+    group: GroupFacts | None = None
 
 
 # Per-pid GPU bytes as the guard last heard them from telemetry, or None (the policy ranks without them).
@@ -147,9 +168,14 @@ class KillRecords:
             )
         if not facts.trees:
             kind = EventKind.NO_VICTIM
+        elif facts.group is not None:  # its own kind, dry run or not (`dry_run` says which): docs/multinode.md
+            kind = EventKind.GROUP_TEARDOWN
         else:  # a dry run's decision has a kind of its own: nothing that reads `kill` mistakes it for a kill
             kind = EventKind.WOULD_KILL if facts.dry_run else EventKind.KILL
-        event = make_event(kind, kill_summary(facts), kill_fields(facts))
+        fields = kill_fields(facts)
+        if facts.group is not None and facts.group.detected_ts:
+            fields["since_detected_s"] = round(time.time() - facts.group.detected_ts, 3)  # Ray's word -> this record
+        event = make_event(kind, kill_summary(facts), fields)
         try:
             self.events.append(event)
         except EventLogError as exc:
@@ -295,6 +321,24 @@ class KillPath:
                 footprint_source=str(fp.source),
                 budget_source=b.source,
             )
+        elif req.group is not None:
+            g = req.group
+            key = g.tree.root.key
+            if key in exclude:
+                return state  # already this episode's victim: that kill is under way and recorded
+            loss = g.loss
+            reasons = (f"its group lost a member: {loss.cause} on {loss.first_node} (pid {loss.first_pid})",)
+            choice = _Choice(g.tree, key, g.tree.rss_bytes, g.tree.rss_bytes, None, reasons)
+            facts = KillFacts(
+                trigger=req.trigger,
+                mem=req.mem,
+                floor_bytes=config.floor,
+                fill_rate_bytes_per_s=state.fill_rate_bytes_per_s,
+                dry_run=config.dry_run,
+                trees=(),
+                victims=(),
+                group=loss,
+            )
         else:
             picked, ranking = self._choose(req, exclude, snap)
             facts = KillFacts(
@@ -399,9 +443,9 @@ class KillPath:
                 told_by_launch=told,
             )
         )
-        # A tree chosen again and again in dry run was never killed; a budget kill is the engine's own limit, not a
-        # spike under the floor: neither is a kill loop to report.
-        if not dry_run and req.budget is None:
+        # A tree chosen again and again in dry run was never killed; a budget kill is the engine's own limit and a
+        # group teardown a peer's death, not a spike under the floor: none is a kill loop to report.
+        if not dry_run and req.budget is None and req.group is None:
             self.loops, count = note_kill(self.loops, now, loop_identity(tree))
             if count is not None:
                 with self.lock:

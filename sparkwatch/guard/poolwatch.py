@@ -15,6 +15,7 @@ snapshot whole, and each tick reads it once.
 
 from __future__ import annotations
 
+import collections
 import logging
 import math
 import os
@@ -42,7 +43,7 @@ from sparkwatch.core.units import format_size
 from sparkwatch.guard.budgets import BudgetWatch, Tracked
 from sparkwatch.guard.kernlog import KernelLogWatch
 from sparkwatch.guard.killer import Reaper
-from sparkwatch.guard.killpath import BudgetFacts, KillPath, KillRecords, KillRequest
+from sparkwatch.guard.killpath import BudgetFacts, GroupFacts, KillPath, KillRecords, KillRequest
 from sparkwatch.guard.launchwatch import LaunchedEngines
 from sparkwatch.guard.recorder import FlightRecorder, Tick
 
@@ -147,6 +148,9 @@ class PoolWatch:
         self._last_budget_error_logged = -math.inf
         self.budgets = BudgetWatch(str(proc_root), self.scanner, self._budget_kill, self.records.record)
         self._taken: frozenset[policy.TreeKey] = frozenset()
+        # Group teardowns the group watch checked (on the supervisor's thread), for the next tick's kill path:
+        # (monotonic time of the request, its tree and loss). deque append and popleft are atomic.
+        self._group_requests: collections.deque[tuple[float, GroupFacts]] = collections.deque()
         # The tick in progress (its snapshot and sample), for the budgets' kill callback: set by tick, never by reload.
         self._tick_snap = self.snapshot
         self._tick_mem: MemInfo | None = None
@@ -206,6 +210,12 @@ class PoolWatch:
         self._scout.start()
         self._thread = daemon_thread(self.run, "sparkwatch-guard")
         self._thread.start()
+
+    def request_group_teardown(self, group: GroupFacts) -> None:
+        """A group's members to stop (guard.groupwatch, on the supervisor's thread): the guard's next tick, woken now,
+        hands them to the kill path like any other kill."""
+        self._group_requests.append((time.monotonic(), group))
+        self.wake()
 
     def wake(self) -> None:
         try:
@@ -283,6 +293,10 @@ class PoolWatch:
             self.records.line(logging.INFO, f"sparkwatch: re-armed: MemAvailable {format_size(mem.available_bytes)}")
         if decision.trigger is not None:
             request = KillRequest(decision.trigger, mem, now, growing_only=decision.growing_only)
+            self.state = kills.fire(request, self.state, snap)
+        while self._group_requests:  # a group spanning nodes lost a member: this node's members of it (groupwatch)
+            detected_at, group = self._group_requests.popleft()
+            request = KillRequest("group_teardown", mem, detected_at, group=group)
             self.state = kills.fire(request, self.state, snap)
         wake = self._engines_tick(now, mem, snap)
         with self.lock:

@@ -168,6 +168,8 @@ class GuardProcess:
             command=telemetry or telemetry_command,
             near_floor=lambda: self.guard.near_floor,
             on_over_cap=self._over_cap_seen,
+            # a group spanning nodes lost a member: this node's members of it are checked and killed (groupwatch)
+            on_group_teardown=lambda msg: self.groupwatch.handle(msg),  # noqa: PLW0108 - late-bound: built below
             # a near-budget engine's GPU bytes moved: its budget is looked at now
             on_gpu_sample=lambda: self.guard.wake(),  # noqa: PLW0108 - late-bound: the guard is built after this
         )
@@ -199,8 +201,7 @@ class GuardProcess:
                 recorder=self.recorder,
             ),
         )
-        self.groupwatch = GroupWatch(lambda: self.guard.snapshot, self.events)
-        self.supervisor.on_group_teardown = self.groupwatch.handle
+        self.groupwatch = GroupWatch(lambda: self.guard.snapshot, self.guard.request_group_teardown)
         self.events.subscribe(self.supervisor.forward)
         self.components: list[Component[GuardConfig]] = [
             # Before the guard: it stops after the pool watch, so its last sample (marked `stopping`) is the last tick.

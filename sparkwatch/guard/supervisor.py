@@ -116,8 +116,10 @@ class TelemetrySupervisor:
         near_floor: Callable[[], bool] = lambda: False,
         on_over_cap: Callable[[int], None] | None = None,
         on_gpu_sample: Callable[[], None] = lambda: None,
+        on_group_teardown: Callable[[GroupTeardownMsg], object] | None = None,
     ) -> None:
-        """`on_gpu_sample`: wakes the pool watch when a fast GPU sample of a near-budget engine came (guard.budgets)."""
+        """`on_gpu_sample`: wakes the pool watch when a fast GPU sample of a near-budget engine came (guard.budgets).
+        `on_group_teardown`: a group spanning nodes lost a member (guard.groupwatch checks and kills this node's)."""
         self.config = config
         self.events = events
         self.state = state
@@ -155,8 +157,7 @@ class TelemetrySupervisor:
         # The guard process's RSS cap, checked on the state each look builds (its RSS is in it already).
         self.rss_cap_bytes = GUARD_RSS_CAP_BYTES
         self.on_over_cap = on_over_cap
-        # A group spanning nodes lost a member (guard.groupwatch checks and kills this node's members of it).
-        self.on_group_teardown: Callable[[GroupTeardownMsg], object] | None = None
+        self.on_group_teardown = on_group_teardown
         self._last_state_at = 0.0
 
     # --- component interface

@@ -41,7 +41,7 @@ if TYPE_CHECKING:
 
 # core.trigger's triggers (each may choose a tree), core.kernlog's and core.budget's: exported at 0 so increase() sees
 # the first kill (or, in dry run, the first would-kill) of each from the start
-GUARD_TRIGGERS = ("floor", "predicted", "escalate", "hunt", "driver_alloc_failed", "budget")
+GUARD_TRIGGERS = ("floor", "predicted", "escalate", "hunt", "driver_alloc_failed", "budget", "group_teardown")
 
 
 class GuardLike(Protocol):
