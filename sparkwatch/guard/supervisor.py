@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 import threading
 import time
 from collections import OrderedDict, deque
@@ -47,6 +46,7 @@ from sparkwatch.common.threads import daemon_thread
 from sparkwatch.core.eventkinds import EventKind
 from sparkwatch.core.model import Event
 from sparkwatch.guard.gpuboard import GpuBoard
+from sparkwatch.guard.start import telemetry_argv
 
 BACKOFF_MIN_S = 1.0
 BACKOFF_MAX_S = 60.0
@@ -62,8 +62,8 @@ log = logs.get("supervisor")
 
 
 def telemetry_command(fd: int, nvml: bool = True) -> list[str]:
-    argv = [sys.executable, "-m", "sparkwatch.telemetry", "--channel-fd", str(fd), "--guard-pid", str(os.getpid())]
-    return argv if nvml else [*argv, "--no-nvml"]
+    args = ["--channel-fd", str(fd), "--guard-pid", str(os.getpid())]
+    return telemetry_argv(args if nvml else [*args, "--no-nvml"], os.environ)
 
 
 def telemetry_env(environ: Mapping[str, str]) -> dict[str, str]:
