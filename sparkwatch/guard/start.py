@@ -1,4 +1,5 @@
-"""The one way into the guard process: `sparkwatch run` starts it so, and a guard over its RSS cap restarts so.
+"""The one way into the guard process (`sparkwatch run` starts it so, and a guard over its RSS cap restarts so), and
+the command line the guard's supervisor starts telemetry with.
 
 Standard library only: `sparkwatch run` imports this module after validating the config, and execs.
 

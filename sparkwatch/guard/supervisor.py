@@ -1,9 +1,9 @@
 """The guard process's supervision of the telemetry process: spawn it, talk to it, restart it with backoff.
 
-One thread. It spawns `python -m sparkwatch.telemetry --channel-fd N` with its end of a socketpair, sends it the
-validated config, then loops once per tick: send the guard's state when it changed (never blocking), forward the
-guard's events, and read what telemetry says (per-pid GPU bytes and holders into `gpu`, engine and compile-job counts
-for STATUS=, reload replies), a bounded amount of it (common.channel).
+One thread. It spawns `python -m sparkwatch.telemetry --channel-fd N` (without site: guard/start.telemetry_argv)
+with its end of a socketpair, sends it the validated config, then loops once per tick: send the guard's state when it
+changed (never blocking), forward the guard's events, and read what telemetry says (per-pid GPU bytes and holders into
+`gpu`, engine and compile-job counts for STATUS=, reload replies), a bounded amount of it (common.channel).
 
 Near the floor it looks every STATE_FAST_S and sends the state each time (the exporter's counters lag a kill by at
 most that). Far from it, it sleeps until telemetry sends, an event is to be forwarded, or a heartbeat is due every
