@@ -71,3 +71,46 @@ def test_telemetry_takes_the_wire_settings_without_pydantic(tmp_path: Path) -> N
     got = json.loads(res.stdout)
     assert got["floor"] == 3 << 30 and got["state_dir"] == str(tmp_path / "state" / "events.jsonl")
     assert got["loaded"] == []
+
+
+SCRAPE_PROBE = """
+import json, sys
+from sparkwatch.telemetry.process import make_outbox, wire_settings
+from sparkwatch.telemetry.exporter.server import MetricsServer, build_registry
+settings = wire_settings(json.loads(sys.stdin.read()))
+outbox = make_outbox(settings)
+server = MetricsServer(settings, build_registry(settings, lambda: None, outbox=outbox))
+tls = server.ssl_context() is not None
+for accept in ("", "application/openmetrics-text; version=1.0.0"):
+    status, _type, body = server.handle("GET", "/metrics", {"accept": accept})
+    assert status == 200 and b"sparkwatch_" in body
+heavy = ("ssl", "urllib.request", "http.client", "hashlib", "prometheus_client.exposition")
+print(json.dumps({"tls": tls, "outbox": outbox is not None, "loaded": [m for m in heavy if m in sys.modules]}))
+"""
+
+
+def test_telemetry_without_tls_or_webhook_loads_no_ssl_nor_urllib(tmp_path: Path) -> None:
+    """ssl and urllib.request (prometheus_client's exposition module imports both) and libcrypto's hashlib cost
+    telemetry about 8 MiB RSS: loaded only where TLS or a webhook is configured. Scrapes of both formats included."""
+    pki = tmp_path / "pki"
+    pki.mkdir()
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=localhost", "-days", "1",
+         "-keyout", str(pki / "key.pem"), "-out", str(pki / "cert.pem")],
+        check=True, capture_output=True, timeout=60,
+    )  # fmt: skip
+    cases: list[tuple[dict[str, Any], list[str]]] = [
+        ({}, []),
+        ({"webhook_url": "https://hooks.example/T000"}, ["ssl"]),  # http.client and hmac at the first delivery
+        ({"tls_cert_file": pki / "cert.pem", "tls_key_file": pki / "key.pem"}, ["ssl"]),
+    ]
+    for overrides, expected in cases:
+        settings = load_settings(None, {"state_dir": tmp_path / "state", **overrides})
+        res = subprocess.run(
+            [sys.executable, "-c", SCRAPE_PROBE],
+            input=json.dumps(settings_to_wire(settings)), capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert res.returncode == 0, res.stderr
+        got = json.loads(res.stdout)
+        assert got["outbox"] == ("webhook_url" in overrides) and got["tls"] == ("tls_cert_file" in overrides)
+        assert sorted(got["loaded"]) == sorted(expected), overrides

@@ -432,6 +432,10 @@ class GuardProcess:
     def _protect_self(self) -> None:
         """Lock our memory so the guard is not paged out under the very pressure it watches (earlyoom does too)."""
         syscalls.limit_malloc_arenas(2)  # before the threads start: one arena per thread costs RSS for nothing
+        # Before mlockall: the kernel releases no locked page (madvise refuses VM_LOCKED), so a trim after it only
+        # gives back the heap's top. Measured on the 2-core VM after the guard's imports: trim then lock 20.5 ->
+        # 19.8 MiB RSS, lock then trim 20.5 -> 20.4.
+        syscalls.trim_heap()
         too_small = syscalls.memlock_limit_too_small()
         if self.config.mlock and too_small is not None:
             log.warning(

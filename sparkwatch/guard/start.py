@@ -1,4 +1,5 @@
-"""The one way into the guard process: `sparkwatch run` starts it so, and a guard over its RSS cap restarts so.
+"""The one way into the guard process (`sparkwatch run` starts it so, and a guard over its RSS cap restarts so), and
+the command line the guard's supervisor starts telemetry with.
 
 Standard library only: `sparkwatch run` imports this module after validating the config, and execs.
 
@@ -6,8 +7,9 @@ The guard imports the standard library and sparkwatch alone, so it starts withou
 files of the environment it would otherwise run import whatever other packages hook in at start-up. On the H200
 image a bare interpreter was 15.7 MiB RSS with site and 9.1 MiB without (numba-cuda's import redirector among them),
 and all of it stays mlocked in the guard (bench/RESULTS-rss-gpu.md). sparkwatch's own directory goes first on its
-path instead, so the guard runs the same code `sparkwatch run` loaded. Telemetry, which needs site-packages, starts
-with site as before.
+path instead, so the guard runs the same code `sparkwatch run` loaded. Telemetry needs site-packages (prometheus_client,
+pynvml): it starts without site too, on the path `sparkwatch run` ran on (site-packages and the directories .pth
+files add, passed in the environment), so the .pth files' imports are not paid there either (bench/RESULTS-rss-gpu.md).
 """
 
 from __future__ import annotations
@@ -21,6 +23,10 @@ from typing import Any
 
 from sparkwatch.common.signals import DAEMON_SIGNALS
 
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # …/sparkwatch/guard/start.py
+# The path `sparkwatch run` (with site) ran on, as JSON, for telemetry's start without site (telemetry_argv).
+SITE_PATH_ENV = "_SPARKWATCH_SITE_PATH"  # outside the settings' SPARKWATCH_ prefix (config/schema.py)
+
 
 def exec_guard(payload: Mapping[str, Any], cli_args: Sequence[str]) -> None:
     """Become a fresh guard process, keeping this PID (systemd's main PID): the validated settings on a memfd, the
@@ -31,7 +37,27 @@ def exec_guard(payload: Mapping[str, Any], cli_args: Sequence[str]) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     signal.pthread_sigmask(signal.SIG_BLOCK, DAEMON_SIGNALS)
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # …/sparkwatch/guard/start.py
-    code = f"import sys; sys.path.insert(0, {root!r}); from sparkwatch.guard.process import main; sys.exit(main())"
-    argv = [sys.executable, "-S", "-c", code, "--settings-fd", str(fd), "--", *cli_args]
-    os.execv(sys.executable, argv)
+    # The first exec, from `sparkwatch run`, has site: its path (site-packages and what .pth files add) is kept for
+    # telemetry. A guard restarting itself has no site and leaves it as it is.
+    os.environ.setdefault(SITE_PATH_ENV, json.dumps([p for p in sys.path if p]))
+    code = "from sparkwatch.guard.process import main; sys.exit(main())"
+    os.execv(sys.executable, nosite_argv(code, [ROOT], ["--settings-fd", str(fd), "--", *cli_args]))
+
+
+def nosite_argv(code: str, path: Sequence[str], args: Sequence[str]) -> list[str]:
+    """`python -S -c CODE ARGS…` with `path` first on sys.path: how both sparkwatch processes start."""
+    return [sys.executable, "-S", "-c", f"import sys; sys.path[:0] = {list(path)!r}; {code}", *args]
+
+
+def telemetry_argv(args: Sequence[str], environ: Mapping[str, str]) -> list[str]:
+    """`python -m sparkwatch.telemetry ARGS…`, without site where `sparkwatch run` left its path in the environment
+    (SITE_PATH_ENV): telemetry's site-packages come as that path, without the .pth files' imports. A guard started
+    otherwise (tests build one in-process) starts telemetry with site, as before."""
+    try:
+        path = json.loads(environ.get(SITE_PATH_ENV, ""))
+    except ValueError:
+        path = None
+    if not isinstance(path, list) or not all(isinstance(p, str) for p in path):
+        return [sys.executable, "-m", "sparkwatch.telemetry", *args]
+    code = "import runpy; runpy.run_module('sparkwatch.telemetry', run_name='__main__', alter_sys=True)"
+    return nosite_argv(code, [ROOT, *path], args)

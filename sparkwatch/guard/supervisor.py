@@ -1,9 +1,9 @@
 """The guard process's supervision of the telemetry process: spawn it, talk to it, restart it with backoff.
 
-One thread. It spawns `python -m sparkwatch.telemetry --channel-fd N` with its end of a socketpair, sends it the
-validated config, then loops once per tick: send the guard's state when it changed (never blocking), forward the
-guard's events, and read what telemetry says (per-pid GPU bytes and holders into `gpu`, engine and compile-job counts
-for STATUS=, reload replies), a bounded amount of it (common.channel).
+One thread. It spawns `python -m sparkwatch.telemetry --channel-fd N` (without site: guard/start.telemetry_argv)
+with its end of a socketpair, sends it the validated config, then loops once per tick: send the guard's state when it
+changed (never blocking), forward the guard's events, and read what telemetry says (per-pid GPU bytes and holders into
+`gpu`, engine and compile-job counts for STATUS=, reload replies), a bounded amount of it (common.channel).
 
 Near the floor it looks every STATE_FAST_S and sends the state each time (the exporter's counters lag a kill by at
 most that). Far from it, it sleeps until telemetry sends, an event is to be forwarded, or a heartbeat is due every
@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 import threading
 import time
 from collections import OrderedDict, deque
@@ -48,6 +47,7 @@ from sparkwatch.common.threads import daemon_thread
 from sparkwatch.core.eventkinds import EventKind
 from sparkwatch.core.model import Event
 from sparkwatch.guard.gpuboard import GpuBoard
+from sparkwatch.guard.start import telemetry_argv
 
 BACKOFF_MIN_S = 1.0
 BACKOFF_MAX_S = 60.0
@@ -63,8 +63,8 @@ log = logs.get("supervisor")
 
 
 def telemetry_command(fd: int, nvml: bool = True) -> list[str]:
-    argv = [sys.executable, "-m", "sparkwatch.telemetry", "--channel-fd", str(fd), "--guard-pid", str(os.getpid())]
-    return argv if nvml else [*argv, "--no-nvml"]
+    args = ["--channel-fd", str(fd), "--guard-pid", str(os.getpid())]
+    return telemetry_argv(args if nvml else [*args, "--no-nvml"], os.environ)
 
 
 def telemetry_env(environ: Mapping[str, str]) -> dict[str, str]:

@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Protocol
 
-from prometheus_client.core import (
+from prometheus_client.metrics_core import (
     Metric,
 )
 from prometheus_client.registry import Collector

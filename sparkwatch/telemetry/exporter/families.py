@@ -20,7 +20,7 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.samples import Exemplar, Timestamp
 
 from sparkwatch.core.redact import own_secrets, redact

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Mapping
 
-from prometheus_client.core import Metric
+from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
 from sparkwatch.telemetry.exporter.families import counter, gauge

@@ -15,7 +15,8 @@ This one has a fixed number of threads whatever the clients do:
 - one request per connection (`Connection: close`), request head at most 16 KiB.
 
 The registry holds only sparkwatch's collector (no process/platform/gc collectors: they would do /proc I/O at scrape
-time and add names outside the contract). Encoding (text or OpenMetrics, by the Accept header) is prometheus_client's.
+time and add names outside the contract). Encoding (text or OpenMetrics, by the Accept header) is prometheus_client's,
+without its exposition module (exporter/exposition.py); ssl is imported only where TLS is configured.
 """
 
 from __future__ import annotations
@@ -26,15 +27,13 @@ import os
 import queue
 import selectors
 import socket
-import ssl
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.exposition import choose_encoder
+from prometheus_client.registry import CollectorRegistry
 
 from sparkwatch.common import logs
 from sparkwatch.common.threads import daemon_thread
@@ -46,8 +45,11 @@ from sparkwatch.telemetry.exporter.collector import (
     OutboxLike,
     SparkwatchCollector,
 )
+from sparkwatch.telemetry.exporter.exposition import choose_encoder, generate_text
 
 if TYPE_CHECKING:
+    import ssl
+
     from sparkwatch.config.settings import Settings
 
 MAX_CONNECTIONS = 64  # open connections at once; Prometheus and a curl need one or two
@@ -83,7 +85,7 @@ def build_registry(
 
 
 def render(registry: CollectorRegistry) -> bytes:
-    return generate_latest(registry)
+    return generate_text(registry)
 
 
 Handler = Callable[[str, str, dict[str, str]], tuple[int, str, bytes]]
@@ -121,6 +123,12 @@ class BoundedHTTPServer:
     ) -> None:
         self.handler = handler
         self.ssl_context = ssl_context
+        # What a non-blocking step raises when it has to wait; ssl's two only where TLS is on (ssl is imported then).
+        self._wait_errors: tuple[type[BaseException], ...] = (BlockingIOError, InterruptedError)
+        if ssl_context is not None:
+            import ssl  # noqa: PLC0415 - loaded already, with the context
+
+            self._wait_errors += (ssl.SSLWantReadError, ssl.SSLWantWriteError)
         self.max_connections = max_connections
         self.request_timeout_s = request_timeout_s
         self.idle_timeout_s = idle_timeout_s
@@ -258,8 +266,7 @@ class BoundedHTTPServer:
             return
         try:
             if not conn.handshaken:
-                assert isinstance(conn.sock, ssl.SSLSocket)
-                conn.sock.do_handshake()
+                conn.sock.do_handshake()  # type: ignore[attr-defined] # handshaken is False only for an SSLSocket
                 conn.handshaken = True
             while b"\r\n\r\n" not in conn.buf:
                 chunk = conn.sock.recv(4096)
@@ -269,7 +276,7 @@ class BoundedHTTPServer:
                 conn.buf += chunk
                 if len(conn.buf) > REQUEST_HEAD_MAX_BYTES:
                     raise ValueError("request head too large")
-        except (ssl.SSLWantReadError, ssl.SSLWantWriteError, BlockingIOError, InterruptedError):
+        except self._wait_errors:
             return  # more to come
         except (OSError, ValueError):
             self.errors_total += 1
@@ -407,6 +414,8 @@ class MetricsServer:
         s = self.settings
         if s.tls_cert_file is None or s.tls_key_file is None:
             return None
+        import ssl  # noqa: PLC0415 - only where TLS is configured: ssl and libcrypto cost 5 MiB RSS (exporter/exposition.py)
+
         context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
         context.minimum_version = ssl.TLSVersion.TLSv1_2
         context.load_cert_chain(str(s.tls_cert_file), str(s.tls_key_file))

@@ -18,7 +18,6 @@ counts, logs and alerts it.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -169,6 +168,8 @@ class SpoolDir:
 
     def _quarantine(self, path: Path, why: str) -> None:
         """Move a spool file we cannot trust to outbox/bad/ under a safe name: never parsed again, never fatal."""
+        import hashlib  # noqa: PLC0415 - libcrypto, for a bad file only (common.spool.spool_id says why)
+
         safe = hashlib.sha256(os.fsencode(path.name)).hexdigest()[:32]
         try:
             private_dir(self.bad_dir)

@@ -12,22 +12,27 @@ Slack-style URLs the secret in the path, to wherever a Location header points.
 
 The URL and the secret never leave this module: a Slack webhook URL carries its secret in the path, so the target is
 shown as scheme://host only (`target`), and `scrub` removes both from any error text before it is logged or counted.
+
+http.client and ssl are imported by the first Transport or delivery, hmac and hashlib (libcrypto) by the first
+signature: telemetry imports this module whether or not a webhook is configured, and without one it loads none of
+them (tests/test_telemetry_imports.py).
 """
 
 from __future__ import annotations
 
 import base64
-import hashlib
-import hmac
-import http.client
 import socket
-import ssl
 import threading
 import urllib.parse
+from typing import TYPE_CHECKING
 
 from sparkwatch import __version__
 from sparkwatch.core.redact import safe_text
 from sparkwatch.core.urls import redact_url
+
+if TYPE_CHECKING:
+    import http.client
+    import ssl
 
 TIMED_OUT = "timed out: no complete answer within {:g} s"
 _RESPONSE_READ_MAX = 65536  # a receiver's answer is read (so the connection ends cleanly) but never trusted
@@ -35,6 +40,9 @@ _RESPONSE_READ_MAX = 65536  # a receiver's answer is read (so the connection end
 
 def sign(secret: bytes, body: bytes) -> str:
     """The X-Sparkwatch-Signature value: sha256=<hex HMAC-SHA256 of the exact body bytes>."""
+    import hashlib  # noqa: PLC0415 - hmac and hashlib load libcrypto: only where a webhook is configured
+    import hmac  # noqa: PLC0415
+
     return "sha256=" + hmac.new(secret, body, hashlib.sha256).hexdigest()
 
 
@@ -66,7 +74,11 @@ class Transport:
         self._url = url
         self._parts = parts
         self._secret = secret.encode() if secret else None
-        self._ssl = ssl.create_default_context() if parts.scheme == "https" else None
+        self._ssl: ssl.SSLContext | None = None
+        if parts.scheme == "https":
+            import ssl  # noqa: PLC0415 - only for an https webhook: ssl and libcrypto cost telemetry 5 MiB RSS
+
+            self._ssl = ssl.create_default_context()
         self.target = redact_url(url)
         self.timeout_s = timeout_s
 
@@ -77,6 +89,8 @@ class Transport:
         http.client's timeout is per socket operation: a receiver that answers one byte a second never trips it. A
         timer shuts the socket down at the deadline, which ends whatever read is blocked on it.
         """
+        import http.client  # noqa: PLC0415 - only where a webhook is configured (http.client pulls in email's parser)
+
         parts = self._parts
         headers = {
             "Content-Type": "application/json",
