@@ -23,7 +23,13 @@ from typing import TYPE_CHECKING
 
 from prometheus_client.openmetrics import exposition as om
 from prometheus_client.utils import floatToGoString, parse_version
-from prometheus_client.validation import _is_valid_legacy_metric_name
+
+try:  # the internals the copies below use, as prometheus_client 0.26 has them
+    from prometheus_client.validation import _is_valid_legacy_metric_name
+
+    _LIGHT = all(hasattr(om, a) for a in ("ALLOWUTF8", "UNDERSCORES", "escape_metric_name", "escape_label_name"))
+except ImportError:
+    _LIGHT = False
 
 if TYPE_CHECKING:
     from prometheus_client.registry import Collector
@@ -171,3 +177,10 @@ def _get_escaping(accept_header: list[str]) -> str:
             return str(value)
         return str(om.UNDERSCORES)
     return str(om.UNDERSCORES)
+
+
+if not _LIGHT:  # another prometheus_client than the one these copy: its own exposition module, heavier and right
+    from prometheus_client import exposition as _upstream
+
+    choose_encoder = _upstream.choose_encoder
+    generate_text = _upstream.generate_latest

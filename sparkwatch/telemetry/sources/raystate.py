@@ -17,17 +17,19 @@ core.raygroup; telemetry.raywatch hands the guard what to stop.
 
 from __future__ import annotations
 
-import http.client
 import json
 import os
 import urllib.parse
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from sparkwatch.core.model import Proc
 from sparkwatch.core.raygroup import RayActor, RayJob, RayNode, RayPlacementGroup, RayState
+
+if TYPE_CHECKING:
+    import http.client
 
 T = TypeVar("T")
 TIMEOUT_S = 1.0  # one GET; the four measured 0.14 s together on a 2-core box with a two-node cluster
@@ -69,6 +71,10 @@ class Connection:
     def get_json(self, path: str) -> Any:
         if self.bad is not None:
             raise RayStateError("bad_url", self.bad)
+        # Imported at the first request, on a box with a raylet: http.client imports ssl (libcrypto, about 5 MiB RSS),
+        # which telemetry without Ray, TLS or a webhook never loads (tests/test_telemetry_imports.py).
+        import http.client  # noqa: PLC0415
+
         if self._conn is None:
             cls = http.client.HTTPSConnection if self.https else http.client.HTTPConnection
             self._conn = cls(self.host, self.port, timeout=self.timeout_s)
