@@ -135,7 +135,9 @@ class Transport:
             status = response.status
             location = response.getheader("Location") or ""
         except (OSError, http.client.HTTPException) as exc:
-            if expired.is_set():
+            # A socket operation's own timeout is the whole deadline too (it is timeout_s long): whichever of it and
+            # the timer fires first, the answer did not come in time (the two raced: "TimeoutError: timed out").
+            if expired.is_set() or isinstance(exc, TimeoutError):
                 raise DeliveryError(TIMED_OUT.format(self.timeout_s), transport=True) from None
             raise DeliveryError(f"{type(exc).__name__}: {exc}", transport=True) from None
         finally:
