@@ -36,11 +36,11 @@ from tables import publish
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from sparkwatch.common.events import EventLog  # noqa: E402
+from sparkwatch.common.eventlog import EventLog  # noqa: E402
 from sparkwatch.common.sources.meminfo import MeminfoReader  # noqa: E402
 from sparkwatch.config.schema import guard_config  # noqa: E402
 from sparkwatch.config.settings import load_settings  # noqa: E402
-from sparkwatch.core.budget import BudgetParams, limit_bytes  # noqa: E402
+from sparkwatch.core.kill.budget import BudgetParams, limit_bytes  # noqa: E402
 from sparkwatch.guard.poolwatch import PoolWatch  # noqa: E402
 from tests.memsampler import Sampler  # noqa: E402
 

@@ -36,7 +36,7 @@ from tables import publish
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from sparkwatch.common.events import read_events  # noqa: E402
+from sparkwatch.common.eventlog import read_events  # noqa: E402
 from sparkwatch.common.sources.meminfo import MeminfoReader  # noqa: E402
 from sparkwatch.common.sources.procs import parse_stat, read_start_ticks  # noqa: E402
 from tests.conftest import FAKE_ENGINE, pids_in  # noqa: E402

@@ -175,7 +175,7 @@ def run_episode(contender: str, target_rate: int, tmp: Path) -> Episode:
             rate = (window[0][1] - window[-1][1]) / (window[-1][0] - window[0][0])
     own = None
     if contender == "sparkwatch":
-        from sparkwatch.common.events import read_events
+        from sparkwatch.common.eventlog import read_events
 
         kills = [e for e in read_events(tmp / "state" / "events.jsonl") if e["kind"] == "kill"]
         if kills and kills[-1].get("signal_to_reaped_ms") is not None:

@@ -34,7 +34,7 @@ sys.path.insert(0, str(ROOT))
 
 from sparkwatch.common.sources import procs as procs_mod  # noqa: E402
 from sparkwatch.common.sources.procs import ProcScanner  # noqa: E402
-from sparkwatch.core.engines import EngineRules, Scope, find_engine_trees  # noqa: E402
+from sparkwatch.core.engines.identity import EngineRules, Scope, find_engine_trees  # noqa: E402
 
 
 def cpu_of(fn: Callable[[], object]) -> float:

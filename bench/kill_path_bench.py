@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from sparkwatch.common.sources.procs import ProcScanner  # noqa: E402
-from sparkwatch.core.engines import EngineRules, Scope, find_engine_trees  # noqa: E402
+from sparkwatch.core.engines.identity import EngineRules, Scope, find_engine_trees  # noqa: E402
 from sparkwatch.core.model import EngineTree  # noqa: E402
 from sparkwatch.guard import killer as this_killer  # noqa: E402
 from tests.conftest import FAKE_ENGINE, Spawner, wait_until  # noqa: E402

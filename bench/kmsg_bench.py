@@ -35,7 +35,7 @@ from tables import publish
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from sparkwatch.common.events import EventLog  # noqa: E402
+from sparkwatch.common.eventlog import EventLog  # noqa: E402
 from sparkwatch.config.schema import guard_config  # noqa: E402
 from sparkwatch.config.settings import load_settings  # noqa: E402
 from sparkwatch.guard.poolwatch import PoolWatch  # noqa: E402

@@ -2,9 +2,10 @@
 
     .venv/bin/python bench/launch_bench.py --rounds 3 --out bench/RESULTS-launch.md
 
-1. Plan: `gather()` (core.plan over common.sources.checkpoint: stat of every shard, a bounded config.json, meminfo,
-   buddyinfo, the declarations, one /proc scan for running engines, the learned peaks) for a 40-shard sparse model
-   directory, `--plans` times; and the whole `sparkwatch launch --plan --json` command, interpreter start included.
+1. Plan: `gather()` (core.launch.plan over common.sources.checkpoint: stat of every shard, a bounded config.json,
+   meminfo, buddyinfo, the declarations, one /proc scan for running engines, the learned peaks) for a 40-shard sparse
+   model directory, `--plans` times; and the whole `sparkwatch launch --plan --json` command, interpreter start
+   included.
 2. Pass-through: a stand-in `vllm serve` writes 10 MB/s of vLLM-shaped log lines (APIServer access lines, ~130 bytes)
    for `--spam-s` seconds through launch; launch's CPU time (user + system) over wall time, in % of one core.
    Episodes alternate A B A B: A while booting (every phase anchor still searched), B after `ready` (nothing searched,

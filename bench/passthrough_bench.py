@@ -7,11 +7,11 @@ chatter (startup, NCCL, warnings: no phase anchor, so every anchor stays live, t
 seconds through the real `python -m sparkwatch launch`. Launch's CPU is read from /proc/PID/stat (utime + stime, in
 ticks) and /proc/PID/task/*/schedstat (time on a CPU, ns) of the launch process itself, not the engine, from 0.5 s
 after the stand-in's first write to 0.3 s before its last, in % of one core. Each round runs the baseline (`git
-archive BASE` unpacked in a temporary directory, run with PYTHONPATH at it; checked by importing core.bootphase
+archive BASE` unpacked in a temporary directory, run with PYTHONPATH at it; checked by importing core.launch.bootphase
 there) and this tree, A B then B A, each booting (anchors searched) and after ready (bytes only copied: the copy's
 own share). Medians over the rounds.
 
-The search alone, in process: the same chatter fed to core.bootphase in 200 KB chunks (what 10 MB/s brings in 20
+The search alone, in process: the same chatter fed to core.launch.bootphase in 200 KB chunks (what 10 MB/s brings in 20
 ms), anchor by anchor (no screen) and screened by cli/anchorsearch.py, in ms per MB.
 """
 
@@ -101,7 +101,7 @@ def env_for(tmp: Path, tree: Path) -> dict[str, str]:
 def check_tree(env: dict[str, str], tree: Path) -> bool:
     """That `python -m sparkwatch` under `env` runs `tree`'s code; whether that tree screens (any_of)."""
     probe = (
-        "import inspect, sparkwatch.core.bootphase as b; print(b.__file__); "
+        "import inspect, sparkwatch.core.launch.bootphase as b; print(b.__file__); "
         "print('any_of' in inspect.signature(b.PhaseRecognizer).parameters)"
     )
     cwd = env["XDG_RUNTIME_DIR"]  # not the repository: `-c` and `-m` put the working directory first on sys.path
@@ -135,7 +135,7 @@ def run_launch(tmp: Path, env: dict[str, str], mode: str, rate_mb: float, second
 
 def search_ms_per_mb(any_of: bool, chunk_bytes: int = 200_000, megabytes: int = 50) -> float:
     from sparkwatch.cli.anchorsearch import any_anchor
-    from sparkwatch.core.bootphase import BootPhase, PhaseRecognizer
+    from sparkwatch.core.launch.bootphase import BootPhase, PhaseRecognizer
 
     chunk = (CHATTER * (chunk_bytes // len(CHATTER) + 1))[:chunk_bytes]
     rec = PhaseRecognizer("vllm", any_of=any_anchor if any_of else None)
@@ -160,7 +160,7 @@ def main() -> None:
     ap.add_argument("--spam-s", type=float, default=8.0)
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
-    from sparkwatch.core.bootphase import anchors_for
+    from sparkwatch.core.launch.bootphase import anchors_for
 
     assert not any(a.text in CHATTER for a in anchors_for("vllm")), "the chatter must hold no anchor"
     with tempfile.TemporaryDirectory(prefix="sw-passthrough-") as tmp_s:
@@ -221,10 +221,10 @@ def main() -> None:
         f"ahocorasick-rs automaton ({plain / screened:.0f}x less).",
         "",
         "What changed: each chunk is screened by one ahocorasick-rs pass over the live anchors (cli/anchorsearch.py) "
-        "and searched anchor by anchor only when the screen finds one (core.bootphase); under a stream launch wakes "
-        "at most every 50 ms instead of 20 (COALESCE_S, now in cli/launch_supervisor.py): a wake-up's poll, read, "
-        "write and loop cost about as much as a 200 KB read itself, so the copy at 10 MB/s went from 50 wake-ups a "
-        "second to 20. "
+        "and searched anchor by anchor only when the screen finds one (core.launch.bootphase); under a stream launch "
+        "wakes at most every 50 ms instead of 20 (COALESCE_S, now in cli/launch_supervisor.py): a wake-up's poll, "
+        "read, write and loop cost about as much as a 200 KB read itself, so the copy at 10 MB/s went from 50 wake-ups "
+        "a second to 20. "
         "The ready row is the coalescing alone, the booting row both. Launch with no output costs 0.04 % of a core.",
         "",
         "Per round (schedstat %, booting / ready): "

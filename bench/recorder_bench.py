@@ -41,7 +41,7 @@ from tables import publish
 
 from sparkwatch.common.flightrec import SLOT_BYTES, RingWriter, ring_bytes, ring_capacity
 from sparkwatch.common.sources.meminfo import MeminfoReader
-from sparkwatch.core.flight import FlightSample
+from sparkwatch.core.postmortem.flight import FlightSample
 from sparkwatch.guard.recorder import FlightRecorder, Tick
 
 ROOT = Path(__file__).resolve().parent.parent

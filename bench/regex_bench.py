@@ -2,8 +2,9 @@
 
 For each pattern, a real process with a 128 KiB command line shaped against that pattern (`python3 -c <sleep>` and
 four long arguments: the text that makes a backtracking engine try the most), read by the guard's own scanner
-(ProcScanner: /proc/PID/cmdline, at most 8 KiB), ranked by the guard's own policy (core.policy.rank, the pattern as
-`never_kill`, or as `engine_patterns` for the anchored ones through core.engines.classify). Episodes alternate A B:
+(ProcScanner: /proc/PID/cmdline, at most 8 KiB), ranked by the guard's own policy (core.kill.policy.rank, the pattern as
+`never_kill`, or as `engine_patterns` for the anchored ones through core.engines.identity.classify). Episodes alternate
+A B:
 - A: as shipped (core.userregex.bounded cuts every string to MATCH_TEXT_MAX = 4096 characters);
 - B: without the cut (the scanner's whole 8 KiB).
 The refused patterns are timed too, on short texts only (they grow exponentially or as n^2-n^3), to show what
@@ -31,7 +32,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from sparkwatch.common.sources.procs import ProcScanner  # noqa: E402
-from sparkwatch.core import engines, policy, userregex  # noqa: E402
+from sparkwatch.core import userregex  # noqa: E402
+from sparkwatch.core.engines import identity  # noqa: E402
+from sparkwatch.core.kill import policy  # noqa: E402
 from sparkwatch.core.model import EngineTree, Proc  # noqa: E402
 
 ARGV_BYTES = 128 << 10
@@ -91,13 +94,13 @@ def time_one(pattern: str, key: str, proc: Proc) -> float:
         tree = EngineTree(kind="vllm", root=proc, members=(proc,))
         history = policy.GrowthHistory()
         return cpu_of(lambda: policy.rank([tree], history, 0.0, None, params))
-    rules = engines.EngineRules.build([f"bench={pattern}"])
+    rules = identity.EngineRules.build([f"bench={pattern}"])
     # argv[0] is the long argument here: the identity strings an engine pattern is matched against start with it.
     probe = Proc(
         pid=proc.pid, ppid=proc.ppid, uid=proc.uid, comm=proc.comm, state="S", start_ticks=0, rss_bytes=0,
         argv=proc.argv[3:],
     )  # fmt: skip
-    return cpu_of(lambda: engines.classify(probe, rules))
+    return cpu_of(lambda: identity.classify(probe, rules))
 
 
 def _no_cut(text: str) -> str:
@@ -108,12 +111,12 @@ def episode(uncut: bool, procs: dict[str, Proc]) -> dict[str, float]:
     # B: the modules that cut (policy_strings, identity_strings) see the text whole.
     cut = _no_cut if uncut else userregex.bounded
     setattr(policy, "bounded", cut)  # noqa: B010 - a module attribute mypy does not see as exported
-    setattr(engines, "bounded", cut)  # noqa: B010
+    setattr(identity, "bounded", cut)  # noqa: B010
     try:
         return {pattern: time_one(pattern, key, procs[filler]) for pattern, key, filler in ACCEPTED}
     finally:
         setattr(policy, "bounded", userregex.bounded)  # noqa: B010
-        setattr(engines, "bounded", userregex.bounded)  # noqa: B010
+        setattr(identity, "bounded", userregex.bounded)  # noqa: B010
 
 
 def refused_ms(pattern: str, filler: str, n: int) -> float:

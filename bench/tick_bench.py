@@ -1,8 +1,8 @@
 """The guard's idle tick: what one PoolWatch.tick costs far from the floor (the path every poll takes).
 
 A real PoolWatch on a fixture /proc (a GB10's idle meminfo, 113 GiB available over an 8 GiB floor), no threads
-started, no budget, no kernel log: each tick reads meminfo through the kept-open fd, steps core.trigger, looks at the
-budgets and the kill path's teardown, and updates the stats. Per round, the mean over `--ticks` ticks; printed, the
+started, no budget, no kernel log: each tick reads meminfo through the kept-open fd, steps core.kill.trigger, looks at
+the budgets and the kill path's teardown, and updates the stats. Per round, the mean over `--ticks` ticks; printed, the
 best and the median round (a shared 2-core VM: compare builds by alternating runs, A B A B).
 
     .venv/bin/python bench/tick_bench.py --rounds 5 --ticks 20000
@@ -20,7 +20,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from sparkwatch.common.events import EventLog  # noqa: E402
+from sparkwatch.common.eventlog import EventLog  # noqa: E402
 from sparkwatch.config.schema import guard_config  # noqa: E402
 from sparkwatch.config.settings import load_settings  # noqa: E402
 from sparkwatch.guard.poolwatch import PoolWatch  # noqa: E402

@@ -185,7 +185,7 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 
 @pytest.fixture(autouse=True, scope="session")
 def _a_runtime_dir_of_the_suites_own() -> Iterator[None]:
-    """Every guard a test starts publishes its state in $XDG_RUNTIME_DIR/sparkwatch (common.guardstate), and root
+    """Every guard a test starts publishes its state in $XDG_RUNTIME_DIR/sparkwatch (common.guardfile), and root
     without one in /run/sparkwatch, the system unit's: the host's, where status, doctor and launch on this machine (and
     another suite's tests) would take it for a real guard. The suite gets a runtime dir of its own; a test about the
     system dir says so in its own environment or mounts a scratch one (tests/test_declaration_trust.py)."""

@@ -112,7 +112,7 @@ def sparkwatch_run(
 
 
 def wait_for_event(path: Path, kind: str, timeout_s: float = 30) -> dict[str, object]:
-    from sparkwatch.common.events import read_events
+    from sparkwatch.common.eventlog import read_events
 
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:

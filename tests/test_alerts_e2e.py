@@ -16,9 +16,9 @@ from typing import cast
 
 import pytest
 
-from sparkwatch.common.events import read_events
-from sparkwatch.core.alerts import is_alerting
+from sparkwatch.common.eventlog import read_events
 from sparkwatch.core.eventkinds import EventKind
+from sparkwatch.core.report.alerts import is_alerting
 from tests import driverroot as fx
 from tests.receiver import Receiver, wait_until
 

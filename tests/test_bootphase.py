@@ -1,5 +1,5 @@
-"""The boot-phase recogniser as launch runs it (core.bootphase with cli/anchorsearch.py's one-pass screen): over the
-engines' own boot logs, cut into chunks anywhere, it enters the same phases at the same bytes as a plain reference
+"""The boot-phase recogniser as launch runs it (core.launch.bootphase with cli/anchorsearch.py's one-pass screen): over
+the engines' own boot logs, cut into chunks anywhere, it enters the same phases at the same bytes as a plain reference
 search that walks the whole stream byte by byte, and as the anchor-by-anchor search alone.
 
 The streams are tests/helpers/boot_engine.py's lines (the engines' real ones) in boot order, or drawn in any order
@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sparkwatch.cli.anchorsearch import any_anchor
-from sparkwatch.core.bootphase import BOOTING, BootPhase, PhaseRecognizer, anchors_for
+from sparkwatch.core.launch.bootphase import BOOTING, BootPhase, PhaseRecognizer, anchors_for
 from tests.helpers.boot_engine import script
 
 KINDS = ("vllm", "sglang", "llama.cpp")

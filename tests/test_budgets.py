@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from sparkwatch.common.events import read_events
+from sparkwatch.common.eventlog import read_events
 from sparkwatch.common.sources.meminfo import MeminfoReader
 from tests.conftest import Spawner, alive, pids_in, require, require_tool, wait_until
 from tests.daemon import sparkwatch_run, wait_for_event

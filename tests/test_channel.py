@@ -26,8 +26,8 @@ from sparkwatch.common.messages import (
 from sparkwatch.common.sources.procs import holds_gpu_device
 from sparkwatch.common.stats import GuardStats, KernelLogStats
 from sparkwatch.core.eventkinds import EventKind
+from sparkwatch.core.kill.policy import fresh_gpu
 from sparkwatch.core.model import Event
-from sparkwatch.core.policy import fresh_gpu
 from sparkwatch.guard.gpuboard import GpuBoard, verified_holders
 
 
@@ -85,7 +85,7 @@ def test_gpu_board_is_empty_when_stale() -> None:
 def test_unacknowledged_events_go_to_the_next_telemetry_process(tmp_path: Path) -> None:
     """A kill event sent to a telemetry process that died before its outbox had it is sent again to the next one;
     an acknowledged one is not."""
-    from sparkwatch.common.events import EventLog, make_event
+    from sparkwatch.common.eventlog import EventLog, make_event
     from sparkwatch.config.schema import guard_config
     from sparkwatch.config.settings import load_settings
     from sparkwatch.core.eventkinds import EventKind
@@ -217,7 +217,7 @@ def test_holds_gpu_device_reads_the_fd_links(tmp_path: Path) -> None:
 def test_state_goes_out_when_it_changed_not_when_memory_moved(tmp_path: Path) -> None:
     """The guard's state crosses the channel on a change or a heartbeat, not each tick: MemAvailable moving is not
     a change, a kill is."""
-    from sparkwatch.common.events import EventLog
+    from sparkwatch.common.eventlog import EventLog
     from sparkwatch.config.schema import guard_config
     from sparkwatch.config.settings import load_settings
     from sparkwatch.core.model import MemInfo

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 from sparkwatch.config.settings import load_settings
-from sparkwatch.core.jit import JitParams
+from sparkwatch.core.engines.jit import JitParams
 from sparkwatch.core.model import Event, Snapshot
 from sparkwatch.telemetry.loop import Telemetry, TelemetryLoop
 from tests.conftest import Spawner, require_tool, wait_until

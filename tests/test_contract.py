@@ -23,25 +23,25 @@ from prometheus_client.core import Metric
 
 from sparkwatch import __version__
 from sparkwatch.cli import build_parser
-from sparkwatch.common.events import EventLog, make_event
+from sparkwatch.common.eventlog import EventLog, make_event
 from sparkwatch.common.spool import AlertRouter
 from sparkwatch.common.stats import BudgetStat, KernelLogStats
 from sparkwatch.common.systemd import EVENT_PRIORITY, PRIORITY_NOTICE
 from sparkwatch.config.settings import Settings
-from sparkwatch.core.alerts import ALERT_MIN_INTERVAL_S
+from sparkwatch.core.driver.nvmlcodes import NvmlReturn
 from sparkwatch.core.enums import CheckStatus, DriverVerdict
 from sparkwatch.core.eventkinds import EventKind
-from sparkwatch.core.killrecord import KillFacts, kill_fields, kill_summary, victims_of
+from sparkwatch.core.kill.killrecord import KillFacts, kill_fields, kill_summary, victims_of
 from sparkwatch.core.model import BootState, EngineTree, Event, GpuDevice, GpuReport, MemInfo, Proc
-from sparkwatch.core.nvmlcodes import NvmlReturn
-from sparkwatch.core.postmortem import BootEnd
+from sparkwatch.core.postmortem.verdict import BootEnd
+from sparkwatch.core.report.alerts import ALERT_MIN_INTERVAL_S
 from sparkwatch.telemetry.exporter.contract import BY_NAME, METRICS, MetricSpec, markdown_table, presence_table
 from sparkwatch.telemetry.exporter.internal import InternalCollector
-from sparkwatch.telemetry.exporter.postmortem import PostmortemCollector
+from sparkwatch.telemetry.exporter.postmortemmetric import PostmortemCollector
 from sparkwatch.telemetry.exporter.server import build_registry
 from sparkwatch.telemetry.loop import Telemetry
 from sparkwatch.telemetry.outbox import Outbox
-from sparkwatch.telemetry.postmortem import Judged
+from sparkwatch.telemetry.postmortemtask import Judged
 from tests.conftest import wait_until
 from tests.helpers.proctree import FIXED_MTIME
 from tests.helpers.scenario import (

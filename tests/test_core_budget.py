@@ -1,13 +1,14 @@
-"""core.budget and core.footprint: the budget decision and the footprint counted once, for any sequence of samples."""
+"""core.kill.budget and core.kill.footprint: the budget decision and the footprint counted once, for any sequence of
+samples."""
 
 from __future__ import annotations
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sparkwatch.core.budget import BudgetParams, BudgetState, budget_step, limit_bytes, memory_high_bytes
-from sparkwatch.core.footprint import FootprintInputs, FootprintSource, footprint
-from sparkwatch.core.policy import GPU_STALE_S, parse_engine_budgets, parse_kill_priority
+from sparkwatch.core.kill.budget import BudgetParams, BudgetState, budget_step, limit_bytes, memory_high_bytes
+from sparkwatch.core.kill.footprint import FootprintInputs, FootprintSource, footprint
+from sparkwatch.core.kill.policy import GPU_STALE_S, parse_engine_budgets, parse_kill_priority
 from sparkwatch.core.units import GiB, MiB
 
 P = BudgetParams()
@@ -129,7 +130,7 @@ def test_budget_patterns_share_kill_prioritys_syntax() -> None:
 
 
 def test_only_launchs_own_scope_with_the_root_in_it_counts() -> None:
-    from sparkwatch.core.footprint import owned_scope
+    from sparkwatch.core.kill.footprint import owned_scope
 
     scope = "/user.slice/user-1000.slice/user@1000.service/app.slice/sparkwatch-launch-4242.scope"
     assert owned_scope(scope, scope) == scope

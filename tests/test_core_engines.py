@@ -6,7 +6,7 @@ import signal
 
 import pytest
 
-from sparkwatch.core.engines import (
+from sparkwatch.core.engines.identity import (
     EngineRules,
     Scope,
     engine_kind,

@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from sparkwatch.common.guardconfig import GuardConfig
-from sparkwatch.core.trigger import (
+from sparkwatch.core.kill.trigger import (
     GuardState,
     Outcome,
     fired,

@@ -9,9 +9,9 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from sparkwatch.core import policy
-from sparkwatch.core import trigger as g
-from sparkwatch.core.killloop import LOOP_KILLS, LOOP_WINDOW_S, LoopState, note_kill
+from sparkwatch.core.kill import policy
+from sparkwatch.core.kill import trigger as g
+from sparkwatch.core.kill.killloop import LOOP_KILLS, LOOP_WINDOW_S, LoopState, note_kill
 from sparkwatch.core.model import EngineTree, Proc
 from sparkwatch.core.units import GiB, MiB
 from tests.helpers.configs import guard_config_with, trigger_keys

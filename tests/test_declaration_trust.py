@@ -32,11 +32,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from sparkwatch.common import launched
-from sparkwatch.common.events import read_events
+from sparkwatch.common.eventlog import read_events
 from sparkwatch.common.sources.meminfo import MeminfoReader
 from sparkwatch.common.sources.procs import read_start_ticks
 from sparkwatch.common.wiretypes import WireError
-from sparkwatch.core.bootphase import BootPhase
+from sparkwatch.core.launch.bootphase import BootPhase
 from sparkwatch.core.units import GiB, MiB
 from sparkwatch.guard.launchwatch import LaunchedEngines
 from tests.conftest import FAKE_ENGINE, Spawner, alive, pids_in, settled_available_bytes, wait_until

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from sparkwatch.core.doctor import floor_check, swap_check
 from sparkwatch.core.model import MemInfo
+from sparkwatch.core.report.doctorchecks import floor_check, swap_check
 from tests import driverroot as fx
 
 GiB = 1 << 30
@@ -330,8 +330,8 @@ def test_live_kernel_log_that_is_not_the_device_is_not_readable(tmp_path: Path) 
 
 def test_max_jobs_summary_counts_every_process_it_lists() -> None:
     """A report once said "3 of 3" above four lines: the unreadable one was listed but not counted."""
-    from sparkwatch.core.doctor import EnvTarget, max_jobs_check
     from sparkwatch.core.model import Proc
+    from sparkwatch.core.report.doctorchecks import EnvTarget, max_jobs_check
 
     def target(pid: int) -> EnvTarget:
         proc = Proc(pid, 1, 1000, "VLLM::EngineCor", "S", 1, 0, ("VLLM::EngineCore",))

@@ -11,9 +11,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sparkwatch.core import driver as drift
+from sparkwatch.core.driver import drift
 from sparkwatch.core.model import Check, DpkgPackage, DriverFacts, DriverReport, NvmlFacts
-from sparkwatch.telemetry.sources.driver import parse_dpkg_status, parse_grubenv, parse_nvrm_version, read_driver_facts
+from sparkwatch.telemetry.sources.driverfacts import (
+    parse_dpkg_status,
+    parse_grubenv,
+    parse_nvrm_version,
+    read_driver_facts,
+)
 from tests import driverroot as fx
 from tests.driverroot import DRIVER, NEW_KERNEL, NEWER_DRIVER, OLD_KERNEL, DriverRoot, Pkg
 
@@ -281,7 +286,7 @@ def test_container_without_lib_modules_is_not_stranded(tmp_path: Path) -> None:
 
 
 def test_dpkg_status_is_parsed_again_only_when_it_changes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from sparkwatch.telemetry.sources import driver as system
+    from sparkwatch.telemetry.sources import driverfacts as system
 
     status = tmp_path / "status"
     status.write_text("Package: nvidia-dkms-580-open\nStatus: install ok installed\nVersion: 580.95.05-0ubuntu1\n\n")

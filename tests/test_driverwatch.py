@@ -10,17 +10,17 @@ from pathlib import Path
 
 import pytest
 
-from sparkwatch.common.events import EventLog, read_events
+from sparkwatch.common.eventlog import EventLog, read_events
 from sparkwatch.config.schema import guard_config
 from sparkwatch.config.settings import load_settings
-from sparkwatch.core.alerts import RateState, dedup_key, driver_step, headroom_step, rate_limit
-from sparkwatch.core.driver import judge
+from sparkwatch.core.driver.drift import judge
 from sparkwatch.core.enums import DriverProblem
 from sparkwatch.core.eventkinds import EventKind
+from sparkwatch.core.report.alerts import RateState, dedup_key, driver_step, headroom_step, rate_limit
 from sparkwatch.guard.poolwatch import PoolWatch
-from sparkwatch.telemetry.driver import DriverWatcher
+from sparkwatch.telemetry.drivercheck import DriverWatcher
 from sparkwatch.telemetry.headroom import HeadroomWatcher
-from sparkwatch.telemetry.sources.driver import read_driver_facts
+from sparkwatch.telemetry.sources.driverfacts import read_driver_facts
 from sparkwatch.telemetry.sources.udev import UdevWatcher, is_driver_uevent
 from tests import driverroot as fx
 from tests.receiver import wait_until

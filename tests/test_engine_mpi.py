@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from sparkwatch.common.sources.procs import ProcScanner
-from sparkwatch.core.engines import EngineRules, Scope, find_engine_trees
+from sparkwatch.core.engines.identity import EngineRules, Scope, find_engine_trees
 from sparkwatch.core.model import EngineTree
 from tests.conftest import Spawner, descendants, require, require_tool, wait_until
 from tests.helpers.shapes import ShapeKit

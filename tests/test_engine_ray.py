@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from sparkwatch.common.sources.procs import ProcScanner, read_start_ticks
-from sparkwatch.core.engines import EngineRules, Scope, find_engine_trees, is_infrastructure
+from sparkwatch.core.engines.identity import EngineRules, Scope, find_engine_trees, is_infrastructure
 from sparkwatch.core.model import EngineTree, Proc
 from sparkwatch.guard.killer import Killer
 from tests.conftest import alive, descendants, require, wait_until

@@ -1,5 +1,5 @@
-"""Every engine shape of core.engines.SHAPES, spawned as real processes: titles through setproctitle, argv through
-real interpreters, console scripts and binaries installed under the real names, parents as upstream makes them.
+"""Every engine shape of core.engines.identity.SHAPES, spawned as real processes: titles through setproctitle, argv
+through real interpreters, console scripts and binaries installed under the real names, parents as upstream makes them.
 
 Each case is a tree; each process says what the guard must make of it: the root of an engine tree of some kind, a
 member of one, or spared. The guard is confined to this test's descendants (ancestor_pid), and the spawner kills only
@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from sparkwatch.common.sources.procs import ProcScanner
-from sparkwatch.core.engines import EngineRules, Scope, find_engine_trees
+from sparkwatch.core.engines.identity import EngineRules, Scope, find_engine_trees
 from sparkwatch.core.model import EngineTree, Proc
 from tests.conftest import Spawner, descendants, require_tool, wait_until
 from tests.helpers.shapes import RUN_HELPER, Node, ShapeKit, spawn_child
@@ -277,7 +277,7 @@ def test_engine_shape(name: str, kit: ShapeKit, spawner: Spawner) -> None:
 def test_every_shape_row_is_spawned() -> None:
     """The table above covers every victim row of SHAPES (Ray's rows: tests/test_engine_ray.py; the generic MPI
     worker and the mgmn leader: tests/test_engine_mpi.py)."""
-    from sparkwatch.core.engines import SHAPES
+    from sparkwatch.core.engines.identity import SHAPES
 
     kit_free = ShapeKit(Path("/k"), build=False)
     spawned = [p for name in CASES for n in case(kit_free, name).walk() for p in _as_procs(n)]
@@ -296,13 +296,13 @@ def _as_procs(node: Node) -> list[Proc]:
 
 
 def _matches_shape(proc: Proc, rules: EngineRules) -> bool:
-    from sparkwatch.core.engines import classify
+    from sparkwatch.core.engines.identity import classify
 
     return classify(proc, rules) is not None
 
 
 def test_docs_list_every_shape_with_its_source() -> None:
-    from sparkwatch.core.engines import SHAPES
+    from sparkwatch.core.engines.identity import SHAPES
 
     doc = (Path(__file__).resolve().parent.parent / "docs" / "engines.md").read_text()
     for shape in SHAPES:

@@ -7,10 +7,10 @@ import sys
 from pathlib import Path
 
 from sparkwatch.common.sources.procs import ProcScanner, read_start_ticks
-from sparkwatch.core.compile import tool_of
-from sparkwatch.core.engines import EngineRules
+from sparkwatch.core.engines.compile import tool_of
+from sparkwatch.core.engines.identity import EngineRules
+from sparkwatch.core.engines.proctree import tree_rows
 from sparkwatch.core.model import EngineTree, Proc
-from sparkwatch.core.proctree import tree_rows
 from sparkwatch.telemetry.sources.procenv import EnvironReader
 from tests.conftest import Spawner, wait_until
 

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from sparkwatch.common.events import make_event
+from sparkwatch.common.eventlog import make_event
 from sparkwatch.core.eventkinds import EventKind
 from tests.conftest import Spawner, floor_that_fires_at_once, wait_until
 from tests.daemon import sparkwatch_run
@@ -134,7 +134,7 @@ def test_a_group_member_reads_the_root_daemons_events_and_nobody_else_does(
 
 def test_an_unset_events_group_takes_the_sharing_back(tmp_path: Path) -> None:
     """The daemon decides the modes at each start: shared with the key, private again without it."""
-    from sparkwatch.common.events import EventLog
+    from sparkwatch.common.eventlog import EventLog
 
     second_uid()
     state = tmp_path / "state"

@@ -29,8 +29,8 @@ from sparkwatch.common.flightrec import (
 )
 from sparkwatch.common.sources.buddyinfo import page_size_bytes
 from sparkwatch.common.sources.meminfo import MeminfoReader
-from sparkwatch.core.flight import FlightSample, LaunchedEngine, TreeFootprint, pool_trend, sample_due
 from sparkwatch.core.model import EngineTree, Proc
+from sparkwatch.core.postmortem.flight import FlightSample, LaunchedEngine, TreeFootprint, pool_trend, sample_due
 from sparkwatch.core.units import GiB, MiB
 from sparkwatch.guard.recorder import QUEUE_MAX, FlightRecorder, Tick
 from tests.conftest import ROOT

@@ -99,7 +99,7 @@ def test_root_with_1000_children_that_keeps_forking_leaves_no_orphan(
 
 def test_engine_kind_cache_stays_bounded_under_churn() -> None:
     """Every new argv is a new cache key; the cache forgets the dead ones instead of growing to its hard cap."""
-    from sparkwatch.core.engines import EngineRules, Scope, find_engine_trees
+    from sparkwatch.core.engines.identity import EngineRules, Scope, find_engine_trees
     from sparkwatch.core.livecache import DEAD_SLACK
     from sparkwatch.core.model import Proc
 

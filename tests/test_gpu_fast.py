@@ -17,7 +17,7 @@ import pynvml
 import pytest
 
 from sparkwatch.common.channel import Channel, socketpair
-from sparkwatch.common.events import EventLog, read_events
+from sparkwatch.common.eventlog import EventLog, read_events
 from sparkwatch.common.guardconfig import GuardConfig
 from sparkwatch.common.messages import GpuSampleMsg, StateMsg, TelMsg, decode, encode
 from sparkwatch.common.stats import BudgetStat, GuardStats, KernelLogStats
@@ -28,8 +28,8 @@ from sparkwatch.guard.gpuboard import GpuBoard
 from sparkwatch.guard.poolwatch import GuardLinks, PoolWatch
 from sparkwatch.guard.supervisor import TelemetrySupervisor
 from sparkwatch.telemetry.gpufast import GpuFastSampler, start_ticks
-from sparkwatch.telemetry.process import TelemetryProcess
 from sparkwatch.telemetry.sources.nvml import NvmlSource
+from sparkwatch.telemetry.telemetryprocess import TelemetryProcess
 from tests.conftest import Spawner, alive, pids_in, wait_until
 from tests.helpers.fake_nvml import FakeNvml, gb10
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import yaml
 
-from sparkwatch.core.kernlog import XID_CATALOGUE
+from sparkwatch.core.driver.nvrm import XID_CATALOGUE
 from tests.conftest import require_tool
 from tests.grafana_support import ALERTS, ALERTS_TEST, ASSETS, GRAFANA, load_rules
 
@@ -84,7 +84,7 @@ def test_each_rule_has_a_firing_unit_test_and_tells_the_human_what_to_do() -> No
 
 
 def test_xid_paging_codes_are_the_catalogue_s() -> None:
-    """The rule that pages names exactly the Xid codes core.kernlog says need a GPU reset or a reboot."""
+    """The rule that pages names exactly the Xid codes core.driver.nvrm says need a GPU reset or a reboot."""
     rules = {r["alert"]: r for r in load_rules()}
     pages = "|".join(str(code) for code, info in sorted(XID_CATALOGUE.items()) if info.pages)
     assert f'code=~"{pages}"' in rules["SparkwatchGpuXidNeedsReset"]["expr"]

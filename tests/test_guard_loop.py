@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from sparkwatch.common.events import EventLog, read_events
+from sparkwatch.common.eventlog import EventLog, read_events
 from sparkwatch.config.schema import guard_config
 from sparkwatch.config.settings import load_settings
 from sparkwatch.guard.poolwatch import GuardLinks, PoolWatch

@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from sparkwatch.common.events import EventLog, read_events
+from sparkwatch.common.eventlog import EventLog, read_events
 from sparkwatch.config.schema import guard_config
 from sparkwatch.config.settings import load_settings
-from sparkwatch.core import policy
+from sparkwatch.core.kill import policy
 from sparkwatch.core.units import GiB, MiB
 from sparkwatch.guard.poolwatch import GpuBytesSource, GuardLinks, PoolWatch
 from tests.conftest import Spawner, alive, pids_in, rewrite_in_place, wait_until
@@ -189,7 +189,7 @@ def test_a_budget_kill_goes_through_the_teardown_like_any_other(
 ) -> None:
     """A budget kill is the kill path's, as a floor kill is: the episode's teardown holds it (a floor crossing now
     waits for its memory, and the tree is never chosen again), and the episode ends once it is reaped and memory is
-    back. Before, the budget killed beside core.trigger's state, which stayed in `watch`, armed."""
+    back. Before, the budget killed beside core.kill.trigger's state, which stayed in `watch`, armed."""
     pidfile = tmp_path / "tree.pids"
     spawner.engine("--title", "VLLM::EngineCore_sw-budget-me", "--hog-rate-mib", "600", "--hog-limit-mib", "320",
                    pidfile=pidfile, wait_for=2)  # fmt: skip

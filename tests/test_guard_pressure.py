@@ -15,7 +15,7 @@ from typing import cast
 
 import pytest
 
-from sparkwatch.common.events import read_events
+from sparkwatch.common.eventlog import read_events
 from sparkwatch.common.sources.meminfo import MeminfoReader
 from sparkwatch.core.units import GiB, MiB
 from tests.conftest import Spawner, alive, pids_in, settled_available_bytes, wait_until

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from sparkwatch.common.events import read_events
+from sparkwatch.common.eventlog import read_events
 from sparkwatch.common.sources.meminfo import MeminfoReader
 from sparkwatch.core.units import GiB
 from tests.conftest import Spawner, alive, pids_in, require_tool, wait_until
@@ -407,7 +407,7 @@ def test_silent_telemetry_is_killed_and_restarted(tmp_path: Path, monkeypatch: p
 def test_a_guard_over_its_rss_cap_says_so_and_restarts(tmp_path: Path) -> None:
     """Past its RSS cap the guard records why, stops its parts and hands over to `restart` (in the daemon: an exec
     into a fresh guard process with the same PID)."""
-    from sparkwatch.common.events import read_events
+    from sparkwatch.common.eventlog import read_events
     from sparkwatch.config.schema import guard_config
     from sparkwatch.config.settings import load_settings
     from sparkwatch.guard.process import GuardProcess

@@ -6,7 +6,7 @@ import shutil
 from pathlib import Path
 
 from sparkwatch.common.sources.procs import IncrementalScanner, ProcScanner
-from sparkwatch.core.engines import EngineRules, engine_kind
+from sparkwatch.core.engines.identity import EngineRules, engine_kind
 from tests.helpers.proctree import PAGE, FakeProc, write_proc
 
 

@@ -15,8 +15,8 @@ from sparkwatch.config.schema import guard_config
 from sparkwatch.config.settings import load_settings
 from sparkwatch.guard.process import GuardProcess
 from sparkwatch.telemetry.exporter.server import render
-from sparkwatch.telemetry.process import TelemetryProcess
 from sparkwatch.telemetry.remote import RemoteGuard
+from sparkwatch.telemetry.telemetryprocess import TelemetryProcess
 
 # Attribute names that count something going wrong (errors, drops, suppressions, stalls, restarts, timeouts).
 COUNTER = re.compile(

@@ -1,4 +1,4 @@
-"""core.kernlog over real line formats: the H200's own /dev/kmsg, NVRM/Xid lines from public reports, buddyinfo."""
+"""core.driver.nvrm over real line formats: the H200's own /dev/kmsg, NVRM/Xid lines from public reports, buddyinfo."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from sparkwatch.core import kernlog as k
+from sparkwatch.core.driver import nvrm as k
 
 FIX = Path(__file__).parent / "fixtures" / "kmsg"
 GiB = 1 << 30
@@ -190,8 +190,8 @@ def test_other_nvrm_errors_change_nothing() -> None:
 
 
 def test_kernel_log_events_alert_and_fold_per_code_and_gpu() -> None:
-    from sparkwatch.core.alerts import RateState, dedup_key, is_alerting, rate_limit
     from sparkwatch.core.eventkinds import EventKind
+    from sparkwatch.core.report.alerts import RateState, dedup_key, is_alerting, rate_limit
 
     assert is_alerting(EventKind.XID) and is_alerting(EventKind.DRIVER_ALLOC_FAILED)
     k79 = dedup_key(EventKind.XID, {"code": 79, "device": "PCI:0000:01:00", "pid": None})

@@ -11,10 +11,10 @@ import os
 import time
 from pathlib import Path
 
-from sparkwatch.common.events import EventLog, read_events
+from sparkwatch.common.eventlog import EventLog, read_events
 from sparkwatch.common.sources.kmsg import KmsgSource
-from sparkwatch.core.engines import EngineRules, Scope
-from sparkwatch.core.kernlog import KmsgRecord, parse_kmsg_record
+from sparkwatch.core.driver.nvrm import KmsgRecord, parse_kmsg_record
+from sparkwatch.core.engines.identity import EngineRules, Scope
 from sparkwatch.guard.kernlog import KernelLogWatch
 from tests.conftest import Spawner, pids_in, wait_until
 

@@ -16,7 +16,7 @@ from typing import cast
 
 import pytest
 
-from sparkwatch.common.events import read_events
+from sparkwatch.common.eventlog import read_events
 from sparkwatch.common.sources.meminfo import MeminfoReader
 from sparkwatch.core.units import GiB, MiB
 from tests.conftest import (

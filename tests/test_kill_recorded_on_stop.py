@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from sparkwatch.common.events import read_events
+from sparkwatch.common.eventlog import read_events
 from tests.conftest import Spawner, floor_that_fires_at_once, wait_until
 from tests.daemon import sparkwatch_run
 

@@ -19,10 +19,10 @@ from pathlib import Path
 import pytest
 
 from sparkwatch.common.sources.procs import ProcScanner
-from sparkwatch.core.engines import EngineRules, Scope, find_engine_trees
-from sparkwatch.core.killrecord import KillFacts
+from sparkwatch.core.engines.identity import EngineRules, Scope, find_engine_trees
+from sparkwatch.core.kill.killrecord import KillFacts
+from sparkwatch.core.kill.terminal import is_terminal_job_leader, tty_device, tty_major_minor
 from sparkwatch.core.model import EngineTree, MemInfo
-from sparkwatch.core.terminal import is_terminal_job_leader, tty_device, tty_major_minor
 from sparkwatch.guard.killer import Killer, KillJob, Reaper
 from sparkwatch.guard.ttynote import tell_terminal
 from tests.conftest import FAKE_ENGINE, Spawner, floor_that_fires_at_once, pids_in, require_tool, wait_until

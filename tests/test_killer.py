@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from sparkwatch.common.sources.procs import ProcScanner, read_start_ticks
-from sparkwatch.core.engines import EngineRules, Scope, find_engine_trees
-from sparkwatch.core.killrecord import KillFacts
+from sparkwatch.core.engines.identity import EngineRules, Scope, find_engine_trees
+from sparkwatch.core.kill.killrecord import KillFacts
 from sparkwatch.core.model import EngineTree, MemInfo
 from sparkwatch.guard.killer import Killer, KillJob, Reaper, find_cgroup2_mount
 from tests.conftest import Spawner, alive, pids_in, require_tool, wait_until

@@ -15,7 +15,7 @@ from typing import cast
 
 import pytest
 
-from sparkwatch.common.events import read_events
+from sparkwatch.common.eventlog import read_events
 from sparkwatch.common.sources.meminfo import MeminfoReader
 from tests.conftest import Spawner, alive, pids_in, wait_until
 from tests.daemon import sparkwatch_run, wait_for_event

@@ -13,9 +13,9 @@ import pytest
 
 from sparkwatch.common.sources.buddyinfo import read_buddyinfo
 from sparkwatch.common.sources.kmsg import KmsgSource, read_kmsg_ring
-from sparkwatch.core.doctor import kernel_log_check
+from sparkwatch.core.driver.nvrm import parse_nvrm
 from sparkwatch.core.enums import CheckStatus
-from sparkwatch.core.kernlog import parse_nvrm
+from sparkwatch.core.report.doctorchecks import kernel_log_check
 from tests.kmsgwriter import KMSG, kernel_ring_bytes, kmsg_writable_reason, write_kmsg
 
 FIX = Path(__file__).parent / "fixtures" / "kmsg"

@@ -20,7 +20,7 @@ import pytest
 from sparkwatch.common import launched
 from sparkwatch.common.flightrec import RING_NAME, read_ring
 from sparkwatch.common.sources.procs import read_start_ticks
-from sparkwatch.core.bootphase import BootPhase
+from sparkwatch.core.launch.bootphase import BootPhase
 from sparkwatch.guard.launchwatch import LaunchedEngines
 from tests.conftest import wait_until
 from tests.daemon import sparkwatch_run, wait_for_event
@@ -142,7 +142,7 @@ def test_engines_shows_a_launched_trees_budget_footprint_and_phase(box: Box, tmp
         proc.communicate(timeout=30)
 
 
-# --- what launch, status and doctor say about the guard (its published state, common.guardstate)
+# --- what launch, status and doctor say about the guard (its published state, common.guardfile)
 
 
 def _run(box: Box, *args: str) -> subprocess.CompletedProcess[str]:

@@ -22,9 +22,9 @@ from sparkwatch.common.sources.checkpoint import (
     read_facts,
     resolve,
 )
-from sparkwatch.core.enginecli import human_readable_int, recognise
-from sparkwatch.core.peaks import confirmed_peak, fold, forget, peak_key
-from sparkwatch.core.plan import (
+from sparkwatch.core.engines.enginecli import human_readable_int, recognise
+from sparkwatch.core.launch.peaks import confirmed_peak, fold, forget, peak_key
+from sparkwatch.core.launch.plan import (
     FixAction,
     FreeSource,
     Learned,

@@ -20,10 +20,10 @@ from typing import Any
 
 import pytest
 
-from sparkwatch.common import guardstate
+from sparkwatch.common import guardfile
 from sparkwatch.common.sources.meminfo import MeminfoReader
 from sparkwatch.common.sources.procs import read_start_ticks
-from sparkwatch.core.guardstate import GuardState, KillWord
+from sparkwatch.core.report.guardstate import GuardState, KillWord
 from tests.conftest import alive
 from tests.launchbox import (
     BOOT_ENGINE,
@@ -208,7 +208,7 @@ def test_ctrl_c_reaches_the_whole_tree_and_leaves_no_process_behind(box: Box, tm
 
 
 def test_a_guard_kill_is_reported_on_the_terminal_with_its_reason(box: Box, tmp_path: Path) -> None:
-    """launch learns of the kill from the guard's published state (common.guardstate), keyed by its declaration:
+    """launch learns of the kill from the guard's published state (common.guardfile), keyed by its declaration:
     a live process stands in for the guard, and no events.jsonl exists anywhere launch could look."""
     model = small_model(tmp_path)
     guard = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
@@ -222,7 +222,7 @@ def test_a_guard_kill_is_reported_on_the_terminal_with_its_reason(box: Box, tmp_
         assert guard_ticks is not None
         state = GuardState(guard.pid, guard_ticks, os.geteuid(), False, 1 << 30, 0, 0, ((root, ticks),), time.time(),
                            kills=(KillWord(root, ticks, "budget", summary, False),))  # fmt: skip
-        guardstate.write(box.run_dir / "sparkwatch", state)
+        guardfile.write(box.run_dir / "sparkwatch", state)
         os.kill(root, signal.SIGKILL)
         _out, err = proc.communicate(timeout=30)
     finally:
@@ -298,7 +298,8 @@ def test_a_command_that_is_no_known_engine_needs_a_budget(box: Box) -> None:
 
 def test_launch_waits_while_memory_is_still_coming_back_and_shmem_is_released(box: Box, tmp_path: Path) -> None:
     """A teardown hands memory back (MemAvailable climbs, Shmem falls): launch settles first, then plans and starts.
-    A fixture proc root (meminfo only, no processes) this test rewrites; the quiet period is core.settle's 5 s."""
+    A fixture proc root (meminfo only, no processes) this test rewrites; the quiet period is core.launch.settle's
+    5 s."""
     from tests.conftest import rewrite_in_place
 
     root = tmp_path / "proc"

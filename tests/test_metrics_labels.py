@@ -18,7 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from sparkwatch.common import launched
 from sparkwatch.common.sources.procs import read_start_ticks
-from sparkwatch.core.bootphase import BootPhase
+from sparkwatch.core.launch.bootphase import BootPhase
 from tests.conftest import Spawner, wait_until
 from tests.daemon import sparkwatch_run
 

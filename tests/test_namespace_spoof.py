@@ -1,4 +1,4 @@
-"""Protection by executable holds only in the initial namespaces (core.engines.protected_by_system).
+"""Protection by executable holds only in the initial namespaces (core.engines.identity.protected_by_system).
 
 Issue 20: as a non-root user, `unshare -Urm sh -c 'mount --bind /usr/bin/python3 /usr/bin/systemd-cat && exec
 /usr/bin/systemd-cat engine.py'` makes /proc/PID/exe read /usr/bin/systemd-cat: the engine vanished from
@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from sparkwatch.common.sources.procs import ProcScanner
-from sparkwatch.core.engines import EngineRules, Scope, find_engine_trees, is_protected
+from sparkwatch.core.engines.identity import EngineRules, Scope, find_engine_trees, is_protected
 from tests.conftest import floor_that_fires_at_once
 from tests.daemon import sparkwatch_run, wait_for_event
 from tests.receiver import wait_until

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from sparkwatch.core.driver import judge
+from sparkwatch.core.driver.drift import judge
 from sparkwatch.core.model import NvmlFacts
-from sparkwatch.telemetry.sources.driver import read_driver_facts
+from sparkwatch.telemetry.sources.driverfacts import read_driver_facts
 from sparkwatch.telemetry.sources.nvml import probe_nvml
 
 

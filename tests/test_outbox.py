@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from sparkwatch.common.events import EventLog, make_event
+from sparkwatch.common.eventlog import EventLog, make_event
 from sparkwatch.common.spool import AlertRouter, alert_payload
 from sparkwatch.config.settings import load_settings
 from sparkwatch.core.eventkinds import EventKind

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from sparkwatch.common.events import EventLog, make_event, read_events
+from sparkwatch.common.eventlog import EventLog, make_event, read_events
 from sparkwatch.common.spool import AlertRouter, alert_payload
 from sparkwatch.config.settings import load_settings
 from sparkwatch.core.eventkinds import EventKind
@@ -152,7 +152,7 @@ CRASHER = """
 import os, signal, sys
 from pathlib import Path
 from sparkwatch.common.durable import append_durable
-from sparkwatch.common.events import make_event
+from sparkwatch.common.eventlog import make_event
 from sparkwatch.telemetry.outbox import Outbox
 from sparkwatch.common.spool import AlertRouter
 from sparkwatch.config.settings import load_settings
@@ -196,7 +196,7 @@ def test_crash_between_event_and_spool_loses_nothing(tmp_path: Path, receiver: R
 GUARD_CRASHER = """
 import os, signal, sys
 from pathlib import Path
-from sparkwatch.common.events import EventLog, make_event
+from sparkwatch.common.eventlog import EventLog, make_event
 from sparkwatch.common.spool import AlertRouter, FileSpool
 from sparkwatch.core.eventkinds import EventKind
 

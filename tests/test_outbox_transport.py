@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from sparkwatch.common.events import make_event
+from sparkwatch.common.eventlog import make_event
 from sparkwatch.common.spool import alert_payload
 from sparkwatch.core.eventkinds import EventKind
 from sparkwatch.telemetry.outbox import DeliveryError, Outbox

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from sparkwatch.common.events import EventLog, make_event
+from sparkwatch.common.eventlog import EventLog, make_event
 from sparkwatch.core.eventkinds import EventKind
-from sparkwatch.core.flight import FlightSample
-from sparkwatch.core.postmortem import BootEnd, PreviousBoot, Verdict, judge
+from sparkwatch.core.postmortem.flight import FlightSample
+from sparkwatch.core.postmortem.verdict import BootEnd, PreviousBoot, Verdict, judge
 from sparkwatch.core.units import GiB
 from sparkwatch.telemetry.sources.prevboot import Boot as JournalBoot
 from sparkwatch.telemetry.sources.prevboot import JournalReader, gather

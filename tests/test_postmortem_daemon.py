@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from sparkwatch.common.events import EventLog, read_events
-from sparkwatch.core.postmortem import BootEnd
-from sparkwatch.telemetry.postmortem import PostmortemWatch
+from sparkwatch.common.eventlog import EventLog, read_events
+from sparkwatch.core.postmortem.verdict import BootEnd
+from sparkwatch.telemetry.postmortemtask import PostmortemWatch
 from tests.conftest import require, require_tool
 from tests.daemon import sparkwatch_run
 from tests.helpers import journal_fixture as jf

@@ -19,7 +19,7 @@ import pytest
 
 from sparkwatch.common.durable import StateFileError
 from sparkwatch.common.flightrec import PREV_NAME, SLOT_BYTES, RingHeader, encode_header, read_ring
-from sparkwatch.core.postmortem import BootEnd, Verdict, judge
+from sparkwatch.core.postmortem.verdict import BootEnd, Verdict, judge
 from sparkwatch.telemetry.sources.prevboot import TAIL_ENTRIES, gather
 from tests.conftest import require, require_tool
 from tests.helpers import journal_fixture as jf

@@ -26,12 +26,12 @@ from pathlib import Path
 import pytest
 
 from sparkwatch.common import syscalls
-from sparkwatch.common.events import EventLog, read_events
+from sparkwatch.common.eventlog import EventLog, read_events
 from sparkwatch.common.messages import GroupTeardownMsg, decode, encode
 from sparkwatch.common.sources.procs import read_start_ticks
 from sparkwatch.config.schema import guard_config
 from sparkwatch.config.settings import load_settings
-from sparkwatch.core import raygroup
+from sparkwatch.core.kill import raygroup
 from sparkwatch.core.model import Proc
 from sparkwatch.guard.groupwatch import GroupWatch
 from sparkwatch.guard.poolwatch import PoolWatch
@@ -152,7 +152,7 @@ def test_node_b_lost_raylet_killed_stops_node_a_members(cluster: RayCluster, tmp
             cluster.restart_b()  # the next test gets two nodes again
 
 
-# --- the pure decisions (core.raygroup), over Ray's records
+# --- the pure decisions (core.kill.raygroup), over Ray's records
 
 
 NODE_A, NODE_B = "a" * 56, "b" * 56

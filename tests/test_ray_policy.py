@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from sparkwatch.common.events import read_events
+from sparkwatch.common.eventlog import read_events
 from sparkwatch.common.sources.meminfo import MeminfoReader
 from sparkwatch.common.sources.procs import ProcScanner
 from sparkwatch.core.units import GiB, MiB

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from sparkwatch.common.events import EventLog, EventLogError, make_event, read_events
+from sparkwatch.common.eventlog import EventLog, EventLogError, make_event, read_events
 from sparkwatch.core.eventkinds import EventKind
-from sparkwatch.core.killrecord import KillFacts, kill_fields, kill_line
+from sparkwatch.core.kill.killrecord import KillFacts, kill_fields, kill_line
 from sparkwatch.core.model import EngineTree, Event, MemInfo, Proc
 from sparkwatch.core.redact import REDACTED, safe_cmdline
 from sparkwatch.core.units import MiB
@@ -90,7 +90,7 @@ def test_a_kill_writes_every_size_in_one_format() -> None:
     comes from core.units.format_size, so the line, the summary and the terminal note agree."""
     from dataclasses import replace
 
-    from sparkwatch.core.killrecord import kill_summary, terminal_note
+    from sparkwatch.core.kill.killrecord import kill_summary, terminal_note
 
     f = replace(facts(), floor_bytes=21761 * MiB, available_after_settle_bytes=30 << 30, settle_s=1.0)
     texts = [kill_line(f), kill_summary(f), terminal_note(f, f.trees[0])]

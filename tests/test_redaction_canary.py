@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from sparkwatch.common.events import EventLog, make_event, read_events
+from sparkwatch.common.eventlog import EventLog, make_event, read_events
 from sparkwatch.common.systemd import JournalSink
 from sparkwatch.core.eventkinds import EventKind
 from sparkwatch.core.redact import redact, redact_argv, remember_secrets

@@ -1,11 +1,11 @@
-"""core.settle: when a torn-down engine has let go of the pool."""
+"""core.launch.settle: when a torn-down engine has let go of the pool."""
 
 from __future__ import annotations
 
 from hypothesis import given
 from hypothesis import strategies as st
 
-from sparkwatch.core.settle import (
+from sparkwatch.core.launch.settle import (
     SettleParams,
     SettleState,
     SettleVerdict,
@@ -105,8 +105,8 @@ def test_describe_says_what_is_awaited() -> None:
 
 
 def test_the_processes_left_are_named_safely_and_the_rest_counted() -> None:
+    from sparkwatch.core.launch.settle import SettleParams, SettleVerdict, describe, name_processes
     from sparkwatch.core.model import Proc
-    from sparkwatch.core.settle import SettleParams, SettleVerdict, describe, name_processes
 
     def proc(pid: int, title: str) -> Proc:
         return Proc(pid=pid, ppid=1, uid=0, comm=title[:15], state="S", start_ticks=1, rss_bytes=0, argv=(title,))

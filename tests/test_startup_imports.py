@@ -164,5 +164,5 @@ def test_telemetry_starts_the_nvml_check_before_its_imports_and_reaps_it(tmp_pat
     assert got["code"] == 2  # "no usable config from the guard"
     early = set(got["modules"])
     assert heavy(early) == []
-    assert not early & {"prometheus_client", "sparkwatch.telemetry.process", "sparkwatch.core.model"}
+    assert not early & {"prometheus_client", "sparkwatch.telemetry.telemetryprocess", "sparkwatch.core.model"}
     assert got["reaped"]

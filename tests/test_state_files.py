@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from sparkwatch.common.durable import StateFileError
-from sparkwatch.common.events import EventLog, make_event, read_events
+from sparkwatch.common.eventlog import EventLog, make_event, read_events
 from sparkwatch.core.eventkinds import EventKind
 from tests.conftest import Spawner, alive, floor_that_fires_at_once, wait_until
 from tests.daemon import sparkwatch_run

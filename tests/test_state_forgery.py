@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from sparkwatch.common.events import make_event, read_events
+from sparkwatch.common.eventlog import make_event, read_events
 from sparkwatch.common.spool import alert_payload
 from sparkwatch.core.eventkinds import EventKind
 from tests.daemon import free_port, sparkwatch_run

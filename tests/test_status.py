@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from sparkwatch.common.events import EventLog, make_event
+from sparkwatch.common.eventlog import EventLog, make_event
 from sparkwatch.common.sources.procs import read_children
 from sparkwatch.core.eventkinds import EventKind
 from sparkwatch.core.units import GiB

@@ -8,7 +8,6 @@ from datetime import UTC
 from rich.console import Console
 
 from sparkwatch.core.enums import JitState, MaxJobsState
-from sparkwatch.core.guardstate import GuardState
 from sparkwatch.core.model import (
     BootState,
     CollectorStatus,
@@ -23,7 +22,8 @@ from sparkwatch.core.model import (
     Proc,
     Snapshot,
 )
-from sparkwatch.core.trend import BuildRate, PoolTrend, build_rate, pool_trend, slope_per_s
+from sparkwatch.core.report.guardstate import GuardState
+from sparkwatch.core.report.trend import BuildRate, PoolTrend, build_rate, pool_trend, slope_per_s
 from sparkwatch.core.units import GiB, MiB
 from sparkwatch.tui.status_view import (
     CACHE,

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from sparkwatch.common.events import make_event
+from sparkwatch.common.eventlog import make_event
 from sparkwatch.common.systemd import (
     JOURNAL_SOCKET,
     JournalSink,

@@ -11,14 +11,14 @@ from pathlib import Path
 
 import pytest
 
-from sparkwatch.common.events import EventLog
+from sparkwatch.common.eventlog import EventLog
 from sparkwatch.common.guardconfig import describe_wire_changes
 from sparkwatch.common.messages import TelMsg
 from sparkwatch.common.systemd import Notifier, ServiceNotifier, notify_address, watchdog_interval_s
 from sparkwatch.config.schema import guard_config
 from sparkwatch.config.settings import Settings, load_settings, settings_to_wire
-from sparkwatch.core.policy import fresh_gpu
-from sparkwatch.core.status import status_line
+from sparkwatch.core.kill.policy import fresh_gpu
+from sparkwatch.core.report.statusline import status_line
 from sparkwatch.guard.poolwatch import PoolWatch
 from tests.conftest import require
 from tests.sdtools import has_systemd_python

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from sparkwatch.core.budget import memory_high_bytes
+from sparkwatch.core.kill.budget import memory_high_bytes
 from sparkwatch.core.units import GiB
 from tests import nspawn
 from tests.conftest import require

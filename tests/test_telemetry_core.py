@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from sparkwatch.core import compile as cc
-from sparkwatch.core import jit
-from sparkwatch.core.alerts import dedup_key, is_alerting
-from sparkwatch.core.engines import EngineRules, Scope, find_engine_trees
+from sparkwatch.core.engines import compile as cc
+from sparkwatch.core.engines import jit
+from sparkwatch.core.engines.identity import EngineRules, Scope, find_engine_trees
 from sparkwatch.core.enums import MaxJobsState
 from sparkwatch.core.eventkinds import EventKind
 from sparkwatch.core.model import CompileCensus, Proc
+from sparkwatch.core.report.alerts import dedup_key, is_alerting
 
 
 def proc(pid: int, ppid: int, comm: str, argv: tuple[str, ...] = (), *, rss: int = 0, state: str = "S") -> Proc:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from sparkwatch.common.events import EventLog, read_events
+from sparkwatch.common.eventlog import EventLog, read_events
 from sparkwatch.common.sources.meminfo import MeminfoReader
 from sparkwatch.config.schema import guard_config
 from sparkwatch.config.settings import load_settings

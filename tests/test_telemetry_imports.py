@@ -17,7 +17,7 @@ from sparkwatch.config.settings import ConfigError, load_settings, settings_to_w
 
 PROBE = """
 import json, sys
-from sparkwatch.telemetry.process import wire_settings
+from sparkwatch.telemetry.telemetryprocess import wire_settings
 settings = wire_settings(json.loads(sys.stdin.read()))
 print(json.dumps({"floor": settings.floor, "state_dir": str(settings.events_path),
                   "loaded": sorted(m for m in sys.modules if m.startswith("pydantic"))}))
@@ -75,7 +75,7 @@ def test_telemetry_takes_the_wire_settings_without_pydantic(tmp_path: Path) -> N
 
 SCRAPE_PROBE = """
 import json, sys
-from sparkwatch.telemetry.process import make_outbox, wire_settings
+from sparkwatch.telemetry.telemetryprocess import make_outbox, wire_settings
 from sparkwatch.telemetry.exporter.server import MetricsServer, build_registry
 settings = wire_settings(json.loads(sys.stdin.read()))
 outbox = make_outbox(settings)

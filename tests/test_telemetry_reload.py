@@ -6,7 +6,7 @@ from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from sparkwatch.common.events import EventLog
+from sparkwatch.common.eventlog import EventLog
 from sparkwatch.config.schema import guard_config
 from sparkwatch.core.model import Event
 from sparkwatch.guard.poolwatch import PoolWatch

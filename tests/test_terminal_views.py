@@ -9,11 +9,11 @@ import sys
 import time
 from pathlib import Path
 
-from sparkwatch.common.events import EventLog, make_event
-from sparkwatch.core.engines import EngineRules
+from sparkwatch.common.eventlog import EventLog, make_event
+from sparkwatch.core.engines.identity import EngineRules
+from sparkwatch.core.engines.proctree import tree_rows
 from sparkwatch.core.eventkinds import EventKind
 from sparkwatch.core.model import EngineTree, Proc
-from sparkwatch.core.proctree import tree_rows
 from sparkwatch.tui.events_view import event_lines, local_time
 from tests.conftest import require_tool
 from tests.helpers.engine_tree import staged_engine

@@ -15,8 +15,8 @@ import pytest
 
 from sparkwatch.common.sources.procs import ProcScanner
 from sparkwatch.config.settings import ConfigError, load_settings
-from sparkwatch.core import policy
-from sparkwatch.core.engines import EngineRules, classify, identity_strings, is_protected
+from sparkwatch.core.engines.identity import EngineRules, classify, identity_strings, is_protected
+from sparkwatch.core.kill import policy
 from sparkwatch.core.model import EngineTree, Proc
 from sparkwatch.core.userregex import MATCH_TEXT_MAX, compile_user_regex
 

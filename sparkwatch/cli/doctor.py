@@ -42,11 +42,12 @@ def add_parser(sub: Any, parent: argparse.ArgumentParser) -> None:
 def run_checks(args: argparse.Namespace) -> tuple[list[Check], Path, bool]:
     from sparkwatch.cli import settings_from
     from sparkwatch.common.guardconfig import engine_rules
-    from sparkwatch.common.guardstate import read_guards, reader_paths
+    from sparkwatch.common.guardfile import read_guards, reader_paths
     from sparkwatch.common.sources.kmsg import read_kmsg_ring
     from sparkwatch.common.sources.meminfo import MeminfoError, parse_meminfo
     from sparkwatch.common.sources.procs import ProcScanner
-    from sparkwatch.core.doctor import (
+    from sparkwatch.core.driver.drift import driver_checks, judge
+    from sparkwatch.core.report.doctorchecks import (
         env_targets,
         floor_check,
         guard_check,
@@ -56,8 +57,7 @@ def run_checks(args: argparse.Namespace) -> tuple[list[Check], Path, bool]:
         swap_check,
         xid_check,
     )
-    from sparkwatch.core.driver import driver_checks, judge
-    from sparkwatch.telemetry.sources.driver import read_driver_facts
+    from sparkwatch.telemetry.sources.driverfacts import read_driver_facts
     from sparkwatch.telemetry.sources.environ import read_environ
     from sparkwatch.telemetry.sources.nvml import probe_nvml
 
@@ -90,7 +90,7 @@ def run_checks(args: argparse.Namespace) -> tuple[list[Check], Path, bool]:
     checks.append(max_jobs_check(targets, environ, settings.compile_jobs_alert))
     checks.append(ray_monitor_check(targets, environ))
     checks.append(floor_check(settings.floor, settings.warn_headroom, mem))
-    # The running guard's own word (common.guardstate); only this machine's: a fixture root has no processes to ask.
+    # The running guard's own word (common.guardfile); only this machine's: a fixture root has no processes to ask.
     guards = read_guards(reader_paths(os.environ, settings.state_dir)) if live else None
     checks.append(guard_check(guards.states if guards else (), guards.notes if guards else (), live))
     # The kernel log: this machine's /dev/kmsg (kernel_log_path), or DIR/dev/kmsg (a file of records) under --root.

@@ -14,12 +14,12 @@ if TYPE_CHECKING:
     from sparkwatch.config.settings import Settings
 
 if TYPE_CHECKING:
-    from sparkwatch.common.sources.engines import EngineFinder
+    from sparkwatch.common.sources.enginetrees import EngineFinder
     from sparkwatch.config.settings import Settings
-    from sparkwatch.core.policy import Candidate
+    from sparkwatch.core.kill.policy import Candidate
 
 
-# The guard's own growth window is 5 s (core.policy.GROWTH_WINDOW_S); a minute is more than any ranking needs.
+# The guard's own growth window is 5 s (core.kill.policy.GROWTH_WINDOW_S); a minute is more than any ranking needs.
 WINDOW_MAX_S = 60.0
 
 
@@ -102,8 +102,8 @@ def _gpu_used(settings: Settings) -> tuple[dict[int, int | None], str | None]:
 
 def handle(args: argparse.Namespace) -> int:
     from sparkwatch.cli import settings_from
-    from sparkwatch.common.sources.engines import EngineFinder
-    from sparkwatch.core.engines import unknown_gpu_holders
+    from sparkwatch.common.sources.enginetrees import EngineFinder
+    from sparkwatch.core.engines.identity import unknown_gpu_holders
 
     # The trees the guard would kill now: this user's engines, or every user's when run as root.
     settings = settings_from(args)
@@ -147,11 +147,11 @@ def budget_rows(
     settings: Settings, finder: EngineFinder, trees: list[EngineTree], gpu_used: dict[int, int | None] | None
 ) -> dict[int, dict[str, object]]:
     """Per tree with a budget (its declaration's, or the config's engine_budgets): the budget, the footprint now as
-    this command can count it (core.footprint: RSS or the scope's memory.current, plus NVML's bytes with --all) and
+    this command can count it (core.kill.footprint: RSS or the scope's memory.current, plus NVML's bytes with --all) and
     the peak launch measured."""
     from sparkwatch.common.sources.cgroupmem import read_memory_current
-    from sparkwatch.core.footprint import FootprintInputs, footprint, owned_scope
-    from sparkwatch.core.policy import first_match, parse_engine_budgets
+    from sparkwatch.core.kill.footprint import FootprintInputs, footprint, owned_scope
+    from sparkwatch.core.kill.policy import first_match, parse_engine_budgets
 
     patterns = parse_engine_budgets(settings.engine_budgets)
     by_root = {d.tree_key: d for d in finder.declarations if d.exited_at is None}
@@ -203,10 +203,11 @@ def budget_text(row: dict[str, object]) -> str:
 def kill_order_now(
     finder: EngineFinder, settings: Settings, window_s: float
 ) -> tuple[list[EngineTree], tuple[Candidate, ...]]:
-    """Two scans `window_s` apart, ranked as the guard ranks (core.policy; no GPU bytes: this command has no NVML)."""
+    """Two scans `window_s` apart, ranked as the guard ranks (core.kill.policy; no GPU bytes: this command has no
+    NVML)."""
     import time
 
-    from sparkwatch.core import policy
+    from sparkwatch.core.kill import policy
 
     params = policy.PolicyParams.build(settings.kill_order, settings.kill_priority, settings.never_kill)
     history = policy.GrowthHistory()

@@ -54,7 +54,7 @@ def system_state_dir(root: Path) -> Path:
 
 def _has_events(path: Path) -> bool:
     """Whether an event log is there (unreadable counts as there: reading it then says why it cannot be read)."""
-    from sparkwatch.common.events import rotated_path
+    from sparkwatch.common.eventlog import rotated_path
 
     for candidate in (path, rotated_path(path)):
         try:
@@ -87,7 +87,7 @@ def choose_events_path(args: argparse.Namespace, state_dir: Path, configured: bo
 
 def handle(args: argparse.Namespace) -> int:
     from sparkwatch.cli import settings_from
-    from sparkwatch.common.events import read_events
+    from sparkwatch.common.eventlog import read_events
     from sparkwatch.config.settings import default_state_dir
     from sparkwatch.tui.events_view import event_lines
 

@@ -6,18 +6,18 @@
     sparkwatch launch --forget 'vllm|Qwen/Qwen3-8B|gpu_memory_utilization=0.8'   # or --forget-all
 
 1. Settle: wait (up to --settle-timeout) while an engine tree is exiting, memory is still coming back (MemAvailable
-   rising, Shmem falling) or orphaned engine workers hold the GPU (core.settle). Steady engines are no reason to
+   rising, Shmem falling) or orphaned engine workers hold the GPU (core.launch.settle). Steady engines are no reason to
    wait: the plan counts them.
-2. Plan (core.plan): the footprint as named terms, held against MemAvailable - floor - margin, the engine's own
+2. Plan (core.launch.plan): the footprint as named terms, held against MemAvailable - floor - margin, the engine's own
    start-up check (MemAvailable or MemFree), the free high-order blocks, and what running engines may still take.
-   The measured peak of earlier runs with the same key (core.peaks) replaces the estimate once two runs agree
+   The measured peak of earlier runs with the same key (core.launch.peaks) replaces the estimate once two runs agree
    within 25 %; `--forget KEY` (the key `--plan` prints) or `--forget-all` drops what was learned.
 3. Gate: when it does not fit, one line says by how much and the fix, and the command does not start (exit 75).
    `--fix` applies the fixes that need no guessing (drop caches, compact memory) where the user may, `--force`
    starts anyway, `--plan` prints the plan and exits 0 (fits) or 1 (does not).
-4. Environment (core.launchenv), declaration (common.launched), run (cli.launch_run): the command's output passes
-   through unchanged, its boot phases are recognised (core.bootphase), Ctrl-C goes to the whole tree, and the exit
-   code comes back; a guard kill is reported in one line and exits 137.
+4. Environment (core.launch.launchenv), declaration (common.launched), run (cli.launch_run): the command's output passes
+   through unchanged, its boot phases are recognised (core.launch.bootphase), Ctrl-C goes to the whole tree, and the
+   exit code comes back; a guard kill is reported in one line and exits 137.
 
 Exit codes: the command's own; 128+N when it died of signal N (137: killed, by the guard when the line says so);
 75 the plan does not fit (nothing started); 2 bad usage or config; 127 the command was not found; with --plan 0 fits,
@@ -145,7 +145,7 @@ def handle(args: argparse.Namespace) -> int:
         if not args.quiet:
             print(plan_text(plan, ctx, short=True), file=out)
     if not plan.fits:
-        from sparkwatch.core.plan import fix_line
+        from sparkwatch.core.launch.plan import fix_line
 
         print(fix_line(plan), file=sys.stderr)
         if not args.force:

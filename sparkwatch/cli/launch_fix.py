@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from sparkwatch.core.plan import FixAction, Plan
+from sparkwatch.core.launch.plan import FixAction, Plan
 
 _FILES = {FixAction.DROP_CACHES: "sys/vm/drop_caches", FixAction.COMPACT: "sys/vm/compact_memory"}
 _HOW = {

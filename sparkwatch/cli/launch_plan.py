@@ -1,6 +1,6 @@
 """Gathering what `sparkwatch launch`'s plan needs (sizes, the pool, running engines, learned peaks) and printing it.
 
-All I/O is here; the decision is core.plan's. Reading is cheap by design: stat of each weight file, a bounded
+All I/O is here; the decision is core.launch.plan's. Reading is cheap by design: stat of each weight file, a bounded
 config.json, /proc/meminfo, /proc/buddyinfo, the declarations directory and the state dir's peaks.json. A 40-shard
 directory plans in well under 200 ms (bench/launch_bench.py).
 """
@@ -22,10 +22,10 @@ from sparkwatch.common.durable import read_regular
 from sparkwatch.common.sources.buddyinfo import page_size_bytes, read_buddyinfo
 from sparkwatch.common.sources.checkpoint import read_facts
 from sparkwatch.common.sources.meminfo import MeminfoReader
-from sparkwatch.core import launchenv, peaks
-from sparkwatch.core.enginecli import EngineCommand, EngineKind, recognise
-from sparkwatch.core.kernlog import BuddyinfoError, free_bytes_in_blocks
-from sparkwatch.core.plan import (
+from sparkwatch.core.driver.nvrm import BuddyinfoError, free_bytes_in_blocks
+from sparkwatch.core.engines.enginecli import EngineCommand, EngineKind, recognise
+from sparkwatch.core.launch import launchenv, peaks
+from sparkwatch.core.launch.plan import (
     DEFAULT_MARGIN_BYTES,
     FreeSource,
     Learned,
@@ -124,7 +124,7 @@ def running(
 ) -> tuple[tuple[launched.Declaration, ...], list[Reservation]]:
     """Engines launched and still running (their budgets are reservations), and every other engine tree (named in a
     fix, reserving nothing: what it holds is already out of MemAvailable)."""
-    from sparkwatch.common.sources.engines import EngineFinder
+    from sparkwatch.common.sources.enginetrees import EngineFinder
 
     watch = launched.LaunchedWatch.of(env, settings.state_dir, settings.proc_root)
     decls = tuple(d for d in watch.poll() if d.exited_at is None and _alive(d.root_pid, d.start_ticks, settings))
@@ -178,7 +178,7 @@ def gather(settings: Settings, inputs: PlanInputs) -> tuple[Plan, PlanContext]:
     record = records.get(key)
 
     def learned_for(command: EngineCommand) -> Learned | None:
-        """The measured peak for `command` (the command or a fix of it), once two runs agree (core.peaks)."""
+        """The measured peak for `command` (the command or a fix of it), once two runs agree (core.launch.peaks)."""
         found = records.get(peaks.peak_key(command, explicit))
         confirmed = found.learned_bytes if found is not None else None
         if found is None or confirmed is None:

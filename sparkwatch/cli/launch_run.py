@@ -3,18 +3,18 @@
 - the engine runs under cli.launch_supervisor (fork/exec in its own process group and scope, signal forwarding,
   reaping, the pass-through); this module is its hooks. launch is a child subreaper (prctl, set here before the
   start: NVML's check is a child of ours and must be reaped first).
-- the phase recogniser (core.bootphase) searches each chunk of output the supervisor copied for the anchors that
+- the phase recogniser (core.launch.bootphase) searches each chunk of output the supervisor copied for the anchors that
   can still come.
 - the declaration (common.launched) is written at start, on every phase, when the measured peak grew, and at exit.
-- the measured peak is what the tree itself holds (core.footprint): its RSS (the root's descendants and whatever was
-  reparented to launch: a worker that double-forked with setsid), its scope's memory.current, and NVML's per-process
+- the measured peak is what the tree itself holds (core.kill.footprint): its RSS (the root's descendants and whatever
+  was reparented to launch: a worker that double-forked with setsid), its scope's memory.current, and NVML's per-process
   bytes where NVML loads (checked in a throwaway child first, as `status` does). The pool's drop is never a peak:
   everything else on the box is in it.
-- one line says where it went; then, from the guard's published state (common.guardstate), whether a guard took it
+- one line says where it went; then, from the guard's published state (common.guardfile), whether a guard took it
   (within GUARD_WORD_WAIT_S), or at once and only once that no guard is running (with a budget: that it is not
   enforced).
 - the exit code passes through (128+N for signal N). A SIGKILL that launch did not send is looked up in the guard's
-  published state (common.guardstate: its word on the launched engines it killed, keyed by the declaration), waited
+  published state (common.guardfile: its word on the launched engines it killed, keyed by the declaration), waited
   for up to KILL_WORD_WAIT_S while a guard runs and not at all when none does: the guard's word is printed in one
   line, and launch exits 137. The guard writes no line of its own on the terminal of an engine whose launch tells
   it (guard.launchwatch.told_by_launch), so the owner reads one.
@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 from sparkwatch.cli.anchorsearch import any_anchor
 from sparkwatch.cli.launch_plan import PlanContext
 from sparkwatch.cli.launch_supervisor import Supervisor
-from sparkwatch.common import guardstate, launched, peakstore, syscalls
+from sparkwatch.common import guardfile, launched, peakstore, syscalls
 from sparkwatch.common.launched import Declaration
 from sparkwatch.common.sources.cgroupmem import read_memory_current
 from sparkwatch.common.sources.meminfo import MeminfoError, MeminfoReader
@@ -44,11 +44,11 @@ from sparkwatch.common.sources.procs import (
     read_rss_bytes,
     read_start_ticks,
 )
-from sparkwatch.core import launchenv, peaks
-from sparkwatch.core.bootphase import BootPhase, PhaseRecognizer
-from sparkwatch.core.footprint import FootprintInputs, footprint
-from sparkwatch.core.guardstate import KillWord, no_guard_line, not_taken_line, taken_line
-from sparkwatch.core.plan import Plan
+from sparkwatch.core.kill.footprint import FootprintInputs, footprint
+from sparkwatch.core.launch import launchenv, peaks
+from sparkwatch.core.launch.bootphase import BootPhase, PhaseRecognizer
+from sparkwatch.core.launch.plan import Plan
+from sparkwatch.core.report.guardstate import KillWord, no_guard_line, not_taken_line, taken_line
 from sparkwatch.core.units import MiB, format_size
 
 if TYPE_CHECKING:
@@ -76,7 +76,7 @@ def gpu_reader(settings: Settings) -> Any | None:
 
 def gpu_bytes_of(source: Any | None, pids: list[int]) -> int | None:
     """The GPU bytes NVML lists for `pids`, summed; None when NVML is not up (no reading: the footprint then has no
-    GPU part, core.footprint)."""
+    GPU part, core.kill.footprint)."""
     from sparkwatch.core.model import GpuReport
 
     if source is None:
@@ -156,7 +156,7 @@ class Launch:
         else:
             self.note(f"phase {phase} after {now - self.decl.launched_at:.0f} s")
 
-    # --- the guard's word (common.guardstate): where the declaration went, and whether a guard took it
+    # --- the guard's word (common.guardfile): where the declaration went, and whether a guard took it
     def _declared_to_guard(self) -> None:
         """One line saying where the declaration went; at once when no guard runs, else once one took it (or
         GUARD_WORD_WAIT_S passed), from `_guard_word`."""
@@ -166,7 +166,7 @@ class Launch:
         if not path.exists():
             return  # _write_decl said why
         self.note(f"declared in {path}")
-        seen = guardstate.read_guards(guardstate.reader_paths(self.env, self.settings.state_dir))
+        seen = guardfile.read_guards(guardfile.reader_paths(self.env, self.settings.state_dir))
         if not seen.running:
             self.note(no_guard_line(self.plan.budget_bytes))
             return
@@ -176,7 +176,7 @@ class Launch:
     def _guard_word(self) -> None:
         if self._guard_wait_until is None or self.decl is None:
             return
-        seen = guardstate.read_guards(guardstate.reader_paths(self.env, self.settings.state_dir))
+        seen = guardfile.read_guards(guardfile.reader_paths(self.env, self.settings.state_dir))
         state = seen.taken_by(self.decl.tree_key)
         if state is not None:
             self.note(taken_line(state, self.plan.budget_bytes))
@@ -300,7 +300,7 @@ class Launch:
         return path
 
     def _sample(self, pid: int, cgroup: str | None) -> int:
-        """What the tree holds now (core.footprint, without the pool's drop): the root's descendants and what was
+        """What the tree holds now (core.kill.footprint, without the pool's drop): the root's descendants and what was
         reparented to launch (the subreaper), their RSS or the scope's memory.current, and NVML's bytes for them."""
         orphans = [p for p in read_children(self.proc_root, os.getpid()) or [] if p != pid]
         pids = read_descendants(self.proc_root, [pid, *orphans])
@@ -345,14 +345,14 @@ class Launch:
         return code
 
     def _guard_kill_word(self) -> KillWord | None:
-        """A running guard's word that it killed this engine, keyed by its declaration (common.guardstate), looked
+        """A running guard's word that it killed this engine, keyed by its declaration (common.guardfile), looked
         for until KILL_WORD_WAIT_S passed; at once None when no guard runs. A dry run's decision is not a kill."""
         if self.decl is None:
             return None
-        paths = guardstate.reader_paths(self.env, self.settings.state_dir)
+        paths = guardfile.reader_paths(self.env, self.settings.state_dir)
         deadline = time.monotonic() + KILL_WORD_WAIT_S
         while True:
-            seen = guardstate.read_guards(paths)
+            seen = guardfile.read_guards(paths)
             word = seen.killed(self.decl.tree_key)
             if word is not None and not word.dry_run:
                 return word

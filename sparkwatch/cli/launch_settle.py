@@ -1,4 +1,4 @@
-"""`sparkwatch launch`'s first step: wait while the pool is still being handed back (core.settle decides).
+"""`sparkwatch launch`'s first step: wait while the pool is still being handed back (core.launch.settle decides).
 
 Waited for: engine processes exiting (PF_EXITING: a SIGKILLed engine unmaps tens of GiB for seconds), engine workers
 orphaned by their engine and still holding the GPU (an NVIDIA device open), a rising MemAvailable and a falling
@@ -14,11 +14,11 @@ import time
 from typing import TYPE_CHECKING
 
 from sparkwatch.cli.wait_settled import DEFAULT_INTERVAL_S, ProgressLine
-from sparkwatch.common.sources.engines import EngineFinder
+from sparkwatch.common.sources.enginetrees import EngineFinder
 from sparkwatch.common.sources.meminfo import MeminfoError, MeminfoReader
 from sparkwatch.common.sources.procs import holds_gpu_device
+from sparkwatch.core.launch.settle import SettleParams, SettleState, describe, is_orphan_worker, settle_step
 from sparkwatch.core.model import EngineTree, Proc
-from sparkwatch.core.settle import SettleParams, SettleState, describe, is_orphan_worker, settle_step
 
 if TYPE_CHECKING:
     from sparkwatch.config.settings import Settings

@@ -7,7 +7,7 @@ of plans, declarations or guards.
 - launch is the engine's parent and a child subreaper (prctl, set by launch_run before the start): workers orphaned
   by a dying root come back to it, so Ctrl-C leaves no process behind. The command runs in its own process group
   (and, where a systemd user manager answers, in its own scope, `systemd-run --user --scope -p MemoryHigh=…`, one
-  margin above the guard's kill limit (core.budget.memory_high_bytes): host-side growth past it is throttled by the
+  margin above the guard's kill limit (core.kill.budget.memory_high_bytes): host-side growth past it is throttled by the
   kernel if the guard is not there to kill first; CUDA allocations are not seen by the cgroup on a GB10, which the
   guard's budget covers).
 - stdout and stderr come through pipes and are copied unchanged, chunk by chunk (os.read/os.write, no line
@@ -34,7 +34,7 @@ from typing import Protocol
 
 from sparkwatch.common import syscalls
 from sparkwatch.common.sources.procs import read_children, read_descendants
-from sparkwatch.core.budget import memory_high_bytes
+from sparkwatch.core.kill.budget import memory_high_bytes
 
 CHUNK_BYTES = 1 << 20
 # Under a stream of output, wake at most this often: each wake-up costs a poll, a read and a write whatever its size,
@@ -47,7 +47,9 @@ PIPE_BYTES = 1 << 20
 F_SETPIPE_SZ = 1031
 LEFTOVER_GRACE_S = 5.0
 DRAIN_S = 2.0
-SCOPE_PREFIX = "sparkwatch-launch-"  # the scope: sparkwatch-launch-<launcher pid>.scope (core.engines.LAUNCH_SCOPE_RE)
+SCOPE_PREFIX = (
+    "sparkwatch-launch-"  # the scope: sparkwatch-launch-<launcher pid>.scope (core.engines.identity.LAUNCH_SCOPE_RE)
+)
 
 
 class Hooks(Protocol):

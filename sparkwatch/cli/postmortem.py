@@ -1,7 +1,7 @@
 """`sparkwatch postmortem [--json] [--journal-dir DIR] [--state-dir DIR]`: how the previous boot ended.
 
 It reads what the daemon reads at start (the previous boot's journal, pstore, the flight recorder, events.jsonl) and
-judges it the same way (core.postmortem), without recording anything; the daemon's own verdict is the
+judges it the same way (core.postmortem.verdict), without recording anything; the daemon's own verdict is the
 `previous_boot` event. `--json` prints one object: the verdict's fields (docs/contract.md) plus `summary` and
 `recorder` (`{"last_sample_at", "path", "samples": [the last minute]}`, or null without samples of that boot).
 """
@@ -35,8 +35,8 @@ def handle(args: argparse.Namespace) -> int:
     from sparkwatch.cli import settings_from
     from sparkwatch.common.sources.boot import read_boot_id, read_boot_time
     from sparkwatch.common.wiretypes import to_json
-    from sparkwatch.core.flight import last_minute
-    from sparkwatch.core.postmortem import judge, verdict_fields
+    from sparkwatch.core.postmortem.flight import last_minute
+    from sparkwatch.core.postmortem.verdict import judge, verdict_fields
     from sparkwatch.telemetry.sources.prevboot import gather
     from sparkwatch.tui.postmortem_view import postmortem_lines
 

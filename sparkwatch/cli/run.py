@@ -48,7 +48,7 @@ def handle(args: argparse.Namespace) -> int:
     # What the daemon will write and later trust must be its own, or another user could forge events and alerts
     # (common.durable): refused here, one line and exit 2 (at start, and on reload through --print-settings).
     from sparkwatch.common.durable import refuse_foreign
-    from sparkwatch.common.events import rotated_path
+    from sparkwatch.common.eventlog import rotated_path
     from sparkwatch.common.spool import BAD
 
     for path in (

@@ -2,7 +2,7 @@
 
 It runs the daemon's own snapshot code (`Telemetry(settings).collect()`) in this process, so it needs no daemon, and
 like the telemetry it only reads: /proc, the JIT caches, NVML, the events file, launch's declarations (their boot
-phases) and the running guard's published state (common.guardstate: a few stats and one small read a frame). It
+phases) and the running guard's published state (common.guardfile: a few stats and one small read a frame). It
 never signals and never writes.
 
 Light over a slow SSH link: one redraw a second (rich Live with auto-refresh off, updated once per cycle, in the
@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from sparkwatch.cli import argtypes
-from sparkwatch.core.trend import build_rate, pool_trend
+from sparkwatch.core.report.trend import build_rate, pool_trend
 
 if TYPE_CHECKING:
     from sparkwatch.config.settings import Settings
@@ -138,7 +138,7 @@ class StatusApp:
             builds.append(BuildView(cache, build_rate(list(hist), cache.objects_total)))
         for path in set(self.objects_done) - seen:
             del self.objects_done[path]
-        from sparkwatch.common.guardstate import read_guards, reader_paths
+        from sparkwatch.common.guardfile import read_guards, reader_paths
 
         guards = read_guards(reader_paths(os.environ, self.settings.state_dir))
         return StatusFrame(
@@ -159,7 +159,7 @@ class StatusApp:
         )
 
     def _read_last_kill(self) -> Mapping[str, Any] | None:
-        from sparkwatch.common.events import read_events
+        from sparkwatch.common.eventlog import read_events
 
         path = self.settings.events_path
         try:
@@ -177,8 +177,8 @@ class StatusApp:
 
     def _driver_report(self) -> DriverReport | None:
         """Called by Telemetry.collect(): never raises, re-reads the facts at most once a DRIVER_CHECK_S."""
-        from sparkwatch.core.driver import judge
-        from sparkwatch.telemetry.sources.driver import read_driver_facts
+        from sparkwatch.core.driver.drift import judge
+        from sparkwatch.telemetry.sources.driverfacts import read_driver_facts
 
         now = self.clock()
         if now - self._driver_checked >= DRIVER_CHECK_S:

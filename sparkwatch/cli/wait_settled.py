@@ -5,7 +5,7 @@
 Settled means no engine process the guard could act on is left (its scope: this user's engines, every user's when
 run as root, confined by `ancestor_pid`; a process of another user titled VLLM::EngineCore cannot hold the wait of
 a user who could never kill it) and MemAvailable has not
-risen by more than --tolerance for --quiet-for seconds (core/settle.py says why those defaults). Exit 0 settled,
+risen by more than --tolerance for --quiet-for seconds (core/launch/settle.py says why those defaults). Exit 0 settled,
 1 timed out, 2 when meminfo cannot be read. Progress goes to stderr: one updating line on a terminal, a plain line
 whenever the situation changes (and every 5 s) otherwise, so logs stay short. It reads /proc only; it never signals.
 """
@@ -19,7 +19,7 @@ import time
 from typing import Any, TextIO
 
 from sparkwatch.cli import argtypes
-from sparkwatch.core.settle import (
+from sparkwatch.core.launch.settle import (
     DEFAULT_QUIET_FOR_S,
     DEFAULT_TIMEOUT_S,
     DEFAULT_TOLERANCE_BYTES,
@@ -129,7 +129,7 @@ def _progress_key(verdict: SettleVerdict, params: SettleParams) -> object:
 
 def handle(args: argparse.Namespace) -> int:
     from sparkwatch.cli import settings_from
-    from sparkwatch.common.sources.engines import EngineFinder, live_processes
+    from sparkwatch.common.sources.enginetrees import EngineFinder, live_processes
     from sparkwatch.common.sources.meminfo import MeminfoError, MeminfoReader
 
     settings = settings_from(args)

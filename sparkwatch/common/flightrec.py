@@ -6,7 +6,7 @@ Layout of `<state_dir>/recorder.ring` (little-endian):
 - `capacity` slots of SLOT_BYTES each: magic `SWR1`, payload length, flags, sequence number (from 1), CRC-32 of the
   slot's first 16 bytes and the payload, then the payload padded with zeros. Record `seq` lives in slot
   `(seq - 1) % capacity`: the ring overwrites its oldest record.
-- The payload is one `core.flight.FlightSample` in fixed binary fields (`_SAMPLE`, then `_TREE` per tree and
+- The payload is one `core.postmortem.flight.FlightSample` in fixed binary fields (`_SAMPLE`, then `_TREE` per tree and
   `_LAUNCHED` per launched engine; -1 or NaN where a value is None), not JSON: on the bench VM a cold `json.dumps`
   of one sample cost ~130 µs of CPU, struct.pack ~10 µs (bench/RESULTS-recorder.md), and the writer runs cold once a
   second.
@@ -21,8 +21,8 @@ Why this survives a crash:
 - The reader orders records by sequence number, not by slot, so where the writer stopped does not matter.
 
 A new boot starts a new file: the writer moves a file created in another boot to `recorder.prev.ring` before it
-writes, so the previous boot's last minutes stay put for the postmortem (core.postmortem) however long the new boot
-runs. A restart within the same boot continues the same file after its highest sequence number.
+writes, so the previous boot's last minutes stay put for the postmortem (core.postmortem.verdict) however long the new
+boot runs. A restart within the same boot continues the same file after its highest sequence number.
 
 Stdlib only (zlib for the CRC: no OpenSSL in the guard). Nothing here decides when to write or sync: guard.recorder.
 """
@@ -40,7 +40,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from sparkwatch.common.durable import StateFileError, fsync_dir, open_regular, private_dir
-from sparkwatch.core.flight import FlightSample, LaunchedEngine, TreeFootprint
+from sparkwatch.core.postmortem.flight import FlightSample, LaunchedEngine, TreeFootprint
 
 RING_NAME = "recorder.ring"
 PREV_NAME = "recorder.prev.ring"

@@ -21,9 +21,9 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from sparkwatch.common.wiretypes import WireError, from_json
-from sparkwatch.core.budget import BudgetParams
-from sparkwatch.core.engines import EngineRules, Scope, rules_for
-from sparkwatch.core.policy import PolicyParams, parse_engine_budgets
+from sparkwatch.core.engines.identity import EngineRules, Scope, rules_for
+from sparkwatch.core.kill.budget import BudgetParams
+from sparkwatch.core.kill.policy import PolicyParams, parse_engine_budgets
 
 
 class EngineSettings(Protocol):

@@ -45,7 +45,7 @@ from sparkwatch.common import logs
 from sparkwatch.common.durable import StateFileError, private_dir, write_atomic
 from sparkwatch.common.sources.procs import read_fd, read_start_ticks
 from sparkwatch.common.wiretypes import WireError, from_json, to_json
-from sparkwatch.core.bootphase import BOOTING, BootPhase
+from sparkwatch.core.launch.bootphase import BOOTING, BootPhase
 
 VERSION = 1
 DECLARATION_MAX_BYTES = 16 << 10  # a declaration is ~600 bytes; a long phase timeline stays well under this
@@ -74,7 +74,7 @@ class Declaration:
     uid: int
     kind: str
     model: str  # the model as the command names it ("" when unknown)
-    key: str  # the learned-peaks key (core.peaks.peak_key)
+    key: str  # the learned-peaks key (core.launch.peaks.peak_key)
     budget_bytes: int | None
     launched_at: float
     launcher_pid: int

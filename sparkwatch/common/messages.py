@@ -21,7 +21,7 @@ telemetry → guard
   with the wall-clock time they were read, the (pid, start time) of every GPU holder, and the (kind, root pid) of
   each engine tree (for the flight recorder). The guard treats all of it
   as a hint: a holder is checked again in /proc before it can become a kill candidate (guard.gpuboard).
-- `GroupTeardownMsg`: a group spanning nodes (core.raygroup) lost a member: this node's members of it, as
+- `GroupTeardownMsg`: a group spanning nodes (core.kill.raygroup) lost a member: this node's members of it, as
   (pid, start ticks, role), the first death and its cause. The guard checks each member again itself (same start
   time, this node's network namespace, the role's shape) before it signals anything (guard.groupwatch).
 - `GpuSampleMsg` (telemetry/gpufast.py, up to FAST_PERIOD_S apart): NVML's per-process bytes of the pids the guard
@@ -125,7 +125,7 @@ class TelMsg:
 class GroupTeardownMsg:
     KIND: ClassVar[Kind] = Kind.GROUP_TEARDOWN
     group: str  # the group's id (Ray: its placement group)
-    cause: str  # core.raygroup: rank_died, node_dead
+    cause: str  # core.kill.raygroup: rank_died, node_dead
     first_node: str  # where the first member died (Ray: its node's address)
     first_pid: int | None
     members: tuple[tuple[int, int, str], ...] = ()  # this node's members: (pid, start ticks, role)

@@ -1,5 +1,5 @@
-"""The learned peaks file, `<state_dir>/peaks.json` (core.peaks decides what goes in it): bounded, atomic, strict.
-`forget` is `sparkwatch launch --forget KEY` / `--forget-all`."""
+"""The learned peaks file, `<state_dir>/peaks.json` (core.launch.peaks decides what goes in it): bounded, atomic,
+strict. `forget` is `sparkwatch launch --forget KEY` / `--forget-all`."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from pathlib import Path
 
 from sparkwatch.common.durable import private_dir, read_regular, write_atomic
 from sparkwatch.common.wiretypes import WireError, from_json, to_json
-from sparkwatch.core import peaks
-from sparkwatch.core.peaks import PeakRecord, trim
+from sparkwatch.core.launch import peaks
+from sparkwatch.core.launch.peaks import PeakRecord, trim
 
 PEAKS_FILE = "peaks.json"
 PEAKS_MAX_BYTES = 1 << 20

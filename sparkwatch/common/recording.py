@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from sparkwatch.common import logs
-from sparkwatch.common.events import EventLog
+from sparkwatch.common.eventlog import EventLog
 from sparkwatch.common.spool import AlertRouter, Spooler
 from sparkwatch.common.systemd import JournalSink
 

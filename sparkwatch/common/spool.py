@@ -27,8 +27,8 @@ from pathlib import Path
 from typing import Protocol
 
 from sparkwatch.common.durable import fsync_dir, private_dir, write_atomic
-from sparkwatch.core.alerts import RateState, alert_text, dedup_key, is_alerting, is_quiet, rate_limit
 from sparkwatch.core.model import Event
+from sparkwatch.core.report.alerts import RateState, alert_text, dedup_key, is_alerting, is_quiet, rate_limit
 
 SAFE_ID = re.compile(r"[A-Za-z0-9_-]{1,128}")  # always fullmatch: `$` also matches before a trailing newline
 PENDING = ".pending-"  # spooled before its event was written; promoted once the event is durable
@@ -47,7 +47,7 @@ def alert_payload(event: Event) -> dict[str, object]:
 def spool_id(raw_id: str) -> str:
     """The file name stem for an event id: the id itself, or a hash of anything that is not a safe name."""
     if SAFE_ID.fullmatch(raw_id):
-        return raw_id  # every id sparkwatch makes (common.events.new_event_id)
+        return raw_id  # every id sparkwatch makes (common.eventlog.new_event_id)
     # Only a foreign id gets here. hashlib loads OpenSSL's libcrypto (3.3 MiB of the guard's locked RSS, measured):
     # imported when needed, never at the guard's start.
     import hashlib  # noqa: PLC0415

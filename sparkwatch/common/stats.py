@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from sparkwatch.core import kernlog as core
+from sparkwatch.core.driver import nvrm as core
 from sparkwatch.core.model import MemInfo
 
 # Bucket edges for guard_kill_duration_seconds (detect -> last member reaped). Target: median <= 150 ms.
@@ -27,8 +27,9 @@ class BudgetStat:
     footprint_source: str | None
     peak_bytes: int
     budget_source: str  # "launch" | "config"
-    # (pid, start_ticks) of the tree's members while its footprint is at core.budget.GPU_FAST_RATIO of its budget or
-    # more: telemetry samples their GPU bytes at FAST_PERIOD_S (telemetry/gpufast.py). Empty: the cycle's reading does.
+    # (pid, start_ticks) of the tree's members while its footprint is at core.kill.budget.GPU_FAST_RATIO of its budget
+    # or more: telemetry samples their GPU bytes at FAST_PERIOD_S (telemetry/gpufast.py). Empty: the cycle's reading
+    # does.
     gpu_watch: tuple[tuple[int, int], ...] = ()
 
 

@@ -44,8 +44,8 @@ from sparkwatch.config.defaults import (
 )
 from sparkwatch.config.settings import ENV_PREFIX, TEST_ENV_PREFIX, ConfigError
 from sparkwatch.core import bounded
-from sparkwatch.core.engines import compile_engine_patterns, compile_protect_patterns
-from sparkwatch.core.policy import (
+from sparkwatch.core.engines.identity import compile_engine_patterns, compile_protect_patterns
+from sparkwatch.core.kill.policy import (
     DEFAULT_KILL_ORDER,
     compile_never_kill,
     parse_engine_budgets,
@@ -295,7 +295,8 @@ class Settings(BaseModel, Derived):
     @field_validator(*_LIST_CHECKS)
     @classmethod
     def _check_lists(cls, value: list[str], info: ValidationInfo) -> list[str]:
-        """Each pattern list parsed by its owner (core.engines, core.policy): a bad entry is named in the error."""
+        """Each pattern list parsed by its owner (core.engines.identity, core.kill.policy): a bad entry is named in the
+        error."""
         _LIST_CHECKS[str(info.field_name)](value)
         return value
 

@@ -3,10 +3,10 @@
 Python reads a 400-digit number without complaint and fails later, far from the input: `int(float("9" * 400))`
 raises OverflowError, `format_size(10**400)` too (the float conversion), `launch` printed a traceback for
 `--budget 999…GiB`, `MAX_JOBS=999…` or `"num_hidden_layers": 999…` in a config.json. Every number sparkwatch takes
-from outside (the command line through cli.argtypes, an engine's flags in core.enginecli, MAX_JOBS in core.launchenv,
-config.json and GGUF headers in common.sources.checkpoint) passes through here or through pydantic's bounds
-(config.settings): out of range is a ValueError whose one line says what was expected. A long value is shown cut
-(`shown`), so the line stays one readable line.
+from outside (the command line through cli.argtypes, an engine's flags in core.engines.enginecli, MAX_JOBS in
+core.launch.launchenv, config.json and GGUF headers in common.sources.checkpoint) passes through here or through
+pydantic's bounds (config.settings): out of range is a ValueError whose one line says what was expected. A long value is
+shown cut (`shown`), so the line stays one readable line.
 """
 
 from __future__ import annotations

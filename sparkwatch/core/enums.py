@@ -12,14 +12,14 @@ from typing import Literal
 # Whose /proc/<pid>/environ answered the MAX_JOBS question: a live compiler (what was really inherited), its raylet
 # (Ray actors inherit the raylet's environment, not the shell's), or the engine root.
 EnvSource = Literal["compiler", "raylet", "engine"]
-# A process's role in an engine tree as `sparkwatch engines` draws it (core.proctree).
+# A process's role in an engine tree as `sparkwatch engines` draws it (core.engines.proctree).
 ProcRole = Literal["root", "worker", "compiler", "process"]
 # Which JIT cache a JitCacheState is: flashinfer's <base>/<version>/<arch>/ or vLLM's torch compile cache.
 JitCacheKind = Literal["flashinfer", "vllm"]
 
 
 class DriverVerdict(StrEnum):
-    """The drift verdict (core.driver), worst first; the `verdict` label of sparkwatch_driver_info."""
+    """The drift verdict (core.driver.drift), worst first; the `verdict` label of sparkwatch_driver_info."""
 
     STRANDED = "stranded"  # the running kernel has no NVIDIA modules
     WILL_STRAND = "will_strand"  # the next boot's kernel has none
@@ -32,7 +32,7 @@ class DriverVerdict(StrEnum):
 
 
 class DriverProblem(StrEnum):
-    """An open driver alert episode (core.alerts.driver_step); each opens with its own event kind."""
+    """An open driver alert episode (core.report.alerts.driver_step); each opens with its own event kind."""
 
     STRANDED = "stranded"
     WILL_STRAND = "will_strand"
@@ -41,7 +41,7 @@ class DriverProblem(StrEnum):
 
 
 class JitState(StrEnum):
-    """One engine's JIT state (core.jit); the `state` label of sparkwatch_jit_state."""
+    """One engine's JIT state (core.engines.jit); the `state` label of sparkwatch_jit_state."""
 
     IDLE = "idle"
     COMPILING = "compiling"
@@ -49,7 +49,7 @@ class JitState(StrEnum):
 
 
 class MaxJobsState(StrEnum):
-    """What the environment the compilers inherit says about MAX_JOBS (core.compile)."""
+    """What the environment the compilers inherit says about MAX_JOBS (core.engines.compile)."""
 
     SET = "set"
     UNSET = "unset"

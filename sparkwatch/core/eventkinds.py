@@ -1,7 +1,7 @@
 """Every kind of event sparkwatch records: the one list, typed, so a misspelt kind is a mypy error, not a lost alert.
 
 The values are the `kind` field of events.jsonl, the journal's SPARKWATCH_EVENT field and the webhook body: a contract
-(docs/contract.md). Add a kind here first; `core.alerts` says whether and how often it alerts.
+(docs/contract.md). Add a kind here first; `core.report.alerts` says whether and how often it alerts.
 """
 
 from __future__ import annotations
@@ -37,7 +37,9 @@ class EventKind(StrEnum):
     ENGINE_READY = "engine_ready"
     ENGINE_EXITED = "engine_exited"
     BUDGET_NEAR = "budget_near"  # a tree's footprint reached 90 % of its budget (once, until it falls under 80 %)
-    PREVIOUS_BOOT = "previous_boot"  # how the previous boot ended (core.postmortem), judged once per boot at start
+    PREVIOUS_BOOT = (
+        "previous_boot"  # how the previous boot ended (core.postmortem.verdict), judged once per boot at start
+    )
     # sparkwatch itself
     OUTBOX_DROPPED = "outbox_dropped"  # the alert outbox hit its cap and dropped its oldest alerts
     OUTBOX_QUARANTINED = "outbox_quarantined"  # an unreadable spool file was moved to outbox/bad/

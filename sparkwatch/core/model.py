@@ -53,12 +53,12 @@ class Proc:
     is_kernel_thread: bool = False
     # What a user cannot forge, read by the scanner (None where unreadable): the executable the kernel runs
     # (/proc/PID/exe), the cgroup v2 path (/proc/PID/cgroup), and for generic launchers only the first engine library
-    # mapped (/proc/PID/maps, see core.engines.ENGINE_LIBRARIES).
+    # mapped (/proc/PID/maps, see core.engines.identity.ENGINE_LIBRARIES).
     exe: str | None = None
     cgroup: str | None = None
     engine_lib: str | None = None
     # Outside the initial user or mount namespace (read by the scanner only where `exe` would protect the process):
-    # there the executable path can be a bind mount, so it protects nothing (core.engines.protected_by_system).
+    # there the executable path can be a bind mount, so it protects nothing (core.engines.identity.protected_by_system).
     outside_initial_ns: bool = False
     exiting: bool = False  # PF_EXITING: in do_exit, still unmapping its memory (a SIGKILLed engine for seconds)
 
@@ -121,12 +121,12 @@ class Event:
         }
 
 
-# --- The driver (telemetry.sources.driver reads DriverFacts, core.driver judges them into a DriverReport)
+# --- The driver (telemetry.sources.driverfacts reads DriverFacts, core.driver.drift judges them into a DriverReport)
 
 
 @dataclass(frozen=True, slots=True)
 class NvmlFacts:
-    """What NVML said, when it was asked (live root only). `error_code` is NVML's (core.nvmlcodes.NvmlReturn)."""
+    """What NVML said, when it was asked (live root only). `error_code` is NVML's (core.driver.nvmlcodes.NvmlReturn)."""
 
     library_version: str | None = None  # nvmlSystemGetNVMLVersion, e.g. "12.580.95.05"
     driver_version: str | None = None  # nvmlSystemGetDriverVersion, e.g. "580.95.05"
@@ -278,7 +278,7 @@ class GpuReport:
     """What sources.nvml.NvmlSource saw this cycle.
 
     `up` is False when NVML could not be initialised or stopped answering; `nvml_return_code` then holds NVML's code
-    (core.nvmlcodes.NvmlReturn), or None when a call hung (`error` says which). When up, the code is 0 (SUCCESS).
+    (core.driver.nvmlcodes.NvmlReturn), or None when a call hung (`error` says which). When up, the code is 0 (SUCCESS).
     """
 
     up: bool
@@ -348,7 +348,7 @@ class JitCacheState:
 
 @dataclass(frozen=True, slots=True)
 class JitEngineState:
-    """idle / compiling / stalled for one engine tree (core.jit decides)."""
+    """idle / compiling / stalled for one engine tree (core.engines.jit decides)."""
 
     kind: str
     root_pid: int
@@ -364,7 +364,7 @@ class BootState:
     root_pid: int
     kind: str
     model: str
-    phase: str  # core.bootphase.BootPhase
+    phase: str  # core.launch.bootphase.BootPhase
     phase_since_ts: float
     launched_at: float
     ready_s: float | None = None
@@ -377,14 +377,14 @@ class Snapshot:
     ts: float  # wall-clock time the cycle finished
     mem: MemInfo | None = None
     engines: tuple[EngineTree, ...] = ()
-    compile: CompileCensus | None = None  # telemetry: core.compile
+    compile: CompileCensus | None = None  # telemetry: core.engines.compile
     jit: tuple[JitCacheState, ...] = ()  # telemetry: per cache/version/arch
     gpu: GpuReport | None = None  # sources.nvml
-    driver: DriverReport | None = None  # core.driver over telemetry.sources.driver
+    driver: DriverReport | None = None  # core.driver.drift over telemetry.sources.driverfacts
     collectors: tuple[CollectorStatus, ...] = ()
     psi: PsiMemory | None = None  # None: the kernel has no PSI (or it is off)
     jit_states: tuple[JitEngineState, ...] = ()  # per engine tree
     # (min_block label, bytes free in blocks at least that big) from /proc/buddyinfo: "2MiB", "64KiB"
     free_contiguous: tuple[tuple[str, int], ...] = ()
-    gpu_unknown: tuple[GpuHolder, ...] = ()  # GPU holders no rule names: core.engines.unknown_gpu_holders
+    gpu_unknown: tuple[GpuHolder, ...] = ()  # GPU holders no rule names: core.engines.identity.unknown_gpu_holders
     boots: tuple[BootState, ...] = ()  # engines `sparkwatch launch` declared, with their boot phase

@@ -1,14 +1,14 @@
 """Per-engine budgets, enforced in the guard process on the pool watch's own tick (no thread, no timer of its own).
 
 Which trees have a budget: a launched engine's declaration (`sparkwatch launch --budget`, trusted through
-guard.launchwatch), or the config's `engine_budgets` ('SIZE=regex', matched like kill_priority: core.policy owns the
-syntax). Only those trees are looked at, and only as often as their distance to the budget asks (core.budget):
+guard.launchwatch), or the config's `engine_budgets` ('SIZE=regex', matched like kill_priority: core.kill.policy owns
+the syntax). Only those trees are looked at, and only as often as their distance to the budget asks (core.kill.budget):
 - discovery: a /proc scan (the guard's own scanner, its argv cache warm) finds the budgeted trees and their members,
   every DISCOVER_EVERY_S, every NEAR_DISCOVER_EVERY_S while a tree is within WARN_RATIO of its budget, and at once
   when a member died, a budgeted declaration appeared, or telemetry's count of engine trees changed (a hint from
   its census, which runs every second anyway: a new engine is looked at within about a second);
 - sampling, between discoveries: the members' stat files (RSS), telemetry's per-pid GPU bytes (a hint with its age)
-  and the scope's memory.current when the tree owns its cgroup (core.footprint: counted once); while it is the only
+  and the scope's memory.current when the tree owns its cgroup (core.kill.footprint: counted once); while it is the only
   launched engine booting, the pool's drop since its launch too, which may warn but never kills;
 - over budget + margin for the guard's debounce: the killer kills that tree alone (trigger `budget`), recorded as
   every kill is (the reaper writes the event); in dry-run the same decision is recorded and nothing is signalled;
@@ -34,12 +34,12 @@ from sparkwatch.common.messages import MAX_GPU_WATCH_PIDS
 from sparkwatch.common.sources.cgroupmem import read_memory_current
 from sparkwatch.common.sources.procs import ProcScanner, parse_stat
 from sparkwatch.common.stats import BudgetStat
-from sparkwatch.core import budget as core
-from sparkwatch.core.engines import EngineRules, Scope, find_engine_trees
+from sparkwatch.core.engines.identity import EngineRules, Scope, find_engine_trees
 from sparkwatch.core.eventkinds import EventKind
-from sparkwatch.core.footprint import Footprint, FootprintInputs, FootprintSource, footprint, owned_scope
+from sparkwatch.core.kill import budget as core
+from sparkwatch.core.kill.footprint import Footprint, FootprintInputs, FootprintSource, footprint, owned_scope
+from sparkwatch.core.kill.policy import GPU_STALE_S, GpuBytes, TreeKey, first_match
 from sparkwatch.core.model import EngineTree, Proc
-from sparkwatch.core.policy import GPU_STALE_S, GpuBytes, TreeKey, first_match
 from sparkwatch.core.units import format_size
 
 log = logs.get("guard")

@@ -1,11 +1,11 @@
 """What telemetry last said about the GPU, as the guard holds it: per-pid GPU bytes (NVML) and the GPU holders.
 
 The guard never loads NVML: it takes telemetry's `tel` messages and treats them as hints, never as orders.
-- Per-pid bytes only refine the ranking among trees the guard itself recognised as engines (core.policy), and the
+- Per-pid bytes only refine the ranking among trees the guard itself recognised as engines (core.kill.policy), and the
   policy ignores a reading that is too old: a stale or missing one never delays a kill.
 - A GPU holder (with `guard_gpu_holders`) becomes a kill candidate only after the guard checked it again itself
   (`verified_holders`): the same pid and start time in its own /proc scan, still alive, an NVIDIA device still
-  open, and allowed by its own rules (core.engines.find_engine_trees applies may_touch). Telemetry's word alone
+  open, and allowed by its own rules (core.engines.identity.find_engine_trees applies may_touch). Telemetry's word alone
   never decides a kill.
 - Fast samples (common.messages.GpuSampleMsg: the pids of near-budget engines, up to 20 times a second) are laid over
   the cycle's reading until a newer cycle reading replaces them; each wakes the pool watch (`on_sample`), whose budget

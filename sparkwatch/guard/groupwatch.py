@@ -6,9 +6,9 @@ reads of /proc:
 - it is alive with the pid and start time telemetry named (a reused pid is never hit);
 - it runs in the guard's own network namespace (this node: on a Spark that is the host's; in the two-node test each
   node is one);
-- it has its role's shape (core.raygroup.member_shape: `ray::<Actor>` for a rank, `VLLM::EngineCore` for a driver,
-  `vllm serve` for the API server), and the guard's own rules let it be touched (core.engines.may_touch: its uid,
-  never a protected or system process, never the guard's ancestors).
+- it has its role's shape (core.kill.raygroup.member_shape: `ray::<Actor>` for a rank, `VLLM::EngineCore` for a driver,
+  `vllm serve` for the API server), and the guard's own rules let it be touched (core.engines.identity.may_touch: its
+  uid, never a protected or system process, never the guard's ancestors).
 The members that pass are one tree (the API server first), handed to the guard's one kill path as a request
 (guard.killpath, trigger `group_teardown`): the pool watch's next tick, woken at once, kills it (pin by pidfd,
 SIGSTOP, sweep children, SIGKILL), counts it and tracks its teardown like any other kill, and the reaper records one
@@ -25,9 +25,9 @@ from collections.abc import Callable
 from sparkwatch.common.guardconfig import GuardSnapshot
 from sparkwatch.common.messages import GroupTeardownMsg
 from sparkwatch.common.sources.procs import ProcParseError, ProcScanner
-from sparkwatch.core import raygroup
-from sparkwatch.core.engines import may_touch
-from sparkwatch.core.killrecord import GroupLoss
+from sparkwatch.core.engines.identity import may_touch
+from sparkwatch.core.kill import raygroup
+from sparkwatch.core.kill.killrecord import GroupLoss
 from sparkwatch.core.model import EngineTree, Proc
 from sparkwatch.guard.killpath import GroupFacts
 

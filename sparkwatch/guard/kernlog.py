@@ -1,7 +1,7 @@
 """The guard's kernel-log hook: NVRM and Xid lines polled on the guard's thread, recorded on a thread of their own.
 
 `KernelLogWatch.poll` runs inside the guard's tick. It reads what /dev/kmsg has (non-blocking, rate-bounded), parses
-it, counts it and feeds driver allocation failures to core.kernlog.corroborate. It returns the trigger to fire with,
+it, counts it and feeds driver allocation failures to core.driver.nvrm.corroborate. It returns the trigger to fire with,
 or None; the guard calls its own `fire`. It never scans /proc and never writes to disk: attributing a line's pid to an
 engine tree (a /proc scan) and the fsynced event are the recorder thread's work, queued without waiting.
 """
@@ -17,13 +17,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from sparkwatch.common import logs
-from sparkwatch.common.events import EventLog, EventLogError, make_event
+from sparkwatch.common.eventlog import EventLog, EventLogError, make_event
 from sparkwatch.common.sources.kmsg import KmsgSource
 from sparkwatch.common.sources.procs import ProcScanner
 from sparkwatch.common.stats import KernelLogStats
 from sparkwatch.common.threads import daemon_thread
-from sparkwatch.core import kernlog as core
-from sparkwatch.core.engines import EngineRules, Scope, find_engine_trees
+from sparkwatch.core.driver import nvrm as core
+from sparkwatch.core.engines.identity import EngineRules, Scope, find_engine_trees
 from sparkwatch.core.eventkinds import EventKind
 from sparkwatch.core.model import EngineTree
 from sparkwatch.core.units import format_size

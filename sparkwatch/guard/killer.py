@@ -11,7 +11,7 @@ A kill, in the guard's thread and with no fork, no disk sync and no waiting:
 4. SIGKILL through the pidfds: the terminal jobs' leaders first (they were never stopped), then every other member
    (vLLM mid-allocation ignores SIGTERM: the field lost 10 s waiting).
 
-A terminal job's leader (core.terminal.is_terminal_job_leader: `vllm serve` typed at a shell prompt) is never
+A terminal job's leader (core.kill.terminal.is_terminal_job_leader: `vllm serve` typed at a shell prompt) is never
 SIGSTOPped: its job-control shell would report the stop at once (`[1]+ Stopped`, exit 147) and never say it was
 killed. It gets SIGKILL only, after the rest of its tree is stopped and swept, so its shell says `Killed` and `$?` is
 137. What that costs: such a leader can still fork between the sweep's last look at its children and its SIGKILL
@@ -37,10 +37,10 @@ from sparkwatch.common import logs, syscalls
 from sparkwatch.common.sources.meminfo import MeminfoError, MeminfoReader
 from sparkwatch.common.sources.procs import ProcParseError, ProcScanner, read_ancestors, read_children, read_job_stat
 from sparkwatch.common.threads import daemon_thread
-from sparkwatch.core.engines import EngineRules, Scope, may_touch
-from sparkwatch.core.killrecord import KillFacts
+from sparkwatch.core.engines.identity import EngineRules, Scope, may_touch
+from sparkwatch.core.kill.killrecord import KillFacts
+from sparkwatch.core.kill.terminal import is_terminal_job_leader
 from sparkwatch.core.model import EngineTree, Proc
-from sparkwatch.core.terminal import is_terminal_job_leader
 
 log = logs.get("killer")
 MAX_SWEEPS = 32  # passes after the stop (level by level, then a check of every member); a tree still growing after
@@ -239,7 +239,7 @@ class Killer:
         notes.append(f"tree still growing after {MAX_SWEEPS} sweeps")
 
     def _may_touch(self, proc: Proc) -> bool:
-        """core.engines.may_touch: the scanner's rule, with our ancestors read from /proc."""
+        """core.engines.identity.may_touch: the scanner's rule, with our ancestors read from /proc."""
         return may_touch(proc, self.rules, self.scope, self._self_ancestors)
 
     def _cgroup_kill(self, tree: EngineTree, victims: dict[int, Victim], notes: list[str]) -> bool:

@@ -1,23 +1,24 @@
 """The kill path: every kill the guard makes, from the request to its record, in one place (oomd's one kill plugin).
 
-The detectors only decide: the pool watch's floor and prediction (core.trigger: `floor`, `predicted`, `escalate`,
+The detectors only decide: the pool watch's floor and prediction (core.kill.trigger: `floor`, `predicted`, `escalate`,
 `hunt`), the kernel-log hook (`driver_alloc_failed`, guard.kernlog), the budgets (`budget`, guard.budgets) and the
 group watch (`group_teardown`, guard.groupwatch: a group spanning nodes lost a member). Each builds one frozen
 KillRequest (its trigger, the MemInfo sample it decided on, when, and for a budget or a group the tree it chose with
 its facts) and hands it to `KillPath.fire` on the guard's own thread. That one owner:
-1. chooses: a /proc scan ranked by core.policy (growth history, GPU bytes, kill order), never a tree already
+1. chooses: a /proc scan ranked by core.kill.policy (growth history, GPU bytes, kill order), never a tree already
    signalled in this episode or still tearing down; a budget's or a group's request names its tree, which is chosen
    unless it is such a tree (its kill is then the one under way: nothing more is signalled or recorded);
-2. re-reads MemAvailable right before the signal, as earlyoom does, and applies core.trigger.should_cancel: a floor,
-   escalation or hunt is cancelled when memory is back above the floor, a prediction when the floor is again more
+2. re-reads MemAvailable right before the signal, as earlyoom does, and applies core.kill.trigger.should_cancel: a
+   floor, escalation or hunt is cancelled when memory is back above the floor, a prediction when the floor is again more
    than two kill budgets away; a driver allocation failure, a budget and a group teardown are never cancelled by the
    pool (the driver failed already; a budget is the engine's own limit, which a pool that came back does not lift; a
    group that lost a member on another node is stuck whatever this node's pool holds);
 3. kills (guard.killer.Killer: pidfds, SIGSTOP, sweep, cgroup.kill, SIGKILL), with the tick's own rules and scope;
 4. counts (common.stats.GuardStats, under the guard's lock);
 5. tracks the teardown: the victim is excluded from every later choice until the episode ends, its reap is waited
-   for with a deadline sized to what it held (core.trigger.teardown_deadline_s), and core.trigger's state hears of
-   it (`fired`, then `reaped`), so the next tree dies only when memory did not come back, whatever the trigger was;
+   for with a deadline sized to what it held (core.kill.trigger.teardown_deadline_s), and core.kill.trigger's state
+   hears of it (`fired`, then `reaped`), so the next tree dies only when memory did not come back, whatever the trigger
+   was;
 6. notes a launched engine's kill for its launch (guard.launchwatch) and republishes guard.json (`on_taken`);
 7. submits the record to the Reaper (guard.killer.Reaper), whose thread writes it: KillRecords below.
 
@@ -37,18 +38,18 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from sparkwatch.common import logs
-from sparkwatch.common.events import EventLog, EventLogError, make_event
+from sparkwatch.common.eventlog import EventLog, EventLogError, make_event
 from sparkwatch.common.guardconfig import GuardSnapshot
 from sparkwatch.common.sources.meminfo import MeminfoError, MeminfoReader
 from sparkwatch.common.sources.procs import ProcScanner
 from sparkwatch.common.stats import GuardStats
-from sparkwatch.core import policy
-from sparkwatch.core import trigger as core
-from sparkwatch.core.engines import find_engine_trees
+from sparkwatch.core.engines.identity import find_engine_trees
 from sparkwatch.core.eventkinds import EventKind
-from sparkwatch.core.footprint import Footprint
-from sparkwatch.core.killloop import LOOP_WINDOW_S, LoopState, loop_identity, note_kill
-from sparkwatch.core.killrecord import (
+from sparkwatch.core.kill import policy
+from sparkwatch.core.kill import trigger as core
+from sparkwatch.core.kill.footprint import Footprint
+from sparkwatch.core.kill.killloop import LOOP_WINDOW_S, LoopState, loop_identity, note_kill
+from sparkwatch.core.kill.killrecord import (
     GroupLoss,
     KillFacts,
     kill_fields,
@@ -297,7 +298,7 @@ class KillPath:
 
     # --- the kill
     def fire(self, req: KillRequest, state: core.GuardState, snap: GuardSnapshot) -> core.GuardState:
-        """Act on one request; returns core.trigger's state with what came of it."""
+        """Act on one request; returns core.kill.trigger's state with what came of it."""
         config = snap.config
         exclude = self._episode_victims.union(self._outstanding)
         if req.budget is not None:

@@ -7,8 +7,8 @@ guard loop's latency does not depend on them. The pool watch, the budgets and th
 directory; files are read again only when a directory changed, and every read is bounded (common.launched).
 A declaration counts only for the process it names, as the kernel reports it (common.launched.vouched): the same pid
 and start time, owned by the uid whose file it is (never another user's or root's process on a user's word).
-Trusted declarations are engines for the guard's tree building (core.engines, by (pid, start_ticks)), and the guard
-records what it sees of them, so one writer keeps events.jsonl:
+Trusted declarations are engines for the guard's tree building (core.engines.identity, by (pid, start_ticks)), and the
+guard records what it sees of them, so one writer keeps events.jsonl:
 - `engine_started` when a declared root appears alive (declarations made before this guard started are taken as
   already recorded: a restarted guard does not repeat them); a declaration the guard never saw alive makes no event;
 - `engine_ready` when its boot phase reaches ready, with the seconds to ready and the peak launch measured;
@@ -16,7 +16,7 @@ records what it sees of them, so one writer keeps events.jsonl:
   `sparkwatch` when this guard killed it (`note_kill`); after a dry run's decision `killed_by` stays null, `dry_run`
   is true and the summary says it would have been killed.
 The same kills are the guard's word to launch (`kill_words`, published in guard.json by the guard process,
-common.guardstate): launch reads the one keyed by its declaration, and for a tree whose launch is alive to print that
+common.guardfile): launch reads the one keyed by its declaration, and for a tree whose launch is alive to print that
 line (`told_by_launch`) the guard writes no line on the engine's terminal (guard.ttynote), so the owner reads one.
 Liveness of declared roots is checked at most once a second (a stat read per declared engine).
 """
@@ -35,11 +35,11 @@ from sparkwatch.common import logs
 from sparkwatch.common.launched import Declaration, LaunchedWatch
 from sparkwatch.common.sources.procs import read_start_ticks
 from sparkwatch.common.threads import daemon_thread
-from sparkwatch.core.bootphase import BootPhase
-from sparkwatch.core.engines import Declared, Launchers
+from sparkwatch.core.engines.identity import Declared, Launchers
 from sparkwatch.core.eventkinds import EventKind
-from sparkwatch.core.flight import LaunchedEngine
-from sparkwatch.core.guardstate import KILLS_PUBLISHED, SUMMARY_MAX, KillWord
+from sparkwatch.core.launch.bootphase import BootPhase
+from sparkwatch.core.postmortem.flight import LaunchedEngine
+from sparkwatch.core.report.guardstate import KILLS_PUBLISHED, SUMMARY_MAX, KillWord
 from sparkwatch.core.units import format_size
 
 log = logs.get("guard")
@@ -123,7 +123,8 @@ class LaunchedEngines:
         return self._declared
 
     def launchers(self) -> Launchers:
-        """(pid, start_ticks) of each declared root -> its launcher's pid (core.engines.adopt_launch_orphans)."""
+        """(pid, start_ticks) of each declared root -> its launcher's pid
+        (core.engines.identity.adopt_launch_orphans)."""
         return self._launchers
 
     def live(self) -> tuple[Declaration, ...]:

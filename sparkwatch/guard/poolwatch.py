@@ -1,12 +1,12 @@
 """The guard loop: the most important code in sparkwatch. It samples and decides; guard.killpath kills.
 
-Its thread reads /proc/meminfo through a kept-open fd and feeds core.trigger.step; a trigger (the floor, a predicted
-crossing, an escalation or a hunt), a driver allocation failure from the kernel log (guard.kernlog) or an engine over
-its budget (guard.budgets, on this same tick) becomes one KillRequest for guard.killpath.KillPath, the one owner of
-every kill (it chooses, re-reads, kills, counts, tracks the teardown and has the Reaper record it). It never waits on
-NVML, HTTP, disk sync or a webhook. Between samples it sleeps in poll(2) on a PSI memory trigger (where the kernel lets
-us create one) and a wake-up pipe, so pressure or shutdown wake it early. The scout thread keeps the scanner's argv
-cache warm near the floor.
+Its thread reads /proc/meminfo through a kept-open fd and feeds core.kill.trigger.step; a trigger (the floor, a
+predicted crossing, an escalation or a hunt), a driver allocation failure from the kernel log (guard.kernlog) or an
+engine over its budget (guard.budgets, on this same tick) becomes one KillRequest for guard.killpath.KillPath, the one
+owner of every kill (it chooses, re-reads, kills, counts, tracks the teardown and has the Reaper record it). It never
+waits on NVML, HTTP, disk sync or a webhook. Between samples it sleeps in poll(2) on a PSI memory trigger (where the
+kernel lets us create one) and a wake-up pipe, so pressure or shutdown wake it early. The scout thread keeps the
+scanner's argv cache warm near the floor.
 
 Its dependencies (telemetry's GPU readings, the supervisor's wake-up, the flight recorder, …) arrive in the
 constructor as GuardLinks, and its config as one GuardConfig, compiled into a GuardSnapshot: a reload swaps the
@@ -27,17 +27,17 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from sparkwatch.common import logs
-from sparkwatch.common.events import EventLog
+from sparkwatch.common.eventlog import EventLog
 from sparkwatch.common.guardconfig import GuardConfig, GuardSnapshot
 from sparkwatch.common.sources.kmsg import KmsgSource
 from sparkwatch.common.sources.meminfo import MeminfoError, MeminfoReader
 from sparkwatch.common.sources.procs import ProcScanner
 from sparkwatch.common.stats import GuardStats, KernelLogStats
 from sparkwatch.common.threads import daemon_thread
-from sparkwatch.core import policy
-from sparkwatch.core import trigger as core
-from sparkwatch.core.engines import find_engine_trees
-from sparkwatch.core.footprint import Footprint
+from sparkwatch.core.engines.identity import find_engine_trees
+from sparkwatch.core.kill import policy
+from sparkwatch.core.kill import trigger as core
+from sparkwatch.core.kill.footprint import Footprint
 from sparkwatch.core.model import EngineTree, MemInfo
 from sparkwatch.core.units import format_size
 from sparkwatch.guard.budgets import BudgetWatch, Tracked
@@ -378,8 +378,8 @@ class PoolWatch:
         self.state = self.kills.fire(request, self.state, self._tick_snap)
 
     def _kernel_log(self, now: float, mem: MemInfo, snap: GuardSnapshot) -> bool:
-        """The kernel-log hook: a driver allocation failure near the floor fires like a crossing (core.kernlog), through
-        the same kill path as any other firing (one tree, the one causing the spike)."""
+        """The kernel-log hook: a driver allocation failure near the floor fires like a crossing (core.driver.nvrm),
+        through the same kill path as any other firing (one tree, the one causing the spike)."""
         trigger = self.kernlog.poll(
             now, mem.available_bytes, snap.config.floor, snap.config.warn_headroom, self.state.armed
         )

@@ -15,7 +15,7 @@ thread of its own, then the guard applies the new values, then the telemetry pro
 says which keys its components took; the log names what applied and what needs a restart. A bad config is logged
 and the running one kept.
 
-Published state: the main thread writes guard.json (common.guardstate: pid and start time, armed or dry run, floor,
+Published state: the main thread writes guard.json (common.guardfile: pid and start time, armed or dry run, floor,
 budgets, the launched engines taken, the latest kills of them for their launch) at start, after a reload, and when
 the pool watch says the set of launched engines it took changed or it killed one; it removes it on a clean stop. No
 heartbeat: a reader checks that the pid still has the start time the file gives, so a dead guard's file reads as
@@ -38,8 +38,8 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from sparkwatch.common import guardstate, logs, syscalls
-from sparkwatch.common.events import make_event
+from sparkwatch.common import guardfile, logs, syscalls
+from sparkwatch.common.eventlog import make_event
 from sparkwatch.common.guardconfig import GuardConfig, describe_wire_changes
 from sparkwatch.common.lifecycle import Component, CountersOnly, apply_all, start_all, stop_all
 from sparkwatch.common.messages import StateMsg
@@ -52,10 +52,10 @@ from sparkwatch.common.spool import FileSpool
 from sparkwatch.common.systemd import Notifier, ServiceNotifier
 from sparkwatch.common.threads import daemon_thread
 from sparkwatch.core.eventkinds import EventKind
-from sparkwatch.core.flight import LaunchedEngine
-from sparkwatch.core.guardstate import GuardState
+from sparkwatch.core.postmortem.flight import LaunchedEngine
 from sparkwatch.core.redact import remember_secrets
-from sparkwatch.core.status import status_line
+from sparkwatch.core.report.guardstate import GuardState
+from sparkwatch.core.report.statusline import status_line
 from sparkwatch.guard.groupwatch import GroupWatch
 from sparkwatch.guard.poolwatch import GuardLinks, PoolWatch
 from sparkwatch.guard.recorder import FlightRecorder
@@ -234,7 +234,7 @@ class GuardProcess:
         # right after a reload's validator ended left the daemon running, 1 run in 7-12.
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._reloading: threading.Thread | None = None
-        # The published state (common.guardstate): written by the main thread only, never by the guard's.
+        # The published state (common.guardfile): written by the main thread only, never by the guard's.
         self._publish = threading.Event()
         self._state_path: Path | None = None
         self._state_error_logged = False
@@ -405,10 +405,10 @@ class GuardProcess:
     def _write_state(self) -> None:
         """Publish guard.json in the runtime dir, else in the state dir; a failure is logged once, never fatal."""
         state = self.published_state()
-        first = guardstate.guard_dir(os.environ, self.config.state_dir)
+        first = guardfile.guard_dir(os.environ, self.config.state_dir)
         for directory in dict.fromkeys((first, self.config.state_dir)):
             try:
-                path = guardstate.write(directory, state)
+                path = guardfile.write(directory, state)
             except OSError as exc:
                 if not self._state_error_logged:
                     self._state_error_logged = True
@@ -419,13 +419,13 @@ class GuardProcess:
                     )
                 continue
             if self._state_path is not None and self._state_path != path:
-                guardstate.remove(self._state_path, state.pid)
+                guardfile.remove(self._state_path, state.pid)
             self._state_path = path
             return
 
     def _remove_state(self) -> None:
         if self._state_path is not None:
-            guardstate.remove(self._state_path, os.getpid())
+            guardfile.remove(self._state_path, os.getpid())
             self._state_path = None
 
     # --- run

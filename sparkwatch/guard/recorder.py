@@ -1,8 +1,8 @@
 """The flight recorder in the guard process: the last minutes of pool samples, in a ring file that outlives a crash.
 
 The pool watch offers each tick (`offer`: a time check, a list append and at most a queue put, on its own thread; it
-never blocks). One sample a second is taken far from the floor, every tick near it (core.flight.sample_due). The
-writer thread does everything that can block or costs more than that: it reads buddyinfo and PSI, adds what the
+never blocks). One sample a second is taken far from the floor, every tick near it (core.postmortem.flight.sample_due).
+The writer thread does everything that can block or costs more than that: it reads buddyinfo and PSI, adds what the
 guard already knows (telemetry's engine count and trees, the guard's own last scan with its footprints and age, GPU
 bytes while fresh, the launched engines' phases), and pwrites one slot per sample (common.flightrec). A full disk or
 a slow fsync stops this thread, never the pool watch: past QUEUE_MAX waiting batches the offers are dropped and
@@ -34,9 +34,9 @@ from sparkwatch.common.sources.boot import read_boot_id
 from sparkwatch.common.sources.buddyinfo import BuddyinfoReader, page_size_bytes
 from sparkwatch.common.sources.psi import PsiReader
 from sparkwatch.common.threads import daemon_thread
-from sparkwatch.core.flight import FlightSample, LaunchedEngine, TreeFootprint, biggest_first, sample_due
+from sparkwatch.core.kill.policy import GPU_STALE_S, GpuBytes
 from sparkwatch.core.model import EngineTree, MemInfo
-from sparkwatch.core.policy import GPU_STALE_S, GpuBytes
+from sparkwatch.core.postmortem.flight import FlightSample, LaunchedEngine, TreeFootprint, biggest_first, sample_due
 
 log = logs.get("recorder")
 QUEUE_MAX = 64  # batches waiting for a stuck writer; what is in the file stays, only new samples are dropped

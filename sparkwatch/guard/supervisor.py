@@ -28,7 +28,7 @@ from dataclasses import replace
 
 from sparkwatch.common import logs
 from sparkwatch.common.channel import Channel, ChannelClosed, socketpair
-from sparkwatch.common.events import EventLog, EventLogError, make_event
+from sparkwatch.common.eventlog import EventLog, EventLogError, make_event
 from sparkwatch.common.guardconfig import GuardConfig
 from sparkwatch.common.lifecycle import Backoff, run_with_restarts
 from sparkwatch.common.messages import (

@@ -2,8 +2,8 @@
 
 A foreground `vllm serve` killed by the guard leaves its shell saying `Killed` and nothing more; the owner looking at
 that terminal has no reason to think of sparkwatch. So after a kill (on the reaper's thread, never on the kill path)
-the guard writes core.killrecord.terminal_note to the controlling terminal of each tree root that had one, when that
-terminal belongs to the root's own user: the guard never writes to anyone else's terminal, whatever it runs as.
+the guard writes core.kill.killrecord.terminal_note to the controlling terminal of each tree root that had one, when
+that terminal belongs to the root's own user: the guard never writes to anyone else's terminal, whatever it runs as.
 
 The device is opened non-blocking and without becoming our controlling terminal, and checked after the open to be the
 very terminal the victim had (a character device with that number, owned by the victim's uid), so a path swapped
@@ -19,7 +19,7 @@ import os
 import stat
 
 from sparkwatch.common import logs
-from sparkwatch.core.terminal import tty_device, tty_major_minor
+from sparkwatch.core.kill.terminal import tty_device, tty_major_minor
 
 log = logs.get("ttynote")
 

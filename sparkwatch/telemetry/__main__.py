@@ -11,6 +11,6 @@ from sparkwatch.telemetry.sources.nvml_preflight import Preflight
 
 preflight = None if "--no-nvml" in sys.argv[1:] else Preflight.start()
 
-from sparkwatch.telemetry.process import main  # noqa: E402 - after the preflight's start, on purpose
+from sparkwatch.telemetry.telemetryprocess import main  # noqa: E402 - after the preflight's start, on purpose
 
 raise SystemExit(main(preflight=preflight))

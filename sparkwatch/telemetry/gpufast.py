@@ -2,7 +2,7 @@
 thread of its own in the telemetry process.
 
 The guard names the pids in its state (`BudgetStat.gpu_watch`: the members of each engine tree whose footprint is
-at core.budget.GPU_FAST_RATIO of its budget or more). This thread reads the process lists of every GPU (two calls a
+at core.kill.budget.GPU_FAST_RATIO of its budget or more). This thread reads the process lists of every GPU (two calls a
 GPU through NvmlSource's one guarded worker, `process_bytes`), keeps the watched pids, and sends a
 `GpuSampleMsg` to the guard when their bytes changed. The guard lays them over the cycle's reading and looks at the
 budget at once (guard.gpuboard, guard.budgets): a GPU runaway that takes gigabytes in one step is seen within one
@@ -24,7 +24,7 @@ from collections.abc import Callable, Collection
 from sparkwatch.common.messages import MAX_GPU_WATCH_PIDS, GpuSampleMsg
 from sparkwatch.common.sources.procs import parse_stat
 from sparkwatch.common.threads import daemon_thread
-from sparkwatch.core.budget import FAST_PERIOD_S
+from sparkwatch.core.kill.budget import FAST_PERIOD_S
 
 ProcessBytes = Callable[[], dict[int, int] | None]
 # With no reading (NVML not initialised yet by a telemetry cycle, down, or stuck) the next try waits this long: the

@@ -13,9 +13,9 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from sparkwatch.common import logs
-from sparkwatch.common.events import EventLog, EventLogError, make_event
-from sparkwatch.core.alerts import headroom_step
+from sparkwatch.common.eventlog import EventLog, EventLogError, make_event
 from sparkwatch.core.eventkinds import EventKind
+from sparkwatch.core.report.alerts import headroom_step
 from sparkwatch.core.units import format_size
 
 log = logs.get("headroom")

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from sparkwatch.common import logs, syscalls
-from sparkwatch.common.events import make_event
+from sparkwatch.common.eventlog import make_event
 from sparkwatch.common.guardconfig import engine_rules, engine_scope
 from sparkwatch.common.launched import LaunchedWatch
 from sparkwatch.common.sources.buddyinfo import page_size_bytes, read_contiguous_free
@@ -26,9 +26,9 @@ from sparkwatch.common.sources.meminfo import MeminfoReader
 from sparkwatch.common.sources.procs import IncrementalScanner
 from sparkwatch.common.sources.psi import read_psi
 from sparkwatch.common.threads import daemon_thread
-from sparkwatch.core import compile as compile_core
-from sparkwatch.core import jit as jit_core
-from sparkwatch.core.engines import find_engine_trees, unknown_gpu_holders
+from sparkwatch.core.engines import compile as compile_core
+from sparkwatch.core.engines import jit as jit_core
+from sparkwatch.core.engines.identity import find_engine_trees, unknown_gpu_holders
 from sparkwatch.core.eventkinds import EventKind
 from sparkwatch.core.model import (
     BootState,

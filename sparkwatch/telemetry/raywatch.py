@@ -5,7 +5,7 @@ On its own thread, every `ray_poll_s` (1 s) while a raylet runs in this node's n
 telemetry loop's own process table every `RAYLET_LOOK_S`: a box without Ray pays that and nothing else):
 1. read the actors from the dashboard's state API (telemetry.sources.raystate), and nodes, jobs and placement groups
    with them every `FULL_EVERY_S` or as soon as an actor not known yet appears;
-2. core.raygroup decides which groups lost a member and which of this node's processes belong to them, from the
+2. core.kill.raygroup decides which groups lost a member and which of this node's processes belong to them, from the
    pids Ray names, read one by one from /proc only for a group that lost one (only those in our network
    namespace, with their start time);
 3. for each, a `GroupTeardownMsg` to the guard, which checks every member again itself and kills them
@@ -34,7 +34,7 @@ from sparkwatch.common import logs
 from sparkwatch.common.messages import GroupTeardownMsg
 from sparkwatch.common.sources.procs import ProcParseError, ProcScanner
 from sparkwatch.common.threads import daemon_thread
-from sparkwatch.core import raygroup
+from sparkwatch.core.kill import raygroup
 from sparkwatch.core.model import Proc
 from sparkwatch.telemetry.sources.raystate import (
     LocalRaylet,

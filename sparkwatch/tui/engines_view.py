@@ -9,9 +9,9 @@ from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
-from sparkwatch.core.engines import EngineRules
+from sparkwatch.core.engines.identity import EngineRules
+from sparkwatch.core.engines.proctree import tree_rows
 from sparkwatch.core.model import EngineTree, GpuHolder
-from sparkwatch.core.proctree import tree_rows
 from sparkwatch.core.redact import redact
 from sparkwatch.core.units import format_size
 from sparkwatch.core.words import plural

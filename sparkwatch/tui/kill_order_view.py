@@ -1,4 +1,4 @@
-"""`sparkwatch engines`: the order in which the guard would kill the engine trees now, and why (core.policy)."""
+"""`sparkwatch engines`: the order in which the guard would kill the engine trees now, and why (core.kill.policy)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
-from sparkwatch.core.policy import Candidate
+from sparkwatch.core.kill.policy import Candidate
 from sparkwatch.core.redact import redact
 
 

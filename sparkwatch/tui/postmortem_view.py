@@ -9,8 +9,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from datetime import datetime
 
-from sparkwatch.core.flight import FlightSample
-from sparkwatch.core.postmortem import Verdict
+from sparkwatch.core.postmortem.flight import FlightSample
+from sparkwatch.core.postmortem.verdict import Verdict
 from sparkwatch.core.redact import safe_text
 from sparkwatch.core.units import format_size
 

@@ -21,7 +21,6 @@ from rich.table import Table
 from rich.text import Text
 
 from sparkwatch.core.enums import DriverVerdict, JitState, MaxJobsState
-from sparkwatch.core.guardstate import GuardState, describe, describe_all
 from sparkwatch.core.model import (
     BootState,
     CompileCensus,
@@ -35,7 +34,8 @@ from sparkwatch.core.model import (
     Snapshot,
 )
 from sparkwatch.core.redact import redact
-from sparkwatch.core.trend import BuildRate, PoolTrend
+from sparkwatch.core.report.guardstate import GuardState, describe, describe_all
+from sparkwatch.core.report.trend import BuildRate, PoolTrend
 from sparkwatch.core.units import GiB, MiB, format_size
 from sparkwatch.core.words import plural
 from sparkwatch.tui.events_view import local_time
@@ -71,7 +71,7 @@ class StatusFrame:
     live: bool = False
     # Wall time of the viewer's first snapshot: a state "since" then may be older; the view says "for ≥ …".
     started_ts: float = 0.0
-    # The running guards' published state (common.guardstate), and why any other state file found was not taken.
+    # The running guards' published state (common.guardfile), and why any other state file found was not taken.
     guards: tuple[GuardState, ...] = ()
     guard_notes: tuple[str, ...] = ()
 
@@ -356,7 +356,7 @@ def gpu_lines(gpu: GpuReport | None, unknown: Sequence[GpuHolder] = ()) -> list[
 
 
 def driver_lines(driver: DriverReport | None, error: str | None = None) -> list[Text]:
-    """The drift verdict (core.driver) and its sentence."""
+    """The drift verdict (core.driver.drift) and its sentence."""
     out = []
     if driver is None and error is None:
         out.append(Text("not checked yet", style="dim"))

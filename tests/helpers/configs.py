@@ -1,5 +1,6 @@
 """GuardConfig for tests, built as production builds it: pydantic Settings validated, then the one conversion
-(config.schema.guard_config). `trigger_keys` hands core.trigger the config's keys it takes, as the pool watch does."""
+(config.schema.guard_config). `trigger_keys` hands core.kill.trigger the config's keys it takes, as the pool watch
+does."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ def guard_config_with(**overrides: Any) -> GuardConfig:
 
 
 def trigger_keys(config: GuardConfig) -> dict[str, Any]:
-    """core.trigger.step's keyword arguments from a config (guard.poolwatch passes the same fields)."""
+    """core.kill.trigger.step's keyword arguments from a config (guard.poolwatch passes the same fields)."""
     return {
         "floor": config.floor,
         "kill_budget_s": config.kill_budget_s,

@@ -17,13 +17,13 @@ of the NVIDIA driver (`NVRM: Xid (PCI:…): <code>, pid=…, name=…, <text>`),
 MESSAGE_ID), and fs/pstore/platform.c's `Panic#1 Part1` header over printk's `<level>[seconds] text` lines.
 
 Each entry carries the fields journald itself adds for its source, as systemd 252 writes them, since the verdict
-trusts only those (core.postmortem, "Trusted sources"): a client's entry gets `_PID`, `_UID`, `_GID`, `_COMM`, `_EXE`,
-`_CMDLINE` and the `_SYSTEMD_*` fields of its cgroup from the socket's credentials (journald-context.c); journald's own
-lines (`_TRANSPORT=driver`) get its own; a line read back from /dev/kmsg gets none of them, only `SYSLOG_IDENTIFIER`
-and `SYSLOG_PID` parsed from its "ident[pid]: " text (journald-kmsg.c dev_kmsg_record). A user's forgeries are what
-`logger` (util-linux: /dev/log, `_TRANSPORT=syslog`, facility user, `--id=N` sets SYSLOG_PID), `logger --journald`
-(any non-underscore field, `_TRANSPORT=journal`) and `systemd-cat` (`_TRANSPORT=stdout`, it execs `cat` without a
-command) really produce.
+trusts only those (core.postmortem.verdict, "Trusted sources"): a client's entry gets `_PID`, `_UID`, `_GID`, `_COMM`,
+`_EXE`, `_CMDLINE` and the `_SYSTEMD_*` fields of its cgroup from the socket's credentials (journald-context.c);
+journald's own lines (`_TRANSPORT=driver`) get its own; a line read back from /dev/kmsg gets none of them, only
+`SYSLOG_IDENTIFIER` and `SYSLOG_PID` parsed from its "ident[pid]: " text (journald-kmsg.c dev_kmsg_record). A user's
+forgeries are what `logger` (util-linux: /dev/log, `_TRANSPORT=syslog`, facility user, `--id=N` sets SYSLOG_PID),
+`logger --journald` (any non-underscore field, `_TRANSPORT=journal`) and `systemd-cat` (`_TRANSPORT=stdout`, it execs
+`cat` without a command) really produce.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from sparkwatch.common.flightrec import RingWriter
-from sparkwatch.core.flight import FlightSample, TreeFootprint
+from sparkwatch.core.postmortem.flight import FlightSample, TreeFootprint
 from sparkwatch.core.units import GiB
 
 JOURNAL_REMOTE = ("/lib/systemd/systemd-journal-remote", "/usr/lib/systemd/systemd-journal-remote")

@@ -18,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-from sparkwatch.common.events import EventLog
+from sparkwatch.common.eventlog import EventLog
 from sparkwatch.config.schema import guard_config
 from sparkwatch.config.settings import load_settings
 from sparkwatch.guard.poolwatch import GuardLinks, PoolWatch

@@ -36,8 +36,8 @@ from typing import Any, BinaryIO
 
 from sparkwatch.common.durable import StateFileError, open_regular, read_regular
 from sparkwatch.core.bounded import shown
-from sparkwatch.core.enginecli import TOKENS_MAX
-from sparkwatch.core.plan import ModelFacts
+from sparkwatch.core.engines.enginecli import TOKENS_MAX
+from sparkwatch.core.launch.plan import ModelFacts
 
 CONFIG_MAX_BYTES = 4 << 20
 INDEX_MAX_BYTES = 32 << 20  # a 1,000-shard index is a few MiB

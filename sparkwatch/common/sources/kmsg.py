@@ -21,7 +21,7 @@ import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from sparkwatch.core.kernlog import KmsgRecord, parse_kmsg_record
+from sparkwatch.core.driver.nvrm import KmsgRecord, parse_kmsg_record
 
 DEFAULT_KMSG_PATH = Path("/dev/kmsg")
 # The kernel log device: character major 1 (mem), minor 11 (drivers/char/mem.c, devlist: [11] = "kmsg").

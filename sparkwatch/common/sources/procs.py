@@ -16,17 +16,17 @@ they were, and kernel threads are never asked for one.
   of a live process is never cached, or `/usr/bin/tail -f vllm.log` read there stayed argv-less for good.
 
 The same cache keeps what protection and identity need that a user cannot forge: the executable (readlink
-/proc/PID/exe), the cgroup v2 path, and, only for generic launchers (`core.engines.wants_maps`: an mpi4py worker),
-the first engine library found in /proc/PID/maps (read in bounded chunks), all read again with argv.
+/proc/PID/exe), the cgroup v2 path, and, only for generic launchers (`core.engines.identity.wants_maps`: an mpi4py
+worker), the first engine library found in /proc/PID/maps (read in bounded chunks), all read again with argv.
 
 The maps of one more kind of process are read, once each: the plain Python parent of a process titled like an engine
-that adopts its parent (`core.engines.wants_parent_maps`: an EngineCore, an SGLang scheduler). Adoption needs the
-engine's own native module mapped in that parent as evidence (core.engines._adoptable_parent). The read happens
-when such a child is first read (a new title is a new comm, so the child is read again), after the scan's loop, so
-it costs one maps read per engine parent and nothing per scan for anyone else.
+that adopts its parent (`core.engines.identity.wants_parent_maps`: an EngineCore, an SGLang scheduler). Adoption needs
+the engine's own native module mapped in that parent as evidence (core.engines.identity._adoptable_parent). The read
+happens when such a child is first read (a new title is a new comm, so the child is read again), after the scan's loop,
+so it costs one maps read per engine parent and nothing per scan for anyone else.
 
 The executable is unforgeable only in the initial namespaces: any user may `unshare -Urm` and bind-mount python3 over
-/usr/bin/systemd-cat. So for the few processes whose exe would protect them (`core.engines.exe_protects`: sshd,
+/usr/bin/systemd-cat. So for the few processes whose exe would protect them (`core.engines.identity.exe_protects`: sshd,
 systemd, tmux, …) the scanner also stats /proc/PID/ns/user and ns/mnt and compares them with PID 1's
 (`outside_initial_ns`). Two stat calls for each such process, once in its life (cached with the rest); nothing for
 any other process.
@@ -43,7 +43,13 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import NamedTuple
 
-from sparkwatch.core.engines import ENGINE_LIBRARIES, exe_protects, parent_wants_maps, wants_maps, wants_parent_maps
+from sparkwatch.core.engines.identity import (
+    ENGINE_LIBRARIES,
+    exe_protects,
+    parent_wants_maps,
+    wants_maps,
+    wants_parent_maps,
+)
 from sparkwatch.core.livecache import LiveCache
 from sparkwatch.core.model import Proc
 
@@ -273,7 +279,7 @@ class ProcScanner:
         """One process, or None if it is gone. Raises ProcParseError on garbage.
 
         `adopters`: where to note the parent pid of a freshly read process that adopts its parent
-        (core.engines.wants_parent_maps), so that scan() looks at that parent's maps once."""
+        (core.engines.identity.wants_parent_maps), so that scan() looks at that parent's maps once."""
         base = f"{self.proc_root}/{pid}"
         try:
             comm, state, ppid, flags, start, rss_pages, image = _parse_stat(pid, _read(f"{base}/stat"))
@@ -371,7 +377,7 @@ def read_start_ticks(proc_root: Path | str, pid: int) -> int | None:
 
 class JobStat(NamedTuple):
     """What the killer reads of each member when it pins it: the start time (with the pid, one process across
-    reuse), and the job-control facts (core.terminal: is a shell watching this process?)."""
+    reuse), and the job-control facts (core.kill.terminal: is a shell watching this process?)."""
 
     start_ticks: int
     pgrp: int

@@ -24,10 +24,10 @@ from sparkwatch import __version__
 from sparkwatch.common.guardconfig import GuardConfig
 from sparkwatch.common.stats import KILL_DURATION_BUCKETS_S, GuardStats, KernelLogStats
 from sparkwatch.config.defaults import Derived
-from sparkwatch.core.bootphase import BootPhase
-from sparkwatch.core.compile import TOOLS
+from sparkwatch.core.driver.nvrm import NVRM_KINDS, XID_CATALOGUE
+from sparkwatch.core.engines.compile import TOOLS
 from sparkwatch.core.enums import JitState, MaxJobsState
-from sparkwatch.core.kernlog import NVRM_KINDS, XID_CATALOGUE
+from sparkwatch.core.launch.bootphase import BootPhase
 from sparkwatch.core.model import DriverReport, GpuReport, MemInfo, Snapshot
 from sparkwatch.telemetry.exporter.families import counter, dropped_total, gauge, histogram
 from sparkwatch.telemetry.exporter.gpu import gpu_families
@@ -39,8 +39,8 @@ if TYPE_CHECKING:
     # values, both Derived) or, with the pool watch in the same process, its GuardConfig; all name them alike.
     LiveConfig = Settings | GuardConfig
 
-# core.trigger's triggers (each may choose a tree), core.kernlog's and core.budget's: exported at 0 so increase() sees
-# the first kill (or, in dry run, the first would-kill) of each from the start
+# core.kill.trigger's triggers (each may choose a tree), core.driver.nvrm's and core.kill.budget's: exported at 0 so
+# increase() sees the first kill (or, in dry run, the first would-kill) of each from the start
 GUARD_TRIGGERS = ("floor", "predicted", "escalate", "hunt", "driver_alloc_failed", "budget", "group_teardown")
 
 

@@ -13,9 +13,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from sparkwatch.core.bootphase import BootPhase
+from sparkwatch.core.driver.nvmlcodes import meanings_text
 from sparkwatch.core.enums import DriverVerdict, JitState, MaxJobsState
-from sparkwatch.core.nvmlcodes import meanings_text
+from sparkwatch.core.launch.bootphase import BootPhase
 
 MetricType = Literal["gauge", "counter", "histogram"]
 

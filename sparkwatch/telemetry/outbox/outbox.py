@@ -18,7 +18,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from sparkwatch.common import logs
-from sparkwatch.common.events import make_event
+from sparkwatch.common.eventlog import make_event
 from sparkwatch.common.lifecycle import Backoff, run_with_restarts
 from sparkwatch.common.threads import daemon_thread
 from sparkwatch.core.eventkinds import EventKind

@@ -21,8 +21,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from sparkwatch.core.engines.jit import ninja_object_targets
 from sparkwatch.core.enums import JitCacheKind
-from sparkwatch.core.jit import ninja_object_targets
 from sparkwatch.core.model import JitCacheState
 
 HOT_S = 120.0

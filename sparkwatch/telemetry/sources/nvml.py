@@ -1,7 +1,7 @@
 """The GPU through NVML (nvidia-ml-py). The one adapter that owns NVML: the only module that imports pynvml.
 
 Two ways in: `NvmlSource` (telemetry, every cycle) and `probe_nvml` (the one-shot library/driver version question the
-drift check and doctor ask). The return codes are core.nvmlcodes.NvmlReturn.
+drift check and doctor ask). The return codes are core.driver.nvmlcodes.NvmlReturn.
 
 Every NVML call goes through one guarded query (`NvmlSource._query`, after nvitop's `nvmlQuery`):
 - it runs on one worker thread and the caller waits at most `timeout_s` for it. A driver stuck in an ioctl (seen
@@ -31,9 +31,9 @@ from typing import Any
 
 from sparkwatch.common.sources.meminfo import MeminfoError, parse_meminfo
 from sparkwatch.common.threads import daemon_thread
+from sparkwatch.core.driver.nvmlcodes import FATAL_CODES as _FATAL_CODES
+from sparkwatch.core.driver.nvmlcodes import NvmlReturn
 from sparkwatch.core.model import GpuDevice, GpuProcess, GpuReport, NvmlFacts
-from sparkwatch.core.nvmlcodes import FATAL_CODES as _FATAL_CODES
-from sparkwatch.core.nvmlcodes import NvmlReturn
 from sparkwatch.telemetry.sources.nvml_preflight import LIBRARY
 
 # Memory info "about MemTotal" means unified memory. A GB10 report saw total ≈ 128.5 GB against MemTotal

@@ -13,8 +13,8 @@ The tail is taken per source: the last TAIL_ENTRIES of the kernel (`_TRANSPORT=k
 journald (`_TRANSPORT=driver`), of systemd-pstore's unit and of sparkwatch's own unit, and the last TAIL_ENTRIES of
 everything (the user lines), merged by cursor. Any user can write thousands of lines a second (`logger`): one tail of
 the whole boot let 5,001 of them after an OOM kill push the kernel's lines out of it. Which source a line really came
-from is judged by the fields journald adds itself (core.postmortem, "Trusted sources"); the matches here only make
-sure each source's last lines are read.
+from is judged by the fields journald adds itself (core.postmortem.verdict, "Trusted sources"); the matches here only
+make sure each source's last lines are read.
 
 pstore (fs/pstore/inode.c): files named `<type>-<backend>-<id>` (`dmesg-ramoops-0`, `dmesg-efi-171455765701001`)
 whose text starts with `<reason>#<count> Part<n>` (fs/pstore/platform.c pstore_dump: `Panic#1 Part1`). They are read
@@ -39,11 +39,17 @@ from datetime import datetime
 from pathlib import Path
 
 from sparkwatch.common.durable import StateFileError, read_regular
-from sparkwatch.common.events import read_events
+from sparkwatch.common.eventlog import read_events
 from sparkwatch.common.flightrec import RingContents, read_ring, recorder_paths
 from sparkwatch.common.sources.boot import normalize_boot_id
 from sparkwatch.core.eventkinds import EventKind
-from sparkwatch.core.postmortem import SPARKWATCH_UNIT, JournalEntry, PreviousBoot, PstoreRecord, SparkwatchEvent
+from sparkwatch.core.postmortem.verdict import (
+    SPARKWATCH_UNIT,
+    JournalEntry,
+    PreviousBoot,
+    PstoreRecord,
+    SparkwatchEvent,
+)
 
 JOURNALCTL_TIMEOUT_S = 60.0  # a big journal on a slow disk takes seconds; this runs off the guard, once per boot
 TAIL_ENTRIES = 5000  # each source's last entries of the previous boot: its last minutes, whatever it logged before

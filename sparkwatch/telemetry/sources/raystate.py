@@ -12,7 +12,7 @@ their node, their cluster's GCS and the interpreter of their Python workers on t
 test each node is a namespace of its own.
 
 What follows from the state (which groups have a dead member, which local processes are theirs) is decided in
-core.raygroup; telemetry.raywatch hands the guard what to stop.
+core.kill.raygroup; telemetry.raywatch hands the guard what to stop.
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from sparkwatch.core.kill.raygroup import RayActor, RayJob, RayNode, RayPlacementGroup, RayState
 from sparkwatch.core.model import Proc
-from sparkwatch.core.raygroup import RayActor, RayJob, RayNode, RayPlacementGroup, RayState
 
 if TYPE_CHECKING:
     import http.client
@@ -139,7 +139,7 @@ def _pid(value: object, path: str) -> int | None:
 
 
 def parse_state(docs: dict[str, Any]) -> RayState:
-    """The four answers as core.raygroup records. Raises RayStateError on a field of the wrong type."""
+    """The four answers as core.kill.raygroup records. Raises RayStateError on a field of the wrong type."""
     nodes = tuple(
         RayNode(_str(r, "node_id", "nodes"), _str(r, "node_ip", "nodes"), _str(r, "state", "nodes") == "ALIVE")
         for r in _rows(docs["nodes"], "nodes")

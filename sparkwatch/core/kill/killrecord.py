@@ -1,0 +1,194 @@
+"""What a kill leaves behind: the greppable line and the fields of the `kill` event (docs/contract.md, Events)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from sparkwatch.core.model import EngineTree, MemInfo, Proc
+from sparkwatch.core.redact import safe_cmdline
+from sparkwatch.core.units import format_size
+from sparkwatch.core.words import plural
+
+
+@dataclass(frozen=True, slots=True)
+class GroupLoss:
+    """Trigger `group_teardown`: an engine group spanning nodes lost a member (core.kill.raygroup), and this node stops
+    its own members of it. `roles`: (pid, role) of the members the guard checked; `detected_ts`: wall clock of the death
+    in Ray's state (0: unknown)."""
+
+    group: str
+    cause: str
+    first_node: str
+    first_pid: int | None
+    roles: tuple[tuple[int, str], ...]
+    detected_ts: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class KillFacts:
+    """Everything known about one guard firing, measured by the guard and the reaper."""
+
+    trigger: str
+    mem: MemInfo
+    floor_bytes: int
+    fill_rate_bytes_per_s: float
+    dry_run: bool
+    trees: tuple[EngineTree, ...]
+    victims: tuple[tuple[Proc, str], ...]  # (process, engine kind) actually signalled (or that would be)
+    detect_to_signal_ms: float | None = None
+    signal_to_reaped_ms: float | None = None
+    reclaimed_bytes: int | None = None
+    survivors: tuple[int, ...] = ()  # pids not reaped within the wait (D state, or not ours)
+    method: str = "pidfd"
+    # What the victims held when they were signalled: RSS from the scan, GPU bytes from telemetry's last per-pid
+    # reading (None: no fresh reading; on a GB10 RSS misses the GPU share: a 77 GiB engine showed 1.8 GiB RSS).
+    victim_rss_bytes: int | None = None
+    victim_gpu_bytes: int | None = None
+    # MemAvailable settle_s after the reap. Not "what came back": on this project's VM MemAvailable read 0-125 MiB
+    # higher 0.5 s after a 1.3 GiB tree was reaped (freed pages sit in per-CPU lists), so the record gives both figures.
+    available_after_settle_bytes: int | None = None
+    settle_s: float | None = None
+    why_this_tree: tuple[str, ...] = ()  # the ranking's reasons for the victim
+    ranking: tuple[tuple[int, str, tuple[str, ...]], ...] = ()  # (root pid, kind, reasons) in kill order
+    # trigger "budget" (core.kill.budget): the tree's budget, its footprint when it died, where the footprint came from
+    budget_bytes: int | None = None
+    footprint_bytes: int | None = None
+    footprint_source: str | None = None
+    budget_source: str | None = None
+    group: GroupLoss | None = None  # trigger "group_teardown"
+
+
+def _reason(facts: KillFacts) -> str:
+    """Why the guard fired. Every size of a kill's record is written by core.units.format_size, in the line, the
+    summary and the views alike: one kill once showed its floor as "21761 MiB" in one place and "21.3 GiB" in
+    another."""
+    avail = format_size(facts.mem.available_bytes)
+    floor = format_size(facts.floor_bytes)
+    if facts.trigger == "budget" and facts.budget_bytes is not None and facts.footprint_bytes is not None:
+        return (
+            f"footprint {format_size(facts.footprint_bytes)} ({facts.footprint_source}) over its budget "
+            f"{format_size(facts.budget_bytes)} ({facts.budget_source}); MemAvailable {avail}"
+        )
+    if facts.group is not None:
+        g = facts.group
+        return f"group {g.group[:12]} lost a member: {g.cause} on {g.first_node} (pid {g.first_pid})"
+    if facts.trigger == "escalate":
+        return f"MemAvailable {avail} still <= floor {floor} after the last kill"
+    if facts.trigger == "predicted":
+        return (
+            f"MemAvailable {avail} falling {format_size(facts.fill_rate_bytes_per_s)}/s, "
+            f"predicted to cross floor {floor}"
+        )
+    if facts.trigger == "driver_alloc_failed":  # core.driver.nvrm's corroboration: the driver ran out first
+        return f"NVIDIA driver allocation failed at MemAvailable {avail}, within warn_headroom of floor {floor}"
+    return f"MemAvailable {avail} <= floor {floor}"
+
+
+def kill_line(facts: KillFacts) -> str:
+    """`sparkwatch: KILL vllm tree root=1234 (9 processes): MemAvailable 4.6 GiB <= floor 8.0 GiB`"""
+    verb = "DRY-RUN would KILL" if facts.dry_run else "KILL"
+    if not facts.trees:
+        return f"sparkwatch: NO ENGINE TO KILL: {_reason(facts)}"
+    parts = [f"{t.kind} tree root={t.root.pid} ({plural(len(t.members), 'process')})" for t in facts.trees]
+    why = f" [{'; '.join(facts.why_this_tree)}]" if facts.why_this_tree else ""
+    return f"sparkwatch: {verb} {', '.join(parts)}: {_reason(facts)}{why}"
+
+
+def terminal_note(facts: KillFacts, tree: EngineTree) -> str:
+    """The one line written to a killed tree root's own terminal (guard.ttynote), so the owner's screen says who
+    killed the engine and why, under the shell's `Killed`. Only sparkwatch's words and numbers: no title or command
+    line of any process reaches a terminal."""
+    kind = "".join(c for c in tree.kind if c.isascii() and c.isprintable())[:32]
+    return (
+        f"sparkwatch: killed this {kind} engine (pid {tree.root.pid}, {plural(len(tree.members), 'process')}) "
+        f"before memory ran out: {_reason(facts)}. Details: sparkwatch events"
+    )
+
+
+def kill_summary(facts: KillFacts) -> str:
+    if facts.group is not None:
+        g, roles = facts.group, dict(facts.group.roles)
+        members = ", ".join(f"{roles.get(p.pid, 'child')} {p.pid}" for p, _kind in facts.victims)
+        verb = "would stop" if facts.dry_run else "stopped"
+        return (
+            f"group {g.group[:12]}: {g.cause} on {g.first_node} (pid {g.first_pid}); "
+            f"{verb} {plural(len(facts.victims), 'local member')}: {members}"
+        )
+    if not facts.trees:
+        return f"Memory ran low ({_reason(facts)}) but no engine process was found to kill."
+    names = ", ".join(f"{t.kind} (root pid {t.root.pid}, {plural(len(t.members), 'process')})" for t in facts.trees)
+    head = "Would have killed" if facts.dry_run else "Killed"
+    tail = ""
+    if facts.victim_rss_bytes is not None:
+        gpu = "" if facts.victim_gpu_bytes is None else f" and {format_size(facts.victim_gpu_bytes)} of GPU memory"
+        tail = f"; {'they' if facts.dry_run else 'the victims'} held {format_size(facts.victim_rss_bytes)} RSS{gpu}"
+    if facts.available_after_settle_bytes is not None and not facts.dry_run:
+        tail += (
+            f"; MemAvailable was {format_size(facts.available_after_settle_bytes)} "
+            f"{facts.settle_s or 0:.1f} s after the reap"
+        )
+    if facts.survivors:
+        tail += f"; {plural(len(facts.survivors), 'process')} had not exited yet"
+    return f"{head} {names}: {_reason(facts)}{tail}."
+
+
+def kill_fields(facts: KillFacts) -> dict[str, object]:
+    return {
+        "trigger": facts.trigger,
+        "mem_available_bytes": facts.mem.available_bytes,
+        "floor_bytes": facts.floor_bytes,
+        "fill_rate_bytes_per_second": round(facts.fill_rate_bytes_per_s),
+        "dry_run": facts.dry_run,
+        "method": facts.method,
+        "victims": [
+            {
+                "pid": p.pid,
+                "name": p.display_name,
+                "engine": kind,
+                "rss_bytes": p.rss_bytes,
+                "cmdline": safe_cmdline(p.argv),
+            }
+            for p, kind in facts.victims
+        ],
+        "detect_to_signal_ms": _ms(facts.detect_to_signal_ms),
+        "signal_to_reaped_ms": _ms(facts.signal_to_reaped_ms),
+        "reclaimed_bytes": facts.reclaimed_bytes,
+        "survivors": list(facts.survivors),
+        "victim_rss_bytes": facts.victim_rss_bytes,
+        "victim_gpu_bytes": facts.victim_gpu_bytes,
+        "mem_available_after_settle_bytes": facts.available_after_settle_bytes,
+        "why": list(facts.why_this_tree),
+        "ranking": [{"root_pid": pid, "engine": kind, "why": list(why)} for pid, kind, why in facts.ranking],
+        **(
+            {
+                "budget_bytes": facts.budget_bytes,
+                "footprint_bytes": facts.footprint_bytes,
+                "footprint_source": facts.footprint_source,
+                "budget_source": facts.budget_source,
+            }
+            if facts.trigger == "budget"
+            else {}
+        ),
+        **(_group_fields(facts.group, facts.victims) if facts.group is not None else {}),
+    }
+
+
+def _group_fields(g: GroupLoss, victims: Sequence[tuple[Proc, str]]) -> dict[str, object]:
+    roles = dict(g.roles)
+    return {
+        "group": g.group,
+        "cause": g.cause,
+        "first_node": g.first_node,
+        "first_pid": g.first_pid,
+        "members": [{"pid": p.pid, "role": roles.get(p.pid, "child")} for p, _kind in victims],
+        "detected_ts": g.detected_ts or None,  # wall clock: when telemetry saw the death in Ray's state
+    }
+
+
+def _ms(value: float | None) -> float | None:
+    return None if value is None else round(value, 2)
+
+
+def victims_of(trees: Sequence[EngineTree]) -> tuple[tuple[Proc, str], ...]:
+    return tuple((p, t.kind) for t in trees for p in t.members)

@@ -1,0 +1,1 @@
+"""`sparkwatch launch`'s decisions: will it fit, the environment, learned peaks, boot phases, settling."""

@@ -1,0 +1,415 @@
+"""The telemetry process: everything but the guard, in a process of its own that the guard supervises.
+
+NVML, the telemetry loop (/proc census, compilers, JIT caches), the metrics endpoint, the alert outbox, the driver
+check and its udev trigger, and the low-headroom alerts. If anything here blocks (a `dlopen` of a hung libnvidia-ml
+holds this interpreter's GIL), leaks or crashes, the pool watch in the other process does not notice; the guard's
+supervisor restarts this process with backoff.
+
+What it knows of the guard comes over the channel (common.messages): its state when it changes, exported under the
+`sparkwatch_guard_*` names through `RemoteGuard` (telemetry.remote), the guard's events (kills) for the outbox, and
+the config. It sends back per-pid GPU memory, the GPU holders, and the engine and compile-job counts for the guard's
+STATUS= line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+from types import FrameType
+from typing import TYPE_CHECKING, Any
+
+from sparkwatch.common import logs, syscalls
+from sparkwatch.common.channel import Channel, ChannelClosed
+from sparkwatch.common.lifecycle import Component, CountersOnly, apply_all, start_all, stop_all
+from sparkwatch.common.messages import AckMsg, AppliedMsg, EventMsg, Message, SettingsMsg, StateMsg, TelMsg
+from sparkwatch.common.recording import open_recording
+from sparkwatch.common.selfwatch import rss_bytes
+from sparkwatch.common.sharing import events_gid
+from sparkwatch.config.settings import ConfigError, wire_settings
+from sparkwatch.core.model import NvmlFacts, Snapshot
+from sparkwatch.telemetry.drivercheck import DriverWatcher
+from sparkwatch.telemetry.exporter.internal import InternalCollector
+from sparkwatch.telemetry.exporter.postmortemmetric import PostmortemCollector
+from sparkwatch.telemetry.exporter.server import MetricsServer, build_registry
+from sparkwatch.telemetry.gpufast import GpuFastSampler
+from sparkwatch.telemetry.headroom import HeadroomWatcher
+from sparkwatch.telemetry.loop import Telemetry, TelemetryLoop, gpu_bytes_by_pid, quiet
+from sparkwatch.telemetry.outbox import Outbox
+from sparkwatch.telemetry.postmortemtask import PostmortemWatch
+from sparkwatch.telemetry.raywatch import RayWatch
+from sparkwatch.telemetry.remote import EventErrors, RemoteGuard
+from sparkwatch.telemetry.sources.nvml import NvmlSource
+from sparkwatch.telemetry.sources.nvml_preflight import NvmlOff, Preflight
+from sparkwatch.telemetry.sources.udev import UdevWatcher
+
+if TYPE_CHECKING:
+    from sparkwatch.config.settings import Settings
+
+log = logs.get("telemetry")
+FIRST_SETTINGS_S = 30.0
+# An unchanged `tel` is still sent this often: under the policy's GPU_STALE_S (5 s), and the guard hears us alive.
+TEL_HEARTBEAT_S = 4.0
+NVML_OFF = "NVML off: telemetry hung twice in a row (a hung libnvidia-ml?); restart sparkwatch to try it again"
+
+
+def make_outbox(settings: Settings) -> Outbox | None:
+    if settings.webhook_url is None:
+        return None
+    return Outbox(
+        settings.outbox_dir,
+        str(settings.webhook_url),
+        settings.webhook_secret.get_secret_value() if settings.webhook_secret is not None else None,
+        timeout_s=settings.webhook_timeout_s,
+        backoff_min_s=settings.webhook_backoff_min_s,
+        backoff_max_s=settings.webhook_backoff_max_s,
+        max_alerts=settings.outbox_max_alerts,
+        events_path=settings.events_path,
+        events_group=events_gid(settings.events_group),
+    )
+
+
+class TelemetryProcess:
+    def __init__(
+        self, settings: Settings, channel: Channel | None, *, log_handler: Any = None, nvml_off: str | None = None
+    ) -> None:
+        """`nvml_off`: why NVML must not be loaded in this process (None: load it)."""
+        self.settings = settings
+        self.nvml_off = nvml_off
+        self.channel = channel
+        self.remote = RemoteGuard(settings)
+        self.outbox = make_outbox(settings)
+        gid = events_gid(settings.events_group)
+        self.recording = open_recording(settings.events_path, settings.events_max_bytes, self.outbox, log_handler, gid)
+        self.events, self.journal, self.router = self.recording.events, self.recording.journal, self.recording.router
+        self.components: list[Component[Settings]] = [*self._alerting(), *self._watchers()]
+        loop = self.loop = TelemetryLoop(
+            Telemetry(
+                settings,
+                gpu_source=None if nvml_off is None else NvmlOff(nvml_off),
+                driver=lambda: self.driver.report,
+            ),
+            settings.telemetry_interval_s,
+            on_event=self.events.append,
+            on_cycle=self.report,
+            is_quiet=lambda snap: quiet(snap) and not self._guard_near_floor(),
+        )
+        self.components.append(
+            Component(
+                "telemetry",
+                loop,
+                Telemetry.LIVE_KEYS | {"telemetry_interval_s"},
+                loop.reconfigure,
+                lambda: {"cycle_errors": loop.errors_total, "launched_errors": loop.telemetry.launched.errors_total},
+            )
+        )
+        # Near-budget engines' GPU bytes, sampled fast on a thread of its own (the guard names them in its state).
+        source = loop.telemetry.gpu_source
+        nvml = source if isinstance(source, NvmlSource) else None
+        fast = self.gpu_fast = GpuFastSampler(
+            None if nvml is None else nvml.process_bytes, self._send, proc_root=str(settings.proc_root)
+        )
+        self.components.append(
+            Component(
+                "gpu_fast",
+                fast,
+                counters=lambda: {**fast.counters(), "nvml_call_errors": nvml.fast_errors_total if nvml else 0},
+            )
+        )
+        self.components += self._endpoint()
+        self._apply_lock = threading.Lock()
+        self._stop = threading.Event()
+        self._last_sent: Snapshot | None = None
+        self._last_tel: TelMsg | None = None
+        self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self._last_tel_at = 0.0
+
+    def _alerting(self) -> list[Component[Settings]]:
+        box, router = self.outbox, self.router
+        if box is None or router is None:
+            return []
+        counters: dict[str, Callable[[], int]] = {
+            "spool_errors": lambda: box.spool_errors_total,
+            "failed_attempts": lambda: box.failed_attempts_total,
+            "alerts_suppressed": lambda: router.suppressed_total,
+            "router_errors": lambda: router.errors_total,
+        }
+        return [Component("outbox", box, counters=lambda: {name: read() for name, read in counters.items()})]
+
+    def _watchers(self) -> list[Component[Settings]]:
+        settings = self.settings
+        nvml_off = self.nvml_off
+        driver = self.driver = DriverWatcher(
+            settings, self.events, nvml_probe=None if nvml_off is None else (lambda: NvmlFacts(error=nvml_off))
+        )
+        out: list[Component[Settings]] = [
+            Component(
+                "driver",
+                driver,
+                frozenset({"driver_check_interval_s"}),
+                self._apply_driver,
+                lambda: {"errors": driver.errors_total},
+            )
+        ]
+        if str(settings.root) == "/":  # uevents describe this machine: with a fixture root only the timer runs
+            udev = UdevWatcher(driver.poke)
+            out.append(Component("udev", udev, counters=lambda: {"errors": udev.errors_total}))
+        # How the previous boot ended: once per boot, on a thread that ends with the verdict (journalctl may take
+        # seconds); the outbox is already started (the components before it), so its alert goes out at once.
+        postmortem = self.postmortem = PostmortemWatch(settings, self.events)
+        out.append(Component("postmortem", postmortem, counters=postmortem.counters))
+        headroom = self.headroom = HeadroomWatcher(settings, self.remote.available_bytes, self.events)
+        out.append(
+            Component(
+                "headroom",
+                headroom,
+                HeadroomWatcher.LIVE_KEYS,
+                headroom.apply,
+                lambda: {"event_errors": headroom.event_errors_total},
+            )
+        )
+        # Engines spanning nodes over Ray: their groups from Ray's state API, a teardown to the guard when one loses a
+        # member (telemetry.raywatch; the guard checks each member itself before any signal).
+        raywatch = self.raywatch = RayWatch(settings, self._send, procs=lambda: self.loop.telemetry.last_procs)
+        out.append(Component("raywatch", raywatch, RayWatch.LIVE_KEYS, raywatch.apply, raywatch.counters))
+        return out
+
+    def _endpoint(self) -> list[Component[Settings]]:
+        loop = self.loop
+        self.registry = build_registry(
+            self.settings, lambda: loop.latest, self.remote, EventErrors(self.events, self.remote), self.outbox
+        )
+        self.registry.register(
+            InternalCollector(self.all_counters, self.rss, self.psi_trigger, self.telemetry_restarts)
+        )
+        self.registry.register(PostmortemCollector(lambda: self.postmortem.result))
+        self.metrics = MetricsServer(self.settings, self.registry)
+        out: list[Component[Settings]] = [
+            Component("metrics", self.metrics, counters=self.metrics.counters),
+            Component("events", CountersOnly(), counters=self.recording.counters),
+        ]
+        if self.channel is not None:
+            ch = self.channel
+            out.append(
+                Component(
+                    "channel",
+                    CountersOnly(),
+                    counters=lambda: {
+                        "dropped": ch.dropped_total,
+                        "bad": ch.bad_total,
+                        "oversized": ch.oversized_total,
+                    },
+                )
+            )
+        return out
+
+    # --- exported
+    def all_counters(self) -> dict[str, dict[str, dict[str, int]]]:
+        mine = {component.name: dict(component.counters()) for component in self.components}
+        with self.remote.lock:
+            theirs = {c: dict(v) for c, v in self.remote.counters.items()}
+        return {"telemetry": mine, "guard": theirs} if theirs else {"telemetry": mine}
+
+    def rss(self) -> dict[str, int]:
+        out = {"telemetry": rss_bytes()}
+        with self.remote.lock:
+            if self.remote.rss_bytes is not None:
+                out["guard"] = self.remote.rss_bytes
+        return out
+
+    def psi_trigger(self) -> bool | None:
+        with self.remote.lock:
+            return self.remote.stats.psi_trigger if self.remote.updates_total else None
+
+    def telemetry_restarts(self) -> int | None:
+        with self.remote.lock:
+            return self.remote.counters.get("telemetry", {}).get("telemetry_restarts")
+
+    # --- reload
+    def _apply_driver(self, settings: Settings) -> frozenset[str]:
+        self.driver.interval_s = settings.driver_check_interval_s
+        return frozenset({"driver_check_interval_s"})
+
+    def apply(self, settings: Settings) -> tuple[frozenset[str], list[str]]:
+        with self._apply_lock:
+            applied, errors = apply_all(self.components, settings)
+            self.settings = settings
+            with self.remote.lock:
+                self.remote.settings = settings
+        return frozenset().union(*applied.values()), errors
+
+    # --- the channel
+    def handle(self, msg: Message) -> None:
+        if isinstance(msg, StateMsg):
+            self.remote.update(msg)
+            self.headroom.tick()
+            self.gpu_fast.watch([key for b in msg.guard.budgets for key in b.gpu_watch])
+        elif isinstance(msg, EventMsg):
+            if self.router is not None:
+                self.router(msg.event)  # already durable in events.jsonl and in the journal: only the alert is left
+            self._send(AckMsg((msg.event.id,)))  # the outbox has it (spooled, fsynced): the guard may forget it
+        elif isinstance(msg, SettingsMsg) and msg.reload:
+            try:
+                new = wire_settings(msg.wire)
+            except ConfigError as exc:
+                self._send(AppliedMsg((), (f"config refused: {exc}",)))
+                return
+            t0 = time.monotonic()
+            keys, errors = self.apply(new)
+            took_s = time.monotonic() - t0
+            if took_s > 1.0:
+                log.warning("reload: applying took %.1f s (a telemetry cycle was running)", took_s)
+            self._send(AppliedMsg(tuple(sorted(keys)), tuple(errors)))
+
+    def _send(self, msg: Message) -> None:
+        if self.channel is not None:
+            self.channel.send(msg)
+
+    def report(self) -> None:
+        """The latest cycle's parts of the guard's STATUS= line, per-pid GPU memory and the GPU holders: when they
+        changed, else every TEL_HEARTBEAT_S (the guard's policy takes a GPU reading up to GPU_STALE_S old, and the
+        guard's supervisor hears telemetry alive)."""
+        snap = self.loop.latest
+        now = time.monotonic()
+        if snap is None or snap is self._last_sent:
+            msg = TelMsg()  # alive, nothing new
+        else:
+            self._last_sent = snap
+            reading = gpu_bytes_by_pid(snap)
+            msg = TelMsg(
+                engines=len(snap.engines),
+                compile_jobs=snap.compile.parallel_jobs if snap.compile is not None else None,
+                gpu_ts=snap.ts if snap.gpu is not None and snap.gpu.up else None,
+                gpu_pids=dict(reading[1]) if reading is not None else {},
+                gpu_holders=tuple(sorted(self.loop.telemetry.gpu_holder_keys)),
+                engine_roots=tuple(sorted((tree.kind, tree.root.pid) for tree in snap.engines)),
+            )
+        key = replace(msg, gpu_ts=None)
+        if key == self._last_tel and now - self._last_tel_at < TEL_HEARTBEAT_S and not self._guard_near_floor():
+            return
+        self._send(msg)
+        self._last_tel, self._last_tel_at = key, now
+
+    def _guard_near_floor(self) -> bool:
+        """Whether the guard's last MemAvailable is within warn_headroom of the floor: then GPU readings go to it each
+        cycle (its kill policy ranks by them)."""
+        available = self.remote.available_bytes()
+        settings = self.settings
+        return available is not None and available <= settings.floor + settings.warn_headroom
+
+    def request_stop(self) -> None:
+        self._stop.set()
+        try:
+            os.write(self._wake_w, b"x")
+        except OSError:
+            pass
+
+    def run(self) -> int:
+        try:
+            # A port in use is not a failure here: the server keeps trying to bind on its own thread (BIND_RETRY_S)
+            # while the rest runs. Any other failure to start the endpoint (unreadable TLS files) exits, and the
+            # guard's supervisor tries again after its backoff.
+            # The endpoint first: it serves (a scrape before the first cycle says so) while the other components'
+            # threads start, and the driver check's first dpkg read, the postmortem verdict, pyudev's import and the
+            # first /proc scan no longer come before it (bench/RESULTS-telemetry-start.md). Stopped last.
+            first = [c for c in self.components if c.obj is self.metrics]
+            started = start_all(
+                [*first, *(c for c in self.components if c.obj is not self.metrics)], essential={"metrics"}
+            )
+        except Exception:
+            return 3
+        endpoint = ""
+        if self.metrics in [c.obj for c in started]:
+            listen = self.settings.listen
+            endpoint = f"; metrics on {listen}" if self.metrics.serving else f"; metrics waiting for {listen}"
+        log.info("telemetry running (pid %d): %s%s", os.getpid(), ", ".join(c.name for c in started), endpoint)
+        # This thread only answers the guard: the telemetry loop reports after each cycle (report()), so it sleeps
+        # until a message comes or stop() is asked for (the signal handler's pipe write wakes it).
+        while not self._stop.is_set():
+            if self.channel is None:
+                self._stop.wait(1.0)
+                continue
+            try:
+                for msg in self.channel.receive(None, wake_fd=self._wake_r):
+                    self.handle(msg)
+            except ChannelClosed:
+                log.info("the guard closed the channel; telemetry stops")
+                break
+        stop_all(started)
+        return 0
+
+
+def first_settings(channel: Channel, stop: threading.Event) -> tuple[Settings | None, list[Message]]:
+    """The config the guard sends first, within FIRST_SETTINGS_S, and what came after it in the same receive (the
+    guard's first state: handled once the process is built, never dropped). Raises ChannelClosed or ConfigError."""
+    deadline = time.monotonic() + FIRST_SETTINGS_S
+    while not stop.is_set() and time.monotonic() < deadline:
+        msgs = channel.receive(0.5)
+        for i, msg in enumerate(msgs):
+            if isinstance(msg, SettingsMsg):
+                return wire_settings(msg.wire), msgs[i + 1 :]
+    return None, []
+
+
+def main(argv: Sequence[str] | None = None, preflight: Preflight | None = None) -> int:
+    """`preflight`: NVML's load check, already started (telemetry/__main__.py starts it before the imports); None:
+    started here, unless --no-nvml."""
+    stop = threading.Event()
+    target: list[TelemetryProcess] = []
+
+    def on_signal(_signum: int, _frame: FrameType | None) -> None:
+        stop.set()
+        if target:
+            target[0].request_stop()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)  # the guard owns reloads; a terminal hangup reaches us too
+    parser = argparse.ArgumentParser(prog="sparkwatch-telemetry")
+    parser.add_argument("--channel-fd", type=int, required=True)
+    parser.add_argument("--guard-pid", type=int, default=0)
+    parser.add_argument("--no-nvml", action="store_true", help="never load libnvidia-ml (after it hung twice)")
+    args = parser.parse_args(argv)
+    if args.no_nvml and preflight is not None:
+        preflight.abandon()
+        preflight = None
+    elif not args.no_nvml and preflight is None:
+        preflight = Preflight.start()
+
+    def give_up(status: int) -> int:
+        if preflight is not None:
+            preflight.abandon()  # its child is ours to reap
+        return status
+
+    # Die with the guard (even one killed with SIGKILL): a telemetry process left behind would hold the metrics port.
+    syscalls.set_parent_death_signal(signal.SIGKILL)
+    if args.guard_pid and os.getppid() != args.guard_pid:
+        return give_up(0)  # the guard is already gone
+    syscalls.set_comm("sparkwatch-tel")
+    # Before any thread starts (the guard process does the same): glibc gives each thread that mallocs its own arena
+    # (up to 8 per core), and memory freed in one arena is not reused by the others.
+    syscalls.limit_malloc_arenas(2)
+    handler = logs.setup("telemetry")
+    channel = Channel.from_fd(args.channel_fd)
+    try:
+        settings, early = first_settings(channel, stop)
+    except (ChannelClosed, ConfigError) as exc:
+        log.error("no usable config from the guard: %s", exc)
+        return give_up(2)
+    if settings is None:
+        return give_up(0 if stop.is_set() else 2)
+    # NVML is loaded only after a child process showed it loads: a hung load would stop this whole interpreter.
+    nvml_off = NVML_OFF if preflight is None else preflight.reason()
+    if nvml_off is not None:
+        log.error("%s", nvml_off)
+    process = TelemetryProcess(settings, channel, log_handler=handler, nvml_off=nvml_off)
+    target.append(process)
+    for msg in early:
+        process.handle(msg)
+    if stop.is_set():
+        return 0
+    return process.run()
