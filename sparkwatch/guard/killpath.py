@@ -223,6 +223,27 @@ class _Choice:
     reasons: tuple[str, ...]
 
 
+def _named(req: KillRequest, facts: KillFacts) -> tuple[_Choice, KillFacts] | None:
+    """The tree a budget's or a group's request names, with what its record says of it; None for the pool's triggers,
+    whose tree the kill path chooses itself."""
+    if req.budget is not None:
+        b, fp, tree = req.budget, req.budget.footprint, req.budget.tree
+        reasons = (f"over its budget {format_size(b.budget_bytes)} ({b.source})",)
+        facts = replace(
+            facts,
+            budget_bytes=b.budget_bytes,
+            budget_source=b.source,
+            footprint_bytes=fp.bytes,
+            footprint_source=str(fp.source),
+        )
+        return _Choice(tree, tree.root.key, fp.bytes, tree.rss_bytes, fp.gpu_bytes, reasons), facts
+    if req.group is not None:
+        loss, tree = req.group.loss, req.group.tree
+        reasons = (f"its group lost a member: {loss.cause} on {loss.first_node} (pid {loss.first_pid})",)
+        return _Choice(tree, tree.root.key, tree.rss_bytes, tree.rss_bytes, None, reasons), replace(facts, group=loss)
+    return None
+
+
 class KillPath:
     """The one owner of a kill: chooses, re-reads, kills, counts, tracks the teardown, records (module docstring).
     Runs on the guard's thread only; `observe` (the growth history) also on the scout's, by reference swaps."""
@@ -301,56 +322,24 @@ class KillPath:
         """Act on one request; returns core.kill.trigger's state with what came of it."""
         config = snap.config
         exclude = self._episode_victims.union(self._outstanding)
-        if req.budget is not None:
-            b = req.budget
-            key = b.tree.root.key
-            if key in exclude:
+        facts = KillFacts(
+            trigger=req.trigger,
+            mem=req.mem,
+            floor_bytes=config.floor,
+            fill_rate_bytes_per_s=state.fill_rate_bytes_per_s,
+            dry_run=config.dry_run,
+            trees=(),
+            victims=(),
+        )
+        named = _named(req, facts)
+        if named is not None:  # a budget's or a group's request: the detector chose the tree
+            choice, facts = named
+            if choice.key in exclude:
                 return state  # already this episode's victim: that kill is under way and recorded
-            fp = b.footprint
-            reasons = (f"over its budget {format_size(b.budget_bytes)} ({b.source})",)
-            choice = _Choice(b.tree, key, fp.bytes, b.tree.rss_bytes, fp.gpu_bytes, reasons)
-            facts = KillFacts(
-                trigger=req.trigger,
-                mem=req.mem,
-                floor_bytes=config.floor,
-                fill_rate_bytes_per_s=state.fill_rate_bytes_per_s,
-                dry_run=config.dry_run,
-                trees=(),
-                victims=(),
-                budget_bytes=b.budget_bytes,
-                footprint_bytes=fp.bytes,
-                footprint_source=str(fp.source),
-                budget_source=b.source,
-            )
-        elif req.group is not None:
-            g = req.group
-            key = g.tree.root.key
-            if key in exclude:
-                return state  # already this episode's victim: that kill is under way and recorded
-            loss = g.loss
-            reasons = (f"its group lost a member: {loss.cause} on {loss.first_node} (pid {loss.first_pid})",)
-            choice = _Choice(g.tree, key, g.tree.rss_bytes, g.tree.rss_bytes, None, reasons)
-            facts = KillFacts(
-                trigger=req.trigger,
-                mem=req.mem,
-                floor_bytes=config.floor,
-                fill_rate_bytes_per_s=state.fill_rate_bytes_per_s,
-                dry_run=config.dry_run,
-                trees=(),
-                victims=(),
-                group=loss,
-            )
         else:
             picked, ranking = self._choose(req, exclude, snap)
-            facts = KillFacts(
-                trigger=req.trigger,
-                mem=req.mem,
-                floor_bytes=config.floor,
-                fill_rate_bytes_per_s=state.fill_rate_bytes_per_s,
-                dry_run=config.dry_run,
-                trees=(),
-                victims=(),
-                ranking=tuple((c.tree.root.pid, c.tree.kind, c.reasons) for c in ranking[:RANKING_IN_EVENT]),
+            facts = replace(
+                facts, ranking=tuple((c.tree.root.pid, c.tree.kind, c.reasons) for c in ranking[:RANKING_IN_EVENT])
             )
             if picked is None:
                 state = core.fired(state, time.monotonic(), core.Outcome.NONE)
