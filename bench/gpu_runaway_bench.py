@@ -35,6 +35,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from tables import publish
+
 GiB = 1 << 30
 MiB = 1 << 20
 TITLE = "VLLM::EngineCore_gpu-runaway"
@@ -265,10 +267,7 @@ def main() -> None:
             f"| {ms(med([r['after_end_s'] for r in mine]))} "
             f"| {gib(med([r['gpu_bytes'] for r in mine]))} | {budget_kills} of {len(mine)} |"
         )
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if args.out:
-        args.out.write_text(text)
+    publish(lines, args.out)
 
 
 if __name__ == "__main__":

@@ -31,6 +31,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from tables import publish  # noqa: E402
+
 from tests.conftest import wait_until  # noqa: E402
 from tests.daemon import sparkwatch_run  # noqa: E402
 from tests.raycluster import Engine, RayCluster, gone_within, pg_state, ray_cluster, sigkill  # noqa: E402
@@ -149,10 +151,7 @@ def main() -> None:
         "",
         "Every run: " + ", ".join(f"{t:.2f}" for t, _ in runs) + " s.",
     ]
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if args.out:
-        args.out.write_text(text)
+    publish(lines, args.out)
 
 
 if __name__ == "__main__":
