@@ -187,6 +187,9 @@ def test_crash_between_event_and_spool_loses_nothing(tmp_path: Path, receiver: R
     env = {"SPARKWATCH_WEBHOOK_URL": receiver.url_base + "/hook", "SPARKWATCH_MLOCK": "false"}
     with sparkwatch_run(tmp_path, env=env):
         assert wait_until(lambda: event_id in receiver.ids(), timeout_s=30)
+        # The receiver saw the request before its answer reached the outbox, which drops the spooled file only then:
+        # stopped in between, the file stays to be sent again at the next start (at least once, by design).
+        assert wait_until(lambda: not list((state / "outbox").glob("*.json")), timeout_s=10)
     ids = [e["id"] for e in read_events(state / "events.jsonl")]
     assert ids.count(event_id) == 1  # the record exists exactly once: restored, or found and not duplicated
     assert list((state / "outbox").glob("*.json")) == []
@@ -223,5 +226,8 @@ def test_guard_dying_before_the_hand_over_loses_no_alert(tmp_path: Path, receive
     env = {"SPARKWATCH_WEBHOOK_URL": receiver.url_base + "/hook", "SPARKWATCH_MLOCK": "false"}
     with sparkwatch_run(tmp_path, env=env):
         assert wait_until(lambda: event_id in receiver.ids(), timeout_s=30)
+        # The receiver saw the request before its answer reached the outbox, which drops the spooled file only then:
+        # stopped in between, the file stays to be sent again at the next start (at least once, by design).
+        assert wait_until(lambda: not list((state / "outbox").glob("*.json")), timeout_s=10)
     assert [e["id"] for e in read_events(state / "events.jsonl")].count(event_id) == 1
     assert list((state / "outbox").glob("*.json")) == []
