@@ -1,4 +1,5 @@
-"""core.driver.nvrm over real line formats: the H200's own /dev/kmsg, NVRM/Xid lines from public reports, buddyinfo."""
+"""core.driver.nvrm and core.driver.freeblocks over real formats: the H200's own /dev/kmsg, NVRM/Xid lines from public
+reports, buddyinfo."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from sparkwatch.core.driver import freeblocks
 from sparkwatch.core.driver import nvrm as k
 
 FIX = Path(__file__).parent / "fixtures" / "kmsg"
@@ -103,14 +105,14 @@ def test_garbage_is_no_record(junk: bytes) -> None:
 
 
 def test_buddyinfo_fresh_h200_vs_fragmented_vm() -> None:
-    fresh = k.parse_buddyinfo((FIX / "h200-buddyinfo.txt").read_bytes())
+    fresh = freeblocks.parse_buddyinfo((FIX / "h200-buddyinfo.txt").read_bytes())
     assert [z.zone for z in fresh] == ["DMA", "DMA32", "Normal"] and len(fresh[2].free_blocks) == 11
-    c = k.contiguous_free(fresh, 4096)
+    c = freeblocks.contiguous_free(fresh, 4096)
     # Orders 9 (2 MiB) and 10 (4 MiB): Normal 8 and 37, DMA32 0 and 753, DMA 1 and 3.
     assert c["2MiB"] == (8 * 2 + 37 * 4 + 753 * 4 + 1 * 2 + 3 * 4) * MiB
     assert c["64KiB"] > c["2MiB"]
-    frag = k.parse_buddyinfo((FIX / "vm-fragmented-buddyinfo.txt").read_bytes())
-    cf = k.contiguous_free(frag, 4096)
+    frag = freeblocks.parse_buddyinfo((FIX / "vm-fragmented-buddyinfo.txt").read_bytes())
+    cf = freeblocks.contiguous_free(frag, 4096)
     normal = next(z for z in frag if z.zone == "Normal")
     all_free = sum((4096 << o) * n for o, n in enumerate(normal.free_blocks))
     big = sum((4096 << o) * n for o, n in enumerate(normal.free_blocks) if o >= 9)
@@ -119,22 +121,22 @@ def test_buddyinfo_fresh_h200_vs_fragmented_vm() -> None:
 
 
 def test_buddyinfo_sizes_come_from_the_page_size() -> None:
-    zones = k.parse_buddyinfo((FIX / "gb10-64k-buddyinfo.txt").read_bytes())
+    zones = freeblocks.parse_buddyinfo((FIX / "gb10-64k-buddyinfo.txt").read_bytes())
     assert len(zones[1].free_blocks) == 14
-    c64 = k.contiguous_free(zones, 65536)
+    c64 = freeblocks.contiguous_free(zones, 65536)
     normal = zones[1].free_blocks
     # 64 KiB pages: every block counts toward 64KiB; 2 MiB is order 5 and up.
     assert c64["64KiB"] == sum((65536 << o) * n for z in zones for o, n in enumerate(z.free_blocks))
     assert c64["2MiB"] == sum((65536 << o) * n for z in zones for o, n in enumerate(z.free_blocks) if o >= 5)
     assert normal[13] == 2 and c64["2MiB"] > 2 * (512 * MiB)
     # The same counts read with 4 KiB pages would be 16 times smaller: the page size is never assumed.
-    assert k.contiguous_free(zones, 4096)["2MiB"] < c64["2MiB"]
+    assert freeblocks.contiguous_free(zones, 4096)["2MiB"] < c64["2MiB"]
 
 
 @pytest.mark.parametrize("bad", [b"", b"Node 0, zone Normal 1 2 x\n", b"nonsense\n"])
 def test_buddyinfo_garbage_is_an_error(bad: bytes) -> None:
-    with pytest.raises(k.BuddyinfoError):
-        k.parse_buddyinfo(bad)
+    with pytest.raises(freeblocks.BuddyinfoError):
+        freeblocks.parse_buddyinfo(bad)
 
 
 NOMEM = k.NvrmError("no_memory", "NV_ERR_NO_MEMORY", "NVRM: ... [NV_ERR_NO_MEMORY] ...")

@@ -41,7 +41,7 @@ def add_parser(sub: Any, parent: argparse.ArgumentParser) -> None:
 
 def run_checks(args: argparse.Namespace) -> tuple[list[Check], Path, bool]:
     from sparkwatch.cli import settings_from
-    from sparkwatch.common.guardconfig import engine_rules
+    from sparkwatch.common.enginerules import engine_rules
     from sparkwatch.common.guardfile import read_guards, reader_paths
     from sparkwatch.common.sources.kmsg import read_kmsg_ring
     from sparkwatch.common.sources.meminfo import MeminfoError, parse_meminfo

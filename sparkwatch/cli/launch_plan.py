@@ -22,7 +22,7 @@ from sparkwatch.common.durable import read_regular
 from sparkwatch.common.sources.buddyinfo import page_size_bytes, read_buddyinfo
 from sparkwatch.common.sources.checkpoint import read_facts
 from sparkwatch.common.sources.meminfo import MeminfoReader
-from sparkwatch.core.driver.nvrm import BuddyinfoError, free_bytes_in_blocks
+from sparkwatch.core.driver.freeblocks import BuddyinfoError, free_bytes_in_blocks
 from sparkwatch.core.engines.enginecli import EngineCommand, EngineKind, recognise
 from sparkwatch.core.launch import launchenv, peaks
 from sparkwatch.core.launch.plan import (

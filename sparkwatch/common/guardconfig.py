@@ -6,53 +6,22 @@ never imports them: `sparkwatch run` validates the whole config once with Settin
 (`config.settings_to_wire`: plain JSON types, sizes in bytes) and execs into the guard process, which rebuilds them
 here as a frozen dataclass without validating anything again. A reload (SIGHUP) runs the same validation in a short
 child process (`sparkwatch run --print-settings`) and hands back the same wire form. The telemetry process turns
-the wire form back into a Settings (`Settings.model_validate`), so both processes hold the same values.
-
-Also the one place engine rules and the guard's scope are built from settings (`engine_rules`, `engine_scope`).
+the wire form into a WireSettings (config.defaults) the same way, so both processes hold the same values.
 """
 
 from __future__ import annotations
 
-import os
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
+from sparkwatch.common.enginerules import engine_rules, engine_scope
 from sparkwatch.common.wiretypes import WireError, from_json
-from sparkwatch.core.engines.identity import EngineRules, Scope, rules_for
+from sparkwatch.core.engines.identity import EngineRules, Scope
 from sparkwatch.core.kill.budget import BudgetParams
 from sparkwatch.core.kill.policy import PolicyParams, parse_engine_budgets
-
-
-class EngineSettings(Protocol):
-    """What the engine rules and scope are built from (Settings and GuardConfig both have it)."""
-
-    @property
-    def engine_patterns(self) -> Sequence[str]: ...
-    @property
-    def protect_patterns(self) -> Sequence[str]: ...
-    @property
-    def ancestor_pid(self) -> int: ...
-    @property
-    def guard_gpu_holders(self) -> bool: ...
-
-
-def engine_rules(settings: EngineSettings) -> EngineRules:
-    """The engine and protection rules from settings: every component builds them here and nowhere else."""
-    return rules_for(settings.engine_patterns, settings.protect_patterns, settings.guard_gpu_holders)
-
-
-def engine_scope(settings: EngineSettings, *, any_user: bool = False) -> Scope:
-    """Which processes this process may consider: never itself or its ancestors, only its own uid unless root (or
-    `any_user`, for read-only listings), only under `ancestor_pid` when set."""
-    return Scope(
-        self_pid=os.getpid(),
-        own_uid=0 if any_user else os.geteuid(),
-        ancestor_pid=settings.ancestor_pid,
-    )
-
 
 # A key the guard process applies on SIGHUP without a restart (guard.poolwatch reads it each tick); the others
 # (proc_root, state_dir, …) need a new process. GuardConfig is the one declaration of the guard's keys: their names

@@ -18,8 +18,8 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from sparkwatch.common import logs, syscalls
+from sparkwatch.common.enginerules import engine_rules, engine_scope
 from sparkwatch.common.eventlog import make_event
-from sparkwatch.common.guardconfig import engine_rules, engine_scope
 from sparkwatch.common.launched import LaunchedWatch
 from sparkwatch.common.sources.buddyinfo import page_size_bytes, read_contiguous_free
 from sparkwatch.common.sources.meminfo import MeminfoReader

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from sparkwatch.core.driver.nvrm import BuddyinfoError, BuddyZone, contiguous_free, parse_buddyinfo
+from sparkwatch.core.driver.freeblocks import BuddyinfoError, BuddyZone, contiguous_free, parse_buddyinfo
 
 
 def page_size_bytes() -> int:

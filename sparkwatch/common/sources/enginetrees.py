@@ -10,7 +10,7 @@ import os
 from collections.abc import Collection
 from pathlib import Path
 
-from sparkwatch.common.guardconfig import EngineSettings, engine_rules, engine_scope
+from sparkwatch.common.enginerules import EngineSettings, engine_rules, engine_scope
 from sparkwatch.common.launched import Declaration, LaunchedWatch
 from sparkwatch.common.sources.procs import ProcScanner
 from sparkwatch.core.engines.identity import EngineRules, Scope, find_engine_trees

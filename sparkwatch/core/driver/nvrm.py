@@ -1,6 +1,7 @@
-"""The driver's own view of memory: NVRM and Xid lines from the kernel log, and free memory by buddy order.
+"""The driver's own view of memory: NVRM and Xid lines from the kernel log (free memory by buddy order is
+core.driver.freeblocks).
 
-Pure: /dev/kmsg records, /proc/buddyinfo text and the page size come in as data; `corroborate` takes the time and
+Pure: /dev/kmsg records come in as data; `corroborate` takes the time and
 MemAvailable as arguments, in the shape of core.kill.trigger.step (state in, decision out).
 
 Line formats are the driver's own (NVIDIA open-gpu-kernel-modules, and public reports quoting dmesg):
@@ -14,7 +15,7 @@ Line formats are the driver's own (NVIDIA open-gpu-kernel-modules, and public re
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
 # --- /dev/kmsg records
@@ -196,57 +197,6 @@ def xid_info(xid: XidLine) -> XidInfo:
         if "reset" in wanted:
             return XidInfo(f"GPU recovery action: {m.group(1) if m else ''}", RESET_GPU)
     return XID_CATALOGUE.get(xid.code, XidInfo("Xid", INFO))
-
-
-# --- free memory by order (/proc/buddyinfo)
-
-MIN_BLOCKS_BYTES: Mapping[str, int] = {"2MiB": 2 << 20, "64KiB": 64 << 10}
-
-
-class BuddyinfoError(ValueError):
-    pass
-
-
-@dataclass(frozen=True, slots=True)
-class BuddyZone:
-    node: int
-    zone: str
-    free_blocks: tuple[int, ...]  # free_blocks[order]: free blocks of 2**order pages
-
-
-def parse_buddyinfo(data: bytes) -> tuple[BuddyZone, ...]:
-    """`Node 0, zone   Normal   272  153 …`: one line per zone, one count per order (11 orders on 4 KiB-page x86
-    kernels, 14 on 64 KiB-page arm64 ones: the count of columns is the kernel's, never assumed)."""
-    zones = []
-    for line in data.decode("ascii", "replace").splitlines():
-        if not line.strip():
-            continue
-        head, sep, counts = line.partition("zone")
-        parts = counts.split()
-        node = head.replace("Node", "").replace(",", "").strip()
-        if not sep or not node.isdigit() or len(parts) < 2 or not all(p.isdigit() for p in parts[1:]):
-            raise BuddyinfoError(f"buddyinfo: garbled line {line[:80]!r}")
-        zones.append(BuddyZone(int(node), parts[0], tuple(int(p) for p in parts[1:])))
-    if not zones:
-        raise BuddyinfoError("buddyinfo: no zones")
-    return tuple(zones)
-
-
-def free_bytes_in_blocks(zones: Sequence[BuddyZone], page_size_bytes: int, min_block_bytes: int) -> int:
-    """Bytes free in blocks of at least `min_block_bytes`, from the page size the kernel uses (4 KiB or 64 KiB):
-    with 64 KiB pages every order-0 block already counts toward the 64 KiB figure."""
-    total = 0
-    for zone in zones:
-        for order, count in enumerate(zone.free_blocks):
-            block = page_size_bytes << order
-            if block >= min_block_bytes:
-                total += count * block
-    return total
-
-
-def contiguous_free(zones: Sequence[BuddyZone], page_size_bytes: int) -> dict[str, int]:
-    """{"2MiB": bytes, "64KiB": bytes}: the labels of sparkwatch_memory_free_contiguous_bytes."""
-    return {label: free_bytes_in_blocks(zones, page_size_bytes, size) for label, size in MIN_BLOCKS_BYTES.items()}
 
 
 # --- corroboration: the guard's second signal
