@@ -11,6 +11,7 @@ A's members, which the guard checks and kills: every one gone within 5 s, the pl
 from __future__ import annotations
 
 import http.server
+import json
 import os
 import shutil
 import signal
@@ -38,7 +39,7 @@ from sparkwatch.guard.poolwatch import PoolWatch
 from sparkwatch.telemetry.raywatch import RayWatch
 from sparkwatch.telemetry.sources.raystate import RayStateError, RayStateSource
 from tests.conftest import alive, require, wait_until
-from tests.daemon import sparkwatch_run, wait_for_event
+from tests.daemon import daemon_env, free_port, sparkwatch_run, wait_for_event
 from tests.raycluster import Engine, RayCluster, gone_within, netns, netns_permitted, pg_state, ray_cluster, sigkill
 
 SHAPE = Path(__file__).resolve().parent / "helpers" / "shape_proc.py"
@@ -61,6 +62,7 @@ def test_rank_death_on_b_stops_node_a_members(cluster: RayCluster, tmp_path: Pat
             pid = engine.pid
             assert netns(pid["api"]) == netns(pid["rank_a"])
             assert pg_state(cluster, engine.placement_group) == ["CREATED"]
+            _engines_shows_the_group(cluster, tmp_path, engine)
 
             died_at = time.monotonic()
             sigkill(*engine.keys["rank_b"])
@@ -152,6 +154,32 @@ def test_node_b_lost_raylet_killed_stops_node_a_members(cluster: RayCluster, tmp
             cluster.restart_b()  # the next test gets two nodes again
 
 
+def _engines_shows_the_group(cluster: RayCluster, tmp_path: Path, engine: Engine) -> None:
+    """`sparkwatch engines --json` on node A lists the group as Ray has it: both nodes, the driver here with its pid,
+    one rank on each node, A's marked local and B's not; the text view names the group too."""
+    env = daemon_env(tmp_path, free_port())
+    argv = [sys.executable, "-m", "sparkwatch", "engines", "--window", "0"]
+    out = subprocess.run(
+        cluster.in_ns(cluster.ns_a, [*argv, "--json"]), env=env, capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0, out.stderr
+    doc = json.loads(out.stdout)
+    assert doc["groups_note"] is None
+    (group,) = [g for g in doc["groups"] if g["group"] == engine.placement_group]
+    assert group["first_death"] is None
+    assert sorted(group["nodes"]) == sorted([cluster.ip_a, cluster.ip_b])
+    driver = [m for m in group["members"] if m["role"] == raygroup.DRIVER]
+    assert [(m["pid"], m["node_ip"], m["local"]) for m in driver] == [(engine.pid["driver"], cluster.ip_a, True)]
+    ranks = {(m["pid"], m["node_ip"], m["local"], m["state"]) for m in group["members"] if m["role"] == raygroup.RANK}
+    assert ranks == {
+        (engine.pid["rank_a"], cluster.ip_a, True, "ALIVE"),
+        (engine.pid["rank_b"], cluster.ip_b, False, "ALIVE"),
+    }
+    text = subprocess.run(cluster.in_ns(cluster.ns_a, argv), env=env, capture_output=True, text=True, timeout=60)
+    assert text.returncode == 0, text.stderr
+    assert f"group {engine.placement_group[:12]}" in text.stdout and cluster.ip_b in text.stdout
+
+
 # --- the pure decisions (core.kill.raygroup), over Ray's records
 
 
@@ -179,6 +207,20 @@ PROCS = {
     100: _proc(100, 99, ("VLLM::EngineCore",)),
     200: _proc(200, 50, ("ray::RayWorkerWrapper.execute_method",)),
 }
+
+
+def test_group_rows_say_where_each_member_runs_and_what_ended_the_group() -> None:
+    (row,) = raygroup.group_rows(_state(), frozenset({NODE_A}))
+    assert row.group == "pg1" and row.job_id == "01000000" and row.death is None
+    assert row.nodes == ("10.0.0.1", "10.0.0.2")
+    assert [(m.role, m.pid, m.node_ip, m.state, m.local) for m in row.members] == [
+        (raygroup.DRIVER, 100, "10.0.0.1", "RUNNING", True),
+        (raygroup.RANK, 200, "10.0.0.1", "ALIVE", True),
+        (raygroup.RANK, 300, "10.0.0.2", "ALIVE", False),
+    ]
+    (dead,) = raygroup.group_rows(_state(rank_b_state="DEAD"), frozenset({NODE_B}))
+    assert dead.death == raygroup.Death(raygroup.RANK_DIED, NODE_B, "10.0.0.2", 300)
+    assert [m.local for m in dead.members] == [False, False, True]
 
 
 def test_no_teardown_while_every_member_lives() -> None:
