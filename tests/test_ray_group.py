@@ -63,6 +63,14 @@ def test_rank_death_on_b_stops_node_a_members(cluster: RayCluster, tmp_path: Pat
             assert netns(pid["api"]) == netns(pid["rank_a"])
             assert pg_state(cluster, engine.placement_group) == ["CREATED"]
             _engines_shows_the_group(cluster, tmp_path, engine)
+            group = f'group="{engine.placement_group}"'
+            before: dict[str, float] = {}
+            # the group's members on each node, as node A's agent exports them (telemetry.exporter.groupmetric)
+            assert wait_until(lambda: bool(before.update(_scrape(cluster, daemon.port))) or group in str(before), 15)
+            assert before[f'sparkwatch_group_members{{{group},node="{cluster.ip_a}",role="driver"}}'] == 1
+            assert before[f'sparkwatch_group_members{{{group},node="{cluster.ip_a}",role="rank"}}'] == 1
+            assert before[f'sparkwatch_group_members{{{group},node="{cluster.ip_b}",role="rank"}}'] == 1
+            assert before[f'sparkwatch_ray_node_up{{node="{cluster.ip_b}"}}'] == 1
 
             died_at = time.monotonic()
             sigkill(*engine.keys["rank_b"])
@@ -85,6 +93,11 @@ def test_rank_death_on_b_stops_node_a_members(cluster: RayCluster, tmp_path: Pat
             # The driver's death ended its job, and Ray removed the placement group with it.
             assert wait_until(lambda: pg_state(cluster, engine.placement_group) == ["REMOVED"], 10, 0.2)
             assert sum(1 for e in read_events(daemon.events_path) if e["kind"] == "group_teardown") == 1
+            after = _scrape(cluster, daemon.port)
+            assert after["sparkwatch_guard_group_teardown_duration_seconds_count"] == 1
+            assert after['sparkwatch_guard_group_teardown_duration_seconds_bucket{le="5.0"}'] == 1  # the goal
+            assert after["sparkwatch_group_teardown_requests_total"] >= 1
+            assert after['sparkwatch_guard_kills_total{trigger="group_teardown"}'] == 1
         finally:
             engine.close()
 
@@ -152,6 +165,22 @@ def test_node_b_lost_raylet_killed_stops_node_a_members(cluster: RayCluster, tmp
         finally:
             engine.close()
             cluster.restart_b()  # the next test gets two nodes again
+
+
+def _scrape(cluster: RayCluster, port: int) -> dict[str, float]:
+    """Node A's agent's /metrics (it listens on A's loopback), as {'name{labels}': value}."""
+    url = f"http://127.0.0.1:{port}/metrics"
+    code = f"import sys, urllib.request; sys.stdout.write(urllib.request.urlopen({url!r}, timeout=10).read().decode())"
+    out = subprocess.run(
+        cluster.in_ns(cluster.ns_a, [sys.executable, "-c", code]), capture_output=True, text=True, timeout=30
+    )
+    assert out.returncode == 0, out.stderr
+    samples = {}
+    for line in out.stdout.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            samples[name] = float(value)
+    return samples
 
 
 def _engines_shows_the_group(cluster: RayCluster, tmp_path: Path, engine: Engine) -> None:

@@ -175,7 +175,11 @@ class KillRecords:
             kind = EventKind.WOULD_KILL if facts.dry_run else EventKind.KILL
         fields = kill_fields(facts)
         if facts.group is not None and facts.group.detected_ts:
-            fields["since_detected_s"] = round(time.time() - facts.group.detected_ts, 3)  # Ray's word -> this record
+            since_s = max(time.time() - facts.group.detected_ts, 0.0)  # Ray's word -> this node's members reaped
+            fields["since_detected_s"] = round(since_s, 3)
+            if not facts.dry_run:
+                with self.lock:
+                    self.stats.observe_group_teardown(since_s)
         event = make_event(kind, kill_summary(facts), fields)
         try:
             self.events.append(event)

@@ -26,7 +26,7 @@ import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -67,6 +67,16 @@ ray.init(address=sys.argv[1], logging_level=40, log_to_driver=False)
 remove_placement_group(PlacementGroup(PlacementGroupID(bytes.fromhex(sys.argv[2]))))
 ray.shutdown()
 """
+
+
+@dataclass(frozen=True, slots=True)
+class GroupView:
+    """What the exporter shows of the groups (telemetry.exporter.groupmetric): as of Ray's last answer."""
+
+    rows: tuple[raygroup.GroupRow, ...]
+    nodes: tuple[raygroup.RayNode, ...]
+    teardowns_sent_total: int
+    pg_removed_total: int
 
 
 class RayWatch:
@@ -130,6 +140,16 @@ class RayWatch:
         out["proc_errors"] = self.proc_errors_total
         out["pg_remove_errors"] = self.pg_remove_errors_total
         return out
+
+    def view(self) -> GroupView | None:
+        """The groups as of Ray's last answer, with this node's members marked; None while no raylet runs here or
+        Ray has not answered yet. Called from the scrape's thread: it reads references the poll replaces whole."""
+        state, node_ids = self._state, self.node_ids
+        if state is None or not node_ids:
+            return None
+        return GroupView(
+            raygroup.group_rows(state, node_ids), state.nodes, self.teardowns_sent_total, self.pg_removed_total
+        )
 
     def _run(self) -> None:
         while not self._stop.is_set():

@@ -33,6 +33,7 @@ from sparkwatch.common.sharing import events_gid
 from sparkwatch.config.settings import ConfigError, wire_settings
 from sparkwatch.core.model import NvmlFacts, Snapshot
 from sparkwatch.telemetry.drivercheck import DriverWatcher
+from sparkwatch.telemetry.exporter.groupmetric import GroupCollector
 from sparkwatch.telemetry.exporter.internal import InternalCollector
 from sparkwatch.telemetry.exporter.postmortemmetric import PostmortemCollector
 from sparkwatch.telemetry.exporter.server import MetricsServer, build_registry
@@ -187,6 +188,7 @@ class TelemetryProcess:
             InternalCollector(self.all_counters, self.rss, self.psi_trigger, self.telemetry_restarts)
         )
         self.registry.register(PostmortemCollector(lambda: self.postmortem.result))
+        self.registry.register(GroupCollector(self.raywatch.view))
         self.metrics = MetricsServer(self.settings, self.registry)
         out: list[Component[Settings]] = [
             Component("metrics", self.metrics, counters=self.metrics.counters),
