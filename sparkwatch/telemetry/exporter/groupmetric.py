@@ -48,11 +48,11 @@ class GroupCollector(Collector):
         # per address, up while any of its records is alive.
         nodes: dict[str, bool] = {}
         for node in view.nodes:
-            key = node.node_ip or node.node_id
-            nodes[key] = nodes.get(key, False) or node.alive
+            where = node.node_ip or node.node_id
+            nodes[where] = nodes.get(where, False) or node.alive
         up = gauge("ray_node_up", labels=["node"])
-        for key in sorted(nodes):
-            up.add_metric([key], 1 if nodes[key] else 0)
+        for where in sorted(nodes):
+            up.add_metric([where], 1 if nodes[where] else 0)
         yield up
         yield counter("group_teardown_requests", value=view.teardowns_sent_total)
         yield counter("group_placement_groups_removed", value=view.pg_removed_total)
