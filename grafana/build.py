@@ -1035,7 +1035,9 @@ def annotation_queries() -> list[Json]:
 
 
 def dashboard() -> Json:
-    panels = layout([*pool_row(), *guard_row(), *kernel_row(), *boot_row(), *launch_row(), *group_row(), *gpu_row(), *driver_row()])
+    panels = layout(
+        [*pool_row(), *guard_row(), *kernel_row(), *boot_row(), *launch_row(), *group_row(), *gpu_row(), *driver_row()]
+    )
     return {
         "__requires": [
             {"type": "grafana", "id": "grafana", "name": "Grafana", "version": "10.0.0"},

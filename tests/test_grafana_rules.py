@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import shutil
 import re
+import shutil
 import subprocess
 from pathlib import Path
 

@@ -50,9 +50,7 @@ class GuardStats:
     last_kill_timestamp_s: float | None = None
     kill_duration_bucket_counts: list[int] = field(default_factory=lambda: [0] * (len(KILL_DURATION_BUCKETS_S) + 1))
     kill_duration_sum_s: float = 0.0
-    group_teardown_bucket_counts: list[int] = field(
-        default_factory=lambda: [0] * (len(GROUP_TEARDOWN_BUCKETS_S) + 1)
-    )
+    group_teardown_bucket_counts: list[int] = field(default_factory=lambda: [0] * (len(GROUP_TEARDOWN_BUCKETS_S) + 1))
     group_teardown_sum_s: float = 0.0
     meminfo_errors_total: int = 0
     last_error: str | None = None
