@@ -283,7 +283,8 @@ class Engine:
     """A vLLM-shaped engine on the cluster (tests/helpers/ray_engine.py), its API server and driver on `node`
     ("a" or "b"); (pid, start ticks) of each member in `keys`: api, driver, rank_a, rank_b."""
 
-    def __init__(self, cluster: RayCluster, tmp_path: Path, node: str) -> None:
+    def __init__(self, cluster: RayCluster, tmp_path: Path, node: str, remote_rank_mib: int = 0) -> None:
+        """`remote_rank_mib`: memory the ranks on the other node take (tests/helpers/ray_engine.py)."""
         ns, ip = (cluster.ns_a, cluster.ip_a) if node == "a" else (cluster.ns_b, cluster.ip_b)
         vllm = tmp_path / f"bin-{node}" / "vllm"
         vllm.parent.mkdir(exist_ok=True)
@@ -292,6 +293,7 @@ class Engine:
             **ray_env(cluster.tmp / node),
             "RAY_ENGINE_ADDRESS": cluster.address,
             "RAY_ENGINE_NODE_IP": ip,
+            "RAY_ENGINE_REMOTE_RANK_MIB": str(remote_rank_mib),
             "PYTHONPATH": str(Path(__file__).resolve().parent.parent),
         }
         self.api = subprocess.Popen(

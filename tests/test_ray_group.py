@@ -23,6 +23,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -131,6 +132,56 @@ def test_wedged_driver_on_b_its_placement_group_is_removed_from_a(cluster: RayCl
             again.close()
         finally:
             engine.close()
+
+
+def test_a_budget_kill_on_b_is_named_in_node_a_teardown_by_b_s_own_agent(cluster: RayCluster, tmp_path: Path) -> None:
+    """Node B runs its own agent, with a budget its rank goes over: B's guard kills the rank (trigger `budget`). Node
+    A's agent, with B among its `peers`, stops A's members and its `group_teardown` event carries B's guard's own
+    word, read from B's agent (telemetry.peerwatch): the cause on the other machine, said on the head."""
+    port_b = free_port()
+    listen_b = f"{cluster.ip_b}:{port_b}"
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    raylet_b = [p for p in cluster.netns_pids(cluster.ns_b) if _cmdline(p).split(" ", 1)[0].endswith("/raylet")]
+    assert len(raylet_b) == 1
+    env_b = {
+        "SPARKWATCH_LISTEN": listen_b,
+        # B's engines are the ranks its raylet runs (the raylet itself is infrastructure, never touched)
+        "SPARKWATCH_ANCESTOR_PID": str(raylet_b[0]),
+        "SPARKWATCH_ENGINE_BUDGETS": json.dumps(["64MiB=RayWorkerWrapper"]),
+    }
+    env_a = {"SPARKWATCH_PEERS": json.dumps([listen_b]), "SPARKWATCH_PEER_POLL_S": "0.5"}
+    with (
+        sparkwatch_run(tmp_path / "b", prefix=cluster.in_ns(cluster.ns_b, []), env=env_b) as daemon_b,
+        sparkwatch_run(tmp_path / "a", prefix=cluster.in_ns(cluster.ns_a, []), env=env_a) as daemon_a,
+    ):
+        # B's agent names its node once its telemetry found its raylet (what ties a death in Ray's state to it)
+        assert wait_until(lambda: bool(_peer_doc(cluster, listen_b).get("ray_node_ids")), 20, 0.5)
+        engine = Engine(cluster, tmp_path, "a", remote_rank_mib=512)  # B's rank takes 512 MiB: over 64 MiB + margin
+        try:
+            kill = wait_for_event(daemon_b.events_path, "kill", timeout_s=20)
+            assert kill["trigger"] == "budget"
+            victims = kill["victims"]
+            assert isinstance(victims, list) and [v["pid"] for v in victims] == [engine.pid["rank_b"]]
+            gone_within([engine.keys["api"], engine.keys["driver"], engine.keys["rank_a"]], time.monotonic())
+            event = wait_for_event(daemon_a.events_path, "group_teardown", timeout_s=10)
+            assert event["first_pid"] == engine.pid["rank_b"] and event["first_node"] == cluster.ip_b
+            word = event["peer_word"]
+            assert isinstance(word, str) and word.startswith("killed by sparkwatch on ") and ": budget: " in word
+            assert "over its budget 64.0 MiB" in word
+            assert word in str(event["summary"])  # the line the owner reads on the head (and launch prints)
+        finally:
+            engine.close()
+
+
+def _peer_doc(cluster: RayCluster, listen: str) -> dict[str, Any]:
+    """A peer's /peer/v1/state as node A reads it (over the veth pair)."""
+    url = f"http://{listen}/peer/v1/state"
+    code = f"import sys, urllib.request; sys.stdout.write(urllib.request.urlopen({url!r}, timeout=5).read().decode())"
+    out = subprocess.run(
+        cluster.in_ns(cluster.ns_a, [sys.executable, "-c", code]), capture_output=True, text=True, timeout=30
+    )
+    return json.loads(out.stdout) if out.returncode == 0 else {}
 
 
 def test_node_b_lost_raylet_killed_stops_node_a_members(cluster: RayCluster, tmp_path: Path) -> None:

@@ -36,6 +36,20 @@ class BudgetStat:
     gpu_watch: tuple[tuple[int, int], ...] = ()
 
 
+@dataclass(frozen=True, slots=True)
+class RecentKill:
+    """One kill as the guard decided it, at the signal (the event follows after the reap and settle, a second or
+    more later): what the node's agent tells its peers (telemetry.peerdoc)."""
+
+    ts: float  # wall clock of the signal
+    trigger: str
+    reason: str  # core.kill.killrecord.kill_reason
+    pids: tuple[int, ...]  # the processes signalled
+
+
+RECENT_KILLS = 16
+
+
 @dataclass
 class GuardStats:
     """Counters the guard and reaper update and the exporter reads (under the lock)."""
@@ -60,6 +74,7 @@ class GuardStats:
     cancelled_total: int = 0
     kill_loops_total: int = 0
     budgets: list[BudgetStat] = field(default_factory=list)
+    recent_kills: list[RecentKill] = field(default_factory=list)  # the last RECENT_KILLS, oldest first
 
     def snapshot(self) -> GuardStats:
         """A copy that shares nothing mutable (taken under the owner's lock, read or sent after it)."""
@@ -70,6 +85,7 @@ class GuardStats:
             kill_duration_bucket_counts=list(self.kill_duration_bucket_counts),
             group_teardown_bucket_counts=list(self.group_teardown_bucket_counts),
             budgets=list(self.budgets),
+            recent_kills=list(self.recent_kills),
         )
 
     def count_kill(self, trigger: str, dry_run: bool, processes: int, wall_s: float) -> None:
@@ -82,6 +98,9 @@ class GuardStats:
         self.kills_total[trigger] = self.kills_total.get(trigger, 0) + 1
         self.killed_processes_total += processes
         self.last_kill_timestamp_s = wall_s
+
+    def remember_kill(self, kill: RecentKill) -> None:
+        self.recent_kills = [*self.recent_kills[-(RECENT_KILLS - 1) :], kill]
 
     def observe_kill_duration(self, seconds: float) -> None:
         _observe(self.kill_duration_bucket_counts, KILL_DURATION_BUCKETS_S, seconds)

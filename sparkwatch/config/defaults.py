@@ -78,6 +78,8 @@ STATIC: dict[str, object] = {
     "group_teardown": True,
     "ray_dashboard_url": "http://127.0.0.1:8265",
     "ray_poll_s": 1.0,
+    "peers": [],
+    "peer_poll_s": 2.0,
     "listen": "127.0.0.1:9847",
     "tls_cert_file": None,
     "tls_key_file": None,

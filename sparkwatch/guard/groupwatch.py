@@ -92,6 +92,7 @@ class GroupWatch:
             first_pid=msg.first_pid,
             roles=tuple((p.pid, role) for p, role in members),
             detected_ts=msg.detected_ts,
+            peer_word=msg.peer_word,
         )
         self.submit(GroupFacts(EngineTree(kind="ray-group", root=procs[0], members=procs), loss))
         self.teardowns_total += 1

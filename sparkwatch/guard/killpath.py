@@ -42,7 +42,7 @@ from sparkwatch.common.eventlog import EventLog, EventLogError, make_event
 from sparkwatch.common.guardconfig import GuardSnapshot
 from sparkwatch.common.sources.meminfo import MeminfoError, MeminfoReader
 from sparkwatch.common.sources.procs import ProcScanner
-from sparkwatch.common.stats import GuardStats
+from sparkwatch.common.stats import GuardStats, RecentKill
 from sparkwatch.core.engines.identity import find_engine_trees
 from sparkwatch.core.eventkinds import EventKind
 from sparkwatch.core.kill import policy
@@ -54,6 +54,7 @@ from sparkwatch.core.kill.killrecord import (
     KillFacts,
     kill_fields,
     kill_line,
+    kill_reason,
     kill_summary,
     terminal_note,
     victims_of,
@@ -426,6 +427,9 @@ class KillPath:
             state = core.reaped(state, now, kill_settle_s=snap.config.kill_settle_s)
         with self.lock:
             self.stats.count_kill(req.trigger, dry_run, len(victims), time.time())
+            if victims and not dry_run:  # told to the peers at once (telemetry.peerdoc): the event comes after settle
+                pids = tuple(v.proc.pid for v in victims)
+                self.stats.remember_kill(RecentKill(time.time(), req.trigger, kill_reason(facts), pids))
         self.records.reaper.submit(
             KillJob(
                 facts=facts,

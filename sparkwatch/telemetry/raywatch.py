@@ -87,11 +87,15 @@ class RayWatch:
         settings: Settings,
         send: Callable[[GroupTeardownMsg], None],
         procs: Callable[[], Iterable[Proc]] = lambda: (),
+        peer_word: Callable[[str, int | None], str | None] = lambda node_id, pid: None,
     ) -> None:
-        """`procs`: the telemetry loop's last process table (where the raylets are looked for)."""
+        """`procs`: the telemetry loop's last process table (where the raylets are looked for). `peer_word`: the
+        word of the peer agent whose raylet serves a node id on a pid there, when its guard killed it
+        (telemetry.peerwatch.PeerWatch.kill_word): text for the event, never a reason to kill."""
         self.settings = settings
         self.send = send
         self.procs = procs
+        self.peer_word = peer_word
         self.proc_root = Path(settings.proc_root)
         self.source = RayStateSource(settings.ray_dashboard_url)
         self.scanner = ProcScanner(settings.proc_root)
@@ -103,6 +107,7 @@ class RayWatch:
         self.teardowns_sent_total = 0
         self.proc_errors_total = 0
         self._sent_at: dict[str, float] = {}
+        self._words: dict[str, str | None] = {}  # group -> the peer's word on its first death, asked once
         self._torn_at: dict[str, float] = {}  # group -> when this node first tore it down (monotonic)
         self._removing: dict[str, tuple[subprocess.Popen[bytes], float]] = {}  # group -> (helper, started)
         self._remove_tried: set[str] = set()
@@ -185,13 +190,17 @@ class RayWatch:
         for teardown in raygroup.teardowns(state, self.node_ids, procs):
             if not self.settings.group_teardown or now - self._sent_at.get(teardown.group, -RESEND_S) < RESEND_S:
                 continue
+            detected_ts = time.time()
             msg = GroupTeardownMsg(
                 group=teardown.group,
                 cause=teardown.death.cause,
                 first_node=teardown.death.node_ip or teardown.death.node_id,
                 first_pid=teardown.death.pid,
                 members=tuple((m.pid, m.start_ticks, m.role) for m in teardown.members),
-                detected_ts=time.time(),
+                detected_ts=detected_ts,
+                peer_word=self._words.setdefault(teardown.group, self._peer_word(teardown.death))
+                if teardown.group not in self._words
+                else self._words[teardown.group],
             )
             self._sent_at[teardown.group] = now
             self._torn_at.setdefault(teardown.group, now)
@@ -200,6 +209,7 @@ class RayWatch:
             sent.append(msg)
         live = {g.group for g in self.groups}
         self._sent_at = {g: t for g, t in self._sent_at.items() if g in live}
+        self._words = {g: w for g, w in self._words.items() if g in live}
         self._reap_helpers(now)
         for group in raygroup.leaked_groups(self.groups, self._torn_at, now):
             if group not in self._remove_tried:
@@ -208,6 +218,17 @@ class RayWatch:
         self._torn_at = {g: t for g, t in self._torn_at.items() if g in live or g in self._removing}
         self._remove_tried &= live | set(self._removing)
         return sent
+
+    def _peer_word(self, death: raygroup.Death) -> str | None:
+        """The peer's word on the first death (at most peerwatch.WORD_TIMEOUT_S: its guard records a kill ~0.1 s
+        after the signal, and Ray's state shows the death about as soon), asked once per group; a failure is none."""
+        if death.cause != raygroup.RANK_DIED:
+            return None
+        try:
+            return self.peer_word(death.node_id, death.pid)
+        except Exception as exc:  # a bug there must not hold a teardown back
+            log.error("peer word: %s: %s", type(exc).__name__, exc)
+            return None
 
     def _remove(self, group: str, now: float) -> None:
         """Start the helper that removes a leaked placement group (see the module's docstring)."""
