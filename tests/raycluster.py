@@ -283,8 +283,17 @@ class Engine:
     """A vLLM-shaped engine on the cluster (tests/helpers/ray_engine.py), its API server and driver on `node`
     ("a" or "b"); (pid, start ticks) of each member in `keys`: api, driver, rank_a, rank_b."""
 
-    def __init__(self, cluster: RayCluster, tmp_path: Path, node: str, remote_rank_mib: int = 0) -> None:
-        """`remote_rank_mib`: memory the ranks on the other node take (tests/helpers/ray_engine.py)."""
+    def __init__(
+        self,
+        cluster: RayCluster,
+        tmp_path: Path,
+        node: str,
+        remote_rank_mib: int = 0,
+        launch_env: dict[str, str] | None = None,
+    ) -> None:
+        """`remote_rank_mib`: memory the ranks on the other node take (tests/helpers/ray_engine.py). `launch_env`:
+        start the API server under `sparkwatch launch --force` with this environment (its declaration, the guard's
+        word); `self.api` is then the launch process, and `keys["api"]` its child, the API server."""
         ns, ip = (cluster.ns_a, cluster.ip_a) if node == "a" else (cluster.ns_b, cluster.ip_b)
         vllm = tmp_path / f"bin-{node}" / "vllm"
         vllm.parent.mkdir(exist_ok=True)
@@ -296,19 +305,24 @@ class Engine:
             "RAY_ENGINE_REMOTE_RANK_MIB": str(remote_rank_mib),
             "PYTHONPATH": str(Path(__file__).resolve().parent.parent),
         }
+        argv = [sys.executable, str(vllm), "serve", "tiny-model", "--tensor-parallel-size", "2"]
+        if launch_env is not None:
+            argv = [sys.executable, "-m", "sparkwatch", "launch", "--force", "--", *argv]
+            env.update(launch_env)
         self.api = subprocess.Popen(
-            cluster.in_ns(ns, [sys.executable, str(vllm), "serve", "tiny-model", "--tensor-parallel-size", "2"]),
+            cluster.in_ns(ns, argv),
             stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE if launch_env is not None else None,
             text=True,
             env=env,
         )
         self.keys: dict[str, tuple[int, int]] = {}
         try:
             info = json.loads(read_line(self.api, 120))
-            assert info["api"] == self.api.pid
+            assert info["api"] == self.api.pid or launch_env is not None
             by_node = {r["node_id"]: r["pid"] for r in info["ranks"]}
             pids = {
-                "api": self.api.pid,
+                "api": info["api"],
                 "driver": info["driver"],
                 "rank_a": by_node[cluster.node_ids[cluster.ip_a]],
                 "rank_b": by_node[cluster.node_ids[cluster.ip_b]],
@@ -326,14 +340,15 @@ class Engine:
 
     def close(self) -> None:
         """SIGKILL what is left of it (only its own processes, each by pid and start time) and reap the API server."""
-        for role in ("driver", "rank_a", "rank_b"):
-            if role in self.keys and alive(*self.keys[role]):
+        for role in ("api", "driver", "rank_a", "rank_b"):
+            if role in self.keys and alive(*self.keys[role]) and self.keys[role][0] != self.api.pid:
                 sigkill(*self.keys[role])
         if self.api.poll() is None:
             self.api.kill()
         self.api.wait(10)
-        if self.api.stdout is not None:
-            self.api.stdout.close()
+        for stream in (self.api.stdout, self.api.stderr):
+            if stream is not None:
+                stream.close()
         ranks = [self.keys[r] for r in ("rank_a", "rank_b") if r in self.keys]
         assert wait_until(lambda: not any(alive(*k) for k in ranks), timeout_s=10)
 

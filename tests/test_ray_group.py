@@ -157,7 +157,9 @@ def test_a_budget_kill_on_b_is_named_in_node_a_teardown_by_b_s_own_agent(cluster
     ):
         # B's agent names its node once its telemetry found its raylet (what ties a death in Ray's state to it)
         assert wait_until(lambda: bool(_peer_doc(cluster, listen_b).get("ray_node_ids")), 20, 0.5)
-        engine = Engine(cluster, tmp_path, "a", remote_rank_mib=512)  # B's rank takes 512 MiB: over 64 MiB + margin
+        # The engine started with `sparkwatch launch` on the head; B's rank takes 512 MiB: over 64 MiB + margin.
+        launch_env = daemon_env(tmp_path / "a", daemon_a.port)
+        engine = Engine(cluster, tmp_path, "a", remote_rank_mib=512, launch_env=launch_env)
         try:
             kill = wait_for_event(daemon_b.events_path, "kill", timeout_s=20)
             assert kill["trigger"] == "budget"
@@ -169,7 +171,13 @@ def test_a_budget_kill_on_b_is_named_in_node_a_teardown_by_b_s_own_agent(cluster
             word = event["peer_word"]
             assert isinstance(word, str) and word.startswith("killed by sparkwatch on ") and ": budget: " in word
             assert "over its budget 64.0 MiB" in word
-            assert word in str(event["summary"])  # the line the owner reads on the head (and launch prints)
+            assert word in str(event["summary"])  # the line the owner reads on the head
+            # launch, on the head, says it in one line and exits 137
+            assert engine.api.wait(20) == 137
+            assert engine.api.stderr is not None
+            said = [line for line in engine.api.stderr.read().splitlines() if "the guard killed" in line]
+            assert len(said) == 1 and "trigger group_teardown" in said[0] and word in said[0], said
+            print(f"launch on node A: {said[0]}")
         finally:
             engine.close()
 
