@@ -77,7 +77,7 @@ STATIC: dict[str, object] = {
     "telemetry_interval_s": 1.0,
     "group_teardown": True,
     "ray_dashboard_url": "http://127.0.0.1:8265",
-    "ray_poll_s": 1.0,
+    "ray_poll_s": 2.0,
     "peers": [],
     "peer_poll_s": 2.0,
     "listen": "127.0.0.1:9847",

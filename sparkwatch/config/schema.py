@@ -181,7 +181,7 @@ class Settings(BaseModel, Derived):
         pattern=r"^(https?://\S+)?$",
         description="Ray's dashboard: its state API names the groups (empty: never asked)",
     )
-    ray_poll_s: float = Field(1.0, ge=0.2, le=60, description="how often Ray's state API is read while a raylet runs")
+    ray_poll_s: float = Field(2.0, ge=0.2, le=60, description="how often Ray's state API is read while a raylet runs")
     peers: list[str] = Field(
         default_factory=list,
         description="the other nodes' sparkwatch endpoints (host:port, or https://host:port under the TLS settings): "

@@ -1,10 +1,11 @@
 """The group watch: engines that span nodes over Ray, learned from Ray's own state, and their teardown handed to the
 guard (issue 29; docs/multinode.md).
 
-On its own thread, every `ray_poll_s` (1 s) while a raylet runs in this node's network namespace (looked for in the
+On its own thread, every `ray_poll_s` (2 s) while a raylet runs in this node's network namespace (looked for in the
 telemetry loop's own process table every `RAYLET_LOOK_S`: a box without Ray pays that and nothing else):
-1. read the actors from the dashboard's state API (telemetry.sources.raystate), and nodes, jobs and placement groups
-   with them every `FULL_EVERY_S` or as soon as an actor not known yet appears;
+1. read the actors from the dashboard's state API (telemetry.sources.raystate), the nodes every `FULL_EVERY_S`, and
+   jobs and placement groups with them as soon as an actor not known yet appears, while a teardown is under way,
+   and at least every `FULL_MAX_S`; an answer like the last one decides nothing again;
 2. core.kill.raygroup decides which groups lost a member and which of this node's processes belong to them, from the
    pids Ray names, read one by one from /proc only for a group that lost one (only those in our network
    namespace, with their start time);
@@ -49,11 +50,13 @@ if TYPE_CHECKING:
 
 log = logs.get("raywatch")
 RAYLET_LOOK_S = 5.0  # a raylet started later is found within this (a look goes over telemetry's last table)
-# All four listings this often; in between only the actors (a death shows there first), without Ray's detail.
+# The nodes this often, all four listings at least every FULL_MAX_S (and at once for a new actor, or while a teardown
+# is under way); in between only the actors (a death shows there first), without Ray's detail.
 # Measured on the two-node test cluster: polling all four every second and re-reading the members' /proc entries,
 # the group watch's thread took 0.72 % of a core; the actors alone through urllib 0.32 %, on one kept-alive
 # connection 0.27 % (the dead actors of 20 runs in each answer, death causes and all); bench/RESULTS-group-teardown.md
 FULL_EVERY_S = 10.0
+FULL_MAX_S = 60.0
 RESEND_S = 2.0
 MAX_PIDS = 512  # pids read from /proc a poll: ranks, drivers and their parents of the groups Ray lists
 REMOVE_TIMEOUT_S = 30.0  # the helper connects as a Ray driver: 2-3 s on the 2-core test box
@@ -100,6 +103,9 @@ class RayWatch:
         self.source = RayStateSource(settings.ray_dashboard_url)
         self.scanner = ProcScanner(settings.proc_root)
         self._state: raygroup.RayState | None = None
+        self._decided: raygroup.RayState | None = None  # the state the last decisions were made on
+        self._actors_seen: tuple[tuple[str, str, int | None, str], ...] = ()  # the last answer's actors, in brief
+        self._nodes_at = 0.0
         self._full_at = 0.0
         self.raylets: tuple[LocalRaylet, ...] = ()
         self.node_ids: frozenset[str] = frozenset()
@@ -183,6 +189,9 @@ class RayWatch:
         state = self._poll_state(now)
         if state is None:
             return []
+        if state is self._decided and not (self._sent_at or self._torn_at or self._removing):
+            return []  # the same answer as last time and nothing under way: nothing new to decide
+        self._decided = state
         self.groups = raygroup.groups(state)
         # /proc is read only for groups that lost a member (none, nearly always)
         procs = self._local_procs(tuple(g for g in self.groups if raygroup.first_death(g, state) is not None))
@@ -271,20 +280,32 @@ class RayWatch:
                 log.error("placement group %s: its removal %s", group[:12], "timed out" if rc is None else f"exit {rc}")
 
     def _poll_state(self, now: float) -> raygroup.RayState | None:
-        """Ray's state: every `FULL_EVERY_S` (or when an actor appears in a placement group not known yet) all four
-        listings; in between only the actors (their states carry a death), over the last nodes, jobs and groups."""
+        """Ray's state. Each poll the actors alone, without Ray's detail (a death shows there first); the nodes every
+        FULL_EVERY_S (a dead node shows there); all four listings when an actor appears that the last full read
+        did not have (a new engine: its group, its job), at every poll while a teardown is under way (the placement
+        group's removal), and at least every FULL_MAX_S. A quiet cluster costs one small listing a poll."""
         try:
-            if self._state is not None and now - self._full_at < FULL_EVERY_S:
-                # Without detail Ray leaves out each actor's placement group: the last full poll's, by actor id.
-                placed = {a.actor_id: a.placement_group_id for a in self._state.actors}
+            state = self._state
+            busy = bool(self._sent_at or self._torn_at or self._removing)
+            if state is None or busy or now - self._full_at >= FULL_MAX_S:
+                state = self._full(now)
+            else:
                 actors = self.source.poll_actors()
-                if all(a.actor_id in placed for a in actors):  # a new actor: its group, its job: a full poll now
-                    self._state = replace(
-                        self._state, actors=tuple(replace(a, placement_group_id=placed[a.actor_id]) for a in actors)
-                    )
-                    return self._state
-            self._state = self.source.poll()
-            self._full_at = now
+                seen = tuple((a.actor_id, a.state, a.pid, a.node_id) for a in actors)
+                if seen != self._actors_seen:
+                    # Without detail Ray leaves out each actor's placement group: the last full read's, by actor id.
+                    placed = {a.actor_id: a.placement_group_id for a in state.actors}
+                    if all(a.actor_id in placed for a in actors):
+                        self._actors_seen = seen
+                        moved = tuple(replace(a, placement_group_id=placed[a.actor_id]) for a in actors)
+                        state = replace(state, actors=moved)
+                    else:
+                        state = self._full(now)
+                if now - self._nodes_at >= FULL_EVERY_S:
+                    self._nodes_at = now
+                    nodes = self.source.poll_nodes()
+                    if nodes != state.nodes:
+                        state = replace(state, nodes=nodes)
         except RayStateError:
             if self.source.last_error != self._said:
                 log.warning("Ray's state API: %s (group teardown waits for an answer)", self.source.last_error)
@@ -293,7 +314,14 @@ class RayWatch:
         if self._said is not None:
             log.info("Ray's state API answers again")
             self._said = None
-        return self._state
+        self._state = state  # the same object while nothing changed: poll_once then decides nothing again
+        return state
+
+    def _full(self, now: float) -> raygroup.RayState:
+        state = self.source.poll()
+        self._full_at = self._nodes_at = now
+        self._actors_seen = tuple((a.actor_id, a.state, a.pid, a.node_id) for a in state.actors)
+        return state
 
     def _raylets_alive(self) -> bool:
         """Whether the raylets last found still run (one stat each): a raylet gone is looked for again at once."""
