@@ -37,6 +37,7 @@ from sparkwatch.core.kill import raygroup
 from sparkwatch.core.model import Proc
 from sparkwatch.guard.groupwatch import GroupWatch
 from sparkwatch.guard.poolwatch import PoolWatch
+from sparkwatch.guard.process import GuardProcess
 from sparkwatch.telemetry.raywatch import RayWatch
 from sparkwatch.telemetry.sources.raystate import RayStateError, RayStateSource
 from tests.conftest import alive, require, wait_until
@@ -443,6 +444,49 @@ def test_guard_kills_only_members_it_verifies_itself(tmp_path: Path) -> None:
             if p.poll() is None:
                 p.kill()
             p.wait(5)
+
+
+@pytest.mark.parametrize("on", [False, True])
+def test_the_guard_process_honours_group_teardown_itself(tmp_path: Path, on: bool) -> None:
+    """With `group_teardown = false` the guard refuses a teardown even when one reaches it (telemetry sends none
+    then; a reload racing a message must not kill): the member lives and the refusal is counted. On, the same
+    message, through the supervisor's callback as the channel delivers it, kills the member on the next tick."""
+    rank = _shaped("ray::RayWorkerWrapper")
+    try:
+        ticks = read_start_ticks("/proc", rank.pid) or 0
+        settings = load_settings(
+            None,
+            {
+                "state_dir": tmp_path / "state",
+                "root": tmp_path / "root",
+                "ancestor_pid": os.getpid(),
+                "floor": "1GiB",
+                "mlock": False,
+                "listen": "127.0.0.1:9",  # never started here
+                "kernel_log_path": str(tmp_path / "no-kmsg"),
+                "group_teardown": on,
+            },
+        )
+        gp = GuardProcess(guard_config(settings), telemetry=None)
+        msg = GroupTeardownMsg("pg1", raygroup.RANK_DIED, "10.0.0.2", 300, ((rank.pid, ticks, raygroup.RANK),), 1.0)
+        assert gp.supervisor.on_group_teardown is not None
+        gp.supervisor.on_group_teardown(msg)
+        gp.guard.reaper.start()
+        try:
+            gp.guard.tick()
+            if on:
+                assert rank.wait(5) == -signal.SIGKILL
+            else:
+                time.sleep(0.2)
+                assert rank.poll() is None
+        finally:
+            gp.guard.reaper.stop()
+        counters = gp.counters()["groupwatch"]
+        assert (counters["teardowns"], counters["refused_off"]) == ((1, 0) if on else (0, 1))
+    finally:
+        if rank.poll() is None:
+            rank.kill()
+        rank.wait(5)
 
 
 # --- telemetry's reading of Ray's state API (telemetry.sources.raystate): every failure counted, none decides

@@ -82,6 +82,10 @@ class BudgetFacts:
     footprint: Footprint
 
 
+# The group watch's counters (guard.groupwatch), exported at 0 before its first group (its module loads only then).
+GROUP_COUNTERS = ("teardowns", "refused", "errors")
+
+
 @dataclass(frozen=True, slots=True)
 class GroupFacts:
     """What a group teardown request carries: this node's members of the group, checked by guard.groupwatch and made
