@@ -4,7 +4,8 @@ what telemetry reads).
 
 - namespaces `sw<pid>a` / `sw<pid>b`, lo up, a veth pair 10.<k>.<m>.1 / .2 (k, m from this pytest's pid): another
   suite running at the same time gets other names and addresses;
-- node A: `ray start --head` (GCS, raylet, dashboard on 127.0.0.1:8265 inside A); node B: `ray start --address`;
+- node A: `ray start --head` (GCS, raylet, dashboard on :8265 inside A, reached from B over the veth pair: only the
+  test's namespaces see it); node B: `ray start --address`;
   one CPU and a 100 MB object store each, no usage stats, no auth token written;
 - teardown: every process in the two namespaces (`ip netns pids`: only what this fixture started lives there, and
   Ray's daemons leave the test's process tree) gets SIGTERM through a pidfd taken with its start time checked, then
@@ -72,8 +73,12 @@ class RayCluster:
 
     @property
     def dashboard(self) -> str:
-        """Inside node A only (the dashboard listens on A's loopback)."""
+        """As node A reads it (its loopback); node B reads it at `dashboard_b`."""
         return f"http://127.0.0.1:{DASHBOARD_PORT}"
+
+    @property
+    def dashboard_b(self) -> str:
+        return f"http://{self.ip_a}:{DASHBOARD_PORT}"
 
     def in_ns(self, ns: str, argv: list[str]) -> list[str]:
         return ["ip", "netns", "exec", ns, *argv]
@@ -225,7 +230,7 @@ def ray_cluster() -> Iterator[RayCluster]:
                 tmp / "a",
                 [
                     str(RAY), "start", "--head", "--node-ip-address", cluster.ip_a, "--port", str(GCS_PORT),
-                    "--include-dashboard", "true", "--dashboard-host", "127.0.0.1",
+                    "--include-dashboard", "true", "--dashboard-host", "0.0.0.0",
                     "--dashboard-port", str(DASHBOARD_PORT), "--temp-dir", str(tmp / "a"), *COMMON,
                 ],
             ),

@@ -21,7 +21,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -191,6 +191,63 @@ def _peer_doc(cluster: RayCluster, listen: str) -> dict[str, Any]:
         cluster.in_ns(cluster.ns_a, [sys.executable, "-c", code]), capture_output=True, text=True, timeout=30
     )
     return json.loads(out.stdout) if out.returncode == 0 else {}
+
+
+def test_both_agents_a_wedged_driver_on_b_then_its_rank_dies(cluster: RayCluster, tmp_path: Path) -> None:
+    """Each node runs its agent (B reads the head's dashboard, A has B among its peers). The driver on B is wedged
+    (SIGSTOP), then B's rank dies: A stops its own rank and B its wedged driver and API server (a stopped process
+    dies of SIGKILL all the same), each within 5 s; the driver's death removes the placement group; each agent's
+    event says why. Then B's agent stops, and A records `peer_lost` with what B last said."""
+    port_b = free_port()
+    listen_b = f"{cluster.ip_b}:{port_b}"
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    env_b = {"SPARKWATCH_LISTEN": listen_b, "SPARKWATCH_RAY_DASHBOARD_URL": cluster.dashboard_b}
+    env_a = {"SPARKWATCH_PEERS": json.dumps([listen_b]), "SPARKWATCH_PEER_POLL_S": "0.5"}
+    with ExitStack() as agents:
+        daemon_a = agents.enter_context(
+            sparkwatch_run(tmp_path / "a", prefix=cluster.in_ns(cluster.ns_a, []), env=env_a)
+        )
+        agent_b = ExitStack()
+        daemon_b = agent_b.enter_context(
+            sparkwatch_run(tmp_path / "b", prefix=cluster.in_ns(cluster.ns_b, []), env=env_b)
+        )
+        agents.push(agent_b)
+        assert wait_until(lambda: bool(_peer_doc(cluster, listen_b).get("ray_node_ids")), 20, 0.5)
+        engine = Engine(cluster, tmp_path, "b")
+        try:
+            fd = syscalls.pidfd_open(engine.pid["driver"])
+            try:
+                assert read_start_ticks("/proc", engine.pid["driver"]) == engine.keys["driver"][1]
+                syscalls.pidfd_send_signal(fd, signal.SIGSTOP)
+            finally:
+                os.close(fd)
+            died_at = time.monotonic()
+            sigkill(*engine.keys["rank_b"])
+            a_s = gone_within([engine.keys["rank_a"]], died_at)
+            b_s = gone_within([engine.keys["driver"], engine.keys["api"]], died_at)
+            print(f"both agents, driver wedged on B: A's rank gone {a_s:.2f} s, B's driver and API {b_s:.2f} s")
+            assert a_s <= TEARDOWN_GOAL_S and b_s <= TEARDOWN_GOAL_S
+            assert wait_until(lambda: pg_state(cluster, engine.placement_group) == ["REMOVED"], 10, 0.2)
+            on_a = wait_for_event(daemon_a.events_path, "group_teardown", timeout_s=10)
+            on_b = wait_for_event(daemon_b.events_path, "group_teardown", timeout_s=10)
+            for event in (on_a, on_b):
+                assert (event["group"], event["cause"]) == (engine.placement_group, raygroup.RANK_DIED)
+                assert (event["first_node"], event["first_pid"]) == (cluster.ip_b, engine.pid["rank_b"])
+            assert on_a["members"] == [{"pid": engine.pid["rank_a"], "role": raygroup.RANK}]
+            assert {(m["pid"], m["role"]) for m in on_b["members"]} == {  # type: ignore[union-attr]
+                (engine.pid["api"], raygroup.API),
+                (engine.pid["driver"], raygroup.DRIVER),
+            }
+            assert on_a["peer_word"] is None  # the rank died of a SIGKILL no guard sent: B's agent has no word on it
+        finally:
+            engine.close()
+        stopped_at = time.monotonic()
+        agent_b.close()  # B's agent stops: A notices within 3 reads
+        lost = wait_for_event(daemon_a.events_path, "peer_lost", timeout_s=15)
+        print(f"peer_lost on A {time.monotonic() - stopped_at:.1f} s after B's agent stopped: {lost['summary']}")
+        assert lost["peer"] == listen_b and lost["mem_available_bytes"]
+        assert isinstance(lost["last_kill"], dict) and lost["last_kill"]["trigger"] == "group_teardown"
 
 
 def test_node_b_lost_raylet_killed_stops_node_a_members(cluster: RayCluster, tmp_path: Path) -> None:
