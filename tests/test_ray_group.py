@@ -22,6 +22,7 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -202,8 +203,16 @@ def test_both_agents_a_wedged_driver_on_b_then_its_rank_dies(cluster: RayCluster
     listen_b = f"{cluster.ip_b}:{port_b}"
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
-    env_b = {"SPARKWATCH_LISTEN": listen_b, "SPARKWATCH_RAY_DASHBOARD_URL": cluster.dashboard_b}
-    env_a = {"SPARKWATCH_PEERS": json.dumps([listen_b]), "SPARKWATCH_PEER_POLL_S": "0.5"}
+    listen_a = f"{cluster.ip_a}:{free_port()}"
+    # Each lists the other: B learns from A that A's rank died of A's own teardown (Ray keeps no time of death, and
+    # B may see both ranks dead at once), so B names the true first death too.
+    env_b = {
+        "SPARKWATCH_LISTEN": listen_b,
+        "SPARKWATCH_RAY_DASHBOARD_URL": cluster.dashboard_b,
+        "SPARKWATCH_PEERS": json.dumps([listen_a]),
+        "SPARKWATCH_PEER_POLL_S": "0.5",
+    }
+    env_a = {"SPARKWATCH_LISTEN": listen_a, "SPARKWATCH_PEERS": json.dumps([listen_b]), "SPARKWATCH_PEER_POLL_S": "0.5"}
     with ExitStack() as agents:
         daemon_a = agents.enter_context(
             sparkwatch_run(tmp_path / "a", prefix=cluster.in_ns(cluster.ns_a, []), env=env_a)
@@ -229,17 +238,22 @@ def test_both_agents_a_wedged_driver_on_b_then_its_rank_dies(cluster: RayCluster
             print(f"both agents, driver wedged on B: A's rank gone {a_s:.2f} s, B's driver and API {b_s:.2f} s")
             assert a_s <= TEARDOWN_GOAL_S and b_s <= TEARDOWN_GOAL_S
             assert wait_until(lambda: pg_state(cluster, engine.placement_group) == ["REMOVED"], 10, 0.2)
-            on_a = wait_for_event(daemon_a.events_path, "group_teardown", timeout_s=10)
             on_b = wait_for_event(daemon_b.events_path, "group_teardown", timeout_s=10)
-            for event in (on_a, on_b):
+            # A stops its rank itself, unless B's agent stopped the driver first: Ray then ends the job's actors, A's
+            # rank with them, before A's next read of Ray's state (every ray_poll_s), and A has nothing left to stop.
+            on_a = [e for e in read_events(daemon_a.events_path) if e["kind"] == "group_teardown"]
+            print(f"node A recorded {len(on_a)} group_teardown event(s)")
+            for event in (*on_a, on_b):
                 assert (event["group"], event["cause"]) == (engine.placement_group, raygroup.RANK_DIED)
                 assert (event["first_node"], event["first_pid"]) == (cluster.ip_b, engine.pid["rank_b"])
-            assert on_a["members"] == [{"pid": engine.pid["rank_a"], "role": raygroup.RANK}]
-            assert {(m["pid"], m["role"]) for m in on_b["members"]} == {  # type: ignore[union-attr]
+            assert all(e["members"] == [{"pid": engine.pid["rank_a"], "role": raygroup.RANK}] for e in on_a)
+            members_b = on_b["members"]
+            assert isinstance(members_b, list)
+            assert {(m["pid"], m["role"]) for m in members_b} == {
                 (engine.pid["api"], raygroup.API),
                 (engine.pid["driver"], raygroup.DRIVER),
             }
-            assert on_a["peer_word"] is None  # the rank died of a SIGKILL no guard sent: B's agent has no word on it
+            assert all(e["peer_word"] is None for e in on_a)  # the rank died of a SIGKILL no guard sent: no word
         finally:
             engine.close()
         stopped_at = time.monotonic()
@@ -367,6 +381,22 @@ def test_group_rows_say_where_each_member_runs_and_what_ended_the_group() -> Non
     (dead,) = raygroup.group_rows(_state(rank_b_state="DEAD"), frozenset({NODE_B}))
     assert dead.death == raygroup.Death(raygroup.RANK_DIED, NODE_B, "10.0.0.2", 300)
     assert [m.local for m in dead.members] == [False, False, True]
+
+
+def test_a_rank_a_peer_stopped_as_a_teardown_is_never_the_first_death() -> None:
+    """Both ranks dead at first sight (Ray keeps no time of death): the one node A's agent says it stopped as a
+    group teardown is the consequence; B's own rank is the cause. Without that word, Ray's order decides."""
+    state = _state(rank_b_state="DEAD")
+    state = raygroup.RayState(
+        state.nodes,
+        state.jobs,
+        tuple(replace(a, state="DEAD", placement_group_id="pg1") for a in state.actors),
+        state.placement_groups,
+    )
+    (group,) = raygroup.groups(state)
+    assert raygroup.first_death(group, state) == raygroup.Death(raygroup.RANK_DIED, NODE_A, "10.0.0.1", 200)
+    told = frozenset({(NODE_A, 200)})
+    assert raygroup.first_death(group, state, told) == raygroup.Death(raygroup.RANK_DIED, NODE_B, "10.0.0.2", 300)
 
 
 def test_no_teardown_while_every_member_lives() -> None:

@@ -135,6 +135,19 @@ class PeerWatch:
                 return peerdoc.kill_word(peer.doc, pid)
         return None
 
+    def torn_down(self, node_id: str) -> frozenset[int]:
+        """The pids the peer whose raylet serves `node_id` stopped as a group teardown (read again first, within
+        WORD_TIMEOUT_S): a consequence of another member's death, never its cause. Empty when no peer says so."""
+        for peer in self.peers:
+            doc = peer.doc
+            if doc is not None and doc.ray_node_ids and node_id not in doc.ray_node_ids:
+                continue
+            self._read(peer, WORD_TIMEOUT_S)
+            doc = peer.doc
+            if doc is not None and node_id in doc.ray_node_ids:
+                return frozenset(pid for k in doc.kills if k.trigger == "group_teardown" for pid in k.pids)
+        return frozenset()
+
     def _read(self, peer: Peer, timeout_s: float) -> bool:
         with peer.lock:
             try:

@@ -91,6 +91,7 @@ class RayWatch:
         send: Callable[[GroupTeardownMsg], None],
         procs: Callable[[], Iterable[Proc]] = lambda: (),
         peer_word: Callable[[str, int | None], str | None] = lambda node_id, pid: None,
+        peer_torn_down: Callable[[str], frozenset[int]] = lambda node_id: frozenset(),
     ) -> None:
         """`procs`: the telemetry loop's last process table (where the raylets are looked for). `peer_word`: the
         word of the peer agent whose raylet serves a node id on a pid there, when its guard killed it
@@ -99,6 +100,7 @@ class RayWatch:
         self.send = send
         self.procs = procs
         self.peer_word = peer_word
+        self.peer_torn_down = peer_torn_down  # telemetry.peerwatch.PeerWatch.torn_down
         self.proc_root = Path(settings.proc_root)
         self.source = RayStateSource(settings.ray_dashboard_url)
         self.scanner = ProcScanner(settings.proc_root)
@@ -196,7 +198,7 @@ class RayWatch:
         # /proc is read only for groups that lost a member (none, nearly always)
         procs = self._local_procs(tuple(g for g in self.groups if raygroup.first_death(g, state) is not None))
         sent = []
-        for teardown in raygroup.teardowns(state, self.node_ids, procs):
+        for teardown in raygroup.teardowns(state, self.node_ids, procs, consequences=self._consequences(state)):
             if not self.settings.group_teardown or now - self._sent_at.get(teardown.group, -RESEND_S) < RESEND_S:
                 continue
             detected_ts = time.time()
@@ -227,6 +229,23 @@ class RayWatch:
         self._torn_at = {g: t for g, t in self._torn_at.items() if g in live or g in self._removing}
         self._remove_tried &= live | set(self._removing)
         return sent
+
+    def _consequences(self, state: raygroup.RayState) -> frozenset[tuple[str, int]]:
+        """Dead ranks of another node that its agent says it stopped as a group teardown, asked only for a group
+        that shows more than one dead rank at once and has not been torn down here yet (Ray keeps no time of
+        death: the peers tell the cause from the consequence)."""
+        nodes: set[str] = set()
+        for group in self.groups:
+            dead = [a for a in group.ranks if a.state == "DEAD"]
+            if len(dead) > 1 and group.group not in self._sent_at:
+                nodes.update(a.node_id for a in dead if a.node_id not in self.node_ids)
+        out: set[tuple[str, int]] = set()
+        for node_id in nodes:
+            try:
+                out.update((node_id, pid) for pid in self.peer_torn_down(node_id))
+            except Exception as exc:  # a bug there must not hold a teardown back
+                log.error("peer teardowns: %s: %s", type(exc).__name__, exc)
+        return frozenset(out)
 
     def _peer_word(self, death: raygroup.Death) -> str | None:
         """The peer's word on the first death (at most peerwatch.WORD_TIMEOUT_S: its guard records a kill ~0.1 s

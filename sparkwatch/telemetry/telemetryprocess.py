@@ -183,7 +183,11 @@ class TelemetryProcess:
         peers = self.peers = PeerWatch(settings, self.events.append)
         out.append(Component("peers", peers, PeerWatch.LIVE_KEYS, peers.apply, peers.counters))
         raywatch = self.raywatch = RayWatch(
-            settings, self._send, procs=lambda: self.loop.telemetry.last_procs, peer_word=peers.kill_word
+            settings,
+            self._send,
+            procs=lambda: self.loop.telemetry.last_procs,
+            peer_word=peers.kill_word,
+            peer_torn_down=peers.torn_down,
         )
         out.append(Component("raywatch", raywatch, RayWatch.LIVE_KEYS, raywatch.apply, raywatch.counters))
         return out

@@ -121,11 +121,18 @@ def groups(state: RayState) -> tuple[RayGroup, ...]:
     return tuple(out)
 
 
-def first_death(group: RayGroup, state: RayState) -> Death | None:
+def first_death(
+    group: RayGroup, state: RayState, consequences: frozenset[tuple[str, int]] = frozenset()
+) -> Death | None:
     """The member whose loss ends the group, or None while every member lives. A rank DEAD in Ray's state (its
-    worker process gone: killed, OOM-killed, crashed), or a rank or the driver on a node Ray marks DEAD."""
+    worker process gone: killed, OOM-killed, crashed), or a rank or the driver on a node Ray marks DEAD.
+
+    Ray keeps no time of death: when several ranks are dead at first sight, those a node's agent says it stopped
+    as a group teardown (`consequences`: (node id, pid), from the peers) are the consequence, never the cause; the
+    others come first, in Ray's order."""
     nodes = {n.node_id: n for n in state.nodes}
-    for actor in group.ranks:
+    ranks = sorted(group.ranks, key=lambda a: (a.node_id, a.pid or 0) in consequences)
+    for actor in ranks:
         node = nodes.get(actor.node_id)
         ip = node.node_ip if node is not None else ""
         if actor.state == "DEAD":
@@ -158,16 +165,20 @@ def local_members(group: RayGroup, local_node_ids: frozenset[str], procs: Mappin
 
 
 def teardowns(
-    state: RayState, local_node_ids: frozenset[str], procs: Mapping[int, Proc], done: Iterable[str] = ()
+    state: RayState,
+    local_node_ids: frozenset[str],
+    procs: Mapping[int, Proc],
+    done: Iterable[str] = (),
+    consequences: frozenset[tuple[str, int]] = frozenset(),
 ) -> tuple[Teardown, ...]:
     """The groups with a dead member and a live member on this node, with what this node must stop. `done`: groups
-    already torn down here whose members are all gone (never asked again)."""
+    already torn down here whose members are all gone (never asked again); `consequences`: see first_death."""
     skip = frozenset(done)
     out = []
     for group in groups(state):
         if group.group in skip:
             continue
-        death = first_death(group, state)
+        death = first_death(group, state, consequences)
         if death is None:
             continue
         members = local_members(group, local_node_ids, procs)
