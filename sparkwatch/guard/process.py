@@ -61,6 +61,7 @@ from sparkwatch.guard.poolwatch import GuardLinks, PoolWatch
 from sparkwatch.guard.recorder import FlightRecorder
 from sparkwatch.guard.start import exec_guard
 from sparkwatch.guard.supervisor import TelemetrySupervisor, telemetry_command
+from sparkwatch.guard.wedgewatch import WedgeWatch
 
 log = logs.get("daemon")
 VALIDATE_TIMEOUT_S = 60.0  # the validator imports pydantic: ~0.5 s idle, seconds on a box under pressure
@@ -170,6 +171,8 @@ class GuardProcess:
             on_over_cap=self._over_cap_seen,
             # a group spanning nodes lost a member: this node's members of it are checked and killed (groupwatch)
             on_group_teardown=lambda msg: self.groupwatch.handle(msg),  # noqa: PLW0108 - late-bound: built below
+            # an engine up but not serving for kill_wedged_after_s: checked and killed, trigger wedged (wedgewatch)
+            on_wedged=lambda msg: self.wedgewatch.handle(msg),  # noqa: PLW0108 - late-bound: built below
             # a near-budget engine's GPU bytes moved: its budget is looked at now
             on_gpu_sample=lambda: self.guard.wake(),  # noqa: PLW0108 - late-bound: the guard is built after this
         )
@@ -202,6 +205,13 @@ class GuardProcess:
             ),
         )
         self.groupwatch = GroupWatch(lambda: self.guard.snapshot, self.guard.request_group_teardown)
+        launched = self.guard.launched
+        self.wedgewatch = WedgeWatch(
+            lambda: self.guard.snapshot,
+            self.guard.request_wedged_kill,
+            declared=launched.declared,
+            launchers=launched.launchers,
+        )
         self.events.subscribe(self.supervisor.forward)
         self.components: list[Component[GuardConfig]] = [
             # Before the guard: it stops after the pool watch, so its last sample (marked `stopping`) is the last tick.
@@ -222,6 +232,7 @@ class GuardProcess:
             ),
             Component("events", CountersOnly(), counters=self._event_counters),
             Component("groupwatch", CountersOnly(), counters=self.groupwatch.counters),
+            Component("wedgewatch", CountersOnly(), counters=self.wedgewatch.counters),
         ]
         if telemetry is not None:
             self.components.append(Component("telemetry", self.supervisor, counters=self.supervisor.counters))
