@@ -76,9 +76,14 @@ class Endpoint:
     key_flag: bool = False
 
 
+def _words(argv: Sequence[str]) -> Sequence[str]:
+    """A retitled process (setproctitle) shows its whole command line as one argument: its words."""
+    return argv[0].split() if len(argv) == 1 and " " in argv[0] else argv
+
+
 def endpoint_of(argv: Sequence[str]) -> Endpoint | None:
     """The OpenAI-compatible endpoint an engine's command line serves, or None (not a server we know, a bad port)."""
-    cmd = recognise(argv)
+    cmd = recognise(_words(argv))
     if cmd.kind == EngineKind.OTHER or cmd.subcommand == "llama-cli":
         return None
     server = cmd.subcommand if cmd.kind == EngineKind.LLAMA_CPP else str(cmd.kind)
@@ -98,7 +103,7 @@ def endpoint_of(argv: Sequence[str]) -> Endpoint | None:
 
 def api_key_of(argv: Sequence[str], environ: Mapping[str, str], server: str) -> str | None:
     """The key the engine checks: its `--api-key` flag, else its own environment variable. Never logged."""
-    cmd = recognise(argv)
+    cmd = recognise(_words(argv))
     flags, _pos = parse_flags(list(cmd.argv)[1:], _ENDPOINT_FLAGS, vllm=cmd.kind == EngineKind.VLLM)
     if flags.get("api_key"):
         return flags["api_key"]

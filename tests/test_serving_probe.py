@@ -1,0 +1,320 @@
+"""The serving probe (core/engines/serving.py, telemetry/probewatch.py, guard/wedgewatch.py) against real processes on
+loopback: an engine stand-in whose health answers while its completions fail (tests/helpers/serving_engine.py), a
+port owned by another process, an API key that must reach the engine and nothing else. The real engine's tests are in
+tests/test_real_engine.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+
+from sparkwatch.common import logs
+from sparkwatch.common.eventlog import read_events
+from sparkwatch.config.settings import Settings, load_settings
+from sparkwatch.core.engines import serving as core
+from sparkwatch.core.engines.serving import Outcome, ProbeResult, Serving, ServingParams, ServingTrack
+from sparkwatch.core.eventkinds import EventKind
+from sparkwatch.telemetry.loop import Telemetry
+from sparkwatch.telemetry.sources.completion import send_probe
+from sparkwatch.telemetry.sources.listeners import parse_tcp_table
+from tests.daemon import free_port, sparkwatch_run, wait_for_event
+
+HELPER = Path(__file__).parent / "helpers" / "serving_engine.py"
+PARAMS = ServingParams(interval_s=30.0, retry_s=5.0, timeout_s=10.0, failures_wedged=3)
+
+
+# --- the schedule and what a run of results means (pure)
+
+
+def _fail(ts: float) -> ProbeResult:
+    return ProbeResult(Outcome.FAILED, ts, None, "HTTP 500")
+
+
+def test_three_failures_in_a_row_wedge_an_engine_once_and_a_token_brings_it_back() -> None:
+    track, change = core.step(ServingTrack(), ProbeResult(Outcome.OK, 100.0, 0.04), 0.0, PARAMS)
+    assert track.state == Serving.SERVING and change is None and track.next_due == 30.0
+    changes = []
+    for i in range(5):
+        track, change = core.step(track, _fail(130.0 + 5 * i), 30.0 + 5 * i, PARAMS)
+        changes.append(change)
+        assert track.next_due == 30.0 + 5 * i + PARAMS.retry_s  # faster after a failure
+    assert [c is not None for c in changes] == [False, False, True, False, False]  # one engine_wedged
+    assert changes[2] is not None and changes[2].since_ts == 130.0 and changes[2].failures == 3
+    assert track.state == Serving.WEDGED and core.wedged_for_s(track, 160.0) == 30.0
+    track, change = core.step(track, ProbeResult(Outcome.OK, 170.0, 0.05), 60.0, PARAMS)
+    assert track.state == Serving.SERVING and change is not None and change.new == Serving.SERVING
+    assert track.failures == 0 and core.wedged_for_s(track, 171.0) is None
+
+
+@pytest.mark.parametrize("outcome", [Outcome.NOT_LISTENING, Outcome.UNAUTHORIZED])
+def test_not_listening_or_a_key_refused_never_counts_as_a_failure(outcome: Outcome) -> None:
+    track = ServingTrack()
+    for i in range(10):
+        track, change = core.step(track, ProbeResult(outcome, float(i)), float(i), PARAMS)
+        assert change is None and track.failures == 0
+    assert track.state == Serving.UNKNOWN
+
+
+def test_a_booting_engine_is_never_wedged() -> None:
+    track = ServingTrack()
+    for i in range(10):
+        track, change = core.step(track, _fail(float(i)), float(i), PARAMS, booting=True)
+        assert change is None
+    assert track.state == Serving.UNKNOWN and track.failures == 0
+
+
+def test_endpoints_from_the_engines_command_lines() -> None:
+    ep = core.endpoint_of
+    assert ep(["vllm", "serve", "m"]) == core.Endpoint("0.0.0.0", 8000, "vllm")
+    assert ep(["vllm", "serve", "m", "--port=8123", "--api_key", "k"]) == core.Endpoint(
+        "0.0.0.0", 8123, "vllm", key_flag=True
+    )
+    assert ep(["python3", "-m", "sglang.launch_server", "--model-path", "m"]) == core.Endpoint(
+        "127.0.0.1", 30000, "sglang"
+    )
+    assert ep(["./build/bin/llama-server", "-m", "x.gguf", "--host", "0.0.0.0"]) == core.Endpoint(
+        "0.0.0.0", 8080, "llama-server"
+    )
+    assert ep(["python", "-m", "llama_cpp.server", "--model", "x.gguf"]) == core.Endpoint(
+        "localhost", 8000, "llama_cpp.server"
+    )
+    assert ep(["vllm", "serve", "m", "--port", "99999"]) is None  # not a port: nothing to probe
+    assert ep(["llama-cli", "-m", "x.gguf"]) is None and ep(["python", "train.py"]) is None
+    assert core.endpoint_of_url("http://127.0.0.1:8001/v1") == core.Endpoint("127.0.0.1", 8001, "url")
+    assert core.endpoint_of_url("http://[::1]:9/api/v1/completions") == core.Endpoint("::1", 9, "url", prefix="/api")
+    assert core.endpoint_of_url("https://x:1") is None and core.endpoint_of_url("http://x") is None
+    assert core.api_key_of(["vllm", "serve", "m"], {"VLLM_API_KEY": "e"}, "vllm") == "e"
+    assert core.api_key_of(["vllm", "serve", "m", "--api-key=f"], {"VLLM_API_KEY": "e"}, "vllm") == "f"
+
+
+def test_the_listen_table_parser_reads_ipv4_and_ipv6_wildcards() -> None:
+    text = (
+        "  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode\n"
+        "   0: 0100007F:1F40 00000000:0000 0A 00000000:00000000 00:00000000 00000000  1000        0 4242 1\n"
+        "   1: 0100007F:1F41 0100007F:9C40 01 00000000:00000000 00:00000000 00000000  1000        0 4343 1\n"
+    )
+    v6 = (
+        "  sl  local_address                         remote_address                        st\n"
+        "   0: 00000000000000000000000000000000:1F90 00000000000000000000000000000000:0000 0A 0:0 0:0 0 1000 0 77 1\n"
+    )
+    (a,) = parse_tcp_table(text)
+    assert (a.address, a.port, a.inode, a.connect_host) == ("127.0.0.1", 8000, 4242, "127.0.0.1")
+    (b,) = parse_tcp_table(v6)
+    assert (b.address, b.port, b.inode, b.connect_host) == ("::", 8080, 77, "::1")
+
+
+# --- a real stand-in on loopback
+
+
+@dataclass
+class StandIn:
+    proc: subprocess.Popen[bytes]
+    port: int
+    requests: Path
+    broken: Path
+
+    def seen(self) -> list[dict[str, object]]:
+        if not self.requests.exists():
+            return []
+        return [json.loads(line) for line in self.requests.read_text().splitlines()]
+
+
+@contextmanager
+def stand_in(tmp_path: Path, *engine: str, port: int | None = None, bind: bool = True) -> Iterator[StandIn]:
+    """The stand-in titled `engine` (its command line: `--port PORT` is added), serving on 127.0.0.1:PORT unless
+    `bind` is false (then it sleeps, titled so, and owns no socket)."""
+    port = port or free_port()
+    requests, broken = tmp_path / f"requests-{port}.log", tmp_path / f"broken-{port}"
+    cmd = [*engine, "--port", str(port)]
+    argv = [sys.executable, str(HELPER), "--requests", str(requests), "--broken", str(broken), "--", *cmd]
+    if not bind:
+        argv = [sys.executable, "-c", "import setproctitle,sys,time; setproctitle.setproctitle(sys.argv[1]); "
+                "time.sleep(3600)", " ".join(cmd)]  # fmt: skip
+    proc = subprocess.Popen(argv, stderr=subprocess.PIPE)
+    try:
+        if bind:
+            assert proc.stderr is not None
+            line = proc.stderr.readline()
+            assert b"listening" in line, line
+        else:
+            time.sleep(0.3)
+        yield StandIn(proc, port, requests, broken)
+    finally:
+        proc.send_signal(signal.SIGCONT)
+        proc.kill()
+        proc.wait(10)
+        if proc.stderr is not None:
+            proc.stderr.close()
+
+
+def fast_settings(tmp_path: Path, **extra: object) -> Settings:
+    return load_settings(
+        None,
+        {
+            "ancestor_pid": os.getpid(),
+            "state_dir": tmp_path / "state",
+            "probe_interval_s": 0.3,
+            "probe_retry_s": 0.2,
+            "probe_timeout_s": 1.0,
+            "probe_failures_wedged": 3,
+            **extra,
+        },
+    )
+
+
+def run_until(telemetry: Telemetry, done: object, timeout_s: float = 20.0) -> list[dict[str, object]]:
+    """Telemetry cycles until `done(events so far)`; returns the events as their dicts."""
+    events: list[dict[str, object]] = []
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        telemetry.collect()
+        events += [e.to_json_dict() for e in telemetry.drain_events()]
+        if done(events):  # type: ignore[operator]
+            return events
+        time.sleep(0.1)
+    raise AssertionError(f"not done after {timeout_s} s: {events}")
+
+
+def kinds(events: list[dict[str, object]]) -> list[object]:
+    return [e["kind"] for e in events]
+
+
+def test_health_answering_while_completions_fail_is_wedged_then_serving_again(tmp_path: Path) -> None:
+    """/health and /v1/models answer 200 throughout; only the token tells. 500s, then a hang past the timeout."""
+    telemetry = Telemetry(fast_settings(tmp_path))
+    try:
+        with stand_in(tmp_path, "vllm", "serve", "/models/m") as engine:
+            serving = lambda ev: any(s.state == "serving" for s in telemetry.collect().serving)  # noqa: E731
+            run_until(telemetry, serving)
+            engine.broken.write_text("500")
+            events = run_until(telemetry, lambda ev: EventKind.ENGINE_WEDGED in kinds(ev))
+            wedged = next(e for e in events if e["kind"] == EventKind.ENGINE_WEDGED)
+            assert wedged["root_pid"] == engine.proc.pid and wedged["failures"] == 3
+            assert wedged["error"] == "HTTP 500" and wedged["endpoint"] == f"0.0.0.0:{engine.port}"
+            assert engine.proc.poll() is None  # the process lives: up, not serving
+            (state,) = telemetry.collect().serving
+            assert state.state == "wedged" and state.wedged_for_s is not None
+            engine.broken.unlink()
+            events = run_until(telemetry, lambda ev: EventKind.ENGINE_SERVING_AGAIN in kinds(ev))
+            assert kinds(events).count(EventKind.ENGINE_WEDGED) == 0  # once per wedge
+            engine.broken.write_text("hang")
+            events = run_until(telemetry, lambda ev: EventKind.ENGINE_WEDGED in kinds(ev))
+            wedged = next(e for e in events if e["kind"] == EventKind.ENGINE_WEDGED)
+            assert wedged["error"] == "no answer within 1 s"
+            paths = {r["path"] for r in engine.seen()}
+            assert paths == {"/v1/completions"}  # the probe asks for a token, never /health
+    finally:
+        telemetry.close()
+
+
+def test_the_probe_never_reaches_a_port_another_process_owns(tmp_path: Path) -> None:
+    """An engine whose command line names a port it does not hold (it died and another server took it, or it has
+    not bound yet): the server that does hold it is never asked, and the engine is not called wedged."""
+    port = free_port()
+    hits: list[str] = []
+
+    class Other(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            hits.append(self.path)
+            self.send_response(500)
+            self.end_headers()
+
+        def log_message(self, format: str, *a: object) -> None:
+            pass
+
+    other = ThreadingHTTPServer(("127.0.0.1", port), Other)  # this test's own process: not the engine's
+    import threading
+
+    threading.Thread(target=other.serve_forever, daemon=True).start()
+    telemetry = Telemetry(fast_settings(tmp_path))
+    try:
+        with stand_in(tmp_path, "vllm", "serve", "/models/m", port=port, bind=False) as engine:
+            deadline = time.monotonic() + 3.0
+            events = []
+            while time.monotonic() < deadline:
+                snap = telemetry.collect()
+                events += telemetry.drain_events()
+                time.sleep(0.1)
+            assert any(t.root.pid == engine.proc.pid for t in snap.engines)  # an engine the probe looked at
+            assert telemetry.probes.probes_total == 0 and hits == [] and events == []
+            assert all(s.state == "unknown" for s in snap.serving)
+    finally:
+        telemetry.close()
+        other.shutdown()
+        other.server_close()
+
+
+def test_the_api_key_reaches_the_engine_and_nothing_else(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The key on the engine's command line goes in the probe's Authorization header; the events, the metrics and
+    the log never carry it, in a wedge and back."""
+    key = "sk-probe-secret-7f3a9c"
+    telemetry = Telemetry(fast_settings(tmp_path))
+    caplog.set_level("DEBUG", logger=logs.get("telemetry").name)
+    try:
+        with stand_in(tmp_path, "vllm", "serve", "/models/m", "--api-key", key) as engine:
+            engine.broken.write_text("500")
+            events = run_until(telemetry, lambda ev: EventKind.ENGINE_WEDGED in kinds(ev))
+            engine.broken.unlink()
+            events += run_until(telemetry, lambda ev: EventKind.ENGINE_SERVING_AGAIN in kinds(ev))
+            snap = telemetry.collect()
+            assert {r["auth"] for r in engine.seen()} == {f"Bearer {key}"}
+            from sparkwatch.telemetry.exporter.server import build_registry, render
+
+            exposition = render(build_registry(telemetry.settings, lambda: snap)).decode()
+            assert f'sparkwatch_engine_serving{{engine="vllm",pid="{engine.proc.pid}"}} 1.0' in exposition
+            assert "sparkwatch_engine_probe_latency_seconds" in exposition
+            for text in (json.dumps(events), exposition, caplog.text, repr(snap.serving)):
+                assert key not in text
+    finally:
+        telemetry.close()
+
+
+def test_send_probe_holds_one_deadline_against_a_server_that_accepts_and_never_answers(tmp_path: Path) -> None:
+    import socket
+
+    with socket.socket() as srv:
+        srv.bind(("127.0.0.1", 0))
+        srv.listen(1)
+        t0 = time.monotonic()
+        answer = send_probe("127.0.0.1", srv.getsockname()[1], timeout_s=0.5)
+        took = time.monotonic() - t0
+    assert answer.outcome == Outcome.FAILED and answer.error == "no answer within 0.5 s"
+    assert 0.4 < took < 2.0
+
+
+# --- the daemon: engine_wedged recorded, and with kill_wedged_after_s the guard kills, trigger wedged
+
+
+@pytest.mark.slow
+def test_the_daemon_records_a_wedge_and_kills_it_when_asked(tmp_path: Path) -> None:
+    env = {
+        "SPARKWATCH_PROBE_INTERVAL_S": "0.5",
+        "SPARKWATCH_PROBE_RETRY_S": "0.3",
+        "SPARKWATCH_PROBE_TIMEOUT_S": "1",
+        "SPARKWATCH_PROBE_FAILURES_WEDGED": "2",
+        "SPARKWATCH_KILL_WEDGED_AFTER_S": "2",
+    }
+    with stand_in(tmp_path, "vllm", "serve", "/models/m") as engine, sparkwatch_run(tmp_path, env=env) as d:
+        time.sleep(1.5)
+        assert engine.seen(), "the daemon never probed the engine"
+        engine.broken.write_text("500")
+        wedged = wait_for_event(d.events_path, EventKind.ENGINE_WEDGED, 30)
+        assert wedged["root_pid"] == engine.proc.pid
+        kill = wait_for_event(d.events_path, EventKind.KILL, 30)
+        assert kill["trigger"] == "wedged", kill
+        assert engine.proc.wait(15) == -signal.SIGKILL
+        assert any("wedged" in str(r) for r in kill["why"]), kill  # type: ignore[attr-defined]
+    kinds_seen = [e["kind"] for e in read_events(d.events_path)]
+    assert kinds_seen.count(EventKind.KILL) == 1, kinds_seen
