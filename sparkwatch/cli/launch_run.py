@@ -59,6 +59,8 @@ from sparkwatch.telemetry.sources.listeners import owned_listener
 if TYPE_CHECKING:
     from sparkwatch.config.settings import Settings
 
+# After its ready line, an engine that owns no listening socket on its port within this long is ready by that line.
+READY_LISTEN_GRACE_S = 1.0
 SAMPLE_EVERY_S = 1.0  # footprint samples while the engine runs (a /proc walk of the tree and, with NVML, one read)
 # How long launch looks for a guard to take its declaration: the guard reads the declarations each tick (at most
 # poll_max_s, 1 s, apart) and republishes guard.json at once when it took a new one.
@@ -274,9 +276,21 @@ class Launch:
             self.first_token.start()
 
     def _first_token_word(self) -> None:
-        """The first good one-token completion: declared (the guard's engine_ready comes with it) and said once."""
+        """The first good one-token completion: declared (the guard's engine_ready comes with it) and said once.
+        An engine whose processes own no listening socket on its port READY_LISTEN_GRACE_S after its ready line
+        serves somewhere launch does not know (or not at all): ready is its log line then, and the declaration
+        says so (probe_url cleared); `--probe URL` names the endpoint."""
         ft = self.first_token
-        if ft is None or ft.answered_at is None or self.decl is None or self.decl.first_token_s is not None:
+        if ft is None or self.decl is None or self.decl.first_token_s is not None or not self.decl.probe_url:
+            return
+        if ft.answered_at is None:
+            ready_at = next((at for p, at in self.decl.phases if p == BootPhase.READY), None)
+            if ready_at is not None and not ft.listening_seen and time.time() - ready_at >= READY_LISTEN_GRACE_S:
+                ft.stop()
+                port = ft.endpoint.port
+                self.decl = replace(self.decl, probe_url="")
+                self._write_decl()
+                self.note(f"no socket of the engine listens on port {port}: ready by its log line (--probe URL)")
             return
         took = max(ft.answered_at - self.decl.launched_at, 0.0)
         self.decl = replace(self.decl, first_token_s=took)
@@ -417,7 +431,8 @@ class FirstToken:
     on its port, a one-token completion (telemetry/sources/completion.py) until one answers. The key goes in its
     header only; nothing here prints or records it."""
 
-    EVERY_S = 1.0
+    EVERY_S = 1.0  # a probe a second once the engine listens
+    LOOK_EVERY_S = 0.25  # a look for its listening socket until then (a few small /proc reads)
     TIMEOUT_S = 10.0
 
     def __init__(self, proc_root: str, pid: int, endpoint: Endpoint, key: str | None) -> None:
@@ -425,6 +440,7 @@ class FirstToken:
         self.answered_at: float | None = None  # wall clock
         self.latency_s: float | None = None
         self.probes = 0
+        self.listening_seen = False
         self._stop = threading.Event()
 
     def start(self) -> None:
@@ -434,11 +450,12 @@ class FirstToken:
         self._stop.set()
 
     def _run(self) -> None:
-        while not self._stop.wait(self.EVERY_S):
+        while not self._stop.wait(self.EVERY_S if self.listening_seen else self.LOOK_EVERY_S):
             pids = read_descendants(self.proc_root, [self.pid])
             listener = owned_listener(self.proc_root, self.pid, pids, self.endpoint.port)
             if listener is None:
                 continue
+            self.listening_seen = True
             self.probes += 1
             answer = send_probe(
                 listener.connect_host,
