@@ -23,10 +23,11 @@ import sys
 import time
 from pathlib import Path
 
+from tables import publish
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.tables import publish  # noqa: E402
 from sparkwatch.config.settings import load_settings  # noqa: E402
 from sparkwatch.core.engines.serving import Outcome, ServingParams  # noqa: E402
 from sparkwatch.telemetry.loop import Telemetry  # noqa: E402
@@ -85,7 +86,10 @@ def main() -> int:
         if len(targets) != ENGINES:
             print(f"only {len(targets)} engines serve", file=sys.stderr)
             return 1
-        ours, theirs, latencies, tables = [], [], [], []
+        ours: list[float] = []
+        theirs: list[float] = []
+        latencies: list[float] = []
+        tables: list[float] = []
         pids = [t.root_pid for t in targets.values()]
         shipped = listeners_mod.listeners
         for i in range(2 * args.rounds):
@@ -114,7 +118,11 @@ def main() -> int:
                 p.kill()
                 p.wait(5)
     ours_med, theirs_med = statistics.median(ours), statistics.median(theirs)
-    pct = lambda cpu: 100.0 * cpu / INTERVAL_S  # noqa: E731 - one round every INTERVAL_S, as a share of one core
+
+    def pct(cpu: float) -> float:
+        """One round every INTERVAL_S, as a share of one core."""
+        return 100.0 * cpu / INTERVAL_S
+
     lines = [
         "# The serving probe's cost (bench/probe_bench.py)",
         "",
@@ -127,11 +135,11 @@ def main() -> int:
         "",
         "| what | CPU per round of 4 probes (median) | at one round / 30 s |",
         "| --- | --- | --- |",
-        f"| sparkwatch, A as shipped (the probe thread: sock_diag, fds, the HTTP exchange) | {ours_med * 1000:.2f} ms | "
-        f"{pct(ours_med):.4f} % of a core |",
+        "| sparkwatch, A as shipped (the probe thread: sock_diag, fds, the HTTP exchange) | "
+        f"{ours_med * 1000:.2f} ms | {pct(ours_med):.4f} % of a core |",
         f"| sparkwatch, B: the listeners read from /proc/PID/net/tcp and tcp6 instead (rounds alternated with A) "
         f"| {statistics.median(tables) * 1000:.2f} ms | {pct(statistics.median(tables)):.4f} % of a core |",
-        f"| the 4 engines answering (their utime + stime: the token, on CPU) | {theirs_med * 1000:.1f} ms | "
+        f"| the 4 engines answering (their utime + stime, counted in {1000 // TICK_S} ms ticks: the token, on CPU) | {theirs_med * 1000:.1f} ms | "
         f"{pct(theirs_med):.3f} % of a core |",
         "",
         f"Probe latency (connect to answer), median of {len(latencies)}: {statistics.median(latencies) * 1000:.1f} ms, "

@@ -1,12 +1,13 @@
-"""Which listening TCP sockets a set of processes owns: the serving probe talks only to those (telemetry/serving.py).
+"""Which listening TCP sockets a set of processes owns: the serving probe talks only to those (telemetry/probewatch.py).
 
-A port is the engine's when a socket in LISTEN state on it (the root's network namespace: asked of the kernel through
-sock_diag when that namespace is the daemon's own, else read from /proc/PID/net/tcp and tcp6) has an inode that one of the engine's processes holds open (/proc/PID/fd/* -> `socket:[INODE]`). Anything else
-on that port (another user's server, a process that took the port after the engine died) is never probed.
+A port is the engine's when a socket in LISTEN state on it has an inode that one of the engine's processes holds open
+(/proc/PID/fd/* -> `socket:[INODE]`). The listening sockets are asked of the kernel through sock_diag when the
+engine's network namespace is the daemon's own, else read from /proc/PID/net/tcp and tcp6. Anything else on that
+port (another user's server, a process that took the port after the engine died) is never probed.
 
 Cost: one listdir and a readlink per open fd of each member, and two sock_diag dumps of the listening sockets (or
-two reads of the root's net tables); the probe asks once per probe (every 30 s while serving). An unreadable fd directory (another user's process, hidepid)
-owns nothing we can prove: no probe.
+two reads of the root's net tables); once per probe (every 30 s while serving). An unreadable fd directory (another
+user's process, hidepid) owns nothing we can prove: no probe.
 """
 
 from __future__ import annotations
