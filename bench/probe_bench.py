@@ -139,7 +139,8 @@ def main() -> int:
         f"{ours_med * 1000:.2f} ms | {pct(ours_med):.4f} % of a core |",
         f"| sparkwatch, B: the listeners read from /proc/PID/net/tcp and tcp6 instead (rounds alternated with A) "
         f"| {statistics.median(tables) * 1000:.2f} ms | {pct(statistics.median(tables)):.4f} % of a core |",
-        f"| the 4 engines answering (their utime + stime, counted in {1000 // TICK_S} ms ticks: the token, on CPU) | {theirs_med * 1000:.1f} ms | "
+        f"| the 4 engines answering (their utime + stime, counted in {1000 // TICK_S} ms ticks: the token, on CPU) "
+        f"| {theirs_med * 1000:.1f} ms | "
         f"{pct(theirs_med):.3f} % of a core |",
         "",
         f"Probe latency (connect to answer), median of {len(latencies)}: {statistics.median(latencies) * 1000:.1f} ms, "
