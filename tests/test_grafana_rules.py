@@ -31,6 +31,7 @@ REQUIRED_ALERTS = {
     "SparkwatchDriverAllocFailed",
     "SparkwatchKernelLogUnreadable",
     "SparkwatchEngineNearBudget",
+    "SparkwatchEngineWedged",  # up but not serving: the one-token probe fails while the process lives
 }
 
 
