@@ -336,3 +336,41 @@ def test_the_daemon_records_a_wedge_and_kills_it_when_asked(tmp_path: Path) -> N
         assert any("wedged" in str(r) for r in kill["why"]), kill  # type: ignore[attr-defined]
     kinds_seen = [e["kind"] for e in read_events(d.events_path)]
     assert kinds_seen.count(EventKind.KILL) == 1, kinds_seen
+
+
+# --- what people are shown: `engines` asks once, `status` shows the probe's last word
+
+
+def _engines(tmp_path: Path, *args: str) -> str:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SPARKWATCH_")}
+    env.update(SPARKWATCH_ANCESTOR_PID=str(os.getpid()), SPARKWATCH_STATE_DIR=str(tmp_path / "state"))
+    done = subprocess.run(
+        [sys.executable, "-m", "sparkwatch", "engines", "--window", "0", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    return done.stdout
+
+
+def test_engines_asks_each_engine_for_a_token(tmp_path: Path) -> None:
+    with stand_in(tmp_path, "vllm", "serve", "/models/m") as engine:
+        assert "serving: a token in " in _engines(tmp_path) and engine.seen()
+        engine.broken.write_text("500")
+        assert f"NOT SERVING: a one-token completion to 0.0.0.0:{engine.port} failed (HTTP 500)" in _engines(tmp_path)
+        rows = json.loads(_engines(tmp_path, "--json"))["engines"]
+        (row,) = [r for r in rows if r["root_pid"] == engine.proc.pid]
+        assert row["serving"]["state"] == "not_serving" and row["serving"]["error"] == "HTTP 500"
+        asked = len(engine.seen())
+        assert "serving" not in _engines(tmp_path, "--no-probe") and len(engine.seen()) == asked
+
+
+def test_status_shows_the_probes_word_on_the_engine_row() -> None:
+    from sparkwatch.core.model import EngineServing
+    from sparkwatch.tui.status_view import serving_text
+
+    assert serving_text(EngineServing("vllm", 1, "0.0.0.0:8000", "serving", 0, 0.041)) == "serving (token in 41 ms)"
+    wedged = EngineServing("vllm", 1, "0.0.0.0:8000", "wedged", 3, None, None, 90.0, "no answer within 10 s")
+    assert serving_text(wedged) == "WEDGED for 1m30s: up but not serving, 3 probes failed (no answer within 10 s)"
