@@ -30,8 +30,9 @@ def add_parser(sub: Any, parent: argparse.ArgumentParser) -> None:
         parents=[parent],
         help="list the engine trees the guard would kill now",
         description="List the engine trees the guard would kill now, drawn as trees (root, workers, compilers), and "
-        "the order in which it would kill them, with the reason for each. Reads /proc only: it signals nothing and "
-        "needs no daemon. docs/engines.md lists every process shape it recognises.",
+        "the order in which it would kill them, with the reason for each, and whether each serves (one one-token "
+        "completion to its own port). Reads /proc and asks for that token only: it signals nothing and needs no "
+        "daemon. docs/engines.md lists every process shape it recognises.",
     )
     p.add_argument("--json", action="store_true", help="print JSON")
     p.add_argument(
