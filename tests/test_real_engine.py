@@ -84,9 +84,9 @@ def launch(box: Box, tmp_path: Path, *args: str) -> tuple[subprocess.Popen[bytes
         return subprocess.Popen(cmd, env=box.env, stdout=subprocess.DEVNULL, stderr=fh), err
 
 
-def start_engine(engine: realengine.RealEngine, port: int, tmp_path: Path, *extra: str) -> subprocess.Popen[bytes]:
+def start_engine(engine: realengine.RealEngine, port: int, tmp_path: Path, n_ctx: int = 512) -> subprocess.Popen[bytes]:
     with open(tmp_path / f"engine-{port}.log", "wb") as log:  # the child keeps its own copy of the fd
-        return subprocess.Popen(engine.server(port, "--n_ctx", "512", *extra), stdout=log, stderr=log)
+        return subprocess.Popen(engine.server(port, "--n_ctx", str(n_ctx)), stdout=log, stderr=log)
 
 
 def stop(proc: subprocess.Popen[bytes]) -> None:
@@ -183,3 +183,27 @@ def test_a_stopped_engine_is_wedged_and_serves_again_or_is_killed(
                 assert proc.wait(30) == -signal.SIGKILL
     finally:
         stop(proc)
+
+
+@pytest.mark.pressure
+def test_the_engines_own_kv_allocation_under_the_floor_is_killed(engine: realengine.RealEngine, tmp_path: Path) -> None:
+    """The floor, not a budget: 800 MiB under MemAvailable now, and the engine's own 1.6 GiB KV cache (n_ctx 65536,
+    zeroed as the context is made) crosses it. The guard kills the engine, trigger floor or predicted."""
+    from sparkwatch.core.units import GiB, MiB
+    from tests.conftest import settled_available_bytes
+
+    available = settled_available_bytes()
+    if available < 4 * GiB:
+        pytest.skip(f"only {available >> 20} MiB available; this test wants 4 GiB")
+    floor = available - 800 * MiB
+    port = free_port()
+    with sparkwatch_run(tmp_path, env={"SPARKWATCH_FLOOR": f"{floor}B"}) as d:
+        proc = start_engine(engine, port, tmp_path, n_ctx=65536)
+        try:
+            kill = wait_for_event(d.events_path, "kill", 120)
+            assert proc.wait(30) == -signal.SIGKILL
+        finally:
+            stop(proc)
+    assert kill["trigger"] in ("floor", "predicted"), kill
+    victims = kill["victims"]
+    assert isinstance(victims, list) and victims[0]["pid"] == proc.pid, kill
