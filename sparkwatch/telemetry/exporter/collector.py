@@ -386,12 +386,13 @@ def _boot_families(snap: Snapshot) -> Iterator[Metric]:
 def _serving_families(snap: Snapshot) -> Iterator[Metric]:
     """Per probed engine: serving (1/0, absent while booting or not listening), the last good probe's latency, and
     the failures in a row (telemetry/probewatch.py)."""
-    if not snap.serving:
+    probed = [e for e in snap.serving if e.state != "unknown"]  # not probed yet, booting or not listening: absent
+    if not probed:
         return
     serving = gauge("engine_serving", labels=["engine", "pid"])
     latency = gauge("engine_probe_latency_seconds", labels=["engine", "pid"])
     failures = gauge("engine_probe_failures", labels=["engine", "pid"])
-    for e in snap.serving:
+    for e in probed:
         key = [e.kind, str(e.root_pid)]
         if e.state == "serving":
             serving.add_metric(key, 1)
