@@ -139,7 +139,8 @@ class ProbeWatch:
         self._stop.set()
         self._wake.set()
         if self._thread is not None:
-            self._thread.join(self.params.timeout_s + 1.0)
+            # A probe in flight ends at its own deadline; the thread is a daemon thread: stopping never waits for it.
+            self._thread.join(1.0)
             self._thread = None
 
     # --- the thread
