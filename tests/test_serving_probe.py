@@ -374,3 +374,58 @@ def test_status_shows_the_probes_word_on_the_engine_row() -> None:
     assert serving_text(EngineServing("vllm", 1, "0.0.0.0:8000", "serving", 0, 0.041)) == "serving (token in 41 ms)"
     wedged = EngineServing("vllm", 1, "0.0.0.0:8000", "wedged", 3, None, None, 90.0, "no answer within 10 s")
     assert serving_text(wedged) == "WEDGED for 1m30s: up but not serving, 3 probes failed (no answer within 10 s)"
+
+
+# --- the guard's half: telemetry's word is checked again before anything is signalled
+
+
+def test_the_guard_checks_a_wedge_itself_before_its_kill_path_kills(tmp_path: Path) -> None:
+    """Off by default (kill_wedged_after_s 0: telemetry's word is only an event); with it set, only the named root
+    with the same start time, the root of an engine tree by the guard's own rules, wedged at least that long, goes to
+    the kill path; the kill path then kills it, trigger wedged, once."""
+    from sparkwatch.common.eventlog import EventLog
+    from sparkwatch.common.messages import WedgedMsg
+    from sparkwatch.common.sources.procs import read_start_ticks
+    from sparkwatch.config.schema import guard_config
+    from sparkwatch.guard.poolwatch import PoolWatch
+    from sparkwatch.guard.wedgewatch import WedgeWatch
+
+    def guard(after_s: float) -> PoolWatch:
+        settings = load_settings(
+            None,
+            {
+                "state_dir": str(tmp_path / "state"),
+                "ancestor_pid": os.getpid(),
+                "postmortem": False,
+                "floor": "1GiB",
+                "mlock": False,
+                "kernel_log_path": str(tmp_path / "no-kmsg"),
+                "kill_wedged_after_s": after_s,
+            },
+        )
+        return PoolWatch(guard_config(settings), EventLog(tmp_path / "events.jsonl"))
+
+    with stand_in(tmp_path, "vllm", "serve", "/models/m") as engine, stand_in(tmp_path, "python3", "train.py") as other:
+        ticks = read_start_ticks("/proc", engine.proc.pid) or 0
+        msg = WedgedMsg("vllm", engine.proc.pid, ticks, 120.0, 3, "HTTP 500")
+        off = guard(0.0)
+        watch = WedgeWatch(lambda: off.snapshot, off.request_wedged_kill)
+        assert not watch.handle(msg) and watch.off_total == 1
+        pool = guard(60.0)
+        pool.reaper.start()
+        try:
+            watch = WedgeWatch(lambda: pool.snapshot, pool.request_wedged_kill)
+            assert not watch.handle(WedgedMsg("vllm", engine.proc.pid, ticks + 1, 120.0, 3))  # a reused pid
+            assert not watch.handle(WedgedMsg("vllm", engine.proc.pid, ticks, 30.0, 3))  # not wedged long enough
+            other_ticks = read_start_ticks("/proc", other.proc.pid) or 0
+            assert not watch.handle(WedgedMsg("vllm", other.proc.pid, other_ticks, 120.0, 3))  # not an engine
+            assert watch.refused_total == 3 and engine.proc.poll() is None and other.proc.poll() is None
+            assert watch.handle(msg) and watch.handle(msg)  # twice: the kill path kills it once
+            assert engine.proc.poll() is None  # the check only asks: the kill path kills, on the guard's tick
+            pool.tick()
+            assert engine.proc.wait(10) == -signal.SIGKILL
+            pool.tick()
+        finally:
+            pool.reaper.stop()
+        events = [e for e in read_events(tmp_path / "events.jsonl") if e["kind"] == EventKind.KILL]
+        assert [e["trigger"] for e in events] == ["wedged"] and other.proc.poll() is None
