@@ -429,3 +429,38 @@ def test_the_guard_checks_a_wedge_itself_before_its_kill_path_kills(tmp_path: Pa
             pool.reaper.stop()
         events = [e for e in read_events(tmp_path / "events.jsonl") if e["kind"] == EventKind.KILL]
         assert [e["trigger"] for e in events] == ["wedged"] and other.proc.poll() is None
+
+
+# --- launch --probe URL: an engine whose command line names no endpoint sparkwatch knows
+
+
+@pytest.mark.slow
+def test_launch_probe_url_makes_ready_the_first_token(tmp_path: Path) -> None:
+    """An engine of kind `other` (no ready line, no port sparkwatch can read): `--probe URL` names where it serves;
+    its first token is launch's time to first token and the guard's engine_ready."""
+    from tests.launchbox import Box
+
+    box = Box(tmp_path)
+    port = free_port()
+    requests, broken = tmp_path / "requests.log", tmp_path / "broken"
+    engine = [sys.executable, str(HELPER), "--requests", str(requests), "--broken", str(broken), "--",
+              "my-server", "--port", str(port)]  # fmt: skip
+    err = tmp_path / "launch.err"
+    with sparkwatch_run(tmp_path, env={"XDG_RUNTIME_DIR": str(box.run_dir)}) as d, open(err, "wb") as fh:
+        cmd = [sys.executable, "-m", "sparkwatch", "launch", "--settle-timeout", "0", "--no-scope", "--budget",
+               "1GiB", "--probe", f"http://127.0.0.1:{port}/v1", "--", *engine]  # fmt: skip
+        proc = subprocess.Popen(cmd, env=box.env, stdout=subprocess.DEVNULL, stderr=fh)
+        try:
+            ready = wait_for_event(d.events_path, "engine_ready", 60)
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(30)
+    text = err.read_text()
+    assert "answered its first token after" in text, text
+    ttft = ready["seconds_to_first_token"]
+    assert isinstance(ttft, float) and ttft > 0, ready
+    assert {json.loads(line)["path"] for line in requests.read_text().splitlines()} == {"/v1/completions"}
+    bad = subprocess.run(
+        [*cmd[:7], "--probe", "https://x:1", "--", "true"], env=box.env, capture_output=True, text=True
+    )
+    assert bad.returncode == 2 and "--probe" in bad.stderr

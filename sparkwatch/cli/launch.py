@@ -114,6 +114,9 @@ def handle(args: argparse.Namespace) -> int:
     if args.forget is not None or args.forget_all:
         return _forget(settings_from(args), None if args.forget_all else args.forget)
     cmd = _command(args)
+    if args.probe is not None and endpoint_of_url(args.probe) is None:
+        print(f"sparkwatch launch: --probe: {args.probe!r} is not http://HOST:PORT[/PATH]", file=sys.stderr)
+        return 2
     if not cmd:
         print("sparkwatch: launch needs a command: sparkwatch launch -- vllm serve MODEL", file=sys.stderr)
         return 2
@@ -164,9 +167,6 @@ def handle(args: argparse.Namespace) -> int:
     from sparkwatch.cli.launch_run import Launch
 
     started = time.time()
-    if args.probe is not None and endpoint_of_url(args.probe) is None:
-        print(f"sparkwatch launch: --probe: {args.probe!r} is not http://HOST:PORT[/PATH]", file=sys.stderr)
-        return 2
     launch = Launch(settings, plan, ctx, cmd, quiet=args.quiet, use_scope=not args.no_scope, probe=args.probe)
     code = launch.run()
     if not args.quiet:
