@@ -341,11 +341,11 @@ def test_the_daemon_records_a_wedge_and_kills_it_when_asked(tmp_path: Path) -> N
 # --- what people are shown: `engines` asks once, `status` shows the probe's last word
 
 
-def _engines(tmp_path: Path, *args: str) -> str:
+def _engines(tmp_path: Path, *args: str, command: tuple[str, ...] = ("engines", "--window", "0")) -> str:
     env = {k: v for k, v in os.environ.items() if not k.startswith("SPARKWATCH_")}
     env.update(SPARKWATCH_ANCESTOR_PID=str(os.getpid()), SPARKWATCH_STATE_DIR=str(tmp_path / "state"))
     done = subprocess.run(
-        [sys.executable, "-m", "sparkwatch", "engines", "--window", "0", *args],
+        [sys.executable, "-m", "sparkwatch", *command, *args],
         env=env,
         capture_output=True,
         text=True,
@@ -365,6 +365,9 @@ def test_engines_asks_each_engine_for_a_token(tmp_path: Path) -> None:
         assert row["serving"]["state"] == "not_serving" and row["serving"]["error"] == "HTTP 500"
         asked = len(engine.seen())
         assert "serving" not in _engines(tmp_path, "--no-probe") and len(engine.seen()) == asked
+        engine.broken.unlink()
+        status = _engines(tmp_path, command=("status", "--once"))
+        assert f"vllm {engine.proc.pid} · " in status and "· serving (token in " in status, status
 
 
 def test_status_shows_the_probes_word_on_the_engine_row() -> None:

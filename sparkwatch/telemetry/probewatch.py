@@ -135,6 +135,17 @@ class ProbeWatch:
             self._wake.set()
         return tuple(s for s in self.states if any(s.root_pid == k[0] for k in targets))
 
+    def settle(self, timeout_s: float) -> bool:
+        """Wait (at most `timeout_s`) for the engines of the last `observe` to have been probed once: a one-shot view
+        (`status --once`) shows their word. True when each has a state."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            probed = {s.root_pid for s in self.states}
+            if all(key[0] in probed for key in self._targets):
+                return True
+            time.sleep(0.05)
+        return False
+
     def stop(self) -> None:
         self._stop.set()
         self._wake.set()
