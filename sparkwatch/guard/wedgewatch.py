@@ -48,12 +48,7 @@ class WedgeWatch:
         self.errors_total = 0
 
     def counters(self) -> dict[str, int]:
-        return {
-            "kills": self.kills_total,
-            "refused": self.refused_total,
-            "off": self.off_total,
-            "errors": self.errors_total,
-        }
+        return {"kills": self.kills_total, "refused": self.refused_total, "errors": self.errors_total}
 
     def handle(self, msg: WedgedMsg) -> bool:
         """Check the named engine and hand it to the kill path if it passes; returns whether it was handed over."""

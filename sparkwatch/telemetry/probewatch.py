@@ -114,7 +114,9 @@ class ProbeWatch:
         self._thread: threading.Thread | None = None
 
     def counters(self) -> dict[str, int]:
-        return {"probes": self.probes_total, "errors": self.errors_total}
+        """Errors it survived, for sparkwatch_internal_errors_total{component="probe"} (a failed probe is the
+        engine's, not sparkwatch's: it is in sparkwatch_engine_probe_failures)."""
+        return {"errors": self.errors_total}
 
     def configure(self, params: core.ServingParams, kill_wedged_after_s: float) -> None:
         self.params, self.kill_wedged_after_s = params, kill_wedged_after_s
