@@ -72,6 +72,14 @@ def rss_bytes(pid: int) -> int:
     return 0
 
 
+def pss_bytes(pid: int) -> int:
+    """Proportional set size: shared library pages (libssl, libcrypto) divided among the processes that map them."""
+    for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+        if line.startswith("Pss:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
 def removed(cluster: RayCluster, pg: str) -> bool:
     return pg_state(cluster, pg) == ["REMOVED"]
 
@@ -95,7 +103,7 @@ def latency_runs(cluster: RayCluster, tmp: Path, runs: int) -> list[tuple[float,
     return out
 
 
-def idle_cost(cluster: RayCluster, tmp: Path, idle_s: float, watch: bool) -> tuple[float | None, int]:
+def idle_cost(cluster: RayCluster, tmp: Path, idle_s: float, watch: bool) -> tuple[float | None, int, int]:
     env = {} if watch else {"SPARKWATCH_RAY_DASHBOARD_URL": ""}
     name = "on" if watch else "off"
     (tmp / name).mkdir()
@@ -108,7 +116,7 @@ def idle_cost(cluster: RayCluster, tmp: Path, idle_s: float, watch: bool) -> tup
             time.sleep(idle_s)
             cpu1 = thread_cpu_s(tel, "sw-raywatch")
             share = (cpu1 - cpu0) / idle_s if cpu0 is not None and cpu1 is not None else None
-            return share, rss_bytes(tel)
+            return share, rss_bytes(tel), pss_bytes(tel)
         finally:
             engine.close()
 
@@ -123,11 +131,14 @@ def main() -> None:
     try:
         with ray_cluster() as cluster:
             runs = latency_runs(cluster, tmp, args.runs)
-            share_on, rss_on = idle_cost(cluster, tmp, args.idle_s, watch=True)
-            _share_off, rss_off = idle_cost(cluster, tmp, args.idle_s, watch=False)
+            share_on, rss_on, pss_on = idle_cost(cluster, tmp, args.idle_s, watch=True)
+            _share_off, rss_off, pss_off = idle_cost(cluster, tmp, args.idle_s, watch=False)
             start_s = cluster.start_s
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+    from sparkwatch.config.defaults import STATIC
+
+    poll_s = STATIC["ray_poll_s"]
     took = sorted(r[0] for r in runs)
     pg = sorted(r[1] for r in runs)
     lines = [
@@ -146,8 +157,9 @@ def main() -> None:
         "",
         f"Cost, an engine running and nothing dying, over {args.idle_s:.0f} s: the group watch's thread took "
         + (f"{share_on * 100:.3f} % of a core" if share_on is not None else "(thread not found)")
-        + f"; telemetry's RSS {rss_on / 2**20:.1f} MiB with the watch, {rss_off / 2**20:.1f} MiB without "
-        f"({(rss_on - rss_off) / 2**20:+.1f} MiB).",
+        + f" (ray_poll_s {poll_s:g} s); telemetry's RSS {rss_on / 2**20:.1f} MiB with the watch, "
+        f"{rss_off / 2**20:.1f} MiB without ({(rss_on - rss_off) / 2**20:+.1f} MiB), PSS {pss_on / 2**20:.1f} "
+        f"against {pss_off / 2**20:.1f} MiB ({(pss_on - pss_off) / 2**20:+.1f} MiB).",
         "",
         "Every run: " + ", ".join(f"{t:.2f}" for t, _ in runs) + " s.",
     ]

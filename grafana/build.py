@@ -668,6 +668,61 @@ def launch_row() -> list[Json]:
     ]
 
 
+GROUP_TRIGGER = 'trigger="group_teardown"'
+
+
+def group_row() -> list[Json]:
+    return [
+        row("Two Sparks, one engine: groups over Ray"),
+        table(
+            "Groups over Ray",
+            "Each engine that spans nodes over Ray (its placement group, driver and ranks), as each node's agent "
+            "reads it from Ray's state: members alive and dead per node and role. A dead member with others still "
+            "alive is a group the teardown did not reach; each node's agent stops its own members within 5 s "
+            "(docs/multinode.md). Empty on a node without Ray.",
+            [
+                Target(f"max by (instance, group, node, role) ({m('group_members')})", "", instant=True, table=True),
+                Target(
+                    f"max by (instance, group, node, role) ({m('group_dead_members')})", "", instant=True, table=True
+                ),
+            ],
+            w=12,
+            h=6,
+        ),
+        timeseries(
+            "Ray nodes",
+            "1 while Ray marks the node alive, 0 once it marks it dead (its raylet missed the GCS health check, "
+            "about 15 s): a lost node stops every engine that spans it.",
+            "none",
+            [Target(f"min by (instance, node) ({m('ray_node_up')})", "{{instance}} sees {{node}}")],
+            w=6,
+            h=6,
+            min_value=0,
+            max_value=1,
+        ),
+        timeseries(
+            "Group teardowns",
+            "This node's members of a group stopped after the group lost a member elsewhere (guard kills with "
+            "trigger group_teardown), and the time from the death in Ray's state to this node's members reaped.",
+            "s",
+            [
+                Target(
+                    f"sum by (instance) (increase({m('guard_kills_total', GROUP_TRIGGER)}[$__rate_interval]))",
+                    "{{instance}} teardowns",
+                ),
+                Target(
+                    "histogram_quantile(0.5, sum by (instance, le) "
+                    f"(increase({m('guard_group_teardown_duration_seconds_bucket')}[1h])))",
+                    "{{instance}} median time (1 h)",
+                ),
+            ],
+            w=6,
+            h=6,
+            min_value=0,
+        ),
+    ]
+
+
 def gpu_row() -> list[Json]:
     return [
         row("GPU (GB10: no memory clock, no VRAM; used memory is in the pool above)"),
@@ -1005,7 +1060,9 @@ def annotation_queries() -> list[Json]:
 
 
 def dashboard() -> Json:
-    panels = layout([*pool_row(), *guard_row(), *kernel_row(), *boot_row(), *launch_row(), *gpu_row(), *driver_row()])
+    panels = layout(
+        [*pool_row(), *guard_row(), *kernel_row(), *boot_row(), *launch_row(), *group_row(), *gpu_row(), *driver_row()]
+    )
     return {
         "__requires": [
             {"type": "grafana", "id": "grafana", "name": "Grafana", "version": "10.0.0"},

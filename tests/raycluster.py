@@ -4,7 +4,8 @@ what telemetry reads).
 
 - namespaces `sw<pid>a` / `sw<pid>b`, lo up, a veth pair 10.<k>.<m>.1 / .2 (k, m from this pytest's pid): another
   suite running at the same time gets other names and addresses;
-- node A: `ray start --head` (GCS, raylet, dashboard on 127.0.0.1:8265 inside A); node B: `ray start --address`;
+- node A: `ray start --head` (GCS, raylet, dashboard on :8265 inside A, reached from B over the veth pair: only the
+  test's namespaces see it); node B: `ray start --address`;
   one CPU and a 100 MB object store each, no usage stats, no auth token written;
 - teardown: every process in the two namespaces (`ip netns pids`: only what this fixture started lives there, and
   Ray's daemons leave the test's process tree) gets SIGTERM through a pidfd taken with its start time checked, then
@@ -72,8 +73,12 @@ class RayCluster:
 
     @property
     def dashboard(self) -> str:
-        """Inside node A only (the dashboard listens on A's loopback)."""
+        """As node A reads it (its loopback); node B reads it at `dashboard_b`."""
         return f"http://127.0.0.1:{DASHBOARD_PORT}"
+
+    @property
+    def dashboard_b(self) -> str:
+        return f"http://{self.ip_a}:{DASHBOARD_PORT}"
 
     def in_ns(self, ns: str, argv: list[str]) -> list[str]:
         return ["ip", "netns", "exec", ns, *argv]
@@ -225,7 +230,7 @@ def ray_cluster() -> Iterator[RayCluster]:
                 tmp / "a",
                 [
                     str(RAY), "start", "--head", "--node-ip-address", cluster.ip_a, "--port", str(GCS_PORT),
-                    "--include-dashboard", "true", "--dashboard-host", "127.0.0.1",
+                    "--include-dashboard", "true", "--dashboard-host", "0.0.0.0",
                     "--dashboard-port", str(DASHBOARD_PORT), "--temp-dir", str(tmp / "a"), *COMMON,
                 ],
             ),
@@ -283,7 +288,17 @@ class Engine:
     """A vLLM-shaped engine on the cluster (tests/helpers/ray_engine.py), its API server and driver on `node`
     ("a" or "b"); (pid, start ticks) of each member in `keys`: api, driver, rank_a, rank_b."""
 
-    def __init__(self, cluster: RayCluster, tmp_path: Path, node: str) -> None:
+    def __init__(
+        self,
+        cluster: RayCluster,
+        tmp_path: Path,
+        node: str,
+        remote_rank_mib: int = 0,
+        launch_env: dict[str, str] | None = None,
+    ) -> None:
+        """`remote_rank_mib`: memory the ranks on the other node take (tests/helpers/ray_engine.py). `launch_env`:
+        start the API server under `sparkwatch launch --force` with this environment (its declaration, the guard's
+        word); `self.api` is then the launch process, and `keys["api"]` its child, the API server."""
         ns, ip = (cluster.ns_a, cluster.ip_a) if node == "a" else (cluster.ns_b, cluster.ip_b)
         vllm = tmp_path / f"bin-{node}" / "vllm"
         vllm.parent.mkdir(exist_ok=True)
@@ -292,21 +307,27 @@ class Engine:
             **ray_env(cluster.tmp / node),
             "RAY_ENGINE_ADDRESS": cluster.address,
             "RAY_ENGINE_NODE_IP": ip,
+            "RAY_ENGINE_REMOTE_RANK_MIB": str(remote_rank_mib),
             "PYTHONPATH": str(Path(__file__).resolve().parent.parent),
         }
+        argv = [sys.executable, str(vllm), "serve", "tiny-model", "--tensor-parallel-size", "2"]
+        if launch_env is not None:
+            argv = [sys.executable, "-m", "sparkwatch", "launch", "--force", "--", *argv]
+            env.update(launch_env)
         self.api = subprocess.Popen(
-            cluster.in_ns(ns, [sys.executable, str(vllm), "serve", "tiny-model", "--tensor-parallel-size", "2"]),
+            cluster.in_ns(ns, argv),
             stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE if launch_env is not None else None,
             text=True,
             env=env,
         )
         self.keys: dict[str, tuple[int, int]] = {}
         try:
             info = json.loads(read_line(self.api, 120))
-            assert info["api"] == self.api.pid
+            assert info["api"] == self.api.pid or launch_env is not None
             by_node = {r["node_id"]: r["pid"] for r in info["ranks"]}
             pids = {
-                "api": self.api.pid,
+                "api": info["api"],
                 "driver": info["driver"],
                 "rank_a": by_node[cluster.node_ids[cluster.ip_a]],
                 "rank_b": by_node[cluster.node_ids[cluster.ip_b]],
@@ -324,14 +345,15 @@ class Engine:
 
     def close(self) -> None:
         """SIGKILL what is left of it (only its own processes, each by pid and start time) and reap the API server."""
-        for role in ("driver", "rank_a", "rank_b"):
-            if role in self.keys and alive(*self.keys[role]):
+        for role in ("api", "driver", "rank_a", "rank_b"):
+            if role in self.keys and alive(*self.keys[role]) and self.keys[role][0] != self.api.pid:
                 sigkill(*self.keys[role])
         if self.api.poll() is None:
             self.api.kill()
         self.api.wait(10)
-        if self.api.stdout is not None:
-            self.api.stdout.close()
+        for stream in (self.api.stdout, self.api.stderr):
+            if stream is not None:
+                stream.close()
         ranks = [self.keys[r] for r in ("rank_a", "rank_b") if r in self.keys]
         assert wait_until(lambda: not any(alive(*k) for k in ranks), timeout_s=10)
 

@@ -36,6 +36,7 @@ from sparkwatch.core.model import BootState, EngineServing, EngineTree, Event, G
 from sparkwatch.core.postmortem.verdict import BootEnd
 from sparkwatch.core.report.alerts import ALERT_MIN_INTERVAL_S
 from sparkwatch.telemetry.exporter.contract import BY_NAME, METRICS, MetricSpec, markdown_table, presence_table
+from sparkwatch.telemetry.exporter.groupmetric import GroupCollector
 from sparkwatch.telemetry.exporter.internal import InternalCollector
 from sparkwatch.telemetry.exporter.postmortemmetric import PostmortemCollector
 from sparkwatch.telemetry.exporter.server import build_registry
@@ -49,6 +50,7 @@ from tests.helpers.scenario import (
     StaticGuard,
     build_scenario,
     gb10_report,
+    group_view,
     guard_stats,
     stranded_driver,
     zero_durations,
@@ -153,6 +155,7 @@ def full_exposition(tmp_path: Path) -> list[Metric]:
         )
     )
     registry.register(PostmortemCollector(lambda: Judged(BootEnd.DRIVER_NO_MEMORY, FIXED_MTIME, "a" * 32)))
+    registry.register(GroupCollector(group_view))
     return list(registry.collect())
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -31,6 +32,8 @@ REQUIRED_ALERTS = {
     "SparkwatchDriverAllocFailed",
     "SparkwatchKernelLogUnreadable",
     "SparkwatchEngineNearBudget",
+    "SparkwatchGroupMemberDead",  # an engine group over Ray lost a member and the rest still run
+    "SparkwatchRayNodeLost",  # Ray marks a node of the cluster dead
     "SparkwatchEngineWedged",  # up but not serving: the one-token probe fails while the process lives
 }
 
@@ -79,7 +82,9 @@ def test_each_rule_has_a_firing_unit_test_and_tells_the_human_what_to_do() -> No
     assert quiet == REQUIRED_ALERTS, f"rules with no not-firing test: {REQUIRED_ALERTS - quiet}"
     for r in rules:
         assert r["labels"]["severity"] in ("critical", "warning"), r["alert"]
-        assert r["annotations"]["summary"] and "{{ $labels.instance }}" in r["annotations"]["summary"], r["alert"]
+        # It names the node; a rule over a whole cluster (a group spans nodes) names the cluster instead.
+        where = "{{ $labels.cluster }}" if "by (cluster" in r["expr"] else "{{ $labels.instance }}"
+        assert where in r["annotations"]["summary"], r["alert"]
         # Every description names a command or a concrete action.
         assert "`" in r["annotations"]["description"], f"{r['alert']}: say what to run"
 
@@ -102,6 +107,11 @@ def test_example_prometheus_config(tmp_path: Path) -> None:
     jobs = {j["job_name"]: j for j in config["scrape_configs"]}
     targets = [t for sc in jobs["sparkwatch"]["static_configs"] for t in sc["targets"]]
     assert targets == ["spark-a:9847", "spark-b:9847"]
+    # the pair is one cluster (the group alerts compare by it), each node shown by its host name
+    assert [sc.get("labels") for sc in jobs["sparkwatch"]["static_configs"]] == [{"cluster": "spark-pair"}]
+    (relabel,) = jobs["sparkwatch"]["relabel_configs"]
+    pattern = re.compile(f"^(?:{relabel['regex']})$")  # Prometheus anchors relabel regexes
+    assert [pattern.sub(relabel["replacement"].replace("$1", r"\1"), t) for t in targets] == ["spark-a", "spark-b"]
     assert config["rule_files"] == ["sparkwatch-alerts.yml"]
     assert set(config) == {"rule_files", "scrape_configs"}, "a snippet to merge: nothing that would replace a setting"
 
@@ -149,6 +159,11 @@ def test_example_alertmanager_config() -> None:
     config = yaml.safe_load((ASSETS / "alertmanager.yml").read_text(encoding="utf-8"))
     receivers = {r["name"]: r for r in config["receivers"]}
     assert receivers[config["route"]["receiver"]]["webhook_configs"][0]["url"].startswith("http")
+    # A lost node explains the dead members of its cluster's groups: one page, not one per group.
+    inhibit = [r for r in config["inhibit_rules"] if r["source_matchers"] == ['alertname="SparkwatchRayNodeLost"']]
+    assert [(r["target_matchers"], r["equal"]) for r in inhibit] == [
+        (['alertname="SparkwatchGroupMemberDead"'], ["cluster"])
+    ]
 
 
 def test_provisioning_files() -> None:

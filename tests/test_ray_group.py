@@ -11,6 +11,7 @@ A's members, which the guard checks and kills: every one gone within 5 s, the pl
 from __future__ import annotations
 
 import http.server
+import json
 import os
 import shutil
 import signal
@@ -20,8 +21,9 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -35,10 +37,11 @@ from sparkwatch.core.kill import raygroup
 from sparkwatch.core.model import Proc
 from sparkwatch.guard.groupwatch import GroupWatch
 from sparkwatch.guard.poolwatch import PoolWatch
+from sparkwatch.guard.process import GuardProcess
 from sparkwatch.telemetry.raywatch import RayWatch
 from sparkwatch.telemetry.sources.raystate import RayStateError, RayStateSource
 from tests.conftest import alive, require, wait_until
-from tests.daemon import sparkwatch_run, wait_for_event
+from tests.daemon import daemon_env, free_port, sparkwatch_run, wait_for_event
 from tests.raycluster import Engine, RayCluster, gone_within, netns, netns_permitted, pg_state, ray_cluster, sigkill
 
 SHAPE = Path(__file__).resolve().parent / "helpers" / "shape_proc.py"
@@ -61,6 +64,15 @@ def test_rank_death_on_b_stops_node_a_members(cluster: RayCluster, tmp_path: Pat
             pid = engine.pid
             assert netns(pid["api"]) == netns(pid["rank_a"])
             assert pg_state(cluster, engine.placement_group) == ["CREATED"]
+            _engines_shows_the_group(cluster, tmp_path, engine)
+            group = f'group="{engine.placement_group}"'
+            before: dict[str, float] = {}
+            # the group's members on each node, as node A's agent exports them (telemetry.exporter.groupmetric)
+            assert wait_until(lambda: bool(before.update(_scrape(cluster, daemon.port))) or group in str(before), 15)
+            assert before[f'sparkwatch_group_members{{{group},node="{cluster.ip_a}",role="driver"}}'] == 1
+            assert before[f'sparkwatch_group_members{{{group},node="{cluster.ip_a}",role="rank"}}'] == 1
+            assert before[f'sparkwatch_group_members{{{group},node="{cluster.ip_b}",role="rank"}}'] == 1
+            assert before[f'sparkwatch_ray_node_up{{node="{cluster.ip_b}"}}'] == 1
 
             died_at = time.monotonic()
             sigkill(*engine.keys["rank_b"])
@@ -83,6 +95,11 @@ def test_rank_death_on_b_stops_node_a_members(cluster: RayCluster, tmp_path: Pat
             # The driver's death ended its job, and Ray removed the placement group with it.
             assert wait_until(lambda: pg_state(cluster, engine.placement_group) == ["REMOVED"], 10, 0.2)
             assert sum(1 for e in read_events(daemon.events_path) if e["kind"] == "group_teardown") == 1
+            after = _scrape(cluster, daemon.port)
+            assert after["sparkwatch_guard_group_teardown_duration_seconds_count"] == 1
+            assert after['sparkwatch_guard_group_teardown_duration_seconds_bucket{le="5.0"}'] == 1  # the goal
+            assert after["sparkwatch_group_teardown_requests_total"] >= 1
+            assert after['sparkwatch_guard_kills_total{trigger="group_teardown"}'] == 1
         finally:
             engine.close()
 
@@ -116,6 +133,121 @@ def test_wedged_driver_on_b_its_placement_group_is_removed_from_a(cluster: RayCl
             again.close()
         finally:
             engine.close()
+
+
+def test_a_budget_kill_on_b_is_named_in_node_a_teardown_by_b_s_own_agent(cluster: RayCluster, tmp_path: Path) -> None:
+    """Node B runs its own agent, with a budget its rank goes over: B's guard kills the rank (trigger `budget`). Node
+    A's agent, with B among its `peers`, stops A's members and its `group_teardown` event carries B's guard's own
+    word, read from B's agent (telemetry.peerwatch): the cause on the other machine, said on the head."""
+    port_b = free_port()
+    listen_b = f"{cluster.ip_b}:{port_b}"
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    raylet_b = [p for p in cluster.netns_pids(cluster.ns_b) if _cmdline(p).split(" ", 1)[0].endswith("/raylet")]
+    assert len(raylet_b) == 1
+    env_b = {
+        "SPARKWATCH_LISTEN": listen_b,
+        # B's engines are the ranks its raylet runs (the raylet itself is infrastructure, never touched)
+        "SPARKWATCH_ANCESTOR_PID": str(raylet_b[0]),
+        "SPARKWATCH_ENGINE_BUDGETS": json.dumps(["64MiB=RayWorkerWrapper"]),
+    }
+    env_a = {"SPARKWATCH_PEERS": json.dumps([listen_b]), "SPARKWATCH_PEER_POLL_S": "0.5"}
+    with (
+        sparkwatch_run(tmp_path / "b", prefix=cluster.in_ns(cluster.ns_b, []), env=env_b) as daemon_b,
+        sparkwatch_run(tmp_path / "a", prefix=cluster.in_ns(cluster.ns_a, []), env=env_a) as daemon_a,
+    ):
+        # B's agent names its node once its telemetry found its raylet (what ties a death in Ray's state to it)
+        assert wait_until(lambda: bool(_peer_doc(cluster, listen_b).get("ray_node_ids")), 20, 0.5)
+        # The engine started with `sparkwatch launch` on the head; B's rank takes 512 MiB: over 64 MiB + margin.
+        launch_env = daemon_env(tmp_path / "a", daemon_a.port)
+        engine = Engine(cluster, tmp_path, "a", remote_rank_mib=512, launch_env=launch_env)
+        try:
+            kill = wait_for_event(daemon_b.events_path, "kill", timeout_s=20)
+            assert kill["trigger"] == "budget"
+            victims = kill["victims"]
+            assert isinstance(victims, list) and [v["pid"] for v in victims] == [engine.pid["rank_b"]]
+            gone_within([engine.keys["api"], engine.keys["driver"], engine.keys["rank_a"]], time.monotonic())
+            event = wait_for_event(daemon_a.events_path, "group_teardown", timeout_s=10)
+            assert event["first_pid"] == engine.pid["rank_b"] and event["first_node"] == cluster.ip_b
+            word = event["peer_word"]
+            assert isinstance(word, str) and word.startswith("killed by sparkwatch on ") and ": budget: " in word
+            assert "over its budget 64.0 MiB" in word
+            assert word in str(event["summary"])  # the line the owner reads on the head
+            # launch, on the head, says it in one line and exits 137
+            assert engine.api.wait(20) == 137
+            assert engine.api.stderr is not None
+            said = [line for line in engine.api.stderr.read().splitlines() if "the guard killed" in line]
+            assert len(said) == 1 and "trigger group_teardown" in said[0] and word in said[0], said
+            print(f"launch on node A: {said[0]}")
+        finally:
+            engine.close()
+
+
+def _peer_doc(cluster: RayCluster, listen: str) -> dict[str, Any]:
+    """A peer's /peer/v1/state as node A reads it (over the veth pair)."""
+    url = f"http://{listen}/peer/v1/state"
+    code = f"import sys, urllib.request; sys.stdout.write(urllib.request.urlopen({url!r}, timeout=5).read().decode())"
+    out = subprocess.run(
+        cluster.in_ns(cluster.ns_a, [sys.executable, "-c", code]), capture_output=True, text=True, timeout=30
+    )
+    return json.loads(out.stdout) if out.returncode == 0 else {}
+
+
+def test_both_agents_a_wedged_driver_on_b_then_its_rank_dies(cluster: RayCluster, tmp_path: Path) -> None:
+    """Each node runs its agent (B reads the head's dashboard, A has B among its peers). The driver on B is wedged
+    (SIGSTOP), then B's rank dies: A stops its own rank and B its wedged driver and API server (a stopped process
+    dies of SIGKILL all the same), each within 5 s; the driver's death removes the placement group; each agent's
+    event says why. Then B's agent stops, and A records `peer_lost` with what B last said."""
+    port_b = free_port()
+    listen_b = f"{cluster.ip_b}:{port_b}"
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    env_b = {"SPARKWATCH_LISTEN": listen_b, "SPARKWATCH_RAY_DASHBOARD_URL": cluster.dashboard_b}
+    env_a = {"SPARKWATCH_PEERS": json.dumps([listen_b]), "SPARKWATCH_PEER_POLL_S": "0.5"}
+    with ExitStack() as agents:
+        daemon_a = agents.enter_context(
+            sparkwatch_run(tmp_path / "a", prefix=cluster.in_ns(cluster.ns_a, []), env=env_a)
+        )
+        agent_b = ExitStack()
+        daemon_b = agent_b.enter_context(
+            sparkwatch_run(tmp_path / "b", prefix=cluster.in_ns(cluster.ns_b, []), env=env_b)
+        )
+        agents.push(agent_b)
+        assert wait_until(lambda: bool(_peer_doc(cluster, listen_b).get("ray_node_ids")), 20, 0.5)
+        engine = Engine(cluster, tmp_path, "b")
+        try:
+            fd = syscalls.pidfd_open(engine.pid["driver"])
+            try:
+                assert read_start_ticks("/proc", engine.pid["driver"]) == engine.keys["driver"][1]
+                syscalls.pidfd_send_signal(fd, signal.SIGSTOP)
+            finally:
+                os.close(fd)
+            died_at = time.monotonic()
+            sigkill(*engine.keys["rank_b"])
+            a_s = gone_within([engine.keys["rank_a"]], died_at)
+            b_s = gone_within([engine.keys["driver"], engine.keys["api"]], died_at)
+            print(f"both agents, driver wedged on B: A's rank gone {a_s:.2f} s, B's driver and API {b_s:.2f} s")
+            assert a_s <= TEARDOWN_GOAL_S and b_s <= TEARDOWN_GOAL_S
+            assert wait_until(lambda: pg_state(cluster, engine.placement_group) == ["REMOVED"], 10, 0.2)
+            on_a = wait_for_event(daemon_a.events_path, "group_teardown", timeout_s=10)
+            on_b = wait_for_event(daemon_b.events_path, "group_teardown", timeout_s=10)
+            for event in (on_a, on_b):
+                assert (event["group"], event["cause"]) == (engine.placement_group, raygroup.RANK_DIED)
+                assert (event["first_node"], event["first_pid"]) == (cluster.ip_b, engine.pid["rank_b"])
+            assert on_a["members"] == [{"pid": engine.pid["rank_a"], "role": raygroup.RANK}]
+            assert {(m["pid"], m["role"]) for m in on_b["members"]} == {  # type: ignore[attr-defined]
+                (engine.pid["api"], raygroup.API),
+                (engine.pid["driver"], raygroup.DRIVER),
+            }
+            assert on_a["peer_word"] is None  # the rank died of a SIGKILL no guard sent: B's agent has no word on it
+        finally:
+            engine.close()
+        stopped_at = time.monotonic()
+        agent_b.close()  # B's agent stops: A notices within 3 reads
+        lost = wait_for_event(daemon_a.events_path, "peer_lost", timeout_s=15)
+        print(f"peer_lost on A {time.monotonic() - stopped_at:.1f} s after B's agent stopped: {lost['summary']}")
+        assert lost["peer"] == listen_b and lost["mem_available_bytes"]
+        assert isinstance(lost["last_kill"], dict) and lost["last_kill"]["trigger"] == "group_teardown"
 
 
 def test_node_b_lost_raylet_killed_stops_node_a_members(cluster: RayCluster, tmp_path: Path) -> None:
@@ -152,6 +284,48 @@ def test_node_b_lost_raylet_killed_stops_node_a_members(cluster: RayCluster, tmp
             cluster.restart_b()  # the next test gets two nodes again
 
 
+def _scrape(cluster: RayCluster, port: int) -> dict[str, float]:
+    """Node A's agent's /metrics (it listens on A's loopback), as {'name{labels}': value}."""
+    url = f"http://127.0.0.1:{port}/metrics"
+    code = f"import sys, urllib.request; sys.stdout.write(urllib.request.urlopen({url!r}, timeout=10).read().decode())"
+    out = subprocess.run(
+        cluster.in_ns(cluster.ns_a, [sys.executable, "-c", code]), capture_output=True, text=True, timeout=30
+    )
+    assert out.returncode == 0, out.stderr
+    samples = {}
+    for line in out.stdout.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            samples[name] = float(value)
+    return samples
+
+
+def _engines_shows_the_group(cluster: RayCluster, tmp_path: Path, engine: Engine) -> None:
+    """`sparkwatch engines --json` on node A lists the group as Ray has it: both nodes, the driver here with its pid,
+    one rank on each node, A's marked local and B's not; the text view names the group too."""
+    env = daemon_env(tmp_path, free_port())
+    argv = [sys.executable, "-m", "sparkwatch", "engines", "--window", "0"]
+    out = subprocess.run(
+        cluster.in_ns(cluster.ns_a, [*argv, "--json"]), env=env, capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0, out.stderr
+    doc = json.loads(out.stdout)
+    assert doc["groups_note"] is None
+    (group,) = [g for g in doc["groups"] if g["group"] == engine.placement_group]
+    assert group["first_death"] is None
+    assert sorted(group["nodes"]) == sorted([cluster.ip_a, cluster.ip_b])
+    driver = [m for m in group["members"] if m["role"] == raygroup.DRIVER]
+    assert [(m["pid"], m["node_ip"], m["local"]) for m in driver] == [(engine.pid["driver"], cluster.ip_a, True)]
+    ranks = {(m["pid"], m["node_ip"], m["local"], m["state"]) for m in group["members"] if m["role"] == raygroup.RANK}
+    assert ranks == {
+        (engine.pid["rank_a"], cluster.ip_a, True, "ALIVE"),
+        (engine.pid["rank_b"], cluster.ip_b, False, "ALIVE"),
+    }
+    text = subprocess.run(cluster.in_ns(cluster.ns_a, argv), env=env, capture_output=True, text=True, timeout=60)
+    assert text.returncode == 0, text.stderr
+    assert f"group {engine.placement_group[:12]}" in text.stdout and cluster.ip_b in text.stdout
+
+
 # --- the pure decisions (core.kill.raygroup), over Ray's records
 
 
@@ -179,6 +353,20 @@ PROCS = {
     100: _proc(100, 99, ("VLLM::EngineCore",)),
     200: _proc(200, 50, ("ray::RayWorkerWrapper.execute_method",)),
 }
+
+
+def test_group_rows_say_where_each_member_runs_and_what_ended_the_group() -> None:
+    (row,) = raygroup.group_rows(_state(), frozenset({NODE_A}))
+    assert row.group == "pg1" and row.job_id == "01000000" and row.death is None
+    assert row.nodes == ("10.0.0.1", "10.0.0.2")
+    assert [(m.role, m.pid, m.node_ip, m.state, m.local) for m in row.members] == [
+        (raygroup.DRIVER, 100, "10.0.0.1", "RUNNING", True),
+        (raygroup.RANK, 200, "10.0.0.1", "ALIVE", True),
+        (raygroup.RANK, 300, "10.0.0.2", "ALIVE", False),
+    ]
+    (dead,) = raygroup.group_rows(_state(rank_b_state="DEAD"), frozenset({NODE_B}))
+    assert dead.death == raygroup.Death(raygroup.RANK_DIED, NODE_B, "10.0.0.2", 300)
+    assert [m.local for m in dead.members] == [False, False, True]
 
 
 def test_no_teardown_while_every_member_lives() -> None:
@@ -313,6 +501,49 @@ def test_guard_kills_only_members_it_verifies_itself(tmp_path: Path) -> None:
             if p.poll() is None:
                 p.kill()
             p.wait(5)
+
+
+@pytest.mark.parametrize("on", [False, True])
+def test_the_guard_process_honours_group_teardown_itself(tmp_path: Path, on: bool) -> None:
+    """With `group_teardown = false` the guard refuses a teardown even when one reaches it (telemetry sends none
+    then; a reload racing a message must not kill): the member lives and the refusal is counted. On, the same
+    message, through the supervisor's callback as the channel delivers it, kills the member on the next tick."""
+    rank = _shaped("ray::RayWorkerWrapper")
+    try:
+        ticks = read_start_ticks("/proc", rank.pid) or 0
+        settings = load_settings(
+            None,
+            {
+                "state_dir": tmp_path / "state",
+                "root": tmp_path / "root",
+                "ancestor_pid": os.getpid(),
+                "floor": "1GiB",
+                "mlock": False,
+                "listen": "127.0.0.1:9",  # never started here
+                "kernel_log_path": str(tmp_path / "no-kmsg"),
+                "group_teardown": on,
+            },
+        )
+        gp = GuardProcess(guard_config(settings), telemetry=None)
+        msg = GroupTeardownMsg("pg1", raygroup.RANK_DIED, "10.0.0.2", 300, ((rank.pid, ticks, raygroup.RANK),), 1.0)
+        assert gp.supervisor.on_group_teardown is not None
+        gp.supervisor.on_group_teardown(msg)
+        gp.guard.reaper.start()
+        try:
+            gp.guard.tick()
+            if on:
+                assert rank.wait(5) == -signal.SIGKILL
+            else:
+                time.sleep(0.2)
+                assert rank.poll() is None
+        finally:
+            gp.guard.reaper.stop()
+        counters = gp.counters()["groupwatch"]
+        assert (counters["teardowns"], counters["refused_off"]) == ((1, 0) if on else (0, 1))
+    finally:
+        if rank.poll() is None:
+            rank.kill()
+        rank.wait(5)
 
 
 # --- telemetry's reading of Ray's state API (telemetry.sources.raystate): every failure counted, none decides

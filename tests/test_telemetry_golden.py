@@ -12,6 +12,7 @@ from pathlib import Path
 from prometheus_client.parser import text_string_to_metric_families
 
 from sparkwatch.telemetry.exporter.contract import BY_NAME, METRICS
+from sparkwatch.telemetry.exporter.groupmetric import GroupCollector
 from sparkwatch.telemetry.exporter.internal import InternalCollector
 from sparkwatch.telemetry.exporter.server import build_registry, render
 from sparkwatch.telemetry.loop import Telemetry
@@ -23,6 +24,7 @@ from tests.helpers.scenario import (
     StaticGuard,
     StaticKernelLog,
     build_scenario,
+    group_view,
     guard_stats,
     kernel_log_stats,
     stranded_driver,
@@ -58,6 +60,7 @@ def scenario_exposition(tmp_path: Path) -> bytes:
             lambda: 2,
         )
     )
+    registry.register(GroupCollector(group_view))
     return render(registry)
 
 
@@ -76,7 +79,7 @@ def test_golden_passes_promtool(tmp_path: Path) -> None:
 
 def test_golden_names_follow_the_contract() -> None:
     """Every family in the golden file is in the one list (telemetry/exporter/contract.py) with its type and labels,
-    and every family the list promises for this scenario (no outbox, no discrete GPU) is there."""
+    and every family the list promises for this scenario (no outbox, no discrete GPU; a group over Ray) is there."""
     families = {f.name: f for f in text_string_to_metric_families(GOLDEN.read_text())}
     for family in families.values():
         name = family.name + "_total" if family.type == "counter" else family.name
@@ -85,7 +88,7 @@ def test_golden_names_follow_the_contract() -> None:
         assert family.samples, name
         for s in family.samples:
             assert set(s.labels) - {"le"} == set(spec.labels), (name, s.labels)
-    promised = {"always", "meminfo", "guard", "kill", "events", "telemetry", "psi", "gpu", "driver"}
+    promised = {"always", "meminfo", "guard", "kill", "events", "telemetry", "psi", "gpu", "driver", "ray", "ray_group"}
     listed = {
         m.name.removesuffix("_total") if m.type == "counter" else m.name for m in METRICS if m.present in promised
     }

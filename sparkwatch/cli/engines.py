@@ -1,4 +1,4 @@
-"""`sparkwatch engines [--json]`: the engine trees the guard would kill now."""
+"""`sparkwatch engines [--json]`: the engine trees the guard would kill now, and the groups over Ray that span nodes."""
 
 from __future__ import annotations
 
@@ -12,12 +12,11 @@ from sparkwatch.core.model import EngineTree, GpuHolder
 from sparkwatch.core.redact import redact, safe_cmdline
 
 if TYPE_CHECKING:
-    from sparkwatch.config.settings import Settings
-
-if TYPE_CHECKING:
     from sparkwatch.common.sources.enginetrees import EngineFinder
     from sparkwatch.config.settings import Settings
     from sparkwatch.core.kill.policy import Candidate
+    from sparkwatch.core.kill.raygroup import GroupRow
+    from sparkwatch.core.model import Proc
 
 
 # The guard's own growth window is 5 s (core.kill.policy.GROWTH_WINDOW_S); a minute is more than any ranking needs.
@@ -31,8 +30,10 @@ def add_parser(sub: Any, parent: argparse.ArgumentParser) -> None:
         help="list the engine trees the guard would kill now",
         description="List the engine trees the guard would kill now, drawn as trees (root, workers, compilers), and "
         "the order in which it would kill them, with the reason for each, and whether each serves (one one-token "
-        "completion to its own port). Reads /proc and asks for that token only: it signals nothing and needs no "
-        "daemon. docs/engines.md lists every process shape it recognises.",
+        "completion to its own port); where a raylet runs on this node, the engines that span nodes over Ray "
+        "(groups: their nodes, driver and ranks, which run here), from Ray's state API (ray_dashboard_url). Reads "
+        "/proc and Ray's state, and asks each engine for that token only: it signals nothing and needs no daemon. "
+        "docs/engines.md lists every process shape it recognises; docs/multinode.md the groups.",
     )
     p.add_argument("--json", action="store_true", help="print JSON")
     p.add_argument(
@@ -175,6 +176,7 @@ def handle(args: argparse.Namespace) -> int:
     trees, ranking = kill_order_now(finder, settings, args.window)
     budgets = budget_rows(settings, finder, trees, used if args.all else None)
     serving = {} if args.no_probe else serving_rows(settings, trees)
+    groups, group_note = ray_groups(settings, finder.scan()[0])
     from sparkwatch.tui.kill_order_view import kill_order_json, kill_order_view
 
     if args.json:
@@ -182,6 +184,8 @@ def handle(args: argparse.Namespace) -> int:
             {**tree_json(t), "budget": budgets.get(t.root.pid), "serving": serving.get(t.root.pid)} for t in trees
         ]
         out: dict[str, object] = {"engines": engines, "kill_order": kill_order_json(ranking)}
+        out["groups"] = [group_json(g) for g in groups]
+        out["groups_note"] = group_note
         if holders is not None:
             out["gpu_unknown"] = [holder_json(h) for h in holders]
             out["gpu_note"] = note
@@ -191,7 +195,7 @@ def handle(args: argparse.Namespace) -> int:
     from rich.text import Text
 
     from sparkwatch.tui.console import emit
-    from sparkwatch.tui.engines_view import engines_view
+    from sparkwatch.tui.engines_view import engines_view, groups_view
 
     emit(
         Group(
@@ -204,9 +208,55 @@ def handle(args: argparse.Namespace) -> int:
                 serving={pid: serving_text(row) for pid, row in serving.items()},
             ),
             *((Text(""), kill_order_view(ranking)) if trees else ()),
+            *((Text(""), groups_view(groups, group_note)) if groups or group_note else ()),
         )
     )
     return 0
+
+
+def ray_groups(settings: Settings, procs: tuple[Proc, ...]) -> tuple[tuple[GroupRow, ...], str | None]:
+    """The groups over Ray, where a raylet runs in this node's network namespace (else none, and Ray is never
+    asked), and a note when Ray's state API did not answer (the groups are then unknown, never guessed)."""
+    from pathlib import Path
+
+    from sparkwatch.core.kill.raygroup import group_rows
+    from sparkwatch.telemetry.sources.raystate import RayStateError, RayStateSource, local_raylets
+
+    raylets = local_raylets(procs, Path(settings.proc_root))
+    if not raylets or not settings.ray_dashboard_url:
+        return (), None
+    source = RayStateSource(settings.ray_dashboard_url)
+    try:
+        state = source.poll()
+    except RayStateError as exc:  # the URL is never printed: it may carry credentials
+        return (), f"unknown: a raylet runs here, but Ray's state API did not answer ({exc.kind}: {exc})"
+    finally:
+        source.close()
+    return group_rows(state, frozenset(r.node_id for r in raylets)), None
+
+
+def group_json(group: GroupRow) -> dict[str, object]:
+    death = group.death
+    return {
+        "group": group.group,
+        "job_id": group.job_id,
+        "nodes": list(group.nodes),
+        "members": [
+            {
+                "role": m.role,
+                "name": m.name,
+                "node_id": m.node_id,
+                "node_ip": m.node_ip,
+                "pid": m.pid,
+                "state": m.state,
+                "local": m.local,
+            }
+            for m in group.members
+        ],
+        "first_death": None
+        if death is None
+        else {"cause": death.cause, "node_id": death.node_id, "node_ip": death.node_ip, "pid": death.pid},
+    }
 
 
 def budget_rows(

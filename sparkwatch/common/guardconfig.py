@@ -65,6 +65,7 @@ class GuardConfig:
     engine_budgets: tuple[str, ...] = field(metadata=LIVE)
     kill_wedged_after_s: float = field(metadata=LIVE)  # 0: a wedged engine is never killed (guard/wedgewatch.py)
     recorder_window_s: float  # the ring's size is fixed when it is created: a restart applies a new window
+    group_teardown: bool = field(metadata=LIVE)  # off: a group's teardown from telemetry is refused here too
     # The whole validated config, for the telemetry process, and as check-config shows it (secrets masked), for
     # the reload log. Excluded from ==: two configs are equal when their values are.
     wire: Mapping[str, Any] = field(repr=False, compare=False, default_factory=dict)

@@ -135,6 +135,8 @@ class GroupTeardownMsg:
     first_pid: int | None
     members: tuple[tuple[int, int, str], ...] = ()  # this node's members: (pid, start ticks, role)
     detected_ts: float = 0.0  # wall clock when telemetry saw the death
+    # The word of the peer agent on the node where it died, when its guard killed it (telemetry.peerwatch): text only
+    peer_word: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

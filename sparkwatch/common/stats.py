@@ -13,6 +13,9 @@ from sparkwatch.core.model import MemInfo
 
 # Bucket edges for guard_kill_duration_seconds (detect -> last member reaped). Target: median <= 150 ms.
 KILL_DURATION_BUCKETS_S = (0.025, 0.05, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+# Bucket edges for guard_group_teardown_duration_seconds (the death in Ray's state -> this node's members reaped).
+# Goal: <= 5 s; Ray's own poll and state API make up most of it (median 0.41 s on the two-node test cluster).
+GROUP_TEARDOWN_BUCKETS_S = (0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,6 +36,20 @@ class BudgetStat:
     gpu_watch: tuple[tuple[int, int], ...] = ()
 
 
+@dataclass(frozen=True, slots=True)
+class RecentKill:
+    """One kill as the guard decided it, at the signal (the event follows after the reap and settle, a second or
+    more later): what the node's agent tells its peers (telemetry.peerdoc)."""
+
+    ts: float  # wall clock of the signal
+    trigger: str
+    reason: str  # core.kill.killrecord.kill_reason
+    pids: tuple[int, ...]  # the processes signalled
+
+
+RECENT_KILLS = 16
+
+
 @dataclass
 class GuardStats:
     """Counters the guard and reaper update and the exporter reads (under the lock)."""
@@ -47,6 +64,8 @@ class GuardStats:
     last_kill_timestamp_s: float | None = None
     kill_duration_bucket_counts: list[int] = field(default_factory=lambda: [0] * (len(KILL_DURATION_BUCKETS_S) + 1))
     kill_duration_sum_s: float = 0.0
+    group_teardown_bucket_counts: list[int] = field(default_factory=lambda: [0] * (len(GROUP_TEARDOWN_BUCKETS_S) + 1))
+    group_teardown_sum_s: float = 0.0
     meminfo_errors_total: int = 0
     last_error: str | None = None
     last_loop_monotonic: float = 0.0
@@ -55,6 +74,7 @@ class GuardStats:
     cancelled_total: int = 0
     kill_loops_total: int = 0
     budgets: list[BudgetStat] = field(default_factory=list)
+    recent_kills: list[RecentKill] = field(default_factory=list)  # the last RECENT_KILLS, oldest first
 
     def snapshot(self) -> GuardStats:
         """A copy that shares nothing mutable (taken under the owner's lock, read or sent after it)."""
@@ -63,7 +83,9 @@ class GuardStats:
             kills_total=dict(self.kills_total),
             would_kills_total=dict(self.would_kills_total),
             kill_duration_bucket_counts=list(self.kill_duration_bucket_counts),
+            group_teardown_bucket_counts=list(self.group_teardown_bucket_counts),
             budgets=list(self.budgets),
+            recent_kills=list(self.recent_kills),
         )
 
     def count_kill(self, trigger: str, dry_run: bool, processes: int, wall_s: float) -> None:
@@ -77,14 +99,25 @@ class GuardStats:
         self.killed_processes_total += processes
         self.last_kill_timestamp_s = wall_s
 
+    def remember_kill(self, kill: RecentKill) -> None:
+        self.recent_kills = [*self.recent_kills[-(RECENT_KILLS - 1) :], kill]
+
     def observe_kill_duration(self, seconds: float) -> None:
-        for i, edge in enumerate(KILL_DURATION_BUCKETS_S):
-            if seconds <= edge:
-                self.kill_duration_bucket_counts[i] += 1
-                break
-        else:
-            self.kill_duration_bucket_counts[-1] += 1
+        _observe(self.kill_duration_bucket_counts, KILL_DURATION_BUCKETS_S, seconds)
         self.kill_duration_sum_s += seconds
+
+    def observe_group_teardown(self, seconds: float) -> None:
+        _observe(self.group_teardown_bucket_counts, GROUP_TEARDOWN_BUCKETS_S, seconds)
+        self.group_teardown_sum_s += seconds
+
+
+def _observe(counts: list[int], edges: tuple[float, ...], value: float) -> None:
+    """One observation into a histogram's per-bucket (not cumulative) counts; the last is +Inf."""
+    for i, edge in enumerate(edges):
+        if value <= edge:
+            counts[i] += 1
+            return
+    counts[-1] += 1
 
 
 @dataclass

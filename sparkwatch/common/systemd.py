@@ -41,6 +41,7 @@ EVENT_PRIORITY: dict[str, int] = {
     EventKind.NO_VICTIM: PRIORITY_ERR,
     EventKind.KILL_LOOP: PRIORITY_ERR,  # something restarts an engine into the same spike: a human must look
     EventKind.GROUP_TEARDOWN: PRIORITY_ERR,  # a kill too: this node's half of an engine whose rank died elsewhere
+    EventKind.PEER_LOST: PRIORITY_WARNING,  # the other Spark went quiet: its last state is in the record
     EventKind.DRIVER_STRANDED: PRIORITY_ERR,
     EventKind.DRIVER_ALLOC_FAILED: PRIORITY_ERR,
     EventKind.XID: PRIORITY_WARNING,

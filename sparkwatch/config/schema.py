@@ -32,6 +32,7 @@ from pydantic import (
 
 from sparkwatch.common.durable import read_regular
 from sparkwatch.common.guardconfig import GuardConfig
+from sparkwatch.common.peeraddr import parse_peer
 from sparkwatch.common.sharing import group_id
 from sparkwatch.config.defaults import (
     FACTORIES,
@@ -180,7 +181,13 @@ class Settings(BaseModel, Derived):
         pattern=r"^(https?://\S+)?$",
         description="Ray's dashboard: its state API names the groups (empty: never asked)",
     )
-    ray_poll_s: float = Field(1.0, ge=0.2, le=60, description="how often Ray's state API is read while a raylet runs")
+    ray_poll_s: float = Field(2.0, ge=0.2, le=60, description="how often Ray's state API is read while a raylet runs")
+    peers: list[str] = Field(
+        default_factory=list,
+        description="the other nodes' sparkwatch endpoints (host:port, or https://host:port under the TLS settings): "
+        "their guard's word on a group member it killed, and peer_lost",
+    )
+    peer_poll_s: float = Field(2.0, ge=0.5, le=60, description="how often each peer's state is read")
     listen: str = f"127.0.0.1:{DEFAULT_PORT}"
     tls_cert_file: Path | None = None
     tls_key_file: Path | None = None
@@ -261,6 +268,13 @@ class Settings(BaseModel, Derived):
                 f"{format_size(value)} is under {format_size(FLOOR_MIN_BYTES)}: no kill could beat a start-up spike "
                 "from there (doctor warns under 2 GiB); the default is 8GiB"
             )
+        return value
+
+    @field_validator("peers")
+    @classmethod
+    def _check_peers(cls, value: list[str]) -> list[str]:
+        for peer in value:
+            parse_peer(peer)  # a ValueError names the entry; pydantic names the key
         return value
 
     @field_validator("listen")

@@ -17,6 +17,9 @@ class EventKind(StrEnum):
     KILL_CANCELLED = "kill_cancelled"  # memory recovered between the decision and the signal: nothing was signalled
     KILL_LOOP = "kill_loop"  # the same engine was killed again and again (a supervisor restarts it into the spike)
     GROUP_TEARDOWN = "group_teardown"  # a group spanning nodes lost a member: this node stopped its members of it
+    # The other nodes' agents (config `peers`)
+    PEER_LOST = "peer_lost"  # a peer that answered stopped answering: what it last said
+    PEER_BACK = "peer_back"  # a lost peer answers again
     # The driver (drift between the running kernel, the next boot and the NVIDIA packages)
     DRIVER_STRANDED = "driver_stranded"
     DRIVER_WILL_STRAND = "driver_will_strand"

@@ -29,7 +29,7 @@ from sparkwatch.core.engines.identity import may_touch
 from sparkwatch.core.kill import raygroup
 from sparkwatch.core.kill.killrecord import GroupLoss
 from sparkwatch.core.model import EngineTree, Proc
-from sparkwatch.guard.killpath import GroupFacts
+from sparkwatch.guard.killpath import GROUP_COUNTERS, GroupFacts
 
 ROLES = (raygroup.API, raygroup.DRIVER, raygroup.RANK)  # the tree's order: the API server first (it is the root)
 
@@ -51,7 +51,7 @@ class GroupWatch:
         self.errors_total = 0
 
     def counters(self) -> dict[str, int]:
-        return {"teardowns": self.teardowns_total, "refused": self.refused_total, "errors": self.errors_total}
+        return dict(zip(GROUP_COUNTERS, (self.teardowns_total, self.refused_total, self.errors_total), strict=True))
 
     def verified(self, msg: GroupTeardownMsg) -> list[tuple[Proc, str]]:
         """The named members that pass the guard's own checks, with their roles."""
@@ -92,6 +92,7 @@ class GroupWatch:
             first_pid=msg.first_pid,
             roles=tuple((p.pid, role) for p, role in members),
             detected_ts=msg.detected_ts,
+            peer_word=msg.peer_word,
         )
         self.submit(GroupFacts(EngineTree(kind="ray-group", root=procs[0], members=procs), loss))
         self.teardowns_total += 1

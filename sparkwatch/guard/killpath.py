@@ -43,7 +43,7 @@ from sparkwatch.common.eventlog import EventLog, EventLogError, make_event
 from sparkwatch.common.guardconfig import GuardSnapshot
 from sparkwatch.common.sources.meminfo import MeminfoError, MeminfoReader
 from sparkwatch.common.sources.procs import ProcScanner
-from sparkwatch.common.stats import GuardStats
+from sparkwatch.common.stats import GuardStats, RecentKill
 from sparkwatch.core.engines.identity import find_engine_trees
 from sparkwatch.core.eventkinds import EventKind
 from sparkwatch.core.kill import policy
@@ -55,6 +55,7 @@ from sparkwatch.core.kill.killrecord import (
     KillFacts,
     kill_fields,
     kill_line,
+    kill_reason,
     kill_summary,
     terminal_note,
     victims_of,
@@ -80,6 +81,10 @@ class BudgetFacts:
     budget_bytes: int
     source: str  # "launch" | "config"
     footprint: Footprint
+
+
+# The group watch's counters (guard.groupwatch), exported at 0 before its first group (its module loads only then).
+GROUP_COUNTERS = ("teardowns", "refused", "errors")
 
 
 @dataclass(frozen=True, slots=True)
@@ -187,7 +192,11 @@ class KillRecords:
             kind = EventKind.WOULD_KILL if facts.dry_run else EventKind.KILL
         fields = kill_fields(facts)
         if facts.group is not None and facts.group.detected_ts:
-            fields["since_detected_s"] = round(time.time() - facts.group.detected_ts, 3)  # Ray's word -> this record
+            since_s = max(time.time() - facts.group.detected_ts, 0.0)  # Ray's word -> this node's members reaped
+            fields["since_detected_s"] = round(since_s, 3)
+            if not facts.dry_run:
+                with self.lock:
+                    self.stats.observe_group_teardown(since_s)
         event = make_event(kind, kill_summary(facts), fields)
         try:
             self.events.append(event)
@@ -441,6 +450,9 @@ class KillPath:
             state = core.reaped(state, now, kill_settle_s=snap.config.kill_settle_s)
         with self.lock:
             self.stats.count_kill(req.trigger, dry_run, len(victims), time.time())
+            if victims and not dry_run:  # told to the peers at once (telemetry.peerdoc): the event comes after settle
+                pids = tuple(v.proc.pid for v in victims)
+                self.stats.remember_kill(RecentKill(time.time(), req.trigger, kill_reason(facts), pids))
         self.records.reaper.submit(
             KillJob(
                 facts=facts,

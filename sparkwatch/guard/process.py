@@ -36,13 +36,13 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sparkwatch.common import guardfile, logs, syscalls
 from sparkwatch.common.eventlog import make_event
 from sparkwatch.common.guardconfig import GuardConfig, describe_wire_changes
 from sparkwatch.common.lifecycle import Component, CountersOnly, apply_all, start_all, stop_all
-from sparkwatch.common.messages import StateMsg
+from sparkwatch.common.messages import GroupTeardownMsg, StateMsg
 from sparkwatch.common.recording import open_recording
 from sparkwatch.common.selfwatch import rss_bytes
 from sparkwatch.common.sharing import events_gid
@@ -56,12 +56,15 @@ from sparkwatch.core.postmortem.flight import LaunchedEngine
 from sparkwatch.core.redact import remember_secrets
 from sparkwatch.core.report.guardstate import GuardState
 from sparkwatch.core.report.statusline import status_line
-from sparkwatch.guard.groupwatch import GroupWatch
+from sparkwatch.guard.killpath import GROUP_COUNTERS
 from sparkwatch.guard.poolwatch import GuardLinks, PoolWatch
 from sparkwatch.guard.recorder import FlightRecorder
 from sparkwatch.guard.start import exec_guard
 from sparkwatch.guard.supervisor import TelemetrySupervisor, telemetry_command
 from sparkwatch.guard.wedgewatch import WedgeWatch
+
+if TYPE_CHECKING:
+    from sparkwatch.guard.groupwatch import GroupWatch
 
 log = logs.get("daemon")
 VALIDATE_TIMEOUT_S = 60.0  # the validator imports pydantic: ~0.5 s idle, seconds on a box under pressure
@@ -170,7 +173,7 @@ class GuardProcess:
             near_floor=lambda: self.guard.near_floor,
             on_over_cap=self._over_cap_seen,
             # a group spanning nodes lost a member: this node's members of it are checked and killed (groupwatch)
-            on_group_teardown=lambda msg: self.groupwatch.handle(msg),  # noqa: PLW0108 - late-bound: built below
+            on_group_teardown=self._group_teardown,
             # an engine up but not serving for kill_wedged_after_s: checked and killed, trigger wedged (wedgewatch)
             on_wedged=lambda msg: self.wedgewatch.handle(msg),  # noqa: PLW0108 - late-bound: built below
             # a near-budget engine's GPU bytes moved: its budget is looked at now
@@ -204,7 +207,8 @@ class GuardProcess:
                 recorder=self.recorder,
             ),
         )
-        self.groupwatch = GroupWatch(lambda: self.guard.snapshot, self.guard.request_group_teardown)
+        self._groupwatch: GroupWatch | None = None  # built at the first group's teardown (_group_teardown)
+        self._groups_refused_total = 0  # teardowns refused because group_teardown is off
         launched = self.guard.launched
         self.wedgewatch = WedgeWatch(
             lambda: self.guard.snapshot,
@@ -231,7 +235,7 @@ class GuardProcess:
                 lambda: {"notify_send_errors": self.sd.notifier.send_errors_total},
             ),
             Component("events", CountersOnly(), counters=self._event_counters),
-            Component("groupwatch", CountersOnly(), counters=self.groupwatch.counters),
+            Component("groupwatch", CountersOnly(), counters=self._group_counters),
             Component("wedgewatch", CountersOnly(), counters=self.wedgewatch.counters),
         ]
         if telemetry is not None:
@@ -440,6 +444,24 @@ class GuardProcess:
             self._state_path = None
 
     # --- run
+    def _group_teardown(self, msg: GroupTeardownMsg) -> None:
+        """A group spanning nodes lost a member (telemetry's word, on the supervisor's thread): with group_teardown
+        on, guard.groupwatch checks this node's members itself and hands those that pass to the kill path. Its
+        module (and core.kill.raygroup) is imported here, at the first group: a node without Ray never loads them."""
+        if not self.guard.snapshot.config.group_teardown:
+            self._groups_refused_total += 1
+            log.warning("group %s lost a member: group_teardown is off, its members here are left alone", msg.group)
+            return
+        if self._groupwatch is None:
+            from sparkwatch.guard.groupwatch import GroupWatch  # noqa: PLC0415
+
+            self._groupwatch = GroupWatch(lambda: self.guard.snapshot, self.guard.request_group_teardown)
+        self._groupwatch.handle(msg)
+
+    def _group_counters(self) -> dict[str, int]:
+        counters = self._groupwatch.counters() if self._groupwatch is not None else dict.fromkeys(GROUP_COUNTERS, 0)
+        return {**counters, "refused_off": self._groups_refused_total}
+
     def _protect_self(self) -> None:
         """Lock our memory so the guard is not paged out under the very pressure it watches (earlyoom does too)."""
         syscalls.limit_malloc_arenas(2)  # before the threads start: one arena per thread costs RSS for nothing

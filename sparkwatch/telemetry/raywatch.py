@@ -1,10 +1,11 @@
 """The group watch: engines that span nodes over Ray, learned from Ray's own state, and their teardown handed to the
 guard (issue 29; docs/multinode.md).
 
-On its own thread, every `ray_poll_s` (1 s) while a raylet runs in this node's network namespace (looked for in the
+On its own thread, every `ray_poll_s` (2 s) while a raylet runs in this node's network namespace (looked for in the
 telemetry loop's own process table every `RAYLET_LOOK_S`: a box without Ray pays that and nothing else):
-1. read the actors from the dashboard's state API (telemetry.sources.raystate), and nodes, jobs and placement groups
-   with them every `FULL_EVERY_S` or as soon as an actor not known yet appears;
+1. read the actors from the dashboard's state API (telemetry.sources.raystate), the nodes every `FULL_EVERY_S`, and
+   jobs and placement groups with them as soon as an actor not known yet appears, while a teardown is under way,
+   and at least every `FULL_MAX_S`; an answer like the last one decides nothing again;
 2. core.kill.raygroup decides which groups lost a member and which of this node's processes belong to them, from the
    pids Ray names, read one by one from /proc only for a group that lost one (only those in our network
    namespace, with their start time);
@@ -26,7 +27,7 @@ import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -49,11 +50,13 @@ if TYPE_CHECKING:
 
 log = logs.get("raywatch")
 RAYLET_LOOK_S = 5.0  # a raylet started later is found within this (a look goes over telemetry's last table)
-# All four listings this often; in between only the actors (a death shows there first), without Ray's detail.
+# The nodes this often, all four listings at least every FULL_MAX_S (and at once for a new actor, or while a teardown
+# is under way); in between only the actors (a death shows there first), without Ray's detail.
 # Measured on the two-node test cluster: polling all four every second and re-reading the members' /proc entries,
 # the group watch's thread took 0.72 % of a core; the actors alone through urllib 0.32 %, on one kept-alive
 # connection 0.27 % (the dead actors of 20 runs in each answer, death causes and all); bench/RESULTS-group-teardown.md
 FULL_EVERY_S = 10.0
+FULL_MAX_S = 60.0
 RESEND_S = 2.0
 MAX_PIDS = 512  # pids read from /proc a poll: ranks, drivers and their parents of the groups Ray lists
 REMOVE_TIMEOUT_S = 30.0  # the helper connects as a Ray driver: 2-3 s on the 2-core test box
@@ -69,6 +72,16 @@ ray.shutdown()
 """
 
 
+@dataclass(frozen=True, slots=True)
+class GroupView:
+    """What the exporter shows of the groups (telemetry.exporter.groupmetric): as of Ray's last answer."""
+
+    rows: tuple[raygroup.GroupRow, ...]
+    nodes: tuple[raygroup.RayNode, ...]
+    teardowns_sent_total: int
+    pg_removed_total: int
+
+
 class RayWatch:
     LIVE_KEYS = frozenset({"group_teardown", "ray_poll_s"})
 
@@ -77,15 +90,22 @@ class RayWatch:
         settings: Settings,
         send: Callable[[GroupTeardownMsg], None],
         procs: Callable[[], Iterable[Proc]] = lambda: (),
+        peer_word: Callable[[str, int | None], str | None] = lambda node_id, pid: None,
     ) -> None:
-        """`procs`: the telemetry loop's last process table (where the raylets are looked for)."""
+        """`procs`: the telemetry loop's last process table (where the raylets are looked for). `peer_word`: the
+        word of the peer agent whose raylet serves a node id on a pid there, when its guard killed it
+        (telemetry.peerwatch.PeerWatch.kill_word): text for the event, never a reason to kill."""
         self.settings = settings
         self.send = send
         self.procs = procs
+        self.peer_word = peer_word
         self.proc_root = Path(settings.proc_root)
         self.source = RayStateSource(settings.ray_dashboard_url)
         self.scanner = ProcScanner(settings.proc_root)
         self._state: raygroup.RayState | None = None
+        self._decided: raygroup.RayState | None = None  # the state the last decisions were made on
+        self._actors_seen: tuple[tuple[str, str, int | None, str], ...] = ()  # the last answer's actors, in brief
+        self._nodes_at = 0.0
         self._full_at = 0.0
         self.raylets: tuple[LocalRaylet, ...] = ()
         self.node_ids: frozenset[str] = frozenset()
@@ -93,6 +113,7 @@ class RayWatch:
         self.teardowns_sent_total = 0
         self.proc_errors_total = 0
         self._sent_at: dict[str, float] = {}
+        self._words: dict[str, str | None] = {}  # group -> the peer's word on its first death, asked once
         self._torn_at: dict[str, float] = {}  # group -> when this node first tore it down (monotonic)
         self._removing: dict[str, tuple[subprocess.Popen[bytes], float]] = {}  # group -> (helper, started)
         self._remove_tried: set[str] = set()
@@ -131,6 +152,16 @@ class RayWatch:
         out["pg_remove_errors"] = self.pg_remove_errors_total
         return out
 
+    def view(self) -> GroupView | None:
+        """The groups as of Ray's last answer, with this node's members marked; None while no raylet runs here or
+        Ray has not answered yet. Called from the scrape's thread: it reads references the poll replaces whole."""
+        state, node_ids = self._state, self.node_ids
+        if state is None or not node_ids:
+            return None
+        return GroupView(
+            raygroup.group_rows(state, node_ids), state.nodes, self.teardowns_sent_total, self.pg_removed_total
+        )
+
     def _run(self) -> None:
         while not self._stop.is_set():
             try:
@@ -158,6 +189,9 @@ class RayWatch:
         state = self._poll_state(now)
         if state is None:
             return []
+        if state is self._decided and not (self._sent_at or self._torn_at or self._removing):
+            return []  # the same answer as last time and nothing under way: nothing new to decide
+        self._decided = state
         self.groups = raygroup.groups(state)
         # /proc is read only for groups that lost a member (none, nearly always)
         procs = self._local_procs(tuple(g for g in self.groups if raygroup.first_death(g, state) is not None))
@@ -165,13 +199,17 @@ class RayWatch:
         for teardown in raygroup.teardowns(state, self.node_ids, procs):
             if not self.settings.group_teardown or now - self._sent_at.get(teardown.group, -RESEND_S) < RESEND_S:
                 continue
+            detected_ts = time.time()
             msg = GroupTeardownMsg(
                 group=teardown.group,
                 cause=teardown.death.cause,
                 first_node=teardown.death.node_ip or teardown.death.node_id,
                 first_pid=teardown.death.pid,
                 members=tuple((m.pid, m.start_ticks, m.role) for m in teardown.members),
-                detected_ts=time.time(),
+                detected_ts=detected_ts,
+                peer_word=self._words.setdefault(teardown.group, self._peer_word(teardown.death))
+                if teardown.group not in self._words
+                else self._words[teardown.group],
             )
             self._sent_at[teardown.group] = now
             self._torn_at.setdefault(teardown.group, now)
@@ -180,6 +218,7 @@ class RayWatch:
             sent.append(msg)
         live = {g.group for g in self.groups}
         self._sent_at = {g: t for g, t in self._sent_at.items() if g in live}
+        self._words = {g: w for g, w in self._words.items() if g in live}
         self._reap_helpers(now)
         for group in raygroup.leaked_groups(self.groups, self._torn_at, now):
             if group not in self._remove_tried:
@@ -188,6 +227,17 @@ class RayWatch:
         self._torn_at = {g: t for g, t in self._torn_at.items() if g in live or g in self._removing}
         self._remove_tried &= live | set(self._removing)
         return sent
+
+    def _peer_word(self, death: raygroup.Death) -> str | None:
+        """The peer's word on the first death (at most peerwatch.WORD_TIMEOUT_S: its guard records a kill ~0.1 s
+        after the signal, and Ray's state shows the death about as soon), asked once per group; a failure is none."""
+        if death.cause != raygroup.RANK_DIED:
+            return None
+        try:
+            return self.peer_word(death.node_id, death.pid)
+        except Exception as exc:  # a bug there must not hold a teardown back
+            log.error("peer word: %s: %s", type(exc).__name__, exc)
+            return None
 
     def _remove(self, group: str, now: float) -> None:
         """Start the helper that removes a leaked placement group (see the module's docstring)."""
@@ -230,20 +280,32 @@ class RayWatch:
                 log.error("placement group %s: its removal %s", group[:12], "timed out" if rc is None else f"exit {rc}")
 
     def _poll_state(self, now: float) -> raygroup.RayState | None:
-        """Ray's state: every `FULL_EVERY_S` (or when an actor appears in a placement group not known yet) all four
-        listings; in between only the actors (their states carry a death), over the last nodes, jobs and groups."""
+        """Ray's state. Each poll the actors alone, without Ray's detail (a death shows there first); the nodes every
+        FULL_EVERY_S (a dead node shows there); all four listings when an actor appears that the last full read
+        did not have (a new engine: its group, its job), at every poll while a teardown is under way (the placement
+        group's removal), and at least every FULL_MAX_S. A quiet cluster costs one small listing a poll."""
         try:
-            if self._state is not None and now - self._full_at < FULL_EVERY_S:
-                # Without detail Ray leaves out each actor's placement group: the last full poll's, by actor id.
-                placed = {a.actor_id: a.placement_group_id for a in self._state.actors}
+            state = self._state
+            busy = bool(self._sent_at or self._torn_at or self._removing)
+            if state is None or busy or now - self._full_at >= FULL_MAX_S:
+                state = self._full(now)
+            else:
                 actors = self.source.poll_actors()
-                if all(a.actor_id in placed for a in actors):  # a new actor: its group, its job: a full poll now
-                    self._state = replace(
-                        self._state, actors=tuple(replace(a, placement_group_id=placed[a.actor_id]) for a in actors)
-                    )
-                    return self._state
-            self._state = self.source.poll()
-            self._full_at = now
+                seen = tuple((a.actor_id, a.state, a.pid, a.node_id) for a in actors)
+                if seen != self._actors_seen:
+                    # Without detail Ray leaves out each actor's placement group: the last full read's, by actor id.
+                    placed = {a.actor_id: a.placement_group_id for a in state.actors}
+                    if all(a.actor_id in placed for a in actors):
+                        self._actors_seen = seen
+                        moved = tuple(replace(a, placement_group_id=placed[a.actor_id]) for a in actors)
+                        state = replace(state, actors=moved)
+                    else:
+                        state = self._full(now)
+                if now - self._nodes_at >= FULL_EVERY_S:
+                    self._nodes_at = now
+                    nodes = self.source.poll_nodes()
+                    if nodes != state.nodes:
+                        state = replace(state, nodes=nodes)
         except RayStateError:
             if self.source.last_error != self._said:
                 log.warning("Ray's state API: %s (group teardown waits for an answer)", self.source.last_error)
@@ -252,7 +314,14 @@ class RayWatch:
         if self._said is not None:
             log.info("Ray's state API answers again")
             self._said = None
-        return self._state
+        self._state = state  # the same object while nothing changed: poll_once then decides nothing again
+        return state
+
+    def _full(self, now: float) -> raygroup.RayState:
+        state = self.source.poll()
+        self._full_at = self._nodes_at = now
+        self._actors_seen = tuple((a.actor_id, a.state, a.pid, a.node_id) for a in state.actors)
+        return state
 
     def _raylets_alive(self) -> bool:
         """Whether the raylets last found still run (one stat each): a raylet gone is looked for again at once."""

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -41,7 +42,9 @@ from sparkwatch.common.selfwatch import rss_bytes
 from sparkwatch.common.sharing import events_gid
 from sparkwatch.config.settings import ConfigError, wire_settings
 from sparkwatch.core.model import NvmlFacts, Snapshot
+from sparkwatch.telemetry import peerdoc
 from sparkwatch.telemetry.drivercheck import DriverWatcher
+from sparkwatch.telemetry.exporter.groupmetric import GroupCollector
 from sparkwatch.telemetry.exporter.internal import InternalCollector
 from sparkwatch.telemetry.exporter.postmortemmetric import PostmortemCollector
 from sparkwatch.telemetry.exporter.server import MetricsServer, build_registry
@@ -49,6 +52,7 @@ from sparkwatch.telemetry.gpufast import GpuFastSampler
 from sparkwatch.telemetry.headroom import HeadroomWatcher
 from sparkwatch.telemetry.loop import Telemetry, TelemetryLoop, gpu_bytes_by_pid, quiet
 from sparkwatch.telemetry.outbox import Outbox
+from sparkwatch.telemetry.peerwatch import PeerWatch
 from sparkwatch.telemetry.postmortemtask import PostmortemWatch
 from sparkwatch.telemetry.raywatch import RayWatch
 from sparkwatch.telemetry.remote import EventErrors, RemoteGuard
@@ -90,6 +94,7 @@ class TelemetryProcess:
         self.settings = settings
         self.nvml_off = nvml_off
         self.channel = channel
+        self.host = socket.gethostname()
         self.remote = RemoteGuard(settings)
         self.outbox = make_outbox(settings)
         gid = events_gid(settings.events_group)
@@ -189,9 +194,28 @@ class TelemetryProcess:
         )
         # Engines spanning nodes over Ray: their groups from Ray's state API, a teardown to the guard when one loses a
         # member (telemetry.raywatch; the guard checks each member itself before any signal).
-        raywatch = self.raywatch = RayWatch(settings, self._send, procs=lambda: self.loop.telemetry.last_procs)
+        # The other nodes' agents (`peers`): their guard's word on a group member it killed, and peer_lost.
+        peers = self.peers = PeerWatch(settings, self.events.append)
+        out.append(Component("peers", peers, PeerWatch.LIVE_KEYS, peers.apply, peers.counters))
+        raywatch = self.raywatch = RayWatch(
+            settings, self._send, procs=lambda: self.loop.telemetry.last_procs, peer_word=peers.kill_word
+        )
         out.append(Component("raywatch", raywatch, RayWatch.LIVE_KEYS, raywatch.apply, raywatch.counters))
         return out
+
+    def _peer_doc(self) -> bytes:
+        """This node's state for its peers (telemetry.peerdoc), built per request from what telemetry already holds:
+        the last cycle's MemAvailable and trees, the raylets' node ids, and the guard's last kills (its state)."""
+        snap = self.loop.latest
+        with self.remote.lock:
+            recent = list(self.remote.stats.recent_kills)
+        return peerdoc.build(
+            self.host,
+            self.raywatch.node_ids,
+            None if snap is None else snap.mem,
+            () if snap is None else snap.engines,
+            peerdoc.kills_from_guard(recent),
+        )
 
     def _endpoint(self) -> list[Component[Settings]]:
         loop = self.loop
@@ -202,7 +226,8 @@ class TelemetryProcess:
             InternalCollector(self.all_counters, self.rss, self.psi_trigger, self.telemetry_restarts)
         )
         self.registry.register(PostmortemCollector(lambda: self.postmortem.result))
-        self.metrics = MetricsServer(self.settings, self.registry)
+        self.registry.register(GroupCollector(self.raywatch.view))
+        self.metrics = MetricsServer(self.settings, self.registry, documents={peerdoc.PATH: self._peer_doc})
         out: list[Component[Settings]] = [
             Component("metrics", self.metrics, counters=self.metrics.counters),
             Component("events", CountersOnly(), counters=self.recording.counters),

@@ -1,5 +1,5 @@
 """`sparkwatch engines`: one table per engine tree, drawn as a tree (root, workers, compilers); with --all, the GPU
-holders no rule names (what the guard would not kill)."""
+holders no rule names (what the guard would not kill); the groups over Ray that span nodes."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from rich.text import Text
 
 from sparkwatch.core.engines.identity import EngineRules
 from sparkwatch.core.engines.proctree import tree_rows
+from sparkwatch.core.kill.raygroup import GroupRow
 from sparkwatch.core.model import EngineTree, GpuHolder
 from sparkwatch.core.redact import redact
 from sparkwatch.core.units import format_size
@@ -84,3 +85,35 @@ def engines_view(
         parts.append(Text(""))
         parts.append(holders_view(holders or (), gpu_note))
     return Group(*parts) if len(parts) > 1 else parts[0]
+
+
+def groups_view(groups: Sequence[GroupRow], note: str | None) -> RenderableType:
+    """One table per group over Ray: its driver and ranks, each with its node and state, `here` for this node's."""
+    if note:
+        return Text(f"Groups over Ray: {note}", style="dim")
+    parts: list[RenderableType] = []
+    for group in groups:
+        if parts:
+            parts.append(Text(""))
+        nodes = f"{plural(len(group.nodes), 'node')}: {', '.join(group.nodes)}"
+        head = f"group {group.group[:12]}  job {group.job_id}  {nodes}"
+        parts.append(Text(head, style="bold"))
+        if group.death is not None:
+            d = group.death
+            where = d.node_ip or d.node_id[:12]
+            parts.append(Text(f"lost a member: {d.cause} on {where} (pid {d.pid or '?'})", style="bold red"))
+        table = Table(box=None, pad_edge=False, show_edge=False, header_style="bold", padding=(0, 2, 0, 0))
+        for column in ("ROLE", "NODE", "PID", "STATE", "NAME", ""):
+            table.add_column(column, no_wrap=True)
+        for m in group.members:
+            state_style = "" if m.state in ("ALIVE", "RUNNING") else "red"
+            table.add_row(
+                m.role,
+                m.node_ip or m.node_id[:12],
+                str(m.pid or "?"),
+                Text(m.state, style=state_style),
+                Text(redact(m.name)),
+                Text("here", style="cyan") if m.local else "",
+            )
+        parts.append(table)
+    return Group(Text("Groups over Ray (engines that span nodes)", style="bold"), *parts)

@@ -10,7 +10,8 @@
   never notices a dead rank by itself.
 
 Environment: RAY_ENGINE_ADDRESS (the GCS, host:port), RAY_ENGINE_NODE_IP (this node's address), RAY_ENGINE_NODES
-(bundles, default 2). The test signals only the processes it started.
+(bundles, default 2), RAY_ENGINE_REMOTE_RANK_MIB (the ranks on other nodes than the driver's take this much memory,
+touched, right after the JSON line: a rank over its node's budget). The test signals only the processes it started.
 """
 
 from __future__ import annotations
@@ -52,6 +53,12 @@ def engine_core() -> None:
         def info(self) -> tuple[int, str]:
             return os.getpid(), ray.get_runtime_context().get_node_id()
 
+        def hold(self, mib: int) -> int:
+            self.held = bytearray(mib << 20)  # zero pages are not resident: touch one byte a page
+            for i in range(0, len(self.held), 4096):
+                self.held[i] = 1
+            return len(self.held)
+
         def execute_method(self, seconds: float) -> int:
             time.sleep(seconds)
             return os.getpid()
@@ -63,6 +70,12 @@ def engine_core() -> None:
         for i in range(nodes)
     ]
     ranks = ray.get([w.info.remote() for w in workers], timeout=60)
+    remote_mib = int(os.environ.get("RAY_ENGINE_REMOTE_RANK_MIB", "0"))
+    here = ray.get_runtime_context().get_node_id()
+    # not waited for: a rank killed for it (the test's budget) is a dead rank like any other
+    held = [
+        w.hold.remote(remote_mib) for w, (_pid, node) in zip(workers, ranks, strict=True) if remote_mib and node != here
+    ]
     busy = [w.execute_method.remote(3600) for w in workers]
     print(
         json.dumps(
@@ -75,7 +88,7 @@ def engine_core() -> None:
         ),
         flush=True,
     )
-    del busy
+    del busy, held
     while True:  # blocked, as a driver waiting on a collective whose peer died
         time.sleep(3600)
 

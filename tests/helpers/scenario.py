@@ -10,7 +10,9 @@ from pathlib import Path
 from sparkwatch.common.stats import GuardStats, KernelLogStats
 from sparkwatch.config.settings import Settings, load_settings
 from sparkwatch.core.enums import DriverVerdict
+from sparkwatch.core.kill import raygroup
 from sparkwatch.core.model import DriverReport, GpuDevice, GpuProcess, GpuReport, Snapshot
+from sparkwatch.telemetry.raywatch import GroupView
 from tests.helpers.proctree import FIXED_MTIME, PSI_MEMORY, FakeProc, pin_mtimes, write_module, write_proc
 
 GiB = 1 << 30
@@ -137,6 +139,7 @@ def guard_stats() -> GuardStats:
     stats.killed_processes_total = 9
     stats.last_kill_timestamp_s = FIXED_MTIME + 50.0
     stats.observe_kill_duration(0.12)
+    stats.observe_group_teardown(0.41)  # a group's local half reaped 0.41 s after Ray showed the death
     stats.meminfo_errors_total = 1
     return stats
 
@@ -225,3 +228,19 @@ def stranded_driver() -> DriverReport:
         dkms=False,
         open_modules=True,
     )
+
+
+def group_view() -> GroupView:
+    """Two Sparks, one engine over Ray: the driver and one rank on 10.0.0.1 (this node), the rank on 10.0.0.2 dead,
+    as raywatch sees it before the teardown; one teardown handed to the guard so far."""
+    a, b = "a" * 56, "b" * 56
+    state = raygroup.RayState(
+        nodes=(raygroup.RayNode(a, "10.0.0.1", True), raygroup.RayNode(b, "10.0.0.2", True)),
+        jobs=(raygroup.RayJob("01000000", 100, "10.0.0.1", True),),
+        actors=(
+            raygroup.RayActor("x1", "RayWorkerWrapper", "ALIVE", "01000000", a, 200, "5e7bd1a2c7f3"),
+            raygroup.RayActor("x2", "RayWorkerWrapper", "DEAD", "01000000", b, 300, "5e7bd1a2c7f3"),
+        ),
+        placement_groups=(raygroup.RayPlacementGroup("5e7bd1a2c7f3", "01000000", "CREATED", (a, b)),),
+    )
+    return GroupView(raygroup.group_rows(state, frozenset({a})), state.nodes, 1, 0)

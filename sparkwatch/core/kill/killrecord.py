@@ -23,6 +23,7 @@ class GroupLoss:
     first_pid: int | None
     roles: tuple[tuple[int, str], ...]
     detected_ts: float = 0.0
+    peer_word: str | None = None  # the peer guard's own line when it killed the first member (text only)
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,7 +60,7 @@ class KillFacts:
     group: GroupLoss | None = None  # trigger "group_teardown"
 
 
-def _reason(facts: KillFacts) -> str:
+def kill_reason(facts: KillFacts) -> str:
     """Why the guard fired. Every size of a kill's record is written by core.units.format_size, in the line, the
     summary and the views alike: one kill once showed its floor as "21761 MiB" in one place and "21.3 GiB" in
     another."""
@@ -72,6 +73,8 @@ def _reason(facts: KillFacts) -> str:
         )
     if facts.group is not None:
         g = facts.group
+        if g.peer_word:
+            return f"group {g.group[:12]} lost a member: pid {g.first_pid} on {g.first_node} was {g.peer_word}"
         return f"group {g.group[:12]} lost a member: {g.cause} on {g.first_node} (pid {g.first_pid})"
     if facts.trigger == "escalate":
         return f"MemAvailable {avail} still <= floor {floor} after the last kill"
@@ -89,10 +92,10 @@ def kill_line(facts: KillFacts) -> str:
     """`sparkwatch: KILL vllm tree root=1234 (9 processes): MemAvailable 4.6 GiB <= floor 8.0 GiB`"""
     verb = "DRY-RUN would KILL" if facts.dry_run else "KILL"
     if not facts.trees:
-        return f"sparkwatch: NO ENGINE TO KILL: {_reason(facts)}"
+        return f"sparkwatch: NO ENGINE TO KILL: {kill_reason(facts)}"
     parts = [f"{t.kind} tree root={t.root.pid} ({plural(len(t.members), 'process')})" for t in facts.trees]
     why = f" [{'; '.join(facts.why_this_tree)}]" if facts.why_this_tree else ""
-    return f"sparkwatch: {verb} {', '.join(parts)}: {_reason(facts)}{why}"
+    return f"sparkwatch: {verb} {', '.join(parts)}: {kill_reason(facts)}{why}"
 
 
 def terminal_note(facts: KillFacts, tree: EngineTree) -> str:
@@ -102,7 +105,7 @@ def terminal_note(facts: KillFacts, tree: EngineTree) -> str:
     kind = "".join(c for c in tree.kind if c.isascii() and c.isprintable())[:32]
     return (
         f"sparkwatch: killed this {kind} engine (pid {tree.root.pid}, {plural(len(tree.members), 'process')}) "
-        f"before memory ran out: {_reason(facts)}. Details: sparkwatch events"
+        f"before memory ran out: {kill_reason(facts)}. Details: sparkwatch events"
     )
 
 
@@ -111,12 +114,11 @@ def kill_summary(facts: KillFacts) -> str:
         g, roles = facts.group, dict(facts.group.roles)
         members = ", ".join(f"{roles.get(p.pid, 'child')} {p.pid}" for p, _kind in facts.victims)
         verb = "would stop" if facts.dry_run else "stopped"
-        return (
-            f"group {g.group[:12]}: {g.cause} on {g.first_node} (pid {g.first_pid}); "
-            f"{verb} {plural(len(facts.victims), 'local member')}: {members}"
-        )
+        death = f"pid {g.first_pid} on {g.first_node} was {g.peer_word}" if g.peer_word else (
+            f"{g.cause} on {g.first_node} (pid {g.first_pid})")  # fmt: skip
+        return f"group {g.group[:12]}: {death}; {verb} {plural(len(facts.victims), 'local member')}: {members}"
     if not facts.trees:
-        return f"Memory ran low ({_reason(facts)}) but no engine process was found to kill."
+        return f"Memory ran low ({kill_reason(facts)}) but no engine process was found to kill."
     names = ", ".join(f"{t.kind} (root pid {t.root.pid}, {plural(len(t.members), 'process')})" for t in facts.trees)
     head = "Would have killed" if facts.dry_run else "Killed"
     tail = ""
@@ -130,7 +132,7 @@ def kill_summary(facts: KillFacts) -> str:
         )
     if facts.survivors:
         tail += f"; {plural(len(facts.survivors), 'process')} had not exited yet"
-    return f"{head} {names}: {_reason(facts)}{tail}."
+    return f"{head} {names}: {kill_reason(facts)}{tail}."
 
 
 def kill_fields(facts: KillFacts) -> dict[str, object]:
@@ -183,6 +185,7 @@ def _group_fields(g: GroupLoss, victims: Sequence[tuple[Proc, str]]) -> dict[str
         "first_pid": g.first_pid,
         "members": [{"pid": p.pid, "role": roles.get(p.pid, "child")} for p, _kind in victims],
         "detected_ts": g.detected_ts or None,  # wall clock: when telemetry saw the death in Ray's state
+        "peer_word": g.peer_word,  # the peer guard's line when it killed the first member; None: it did not, or unknown
     }
 
 

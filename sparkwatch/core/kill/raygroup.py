@@ -209,3 +209,72 @@ def leaked_groups(live: Iterable[RayGroup], torn_at: Mapping[str, float], now: f
     """Groups this node tore down at least PG_GRACE_S ago (`torn_at`: group -> monotonic time of its teardown) whose
     placement group Ray still holds: to be removed."""
     return tuple(g.group for g in live if g.group in torn_at and now - torn_at[g.group] >= PG_GRACE_S)
+
+
+# --- what `sparkwatch engines` shows of each group
+
+
+@dataclass(frozen=True, slots=True)
+class GroupMemberRow:
+    role: str  # RANK or DRIVER
+    name: str  # the actor's class (a rank), "driver" (the job's driver)
+    node_id: str
+    node_ip: str
+    pid: int | None
+    state: str  # a rank's actor state (ALIVE, DEAD, …); the driver's job RUNNING or ENDED
+    local: bool  # on this node (a node id this node's raylets serve)
+
+
+@dataclass(frozen=True, slots=True)
+class GroupRow:
+    group: str
+    job_id: str
+    members: tuple[GroupMemberRow, ...]  # the driver first, then the ranks in Ray's order
+    death: Death | None  # the member whose loss ends the group, None while all live
+
+    @property
+    def nodes(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(m.node_ip or m.node_id for m in self.members))
+
+
+def group_rows(state: RayState, local_node_ids: frozenset[str]) -> tuple[GroupRow, ...]:
+    """Each live group as `sparkwatch engines` lists it: its nodes, its driver's node and pid, its ranks, which of
+    them run on this node, and its first death if it has one."""
+    nodes = {n.node_id: n for n in state.nodes}
+
+    def ip(node_id: str) -> str:
+        node = nodes.get(node_id)
+        return node.node_ip if node is not None else ""
+
+    out = []
+    for group in groups(state):
+        members: list[GroupMemberRow] = []
+        if group.job is not None:
+            node_id = group.driver_node_id or ""
+            members.append(
+                GroupMemberRow(
+                    DRIVER,
+                    "driver",
+                    node_id,
+                    group.job.driver_ip or ip(node_id),
+                    group.job.driver_pid,
+                    "RUNNING" if group.job.running else "ENDED",
+                    node_id in local_node_ids,
+                )
+            )
+        for actor in group.ranks:
+            members.append(
+                GroupMemberRow(
+                    RANK,
+                    actor.class_name,
+                    actor.node_id,
+                    ip(actor.node_id),
+                    actor.pid,
+                    actor.state,
+                    actor.node_id in local_node_ids,
+                )
+            )
+        out.append(
+            GroupRow(group.group, group.job.job_id if group.job else "", tuple(members), first_death(group, state))
+        )
+    return tuple(out)

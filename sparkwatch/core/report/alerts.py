@@ -23,6 +23,8 @@ ALERT_MIN_INTERVAL_S: Mapping[EventKind, float] = {
     EventKind.WOULD_KILL: 0.0,
     EventKind.NO_VICTIM: 0.0,  # the guard fired and found no engine to kill: the box is on its own, a human must look
     EventKind.GROUP_TEARDOWN: 0.0,  # one per group and node: a rank died elsewhere and this node stopped its half
+    EventKind.PEER_LOST: 0.0,  # once per episode upstream (telemetry.peerwatch): the other Spark went quiet
+    EventKind.PEER_BACK: 0.0,
     # one event per loop is decided upstream (core.kill.killloop): something restarts the engine
     EventKind.KILL_LOOP: 0.0,
     EventKind.DRIVER_STRANDED: 0.0,  # episodes are cut upstream (driver_step): one event per episode

@@ -22,7 +22,7 @@ from prometheus_client.registry import Collector
 
 from sparkwatch import __version__
 from sparkwatch.common.guardconfig import GuardConfig
-from sparkwatch.common.stats import KILL_DURATION_BUCKETS_S, GuardStats, KernelLogStats
+from sparkwatch.common.stats import GROUP_TEARDOWN_BUCKETS_S, KILL_DURATION_BUCKETS_S, GuardStats, KernelLogStats
 from sparkwatch.config.defaults import Derived
 from sparkwatch.core.driver.nvrm import NVRM_KINDS, XID_CATALOGUE
 from sparkwatch.core.engines.compile import TOOLS
@@ -83,6 +83,16 @@ def _guard_copy(guard: GuardLike | None) -> tuple[GuardStats | None, LiveConfig 
 
 def _le(edge: float) -> str:
     return "+Inf" if edge == float("inf") else repr(float(edge))
+
+
+def _histogram(name: str, edges: tuple[float, ...], counts: list[int], sum_s: float) -> Metric:
+    """A histogram family from per-bucket counts (common.stats keeps them so; the last is +Inf)."""
+    buckets = []
+    cumulative = 0
+    for edge, count in zip((*edges, float("inf")), counts, strict=True):
+        cumulative += count
+        buckets.append((_le(edge), cumulative))
+    return histogram(name, buckets=buckets, sum_value=sum_s)
 
 
 class SparkwatchCollector(Collector):
@@ -224,17 +234,10 @@ class SparkwatchCollector(Collector):
                 "guard_last_kill_timestamp_seconds",
                 value=s.last_kill_timestamp_s,
             )
-        buckets = []
-        cumulative = 0
-        edges = (*KILL_DURATION_BUCKETS_S, float("inf"))
-        for edge, count in zip(edges, s.kill_duration_bucket_counts, strict=True):
-            cumulative += count
-            buckets.append((_le(edge), cumulative))
-        yield histogram(
-            "guard_kill_duration_seconds",
-            buckets=buckets,
-            sum_value=s.kill_duration_sum_s,
-        )
+        yield _histogram("guard_kill_duration_seconds", KILL_DURATION_BUCKETS_S, s.kill_duration_bucket_counts,
+                         s.kill_duration_sum_s)  # fmt: skip
+        yield _histogram("guard_group_teardown_duration_seconds", GROUP_TEARDOWN_BUCKETS_S,
+                         s.group_teardown_bucket_counts, s.group_teardown_sum_s)  # fmt: skip
         yield gauge("guard_dry_run", 1 if dry_run else 0)
         yield gauge(
             "guard_armed",

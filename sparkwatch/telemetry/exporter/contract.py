@@ -22,7 +22,7 @@ MetricType = Literal["gauge", "counter", "histogram"]
 # When a family is present. A series that is not known is absent, never 0.
 Presence = Literal["always", "meminfo", "guard", "guard_loop", "kill", "events", "outbox", "delivered", "telemetry",
                    "psi", "gpu", "gpu_device", "gpu_field", "driver", "daemon", "launched", "budget",
-                   "postmortem", "probed"]  # fmt: skip
+                   "postmortem", "ray", "ray_group", "probed"]  # fmt: skip
 PRESENCE: dict[Presence, str] = {
     "always": "always",
     "meminfo": "once /proc/meminfo was read (the guard's read, else the telemetry's)",
@@ -42,6 +42,8 @@ PRESENCE: dict[Presence, str] = {
     "launched": "per engine `sparkwatch launch` declared, while its root runs",
     "budget": "per budgeted engine tree, as the guard last measured it (launch --budget or engine_budgets)",
     "postmortem": "in the daemon once the previous boot was judged (`postmortem = true`, the default)",
+    "ray": "in the daemon while a raylet runs on this node and Ray's state API answered once",
+    "ray_group": "per engine group over Ray (a live placement group) this node's Ray lists, node and role",
     "probed": "per engine whose endpoint the serving probe knows, once it was probed (`probe_interval_s` > 0)",
 }
 
@@ -175,6 +177,14 @@ METRICS: tuple[MetricSpec, ...] = (
         "from detection to the last victim reaped",
         help="From detection to the last victim reaped",
     ),
+    _m(
+        "guard_group_teardown_duration_seconds",
+        "histogram",
+        "",
+        "guard",
+        "from a group's lost member in Ray's state to this node's members of it reaped (goal: 5 s)",
+        help="From a group's lost member in Ray's state to this node's members of it reaped",
+    ),
     _m("guard_dry_run", "gauge", "", "guard", "1 if the guard decides but signals nothing"),
     _m(
         "guard_armed",
@@ -192,6 +202,36 @@ METRICS: tuple[MetricSpec, ...] = (
         "guard_loop",
         "seconds since the guard loop last ran: a stuck guard grows it",
         help="Seconds since the guard loop last ran (a stuck guard grows this)",
+    ),
+    # engines that span nodes over Ray (telemetry.raywatch; docs/multinode.md)
+    _m(
+        "group_members",
+        "gauge",
+        "group node role",
+        "ray_group",
+        "members of an engine group Ray lists alive, by node (its IP) and role (driver, rank)",
+    ),
+    _m(
+        "group_dead_members",
+        "gauge",
+        "group node role",
+        "ray_group",
+        "members of a live engine group Ray lists dead: above 0 for long, a teardown did not happen",
+    ),
+    _m("ray_node_up", "gauge", "node", "ray", "1 while Ray marks the node (its IP) alive, 0 once it marks it dead"),
+    _m(
+        "group_teardown_requests_total",
+        "counter",
+        "",
+        "ray",
+        "teardowns of this node's members of a group that lost one, handed to the guard",
+    ),
+    _m(
+        "group_placement_groups_removed_total",
+        "counter",
+        "",
+        "ray",
+        "placement groups still held after this node's teardown, removed through Ray",
     ),
     _m(
         "previous_boot_end_timestamp_seconds",

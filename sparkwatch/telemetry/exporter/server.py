@@ -29,7 +29,7 @@ import selectors
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -376,9 +376,18 @@ def _parse_head(data: bytes) -> tuple[str, str, dict[str, str]] | None:
 class MetricsServer:
     """A daemon component: serves `registry` on settings.listen until stopped."""
 
-    def __init__(self, settings: Settings, registry: CollectorRegistry, bind_retry_s: float = BIND_RETRY_S) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        registry: CollectorRegistry,
+        bind_retry_s: float = BIND_RETRY_S,
+        documents: Mapping[str, Callable[[], bytes]] | None = None,
+    ) -> None:
+        """`documents`: JSON answers beside /metrics, by path (the peers' state, telemetry.peerdoc), under the same
+        listener, TLS and limits."""
         self.settings = settings
         self.registry = registry
+        self.documents = dict(documents or {})
         self.bind_retry_s = bind_retry_s
         self.port_in_use_total = 0  # binds refused because the address was taken
         self._server: BoundedHTTPServer | None = None
@@ -427,8 +436,12 @@ class MetricsServer:
     def handle(self, method: str, path: str, headers: dict[str, str]) -> tuple[int, str, bytes]:
         if method not in ("GET", "HEAD"):
             return 405, "text/plain; charset=utf-8", b"only GET\n"
-        if path.split("?", 1)[0] == "/favicon.ico":
+        route = path.split("?", 1)[0]
+        if route == "/favicon.ico":
             return 404, "text/plain; charset=utf-8", b"not found\n"
+        document = self.documents.get(route)
+        if document is not None:
+            return 200, "application/json", document()
         encoder, content_type = choose_encoder(headers.get("accept", ""))
         return 200, content_type, encoder(self.registry)
 

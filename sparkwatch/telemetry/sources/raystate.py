@@ -138,12 +138,16 @@ def _pid(value: object, path: str) -> int | None:
     return pid if pid > 0 else None
 
 
+def parse_nodes(doc: Any) -> tuple[RayNode, ...]:
+    return tuple(
+        RayNode(_str(r, "node_id", "nodes"), _str(r, "node_ip", "nodes"), _str(r, "state", "nodes") == "ALIVE")
+        for r in _rows(doc, "nodes")
+    )
+
+
 def parse_state(docs: dict[str, Any]) -> RayState:
     """The four answers as core.kill.raygroup records. Raises RayStateError on a field of the wrong type."""
-    nodes = tuple(
-        RayNode(_str(r, "node_id", "nodes"), _str(r, "node_ip", "nodes"), _str(r, "state", "nodes") == "ALIVE")
-        for r in _rows(docs["nodes"], "nodes")
-    )
+    nodes = parse_nodes(docs["nodes"])
     jobs = []
     for r in _rows(docs["jobs"], "jobs"):
         info = r.get("driver_info") or {}
@@ -209,6 +213,10 @@ class RayStateSource:
         """The actors only (one listing, without Ray's detail: no placement group, no death cause, a tenth of the
         bytes once dead actors pile up): between full polls, a death shows here first."""
         return self._counted(lambda: parse_actors(self._get("actors", detail=False)))
+
+    def poll_nodes(self) -> tuple[RayNode, ...]:
+        """The nodes only (a dead node shows here, after Ray's own health check)."""
+        return self._counted(lambda: parse_nodes(self._get("nodes")))
 
     def _get(self, path: str, detail: bool = True) -> Any:
         return self.conn.get_json(f"/api/v0/{path}?limit={LIMIT}" + ("&detail=true" if detail else ""))

@@ -1,0 +1,117 @@
+"""What one node's agent tells its peers (`GET /peer/v1/state` on its metrics endpoint), and what it makes of theirs.
+
+Two Sparks running one engine each run sparkwatch; each lists the other in `peers` (docs/multinode.md). A peer's
+document says what a node's agent knows that the other cannot see from its own /proc or from Ray:
+- the node's name, and the Ray node ids its raylets serve (how a death in Ray's state is tied to a peer);
+- its MemAvailable and its engine trees (root pid, kind, RSS), as of telemetry's last cycle;
+- its guard's recent kills, as the guard remembered them at the signal: trigger, the reason, the pids signalled.
+
+Never more: no command line, no environment, no path, nothing a kill summary does not already say on the node's own
+journal (summaries are redacted again here). A peer's document is a reason to write a better line, never a reason to
+signal anything: what a peer says only ever reaches an event's text.
+
+Plain JSON, parsed strictly (common.wiretypes): a document of another shape is refused whole and counted.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from sparkwatch.common.eventlog import rfc3339
+from sparkwatch.common.stats import RecentKill
+from sparkwatch.common.wiretypes import from_json, to_json
+from sparkwatch.core.model import EngineTree, MemInfo
+from sparkwatch.core.redact import redact
+
+PATH = "/peer/v1/state"
+VERSION = 1
+MAX_DOC_BYTES = 1 << 20  # a few KiB in practice: 16 kills and a handful of trees
+KILLS_SHOWN = 16
+SUMMARY_MAX = 240  # a kill's summary as a peer repeats it, cut (it reaches events and launch's line)
+
+
+@dataclass(frozen=True, slots=True)
+class PeerEngine:
+    root_pid: int
+    engine: str
+    rss_bytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class PeerKill:
+    ts: str  # the event's own timestamp (RFC 3339, the node's clock)
+    kind: str  # kill or group_teardown
+    trigger: str
+    summary: str
+    pids: tuple[int, ...]  # the processes the guard signalled
+
+
+@dataclass(frozen=True, slots=True)
+class PeerDoc:
+    version: int
+    node: str
+    ray_node_ids: tuple[str, ...]
+    mem_available_bytes: int | None
+    engines: tuple[PeerEngine, ...]
+    kills: tuple[PeerKill, ...]  # oldest first
+
+
+def kills_from_guard(recent: Iterable[RecentKill]) -> tuple[PeerKill, ...]:
+    """The guard's last kills, as it remembered them at the signal (common.stats.RecentKill, in its state messages):
+    the peers learn of a kill at once, not after the reap and settle that its event waits for."""
+    return tuple(
+        PeerKill(
+            ts=rfc3339(k.ts),
+            kind="group_teardown" if k.trigger == "group_teardown" else "kill",
+            trigger=k.trigger,
+            summary=clean(k.reason),
+            pids=k.pids,
+        )
+        for k in list(recent)[-KILLS_SHOWN:]
+    )
+
+
+def build(
+    node: str,
+    ray_node_ids: Iterable[str],
+    mem: MemInfo | None,
+    engines: Iterable[EngineTree],
+    kills: tuple[PeerKill, ...],
+) -> bytes:
+    doc = PeerDoc(
+        version=VERSION,
+        node=node,
+        ray_node_ids=tuple(sorted(ray_node_ids)),
+        mem_available_bytes=None if mem is None else mem.available_bytes,
+        engines=tuple(PeerEngine(t.root.pid, t.kind, t.rss_bytes) for t in engines),
+        kills=kills,
+    )
+    return json.dumps(to_json(doc), separators=(",", ":")).encode()
+
+
+def parse(body: bytes) -> PeerDoc:
+    """A peer's document; raises ValueError (WireError names the field) on anything else."""
+    if len(body) > MAX_DOC_BYTES:
+        raise ValueError(f"larger than {MAX_DOC_BYTES} bytes")
+    doc: PeerDoc = from_json(PeerDoc, json.loads(body), "peer state")
+    if doc.version != VERSION:
+        raise ValueError(f"peer state: version {doc.version}, this agent reads {VERSION}")
+    return doc
+
+
+def clean(text: str) -> str:
+    """A peer's words as they may reach our events and launch's line: redacted, printable, bounded."""
+    text = "".join(c if c.isprintable() else " " for c in redact(text))
+    return text if len(text) <= SUMMARY_MAX else text[: SUMMARY_MAX - 1] + "…"
+
+
+def kill_word(doc: PeerDoc, pid: int | None) -> str | None:
+    """The peer guard's word on `pid`, when its guard signalled it: "killed by sparkwatch on spark-b: budget: …"."""
+    if pid is None:
+        return None
+    for kill in reversed(doc.kills):
+        if pid in kill.pids:
+            return clean(f"killed by sparkwatch on {doc.node}: {kill.trigger}: {kill.summary}")
+    return None

@@ -1,0 +1,229 @@
+"""The other nodes' agents (config `peers`): their state, read every `peer_poll_s`, and `peer_lost` when one stops
+answering (issue 29; docs/multinode.md).
+
+Each peer is another node's sparkwatch, reached on the endpoint it already serves (`GET /peer/v1/state` beside
+/metrics, telemetry.peerdoc), under the same TLS rules: an `https://` peer is verified against `tls_client_ca_file`
+and, where this node has a certificate (`tls_cert_file`), shown it (the peer may require it: mTLS). Plain
+http.client, one short connection a read, bounded in time (PEER_TIMEOUT_S) and size (peerdoc.MAX_DOC_BYTES).
+
+What a peer says is used for words only:
+- the group watch (telemetry.raywatch) asks `kill_word(node_id, pid)` when a group's member died on a peer's node:
+  the peer guard's own line when it killed it ("killed by sparkwatch on spark-b: budget: …"), for this node's
+  `group_teardown` event and the launch that started the engine here;
+- a peer that answered and then fails PEER_LOST_AFTER reads in a row is recorded once as `peer_lost`, with what it
+  last said (MemAvailable, its engine trees, its last kill), and `peer_back` when it answers again.
+A slow, unreachable or lying peer never decides a kill: the group watch tears a group down on Ray's word that a
+member died, checked again by the guard on this node's own /proc.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from sparkwatch.common import logs
+from sparkwatch.common.eventlog import make_event
+from sparkwatch.common.peeraddr import parse_peer
+from sparkwatch.common.threads import daemon_thread
+from sparkwatch.core.eventkinds import EventKind
+from sparkwatch.core.model import Event
+from sparkwatch.core.units import format_size
+from sparkwatch.core.words import plural
+from sparkwatch.telemetry import peerdoc
+
+if TYPE_CHECKING:
+    import ssl
+
+    from sparkwatch.config.settings import Settings
+
+log = logs.get("peers")
+PEER_TIMEOUT_S = 1.0  # one read of a peer on the same switch answers in milliseconds
+WORD_TIMEOUT_S = 0.5  # a read for a kill's word, on the group watch's thread: a teardown waits at most this
+PEER_LOST_AFTER = 3  # reads in a row: a restarting agent (systemd restarts it within a second) is not lost
+ERROR_KINDS = ("unreachable", "timeout", "http", "bad_answer")
+
+
+class PeerError(Exception):
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
+@dataclass
+class Peer:
+    label: str  # as configured (host:port or a URL), for events and logs
+    scheme: str
+    host: str
+    port: int
+    doc: peerdoc.PeerDoc | None = None
+    last_ok_wall: float | None = None
+    failures: int = 0
+    lost: bool = False
+    last_error: str | None = None
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+class PeerWatch:
+    LIVE_KEYS = frozenset({"peer_poll_s"})
+
+    def __init__(
+        self,
+        settings: Settings,
+        record: Callable[[Event], object],
+        wall_clock: Callable[[], float] = time.time,
+    ) -> None:
+        """`record`: where `peer_lost` and `peer_back` go (the telemetry process's event log)."""
+        self.settings = settings
+        self.record = record
+        self.wall_clock = wall_clock
+        self.peers = [Peer(p, *parse_peer(p)) for p in settings.peers]
+        self.errors: dict[str, int] = dict.fromkeys(ERROR_KINDS, 0)
+        self.lost_total = 0
+        self._context: ssl.SSLContext | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        if not self.peers:
+            return
+        self._stop.clear()
+        self._thread = daemon_thread(self._run, "sparkwatch-peers")
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(5)
+
+    def apply(self, settings: Settings) -> frozenset[str]:
+        self.settings = settings
+        return self.LIVE_KEYS
+
+    def counters(self) -> dict[str, int]:
+        return {**{f"peer_errors_{k}": n for k, n in self.errors.items()}, "peers_lost": self.lost_total}
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.poll_once()
+            except Exception as exc:  # a bug: counted, said, survived
+                self.errors["bad_answer"] += 1
+                log.error("peer watch failed: %s: %s", type(exc).__name__, exc)
+            self._stop.wait(self.settings.peer_poll_s)
+
+    def poll_once(self) -> None:
+        for peer in self.peers:
+            self._read(peer, PEER_TIMEOUT_S)
+
+    def kill_word(self, node_id: str, pid: int | None) -> str | None:
+        """The word of the peer whose raylet serves `node_id` on `pid`, when its guard killed it. A peer's last
+        document that does not say so yet (its guard records a kill ~0.1 s after the signal; a peer that has not
+        found its raylet yet names no node) is read again once, within WORD_TIMEOUT_S. Only the peer that names
+        `node_id` is believed: pids repeat across machines. None: no such peer, or its guard did not kill it."""
+        for peer in self.peers:
+            doc = peer.doc
+            if doc is not None and doc.ray_node_ids and node_id not in doc.ray_node_ids:
+                continue  # another node's agent
+            if doc is not None and node_id in doc.ray_node_ids:
+                word = peerdoc.kill_word(doc, pid)
+                if word is not None:
+                    return word
+            if self._read(peer, WORD_TIMEOUT_S) and peer.doc is not None and node_id in peer.doc.ray_node_ids:
+                return peerdoc.kill_word(peer.doc, pid)
+        return None
+
+    def _read(self, peer: Peer, timeout_s: float) -> bool:
+        with peer.lock:
+            try:
+                doc = peerdoc.parse(self._get(peer, timeout_s))
+            except PeerError as exc:
+                self._failed(peer, exc.kind, str(exc))
+                return False
+            except ValueError as exc:
+                self._failed(peer, "bad_answer", str(exc))
+                return False
+            was_lost = peer.lost
+            peer.doc, peer.failures, peer.lost, peer.last_error = doc, 0, False, None
+            peer.last_ok_wall = self.wall_clock()
+        if was_lost:
+            log.info("peer %s (%s) answers again", peer.label, doc.node)
+            self.record(make_event(EventKind.PEER_BACK, f"peer {doc.node} ({peer.label}) answers again",
+                                   {"peer": peer.label, "node": doc.node}))  # fmt: skip
+        return True
+
+    def _failed(self, peer: Peer, kind: str, message: str) -> None:
+        """Under the peer's lock."""
+        self.errors[kind] = self.errors.get(kind, 0) + 1
+        peer.failures += 1
+        if message != peer.last_error:
+            log.warning("peer %s: %s", peer.label, message)
+            peer.last_error = message
+        if peer.failures >= PEER_LOST_AFTER and not peer.lost and peer.doc is not None:
+            peer.lost = True
+            self.lost_total += 1
+            self.record(lost_event(peer, self.wall_clock()))
+
+    def _get(self, peer: Peer, timeout_s: float) -> bytes:
+        import http.client  # noqa: PLC0415  (imports ssl: only on a node with peers)
+
+        conn: http.client.HTTPConnection
+        if peer.scheme == "https":
+            conn = http.client.HTTPSConnection(peer.host, peer.port, timeout=timeout_s, context=self._tls())
+        else:
+            conn = http.client.HTTPConnection(peer.host, peer.port, timeout=timeout_s)
+        try:
+            conn.request("GET", peerdoc.PATH, headers={"Accept": "application/json"})
+            resp = conn.getresponse()
+            body = resp.read(peerdoc.MAX_DOC_BYTES + 1)
+            status = resp.status
+        except TimeoutError:
+            raise PeerError("timeout", f"no answer within {timeout_s:g} s") from None
+        except (http.client.HTTPException, OSError) as exc:
+            raise PeerError("unreachable", str(exc) or type(exc).__name__) from None
+        finally:
+            conn.close()
+        if status != 200:
+            raise PeerError("http", f"HTTP {status} (an agent older than peers, or not sparkwatch?)")
+        return body
+
+    def _tls(self) -> ssl.SSLContext:
+        if self._context is None:
+            import ssl  # noqa: PLC0415
+
+            s = self.settings
+            context = ssl.create_default_context(cafile=str(s.tls_client_ca_file) if s.tls_client_ca_file else None)
+            if s.tls_cert_file is not None and s.tls_key_file is not None:
+                context.load_cert_chain(str(s.tls_cert_file), str(s.tls_key_file))
+            self._context = context
+        return self._context
+
+
+def lost_event(peer: Peer, now: float) -> Event:
+    """`peer_lost`: what the peer last said, for the human who looks at the survivor."""
+    doc = peer.doc
+    assert doc is not None
+    ago = None if peer.last_ok_wall is None else round(now - peer.last_ok_wall, 1)
+    last_kill = doc.kills[-1] if doc.kills else None
+    mem = "MemAvailable unknown" if doc.mem_available_bytes is None else (
+        f"MemAvailable {format_size(doc.mem_available_bytes)}")  # fmt: skip
+    summary = (
+        f"peer {doc.node} ({peer.label}) stopped answering: last seen {ago} s ago with {mem}, "
+        f"{plural(len(doc.engines), 'engine tree')}"
+        + (f"; its last kill: {last_kill.trigger}: {last_kill.summary}" if last_kill is not None else "")
+    )
+    fields: dict[str, object] = {
+        "peer": peer.label,
+        "node": doc.node,
+        "last_seen_s_ago": ago,
+        "error": peer.last_error,
+        "mem_available_bytes": doc.mem_available_bytes,
+        "engines": [{"root_pid": e.root_pid, "engine": e.engine, "rss_bytes": e.rss_bytes} for e in doc.engines],
+        "ray_node_ids": list(doc.ray_node_ids),
+        "last_kill": None
+        if last_kill is None
+        else {"ts": last_kill.ts, "trigger": last_kill.trigger, "summary": last_kill.summary},
+    }
+    return make_event(EventKind.PEER_LOST, peerdoc.clean(summary), fields)

@@ -1,0 +1,197 @@
+"""The other nodes' agents (`peers`, issue 29): what a node tells its peers, and what it makes of theirs.
+
+Against real HTTP on loopback: a peer that serves a document, goes quiet (`peer_lost`, once, with what it last said)
+and comes back (`peer_back`); the peer guard's word on a pid it killed; a document of another shape refused whole;
+secrets in a peer's words redacted. The document a real daemon serves is parsed by the same reader. The two-node
+case (node B's guard kills a rank, node A's event carries its word) is in tests/test_ray_group.py.
+"""
+
+from __future__ import annotations
+
+import http.server
+import json
+import threading
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+
+from sparkwatch.common.peeraddr import parse_peer
+from sparkwatch.common.stats import RecentKill
+from sparkwatch.config.settings import ConfigError, load_settings
+from sparkwatch.core.eventkinds import EventKind
+from sparkwatch.core.model import Event, MemInfo
+from sparkwatch.telemetry import peerdoc
+from sparkwatch.telemetry.peerwatch import PEER_LOST_AFTER, PeerWatch
+from tests.daemon import sparkwatch_run
+
+GiB = 1 << 30
+TOKEN = "hf_" + "A1b2C3d4E5f6G7h8I9j0K1"  # a Hugging Face token's shape (core.redact), never a real one
+
+
+def recent(pid: int, trigger: str = "budget", reason: str = "") -> RecentKill:
+    """A kill as the guard remembers it at the signal (guard.killpath -> common.stats.RecentKill)."""
+    return RecentKill(
+        1764824400.0, trigger, reason or "footprint 602 MiB (rss) over its budget 64.0 MiB (config)", (pid,)
+    )
+
+
+def doc_bytes(kills: tuple[peerdoc.PeerKill, ...] = (), node_ids: tuple[str, ...] = ("b" * 56,)) -> bytes:
+    mem = MemInfo(
+        total_bytes=128 * GiB,
+        free_bytes=50 * GiB,
+        available_bytes=52 * GiB,
+        cached_bytes=2 * GiB,
+        buffers_bytes=0,
+        swap_total_bytes=0,
+        swap_free_bytes=0,
+    )
+    return peerdoc.build("spark-b", node_ids, mem, (), kills)
+
+
+class Peer:
+    """A peer agent on loopback: serves `body` at /peer/v1/state (or answers 500 while `broken`)."""
+
+    def __init__(self) -> None:
+        self.body = doc_bytes()
+        self.requests = 0
+        peer = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                peer.requests += 1
+                ok = self.path == peerdoc.PATH
+                self.send_response(200 if ok else 404)
+                self.send_header("Content-Type", "application/json")
+                self.end_headers()
+                self.wfile.write(peer.body if ok else b"{}")
+
+            def log_message(self, format: str, *args: object) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.port = self.server.server_address[1]
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@contextmanager
+def peer() -> Iterator[Peer]:
+    p = Peer()
+    try:
+        yield p
+    finally:
+        p.stop()
+
+
+def watch(tmp_path: Path, *peers: str) -> tuple[PeerWatch, list[Event]]:
+    settings = load_settings(None, {"state_dir": tmp_path / "state", "peers": list(peers)}, check_memory=False)
+    recorded: list[Event] = []
+    return PeerWatch(settings, recorded.append), recorded
+
+
+def test_peer_addresses_and_the_config_key_that_is_wrong() -> None:
+    assert parse_peer("spark-b:9847") == ("http", "spark-b", 9847)
+    assert parse_peer("https://10.0.0.2:9847") == ("https", "10.0.0.2", 9847)
+    for bad in ("spark-b", "ftp://spark-b:21", "http://user:pw@spark-b:9847", "spark-b:9847/metrics", "spark-b:x"):
+        with pytest.raises(ValueError):
+            parse_peer(bad)
+    with pytest.raises(ConfigError, match="peers"):
+        load_settings(None, {"peers": ["spark-b"]}, check_memory=False)
+
+
+def test_the_document_carries_the_guards_kills_and_redacts_their_words() -> None:
+    kills = peerdoc.kills_from_guard(
+        [recent(301), recent(303, "floor", f"MemAvailable 4.6 GiB <= floor 8.0 GiB; vllm --api-key {TOKEN}")]
+    )
+    assert [(k.trigger, k.pids, k.kind) for k in kills] == [("budget", (301,), "kill"), ("floor", (303,), "kill")]
+    assert TOKEN not in kills[1].summary and "<redacted>" in kills[1].summary
+    assert kills[0].ts.startswith("2025-12-04T")
+    doc = peerdoc.parse(doc_bytes(kills))
+    assert doc.node == "spark-b" and doc.mem_available_bytes == 52 * GiB and doc.kills == kills
+    word = peerdoc.kill_word(doc, 301)
+    assert word == "killed by sparkwatch on spark-b: budget: footprint 602 MiB (rss) over its budget 64.0 MiB (config)"
+    assert peerdoc.kill_word(doc, 999) is None and peerdoc.kill_word(doc, None) is None
+    many = peerdoc.kills_from_guard([recent(i) for i in range(1, 40)])
+    assert len(many) == peerdoc.KILLS_SHOWN and many[-1].pids == (39,)
+
+
+@pytest.mark.parametrize(
+    ("body", "why"),
+    [
+        (b"not json", "Expecting value"),
+        (json.dumps({"version": 1, "node": "b"}).encode(), "ray_node_ids"),  # missing fields: refused whole
+        (json.dumps({**json.loads(doc_bytes()), "mem_available_bytes": "lots"}).encode(), "mem_available_bytes"),
+        (json.dumps({**json.loads(doc_bytes()), "version": 2}).encode(), "version 2"),
+    ],
+)
+def test_a_document_of_another_shape_is_refused_naming_the_field(body: bytes, why: str) -> None:
+    with pytest.raises(ValueError, match=why):
+        peerdoc.parse(body)
+
+
+def test_a_peer_read_then_lost_once_then_back(tmp_path: Path) -> None:
+    with peer() as p:
+        w, recorded = watch(tmp_path, f"127.0.0.1:{p.port}")
+        p.body = doc_bytes(peerdoc.kills_from_guard([recent(301)]))
+        w.poll_once()
+        assert w.peers[0].doc is not None and w.peers[0].doc.node == "spark-b"
+        port = p.port
+    # the peer is gone: lost after PEER_LOST_AFTER reads in a row, said once, with what it last said
+    for _ in range(PEER_LOST_AFTER + 2):
+        w.poll_once()
+    lost = [e for e in recorded if e.kind == EventKind.PEER_LOST]
+    assert len(lost) == 1 and w.counters()["peers_lost"] == 1
+    fields = lost[0].fields
+    assert fields["peer"] == f"127.0.0.1:{port}" and fields["node"] == "spark-b"
+    assert fields["mem_available_bytes"] == 52 * GiB
+    assert isinstance(fields["last_kill"], dict) and fields["last_kill"]["trigger"] == "budget"
+    assert "spark-b" in lost[0].summary and "52.0 GiB" in lost[0].summary
+    assert w.counters()["peer_errors_unreachable"] >= PEER_LOST_AFTER
+    # it answers again (on another port here: the test cannot count on getting the old one back): peer_back, once
+    with peer() as again:
+        w.peers[0].port = again.port
+        w.poll_once()
+        w.poll_once()
+    assert [e.kind for e in recorded] == [EventKind.PEER_LOST, EventKind.PEER_BACK]
+
+
+def test_a_peer_that_never_answered_is_not_lost_and_bad_answers_are_counted(tmp_path: Path) -> None:
+    with peer() as p:
+        p.body = b"<html>not sparkwatch</html>"
+        w, recorded = watch(tmp_path, f"127.0.0.1:{p.port}")
+        for _ in range(PEER_LOST_AFTER + 1):
+            w.poll_once()
+    assert recorded == []  # it never said anything: there is nothing to say it stopped saying
+    assert w.counters()["peer_errors_bad_answer"] == PEER_LOST_AFTER + 1
+
+
+def test_the_kill_word_is_read_again_once_when_the_last_document_does_not_name_the_pid(tmp_path: Path) -> None:
+    node_b = "b" * 56
+    with peer() as p:
+        w, _ = watch(tmp_path, f"127.0.0.1:{p.port}")
+        w.poll_once()  # its document names no kill yet
+        p.body = doc_bytes(peerdoc.kills_from_guard([recent(301)]))  # its guard has just recorded it
+        before = p.requests
+        word = w.kill_word(node_b, 301)
+        assert word is not None and "budget" in word and p.requests == before + 1
+        assert w.kill_word("c" * 56, 301) is None  # a node no peer serves: nobody is asked
+        assert w.kill_word(node_b, 777) is None  # its guard did not kill that pid
+        assert p.requests == before + 2
+
+
+def test_a_real_daemon_serves_its_state_to_peers(tmp_path: Path) -> None:
+    """`sparkwatch run`'s endpoint answers /peer/v1/state with a document the peer reader takes."""
+    with sparkwatch_run(tmp_path) as daemon:
+        url = f"http://127.0.0.1:{daemon.port}{peerdoc.PATH}"
+        with urllib.request.urlopen(url, timeout=10) as resp:
+            assert resp.headers["Content-Type"] == "application/json"
+            doc = peerdoc.parse(resp.read())
+    assert doc.node and doc.ray_node_ids == () and doc.kills == ()
+    assert doc.mem_available_bytes is None or doc.mem_available_bytes > 0
