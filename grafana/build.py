@@ -640,6 +640,31 @@ def launch_row() -> list[Json]:
             w=12,
             min_value=0,
         ),
+        state_timeline(
+            "Serving",
+            "Whether each engine gives a token: sparkwatch sends a one-token completion to the engine's own port "
+            "every 30 s (5 s after a failure). NOT SERVING while the process lives is the failure a health check "
+            "misses (it answers 200 for dead engines): three in a row is engine_wedged. Empty while an engine boots.",
+            [Target(f"max by (instance, engine, pid) ({m('engine_serving')})", "{{instance}} {{engine}} {{pid}}")],
+            value_map({0: ("NOT SERVING", "red"), 1: ("serving", "green")}),
+            w=12,
+            h=6,
+        ),
+        timeseries(
+            "Time to a token",
+            "The serving probe's last good one-token completion per engine, connect to answer: what a client's "
+            "shortest request waits for now.",
+            "s",
+            [
+                Target(
+                    f"max by (instance, engine, pid) ({m('engine_probe_latency_seconds')})",
+                    "{{instance}} {{engine}} {{pid}}",
+                )
+            ],
+            w=12,
+            h=6,
+            min_value=0,
+        ),
     ]
 
 

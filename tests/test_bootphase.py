@@ -9,6 +9,7 @@ with the chatter a boot writes between them (tqdm bars with carriage returns, NC
 from __future__ import annotations
 
 from itertools import pairwise
+from pathlib import Path
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -127,3 +128,23 @@ def test_stdout_and_stderr_interleaved_give_what_the_anchor_by_anchor_search_giv
         for chunk in (text[:cut], text[cut:]):
             assert screened.feed(chunk, stream) == plain.feed(chunk, stream)
         assert screened.state == plain.state
+
+
+REAL_LLAMA_CPP_PYTHON = Path(__file__).parent / "fixtures" / "engines" / "llama-cpp-python-0.3.36-server.stderr"
+
+
+def test_a_real_llama_cpp_python_server_boot_reaches_ready() -> None:
+    """The whole stderr of a real `python -m llama_cpp.server` (0.3.36, SmolLM2-135M on CPU, scripts/real-engine):
+    before uvicorn's ready line was an anchor its boot never ended (the phases stopped at profiling). Fed in pieces of
+    any size, it enters loading_weights, profiling and ready, in that order, ready at uvicorn's line."""
+    data = REAL_LLAMA_CPP_PYTHON.read_bytes()
+    for size in (3, 4096, len(data)):
+        rec = PhaseRecognizer("llama.cpp", any_of=any_anchor)
+        entered = [p for i in range(0, len(data), size) for p in rec.feed(data[i : i + size], 1)]
+        assert entered[0] == BootPhase.LOADING_WEIGHTS and entered[-1] == BootPhase.READY, (size, entered)
+        assert BootPhase.PROFILING in entered
+        assert rec.phase == BootPhase.READY
+    ready_at = data.index(b"Application startup complete")
+    rec = PhaseRecognizer("llama.cpp")
+    assert BootPhase.READY not in rec.feed(data[:ready_at], 1)
+    assert rec.feed(data[ready_at:], 1) == [BootPhase.READY]

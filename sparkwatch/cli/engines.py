@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from sparkwatch.cli import argtypes
@@ -28,9 +29,10 @@ def add_parser(sub: Any, parent: argparse.ArgumentParser) -> None:
         parents=[parent],
         help="list the engine trees the guard would kill now",
         description="List the engine trees the guard would kill now, drawn as trees (root, workers, compilers), and "
-        "the order in which it would kill them, with the reason for each; where a raylet runs on this node, the "
-        "engines that span nodes over Ray (groups: their nodes, driver and ranks, which run here), from Ray's state "
-        "API (ray_dashboard_url). Reads /proc and Ray's state only: it signals nothing and needs no daemon. "
+        "the order in which it would kill them, with the reason for each, and whether each serves (one one-token "
+        "completion to its own port); where a raylet runs on this node, the engines that span nodes over Ray "
+        "(groups: their nodes, driver and ranks, which run here), from Ray's state API (ray_dashboard_url). Reads "
+        "/proc and Ray's state, and asks each engine for that token only: it signals nothing and needs no daemon. "
         "docs/engines.md lists every process shape it recognises; docs/multinode.md the groups.",
     )
     p.add_argument("--json", action="store_true", help="print JSON")
@@ -46,7 +48,61 @@ def add_parser(sub: Any, parent: argparse.ArgumentParser) -> None:
         metavar="S",
         help="seconds to watch for growth before ranking (0: none)",
     )
+    p.add_argument(
+        "--no-probe",
+        action="store_true",
+        help="do not ask each engine for one token (the serving probe: docs/engines.md)",
+    )
     p.set_defaults(handler=handle)
+
+
+PROBE_TIMEOUT_S = 3.0  # a terminal command: each engine's one-token probe waits at most this long
+
+
+def serving_rows(settings: Settings, trees: Sequence[EngineTree]) -> dict[int, dict[str, object]]:
+    """One serving probe per engine whose endpoint is known (telemetry/probewatch.py's, with a short timeout), all at
+    once on threads: root pid -> {state, endpoint, latency_s, error}. An engine not listening on its port is said so,
+    never asked."""
+    import threading
+
+    from sparkwatch.core.engines.serving import Outcome, ServingParams
+    from sparkwatch.telemetry.probewatch import ProbeWatch, targets_of
+
+    watch = ProbeWatch(str(settings.proc_root), ServingParams(timeout_s=min(settings.probe_timeout_s, PROBE_TIMEOUT_S)))
+    targets = targets_of(tuple(trees), ())
+    rows: dict[int, dict[str, object]] = {}
+
+    def one(pid: int, target: Any) -> None:
+        result = watch.probe(target)
+        ep = target.endpoint
+        state = {Outcome.OK: "serving", Outcome.NOT_LISTENING: "not_listening", Outcome.UNAUTHORIZED: "unknown"}
+        rows[pid] = {
+            "state": state.get(result.outcome, "not_serving"),
+            "endpoint": f"{ep.host}:{ep.port}",
+            "latency_s": result.latency_s,
+            "error": result.error,
+        }
+
+    threads = [threading.Thread(target=one, args=(t.root_pid, t), daemon=True) for t in targets.values()]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(PROBE_TIMEOUT_S + 2.0)
+    return rows
+
+
+def serving_text(row: Mapping[str, object]) -> str:
+    """`serving: a token in 41 ms from 127.0.0.1:8000` (one-token probe)."""
+    ep, state = row["endpoint"], row["state"]
+    latency = row.get("latency_s")
+    if state == "serving":
+        ms = f" in {float(latency) * 1000:.0f} ms" if isinstance(latency, float) else ""
+        return f"serving: a token{ms} from {ep}"
+    if state == "not_listening":
+        return f"serving: unknown, nothing of the engine listens on {ep} (booting?)"
+    if state == "unknown":
+        return f"serving: unknown, {ep} refused the probe's key ({row.get('error')})"
+    return f"NOT SERVING: a one-token completion to {ep} failed ({row.get('error')})"
 
 
 def tree_json(tree: EngineTree) -> dict[str, object]:
@@ -119,11 +175,14 @@ def handle(args: argparse.Namespace) -> int:
         holders = unknown_gpu_holders(procs, holder_trees, used, finder.rules)
     trees, ranking = kill_order_now(finder, settings, args.window)
     budgets = budget_rows(settings, finder, trees, used if args.all else None)
+    serving = {} if args.no_probe else serving_rows(settings, trees)
     groups, group_note = ray_groups(settings, finder.scan()[0])
     from sparkwatch.tui.kill_order_view import kill_order_json, kill_order_view
 
     if args.json:
-        engines = [{**tree_json(t), "budget": budgets.get(t.root.pid)} for t in trees]
+        engines = [
+            {**tree_json(t), "budget": budgets.get(t.root.pid), "serving": serving.get(t.root.pid)} for t in trees
+        ]
         out: dict[str, object] = {"engines": engines, "kill_order": kill_order_json(ranking)}
         out["groups"] = [group_json(g) for g in groups]
         out["groups_note"] = group_note
@@ -140,7 +199,14 @@ def handle(args: argparse.Namespace) -> int:
 
     emit(
         Group(
-            engines_view(trees, finder.rules, holders, note, {pid: budget_text(b) for pid, b in budgets.items()}),
+            engines_view(
+                trees,
+                finder.rules,
+                holders,
+                note,
+                {pid: budget_text(b) for pid, b in budgets.items()},
+                serving={pid: serving_text(row) for pid, row in serving.items()},
+            ),
             *((Text(""), kill_order_view(ranking)) if trees else ()),
             *((Text(""), groups_view(groups, group_note)) if groups or group_note else ()),
         )

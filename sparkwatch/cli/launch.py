@@ -83,6 +83,12 @@ def add_parser(sub: Any, parent: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--no-scope", action="store_true", help="never run the command in its own systemd scope")
     p.add_argument(
+        "--probe",
+        metavar="URL",
+        help="the engine's OpenAI-compatible base URL (http://HOST:PORT), where its command line does not say it: "
+        "ready comes with the first one-token completion there, and telemetry probes it",
+    )
+    p.add_argument(
         "--forget",
         metavar="KEY",
         help="drop the peaks learned for KEY (the key --plan prints) and exit: the estimate stands again",
@@ -103,10 +109,14 @@ def _command(args: argparse.Namespace) -> list[str]:
 def handle(args: argparse.Namespace) -> int:
     from sparkwatch.cli import settings_from
     from sparkwatch.cli.launch_plan import PlanInputs, gather, plan_json, plan_text, replan
+    from sparkwatch.core.engines.serving import endpoint_of_url
 
     if args.forget is not None or args.forget_all:
         return _forget(settings_from(args), None if args.forget_all else args.forget)
     cmd = _command(args)
+    if args.probe is not None and endpoint_of_url(args.probe) is None:
+        print(f"sparkwatch launch: --probe: {args.probe!r} is not http://HOST:PORT[/PATH]", file=sys.stderr)
+        return 2
     if not cmd:
         print("sparkwatch: launch needs a command: sparkwatch launch -- vllm serve MODEL", file=sys.stderr)
         return 2
@@ -157,7 +167,7 @@ def handle(args: argparse.Namespace) -> int:
     from sparkwatch.cli.launch_run import Launch
 
     started = time.time()
-    launch = Launch(settings, plan, ctx, cmd, quiet=args.quiet, use_scope=not args.no_scope)
+    launch = Launch(settings, plan, ctx, cmd, quiet=args.quiet, use_scope=not args.no_scope, probe=args.probe)
     code = launch.run()
     if not args.quiet:
         took = time.time() - started

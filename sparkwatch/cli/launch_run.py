@@ -26,6 +26,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import threading
 import time
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
@@ -44,16 +45,22 @@ from sparkwatch.common.sources.procs import (
     read_rss_bytes,
     read_start_ticks,
 )
+from sparkwatch.common.threads import daemon_thread
+from sparkwatch.core.engines.serving import Endpoint, Outcome, api_key_of, endpoint_of, endpoint_of_url
 from sparkwatch.core.kill.footprint import FootprintInputs, footprint
 from sparkwatch.core.launch import launchenv, peaks
 from sparkwatch.core.launch.bootphase import BootPhase, PhaseRecognizer
 from sparkwatch.core.launch.plan import Plan
 from sparkwatch.core.report.guardstate import KillWord, no_guard_line, not_taken_line, taken_line
 from sparkwatch.core.units import MiB, format_size
+from sparkwatch.telemetry.sources.completion import send_probe
+from sparkwatch.telemetry.sources.listeners import owned_listener
 
 if TYPE_CHECKING:
     from sparkwatch.config.settings import Settings
 
+# After its ready line, an engine that owns no listening socket on its port within this long is ready by that line.
+READY_LISTEN_GRACE_S = 1.0
 SAMPLE_EVERY_S = 1.0  # footprint samples while the engine runs (a /proc walk of the tree and, with NVML, one read)
 # How long launch looks for a guard to take its declaration: the guard reads the declarations each tick (at most
 # poll_max_s, 1 s, apart) and republishes guard.json at once when it took a new one.
@@ -101,6 +108,7 @@ class Launch:
         quiet: bool = False,
         use_scope: bool = True,
         env: dict[str, str] | None = None,
+        probe: str | None = None,
     ) -> None:
         self.settings = settings
         self.plan = plan
@@ -126,6 +134,14 @@ class Launch:
         self._cgroup: str | None = None
         self.peak = 0
         self._written_peak = 0
+        # The engine's endpoint (--probe, else its command line): ready comes with the first token it answers.
+        endpoint = endpoint_of_url(probe) if probe else endpoint_of(cmd)
+        self.endpoint = endpoint
+        self.probe_url = probe or ""
+        if endpoint is not None and not probe:
+            host = f"[{endpoint.host}]" if ":" in endpoint.host else endpoint.host
+            self.probe_url = f"http://{host}:{endpoint.port}"
+        self.first_token: FirstToken | None = None
 
     # --- output
     def note(self, text: str) -> None:
@@ -244,6 +260,7 @@ class Launch:
             available_at_launch_bytes=baseline,
             estimate_bytes=est.needs_bytes,
             cgroup=cgroup,
+            probe_url=self.probe_url,
         ).entered(BootPhase.STARTING, started_wall)
         self._write_decl()
         self.note(
@@ -251,11 +268,41 @@ class Launch:
             + (f", budget {format_size(self.plan.budget_bytes)}" if self.plan.budget_bytes else "")
         )
         self._declared_to_guard()
+        if self.endpoint is not None:
+            key = None
+            if self.endpoint.server != "url":
+                key = api_key_of(self.cmd, self.env, self.endpoint.server)
+            self.first_token = FirstToken(self.proc_root, pid, self.endpoint, key)
+            self.first_token.start()
+
+    def _first_token_word(self) -> None:
+        """The first good one-token completion: declared (the guard's engine_ready comes with it) and said once.
+        An engine whose processes own no listening socket on its port READY_LISTEN_GRACE_S after its ready line
+        serves somewhere launch does not know (or not at all): ready is its log line then, and the declaration
+        says so (probe_url cleared); `--probe URL` names the endpoint."""
+        ft = self.first_token
+        if ft is None or self.decl is None or self.decl.first_token_s is not None or not self.decl.probe_url:
+            return
+        if ft.answered_at is None:
+            ready_at = next((at for p, at in self.decl.phases if p == BootPhase.READY), None)
+            if ready_at is not None and not ft.listening_seen and time.time() - ready_at >= READY_LISTEN_GRACE_S:
+                ft.stop()
+                port = ft.endpoint.port
+                self.decl = replace(self.decl, probe_url="")
+                self._write_decl()
+                self.note(f"no socket of the engine listens on port {port}: ready by its log line (--probe URL)")
+            return
+        took = max(ft.answered_at - self.decl.launched_at, 0.0)
+        self.decl = replace(self.decl, first_token_s=took)
+        self._write_decl()
+        latency = f" ({ft.latency_s * 1000:.0f} ms for the token)" if ft.latency_s is not None else ""
+        self.note(f"{self.decl.kind} answered its first token after {took:.1f} s{latency}: time to first token")
 
     def tick(self, pid: int) -> float:
         """The guard's word while awaited, and a footprint sample (the declaration rewritten when the peak grew)."""
         every = min(SAMPLE_EVERY_S, self._guard_poll_s())
         self._guard_word()
+        self._first_token_word()
         if self._scoped and self._cgroup is None:
             self._cgroup = self._scope_cgroup(pid)
         fp = self._sample(pid, self._cgroup)
@@ -272,6 +319,8 @@ class Launch:
         return every
 
     def exited(self, status: int | None) -> None:
+        if self.first_token is not None:
+            self.first_token.stop()
         self._declare_exit(status, self.peak)  # at once: the guard's engine_exited carries the exit code
 
     def _guard_poll_s(self) -> float:
@@ -375,6 +424,50 @@ class Launch:
             peakstore.save(self.settings.state_dir, records)
         except OSError as exc:
             self.note(f"could not record the measured peak: {exc.strerror or exc}")
+
+
+class FirstToken:
+    """launch's own probe, on a thread of its own: once a second, while the engine's processes own a listening socket
+    on its port, a one-token completion (telemetry/sources/completion.py) until one answers. The key goes in its
+    header only; nothing here prints or records it."""
+
+    EVERY_S = 1.0  # a probe a second once the engine listens
+    LOOK_EVERY_S = 0.25  # a look for its listening socket until then (a few small /proc reads)
+    TIMEOUT_S = 10.0
+
+    def __init__(self, proc_root: str, pid: int, endpoint: Endpoint, key: str | None) -> None:
+        self.proc_root, self.pid, self.endpoint, self._key = proc_root, pid, endpoint, key
+        self.answered_at: float | None = None  # wall clock
+        self.latency_s: float | None = None
+        self.probes = 0
+        self.listening_seen = False
+        self._stop = threading.Event()
+
+    def start(self) -> None:
+        daemon_thread(self._run, "sparkwatch-first-token").start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.EVERY_S if self.listening_seen else self.LOOK_EVERY_S):
+            pids = read_descendants(self.proc_root, [self.pid])
+            listener = owned_listener(self.proc_root, self.pid, pids, self.endpoint.port)
+            if listener is None:
+                continue
+            self.listening_seen = True
+            self.probes += 1
+            answer = send_probe(
+                listener.connect_host,
+                listener.port,
+                prefix=self.endpoint.prefix,
+                key=self._key,
+                timeout_s=self.TIMEOUT_S,
+            )
+            if answer.outcome == Outcome.OK:
+                self.latency_s = answer.latency_s
+                self.answered_at = time.time()
+                return
 
 
 def _with_peak(decl: Declaration, peak: int) -> Declaration:

@@ -35,6 +35,7 @@ if TYPE_CHECKING:
 # objects done, because an nvcc job takes tens of seconds and objects finish in steps.
 POOL_WINDOW_S = 5.0
 BUILD_WINDOW_S = 60.0
+ONCE_PROBE_S = 3.0  # `status --once` waits this long at most for each engine's first serving probe
 # The driver verdict reads dpkg's status file (hundreds of KiB): once a minute is plenty, as in the daemon.
 DRIVER_CHECK_S = 60.0
 # How far back in the events file to look for the last kill.
@@ -205,6 +206,9 @@ def handle(args: argparse.Namespace) -> int:
     try:
         if args.once:
             console = make_console()
+            # One frame: the engines' serving word too, each probed once first (at most 3 s: the probe's thread).
+            app.telemetry.collect()
+            app.telemetry.probes.settle(min(settings.probe_timeout_s, ONCE_PROBE_S) + 0.5)
             emit(render(app.frame(), console.width))
             return 0
         console = make_console()

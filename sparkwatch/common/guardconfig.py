@@ -63,6 +63,7 @@ class GuardConfig:
     kernel_log_path: Path
     kernel_log_accept_injected: bool = field(metadata=LIVE)
     engine_budgets: tuple[str, ...] = field(metadata=LIVE)
+    kill_wedged_after_s: float = field(metadata=LIVE)  # 0: a wedged engine is never killed (guard/wedgewatch.py)
     recorder_window_s: float  # the ring's size is fixed when it is created: a restart applies a new window
     group_teardown: bool = field(metadata=LIVE)  # off: a group's teardown from telemetry is refused here too
     # The whole validated config, for the telemetry process, and as check-config shows it (secrets masked), for

@@ -89,6 +89,8 @@ class Declaration:
     exit_signal: int | None = None
     exited_at: float | None = None
     cgroup: str | None = None  # the scope's cgroup path when launch ran it in a systemd scope
+    probe_url: str = ""  # `launch --probe URL`: where the serving probe asks instead of the command line's port
+    first_token_s: float | None = None  # launch to the first good one-token completion (engine_ready comes with it)
     version: int = VERSION
 
     @property

@@ -24,6 +24,10 @@ telemetry → guard
 - `GroupTeardownMsg`: a group spanning nodes (core.kill.raygroup) lost a member: this node's members of it, as
   (pid, start ticks, role), the first death and its cause. The guard checks each member again itself (same start
   time, this node's network namespace, the role's shape) before it signals anything (guard.groupwatch).
+- `WedgedMsg` (telemetry/probewatch.py, with `kill_wedged_after_s` set): an engine has failed the serving probe for at
+  least that long while its process lives, named by (pid, start ticks). The guard checks it again itself (alive with
+  that start time, an engine tree by its own rules, may be touched, its own `kill_wedged_after_s` met) before the one
+  kill path kills it, trigger `wedged` (guard.wedgewatch).
 - `GpuSampleMsg` (telemetry/gpufast.py, up to FAST_PERIOD_S apart): NVML's per-process bytes of the pids the guard
   asked to be watched closely (the members of an engine tree at GPU_FAST_RATIO of its budget or more, named in the
   state's budgets, `BudgetStat.gpu_watch`), sent when they changed. The guard overlays them on the last `tel`
@@ -64,6 +68,7 @@ class Kind(StrEnum):
     TEL = "tel"
     GROUP_TEARDOWN = "group_teardown"
     GPU_SAMPLE = "gpu_sample"
+    WEDGED = "wedged"
 
 
 class BadMessage(ValueError):
@@ -142,10 +147,21 @@ class GpuSampleMsg:
     pids: dict[int, int] = field(default_factory=dict)
 
 
-Message = SettingsMsg | StateMsg | EventMsg | AppliedMsg | AckMsg | TelMsg | GpuSampleMsg | GroupTeardownMsg
+@dataclass(frozen=True, slots=True)
+class WedgedMsg:
+    KIND: ClassVar[Kind] = Kind.WEDGED
+    kind: str  # the engine's kind, as telemetry named it
+    root_pid: int
+    start_ticks: int
+    wedged_for_s: float  # since the first failed probe of the run that wedged it
+    failures: int  # failed probes in a row
+    error: str = ""  # the last failure, in words (never the key)
+
+
+Message = SettingsMsg | StateMsg | EventMsg | AppliedMsg | AckMsg | TelMsg | GpuSampleMsg | GroupTeardownMsg | WedgedMsg
 _BY_KIND: dict[str, type[Any]] = {
     cls.KIND: cls
-    for cls in (SettingsMsg, StateMsg, EventMsg, AppliedMsg, AckMsg, TelMsg, GpuSampleMsg, GroupTeardownMsg)
+    for cls in (SettingsMsg, StateMsg, EventMsg, AppliedMsg, AckMsg, TelMsg, GpuSampleMsg, GroupTeardownMsg, WedgedMsg)
 }
 
 

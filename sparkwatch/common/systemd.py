@@ -58,6 +58,8 @@ EVENT_PRIORITY: dict[str, int] = {
     EventKind.ENGINE_STARTED: PRIORITY_NOTICE,
     EventKind.ENGINE_READY: PRIORITY_NOTICE,
     EventKind.ENGINE_EXITED: PRIORITY_NOTICE,
+    EventKind.ENGINE_WEDGED: PRIORITY_ERR,  # up but not serving: a human must look (or kill_wedged_after_s acts)
+    EventKind.ENGINE_SERVING_AGAIN: PRIORITY_NOTICE,
 }
 
 

@@ -202,6 +202,20 @@ class Settings(BaseModel, Derived):
     jit_stall_s: float = Field(
         300.0, gt=0, le=JIT_STALL_MAX_S, description="engine asleep, no compiler, no cache growth this long"
     )
+    # --- the serving probe (telemetry/probewatch.py, core/engines/serving.py; docs/engines.md#the-serving-probe)
+    probe_interval_s: float = Field(
+        30.0, ge=0, le=3600, description="a one-token completion to each engine's endpoint this often (0: never)"
+    )
+    probe_retry_s: float = Field(5.0, gt=0, le=3600, description="after a failed probe, the next one comes this soon")
+    probe_timeout_s: float = Field(
+        10.0, gt=0, le=300, description="one probe (connect, send, answer) gives up after this"
+    )
+    probe_failures_wedged: int = Field(
+        3, ge=1, le=100, description="failed probes in a row, the process alive, that make an engine wedged"
+    )
+    kill_wedged_after_s: float = Field(
+        0.0, ge=0, le=86400, description="the guard kills an engine wedged this long, trigger wedged (0: never)"
+    )
 
     # --- records and alerts
     state_dir: Path = Field(default_factory=default_state_dir)

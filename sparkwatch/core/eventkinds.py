@@ -39,6 +39,9 @@ class EventKind(StrEnum):
     ENGINE_STARTED = "engine_started"
     ENGINE_READY = "engine_ready"
     ENGINE_EXITED = "engine_exited"
+    # The serving probe (telemetry/probewatch.py): up but not serving, and back
+    ENGINE_WEDGED = "engine_wedged"  # failures_wedged one-token completions in a row failed while the process lives
+    ENGINE_SERVING_AGAIN = "engine_serving_again"  # the next good completion after engine_wedged
     BUDGET_NEAR = "budget_near"  # a tree's footprint reached 90 % of its budget (once, until it falls under 80 %)
     PREVIOUS_BOOT = (
         "previous_boot"  # how the previous boot ended (core.postmortem.verdict), judged once per boot at start

@@ -370,6 +370,23 @@ class BootState:
     ready_s: float | None = None
     budget_bytes: int | None = None
     peak_bytes: int | None = None
+    probe_url: str = ""  # `launch --probe URL`: where the serving probe asks
+    first_token_s: float | None = None  # launch to the first good probe
+
+
+@dataclass(frozen=True, slots=True)
+class EngineServing:
+    """Whether an engine serves, as the one-token probe last found it (core.engines.serving, telemetry/serving.py)."""
+
+    kind: str
+    root_pid: int
+    endpoint: str  # host:port probed (the listening socket the engine owns), or as its command line names it
+    state: str  # core.engines.serving.Serving
+    failures: int = 0  # in a row
+    latency_s: float | None = None  # of the last good probe
+    last_ok_ts: float | None = None
+    wedged_for_s: float | None = None
+    error: str = ""  # the last failure, in words
 
 
 @dataclass(frozen=True, slots=True)
@@ -388,3 +405,4 @@ class Snapshot:
     free_contiguous: tuple[tuple[str, int], ...] = ()
     gpu_unknown: tuple[GpuHolder, ...] = ()  # GPU holders no rule names: core.engines.identity.unknown_gpu_holders
     boots: tuple[BootState, ...] = ()  # engines `sparkwatch launch` declared, with their boot phase
+    serving: tuple[EngineServing, ...] = ()  # per probed engine: telemetry/serving.py

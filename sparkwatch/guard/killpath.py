@@ -2,11 +2,12 @@
 
 The detectors only decide: the pool watch's floor and prediction (core.kill.trigger: `floor`, `predicted`, `escalate`,
 `hunt`), the kernel-log hook (`driver_alloc_failed`, guard.kernlog), the budgets (`budget`, guard.budgets) and the
-group watch (`group_teardown`, guard.groupwatch: a group spanning nodes lost a member). Each builds one frozen
+group watch (`group_teardown`, guard.groupwatch: a group spanning nodes lost a member) and the wedge watch (`wedged`,
+guard.wedgewatch: an engine up but not serving for kill_wedged_after_s). Each builds one frozen
 KillRequest (its trigger, the MemInfo sample it decided on, when, and for a budget or a group the tree it chose with
 its facts) and hands it to `KillPath.fire` on the guard's own thread. That one owner:
 1. chooses: a /proc scan ranked by core.kill.policy (growth history, GPU bytes, kill order), never a tree already
-   signalled in this episode or still tearing down; a budget's or a group's request names its tree, which is chosen
+   signalled in this episode or still tearing down; a budget's, a group's or a wedge's request names its tree, chosen
    unless it is such a tree (its kill is then the one under way: nothing more is signalled or recorded);
 2. re-reads MemAvailable right before the signal, as earlyoom does, and applies core.kill.trigger.should_cancel: a
    floor, escalation or hunt is cancelled when memory is back above the floor, a prediction when the floor is again more
@@ -96,10 +97,20 @@ class GroupFacts:
 
 
 @dataclass(frozen=True, slots=True)
+class WedgedFacts:
+    """What a wedged request carries: the engine tree guard.wedgewatch checked, and what the serving probe said."""
+
+    tree: EngineTree
+    wedged_for_s: float
+    failures: int
+    error: str
+
+
+@dataclass(frozen=True, slots=True)
 class KillRequest:
     """One trigger's word to the kill path. `mem`: the sample it decided on; `detected_at`: monotonic time of it;
     `growing_only`: during a teardown only a tree that is itself growing may die; `budget`: set for trigger `budget`;
-    `group`: set for trigger `group_teardown`."""
+    `group`: set for trigger `group_teardown`; `wedged`: set for trigger `wedged`."""
 
     trigger: str
     mem: MemInfo
@@ -107,6 +118,7 @@ class KillRequest:
     growing_only: bool = False
     budget: BudgetFacts | None = None
     group: GroupFacts | None = None
+    wedged: WedgedFacts | None = None
 
 
 # Per-pid GPU bytes as the guard last heard them from telemetry, or None (the policy ranks without them).
@@ -250,6 +262,13 @@ def _named(req: KillRequest, facts: KillFacts) -> tuple[_Choice, KillFacts] | No
         loss, tree = req.group.loss, req.group.tree
         reasons = (f"its group lost a member: {loss.cause} on {loss.first_node} (pid {loss.first_pid})",)
         return _Choice(tree, tree.root.key, tree.rss_bytes, tree.rss_bytes, None, reasons), replace(facts, group=loss)
+    if req.wedged is not None:
+        w, tree = req.wedged, req.wedged.tree
+        reasons = (
+            f"wedged: up but not serving for {w.wedged_for_s:.0f} s ({w.failures} one-token probes failed in a row"
+            + (f", last: {w.error})" if w.error else ")"),
+        )
+        return _Choice(tree, tree.root.key, tree.rss_bytes, tree.rss_bytes, None, reasons), facts
     return None
 
 
@@ -447,7 +466,7 @@ class KillPath:
         )
         # A tree chosen again and again in dry run was never killed; a budget kill is the engine's own limit and a
         # group teardown a peer's death, not a spike under the floor: none is a kill loop to report.
-        if not dry_run and req.budget is None and req.group is None:
+        if not dry_run and req.budget is None and req.group is None and req.wedged is None:
             self.loops, count = note_kill(self.loops, now, loop_identity(tree))
             if count is not None:
                 with self.lock:

@@ -180,7 +180,9 @@ class LaunchedEngines:
             if not seen.started:
                 seen.started = True
                 self._started(decl)
-            if decl.phase == BootPhase.READY and not seen.ready:
+            # Ready is a real answer where launch knows the endpoint: its first one-token completion; else the phase.
+            answered = decl.first_token_s is not None or (decl.phase == BootPhase.READY and not decl.probe_url)
+            if answered and not seen.ready:
                 seen.ready = True
                 self._ready(decl)
             if not seen.exited and (decl.exited_at is not None or (check_live and self._gone(seen, now))):
@@ -235,11 +237,14 @@ class LaunchedEngines:
 
     def _ready(self, decl: Declaration) -> None:
         peak = "" if decl.peak_bytes is None else f", peak {format_size(decl.peak_bytes)}"
-        took = decl.ready_s or 0.0
-        summary = f"{decl.kind} {decl.model} (root pid {decl.root_pid}) is ready after {took:.0f} s{peak}."
+        ttft = decl.first_token_s
+        took = decl.ready_s if decl.ready_s is not None else (ttft or 0.0)
+        first = f", first token after {ttft:.1f} s" if ttft is not None else ""
+        summary = f"{decl.kind} {decl.model} (root pid {decl.root_pid}) is ready after {took:.0f} s{first}{peak}."
         fields = {
             **self._fields(decl),
             "seconds_to_ready": decl.ready_s,
+            "seconds_to_first_token": ttft,
             "peak_bytes": decl.peak_bytes,
             "phases": [{"phase": str(p), "at": at} for p, at in decl.phases],
         }

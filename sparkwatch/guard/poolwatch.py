@@ -43,7 +43,7 @@ from sparkwatch.core.units import format_size
 from sparkwatch.guard.budgets import BudgetWatch, Tracked
 from sparkwatch.guard.kernlog import KernelLogWatch
 from sparkwatch.guard.killer import Reaper
-from sparkwatch.guard.killpath import BudgetFacts, GroupFacts, KillPath, KillRecords, KillRequest
+from sparkwatch.guard.killpath import BudgetFacts, GroupFacts, KillPath, KillRecords, KillRequest, WedgedFacts
 from sparkwatch.guard.launchwatch import LaunchedEngines
 from sparkwatch.guard.recorder import FlightRecorder, Tick
 
@@ -151,6 +151,7 @@ class PoolWatch:
         # Group teardowns the group watch checked (on the supervisor's thread), for the next tick's kill path:
         # (monotonic time of the request, its tree and loss). deque append and popleft are atomic.
         self._group_requests: collections.deque[tuple[float, GroupFacts]] = collections.deque()
+        self._wedged_requests: collections.deque[tuple[float, WedgedFacts]] = collections.deque()
         # The tick in progress (its snapshot and sample), for the budgets' kill callback: set by tick, never by reload.
         self._tick_snap = self.snapshot
         self._tick_mem: MemInfo | None = None
@@ -215,6 +216,12 @@ class PoolWatch:
         """A group's members to stop (guard.groupwatch, on the supervisor's thread): the guard's next tick, woken now,
         hands them to the kill path like any other kill."""
         self._group_requests.append((time.monotonic(), group))
+        self.wake()
+
+    def request_wedged_kill(self, wedged: WedgedFacts) -> None:
+        """An engine up but not serving, checked by guard.wedgewatch (on the supervisor's thread): the guard's next
+        tick, woken now, hands it to the kill path, trigger `wedged`."""
+        self._wedged_requests.append((time.monotonic(), wedged))
         self.wake()
 
     def wake(self) -> None:
@@ -298,6 +305,9 @@ class PoolWatch:
             detected_at, group = self._group_requests.popleft()
             request = KillRequest("group_teardown", mem, detected_at, group=group)
             self.state = kills.fire(request, self.state, snap)
+        while self._wedged_requests:  # an engine up but not serving for kill_wedged_after_s (wedgewatch)
+            detected_at, wedged = self._wedged_requests.popleft()
+            self.state = kills.fire(KillRequest("wedged", mem, detected_at, wedged=wedged), self.state, snap)
         wake = self._engines_tick(now, mem, snap)
         with self.lock:
             self.stats.mem = mem

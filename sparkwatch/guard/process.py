@@ -61,6 +61,7 @@ from sparkwatch.guard.poolwatch import GuardLinks, PoolWatch
 from sparkwatch.guard.recorder import FlightRecorder
 from sparkwatch.guard.start import exec_guard
 from sparkwatch.guard.supervisor import TelemetrySupervisor, telemetry_command
+from sparkwatch.guard.wedgewatch import WedgeWatch
 
 if TYPE_CHECKING:
     from sparkwatch.guard.groupwatch import GroupWatch
@@ -173,6 +174,8 @@ class GuardProcess:
             on_over_cap=self._over_cap_seen,
             # a group spanning nodes lost a member: this node's members of it are checked and killed (groupwatch)
             on_group_teardown=self._group_teardown,
+            # an engine up but not serving for kill_wedged_after_s: checked and killed, trigger wedged (wedgewatch)
+            on_wedged=lambda msg: self.wedgewatch.handle(msg),  # noqa: PLW0108 - late-bound: built below
             # a near-budget engine's GPU bytes moved: its budget is looked at now
             on_gpu_sample=lambda: self.guard.wake(),  # noqa: PLW0108 - late-bound: the guard is built after this
         )
@@ -206,6 +209,13 @@ class GuardProcess:
         )
         self._groupwatch: GroupWatch | None = None  # built at the first group's teardown (_group_teardown)
         self._groups_refused_total = 0  # teardowns refused because group_teardown is off
+        launched = self.guard.launched
+        self.wedgewatch = WedgeWatch(
+            lambda: self.guard.snapshot,
+            self.guard.request_wedged_kill,
+            declared=launched.declared,
+            launchers=launched.launchers,
+        )
         self.events.subscribe(self.supervisor.forward)
         self.components: list[Component[GuardConfig]] = [
             # Before the guard: it stops after the pool watch, so its last sample (marked `stopping`) is the last tick.
@@ -226,6 +236,7 @@ class GuardProcess:
             ),
             Component("events", CountersOnly(), counters=self._event_counters),
             Component("groupwatch", CountersOnly(), counters=self._group_counters),
+            Component("wedgewatch", CountersOnly(), counters=self.wedgewatch.counters),
         ]
         if telemetry is not None:
             self.components.append(Component("telemetry", self.supervisor, counters=self.supervisor.counters))

@@ -41,6 +41,7 @@ from sparkwatch.common.messages import (
     SettingsMsg,
     StateMsg,
     TelMsg,
+    WedgedMsg,
 )
 from sparkwatch.common.selfwatch import GUARD_RSS_CAP_BYTES
 from sparkwatch.common.threads import daemon_thread
@@ -117,9 +118,11 @@ class TelemetrySupervisor:
         on_over_cap: Callable[[int], None] | None = None,
         on_gpu_sample: Callable[[], None] = lambda: None,
         on_group_teardown: Callable[[GroupTeardownMsg], object] | None = None,
+        on_wedged: Callable[[WedgedMsg], object] | None = None,
     ) -> None:
         """`on_gpu_sample`: wakes the pool watch when a fast GPU sample of a near-budget engine came (guard.budgets).
-        `on_group_teardown`: a group spanning nodes lost a member (guard.groupwatch checks and kills this node's)."""
+        `on_group_teardown`: a group spanning nodes lost a member (guard.groupwatch checks and kills this node's).
+        `on_wedged`: an engine failed the serving probe for kill_wedged_after_s (guard.wedgewatch checks and kills)."""
         self.config = config
         self.events = events
         self.state = state
@@ -158,6 +161,7 @@ class TelemetrySupervisor:
         self.rss_cap_bytes = GUARD_RSS_CAP_BYTES
         self.on_over_cap = on_over_cap
         self.on_group_teardown = on_group_teardown
+        self.on_wedged = on_wedged
         self._last_state_at = 0.0
 
     # --- component interface
@@ -387,6 +391,9 @@ class TelemetrySupervisor:
         elif isinstance(msg, GroupTeardownMsg):
             if self.on_group_teardown is not None:
                 self.on_group_teardown(msg)
+        elif isinstance(msg, WedgedMsg):
+            if self.on_wedged is not None:
+                self.on_wedged(msg)
         elif isinstance(msg, GpuSampleMsg):
             self.gpu.update_fast(msg)
         elif isinstance(msg, AckMsg):

@@ -28,6 +28,7 @@ from sparkwatch.common.sources.psi import read_psi
 from sparkwatch.common.threads import daemon_thread
 from sparkwatch.core.engines import compile as compile_core
 from sparkwatch.core.engines import jit as jit_core
+from sparkwatch.core.engines import serving as serving_core
 from sparkwatch.core.engines.identity import find_engine_trees, unknown_gpu_holders
 from sparkwatch.core.eventkinds import EventKind
 from sparkwatch.core.model import (
@@ -45,6 +46,7 @@ from sparkwatch.core.model import (
     Proc,
     Snapshot,
 )
+from sparkwatch.telemetry.probewatch import ProbeWatch, Wedged
 from sparkwatch.telemetry.sources.jitcache import JitCacheSource
 from sparkwatch.telemetry.sources.nvml import NvmlSource
 from sparkwatch.telemetry.sources.procenv import EnvironReader, read_wchan
@@ -120,6 +122,22 @@ class Telemetry:
         # Engines `sparkwatch launch` declared (common.launched): their boot phase is exported, and their roots are
         # engine trees here as they are for the guard. Re-read only when a directory changed.
         self.launched = LaunchedWatch.of(os.environ, settings.state_dir, settings.proc_root)
+        # The serving probe, on a thread of its own (a probe may take its timeout): its events join this loop's.
+        self._probe_events: list[Event] = []
+        self._probe_lock = threading.Lock()
+        self.on_wedged: Callable[[Wedged], None] | None = None  # the telemetry process hands these to the guard
+        self.probes = ProbeWatch(
+            str(settings.proc_root),
+            serving_params(settings),
+            kill_wedged_after_s=settings.kill_wedged_after_s,
+            on_event=self._probe_event,
+            on_wedged=lambda w: self.on_wedged(w) if self.on_wedged is not None else None,
+            wall_clock=wall_clock,
+        )
+
+    def _probe_event(self, event: Event) -> None:
+        with self._probe_lock:
+            self._probe_events.append(event)
 
     LIVE_KEYS = frozenset(
         {
@@ -131,6 +149,11 @@ class Telemetry:
             "vllm_cache_dirs",
             "compile_jobs_alert",
             "jit_stall_s",
+            "probe_interval_s",
+            "probe_retry_s",
+            "probe_timeout_s",
+            "probe_failures_wedged",
+            "kill_wedged_after_s",
         }
     )
 
@@ -143,6 +166,7 @@ class Telemetry:
             self.rules = rules
             self.scope = engine_scope(settings)
             self.jit_params = jit_core.JitParams(stall_s=settings.jit_stall_s)
+            self.probes.configure(serving_params(settings), settings.kill_wedged_after_s)
             if (old.jit_cache_dirs, old.vllm_cache_dirs) != (settings.jit_cache_dirs, settings.vllm_cache_dirs):
                 self.jitcache = JitCacheSource(list(settings.jit_cache_dirs), list(settings.vllm_cache_dirs))
                 self._cache_sizes = {}
@@ -210,6 +234,7 @@ class Telemetry:
         if census is not None:
             self._burst_events(census, now)
         driver = self.driver() if self.driver is not None else None
+        serving = self.probes.observe(trees, boots) if procs is not None else ()
         return Snapshot(
             ts=self.wall_clock(),
             mem=mem,
@@ -224,6 +249,7 @@ class Telemetry:
             free_contiguous=contiguous or (),
             gpu_unknown=gpu_unknown,
             boots=boots,
+            serving=serving,
         )
 
     _declared: tuple[tuple[BootState, int, int, int], ...] = ()  # (boot, start ticks, uid, launcher pid)
@@ -249,6 +275,8 @@ class Telemetry:
                 ready_s=d.ready_s,
                 budget_bytes=d.budget_bytes,
                 peak_bytes=d.peak_bytes,
+                probe_url=d.probe_url,
+                first_token_s=d.first_token_s,
             )
             out.append(boot)
             declared.append((boot, d.start_ticks, d.uid, d.launcher_pid))
@@ -259,6 +287,9 @@ class Telemetry:
         """Events decided since the last drain (compile_burst, max_jobs_missing, jit_*), oldest first."""
         with self._lock:
             events, self._events = self._events, []
+        with self._probe_lock:
+            events += self._probe_events
+            self._probe_events = []
         return events
 
     # --- sources
@@ -346,12 +377,22 @@ class Telemetry:
             self._events.append(make_event(alert.kind, alert.summary, alert.fields, ts=now))
 
     def close(self) -> None:
+        self.probes.stop()
         close_gpu = getattr(self.gpu_source, "close", None)
         if close_gpu is not None:
             close_gpu()
         if self._meminfo is not None:
             self._meminfo.close()
             self._meminfo = None
+
+
+def serving_params(settings: Settings) -> serving_core.ServingParams:
+    return serving_core.ServingParams(
+        interval_s=settings.probe_interval_s,
+        retry_s=settings.probe_retry_s,
+        timeout_s=settings.probe_timeout_s,
+        failures_wedged=settings.probe_failures_wedged,
+    )
 
 
 # A GPU above this utilization is doing work: an engine is not stalled while it runs (decode idles near 0).

@@ -27,7 +27,16 @@ from typing import TYPE_CHECKING, Any
 from sparkwatch.common import logs, syscalls
 from sparkwatch.common.channel import Channel, ChannelClosed
 from sparkwatch.common.lifecycle import Component, CountersOnly, apply_all, start_all, stop_all
-from sparkwatch.common.messages import AckMsg, AppliedMsg, EventMsg, Message, SettingsMsg, StateMsg, TelMsg
+from sparkwatch.common.messages import (
+    AckMsg,
+    AppliedMsg,
+    EventMsg,
+    Message,
+    SettingsMsg,
+    StateMsg,
+    TelMsg,
+    WedgedMsg,
+)
 from sparkwatch.common.recording import open_recording
 from sparkwatch.common.selfwatch import rss_bytes
 from sparkwatch.common.sharing import events_gid
@@ -112,6 +121,12 @@ class TelemetryProcess:
                 lambda: {"cycle_errors": loop.errors_total, "launched_errors": loop.telemetry.launched.errors_total},
             )
         )
+        # An engine wedged for kill_wedged_after_s: named to the guard, which checks it again before any signal.
+        loop.telemetry.on_wedged = lambda w: self._send(
+            WedgedMsg(w.kind, w.root_pid, w.start_ticks, w.wedged_for_s, w.failures, w.error)
+        )
+        probes = loop.telemetry.probes
+        self.components.append(Component("probe", CountersOnly(), counters=probes.counters))
         # Near-budget engines' GPU bytes, sampled fast on a thread of its own (the guard names them in its state).
         source = loop.telemetry.gpu_source
         nvml = source if isinstance(source, NvmlSource) else None

@@ -65,6 +65,8 @@ def engines_view(
     holders: Sequence[GpuHolder] | None = None,
     gpu_note: str | None = None,
     budgets: Mapping[int, str] | None = None,
+    *,
+    serving: Mapping[int, str] | None = None,
 ) -> RenderableType:
     parts: list[RenderableType] = []
     if not trees:
@@ -75,6 +77,9 @@ def engines_view(
         parts.append(Text(tree_heading(tree), style="bold"))
         if budgets and tree.root.pid in budgets:
             parts.append(Text(budgets[tree.root.pid]))
+        if serving and tree.root.pid in serving:
+            text = serving[tree.root.pid]
+            parts.append(Text(text, style="bold red" if text.startswith("NOT SERVING") else ""))
         parts.append(tree_table(tree, rules))
     if holders is not None or gpu_note:
         parts.append(Text(""))

@@ -25,6 +25,7 @@ from sparkwatch.core.model import (
     BootState,
     CompileCensus,
     DriverReport,
+    EngineServing,
     EngineTree,
     GpuHolder,
     GpuReport,
@@ -187,6 +188,20 @@ def boot_text(boot: BootState, now: float) -> str:
     return text
 
 
+_SERVING_STYLE = {"serving": "green", "failing": "yellow", "wedged": "bold red"}
+
+
+def serving_text(e: EngineServing) -> str:
+    """`serving (token in 41 ms)`, `failing: 2 probes (no answer within 10 s)`, `WEDGED for 1m30s: …`."""
+    if e.state == "serving":
+        return "serving" + (f" (token in {e.latency_s * 1000:.0f} ms)" if e.latency_s is not None else "")
+    why = f" ({e.error})" if e.error else ""
+    if e.state == "wedged":
+        lasted = f" for {fmt_duration(e.wedged_for_s)}" if e.wedged_for_s is not None else ""
+        return f"WEDGED{lasted}: up but not serving, {plural(e.failures, 'probe')} failed{why}"
+    return f"failing: {plural(e.failures, 'probe')} failed{why}"
+
+
 def _jit_state_for(tree: EngineTree, states: Sequence[JitEngineState]) -> JitEngineState | None:
     for state in states:
         if state.root_pid == tree.root.pid:
@@ -209,6 +224,9 @@ def engine_lines(frame: StatusFrame) -> list[Text]:
         boot = _boot_for(tree, snap.boots)
         if boot is not None:
             line.append(f" · {boot_text(boot, snap.ts)}", style="green" if boot.phase == "ready" else "cyan")
+        serving = next((e for e in snap.serving if e.root_pid == tree.root.pid), None)
+        if serving is not None and serving.state != "unknown":
+            line.append(f" · {serving_text(serving)}", style=_SERVING_STYLE.get(serving.state, ""))
         state = _jit_state_for(tree, snap.jit_states)
         if state is not None:
             style = {JitState.COMPILING: "cyan", JitState.STALLED: "bold red"}.get(state.state, "")

@@ -8,7 +8,8 @@ What is read:
   or hidden_size / num_attention_heads, the dtype (`dtype`, then transformers' older `torch_dtype`), the text
   config of a multimodal model first (vllm/transformers_utils/model_arch_config_convertor.py);
 - for a GGUF file, the metadata keys at the head of the file (block_count, attention.head_count_kv, key_length, …,
-  src/llama-arch.cpp), at most GGUF_HEADER_MAX_BYTES, stopping before the tokenizer's arrays. No tensor is read.
+  src/llama-arch.cpp), at most GGUF_HEADER_MAX_BYTES, arrays before them skipped by their lengths, stopping before
+  the tokenizer's keys. No tensor is read.
 
 Bounded input: every file is opened without blocking and refused unless it is a regular file (common.durable: a FIFO
 named model.gguf hung `launch --plan`), JSON nesting is checked before it is parsed (a config.json nested 100,000
@@ -281,12 +282,36 @@ class _Bounded:
     def string(self) -> str:
         return self.read(self.unpack("Q")).decode("utf-8", "replace")
 
+    def skip(self, n: int) -> None:
+        """Past `n` bytes, read in pieces: refused at once when `n` is past the bound, so a length never allocates."""
+        if n > self.left:
+            raise EOFError("GGUF header larger than the bound")
+        while n > 0:
+            step = min(n, 1 << 16)
+            self.read(step)
+            n -= step
+
+    def skip_array(self) -> None:
+        """Past one array value (element type, count, elements), by its lengths; an array of arrays is not skipped."""
+        etype, count = self.unpack("I"), self.unpack("Q")
+        if etype in _GGUF_FIXED:
+            self.skip(count * struct.calcsize("<" + _GGUF_FIXED[etype]))
+        elif etype == 8:
+            if count * 8 > self.left:  # each string has at least its length
+                raise EOFError("GGUF header larger than the bound")
+            for _ in range(count):
+                self.skip(self.unpack("Q"))
+        else:
+            raise ValueError(f"GGUF array of type {etype} is not read")
+
 
 def gguf_metadata(path: Path, limit: int = GGUF_HEADER_MAX_BYTES) -> dict[str, int]:
     """The model-shape keys at the head of a GGUF file, reading at most `limit` bytes and no tensor data.
 
-    Stops at the first array (the tokenizer's token lists come after the architecture's keys, as llama.cpp's
-    converters write them) or once every wanted key was seen."""
+    Arrays before the architecture's keys (SmolLM2's `general.languages arr[str,1]` is key 8, before
+    `llama.block_count`) are skipped by their lengths. Stops at the tokenizer's keys (they come after the
+    architecture's, as llama.cpp's converters write them), once every wanted key was seen, or at the bound: what was
+    read by then is the answer."""
     out: dict[str, int] = {}
     try:
         fd = open_regular(path, follow_symlinks=True)  # a FIFO named model.gguf: refused at once, never read
@@ -303,16 +328,24 @@ def gguf_metadata(path: Path, limit: int = GGUF_HEADER_MAX_BYTES) -> dict[str, i
         count = r.unpack("Q")
         arch = ""
         for _ in range(count):
-            key = r.string()
-            vtype = r.unpack("I")
-            if vtype == 9:
-                break
-            if vtype == 8:
-                value: Any = r.string()
-            elif vtype in _GGUF_FIXED:
-                value = r.unpack(_GGUF_FIXED[vtype])
-            else:
-                break
+            try:
+                key = r.string()
+                if arch and key.startswith("tokenizer."):
+                    break
+                vtype = r.unpack("I")
+                if vtype == 9:
+                    r.skip_array()
+                    continue
+                if vtype == 8:
+                    value: Any = r.string()
+                elif vtype in _GGUF_FIXED:
+                    value = r.unpack(_GGUF_FIXED[vtype])
+                else:
+                    break
+            except EOFError:
+                if not out:
+                    raise
+                break  # the bound, past some keys: those are the answer
             if key == "general.architecture" and isinstance(value, str):
                 arch = value
             elif arch and key.startswith(arch + "."):

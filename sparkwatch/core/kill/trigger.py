@@ -249,7 +249,7 @@ def should_cancel(
     """Re-read right before the signal, as earlyoom does: cancel when memory recovered since the decision. For the
     floor, escalation and hunting: MemAvailable is above the floor now. For a prediction (made above the floor): at
     the fill rate it was made with, the floor is now more than RECOVERED_AFTER_BUDGETS kill budgets away. A driver
-    allocation failure, a budget and a group teardown are never cancelled."""
+    allocation failure, a budget, a group teardown and a wedged engine are never cancelled."""
     if available_now_bytes <= floor:
         return False
     if trigger == "driver_alloc_failed":
@@ -259,6 +259,9 @@ def should_cancel(
     if trigger == "budget":
         # A budget is the engine's own limit, measured on its own tree: the pool having room says nothing about it
         # (a budget kill is made far above the floor by design).
+        return False
+    if trigger == "wedged":
+        # The engine stopped serving (guard.wedgewatch): that is no pool condition, and a pool with room lifts nothing.
         return False
     if trigger == "group_teardown":
         # A member of the engine's group died on another node: the rest of the group is stuck whatever the pool holds.

@@ -14,7 +14,10 @@ The strings are the engines' own (docs/launch.md cites each with its file and ve
   "Capture cuda graph begin", "Capture cuda graph end", "CUDA graph end"), http_server.py ("The server is fired
   up and ready to roll!");
 - llama.cpp 0c1e5709: src/llama-model-loader.cpp ("loaded meta data with"), src/llama-model.cpp ("load_tensors:"),
-  src/llama-context.cpp ("constructing llama_context"), tools/server/server.cpp ("model loaded");
+  src/llama-context.cpp ("constructing llama_context"), tools/server/server.cpp ("model loaded"); llama-cpp-python
+  0.3.36's server (`python -m llama_cpp.server`, kind llama.cpp too) prints the same loader lines (its vendored
+  llama.cpp, verbose by default) and never "model loaded": its boot ends with uvicorn's "Application startup
+  complete." (captured from a real run: tests/fixtures/engines/llama-cpp-python-0.3.36-server.stderr);
 - flashinfer: jit/core.py ("Building JIT module" in 0.7.4, "Loading JIT ops" up to 0.2.5).
 
 Cost: the launcher scans every chunk of output it passes through, so only the anchors of phases that can still come
@@ -90,7 +93,8 @@ ANCHORS: Mapping[str, tuple[Anchor, ...]] = {
         Anchor(b"loaded meta data with", BootPhase.LOADING_WEIGHTS),
         Anchor(b"load_tensors:", BootPhase.LOADING_WEIGHTS),
         Anchor(b"constructing llama_context", BootPhase.PROFILING),
-        Anchor(b"model loaded", BootPhase.READY),
+        Anchor(b"model loaded", BootPhase.READY),  # llama-server
+        Anchor(b"Application startup complete", BootPhase.READY),  # llama-cpp-python's server (uvicorn)
     ),
     "other": _JIT,
 }

@@ -41,6 +41,10 @@ ALERT_MIN_INTERVAL_S: Mapping[EventKind, float] = {
     EventKind.COMPILE_BURST: 900.0,
     EventKind.MAX_JOBS_MISSING: 3600.0,
     EventKind.JIT_STALLED: 1800.0,
+    # One per wedge episode upstream (core.engines.serving: wedged once, serving again once); this caps an engine
+    # that flaps between the two.
+    EventKind.ENGINE_WEDGED: 900.0,
+    EventKind.ENGINE_SERVING_AGAIN: 900.0,
     EventKind.BUDGET_NEAR: 900.0,  # once per approach upstream (core.kill.budget); this caps an engine hovering at 90 %
     EventKind.OUTBOX_DROPPED: 3600.0,  # the outbox alerts once per run itself; this caps a restart loop
     EventKind.OUTBOX_QUARANTINED: 3600.0,

@@ -148,6 +148,7 @@ class SparkwatchCollector(Collector):
             return
         yield from self._engines(snap)
         yield from _boot_families(snap)
+        yield from _serving_families(snap)
         yield from self._compile(snap)
         yield from self._jit(snap)
         success = gauge("collector_success", labels=["collector"])
@@ -383,6 +384,29 @@ def _boot_families(snap: Snapshot) -> Iterator[Metric]:
     yield since
     if any_ready:
         yield ready
+
+
+def _serving_families(snap: Snapshot) -> Iterator[Metric]:
+    """Per probed engine: serving (1/0, absent while booting or not listening), the last good probe's latency, and
+    the failures in a row (telemetry/probewatch.py)."""
+    probed = [e for e in snap.serving if e.state != "unknown"]  # not probed yet, booting or not listening: absent
+    if not probed:
+        return
+    serving = gauge("engine_serving", labels=["engine", "pid"])
+    latency = gauge("engine_probe_latency_seconds", labels=["engine", "pid"])
+    failures = gauge("engine_probe_failures", labels=["engine", "pid"])
+    for e in probed:
+        key = [e.kind, str(e.root_pid)]
+        if e.state == "serving":
+            serving.add_metric(key, 1)
+        elif e.state in ("failing", "wedged"):
+            serving.add_metric(key, 0)
+        if e.latency_s is not None:
+            latency.add_metric(key, e.latency_s)
+        failures.add_metric(key, e.failures)
+    yield serving
+    yield latency
+    yield failures
 
 
 def _budget_families(s: GuardStats) -> Iterator[Metric]:

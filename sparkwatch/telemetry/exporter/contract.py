@@ -22,7 +22,7 @@ MetricType = Literal["gauge", "counter", "histogram"]
 # When a family is present. A series that is not known is absent, never 0.
 Presence = Literal["always", "meminfo", "guard", "guard_loop", "kill", "events", "outbox", "delivered", "telemetry",
                    "psi", "gpu", "gpu_device", "gpu_field", "driver", "daemon", "launched", "budget",
-                   "postmortem", "ray", "ray_group"]  # fmt: skip
+                   "postmortem", "ray", "ray_group", "probed"]  # fmt: skip
 PRESENCE: dict[Presence, str] = {
     "always": "always",
     "meminfo": "once /proc/meminfo was read (the guard's read, else the telemetry's)",
@@ -44,6 +44,7 @@ PRESENCE: dict[Presence, str] = {
     "postmortem": "in the daemon once the previous boot was judged (`postmortem = true`, the default)",
     "ray": "in the daemon while a raylet runs on this node and Ray's state API answered once",
     "ray_group": "per engine group over Ray (a live placement group) this node's Ray lists, node and role",
+    "probed": "per engine whose endpoint the serving probe knows, once it was probed (`probe_interval_s` > 0)",
 }
 
 
@@ -479,6 +480,30 @@ METRICS: tuple[MetricSpec, ...] = (
         "budget",
         "the largest footprint the guard measured for the tree",
         help="A budgeted engine tree's largest measured footprint",
+    ),
+    _m(
+        "engine_serving",
+        "gauge",
+        "engine pid",
+        "probed",
+        "1: the last one-token completion got a token; 0: failing or wedged (absent while booting or not listening)",
+        help="1 if the engine's last one-token completion answered (the serving probe)",
+    ),
+    _m(
+        "engine_probe_latency_seconds",
+        "gauge",
+        "engine pid",
+        "probed",
+        "connect to answer of the last good one-token completion",
+        help="Seconds the engine's last good one-token completion took",
+    ),
+    _m(
+        "engine_probe_failures",
+        "gauge",
+        "engine pid",
+        "probed",
+        "failed probes in a row (engine_wedged at probe_failures_wedged)",
+        help="The engine's failed one-token completions in a row",
     ),
     _m("collector_success", "gauge", "collector", "telemetry", "1 if the source worked this cycle"),
     _m(
