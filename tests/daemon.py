@@ -8,6 +8,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -122,3 +123,9 @@ def wait_for_event(path: Path, kind: str, timeout_s: float = 30) -> dict[str, ob
         time.sleep(0.05)
     seen = [e["kind"] for e in read_events(path)]
     raise AssertionError(f"no {kind} event in {path} after {timeout_s} s; recorded: {seen}")
+
+
+def scrape(port: int, timeout_s: float = 10.0) -> str:
+    """A daemon's /metrics on loopback, as text."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=timeout_s) as resp:
+        return str(resp.read().decode())

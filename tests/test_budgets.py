@@ -21,7 +21,7 @@ import pytest
 from sparkwatch.common.eventlog import read_events
 from sparkwatch.common.sources.meminfo import MeminfoReader
 from tests.conftest import Spawner, alive, pids_in, require, require_tool, wait_until
-from tests.daemon import sparkwatch_run, wait_for_event
+from tests.daemon import scrape, sparkwatch_run, wait_for_event
 from tests.grafana_support import alerts_over_scrapes
 from tests.launchbox import Box, box_for, fitting_util, small_args, small_model, wait_ready
 from tests.receiver import Receiver
@@ -105,11 +105,6 @@ def test_a_config_budget_applies_to_an_engine_not_started_by_launch(tmp_path: Pa
         assert all(alive(pid, ticks) for pid, (ticks, _r) in pids_in(spare).items())  # no budget: untouched
         near = wait_for_event(daemon.events_path, "budget_near")
         assert near["root_pid"] in victims
-
-
-def scrape(port: int) -> str:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
-        return str(resp.read().decode())
 
 
 def counters(text: str, family: str) -> dict[str, float]:

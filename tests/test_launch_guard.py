@@ -10,7 +10,6 @@ import os
 import subprocess
 import sys
 import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -23,19 +22,13 @@ from sparkwatch.common.sources.procs import read_start_ticks
 from sparkwatch.core.launch.bootphase import BootPhase
 from sparkwatch.guard.launchwatch import LaunchedEngines
 from tests.conftest import wait_until
-from tests.daemon import sparkwatch_run, wait_for_event
+from tests.daemon import scrape, sparkwatch_run, wait_for_event
 from tests.launchbox import Box, box_for, fitting_util, small_args, small_model, wait_ready
 
 
 @pytest.fixture
 def box(tmp_path: Path) -> Iterator[Box]:
     yield from box_for(tmp_path)
-
-
-def scrape(port: int) -> str:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
-        text: str = resp.read().decode()
-    return text
 
 
 def test_phases_become_metrics_and_events_the_guard_records(box: Box, tmp_path: Path) -> None:

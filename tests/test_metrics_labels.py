@@ -9,7 +9,6 @@ import os
 import subprocess
 import sys
 import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,17 +19,12 @@ from sparkwatch.common import launched
 from sparkwatch.common.sources.procs import read_start_ticks
 from sparkwatch.core.launch.bootphase import BootPhase
 from tests.conftest import Spawner, wait_until
-from tests.daemon import sparkwatch_run
+from tests.daemon import scrape, sparkwatch_run
 
 LABEL_MAX_CHARS = 128  # docs/contract.md and docs/security.md give both figures
 SERIES_SETS_MAX = 64
 PASSWORD = "hunter2-canary-7f3a"
 API_KEY = "sk-canaryq7W9xZ2mN4vB8cD1eF"
-
-
-def scrape(port: int) -> str:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
-        return str(resp.read().decode())
 
 
 def declare(directory: Path, pid: int, model: str, kind: str = "vllm") -> None:

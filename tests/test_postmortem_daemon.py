@@ -4,7 +4,6 @@ the previous boot ended cleanly, the class as a metric. The command: tests/test_
 from __future__ import annotations
 
 import time
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -14,7 +13,7 @@ from sparkwatch.common.eventlog import EventLog, read_events
 from sparkwatch.core.postmortem.verdict import BootEnd
 from sparkwatch.telemetry.postmortemtask import PostmortemWatch
 from tests.conftest import require, require_tool
-from tests.daemon import sparkwatch_run
+from tests.daemon import scrape, sparkwatch_run
 from tests.helpers import journal_fixture as jf
 from tests.receiver import Receiver, wait_until
 
@@ -77,11 +76,6 @@ def test_judged_once_per_boot_even_when_telemetry_dies_before_its_mark(tools: No
 # --- the daemon: one signed alert after a driver_no_memory boot, and not a second one after a restart
 
 
-def metrics(port: int) -> str:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
-        return str(resp.read().decode())
-
-
 def test_a_daemon_after_a_driver_no_memory_boot_sends_one_signed_alert(tools: None, tmp_path: Path) -> None:
     boots = jf.two_boots(tmp_path / "journal", jf.NVRM_NO_MEMORY)
     receiver = Receiver().start()
@@ -107,7 +101,7 @@ def test_a_daemon_after_a_driver_no_memory_boot_sends_one_signed_alert(tools: No
             assert "driver_no_memory" in str(body["text"])
             assert wait_until(
                 lambda: (
-                    'sparkwatch_previous_boot_end_timestamp_seconds{class="driver_no_memory"}' in metrics(daemon.port)
+                    'sparkwatch_previous_boot_end_timestamp_seconds{class="driver_no_memory"}' in scrape(daemon.port)
                 )
             )
             assert any("previous boot ended: driver_no_memory" in line for line in daemon.stderr_lines)
@@ -115,7 +109,7 @@ def test_a_daemon_after_a_driver_no_memory_boot_sends_one_signed_alert(tools: No
             # the second start in this boot: the metric again, from postmortem.json; no second judgement or alert
             assert wait_until(
                 lambda: (
-                    'sparkwatch_previous_boot_end_timestamp_seconds{class="driver_no_memory"}' in metrics(daemon.port)
+                    'sparkwatch_previous_boot_end_timestamp_seconds{class="driver_no_memory"}' in scrape(daemon.port)
                 )
             )
             time.sleep(2.0)

@@ -112,12 +112,7 @@ def test_wedged_driver_on_b_its_placement_group_is_removed_from_a(cluster: RayCl
         engine = Engine(cluster, tmp_path, "b")
         try:
             assert netns(engine.pid["api"]) == netns(engine.pid["rank_b"])
-            fd = syscalls.pidfd_open(engine.pid["driver"])
-            try:
-                assert read_start_ticks("/proc", engine.pid["driver"]) == engine.keys["driver"][1]
-                syscalls.pidfd_send_signal(fd, signal.SIGSTOP)
-            finally:
-                os.close(fd)
+            _wedge(*engine.keys["driver"])
             died_at = time.monotonic()
             sigkill(*engine.keys["rank_b"])
             took_s = gone_within([engine.keys["rank_a"]], died_at)
@@ -184,6 +179,16 @@ def test_a_budget_kill_on_b_is_named_in_node_a_teardown_by_b_s_own_agent(cluster
             engine.close()
 
 
+def _wedge(pid: int, start_ticks: int) -> None:
+    """SIGSTOP one of the test's own processes, pinned by pidfd and checked by start time (a wedged driver)."""
+    fd = syscalls.pidfd_open(pid)
+    try:
+        assert read_start_ticks("/proc", pid) == start_ticks
+        syscalls.pidfd_send_signal(fd, signal.SIGSTOP)
+    finally:
+        os.close(fd)
+
+
 def _peer_doc(cluster: RayCluster, listen: str) -> dict[str, Any]:
     """A peer's /peer/v1/state as node A reads it (over the veth pair)."""
     url = f"http://{listen}/peer/v1/state"
@@ -225,12 +230,7 @@ def test_both_agents_a_wedged_driver_on_b_then_its_rank_dies(cluster: RayCluster
         assert wait_until(lambda: bool(_peer_doc(cluster, listen_b).get("ray_node_ids")), 20, 0.5)
         engine = Engine(cluster, tmp_path, "b")
         try:
-            fd = syscalls.pidfd_open(engine.pid["driver"])
-            try:
-                assert read_start_ticks("/proc", engine.pid["driver"]) == engine.keys["driver"][1]
-                syscalls.pidfd_send_signal(fd, signal.SIGSTOP)
-            finally:
-                os.close(fd)
+            _wedge(*engine.keys["driver"])
             died_at = time.monotonic()
             sigkill(*engine.keys["rank_b"])
             a_s = gone_within([engine.keys["rank_a"]], died_at)

@@ -17,7 +17,6 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -29,7 +28,7 @@ from sparkwatch.common.sources.checkpoint import gguf_metadata
 from sparkwatch.telemetry.sources.completion import send_probe
 from tests import realengine
 from tests.conftest import require
-from tests.daemon import free_port, sparkwatch_run, wait_for_event
+from tests.daemon import free_port, scrape, sparkwatch_run, wait_for_event
 from tests.launchbox import Box, box_for
 
 pytestmark = [pytest.mark.real_engine, pytest.mark.slow]
@@ -53,12 +52,6 @@ def engine() -> realengine.RealEngine:
 @pytest.fixture
 def box(tmp_path: Path) -> Iterator[Box]:
     yield from box_for(tmp_path)
-
-
-def scrape(port: int) -> str:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
-        text: str = resp.read().decode()
-    return text
 
 
 def serving_value(port: int, pid: int) -> str | None:
