@@ -314,16 +314,23 @@ class Engine:
         if launch_env is not None:
             argv = [sys.executable, "-m", "sparkwatch", "launch", "--force", "--", *argv]
             env.update(launch_env)
-        self.api = subprocess.Popen(
-            cluster.in_ns(ns, argv),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE if launch_env is not None else None,
-            text=True,
-            env=env,
-        )
+        # launch's own lines go to a file (a pipe nobody reads while the engine runs could fill and stall it)
+        self.launch_stderr = tmp_path / f"launch-{node}.stderr"
+        with open(self.launch_stderr, "w") as err:
+            self.api = subprocess.Popen(
+                cluster.in_ns(ns, argv),
+                stdout=subprocess.PIPE,
+                stderr=err if launch_env is not None else None,
+                text=True,
+                env=env,
+            )
         self.keys: dict[str, tuple[int, int]] = {}
         try:
-            info = json.loads(read_line(self.api, 120))
+            line = read_line(self.api, 120)
+            if not line.startswith("{"):
+                said = self.launch_stderr.read_text()[-3000:] if launch_env is not None else ""
+                raise AssertionError(f"the engine printed {line!r}, not its JSON line (exit {self.api.poll()}){said}")
+            info = json.loads(line)
             assert info["api"] == self.api.pid or launch_env is not None
             by_node = {r["node_id"]: r["pid"] for r in info["ranks"]}
             pids = {
@@ -351,9 +358,8 @@ class Engine:
         if self.api.poll() is None:
             self.api.kill()
         self.api.wait(10)
-        for stream in (self.api.stdout, self.api.stderr):
-            if stream is not None:
-                stream.close()
+        if self.api.stdout is not None:
+            self.api.stdout.close()
         ranks = [self.keys[r] for r in ("rank_a", "rank_b") if r in self.keys]
         assert wait_until(lambda: not any(alive(*k) for k in ranks), timeout_s=10)
 

@@ -67,6 +67,7 @@ NO_KILL = "the guard never fires in this test (floor 1 GiB): guard_last_kill_tim
 # Queries that may return nothing here, and why. Each is accepted empty only if one of the sparkwatch_* series it
 # reads is absent from sparkwatch's own /metrics (so a wrong label or a broken join still fails), except the
 # annotation, which is empty by logic: it matches kills, and there are none.
+NO_PROBE = "no engine here serves an endpoint (tests/test_serving_probe.py and test_real_engine.py scrape them)"
 NO_RAY = "no Ray cluster here: the group series appear only where a raylet runs (tests/test_ray_group.py scrapes them)"
 EMPTY_OK: dict[str, str] = {
     "panel 'Last kill' A": NO_KILL,
@@ -78,6 +79,8 @@ EMPTY_OK: dict[str, str] = {
     "panel 'SM clock' A": NO_GPU,
     "panel 'GPU energy rate' A": NO_GPU,
     "panel 'Next boot' A": NO_NEXT_BOOT,
+    "panel 'Serving' A": NO_PROBE,
+    "panel 'Time to a token' A": NO_PROBE,
     "panel 'Groups over Ray' A": NO_RAY,
     "panel 'Groups over Ray' B": NO_RAY,
     "panel 'Ray nodes' A": NO_RAY,
@@ -93,6 +96,7 @@ ABSENT_OK: dict[str, str] = {
     # No webhook_url in this test: the outbox series appear only with one (tests/test_outbox.py scrapes them).
     "sparkwatch_alerts_pending": "no webhook_url configured here",
     "sparkwatch_alert_delivery_failures_total": "no webhook_url configured here",
+    "sparkwatch_engine_serving": NO_PROBE,
     "sparkwatch_group_dead_members": NO_RAY,
     "sparkwatch_ray_node_up": NO_RAY,
 }

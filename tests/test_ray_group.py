@@ -171,8 +171,7 @@ def test_a_budget_kill_on_b_is_named_in_node_a_teardown_by_b_s_own_agent(cluster
             assert word in str(event["summary"])  # the line the owner reads on the head
             # launch, on the head, says it in one line and exits 137
             assert engine.api.wait(20) == 137
-            assert engine.api.stderr is not None
-            said = [line for line in engine.api.stderr.read().splitlines() if "the guard killed" in line]
+            said = [line for line in engine.launch_stderr.read_text().splitlines() if "the guard killed" in line]
             assert len(said) == 1 and "trigger group_teardown" in said[0] and word in said[0], said
             print(f"launch on node A: {said[0]}")
         finally:
