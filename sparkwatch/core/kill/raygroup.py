@@ -212,8 +212,10 @@ def member_shape(role: str, argv: tuple[str, ...]) -> bool:
 
 # The driver's death removes its placement group within 0.2 s (measured on the two-node test cluster); one still
 # there this long after this node's teardown is held by a driver that did not die (wedged, or on a node whose agent
-# did not act), and the next launch would wait on it.
-PG_GRACE_S = 3.0
+# did not act), and the next launch would wait on it. Long enough for the driver's own node's agent to act first (it
+# reads Ray's state every ray_poll_s, 2 s): once the group is removed, that agent no longer sees it, and a wedged
+# driver there would be left running. 3 s was too short on a loaded 2-core box (one run of a fresh-clone suite).
+PG_GRACE_S = 10.0
 
 
 def leaked_groups(live: Iterable[RayGroup], torn_at: Mapping[str, float], now: float) -> tuple[str, ...]:
