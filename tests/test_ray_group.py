@@ -398,6 +398,26 @@ def test_a_rank_a_peer_stopped_as_a_teardown_is_never_the_first_death() -> None:
     assert raygroup.first_death(group, state, told) == raygroup.Death(raygroup.RANK_DIED, NODE_B, "10.0.0.2", 300)
 
 
+def test_the_driver_is_on_the_live_node_of_its_address_when_ray_keeps_a_dead_one() -> None:
+    """Node B came back (its raylet restarted): Ray lists its old record DEAD and a new one ALIVE at the same address.
+    The driver on that address is on the live node, in whatever order Ray lists them."""
+    old_b = "c" * 56
+    base = _state()
+    for nodes in (
+        (raygroup.RayNode(old_b, "10.0.0.1", False), *base.nodes),
+        (*base.nodes, raygroup.RayNode(old_b, "10.0.0.1", False)),
+    ):
+        state = replace(base, nodes=nodes)
+        (group,) = raygroup.groups(state)
+        assert group.driver_node_id == NODE_A
+        (teardown,) = raygroup.teardowns(
+            replace(state, actors=tuple(replace(a, state="DEAD") if a.node_id == NODE_B else a for a in state.actors)),
+            frozenset({NODE_A}),
+            PROCS,
+        )
+        assert {m.role for m in teardown.members} == {raygroup.API, raygroup.DRIVER, raygroup.RANK}
+
+
 def test_no_teardown_while_every_member_lives() -> None:
     assert raygroup.teardowns(_state(), frozenset({NODE_A}), PROCS) == ()
 

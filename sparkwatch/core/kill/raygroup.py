@@ -110,7 +110,8 @@ class Teardown:
 def groups(state: RayState) -> tuple[RayGroup, ...]:
     """Every live placement group (CREATED or RESCHEDULING) with its job and the actors placed in it."""
     jobs = {j.job_id: j for j in state.jobs}
-    by_ip = {n.node_ip: n.node_id for n in state.nodes}
+    # Ray keeps a dead node's record when the node comes back under a new id at the same address: the live one wins
+    by_ip = {n.node_ip: n.node_id for n in sorted(state.nodes, key=lambda n: n.alive)}
     out = []
     for pg in state.placement_groups:
         if pg.state not in ("CREATED", "RESCHEDULING"):
