@@ -201,17 +201,16 @@ class RayWatch:
         for teardown in raygroup.teardowns(state, self.node_ids, procs, consequences=self._consequences(state)):
             if not self.settings.group_teardown or now - self._sent_at.get(teardown.group, -RESEND_S) < RESEND_S:
                 continue
-            detected_ts = time.time()
+            if teardown.group not in self._words:  # the peer is asked once per group, resends carry its word
+                self._words[teardown.group] = self._peer_word(teardown.death)
             msg = GroupTeardownMsg(
                 group=teardown.group,
                 cause=teardown.death.cause,
                 first_node=teardown.death.node_ip or teardown.death.node_id,
                 first_pid=teardown.death.pid,
                 members=tuple((m.pid, m.start_ticks, m.role) for m in teardown.members),
-                detected_ts=detected_ts,
-                peer_word=self._words.setdefault(teardown.group, self._peer_word(teardown.death))
-                if teardown.group not in self._words
-                else self._words[teardown.group],
+                detected_ts=time.time(),
+                peer_word=self._words[teardown.group],
             )
             self._sent_at[teardown.group] = now
             self._torn_at.setdefault(teardown.group, now)
