@@ -260,7 +260,7 @@ def _named(req: KillRequest, facts: KillFacts) -> tuple[_Choice, KillFacts] | No
         return _Choice(tree, tree.root.key, fp.bytes, tree.rss_bytes, fp.gpu_bytes, reasons), facts
     if req.group is not None:
         loss, tree = req.group.loss, req.group.tree
-        reasons = (f"its group lost a member: {loss.cause} on {loss.first_node} (pid {loss.first_pid})",)
+        reasons = (f"its group lost a member: {loss.death}",)
         return _Choice(tree, tree.root.key, tree.rss_bytes, tree.rss_bytes, None, reasons), replace(facts, group=loss)
     if req.wedged is not None:
         w, tree = req.wedged, req.wedged.tree

@@ -100,7 +100,7 @@ def groups_view(groups: Sequence[GroupRow], note: str | None) -> RenderableType:
         parts.append(Text(head, style="bold"))
         if group.death is not None:
             d = group.death
-            where = d.node_ip or d.node_id[:12]
+            where = d.node_ip or d.node_id[:12] or "no node (Ray never placed it)"
             parts.append(Text(f"lost a member: {d.cause} on {where} (pid {d.pid or '?'})", style="bold red"))
         table = Table(box=None, pad_edge=False, show_edge=False, header_style="bold", padding=(0, 2, 0, 0))
         for column in ("ROLE", "NODE", "PID", "STATE", "NAME", ""):

@@ -25,6 +25,17 @@ class GroupLoss:
     detected_ts: float = 0.0
     peer_word: str | None = None  # the peer guard's own line when it killed the first member (text only)
 
+    @property
+    def death(self) -> str:
+        """The first death in words, the one wording of the line, the summary and the reasons. A rank Ray never
+        placed has no node and no pid: its actor died before it started (its creation cancelled), and the engine's
+        start failed with it."""
+        if self.peer_word:
+            return f"pid {self.first_pid} on {self.first_node} was {self.peer_word}"
+        if not self.first_node and self.first_pid is None:
+            return f"{self.cause}: a rank died before Ray placed it (its start failed)"
+        return f"{self.cause} on {self.first_node or '?'} (pid {self.first_pid if self.first_pid is not None else '?'})"
+
 
 @dataclass(frozen=True, slots=True)
 class KillFacts:
@@ -73,9 +84,7 @@ def kill_reason(facts: KillFacts) -> str:
         )
     if facts.group is not None:
         g = facts.group
-        if g.peer_word:
-            return f"group {g.group[:12]} lost a member: pid {g.first_pid} on {g.first_node} was {g.peer_word}"
-        return f"group {g.group[:12]} lost a member: {g.cause} on {g.first_node} (pid {g.first_pid})"
+        return f"group {g.group[:12]} lost a member: {g.death}"
     if facts.trigger == "escalate":
         return f"MemAvailable {avail} still <= floor {floor} after the last kill"
     if facts.trigger == "predicted":
@@ -114,9 +123,7 @@ def kill_summary(facts: KillFacts) -> str:
         g, roles = facts.group, dict(facts.group.roles)
         members = ", ".join(f"{roles.get(p.pid, 'child')} {p.pid}" for p, _kind in facts.victims)
         verb = "would stop" if facts.dry_run else "stopped"
-        death = f"pid {g.first_pid} on {g.first_node} was {g.peer_word}" if g.peer_word else (
-            f"{g.cause} on {g.first_node} (pid {g.first_pid})")  # fmt: skip
-        return f"group {g.group[:12]}: {death}; {verb} {plural(len(facts.victims), 'local member')}: {members}"
+        return f"group {g.group[:12]}: {g.death}; {verb} {plural(len(facts.victims), 'local member')}: {members}"
     if not facts.trees:
         return f"Memory ran low ({kill_reason(facts)}) but no engine process was found to kill."
     names = ", ".join(f"{t.kind} (root pid {t.root.pid}, {plural(len(t.members), 'process')})" for t in facts.trees)
