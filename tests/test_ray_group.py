@@ -22,7 +22,7 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -34,16 +34,27 @@ from sparkwatch.common.messages import GroupTeardownMsg, decode, encode
 from sparkwatch.common.sources.procs import read_start_ticks
 from sparkwatch.config.schema import guard_config
 from sparkwatch.config.settings import load_settings
-from sparkwatch.core.kill import raygroup
-from sparkwatch.core.model import Proc
+from sparkwatch.core.kill import mpgroup, raygroup
+from sparkwatch.core.kill.killrecord import GroupLoss, KillFacts, kill_reason, kill_summary
+from sparkwatch.core.model import MemInfo, Proc
 from sparkwatch.guard.groupwatch import GroupWatch
 from sparkwatch.guard.poolwatch import PoolWatch
 from sparkwatch.guard.process import GuardProcess
 from sparkwatch.telemetry.raywatch import RayWatch
 from sparkwatch.telemetry.sources.raystate import RayStateError, RayStateSource
 from tests.conftest import alive, require, wait_until
-from tests.daemon import daemon_env, free_port, sparkwatch_run, wait_for_event
-from tests.raycluster import Engine, RayCluster, gone_within, netns, netns_permitted, pg_state, ray_cluster, sigkill
+from tests.daemon import RunningDaemon, daemon_env, free_port, sparkwatch_run, wait_for_event
+from tests.raycluster import (
+    Engine,
+    RayCluster,
+    gone_within,
+    netns,
+    netns_permitted,
+    pg_state,
+    ray_cluster,
+    read_line,
+    sigkill,
+)
 
 SHAPE = Path(__file__).resolve().parent / "helpers" / "shape_proc.py"
 TEARDOWN_GOAL_S = 5.0
@@ -463,6 +474,37 @@ def test_member_shapes() -> None:
     assert not raygroup.member_shape(raygroup.API, ("python3", "vllm", "bench"))
 
 
+@pytest.mark.parametrize(
+    ("node", "pid", "peer_word", "said"),
+    [
+        ("10.0.0.2", 300, None, "rank_died on 10.0.0.2 (pid 300)"),
+        ("10.0.0.2", 300, "killed by sparkwatch on b: budget: x", "pid 300 on 10.0.0.2 was killed by sparkwatch on b"),
+        # Ray cancelled the rank's creation (its state: DEAD, no node, no pid): seen on a loaded CI box, where the
+        # summary once read "rank_died on  (pid None)"
+        ("", None, None, "rank_died: a rank died before Ray placed it (its start failed)"),
+    ],
+)
+def test_a_group_loss_is_said_one_way_in_the_line_the_summary_and_the_reasons(
+    node: str, pid: int | None, peer_word: str | None, said: str
+) -> None:
+    loss = GroupLoss("pg0123456789ab", raygroup.RANK_DIED, node, pid, ((1, "driver"),), 0.0, peer_word)
+    assert said in loss.death
+    proc = Proc(1, 0, 0, "VLLM::EngineCore", "S", 7, 1 << 20, ("VLLM::EngineCore",))
+    facts = KillFacts(
+        "group_teardown",
+        MemInfo(1 << 34, 1 << 33, 0, 0, 0, 0, 0),
+        1 << 30,
+        0.0,
+        False,
+        (),
+        ((proc, "vllm"),),
+        group=loss,
+    )
+    assert loss.death in kill_reason(facts)
+    assert loss.death in kill_summary(facts)
+    assert "None" not in loss.death and " on  " not in loss.death
+
+
 def test_teardown_message_round_trip() -> None:
     msg = GroupTeardownMsg("pg1", raygroup.RANK_DIED, "10.0.0.2", 300, ((200, 7, "rank"),), 1.5)
     assert decode(encode(msg)) == msg
@@ -697,3 +739,159 @@ def test_guard_dry_run_signals_nothing(tmp_path: Path) -> None:
     finally:
         rank.kill()
         rank.wait(5)
+
+
+# --- groups without Ray: vLLM's multiprocessing backend across the same two namespaces (core.kill.mpgroup,
+# telemetry.mpwatch): the group is what both command lines name (`--master-addr A --master-port P`), and each
+# node's agent learns the other's members from its peer document.
+
+MP_ENGINE = Path(__file__).resolve().parent / "helpers" / "mp_engine.py"
+
+
+class MpEngine:
+    """`vllm serve tiny-model --nnodes 2 --node-rank R --master-addr <A> --master-port P` in each namespace (rank 1
+    `--headless`), each with one `VLLM::EngineCore` child; `keys`: (pid, start ticks) of rank0, child0, rank1,
+    child1."""
+
+    def __init__(self, cluster: RayCluster, tmp_path: Path) -> None:
+        vllm = tmp_path / "bin-mp" / "vllm"
+        vllm.parent.mkdir(exist_ok=True)
+        shutil.copy(MP_ENGINE, vllm)
+        self.port = free_port()
+        self.key = f"{cluster.ip_a}:{self.port}"
+        self.procs: list[subprocess.Popen[str]] = []
+        self.keys: dict[str, tuple[int, int]] = {}
+        try:
+            for rank, ns in ((0, cluster.ns_a), (1, cluster.ns_b)):
+                argv = [sys.executable, str(vllm), "serve", "tiny-model", "--nnodes", "2", "--node-rank", str(rank),
+                        "--master-addr", cluster.ip_a, "--master-port", str(self.port)]  # fmt: skip
+                argv += ["--headless"] if rank else []
+                self.procs.append(subprocess.Popen(cluster.in_ns(ns, argv), stdout=subprocess.PIPE, text=True))
+            for rank, proc in enumerate(self.procs):
+                info = json.loads(read_line(proc, 60))
+                for role, pid in ((f"rank{rank}", info["pid"]), (f"child{rank}", info["child"])):
+                    ticks = read_start_ticks("/proc", pid)
+                    assert ticks is not None, role
+                    self.keys[role] = (pid, ticks)
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        for key in self.keys.values():
+            if alive(*key):
+                sigkill(*key)
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait(10)
+            if proc.stdout is not None:
+                proc.stdout.close()
+
+
+@dataclass
+class MpPair:
+    a: RunningDaemon
+    b: RunningDaemon
+    listen_a: str
+    listen_b: str
+    stop_b: ExitStack  # closing it stops B's agent (a test may stop it early)
+
+
+@contextmanager
+def mp_pair(cluster: RayCluster, tmp_path: Path) -> Iterator[MpPair]:
+    """One agent a node, each with the other among its `peers` (read every 0.5 s), each listening on its node's
+    address; no Ray dashboard looked for."""
+    listen_a, listen_b = f"{cluster.ip_a}:{free_port()}", f"{cluster.ip_b}:{free_port()}"
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    common = {"SPARKWATCH_PEER_POLL_S": "0.5", "SPARKWATCH_RAY_DASHBOARD_URL": ""}
+    env_a = {**common, "SPARKWATCH_LISTEN": listen_a, "SPARKWATCH_PEERS": json.dumps([listen_b])}
+    env_b = {**common, "SPARKWATCH_LISTEN": listen_b, "SPARKWATCH_PEERS": json.dumps([listen_a])}
+    with ExitStack() as stop_b:
+        daemon_b = stop_b.enter_context(
+            sparkwatch_run(tmp_path / "b", prefix=cluster.in_ns(cluster.ns_b, []), env=env_b)
+        )
+        with sparkwatch_run(tmp_path / "a", prefix=cluster.in_ns(cluster.ns_a, []), env=env_a) as daemon_a:
+            yield MpPair(daemon_a, daemon_b, listen_a, listen_b, stop_b)
+
+
+def _lists(cluster: RayCluster, listen: str, key: str, pid: int) -> bool:
+    return any(g["key"] == key and g["pid"] == pid for g in _peer_doc(cluster, listen).get("groups", []))
+
+
+def test_mp_group_a_rank_killed_on_b_stops_node_a_s_member(cluster: RayCluster, tmp_path: Path) -> None:
+    """The headless rank on B dies (SIGKILL, as the OOM killer would): node A's agent, reading B's agent, stops A's
+    member of the same rendezvous (the API server and its engine core) within the goal; B's member of another
+    group and everything else live."""
+    with mp_pair(cluster, tmp_path) as pair:
+        engine = MpEngine(cluster, tmp_path)
+        try:
+            # each agent lists its own member, never the other node's (same process table here: the namespace decides)
+            assert wait_until(lambda: _lists(cluster, pair.listen_b, engine.key, engine.keys["rank1"][0]), 20, 0.2)
+            assert wait_until(lambda: _lists(cluster, pair.listen_a, engine.key, engine.keys["rank0"][0]), 20, 0.2)
+            assert not _lists(cluster, pair.listen_b, engine.key, engine.keys["rank0"][0])
+            time.sleep(1.5)  # three of A's reads of B: A has seen B's member
+            died_at = time.monotonic()
+            sigkill(*engine.keys["rank1"])
+            took_s = gone_within([engine.keys["rank0"], engine.keys["child0"]], died_at)
+            print(f"mp group teardown on node A: last member gone {took_s:.2f} s after the rank on B died")
+            assert took_s <= TEARDOWN_GOAL_S
+            event = wait_for_event(pair.a.events_path, "group_teardown", timeout_s=10)
+            rank1 = engine.keys["rank1"][0]
+            assert (event["group"], event["cause"], event["first_pid"]) == (engine.key, "rank_died", rank1)
+            members = event["members"]
+            assert isinstance(members, list)
+            # the member the guard checked, and its engine core, swept with it as a child
+            assert [(m["pid"], m["role"]) for m in members] == [
+                (engine.keys["rank0"][0], mpgroup.MP_RANK),
+                (engine.keys["child0"][0], "child"),
+            ]
+            assert alive(*engine.keys["child1"])  # B's orphaned child: B's agent has no member left to tie it to
+            assert not any(e["kind"] in ("kill", "group_teardown") for e in read_events(pair.b.events_path))
+        finally:
+            engine.close()
+
+
+def test_mp_group_peer_lost_stops_node_a_s_member(cluster: RayCluster, tmp_path: Path) -> None:
+    """B's agent stops answering (stopped here; on a Spark: the node is gone or wedged) while the group runs: A's
+    agent records `peer_lost` and stops A's member (cause peer_lost). B's rank, which no agent watches now, lives."""
+    with mp_pair(cluster, tmp_path) as pair:
+        engine = MpEngine(cluster, tmp_path)
+        try:
+            assert wait_until(lambda: _lists(cluster, pair.listen_b, engine.key, engine.keys["rank1"][0]), 20, 0.2)
+            time.sleep(1.5)  # three of A's reads of B: A has seen B's member
+            lost_at = time.monotonic()
+            pair.stop_b.close()  # B's agent stopped
+            took_s = gone_within([engine.keys["rank0"], engine.keys["child0"]], lost_at)
+            print(f"mp group teardown on node A: member gone {took_s:.2f} s after B's agent stopped")
+            assert took_s <= TEARDOWN_GOAL_S
+            assert wait_for_event(pair.a.events_path, "peer_lost", timeout_s=5)["peer"] == pair.listen_b
+            event = wait_for_event(pair.a.events_path, "group_teardown", timeout_s=5)
+            assert (event["group"], event["cause"], event["first_pid"]) == (engine.key, "peer_lost", None)
+            assert alive(*engine.keys["rank1"])
+        finally:
+            engine.close()
+
+
+def test_guard_kills_an_mp_member_only_when_its_own_command_line_names_the_group(tmp_path: Path) -> None:
+    """Telemetry names the members; the guard kills one only when its own /proc says it belongs to the group."""
+    argv = ["vllm", "serve", "m", "--nnodes", "2", "--node-rank", "0", "--master-addr", "10.9.0.1", "--master-port"]
+    member = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", *argv, "29600"])
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", *argv, "29601"])
+    try:
+        ticks = {p.pid: read_start_ticks("/proc", p.pid) or 0 for p in (member, other)}
+        msg = GroupTeardownMsg(
+            "10.9.0.1:29600", "rank_died", "spark-b", 41,
+            tuple((p.pid, ticks[p.pid], mpgroup.MP_RANK) for p in (member, other)), time.time(),
+        )  # fmt: skip
+        with guard_with_groups(tmp_path) as (pool, watch):
+            assert watch.handle(msg) == 1
+            pool.tick()
+            assert member.wait(5) == -signal.SIGKILL
+            assert other.poll() is None and watch.refused_total == 1  # another rendezvous: another group
+    finally:
+        for p in (member, other):
+            if p.poll() is None:
+                p.kill()
+            p.wait(5)

@@ -129,8 +129,8 @@ class TelMsg:
 @dataclass(frozen=True, slots=True)
 class GroupTeardownMsg:
     KIND: ClassVar[Kind] = Kind.GROUP_TEARDOWN
-    group: str  # the group's id (Ray: its placement group)
-    cause: str  # core.kill.raygroup: rank_died, node_dead
+    group: str  # the group's id (Ray: its placement group; without Ray: the rendezvous, core.kill.mpgroup)
+    cause: str  # core.kill.raygroup: rank_died, node_dead; core.kill.mpgroup: rank_died, peer_lost
     first_node: str  # where the first member died (Ray: its node's address)
     first_pid: int | None
     members: tuple[tuple[int, int, str], ...] = ()  # this node's members: (pid, start ticks, role)

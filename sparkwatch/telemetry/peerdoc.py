@@ -4,11 +4,13 @@ Two Sparks running one engine each run sparkwatch; each lists the other in `peer
 document says what a node's agent knows that the other cannot see from its own /proc or from Ray:
 - the node's name, and the Ray node ids its raylets serve (how a death in Ray's state is tied to a peer);
 - its MemAvailable and its engine trees (root pid, kind, RSS), as of telemetry's last cycle;
-- its guard's recent kills, as the guard remembered them at the signal: trigger, the reason, the pids signalled.
+- its guard's recent kills, as the guard remembered them at the signal: trigger, the reason, the pids signalled;
+- its members of engine groups without Ray (core.kill.mpgroup): the rendezvous, the node rank, the tree's root pid.
 
 Never more: no command line, no environment, no path, nothing a kill summary does not already say on the node's own
-journal (summaries are redacted again here). A peer's document is a reason to write a better line, never a reason to
-signal anything: what a peer says only ever reaches an event's text.
+journal (summaries are redacted again here). A peer's document is a reason to write a better line, and for groups
+without Ray a reason to look at this node's own members of a group (telemetry.mpwatch): never a reason to signal a
+process the guard cannot tie to that group on its own.
 
 Plain JSON, parsed strictly (common.wiretypes): a document of another shape is refused whole and counted.
 """
@@ -49,6 +51,15 @@ class PeerKill:
 
 
 @dataclass(frozen=True, slots=True)
+class PeerMember:
+    """A member of an engine group keyed by its rendezvous (telemetry.mpwatch): the engine tree's root."""
+
+    key: str  # "addr:port", as the engine's command line names it
+    node_rank: int
+    pid: int
+
+
+@dataclass(frozen=True, slots=True)
 class PeerDoc:
     version: int
     node: str
@@ -56,6 +67,7 @@ class PeerDoc:
     mem_available_bytes: int | None
     engines: tuple[PeerEngine, ...]
     kills: tuple[PeerKill, ...]  # oldest first
+    groups: tuple[PeerMember, ...] = ()  # an agent from before groups without Ray lists none
 
 
 def kills_from_guard(recent: Iterable[RecentKill]) -> tuple[PeerKill, ...]:
@@ -79,6 +91,8 @@ def build(
     mem: MemInfo | None,
     engines: Iterable[EngineTree],
     kills: tuple[PeerKill, ...],
+    *,
+    groups: tuple[PeerMember, ...] = (),
 ) -> bytes:
     doc = PeerDoc(
         version=VERSION,
@@ -87,6 +101,7 @@ def build(
         mem_available_bytes=None if mem is None else mem.available_bytes,
         engines=tuple(PeerEngine(t.root.pid, t.kind, t.rss_bytes) for t in engines),
         kills=kills,
+        groups=groups,
     )
     return json.dumps(to_json(doc), separators=(",", ":")).encode()
 

@@ -6,14 +6,18 @@ Each peer is another node's sparkwatch, reached on the endpoint it already serve
 and, where this node has a certificate (`tls_cert_file`), shown it (the peer may require it: mTLS). Plain
 http.client, one short connection a read, bounded in time (PEER_TIMEOUT_S) and size (peerdoc.MAX_DOC_BYTES).
 
-What a peer says is used for words only:
+What a peer says:
 - the group watch (telemetry.raywatch) asks `kill_word(node_id, pid)` when a group's member died on a peer's node:
   the peer guard's own line when it killed it ("killed by sparkwatch on spark-b: budget: …"), for this node's
   `group_teardown` event and the launch that started the engine here;
 - a peer that answered and then fails PEER_LOST_AFTER reads in a row is recorded once as `peer_lost`, with what it
-  last said (MemAvailable, its engine trees, its last kill), and `peer_back` when it answers again.
-A slow, unreachable or lying peer never decides a kill: the group watch tears a group down on Ray's word that a
-member died, checked again by the guard on this node's own /proc.
+  last said (MemAvailable, its engine trees, its last kill), and `peer_back` when it answers again;
+- for engine groups without Ray (telemetry.mpwatch, after each read of the peers): a peer's member of a group this
+  node also runs that it no longer lists, or the peer lost, ends the group here. That is a reason to look at this
+  node's own members, never to signal anything else: the guard kills only processes whose own command line names
+  the group's rendezvous, in its own network namespace, with the pid and start time named.
+For Ray's groups a slow, unreachable or lying peer never decides a kill: the group watch tears a group down on Ray's
+word that a member died, checked again by the guard on this node's own /proc.
 """
 
 from __future__ import annotations
@@ -74,10 +78,13 @@ class PeerWatch:
         settings: Settings,
         record: Callable[[Event], object],
         wall_clock: Callable[[], float] = time.time,
+        after_poll: Callable[[list[Peer]], object] = lambda peers: None,
     ) -> None:
-        """`record`: where `peer_lost` and `peer_back` go (the telemetry process's event log)."""
+        """`record`: where `peer_lost` and `peer_back` go (the telemetry process's event log). `after_poll`: called
+        with the peers after each read of them all (telemetry.mpwatch.MpGroupWatch.observe)."""
         self.settings = settings
         self.record = record
+        self.after_poll = after_poll
         self.wall_clock = wall_clock
         self.peers = [Peer(p, *parse_peer(p)) for p in settings.peers]
         self.errors: dict[str, int] = dict.fromkeys(ERROR_KINDS, 0)
@@ -117,6 +124,7 @@ class PeerWatch:
     def poll_once(self) -> None:
         for peer in self.peers:
             self._read(peer, PEER_TIMEOUT_S)
+        self.after_poll(self.peers)
 
     def kill_word(self, node_id: str, pid: int | None) -> str | None:
         """The word of the peer whose raylet serves `node_id` on `pid`, when its guard killed it. A peer's last

@@ -41,7 +41,7 @@ from sparkwatch.common.recording import open_recording
 from sparkwatch.common.selfwatch import rss_bytes
 from sparkwatch.common.sharing import events_gid
 from sparkwatch.config.settings import ConfigError, wire_settings
-from sparkwatch.core.model import NvmlFacts, Snapshot
+from sparkwatch.core.model import EngineTree, NvmlFacts, Snapshot
 from sparkwatch.telemetry import peerdoc
 from sparkwatch.telemetry.drivercheck import DriverWatcher
 from sparkwatch.telemetry.exporter.groupmetric import GroupCollector
@@ -51,6 +51,7 @@ from sparkwatch.telemetry.exporter.server import MetricsServer, build_registry
 from sparkwatch.telemetry.gpufast import GpuFastSampler
 from sparkwatch.telemetry.headroom import HeadroomWatcher
 from sparkwatch.telemetry.loop import Telemetry, TelemetryLoop, gpu_bytes_by_pid, quiet
+from sparkwatch.telemetry.mpwatch import MpGroupWatch
 from sparkwatch.telemetry.outbox import Outbox
 from sparkwatch.telemetry.peerwatch import PeerWatch
 from sparkwatch.telemetry.postmortemtask import PostmortemWatch
@@ -195,8 +196,11 @@ class TelemetryProcess:
         # Engines spanning nodes over Ray: their groups from Ray's state API, a teardown to the guard when one loses a
         # member (telemetry.raywatch; the guard checks each member itself before any signal).
         # The other nodes' agents (`peers`): their guard's word on a group member it killed, and peer_lost.
-        peers = self.peers = PeerWatch(settings, self.events.append)
-        out.append(Component("peers", peers, PeerWatch.LIVE_KEYS, peers.apply, peers.counters))
+        # Groups without Ray (`--nnodes` over the multiprocessing backends): this node's members from its own trees,
+        # a peer's member that vanished (or the peer lost) ends the group here (telemetry.mpwatch).
+        mpwatch = self.mpwatch = MpGroupWatch(settings, self._send, self._last_engines)
+        peers = self.peers = PeerWatch(settings, self.events.append, after_poll=mpwatch.observe)
+        out.append(Component("peers", peers, self.PEERS_LIVE_KEYS, self._apply_peers, peers.counters))
         raywatch = self.raywatch = RayWatch(
             settings,
             self._send,
@@ -206,6 +210,17 @@ class TelemetryProcess:
         )
         out.append(Component("raywatch", raywatch, RayWatch.LIVE_KEYS, raywatch.apply, raywatch.counters))
         return out
+
+    def _last_engines(self) -> tuple[EngineTree, ...]:
+        snap = self.loop.latest
+        return () if snap is None else snap.engines
+
+    PEERS_LIVE_KEYS = PeerWatch.LIVE_KEYS | {"group_teardown"}
+
+    def _apply_peers(self, settings: Settings) -> frozenset[str]:
+        self.mpwatch.apply(settings)
+        self.peers.apply(settings)
+        return self.PEERS_LIVE_KEYS
 
     def _peer_doc(self) -> bytes:
         """This node's state for its peers (telemetry.peerdoc), built per request from what telemetry already holds:
@@ -219,6 +234,7 @@ class TelemetryProcess:
             None if snap is None else snap.mem,
             () if snap is None else snap.engines,
             peerdoc.kills_from_guard(recent),
+            groups=self.mpwatch.published(),
         )
 
     def _endpoint(self) -> list[Component[Settings]]:

@@ -1,0 +1,135 @@
+"""Engine groups that span nodes without Ray, keyed by the engine's own rendezvous: pure decisions (issue 29).
+
+With vLLM's multiprocessing backend across nodes (`vllm serve … --nnodes 2 --node-rank 0 --master-addr A
+--master-port P`, the other node with `--node-rank 1 --headless`) or SGLang's (`--nnodes 2 --node-rank 1
+--dist-init-addr A:P`), each node runs one engine process tree, and nothing but the collective ties them: the head
+"blocks forever on the next collective" when its peer dies, and a headless node never exits after its head died.
+
+A group here is every engine tree whose command line names the same rendezvous (`A:P`). Each node's agent lists its
+own members in its peer document (telemetry.peerdoc); an agent that sees a peer's member of a group it also runs
+vanish, or the peer itself lost, stops its own members (`teardowns`). The guard checks each member again itself
+(`member_of`: the pid and start time, its own network namespace, the same rendezvous on its own command line).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+MP_RANK = "mp_rank"  # the role of a member (an engine tree's root) in a GroupTeardownMsg
+PEER_LOST = "peer_lost"  # a cause: the peer's agent stopped answering (its node is gone, or wedged)
+RANK_GONE = "rank_died"  # a cause, as Ray's groups say it: the peer's member is no longer in its table
+
+# vLLM's defaults (vllm/config/parallel.py: master_addr "127.0.0.1", master_port 29501)
+VLLM_MASTER_ADDR = "127.0.0.1"
+VLLM_MASTER_PORT = 29501
+
+
+@dataclass(frozen=True, slots=True)
+class Rendezvous:
+    key: str  # "addr:port": what every member of one group names
+    nnodes: int
+    node_rank: int
+
+
+@dataclass(frozen=True, slots=True)
+class Member:
+    """One node's member of a group: the root of its engine tree."""
+
+    key: str
+    node_rank: int
+    pid: int
+    start_ticks: int
+
+
+@dataclass(frozen=True, slots=True)
+class Loss:
+    """What ended a group, as seen from this node: which peer (as configured), its node's name, the member it lost
+    (None: the peer itself is lost), and why."""
+
+    key: str
+    cause: str
+    peer: str
+    node: str
+    pid: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class Teardown:
+    loss: Loss
+    members: tuple[Member, ...]  # this node's members of the group
+
+
+def _options(argv: tuple[str, ...]) -> dict[str, str]:
+    """`--flag value` and `--flag=value`, the last one winning as argparse does; underscores as dashes (vLLM
+    accepts both spellings)."""
+    out: dict[str, str] = {}
+    for i, arg in enumerate(argv):
+        if not arg.startswith("--"):
+            continue
+        name, eq, value = arg.partition("=")
+        name = name.replace("_", "-")
+        if eq:
+            out[name] = value
+        elif i + 1 < len(argv) and not argv[i + 1].startswith("--"):
+            out[name] = argv[i + 1]
+        else:
+            out[name] = ""
+    return out
+
+
+def rendezvous(argv: tuple[str, ...]) -> Rendezvous | None:
+    """The rendezvous an engine's command line names when it spans nodes (`--nnodes` over 1), else None. vLLM:
+    `--master-addr`/`--master-port` (defaults as vLLM's); SGLang: `--dist-init-addr host:port`. A value that does not
+    parse is None: a parse error never makes a member."""
+    opts = _options(argv)
+    try:
+        nnodes = int(opts.get("--nnodes", "1"))
+        rank = int(opts.get("--node-rank", "0"))
+        if "--dist-init-addr" in opts:
+            host, sep, port_s = opts["--dist-init-addr"].rpartition(":")
+            if not sep:
+                return None
+            port = int(port_s)
+        else:
+            host = opts.get("--master-addr", VLLM_MASTER_ADDR)
+            port = int(opts.get("--master-port", str(VLLM_MASTER_PORT)))
+    except ValueError:
+        return None
+    if nnodes < 2 or not 0 <= rank < nnodes or not host or not 0 < port < 65536:
+        return None
+    return Rendezvous(f"{host}:{port}", nnodes, rank)
+
+
+def member_of(key: str, argv: tuple[str, ...]) -> bool:
+    """The guard's own check of a member telemetry named: its command line names this group's rendezvous."""
+    r = rendezvous(argv)
+    return r is not None and r.key == key
+
+
+def teardowns(
+    local: Iterable[Member],
+    peers_then: Mapping[str, tuple[str, frozenset[tuple[str, int]]]],
+    peers_now: Mapping[str, tuple[str, frozenset[tuple[str, int]]] | None],
+    done: Iterable[str] = (),
+) -> tuple[Teardown, ...]:
+    """The groups this node must stop its members of. `peers_then`/`peers_now`: per peer, its node's name and the
+    members it listed (key, pid) at its previous and at its latest answer; None now: the peer is lost. A group ends
+    here when a peer that listed a member of it no longer does (that rank ended, however), or when the peer that
+    held one is lost. `done`: groups already handed to the guard (never asked again)."""
+    mine: dict[str, list[Member]] = {}
+    for m in local:
+        mine.setdefault(m.key, []).append(m)
+    skip = frozenset(done)
+    losses: dict[str, Loss] = {}
+    for peer, then in peers_then.items():
+        node, before = then
+        now = peers_now.get(peer)
+        for key, pid in sorted(before):
+            if key not in mine or key in skip or key in losses:
+                continue
+            if now is None:
+                losses[key] = Loss(key, PEER_LOST, peer, node, None)
+            elif (key, pid) not in now[1]:
+                losses[key] = Loss(key, RANK_GONE, peer, node, pid)
+    return tuple(Teardown(loss, tuple(mine[key])) for key, loss in losses.items())

@@ -1,0 +1,119 @@
+"""Engine groups over the multiprocessing backends (vLLM `--nnodes`/`--headless`, SGLang `--nnodes`/`--node-rank`):
+learned from this node's engine trees and the peers' documents, their teardown handed to the guard (issue 29;
+docs/multinode.md, "Without Ray").
+
+Runs on the peer watch's thread, after each read of the peers (telemetry.peerwatch, every `peer_poll_s`):
+1. this node's members: the roots of the engine trees of telemetry's last cycle whose command line names a
+   rendezvous (core.kill.mpgroup.rendezvous), in this node's network namespace; published in this node's peer
+   document (`groups`);
+2. a member of a group this node also runs that a peer listed and no longer does (that rank ended: killed, OOM,
+   crashed, stopped), or a peer lost (`peer_lost`) that held one: the group is over;
+3. a `GroupTeardownMsg` to the guard naming this node's members (role `mp_rank`), which checks each one itself (the
+   pid and start time, its own network namespace, the same rendezvous on its command line) and kills through its
+   one kill path. Sent again at most every RESEND_S while a member still runs.
+
+A peer's word is a reason to look at this node's own processes: nothing is signalled that the guard cannot tie to
+the group itself. With `group_teardown` off nothing is sent.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from sparkwatch.common import logs
+from sparkwatch.common.messages import GroupTeardownMsg
+from sparkwatch.core.kill import mpgroup
+from sparkwatch.core.model import EngineTree
+from sparkwatch.telemetry import peerdoc
+from sparkwatch.telemetry.sources.raystate import same_netns
+
+if TYPE_CHECKING:
+    from sparkwatch.config.settings import Settings
+    from sparkwatch.telemetry.peerwatch import Peer
+
+log = logs.get("peers")
+RESEND_S = 2.0  # as the Ray group watch: the guard may have been busy
+
+
+class MpGroupWatch:
+    def __init__(
+        self,
+        settings: Settings,
+        send: Callable[[GroupTeardownMsg], None],
+        engines: Callable[[], Iterable[EngineTree]] = lambda: (),
+    ) -> None:
+        """`engines`: the engine trees of telemetry's last cycle."""
+        self.settings = settings
+        self.send = send
+        self.engines = engines
+        self.proc_root = Path(settings.proc_root)
+        self._then: dict[str, tuple[str, frozenset[tuple[str, int]]]] = {}  # peer -> (node, its members) last seen
+        self._sent_at: dict[str, float] = {}  # group -> when its teardown was last sent (monotonic)
+        self._losses: dict[str, mpgroup.Loss] = {}  # group -> what ended it, kept while this node's members run
+        self.teardowns_sent_total = 0
+
+    def apply(self, settings: Settings) -> None:
+        self.settings = settings
+
+    def local_members(self) -> tuple[mpgroup.Member, ...]:
+        """This node's members: the engine trees whose root names a rendezvous, in our network namespace."""
+        out = []
+        for tree in self.engines():
+            r = mpgroup.rendezvous(tree.root.argv)
+            if r is not None and same_netns(self.proc_root, tree.root.pid):
+                out.append(mpgroup.Member(r.key, r.node_rank, tree.root.pid, tree.root.start_ticks))
+        return tuple(out)
+
+    def published(self) -> tuple[peerdoc.PeerMember, ...]:
+        return tuple(peerdoc.PeerMember(m.key, m.node_rank, m.pid) for m in self.local_members())
+
+    def observe(self, peers: Iterable[Peer]) -> list[GroupTeardownMsg]:
+        """After a read of every peer (telemetry.peerwatch's thread): decide, and send what must be stopped here."""
+        now_mono = time.monotonic()
+        local = self.local_members()
+        by_label = {p.label: p for p in peers}
+        now: dict[str, tuple[str, frozenset[tuple[str, int]]] | None] = {}
+        for label, peer in by_label.items():
+            doc = peer.doc
+            if peer.lost:
+                now[label] = None
+            elif doc is not None:
+                now[label] = (doc.node, frozenset((g.key, g.pid) for g in doc.groups))
+        for t in mpgroup.teardowns(local, self._then, now, done=self._losses):
+            self._losses[t.loss.key] = t.loss
+        # the peers' members as last seen; a lost peer's are kept (it may come back and list them again)
+        for label, seen in now.items():
+            if seen is not None:
+                self._then[label] = seen
+        sent = []
+        running: dict[str, list[mpgroup.Member]] = {}
+        for m in local:
+            running.setdefault(m.key, []).append(m)
+        for key, loss in list(self._losses.items()):
+            members = running.get(key)
+            if not members:  # this node's members are gone: the group is over here
+                del self._losses[key]
+                self._sent_at.pop(key, None)
+                continue
+            if not self.settings.group_teardown or now_mono - self._sent_at.get(key, -RESEND_S) < RESEND_S:
+                continue
+            doc = by_label[loss.peer].doc if loss.peer in by_label else None
+            msg = GroupTeardownMsg(
+                group=key,
+                cause=loss.cause,
+                first_node=loss.node,
+                first_pid=loss.pid,
+                members=tuple((m.pid, m.start_ticks, mpgroup.MP_RANK) for m in members),
+                detected_ts=time.time(),
+                peer_word=None if doc is None else peerdoc.kill_word(doc, loss.pid),
+            )
+            self._sent_at[key] = now_mono
+            log.info("group %s lost a member on %s (%s): stopping %d local member(s)", key, loss.node, loss.cause,
+                     len(members))  # fmt: skip
+            self.send(msg)
+            self.teardowns_sent_total += 1
+            sent.append(msg)
+        return sent

@@ -1,0 +1,87 @@
+"""Groups without Ray (core.kill.mpgroup): the rendezvous an engine's command line names, and when a node must stop
+its members, pure. The same over real processes, two agents and two network namespaces: tests/test_ray_group.py."""
+
+from __future__ import annotations
+
+import pytest
+
+from sparkwatch.core.kill import mpgroup
+from sparkwatch.core.kill.mpgroup import Member, Rendezvous, rendezvous, teardowns
+from sparkwatch.telemetry import peerdoc
+
+VLLM = ("/usr/bin/python3", "/usr/local/bin/vllm", "serve", "nvidia/Qwen3-235B-A22B-FP4", "--tensor-parallel-size", "1")
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        # vLLM's multiprocessing backend across nodes: the head, then a headless node
+        ((*VLLM, "--nnodes", "2", "--node-rank", "0", "--master-addr", "192.168.100.10", "--master-port", "29501"),
+         Rendezvous("192.168.100.10:29501", 2, 0)),
+        ((*VLLM, "--nnodes=2", "--node-rank=1", "--master-addr=192.168.100.10", "--headless"),
+         Rendezvous("192.168.100.10:29501", 2, 1)),  # vLLM's default port
+        ((*VLLM, "--nnodes", "2", "--node_rank", "1", "--master_addr", "10.0.0.1", "--master_port", "1234"),
+         Rendezvous("10.0.0.1:1234", 2, 1)),  # underscores, as vLLM also accepts
+        # SGLang
+        (("python3", "-m", "sglang.launch_server", "--model-path", "m", "--tp", "2", "--nnodes", "2", "--node-rank",
+          "1", "--dist-init-addr", "192.168.100.10:20000"), Rendezvous("192.168.100.10:20000", 2, 1)),
+        # one node: no group
+        (VLLM, None),
+        ((*VLLM, "--nnodes", "1"), None),
+        # what does not parse makes no member (a parse error is never a reason to kill)
+        ((*VLLM, "--nnodes", "two"), None),
+        ((*VLLM, "--nnodes", "2", "--node-rank", "2"), None),
+        ((*VLLM, "--nnodes", "2", "--master-port", "70000"), None),
+        ((*VLLM, "--nnodes", "2", "--dist-init-addr", "nohostport"), None),
+        ((*VLLM, "--nnodes"), None),
+    ],
+)  # fmt: skip
+def test_the_rendezvous_is_read_from_the_engine_s_own_command_line(
+    argv: tuple[str, ...], expected: Rendezvous | None
+) -> None:
+    assert rendezvous(argv) == expected
+    if expected is not None:
+        assert mpgroup.member_of(expected.key, argv)
+        assert not mpgroup.member_of("10.9.9.9:1", argv)
+
+
+KEY = "10.0.0.1:29501"
+MINE = (Member(KEY, 0, 100, 7),)
+
+
+def test_a_peer_member_that_vanishes_ends_the_group_here() -> None:
+    then = {"b:9847": ("spark-b", frozenset({(KEY, 200)}))}
+    assert teardowns(MINE, then, {"b:9847": ("spark-b", frozenset({(KEY, 200)}))}) == ()
+    (t,) = teardowns(MINE, then, {"b:9847": ("spark-b", frozenset())})
+    assert t.loss == mpgroup.Loss(KEY, mpgroup.RANK_GONE, "b:9847", "spark-b", 200)
+    assert t.members == MINE
+    # a restarted rank is another pid: the one we knew is gone
+    (t,) = teardowns(MINE, then, {"b:9847": ("spark-b", frozenset({(KEY, 201)}))})
+    assert t.loss.pid == 200
+    # already handed to the guard: not again
+    assert teardowns(MINE, then, {"b:9847": ("spark-b", frozenset())}, done=[KEY]) == ()
+
+
+def test_a_lost_peer_ends_the_groups_it_held_and_only_those() -> None:
+    other = "10.0.0.1:29600"
+    mine = (*MINE, Member(other, 0, 101, 8))
+    then = {"b:9847": ("spark-b", frozenset({(KEY, 200)}))}
+    (t,) = teardowns(mine, then, {"b:9847": None})
+    assert (t.loss.key, t.loss.cause, t.loss.pid) == (KEY, mpgroup.PEER_LOST, None)
+    assert t.members == MINE
+
+
+def test_a_group_not_run_here_or_never_seen_on_a_peer_ends_nothing() -> None:
+    # the peer's group is not ours
+    assert teardowns(MINE, {"b": ("spark-b", frozenset({("10.0.0.2:1", 5)}))}, {"b": ("spark-b", frozenset())}) == ()
+    # a peer never seen with a member (it starts later, or has none): nothing to lose
+    assert teardowns(MINE, {}, {"b": None}) == ()
+    assert teardowns(MINE, {"b": ("spark-b", frozenset())}, {"b": None}) == ()
+
+
+def test_a_peer_document_without_groups_still_parses_and_one_with_them_round_trips() -> None:
+    old = peerdoc.build("spark-b", ("n1",), None, (), ())
+    assert b',"groups":[]' in old
+    assert peerdoc.parse(old.replace(b',"groups":[]', b"")).groups == ()
+    doc = peerdoc.parse(peerdoc.build("spark-b", (), None, (), (), groups=(peerdoc.PeerMember(KEY, 1, 200),)))
+    assert doc.groups == (peerdoc.PeerMember(KEY, 1, 200),)
