@@ -314,21 +314,16 @@ class Engine:
         if launch_env is not None:
             argv = [sys.executable, "-m", "sparkwatch", "launch", "--force", "--", *argv]
             env.update(launch_env)
-        # launch's own lines go to a file (a pipe nobody reads while the engine runs could fill and stall it)
+        # its stderr (launch's lines and the engine's own) goes to a file: a pipe nobody reads while the engine runs
+        # could fill and stall it
         self.launch_stderr = tmp_path / f"launch-{node}.stderr"
         with open(self.launch_stderr, "w") as err:
-            self.api = subprocess.Popen(
-                cluster.in_ns(ns, argv),
-                stdout=subprocess.PIPE,
-                stderr=err if launch_env is not None else None,
-                text=True,
-                env=env,
-            )
+            self.api = subprocess.Popen(cluster.in_ns(ns, argv), stdout=subprocess.PIPE, stderr=err, text=True, env=env)
         self.keys: dict[str, tuple[int, int]] = {}
         try:
             line = read_line(self.api, 120)
             if not line.startswith("{"):
-                said = self.launch_stderr.read_text()[-3000:] if launch_env is not None else ""
+                said = self.launch_stderr.read_text()[-3000:]
                 raise AssertionError(f"the engine printed {line!r}, not its JSON line (exit {self.api.poll()}){said}")
             info = json.loads(line)
             assert info["api"] == self.api.pid or launch_env is not None
@@ -339,10 +334,7 @@ class Engine:
                 "rank_a": by_node[cluster.node_ids[cluster.ip_a]],
                 "rank_b": by_node[cluster.node_ids[cluster.ip_b]],
             }
-            for role, pid in pids.items():
-                ticks = read_start_ticks("/proc", pid)
-                assert ticks is not None, role
-                self.keys[role] = (pid, ticks)
+            self.keys = {role: key_of(pid, role) for role, pid in pids.items()}
         except BaseException:
             self.close()
             raise
@@ -362,6 +354,13 @@ class Engine:
             self.api.stdout.close()
         ranks = [self.keys[r] for r in ("rank_a", "rank_b") if r in self.keys]
         assert wait_until(lambda: not any(alive(*k) for k in ranks), timeout_s=10)
+
+
+def key_of(pid: int, role: str) -> tuple[int, int]:
+    """A test's own process as its (pid, start ticks): what the test signals it by."""
+    ticks = read_start_ticks("/proc", pid)
+    assert ticks is not None, f"{role} (pid {pid}) is gone"
+    return pid, ticks
 
 
 def pg_state(cluster: RayCluster, pg: str) -> list[str]:

@@ -48,6 +48,7 @@ from tests.raycluster import (
     Engine,
     RayCluster,
     gone_within,
+    key_of,
     netns,
     netns_permitted,
     pg_state,
@@ -769,10 +770,8 @@ class MpEngine:
                 self.procs.append(subprocess.Popen(cluster.in_ns(ns, argv), stdout=subprocess.PIPE, text=True))
             for rank, proc in enumerate(self.procs):
                 info = json.loads(read_line(proc, 60))
-                for role, pid in ((f"rank{rank}", info["pid"]), (f"child{rank}", info["child"])):
-                    ticks = read_start_ticks("/proc", pid)
-                    assert ticks is not None, role
-                    self.keys[role] = (pid, ticks)
+                self.keys[f"rank{rank}"] = key_of(info["pid"], f"rank{rank}")
+                self.keys[f"child{rank}"] = key_of(info["child"], f"child{rank}")
         except BaseException:
             self.close()
             raise
