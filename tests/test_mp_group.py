@@ -1,13 +1,22 @@
 """Groups without Ray (core.kill.mpgroup): the rendezvous an engine's command line names, and when a node must stop
-its members, pure. The same over real processes, two agents and two network namespaces: tests/test_ray_group.py."""
+its members, pure; and the watch (telemetry.mpwatch) over peers as the peer watch leaves them. The same over real
+processes, two agents and two network namespaces: tests/test_ray_group.py."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
+from sparkwatch.common.messages import GroupTeardownMsg
+from sparkwatch.common.sources.procs import read_start_ticks
+from sparkwatch.config.settings import load_settings
 from sparkwatch.core.kill import mpgroup
 from sparkwatch.core.kill.mpgroup import Member, Rendezvous, rendezvous, teardowns
+from sparkwatch.core.model import EngineTree, Proc
 from sparkwatch.telemetry import peerdoc
+from sparkwatch.telemetry.mpwatch import MpGroupWatch
+from sparkwatch.telemetry.peerwatch import Peer
 
 VLLM = ("/usr/bin/python3", "/usr/local/bin/vllm", "serve", "nvidia/Qwen3-235B-A22B-FP4", "--tensor-parallel-size", "1")
 
@@ -85,3 +94,29 @@ def test_a_peer_document_without_groups_still_parses_and_one_with_them_round_tri
     assert peerdoc.parse(old.replace(b',"groups":[]', b"")).groups == ()
     doc = peerdoc.parse(peerdoc.build("spark-b", (), None, (), (), groups=(peerdoc.PeerMember(KEY, 1, 200),)))
     assert doc.groups == (peerdoc.PeerMember(KEY, 1, 200),)
+
+
+def test_the_watch_ends_a_group_once_and_not_a_new_run_while_the_peer_is_still_lost() -> None:
+    """telemetry.mpwatch over peers as the peer watch leaves them: B lists its member, then is lost. A's member is
+    handed to the guard once per resend window; once A's member is gone and the owner starts a new one while B is
+    still lost, nothing is sent for it (B's answer decides again when it comes back)."""
+    me = os.getpid()  # this process stands for A's member: its own namespace, its own start time
+    proc = Proc(me, 1, 0, "vllm", "S", read_start_ticks("/proc", me) or 0, 1 << 20,
+                ("vllm", "serve", "m", "--nnodes", "2", "--master-addr", "10.0.0.1"))  # fmt: skip
+    trees: list[EngineTree] = [EngineTree("vllm", proc, (proc,))]
+    sent: list[GroupTeardownMsg] = []
+    settings = load_settings(None, {"group_teardown": True})
+    watch = MpGroupWatch(settings, sent.append, lambda: trees)
+    assert watch.published() == (peerdoc.PeerMember(KEY, 0, me),)
+    peer = Peer("b:9847", "http", "b", 9847)
+    peer.doc = peerdoc.PeerDoc(1, "spark-b", (), None, (), (), (peerdoc.PeerMember(KEY, 1, 200),))
+    assert watch.observe([peer]) == []
+    peer.lost = True
+    (msg,) = watch.observe([peer])
+    assert (msg.group, msg.cause, msg.first_node, msg.first_pid) == (KEY, mpgroup.PEER_LOST, "spark-b", None)
+    assert msg.members == ((me, proc.start_ticks, mpgroup.MP_RANK),)
+    assert watch.observe([peer]) == []  # within the resend window
+    trees.clear()  # the member is gone: the group is over here
+    assert watch.observe([peer]) == []
+    trees.append(EngineTree("vllm", proc, (proc,)))  # a new run while B is still lost
+    assert watch.observe([peer]) == []

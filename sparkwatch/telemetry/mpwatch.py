@@ -84,9 +84,12 @@ class MpGroupWatch:
                 now[label] = (doc.node, frozenset((g.key, g.pid) for g in doc.groups))
         for t in mpgroup.teardowns(local, self._then, now, done=self._losses):
             self._losses[t.loss.key] = t.loss
-        # the peers' members as last seen; a lost peer's are kept (it may come back and list them again)
+        # The peers' members as last seen. A lost peer's are forgotten once its losses are taken: a group started
+        # here again while it is still lost is not ended for members of a run that is over; its next answer counts.
         for label, seen in now.items():
-            if seen is not None:
+            if seen is None:
+                self._then.pop(label, None)
+            else:
                 self._then[label] = seen
         sent = []
         running: dict[str, list[mpgroup.Member]] = {}
@@ -104,7 +107,7 @@ class MpGroupWatch:
             msg = GroupTeardownMsg(
                 group=key,
                 cause=loss.cause,
-                first_node=loss.node,
+                first_node=peerdoc.clean(loss.node),  # the peer's own word: printable, bounded
                 first_pid=loss.pid,
                 members=tuple((m.pid, m.start_ticks, mpgroup.MP_RANK) for m in members),
                 detected_ts=time.time(),
