@@ -90,8 +90,8 @@ def test_a_group_not_run_here_or_never_seen_on_a_peer_ends_nothing() -> None:
 
 def test_a_peer_document_without_groups_still_parses_and_one_with_them_round_trips() -> None:
     old = peerdoc.build("spark-b", ("n1",), None, (), ())
-    assert b',"groups":[]' in old
-    assert peerdoc.parse(old.replace(b',"groups":[]', b"")).groups == ()
+    assert b',"groups":null' in old  # not known yet (before the agent's first cycle): never read as "all gone"
+    assert peerdoc.parse(old.replace(b',"groups":null', b"")).groups is None
     doc = peerdoc.parse(peerdoc.build("spark-b", (), None, (), (), groups=(peerdoc.PeerMember(KEY, 1, 200),)))
     assert doc.groups == (peerdoc.PeerMember(KEY, 1, 200),)
 
@@ -120,3 +120,24 @@ def test_the_watch_ends_a_group_once_and_not_a_new_run_while_the_peer_is_still_l
     assert watch.observe([peer]) == []
     trees.append(EngineTree("vllm", proc, (proc,)))  # a new run while B is still lost
     assert watch.observe([peer]) == []
+
+
+def test_a_peer_that_does_not_know_yet_ends_nothing_and_a_missed_scan_unlists_nothing() -> None:
+    me = os.getpid()
+    proc = Proc(me, 1, 0, "vllm", "S", read_start_ticks("/proc", me) or 0, 1 << 20,
+                ("vllm", "serve", "m", "--nnodes", "2", "--master-addr", "10.0.0.1"))  # fmt: skip
+    trees: list[EngineTree] = [EngineTree("vllm", proc, (proc,))]
+    sent: list[GroupTeardownMsg] = []
+    started = [False]
+    watch = MpGroupWatch(load_settings(None, {}), sent.append, lambda: trees, lambda: started[0])
+    assert watch.published() is None  # before telemetry's first cycle
+    started[0] = True
+    assert watch.published() == (peerdoc.PeerMember(KEY, 0, me),)
+    trees.clear()  # a cycle whose scan missed the tree: the process lives, it stays listed
+    assert watch.published() == (peerdoc.PeerMember(KEY, 0, me),)
+    trees.append(EngineTree("vllm", proc, (proc,)))
+    peer = Peer("b:9847", "http", "b", 9847)
+    peer.doc = peerdoc.PeerDoc(1, "spark-b", (), None, (), (), (peerdoc.PeerMember(KEY, 1, 200),))
+    assert watch.observe([peer]) == []
+    peer.doc = peerdoc.PeerDoc(1, "spark-b", (), None, (), (), None)  # B's agent restarted: its groups unknown
+    assert watch.observe([peer]) == [] and sent == []

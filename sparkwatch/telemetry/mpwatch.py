@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 
 from sparkwatch.common import logs
 from sparkwatch.common.messages import GroupTeardownMsg
+from sparkwatch.common.sources.procs import ProcParseError, ProcScanner
 from sparkwatch.core.kill import mpgroup
 from sparkwatch.core.model import EngineTree
 from sparkwatch.telemetry import peerdoc
@@ -44,8 +45,10 @@ class MpGroupWatch:
         settings: Settings,
         send: Callable[[GroupTeardownMsg], None],
         engines: Callable[[], Iterable[EngineTree]] = lambda: (),
+        loop_started: Callable[[], bool] | None = None,
     ) -> None:
-        """`engines`: the engine trees of telemetry's last cycle."""
+        """`engines`: the engine trees of telemetry's last cycle; `loop_started`: whether that cycle has run."""
+        self.loop_started = loop_started
         self.settings = settings
         self.send = send
         self.engines = engines
@@ -53,6 +56,8 @@ class MpGroupWatch:
         self._then: dict[str, tuple[str, frozenset[tuple[str, int]]]] = {}  # peer -> (node, its members) last seen
         self._sent_at: dict[str, float] = {}  # group -> when its teardown was last sent (monotonic)
         self._losses: dict[str, mpgroup.Loss] = {}  # group -> what ended it, kept while this node's members run
+        self._listed: dict[tuple[int, int], mpgroup.Member] = {}  # what this node published last, by (pid, start)
+        self._scanner = ProcScanner(Path(settings.proc_root))
         self.teardowns_sent_total = 0
 
     def apply(self, settings: Settings) -> None:
@@ -67,8 +72,26 @@ class MpGroupWatch:
                 out.append(mpgroup.Member(r.key, r.node_rank, tree.root.pid, tree.root.start_ticks))
         return tuple(out)
 
-    def published(self) -> tuple[peerdoc.PeerMember, ...]:
-        return tuple(peerdoc.PeerMember(m.key, m.node_rank, m.pid) for m in self.local_members())
+    def published(self) -> tuple[peerdoc.PeerMember, ...] | None:
+        """This node's members for its peers; None before telemetry's first cycle (unknown: a peer must not take an
+        agent that just restarted for a node whose members all died). A member published before stays listed while
+        its process lives (the same start time, not a zombie), even when a cycle's scan missed its tree: a peer ends
+        the group when it is gone, never on a read that failed here."""
+        if self.loop_started is not None and not self.loop_started():
+            return None
+        now = {(m.pid, m.start_ticks): m for m in self.local_members()}
+        for key, m in self._listed.items():
+            if key not in now and self._alive(m):
+                now[key] = m
+        self._listed = now
+        return tuple(peerdoc.PeerMember(m.key, m.node_rank, m.pid) for m in now.values())
+
+    def _alive(self, m: mpgroup.Member) -> bool:
+        try:
+            proc = self._scanner.read_proc(m.pid)
+        except (ProcParseError, ValueError):
+            return True  # unreadable is not gone
+        return proc is not None and proc.start_ticks == m.start_ticks and proc.state != "Z"
 
     def observe(self, peers: Iterable[Peer]) -> list[GroupTeardownMsg]:
         """After a read of every peer (telemetry.peerwatch's thread): decide, and send what must be stopped here."""
@@ -80,7 +103,7 @@ class MpGroupWatch:
             doc = peer.doc
             if peer.lost:
                 now[label] = None
-            elif doc is not None:
+            elif doc is not None and doc.groups is not None:  # None: the peer does not know yet (it just started)
                 now[label] = (doc.node, frozenset((g.key, g.pid) for g in doc.groups))
         for t in mpgroup.teardowns(local, self._then, now, done=self._losses):
             self._losses[t.loss.key] = t.loss
@@ -114,8 +137,8 @@ class MpGroupWatch:
                 peer_word=None if doc is None else peerdoc.kill_word(doc, loss.pid),
             )
             self._sent_at[key] = now_mono
-            log.info("group %s lost a member on %s (%s): stopping %d local member(s)", key, loss.node, loss.cause,
-                     len(members))  # fmt: skip
+            log.info("group %s lost a member on %s (%s): stopping %d local member(s)", key, msg.first_node,
+                     loss.cause, len(members))  # fmt: skip
             self.send(msg)
             self.teardowns_sent_total += 1
             sent.append(msg)

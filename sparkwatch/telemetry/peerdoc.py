@@ -67,7 +67,8 @@ class PeerDoc:
     mem_available_bytes: int | None
     engines: tuple[PeerEngine, ...]
     kills: tuple[PeerKill, ...]  # oldest first
-    groups: tuple[PeerMember, ...] = ()  # an agent from before groups without Ray lists none
+    # None: unknown (before the agent's first cycle, or an agent from before groups without Ray): never a loss
+    groups: tuple[PeerMember, ...] | None = None
 
 
 def kills_from_guard(recent: Iterable[RecentKill]) -> tuple[PeerKill, ...]:
@@ -92,7 +93,7 @@ def build(
     engines: Iterable[EngineTree],
     kills: tuple[PeerKill, ...],
     *,
-    groups: tuple[PeerMember, ...] = (),
+    groups: tuple[PeerMember, ...] | None = None,
 ) -> bytes:
     doc = PeerDoc(
         version=VERSION,

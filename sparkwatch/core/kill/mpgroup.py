@@ -114,7 +114,8 @@ def teardowns(
     done: Iterable[str] = (),
 ) -> tuple[Teardown, ...]:
     """The groups this node must stop its members of. `peers_then`/`peers_now`: per peer, its node's name and the
-    members it listed (key, pid) at its previous and at its latest answer; None now: the peer is lost. A group ends
+    members it listed (key, pid) at its previous and at its latest answer; None now: the peer is lost; a peer
+    missing from `peers_now` decides nothing. A group ends
     here when a peer that listed a member of it no longer does (that rank ended, however), or when the peer that
     held one is lost. `done`: groups already handed to the guard (never asked again)."""
     mine: dict[str, list[Member]] = {}
@@ -124,7 +125,9 @@ def teardowns(
     losses: dict[str, Loss] = {}
     for peer, then in peers_then.items():
         node, before = then
-        now = peers_now.get(peer)
+        if peer not in peers_now:  # no answer that says (not read yet, or its groups unknown): nothing decided
+            continue
+        now = peers_now[peer]
         for key, pid in sorted(before):
             if key not in mine or key in skip or key in losses:
                 continue
