@@ -25,11 +25,10 @@ from typing import TYPE_CHECKING
 
 from sparkwatch.common import logs
 from sparkwatch.common.messages import GroupTeardownMsg
-from sparkwatch.common.sources.procs import ProcParseError, ProcScanner
+from sparkwatch.common.sources.procs import ProcParseError, ProcScanner, same_netns
 from sparkwatch.core.kill import mpgroup
 from sparkwatch.core.model import EngineTree
 from sparkwatch.telemetry import peerdoc
-from sparkwatch.telemetry.sources.raystate import same_netns
 
 if TYPE_CHECKING:
     from sparkwatch.config.settings import Settings

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING
 
 from sparkwatch.common import logs
 from sparkwatch.common.messages import GroupTeardownMsg
-from sparkwatch.common.sources.procs import ProcParseError, ProcScanner
+from sparkwatch.common.sources.procs import ProcParseError, ProcScanner, same_netns
 from sparkwatch.common.threads import daemon_thread
 from sparkwatch.core.kill import raygroup
 from sparkwatch.core.model import Proc
@@ -42,7 +42,6 @@ from sparkwatch.telemetry.sources.raystate import (
     RayStateError,
     RayStateSource,
     local_raylets,
-    same_netns,
 )
 
 if TYPE_CHECKING:

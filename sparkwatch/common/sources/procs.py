@@ -367,6 +367,15 @@ class ProcScanner:
                 procs[i] = replace(proc, engine_lib=lib)
 
 
+def same_netns(proc_root: Path | str, pid: int) -> bool:
+    """Whether `pid` lives in our network namespace: on this node (in the two-node tests each node is one), and its
+    sockets are ours to ask the kernel about. False when either link is unreadable."""
+    try:
+        return os.readlink(f"{proc_root}/{pid}/ns/net") == os.readlink(f"{proc_root}/self/ns/net")
+    except OSError:
+        return False
+
+
 def read_start_ticks(proc_root: Path | str, pid: int) -> int | None:
     """Start time of a live pid, None if gone: with the pid it identifies one process across reuse."""
     try:

@@ -20,6 +20,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+from sparkwatch.common.sources.procs import same_netns
+
 _LISTEN = "0A"  # include/net/tcp_states.h: TCP_LISTEN
 FDS_MAX = 65536  # open fds looked at per process: an engine holds hundreds
 LISTENERS_MAX = 4096  # LISTEN rows read per table
@@ -115,11 +117,7 @@ def _diag_listeners(family: int) -> list[Listener]:
 def listeners(proc_root: Path | str, pid: int) -> list[Listener]:
     """The listening TCP sockets of `pid`'s network namespace (IPv4 and IPv6): through sock_diag when it is ours
     (the daemon's own namespace, the common case), else from its /proc/PID/net tables."""
-    try:
-        ours = os.readlink(f"{proc_root}/self/ns/net") == os.readlink(f"{proc_root}/{pid}/ns/net")
-    except OSError:
-        ours = False
-    if ours and str(proc_root) == "/proc":
+    if same_netns(proc_root, pid) and str(proc_root) == "/proc":
         try:
             return _diag_listeners(socket.AF_INET) + _diag_listeners(socket.AF_INET6)
         except OSError:

@@ -18,13 +18,13 @@ core.kill.raygroup; telemetry.raywatch hands the guard what to stop.
 from __future__ import annotations
 
 import json
-import os
 import urllib.parse
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from sparkwatch.common.sources.procs import same_netns
 from sparkwatch.core.kill.raygroup import RayActor, RayJob, RayNode, RayPlacementGroup, RayState
 from sparkwatch.core.model import Proc
 
@@ -257,30 +257,13 @@ def _flag(argv: tuple[str, ...], name: str) -> str:
 
 def local_raylets(procs: Iterable[Proc], proc_root: Path) -> tuple[LocalRaylet, ...]:
     """The raylets in our own network namespace (a few readlinks: raylets only)."""
-    try:
-        own = os.readlink(proc_root / "self" / "ns" / "net")
-    except OSError:
-        return ()
     out = []
     for p in procs:
         if p.comm != RAYLET_COMM:
             continue
         node_id = _flag(p.argv, "node_id")
-        if not node_id:
-            continue
-        try:
-            if os.readlink(proc_root / str(p.pid) / "ns" / "net") != own:
-                continue
-        except OSError:
+        if not node_id or not same_netns(proc_root, p.pid):
             continue
         worker = _flag(p.argv, "python_worker_command").split(" ", 1)[0]
         out.append(LocalRaylet(p.pid, node_id, _flag(p.argv, "gcs-address"), worker))
     return tuple(out)
-
-
-def same_netns(proc_root: Path, pid: int) -> bool:
-    """Whether `pid` lives in our network namespace (the node it belongs to, in the test's two-node cluster)."""
-    try:
-        return os.readlink(proc_root / str(pid) / "ns" / "net") == os.readlink(proc_root / "self" / "ns" / "net")
-    except OSError:
-        return False
