@@ -126,6 +126,11 @@ class TelMsg:
     engine_roots: tuple[tuple[str, int], ...] = ()
 
 
+# A GroupTeardownMsg is sent again at most this often while a member it names still runs (the guard may have been busy
+# or refused it; it checks each member itself every time): the Ray group watch and the --nnodes one alike.
+TEARDOWN_RESEND_S = 2.0
+
+
 @dataclass(frozen=True, slots=True)
 class GroupTeardownMsg:
     KIND: ClassVar[Kind] = Kind.GROUP_TEARDOWN

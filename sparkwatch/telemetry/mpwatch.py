@@ -10,7 +10,7 @@ Runs on the peer watch's thread, after each read of the peers (telemetry.peerwat
    crashed, stopped), or a peer lost (`peer_lost`) that held one: the group is over;
 3. a `GroupTeardownMsg` to the guard naming this node's members (role `mp_rank`), which checks each one itself (the
    pid and start time, its own network namespace, the same rendezvous on its command line) and kills through its
-   one kill path. Sent again at most every RESEND_S while a member still runs.
+   one kill path. Sent again at most every TEARDOWN_RESEND_S while a member still runs.
 
 A peer's word is a reason to look at this node's own processes: nothing is signalled that the guard cannot tie to
 the group itself. With `group_teardown` off nothing is sent.
@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from sparkwatch.common import logs
-from sparkwatch.common.messages import GroupTeardownMsg
+from sparkwatch.common.messages import TEARDOWN_RESEND_S, GroupTeardownMsg
 from sparkwatch.common.sources.procs import ProcParseError, ProcScanner, same_netns
 from sparkwatch.core.kill import mpgroup
 from sparkwatch.core.model import EngineTree
@@ -35,7 +35,6 @@ if TYPE_CHECKING:
     from sparkwatch.telemetry.peerwatch import Peer
 
 log = logs.get("peers")
-RESEND_S = 2.0  # as the Ray group watch: the guard may have been busy
 
 
 class MpGroupWatch:
@@ -123,7 +122,10 @@ class MpGroupWatch:
                 del self._losses[key]
                 self._sent_at.pop(key, None)
                 continue
-            if not self.settings.group_teardown or now_mono - self._sent_at.get(key, -RESEND_S) < RESEND_S:
+            if (
+                not self.settings.group_teardown
+                or now_mono - self._sent_at.get(key, -TEARDOWN_RESEND_S) < TEARDOWN_RESEND_S
+            ):
                 continue
             doc = by_label[loss.peer].doc if loss.peer in by_label else None
             msg = GroupTeardownMsg(

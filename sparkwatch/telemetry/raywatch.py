@@ -10,7 +10,8 @@ telemetry loop's own process table every `RAYLET_LOOK_S`: a box without Ray pays
    pids Ray names, read one by one from /proc only for a group that lost one (only those in our network
    namespace, with their start time);
 3. for each, a `GroupTeardownMsg` to the guard, which checks every member again itself and kills them
-   (guard.groupwatch). Sent again at most every `RESEND_S` while a member still runs (the guard may have been busy);
+   (guard.groupwatch). Sent again at most every `TEARDOWN_RESEND_S` (common.messages) while a member still runs
+   (the guard may have been busy);
 4. a placement group Ray still holds `PG_GRACE_S` after this node's teardown (its driver did not die: wedged, or on
    a node whose agent did not act) is removed by a short-lived helper in the engine's own interpreter (the one the
    local raylet runs its Python workers with): `ray.init(address=<GCS>)` and `remove_placement_group`, at most
@@ -32,7 +33,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from sparkwatch.common import logs
-from sparkwatch.common.messages import GroupTeardownMsg
+from sparkwatch.common.messages import TEARDOWN_RESEND_S, GroupTeardownMsg
 from sparkwatch.common.sources.procs import ProcParseError, ProcScanner, same_netns
 from sparkwatch.common.threads import daemon_thread
 from sparkwatch.core.kill import raygroup
@@ -56,7 +57,6 @@ RAYLET_LOOK_S = 5.0  # a raylet started later is found within this (a look goes 
 # connection 0.27 % (the dead actors of 20 runs in each answer, death causes and all); bench/RESULTS-group-teardown.md
 FULL_EVERY_S = 10.0
 FULL_MAX_S = 60.0
-RESEND_S = 2.0
 MAX_PIDS = 512  # pids read from /proc a poll: ranks, drivers and their parents of the groups Ray lists
 REMOVE_TIMEOUT_S = 30.0  # the helper connects as a Ray driver: 2-3 s on the 2-core test box
 # Run by the engine's interpreter: argv[1] the GCS address, argv[2] the placement group's id (hex).
@@ -198,7 +198,10 @@ class RayWatch:
         procs = self._local_procs(tuple(g for g in self.groups if raygroup.first_death(g, state) is not None))
         sent = []
         for teardown in raygroup.teardowns(state, self.node_ids, procs, consequences=self._consequences(state)):
-            if not self.settings.group_teardown or now - self._sent_at.get(teardown.group, -RESEND_S) < RESEND_S:
+            if (
+                not self.settings.group_teardown
+                or now - self._sent_at.get(teardown.group, -TEARDOWN_RESEND_S) < TEARDOWN_RESEND_S
+            ):
                 continue
             if teardown.group not in self._words:  # the peer is asked once per group, resends carry its word
                 self._words[teardown.group] = self._peer_word(teardown.death)
