@@ -129,7 +129,7 @@ def test_a_peer_that_does_not_know_yet_ends_nothing_and_a_missed_scan_unlists_no
     trees: list[EngineTree] = [EngineTree("vllm", proc, (proc,))]
     sent: list[GroupTeardownMsg] = []
     started = [False]
-    watch = MpGroupWatch(load_settings(None, {}), sent.append, lambda: trees, lambda: started[0])
+    watch = MpGroupWatch(load_settings(None, {}), sent.append, lambda: trees if started[0] else None)
     assert watch.published() is None  # before telemetry's first cycle
     started[0] = True
     assert watch.published() == (peerdoc.PeerMember(KEY, 0, me),)

@@ -42,11 +42,9 @@ class MpGroupWatch:
         self,
         settings: Settings,
         send: Callable[[GroupTeardownMsg], None],
-        engines: Callable[[], Iterable[EngineTree]] = lambda: (),
-        loop_started: Callable[[], bool] | None = None,
+        engines: Callable[[], Iterable[EngineTree] | None] = lambda: (),
     ) -> None:
-        """`engines`: the engine trees of telemetry's last cycle; `loop_started`: whether that cycle has run."""
-        self.loop_started = loop_started
+        """`engines`: the engine trees of telemetry's last cycle, None before its first."""
         self.settings = settings
         self.send = send
         self.engines = engines
@@ -61,10 +59,11 @@ class MpGroupWatch:
     def apply(self, settings: Settings) -> None:
         self.settings = settings
 
-    def local_members(self) -> tuple[mpgroup.Member, ...]:
-        """This node's members: the engine trees whose root names a rendezvous, in our network namespace."""
+    def local_members(self, trees: Iterable[EngineTree] | None = None) -> tuple[mpgroup.Member, ...]:
+        """This node's members: the engine trees (`trees`, else telemetry's last cycle's) whose root names a
+        rendezvous, in our network namespace."""
         out = []
-        for tree in self.engines():
+        for tree in (self.engines() if trees is None else trees) or ():
             r = mpgroup.rendezvous(tree.root.argv)
             if r is not None and same_netns(self.proc_root, tree.root.pid):
                 out.append(mpgroup.Member(r.key, r.node_rank, tree.root.pid, tree.root.start_ticks))
@@ -75,9 +74,10 @@ class MpGroupWatch:
         agent that just restarted for a node whose members all died). A member published before stays listed while
         its process lives (the same start time, not a zombie), even when a cycle's scan missed its tree: a peer ends
         the group when it is gone, never on a read that failed here."""
-        if self.loop_started is not None and not self.loop_started():
+        trees = self.engines()
+        if trees is None:
             return None
-        now = {(m.pid, m.start_ticks): m for m in self.local_members()}
+        now = {(m.pid, m.start_ticks): m for m in self.local_members(trees)}
         for key, m in self._listed.items():
             if key not in now and self._alive(m):
                 now[key] = m

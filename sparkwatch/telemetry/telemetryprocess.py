@@ -198,9 +198,7 @@ class TelemetryProcess:
         # The other nodes' agents (`peers`): their guard's word on a group member it killed, and peer_lost.
         # Groups without Ray (`--nnodes` over the multiprocessing backends): this node's members from its own trees,
         # a peer's member that vanished (or the peer lost) ends the group here (telemetry.mpwatch).
-        mpwatch = self.mpwatch = MpGroupWatch(
-            settings, self._send, self._last_engines, lambda: self.loop.latest is not None
-        )
+        mpwatch = self.mpwatch = MpGroupWatch(settings, self._send, self._last_engines)
         peers = self.peers = PeerWatch(settings, self.events.append, after_poll=mpwatch.observe)
         out.append(Component("peers", peers, self.PEERS_LIVE_KEYS, self._apply_peers, peers.counters))
         raywatch = self.raywatch = RayWatch(
@@ -213,9 +211,10 @@ class TelemetryProcess:
         out.append(Component("raywatch", raywatch, RayWatch.LIVE_KEYS, raywatch.apply, raywatch.counters))
         return out
 
-    def _last_engines(self) -> tuple[EngineTree, ...]:
+    def _last_engines(self) -> tuple[EngineTree, ...] | None:
+        """The engine trees of telemetry's last cycle; None before its first."""
         snap = self.loop.latest
-        return () if snap is None else snap.engines
+        return None if snap is None else snap.engines
 
     PEERS_LIVE_KEYS = PeerWatch.LIVE_KEYS | {"group_teardown"}
 
