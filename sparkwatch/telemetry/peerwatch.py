@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -131,10 +131,8 @@ class PeerWatch:
         document that does not say so yet (its guard records a kill ~0.1 s after the signal; a peer that has not
         found its raylet yet names no node) is read again once, within WORD_TIMEOUT_S. Only the peer that names
         `node_id` is believed: pids repeat across machines. None: no such peer, or its guard did not kill it."""
-        for peer in self.peers:
+        for peer in self._candidates(node_id):
             doc = peer.doc
-            if doc is not None and doc.ray_node_ids and node_id not in doc.ray_node_ids:
-                continue  # another node's agent
             if doc is not None and node_id in doc.ray_node_ids:
                 word = peerdoc.kill_word(doc, pid)
                 if word is not None:
@@ -146,15 +144,20 @@ class PeerWatch:
     def torn_down(self, node_id: str) -> frozenset[int]:
         """The pids the peer whose raylet serves `node_id` stopped as a group teardown (read again first, within
         WORD_TIMEOUT_S): a consequence of another member's death, never its cause. Empty when no peer says so."""
-        for peer in self.peers:
-            doc = peer.doc
-            if doc is not None and doc.ray_node_ids and node_id not in doc.ray_node_ids:
-                continue
+        for peer in self._candidates(node_id):
             self._read(peer, WORD_TIMEOUT_S)
             doc = peer.doc
             if doc is not None and node_id in doc.ray_node_ids:
                 return frozenset(pid for k in doc.kills if k.trigger == "group_teardown" for pid in k.pids)
         return frozenset()
+
+    def _candidates(self, node_id: str) -> Iterator[Peer]:
+        """The peers that may be the agent of the node `node_id`: those whose last document names it, or names no
+        node yet (not read yet, or its raylet not found yet); never another node's agent."""
+        for peer in self.peers:
+            doc = peer.doc
+            if doc is None or not doc.ray_node_ids or node_id in doc.ray_node_ids:
+                yield peer
 
     def _read(self, peer: Peer, timeout_s: float) -> bool:
         with peer.lock:
