@@ -83,16 +83,20 @@ class RayCluster:
     def in_ns(self, ns: str, argv: list[str]) -> list[str]:
         return ["ip", "netns", "exec", ns, *argv]
 
-    def state(self, path: str) -> list[dict[str, Any]]:
-        """One state API listing (`actors`, `placement_groups`, ...), read from inside node A."""
+    def get_in_a(self, url: str, timeout_s: float = 10) -> subprocess.CompletedProcess[str]:
+        """One HTTP GET from inside node A (its loopback, or over the veth pair): the body on stdout."""
         code = (
             "import sys, urllib.request; "
-            f"sys.stdout.write(urllib.request.urlopen('{self.dashboard}/api/v0/{path}?limit=1000&detail=true', "
-            "timeout=10).read().decode())"
+            f"sys.stdout.write(urllib.request.urlopen({url!r}, timeout={timeout_s}).read().decode())"
         )
-        out = subprocess.run(
-            self.in_ns(self.ns_a, [sys.executable, "-c", code]), capture_output=True, text=True, timeout=30, check=True
+        return subprocess.run(
+            self.in_ns(self.ns_a, [sys.executable, "-c", code]), capture_output=True, text=True, timeout=30
         )
+
+    def state(self, path: str) -> list[dict[str, Any]]:
+        """One state API listing (`actors`, `placement_groups`, ...), read from inside node A."""
+        out = self.get_in_a(f"{self.dashboard}/api/v0/{path}?limit=1000&detail=true")
+        out.check_returncode()
         rows: list[dict[str, Any]] = json.loads(out.stdout)["data"]["result"]["result"]
         return rows
 

@@ -202,11 +202,7 @@ def _wedge(pid: int, start_ticks: int) -> None:
 
 def _peer_doc(cluster: RayCluster, listen: str) -> dict[str, Any]:
     """A peer's /peer/v1/state as node A reads it (over the veth pair)."""
-    url = f"http://{listen}/peer/v1/state"
-    code = f"import sys, urllib.request; sys.stdout.write(urllib.request.urlopen({url!r}, timeout=5).read().decode())"
-    out = subprocess.run(
-        cluster.in_ns(cluster.ns_a, [sys.executable, "-c", code]), capture_output=True, text=True, timeout=30
-    )
+    out = cluster.get_in_a(f"http://{listen}/peer/v1/state", timeout_s=5)
     return json.loads(out.stdout) if out.returncode == 0 else {}
 
 
@@ -311,11 +307,7 @@ def test_node_b_lost_raylet_killed_stops_node_a_members(cluster: RayCluster, tmp
 
 def _scrape(cluster: RayCluster, port: int) -> dict[str, float]:
     """Node A's agent's /metrics (it listens on A's loopback), as {'name{labels}': value}."""
-    url = f"http://127.0.0.1:{port}/metrics"
-    code = f"import sys, urllib.request; sys.stdout.write(urllib.request.urlopen({url!r}, timeout=10).read().decode())"
-    out = subprocess.run(
-        cluster.in_ns(cluster.ns_a, [sys.executable, "-c", code]), capture_output=True, text=True, timeout=30
-    )
+    out = cluster.get_in_a(f"http://127.0.0.1:{port}/metrics")
     assert out.returncode == 0, out.stderr
     samples = {}
     for line in out.stdout.splitlines():
