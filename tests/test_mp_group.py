@@ -55,26 +55,40 @@ def test_the_rendezvous_is_read_from_the_engine_s_own_command_line(
 
 
 KEY = "10.0.0.1:29501"
-MINE = (Member(KEY, 0, 100, 7),)
+OWNER = 1000  # the user who runs the engine on both nodes
+MINE = (Member(KEY, 0, 100, 7, OWNER),)
 
 
 def test_a_peer_member_that_vanishes_ends_the_group_here() -> None:
-    then = {"b:9847": ("spark-b", frozenset({(KEY, 200)}))}
-    assert teardowns(MINE, then, {"b:9847": ("spark-b", frozenset({(KEY, 200)}))}) == ()
+    then = {"b:9847": ("spark-b", frozenset({(KEY, OWNER, 200)}))}
+    assert teardowns(MINE, then, {"b:9847": ("spark-b", frozenset({(KEY, OWNER, 200)}))}) == ()
     (t,) = teardowns(MINE, then, {"b:9847": ("spark-b", frozenset())})
-    assert t.loss == mpgroup.Loss(KEY, mpgroup.RANK_GONE, "b:9847", "spark-b", 200)
+    assert t.loss == mpgroup.Loss(KEY, OWNER, mpgroup.RANK_GONE, "b:9847", "spark-b", 200)
     assert t.members == MINE
     # a restarted rank is another pid: the one we knew is gone
-    (t,) = teardowns(MINE, then, {"b:9847": ("spark-b", frozenset({(KEY, 201)}))})
+    (t,) = teardowns(MINE, then, {"b:9847": ("spark-b", frozenset({(KEY, OWNER, 201)}))})
     assert t.loss.pid == 200
     # already handed to the guard: not again
-    assert teardowns(MINE, then, {"b:9847": ("spark-b", frozenset())}, done=[KEY]) == ()
+    assert teardowns(MINE, then, {"b:9847": ("spark-b", frozenset())}, done=[(KEY, OWNER)]) == ()
+
+
+def test_another_user_s_process_naming_the_same_rendezvous_never_ends_the_owner_s_group() -> None:
+    """A user on B who starts and stops a process naming the owner's rendezvous (its command line is theirs to write)
+    is not the owner's member: its end ends nothing here, and the owner's member on B still counts."""
+    then = {"b": ("spark-b", frozenset({(KEY, 1001, 300), (KEY, OWNER, 200)}))}
+    assert teardowns(MINE, then, {"b": ("spark-b", frozenset({(KEY, OWNER, 200)}))}) == ()
+    (t,) = teardowns(MINE, then, {"b": ("spark-b", frozenset({(KEY, 1001, 300)}))})
+    assert (t.loss.uid, t.loss.pid) == (OWNER, 200)
+    # nor does another user's member here take part in the owner's group
+    theirs = Member(KEY, 0, 101, 8, 1001)
+    (t,) = teardowns((*MINE, theirs), then, {"b": ("spark-b", frozenset({(KEY, 1001, 300)}))})
+    assert t.members == MINE
 
 
 def test_a_lost_peer_ends_the_groups_it_held_and_only_those() -> None:
     other = "10.0.0.1:29600"
-    mine = (*MINE, Member(other, 0, 101, 8))
-    then = {"b:9847": ("spark-b", frozenset({(KEY, 200)}))}
+    mine = (*MINE, Member(other, 0, 101, 8, OWNER))
+    then = {"b:9847": ("spark-b", frozenset({(KEY, OWNER, 200)}))}
     (t,) = teardowns(mine, then, {"b:9847": None})
     assert (t.loss.key, t.loss.cause, t.loss.pid) == (KEY, mpgroup.PEER_LOST, None)
     assert t.members == MINE
@@ -82,7 +96,10 @@ def test_a_lost_peer_ends_the_groups_it_held_and_only_those() -> None:
 
 def test_a_group_not_run_here_or_never_seen_on_a_peer_ends_nothing() -> None:
     # the peer's group is not ours
-    assert teardowns(MINE, {"b": ("spark-b", frozenset({("10.0.0.2:1", 5)}))}, {"b": ("spark-b", frozenset())}) == ()
+    assert (
+        teardowns(MINE, {"b": ("spark-b", frozenset({("10.0.0.2:1", OWNER, 5)}))}, {"b": ("spark-b", frozenset())})
+        == ()
+    )
     # a peer never seen with a member (it starts later, or has none): nothing to lose
     assert teardowns(MINE, {}, {"b": None}) == ()
     assert teardowns(MINE, {"b": ("spark-b", frozenset())}, {"b": None}) == ()
@@ -92,8 +109,8 @@ def test_a_peer_document_without_groups_still_parses_and_one_with_them_round_tri
     old = peerdoc.build("spark-b", ("n1",), None, (), ())
     assert b',"groups":null' in old  # not known yet (before the agent's first cycle): never read as "all gone"
     assert peerdoc.parse(old.replace(b',"groups":null', b"")).groups is None
-    doc = peerdoc.parse(peerdoc.build("spark-b", (), None, (), (), groups=(peerdoc.PeerMember(KEY, 1, 200),)))
-    assert doc.groups == (peerdoc.PeerMember(KEY, 1, 200),)
+    doc = peerdoc.parse(peerdoc.build("spark-b", (), None, (), (), groups=(peerdoc.PeerMember(KEY, 1, 200, OWNER),)))
+    assert doc.groups == (peerdoc.PeerMember(KEY, 1, 200, OWNER),)
 
 
 def test_the_watch_ends_a_group_once_and_not_a_new_run_while_the_peer_is_still_lost() -> None:
@@ -101,15 +118,15 @@ def test_the_watch_ends_a_group_once_and_not_a_new_run_while_the_peer_is_still_l
     handed to the guard once per resend window; once A's member is gone and the owner starts a new one while B is
     still lost, nothing is sent for it (B's answer decides again when it comes back)."""
     me = os.getpid()  # this process stands for A's member: its own namespace, its own start time
-    proc = Proc(me, 1, 0, "vllm", "S", read_start_ticks("/proc", me) or 0, 1 << 20,
+    proc = Proc(me, 1, os.getuid(), "vllm", "S", read_start_ticks("/proc", me) or 0, 1 << 20,
                 ("vllm", "serve", "m", "--nnodes", "2", "--master-addr", "10.0.0.1"))  # fmt: skip
     trees: list[EngineTree] = [EngineTree("vllm", proc, (proc,))]
     sent: list[GroupTeardownMsg] = []
     settings = load_settings(None, {"group_teardown": True})
     watch = MpGroupWatch(settings, sent.append, lambda: trees)
-    assert watch.published() == (peerdoc.PeerMember(KEY, 0, me),)
+    assert watch.published() == (peerdoc.PeerMember(KEY, 0, me, os.getuid()),)
     peer = Peer("b:9847", "http", "b", 9847)
-    peer.doc = peerdoc.PeerDoc(1, "spark-b", (), None, (), (), (peerdoc.PeerMember(KEY, 1, 200),))
+    peer.doc = peerdoc.PeerDoc(1, "spark-b", (), None, (), (), (peerdoc.PeerMember(KEY, 1, 200, os.getuid()),))
     assert watch.observe([peer]) == []
     peer.lost = True
     (msg,) = watch.observe([peer])
@@ -124,7 +141,7 @@ def test_the_watch_ends_a_group_once_and_not_a_new_run_while_the_peer_is_still_l
 
 def test_a_peer_that_does_not_know_yet_ends_nothing_and_a_missed_scan_unlists_nothing() -> None:
     me = os.getpid()
-    proc = Proc(me, 1, 0, "vllm", "S", read_start_ticks("/proc", me) or 0, 1 << 20,
+    proc = Proc(me, 1, os.getuid(), "vllm", "S", read_start_ticks("/proc", me) or 0, 1 << 20,
                 ("vllm", "serve", "m", "--nnodes", "2", "--master-addr", "10.0.0.1"))  # fmt: skip
     trees: list[EngineTree] = [EngineTree("vllm", proc, (proc,))]
     sent: list[GroupTeardownMsg] = []
@@ -132,12 +149,12 @@ def test_a_peer_that_does_not_know_yet_ends_nothing_and_a_missed_scan_unlists_no
     watch = MpGroupWatch(load_settings(None, {}), sent.append, lambda: trees if started[0] else None)
     assert watch.published() is None  # before telemetry's first cycle
     started[0] = True
-    assert watch.published() == (peerdoc.PeerMember(KEY, 0, me),)
+    assert watch.published() == (peerdoc.PeerMember(KEY, 0, me, os.getuid()),)
     trees.clear()  # a cycle whose scan missed the tree: the process lives, it stays listed
-    assert watch.published() == (peerdoc.PeerMember(KEY, 0, me),)
+    assert watch.published() == (peerdoc.PeerMember(KEY, 0, me, os.getuid()),)
     trees.append(EngineTree("vllm", proc, (proc,)))
     peer = Peer("b:9847", "http", "b", 9847)
-    peer.doc = peerdoc.PeerDoc(1, "spark-b", (), None, (), (), (peerdoc.PeerMember(KEY, 1, 200),))
+    peer.doc = peerdoc.PeerDoc(1, "spark-b", (), None, (), (), (peerdoc.PeerMember(KEY, 1, 200, os.getuid()),))
     assert watch.observe([peer]) == []
     peer.doc = peerdoc.PeerDoc(1, "spark-b", (), None, (), (), None)  # B's agent restarted: its groups unknown
     assert watch.observe([peer]) == [] and sent == []

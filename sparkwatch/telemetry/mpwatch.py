@@ -49,9 +49,11 @@ class MpGroupWatch:
         self.send = send
         self.engines = engines
         self.proc_root = Path(settings.proc_root)
-        self._then: dict[str, tuple[str, frozenset[tuple[str, int]]]] = {}  # peer -> (node, its members) last seen
-        self._sent_at: dict[str, float] = {}  # group -> when its teardown was last sent (monotonic)
-        self._losses: dict[str, mpgroup.Loss] = {}  # group -> what ended it, kept while this node's members run
+        self._then: dict[str, tuple[str, frozenset[mpgroup.Listed]]] = {}  # peer -> (node, its members) last seen
+        self._sent_at: dict[mpgroup.GroupId, float] = {}  # group -> when its teardown was last sent (monotonic)
+        self._losses: dict[
+            mpgroup.GroupId, mpgroup.Loss
+        ] = {}  # group -> what ended it, kept while this node's members run
         self._listed: dict[tuple[int, int], mpgroup.Member] = {}  # what this node published last, by (pid, start)
         self._scanner = ProcScanner(Path(settings.proc_root))
         self.teardowns_sent_total = 0
@@ -66,7 +68,7 @@ class MpGroupWatch:
         for tree in (self.engines() if trees is None else trees) or ():
             r = mpgroup.rendezvous(tree.root.argv)
             if r is not None and same_netns(self.proc_root, tree.root.pid):
-                out.append(mpgroup.Member(r.key, r.node_rank, tree.root.pid, tree.root.start_ticks))
+                out.append(mpgroup.Member(r.key, r.node_rank, tree.root.pid, tree.root.start_ticks, tree.root.uid))
         return tuple(out)
 
     def published(self) -> tuple[peerdoc.PeerMember, ...] | None:
@@ -82,7 +84,7 @@ class MpGroupWatch:
             if key not in now and self._alive(m):
                 now[key] = m
         self._listed = now
-        return tuple(peerdoc.PeerMember(m.key, m.node_rank, m.pid) for m in now.values())
+        return tuple(peerdoc.PeerMember(m.key, m.node_rank, m.pid, m.uid) for m in now.values())
 
     def _alive(self, m: mpgroup.Member) -> bool:
         try:
@@ -96,15 +98,15 @@ class MpGroupWatch:
         now_mono = time.monotonic()
         local = self.local_members()
         by_label = {p.label: p for p in peers}
-        now: dict[str, tuple[str, frozenset[tuple[str, int]]] | None] = {}
+        now: dict[str, tuple[str, frozenset[mpgroup.Listed]] | None] = {}
         for label, peer in by_label.items():
             doc = peer.doc
             if peer.lost:
                 now[label] = None
             elif doc is not None and doc.groups is not None:  # None: the peer does not know yet (it just started)
-                now[label] = (doc.node, frozenset((g.key, g.pid) for g in doc.groups))
+                now[label] = (doc.node, frozenset((g.key, g.uid, g.pid) for g in doc.groups))
         for t in mpgroup.teardowns(local, self._then, now, done=self._losses):
-            self._losses[t.loss.key] = t.loss
+            self._losses[t.loss.key, t.loss.uid] = t.loss
         # The peers' members as last seen. A lost peer's are forgotten once its losses are taken: a group started
         # here again while it is still lost is not ended for members of a run that is over; its next answer counts.
         for label, seen in now.items():
@@ -113,23 +115,23 @@ class MpGroupWatch:
             else:
                 self._then[label] = seen
         sent = []
-        running: dict[str, list[mpgroup.Member]] = {}
+        running: dict[mpgroup.GroupId, list[mpgroup.Member]] = {}
         for m in local:
-            running.setdefault(m.key, []).append(m)
-        for key, loss in list(self._losses.items()):
-            members = running.get(key)
+            running.setdefault(m.group, []).append(m)
+        for group, loss in list(self._losses.items()):
+            members = running.get(group)
             if not members:  # this node's members are gone: the group is over here
-                del self._losses[key]
-                self._sent_at.pop(key, None)
+                del self._losses[group]
+                self._sent_at.pop(group, None)
                 continue
             if (
                 not self.settings.group_teardown
-                or now_mono - self._sent_at.get(key, -TEARDOWN_RESEND_S) < TEARDOWN_RESEND_S
+                or now_mono - self._sent_at.get(group, -TEARDOWN_RESEND_S) < TEARDOWN_RESEND_S
             ):
                 continue
             doc = by_label[loss.peer].doc if loss.peer in by_label else None
             msg = GroupTeardownMsg(
-                group=key,
+                group=loss.key,
                 cause=loss.cause,
                 first_node=peerdoc.clean(loss.node),  # the peer's own word: printable, bounded
                 first_pid=loss.pid,
@@ -137,8 +139,8 @@ class MpGroupWatch:
                 detected_ts=time.time(),
                 peer_word=None if doc is None else peerdoc.kill_word(doc, loss.pid),
             )
-            self._sent_at[key] = now_mono
-            log.info("group %s lost a member on %s (%s): stopping %d local member(s)", key, msg.first_node,
+            self._sent_at[group] = now_mono
+            log.info("group %s lost a member on %s (%s): stopping %d local member(s)", loss.key, msg.first_node,
                      loss.cause, len(members))  # fmt: skip
             self.send(msg)
             self.teardowns_sent_total += 1

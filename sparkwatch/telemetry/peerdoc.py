@@ -57,6 +57,7 @@ class PeerMember:
     key: str  # "addr:port", as the engine's command line names it
     node_rank: int
     pid: int
+    uid: int  # the user running it: a group is one user's (core.kill.mpgroup)
 
 
 @dataclass(frozen=True, slots=True)

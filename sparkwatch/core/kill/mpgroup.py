@@ -5,8 +5,10 @@ With vLLM's multiprocessing backend across nodes (`vllm serve … --nnodes 2 --n
 --dist-init-addr A:P`), each node runs one engine process tree, and nothing but the collective ties them: the head
 "blocks forever on the next collective" when its peer dies, and a headless node never exits after its head died.
 
-A group here is every engine tree whose command line names the same rendezvous (`A:P`). Each node's agent lists its
-own members in its peer document (telemetry.peerdoc); an agent that sees a peer's member of a group it also runs
+A group here is every engine tree whose command line names the same rendezvous (`A:P`), run by the same user (uid):
+a process of another user naming that rendezvous is never taken for the owner's member, so starting and stopping one
+cannot end the owner's engine on another node. Each node's agent lists its own members in its peer document
+(telemetry.peerdoc); an agent that sees a peer's member of a group it also runs
 vanish, or the peer itself lost, stops its own members (`teardowns`). The guard checks each member again itself
 (`member_of`: the pid and start time, its own network namespace, the same rendezvous on its own command line).
 """
@@ -40,6 +42,16 @@ class Member:
     node_rank: int
     pid: int
     start_ticks: int
+    uid: int
+
+    @property
+    def group(self) -> GroupId:
+        return self.key, self.uid
+
+
+# A group: its rendezvous and the user that runs its members; a member as a peer lists it: (rendezvous, uid, pid)
+GroupId = tuple[str, int]
+Listed = tuple[str, int, int]
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,6 +60,7 @@ class Loss:
     (None: the peer itself is lost), and why."""
 
     key: str
+    uid: int
     cause: str
     peer: str
     node: str
@@ -109,30 +122,31 @@ def member_of(key: str, argv: tuple[str, ...]) -> bool:
 
 def teardowns(
     local: Iterable[Member],
-    peers_then: Mapping[str, tuple[str, frozenset[tuple[str, int]]]],
-    peers_now: Mapping[str, tuple[str, frozenset[tuple[str, int]]] | None],
-    done: Iterable[str] = (),
+    peers_then: Mapping[str, tuple[str, frozenset[Listed]]],
+    peers_now: Mapping[str, tuple[str, frozenset[Listed]] | None],
+    done: Iterable[GroupId] = (),
 ) -> tuple[Teardown, ...]:
     """The groups this node must stop its members of. `peers_then`/`peers_now`: per peer, its node's name and the
-    members it listed (key, pid) at its previous and at its latest answer; None now: the peer is lost; a peer
-    missing from `peers_now` decides nothing. A group ends
-    here when a peer that listed a member of it no longer does (that rank ended, however), or when the peer that
-    held one is lost. `done`: groups already handed to the guard (never asked again)."""
-    mine: dict[str, list[Member]] = {}
+    members it listed (rendezvous, uid, pid) at its previous and at its latest answer; None now: the peer is lost; a
+    peer missing from `peers_now` decides nothing. A group ends here when a peer that listed a member of it no longer
+    does (that rank ended, however), or when the peer that held one is lost. `done`: groups already handed to the
+    guard (never asked again)."""
+    mine: dict[GroupId, list[Member]] = {}
     for m in local:
-        mine.setdefault(m.key, []).append(m)
+        mine.setdefault(m.group, []).append(m)
     skip = frozenset(done)
-    losses: dict[str, Loss] = {}
+    losses: dict[GroupId, Loss] = {}
     for peer, then in peers_then.items():
         node, before = then
         if peer not in peers_now:  # no answer that says (not read yet, or its groups unknown): nothing decided
             continue
         now = peers_now[peer]
-        for key, pid in sorted(before):
-            if key not in mine or key in skip or key in losses:
+        for key, uid, pid in sorted(before):
+            group = (key, uid)
+            if group not in mine or group in skip or group in losses:
                 continue
             if now is None:
-                losses[key] = Loss(key, PEER_LOST, peer, node, None)
-            elif (key, pid) not in now[1]:
-                losses[key] = Loss(key, RANK_GONE, peer, node, pid)
-    return tuple(Teardown(loss, tuple(mine[key])) for key, loss in losses.items())
+                losses[group] = Loss(key, uid, PEER_LOST, peer, node, None)
+            elif (key, uid, pid) not in now[1]:
+                losses[group] = Loss(key, uid, RANK_GONE, peer, node, pid)
+    return tuple(Teardown(loss, tuple(mine[group])) for group, loss in losses.items())
