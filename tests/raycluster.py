@@ -26,7 +26,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,9 +46,13 @@ STOP_GRACE_S = 1.0
 GONE_WAIT_S = 5.0
 
 
-def ray_env(tmp: Path) -> dict[str, str]:
+def ray_env(tmp: Path, base: Mapping[str, str] | None = None) -> dict[str, str]:
+    """`base` (default: this process's environment) with the cluster's own Ray settings over it, whatever it holds:
+    an in-process `ray.init` elsewhere in the suite leaves RAY_AUTH_MODE=token in os.environ (measured), and a
+    driver given it against this cluster, which has no token, had its ranks' creation cancelled ("The actor never
+    ran": the GCS's calls to the driver refused)."""
     return {
-        **os.environ,
+        **(os.environ if base is None else base),
         "RAY_USAGE_STATS_ENABLED": "0",
         "RAY_AUTH_MODE": "disabled",  # no token written under ~/.ray
         "RAY_TMPDIR": str(tmp),
@@ -308,7 +312,8 @@ class Engine:
         vllm.parent.mkdir(exist_ok=True)
         shutil.copy(ENGINE, vllm)
         env = {
-            **ray_env(cluster.tmp / node),
+            # under launch: its environment (the declaration, the guard's word), the cluster's Ray settings over it
+            **ray_env(cluster.tmp / node, launch_env),
             "RAY_ENGINE_ADDRESS": cluster.address,
             "RAY_ENGINE_NODE_IP": ip,
             "RAY_ENGINE_REMOTE_RANK_MIB": str(remote_rank_mib),
@@ -317,7 +322,6 @@ class Engine:
         argv = [sys.executable, str(vllm), "serve", "tiny-model", "--tensor-parallel-size", "2"]
         if launch_env is not None:
             argv = [sys.executable, "-m", "sparkwatch", "launch", "--force", "--", *argv]
-            env.update(launch_env)
         # its stderr (launch's lines and the engine's own) goes to a file: a pipe nobody reads while the engine runs
         # could fill and stall it
         self.launch_stderr = tmp_path / f"launch-{node}.stderr"

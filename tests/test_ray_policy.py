@@ -32,22 +32,27 @@ def ray_cluster() -> Iterator[Any]:
     import ray
 
     # Ray's own memory monitor would kill workers on its own schedule (the field's advice: disable it); the object
-    # store is kept small; no dashboard, no usage reporting; everything on loopback.
-    os.environ["RAY_memory_monitor_refresh_ms"] = "0"  # noqa: SIM112 (Ray's own spelling)
-    os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
-    ray.init(
-        address="local",
-        num_cpus=2,
-        include_dashboard=False,
-        object_store_memory=80 * MiB,
-        _node_ip_address="127.0.0.1",
-        configure_logging=False,
-        log_to_driver=False,
-    )
+    # store is kept small; no dashboard, no usage reporting; everything on loopback. This process's environment is put
+    # back after: `ray.init` itself leaves RAY_AUTH_MODE=token and PYTHONBREAKPOINT in it (measured), and a later
+    # test's Ray driver that inherits them has its ranks cancelled on a cluster without a token.
+    saved = dict(os.environ)
     try:
+        os.environ["RAY_memory_monitor_refresh_ms"] = "0"  # noqa: SIM112 (Ray's own spelling)
+        os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
+        ray.init(
+            address="local",
+            num_cpus=2,
+            include_dashboard=False,
+            object_store_memory=80 * MiB,
+            _node_ip_address="127.0.0.1",
+            configure_logging=False,
+            log_to_driver=False,
+        )
         yield ray
     finally:
         ray.shutdown()
+        os.environ.clear()
+        os.environ.update(saved)
 
 
 def raylet_pids() -> dict[int, int]:

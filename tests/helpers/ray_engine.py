@@ -12,9 +12,6 @@
 Environment: RAY_ENGINE_ADDRESS (the GCS, host:port), RAY_ENGINE_NODE_IP (this node's address), RAY_ENGINE_NODES
 (bundles, default 2), RAY_ENGINE_REMOTE_RANK_MIB (the ranks on other nodes than the driver's take this much memory,
 touched, right after the JSON line: a rank over its node's budget). The test signals only the processes it started.
-
-When Ray cancels a rank's creation before it ran (RAY_NEVER_RAN, below), the group is made again once, before the
-JSON line: that is Ray's start failing, never what a test looks at.
 """
 
 from __future__ import annotations
@@ -24,8 +21,6 @@ import os
 import subprocess
 import sys
 import time
-
-RAY_NEVER_RAN = "The actor never ran - it was cancelled before it started running."
 
 
 def api_server() -> None:
@@ -39,7 +34,7 @@ def api_server() -> None:
 def engine_core() -> None:
     import ray
     import setproctitle
-    from ray.util.placement_group import placement_group, remove_placement_group
+    from ray.util.placement_group import placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     setproctitle.setproctitle("VLLM::EngineCore")
@@ -50,6 +45,8 @@ def engine_core() -> None:
         logging_level=40,
         log_to_driver=False,
     )
+    pg = placement_group([{"CPU": 1}] * nodes, strategy="STRICT_SPREAD")
+    ray.get(pg.ready(), timeout=60)
 
     @ray.remote(num_cpus=1, max_restarts=0)
     class RayWorkerWrapper:
@@ -66,28 +63,13 @@ def engine_core() -> None:
             time.sleep(seconds)
             return os.getpid()
 
-    for attempt in range(2):
-        pg = placement_group([{"CPU": 1}] * nodes, strategy="STRICT_SPREAD")
-        ray.get(pg.ready(), timeout=60)
-        workers = [
-            RayWorkerWrapper.options(  # type: ignore[attr-defined]
-                scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=i)
-            ).remote()
-            for i in range(nodes)
-        ]
-        try:
-            ranks = ray.get([w.info.remote() for w in workers], timeout=60)
-            break
-        except ray.exceptions.ActorDiedError as exc:
-            # Ray itself, now and then, cancels a rank's creation at the start on the loaded 2-core CI box (the GCS's
-            # wait on this driver for the actor's references failed: REF_DELETED, "The actor never ran"; twice in CI,
-            # never in 30 runs here). Before any test's action, so not what a test looks at: the group is made
-            # again once, in a new placement group (the old one removed at once: a dead rank in a live group would
-            # be torn down), and it is said on stderr. vLLM itself would fail its start here.
-            if attempt or RAY_NEVER_RAN not in str(exc):
-                raise
-            print(f"ray_engine: Ray cancelled a rank's creation, the group made again: {exc}", file=sys.stderr)
-            remove_placement_group(pg)
+    workers = [
+        RayWorkerWrapper.options(  # type: ignore[attr-defined]
+            scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=i)
+        ).remote()
+        for i in range(nodes)
+    ]
+    ranks = ray.get([w.info.remote() for w in workers], timeout=60)
     remote_mib = int(os.environ.get("RAY_ENGINE_REMOTE_RANK_MIB", "0"))
     here = ray.get_runtime_context().get_node_id()
     # not waited for: a rank killed for it (the test's budget) is a dead rank like any other
