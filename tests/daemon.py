@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -12,6 +13,8 @@ import urllib.request
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
+
+from tests.conftest import descendants
 
 
 def free_port() -> int:
@@ -43,6 +46,22 @@ class RunningDaemon:
     def wait_ready(self, timeout_s: float = 30) -> None:
         if not self._ready.wait(timeout_s):
             raise AssertionError("daemon did not start:\n" + "\n".join(self.stderr_lines))
+
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        """The whole agent SIGSTOPped (its guard, its telemetry): a wedged node, whose kernel still takes connections
+        and where nothing answers. Only this test's own daemon and its children; SIGCONT again on the way out."""
+        pids = [self.proc.pid, *descendants(self.proc.pid)]
+        for pid in pids:
+            os.kill(pid, signal.SIGSTOP)
+        try:
+            yield
+        finally:
+            for pid in pids:
+                try:
+                    os.kill(pid, signal.SIGCONT)
+                except ProcessLookupError:
+                    pass
 
     @property
     def events_path(self) -> Path:

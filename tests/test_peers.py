@@ -1,7 +1,7 @@
 """The other nodes' agents (`peers`, issue 29): what a node tells its peers, and what it makes of theirs.
 
-Against real HTTP on loopback: a peer that serves a document, goes quiet (`peer_lost`, once, with what it last said)
-and comes back (`peer_back`); the peer guard's word on a pid it killed; a document of another shape refused whole;
+Against real HTTP on loopback: a peer that serves a document, refuses (its agent stopped: never lost), goes quiet
+(`peer_lost`, once, with what it last said) and comes back (`peer_back`); the peer guard's word on a pid it killed; a document of another shape refused whole;
 secrets in a peer's words redacted. The document a real daemon serves is parsed by the same reader. The two-node
 case (node B's guard kills a rank, node A's event carries its word) is in tests/test_ray_group.py.
 """
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import http.server
 import json
+import socket
 import threading
 import urllib.request
 from collections.abc import Iterator
@@ -136,24 +137,40 @@ def test_a_document_of_another_shape_is_refused_naming_the_field(body: bytes, wh
         peerdoc.parse(body)
 
 
+@contextmanager
+def silent_host() -> Iterator[int]:
+    """A port whose host takes the connection and never answers (a wedged node: its kernel accepts, nothing reads)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen(8)
+        yield sock.getsockname()[1]
+
+
 def test_a_peer_read_then_lost_once_then_back(tmp_path: Path) -> None:
     with peer() as p:
         w, recorded = watch(tmp_path, f"127.0.0.1:{p.port}")
         p.body = doc_bytes(peerdoc.kills_from_guard([recent(301)]))
         w.poll_once()
         assert w.peers[0].doc is not None and w.peers[0].doc.node == "spark-b"
-        port = p.port
-    # the peer is gone: lost after PEER_LOST_AFTER reads in a row, said once, with what it last said
+    # its agent stopped (or restarting): the port refuses, its host answers. Never lost, however long.
     for _ in range(PEER_LOST_AFTER + 2):
         w.poll_once()
+    assert recorded == [] and not w.peers[0].lost
+    assert w.counters()["peer_errors_refused"] == PEER_LOST_AFTER + 2
+    # its host takes connections and nothing answers (wedged): lost after PEER_LOST_AFTER reads in a row, said once,
+    # with what it last said
+    with silent_host() as port:
+        w.peers[0].port = port
+        for _ in range(PEER_LOST_AFTER + 1):
+            w.poll_once()
     lost = [e for e in recorded if e.kind == EventKind.PEER_LOST]
     assert len(lost) == 1 and w.counters()["peers_lost"] == 1
     fields = lost[0].fields
-    assert fields["peer"] == f"127.0.0.1:{port}" and fields["node"] == "spark-b"
+    assert fields["peer"] == f"127.0.0.1:{p.port}" and fields["node"] == "spark-b"
     assert fields["mem_available_bytes"] == 52 * GiB
     assert isinstance(fields["last_kill"], dict) and fields["last_kill"]["trigger"] == "budget"
     assert "spark-b" in lost[0].summary and "52.0 GiB" in lost[0].summary
-    assert w.counters()["peer_errors_unreachable"] >= PEER_LOST_AFTER
+    assert w.counters()["peer_errors_timeout"] == PEER_LOST_AFTER + 1
     # it answers again (on another port here: the test cannot count on getting the old one back): peer_back, once
     with peer() as again:
         w.peers[0].port = again.port

@@ -23,6 +23,7 @@ import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, replace
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +41,7 @@ from sparkwatch.core.model import MemInfo, Proc
 from sparkwatch.guard.groupwatch import GroupWatch
 from sparkwatch.guard.poolwatch import PoolWatch
 from sparkwatch.guard.process import GuardProcess
+from sparkwatch.telemetry.peerwatch import PEER_LOST_AFTER, PEER_TIMEOUT_S
 from sparkwatch.telemetry.raywatch import RayWatch
 from sparkwatch.telemetry.sources.raystate import RayStateError, RayStateSource
 from tests.conftest import alive, require, wait_until
@@ -81,7 +83,7 @@ def test_rank_death_on_b_stops_node_a_members(cluster: RayCluster, tmp_path: Pat
             group = f'group="{engine.placement_group}"'
             before: dict[str, float] = {}
             # the group's members on each node, as node A's agent exports them (telemetry.exporter.groupmetric)
-            assert wait_until(lambda: bool(before.update(_scrape(cluster, daemon.port))) or group in str(before), 15)
+            assert wait_until(lambda: bool(before.update(_scrape(cluster, f"127.0.0.1:{daemon.port}"))) or group in str(before), 15)
             assert before[f'sparkwatch_group_members{{{group},node="{cluster.ip_a}",role="driver"}}'] == 1
             assert before[f'sparkwatch_group_members{{{group},node="{cluster.ip_a}",role="rank"}}'] == 1
             assert before[f'sparkwatch_group_members{{{group},node="{cluster.ip_b}",role="rank"}}'] == 1
@@ -108,7 +110,7 @@ def test_rank_death_on_b_stops_node_a_members(cluster: RayCluster, tmp_path: Pat
             # The driver's death ended its job, and Ray removed the placement group with it.
             assert wait_until(lambda: pg_state(cluster, engine.placement_group) == ["REMOVED"], 10, 0.2)
             assert sum(1 for e in read_events(daemon.events_path) if e["kind"] == "group_teardown") == 1
-            after = _scrape(cluster, daemon.port)
+            after = _scrape(cluster, f"127.0.0.1:{daemon.port}")
             assert after["sparkwatch_guard_group_teardown_duration_seconds_count"] == 1
             assert after['sparkwatch_guard_group_teardown_duration_seconds_bucket{le="5.0"}'] == 1  # the goal
             assert after["sparkwatch_group_teardown_requests_total"] >= 1
@@ -263,10 +265,12 @@ def test_both_agents_a_wedged_driver_on_b_then_its_rank_dies(cluster: RayCluster
             assert all(e["peer_word"] is None for e in on_a)  # the rank died of a SIGKILL no guard sent: no word
         finally:
             engine.close()
-        stopped_at = time.monotonic()
-        agent_b.close()  # B's agent stops: A notices within 3 reads
-        lost = wait_for_event(daemon_a.events_path, "peer_lost", timeout_s=15)
-        print(f"peer_lost on A {time.monotonic() - stopped_at:.1f} s after B's agent stopped: {lost['summary']}")
+        with daemon_b.paused():  # B's agent goes silent (a wedged node): A notices after PEER_LOST_AFTER reads
+            stopped_at = time.monotonic()
+            lost = wait_for_event(daemon_a.events_path, "peer_lost", timeout_s=15)
+            print(
+                f"peer_lost on A {time.monotonic() - stopped_at:.1f} s after B's agent went silent: {lost['summary']}"
+            )
         assert lost["peer"] == listen_b and lost["mem_available_bytes"]
         assert isinstance(lost["last_kill"], dict) and lost["last_kill"]["trigger"] == "group_teardown"
 
@@ -305,9 +309,9 @@ def test_node_b_lost_raylet_killed_stops_node_a_members(cluster: RayCluster, tmp
             cluster.restart_b()  # the next test gets two nodes again
 
 
-def _scrape(cluster: RayCluster, port: int) -> dict[str, float]:
-    """Node A's agent's /metrics (it listens on A's loopback), as {'name{labels}': value}."""
-    out = cluster.get_in_a(f"http://127.0.0.1:{port}/metrics")
+def _scrape(cluster: RayCluster, listen: str) -> dict[str, float]:
+    """Node A's agent's /metrics (where it listens, from inside node A), as {'name{labels}': value}."""
+    out = cluster.get_in_a(f"http://{listen}/metrics")
     assert out.returncode == 0, out.stderr
     samples = {}
     for line in out.stdout.splitlines():
@@ -845,24 +849,59 @@ def test_mp_group_a_rank_killed_on_b_stops_node_a_s_member(cluster: RayCluster, 
 
 
 def test_mp_group_peer_lost_stops_node_a_s_member(cluster: RayCluster, tmp_path: Path) -> None:
-    """B's agent stops answering (stopped here; on a Spark: the node is gone or wedged) while the group runs: A's
-    agent records `peer_lost` and stops A's member (cause peer_lost). B's rank, which no agent watches now, lives."""
+    """B's agent stops answering while the group runs (SIGSTOPped whole: B's kernel takes A's connections and nothing
+    answers, as on a wedged Spark): A's agent records `peer_lost` and stops A's member (cause peer_lost). B's rank,
+    which no agent watches now, lives."""
     with mp_pair(cluster, tmp_path) as pair:
         engine = MpEngine(cluster, tmp_path)
         try:
             assert wait_until(lambda: _lists(cluster, pair.listen_b, engine.key, engine.keys["rank1"][0]), 20, 0.2)
             time.sleep(1.5)  # three of A's reads of B: A has seen B's member
-            lost_at = time.monotonic()
-            pair.stop_b.close()  # B's agent stopped
-            took_s = gone_within([engine.keys["rank0"], engine.keys["child0"]], lost_at)
-            print(f"mp group teardown on node A: member gone {took_s:.2f} s after B's agent stopped")
-            assert took_s <= TEARDOWN_GOAL_S
-            assert wait_for_event(pair.a.events_path, "peer_lost", timeout_s=5)["peer"] == pair.listen_b
-            event = wait_for_event(pair.a.events_path, "group_teardown", timeout_s=5)
-            assert (event["group"], event["cause"], event["first_pid"]) == (engine.key, "peer_lost", None)
-            assert alive(*engine.keys["rank1"])
+            with pair.b.paused():
+                lost_at = time.monotonic()
+                took_s = gone_within([engine.keys["rank0"], engine.keys["child0"]], lost_at)
+                lost = wait_for_event(pair.a.events_path, "peer_lost", timeout_s=5)
+                lost_s = _event_age_s(lost)
+                print(
+                    f"mp group teardown on node A: member gone {took_s:.2f} s after B's agent went silent, "
+                    f"{lost_s:.2f} s after A recorded peer_lost"
+                )
+                # the loss itself takes PEER_LOST_AFTER reads of 1 s without an answer (0.5 s apart here)
+                assert lost_s <= TEARDOWN_GOAL_S and took_s <= TEARDOWN_GOAL_S + PEER_LOST_AFTER * (
+                    PEER_TIMEOUT_S + 0.5
+                )
+                assert lost["peer"] == pair.listen_b
+                event = wait_for_event(pair.a.events_path, "group_teardown", timeout_s=5)
+                assert (event["group"], event["cause"], event["first_pid"]) == (engine.key, "peer_lost", None)
+                assert alive(*engine.keys["rank1"])
         finally:
             engine.close()
+
+
+def test_mp_group_a_peer_agent_stopped_is_not_lost_and_ends_nothing(cluster: RayCluster, tmp_path: Path) -> None:
+    """B's agent stopped (an upgrade, a restart, the owner's `systemctl stop`): B's kernel refuses A's connections,
+    B's rank runs on. That is no lost node: A records no `peer_lost` and its member of the group lives."""
+    with mp_pair(cluster, tmp_path) as pair:
+        engine = MpEngine(cluster, tmp_path)
+        try:
+            assert wait_until(lambda: _lists(cluster, pair.listen_b, engine.key, engine.keys["rank1"][0]), 20, 0.2)
+            time.sleep(1.5)  # three of A's reads of B: A has seen B's member
+            pair.stop_b.close()
+            time.sleep(2 * PEER_LOST_AFTER * 0.5 + 1)  # twice the reads that a silent peer would be lost after
+            assert alive(*engine.keys["rank0"]) and alive(*engine.keys["child0"]) and alive(*engine.keys["rank1"])
+            kinds = [e["kind"] for e in read_events(pair.a.events_path)]
+            assert "peer_lost" not in kinds and "group_teardown" not in kinds
+            refused = [v for k, v in _scrape(cluster, pair.listen_a).items() if 'counter="peer_errors_refused"' in k]
+            assert refused and refused[0] > 0  # said in A's metrics
+        finally:
+            engine.close()
+
+
+def _event_age_s(event: dict[str, object]) -> float:
+    """How long before now the event was recorded, from its own timestamp."""
+    ts = event["ts"]
+    assert isinstance(ts, str)
+    return time.time() - datetime.fromisoformat(ts).timestamp()
 
 
 def test_guard_kills_an_mp_member_only_when_its_own_command_line_names_the_group(tmp_path: Path) -> None:

@@ -10,8 +10,11 @@ What a peer says:
 - the group watch (telemetry.raywatch) asks `kill_word(node_id, pid)` when a group's member died on a peer's node:
   the peer guard's own line when it killed it ("killed by sparkwatch on spark-b: budget: …"), for this node's
   `group_teardown` event and the launch that started the engine here;
-- a peer that answered and then fails PEER_LOST_AFTER reads in a row is recorded once as `peer_lost`, with what it
-  last said (MemAvailable, its engine trees, its last kill), and `peer_back` when it answers again;
+- a peer that answered and then gives no answer at all PEER_LOST_AFTER reads in a row (each read timed out, or its
+  host unreachable: the node is wedged, down or cut off) is recorded once as `peer_lost`, with what it last said
+  (MemAvailable, its engine trees, its last kill), and `peer_back` when it answers again. A refused connection is
+  its kernel answering that no agent listens (stopped, or restarting after an upgrade): the node lives, and that is
+  never a loss; nor is an HTTP error or a bad document (an agent that answers);
 - for engine groups without Ray (telemetry.mpwatch, after each read of the peers): a peer's member of a group this
   node also runs that it no longer lists, or the peer lost, ends the group here. That is a reason to look at this
   node's own members, never to signal anything else: the guard kills only processes whose own command line names
@@ -46,8 +49,11 @@ if TYPE_CHECKING:
 log = logs.get("peers")
 PEER_TIMEOUT_S = 1.0  # one read of a peer on the same switch answers in milliseconds
 WORD_TIMEOUT_S = 0.5  # a read for a kill's word, on the group watch's thread: a teardown waits at most this
-PEER_LOST_AFTER = 3  # reads in a row: a restarting agent (systemd restarts it within a second) is not lost
-ERROR_KINDS = ("unreachable", "timeout", "http", "bad_answer")
+PEER_LOST_AFTER = 3  # reads in a row without an answer: one slow read of a busy peer is not a lost node
+ERROR_KINDS = ("refused", "unreachable", "timeout", "http", "bad_answer")
+# Only these say nothing answered on the peer's host. "refused" is its kernel answering (no agent listens: stopped or
+# restarting, and a lost peer ends engine groups here: telemetry.mpwatch); "http" and "bad_answer" an agent answering.
+SILENT_KINDS = frozenset({"unreachable", "timeout"})
 
 
 class PeerError(Exception):
@@ -181,7 +187,7 @@ class PeerWatch:
     def _failed(self, peer: Peer, kind: str, message: str) -> None:
         """Under the peer's lock."""
         self.errors[kind] = self.errors.get(kind, 0) + 1
-        peer.failures += 1
+        peer.failures = peer.failures + 1 if kind in SILENT_KINDS else 0
         if message != peer.last_error:
             log.warning("peer %s: %s", peer.label, message)
             peer.last_error = message
@@ -205,6 +211,8 @@ class PeerWatch:
             status = resp.status
         except TimeoutError:
             raise PeerError("timeout", f"no answer within {timeout_s:g} s") from None
+        except (ConnectionRefusedError, ConnectionResetError) as exc:
+            raise PeerError("refused", f"{exc.strerror or type(exc).__name__}: its host answers, no agent") from None
         except (http.client.HTTPException, OSError) as exc:
             raise PeerError("unreachable", str(exc) or type(exc).__name__) from None
         finally:
