@@ -38,6 +38,7 @@ from sparkwatch.core.report.alerts import ALERT_MIN_INTERVAL_S
 from sparkwatch.telemetry.exporter.contract import BY_NAME, METRICS, MetricSpec, markdown_table, presence_table
 from sparkwatch.telemetry.exporter.groupmetric import GroupCollector
 from sparkwatch.telemetry.exporter.internal import InternalCollector
+from sparkwatch.telemetry.exporter.peermetric import PeerCollector
 from sparkwatch.telemetry.exporter.postmortemmetric import PostmortemCollector
 from sparkwatch.telemetry.exporter.server import build_registry
 from sparkwatch.telemetry.loop import Telemetry
@@ -52,6 +53,7 @@ from tests.helpers.scenario import (
     gb10_report,
     group_view,
     guard_stats,
+    peer_view,
     stranded_driver,
     zero_durations,
 )
@@ -156,6 +158,7 @@ def full_exposition(tmp_path: Path) -> list[Metric]:
     )
     registry.register(PostmortemCollector(lambda: Judged(BootEnd.DRIVER_NO_MEMORY, FIXED_MTIME, "a" * 32)))
     registry.register(GroupCollector(group_view))
+    registry.register(PeerCollector(peer_view))
     return list(registry.collect())
 
 

@@ -99,6 +99,7 @@ ABSENT_OK: dict[str, str] = {
     "sparkwatch_engine_serving": NO_PROBE,
     "sparkwatch_group_dead_members": NO_RAY,
     "sparkwatch_ray_node_up": NO_RAY,
+    "sparkwatch_peer_lost": "no peers configured here (tests/test_peers.py and test_ray_group.py have them)",
 }
 
 

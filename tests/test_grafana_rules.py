@@ -34,6 +34,7 @@ REQUIRED_ALERTS = {
     "SparkwatchEngineNearBudget",
     "SparkwatchGroupMemberDead",  # an engine group over Ray lost a member and the rest still run
     "SparkwatchRayNodeLost",  # Ray marks a node of the cluster dead
+    "SparkwatchPeerLost",  # a peer's agent gives no answer at all: its node wedged, down or cut off
     "SparkwatchEngineWedged",  # up but not serving: the one-token probe fails while the process lives
 }
 
@@ -159,11 +160,13 @@ def test_example_alertmanager_config() -> None:
     config = yaml.safe_load((ASSETS / "alertmanager.yml").read_text(encoding="utf-8"))
     receivers = {r["name"]: r for r in config["receivers"]}
     assert receivers[config["route"]["receiver"]]["webhook_configs"][0]["url"].startswith("http")
-    # A lost node explains the dead members of its cluster's groups: one page, not one per group.
-    inhibit = [r for r in config["inhibit_rules"] if r["source_matchers"] == ['alertname="SparkwatchRayNodeLost"']]
-    assert [(r["target_matchers"], r["equal"]) for r in inhibit] == [
-        (['alertname="SparkwatchGroupMemberDead"'], ["cluster"])
-    ]
+    # A lost node (Ray's word or a peer's agent's) explains the dead members of its cluster's groups: one page, not
+    # one per group.
+    for lost in ("SparkwatchRayNodeLost", "SparkwatchPeerLost"):
+        inhibit = [r for r in config["inhibit_rules"] if r["source_matchers"] == [f'alertname="{lost}"']]
+        assert [(r["target_matchers"], r["equal"]) for r in inhibit] == [
+            (['alertname="SparkwatchGroupMemberDead"'], ["cluster"])
+        ]
 
 
 def test_provisioning_files() -> None:

@@ -1,9 +1,10 @@
 """The other nodes' agents (`peers`, issue 29): what a node tells its peers, and what it makes of theirs.
 
 Against real HTTP on loopback: a peer that serves a document, refuses (its agent stopped: never lost), goes quiet
-(`peer_lost`, once, with what it last said) and comes back (`peer_back`); the peer guard's word on a pid it killed; a document of another shape refused whole;
-secrets in a peer's words redacted. The document a real daemon serves is parsed by the same reader. The two-node
-case (node B's guard kills a rank, node A's event carries its word) is in tests/test_ray_group.py.
+(`peer_lost`, once, with what it last said) and comes back (`peer_back`); the peer guard's word on a pid it killed;
+a document of another shape refused whole; secrets in a peer's words redacted. The document a real daemon serves is
+parsed by the same reader. The two-node case (node B's guard kills a rank, node A's event carries its word) is in
+tests/test_ray_group.py.
 """
 
 from __future__ import annotations

@@ -14,6 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from sparkwatch.telemetry.exporter.contract import BY_NAME, METRICS
 from sparkwatch.telemetry.exporter.groupmetric import GroupCollector
 from sparkwatch.telemetry.exporter.internal import InternalCollector
+from sparkwatch.telemetry.exporter.peermetric import PeerCollector
 from sparkwatch.telemetry.exporter.server import build_registry, render
 from sparkwatch.telemetry.loop import Telemetry
 from tests.conftest import require_tool
@@ -27,6 +28,7 @@ from tests.helpers.scenario import (
     group_view,
     guard_stats,
     kernel_log_stats,
+    peer_view,
     stranded_driver,
     zero_durations,
 )
@@ -61,6 +63,7 @@ def scenario_exposition(tmp_path: Path) -> bytes:
         )
     )
     registry.register(GroupCollector(group_view))
+    registry.register(PeerCollector(peer_view))
     return render(registry)
 
 

@@ -5,7 +5,9 @@ document says what a node's agent knows that the other cannot see from its own /
 - the node's name, and the Ray node ids its raylets serve (how a death in Ray's state is tied to a peer);
 - its MemAvailable and its engine trees (root pid, kind, RSS), as of telemetry's last cycle;
 - its guard's recent kills, as the guard remembered them at the signal: trigger, the reason, the pids signalled;
-- its members of engine groups without Ray (core.kill.mpgroup): the rendezvous, the node rank, the tree's root pid.
+- its members of engine groups without Ray (core.kill.mpgroup): the rendezvous, the node rank, the tree's root pid;
+- its Ray ranks that Ray still lists ALIVE and whose process it saw end (node id, pid: telemetry.raywatch), which
+  Ray learns of late when the node's raylet died first.
 
 Never more: no command line, no environment, no path, nothing a kill summary does not already say on the node's own
 journal (summaries are redacted again here). A peer's document is a reason to write a better line, and for groups
@@ -61,6 +63,14 @@ class PeerMember:
 
 
 @dataclass(frozen=True, slots=True)
+class PeerRank:
+    """A Ray rank on the peer's own node (a node id its raylet served) that Ray lists ALIVE and whose process ended."""
+
+    node_id: str
+    pid: int
+
+
+@dataclass(frozen=True, slots=True)
 class PeerDoc:
     version: int
     node: str
@@ -70,6 +80,7 @@ class PeerDoc:
     kills: tuple[PeerKill, ...]  # oldest first
     # None: unknown (before the agent's first cycle, or an agent from before groups without Ray): never a loss
     groups: tuple[PeerMember, ...] | None = None
+    ray_gone: tuple[PeerRank, ...] = ()  # absent from an agent older than it: nothing ended that it knows of
 
 
 def kills_from_guard(recent: Iterable[RecentKill]) -> tuple[PeerKill, ...]:
@@ -95,6 +106,7 @@ def build(
     kills: tuple[PeerKill, ...],
     *,
     groups: tuple[PeerMember, ...] | None = None,
+    ray_gone: Iterable[tuple[str, int]] = (),
 ) -> bytes:
     doc = PeerDoc(
         version=VERSION,
@@ -104,6 +116,7 @@ def build(
         engines=tuple(PeerEngine(t.root.pid, t.kind, t.rss_bytes) for t in engines),
         kills=kills,
         groups=groups,
+        ray_gone=tuple(PeerRank(node_id, pid) for node_id, pid in ray_gone),
     )
     return json.dumps(to_json(doc), separators=(",", ":")).encode()
 
@@ -122,6 +135,13 @@ def clean(text: str) -> str:
     """A peer's words as they may reach our events and launch's line: redacted, printable, bounded."""
     text = "".join(c if c.isprintable() else " " for c in redact(text))
     return text if len(text) <= SUMMARY_MAX else text[: SUMMARY_MAX - 1] + "…"
+
+
+def ray_gone(doc: PeerDoc, node_id: str) -> frozenset[int]:
+    """The pids of the ranks on `node_id` that the peer says ended, when the peer serves that node (it names it)."""
+    if node_id not in doc.ray_node_ids:
+        return frozenset()
+    return frozenset(r.pid for r in doc.ray_gone if r.node_id == node_id)
 
 
 def kill_word(doc: PeerDoc, pid: int | None) -> str | None:

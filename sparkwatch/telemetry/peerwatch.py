@@ -19,8 +19,9 @@ What a peer says:
   node also runs that it no longer lists, or the peer lost, ends the group here. That is a reason to look at this
   node's own members, never to signal anything else: the guard kills only processes whose own command line names
   the group's rendezvous, in its own network namespace, with the pid and start time named.
-For Ray's groups a slow, unreachable or lying peer never decides a kill: the group watch tears a group down on Ray's
-word that a member died, checked again by the guard on this node's own /proc.
+For Ray's groups a slow or unreachable peer never decides a kill: the group watch tears a group down on Ray's word
+that a member died, or on the word of the agent of the member's own node that its process ended (`ray_gone`), and
+the guard checks this node's members again on its own /proc.
 """
 
 from __future__ import annotations
@@ -76,6 +77,15 @@ class Peer:
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
+@dataclass(frozen=True, slots=True)
+class PeerState:
+    """A peer as the exporter shows it (telemetry.exporter.peermetric)."""
+
+    peer: str  # as configured
+    node: str  # the name it last gave
+    lost: bool
+
+
 class PeerWatch:
     LIVE_KEYS = frozenset({"peer_poll_s"})
 
@@ -118,6 +128,10 @@ class PeerWatch:
     def counters(self) -> dict[str, int]:
         return {**{f"peer_errors_{k}": n for k, n in self.errors.items()}, "peers_lost": self.lost_total}
 
+    def view(self) -> tuple[PeerState, ...]:
+        """The peers that answered once, and whether each is lost now. Called from the scrape's thread."""
+        return tuple(PeerState(p.label, p.doc.node, p.lost) for p in self.peers if p.doc is not None)
+
     def _run(self) -> None:
         while not self._stop.is_set():
             try:
@@ -155,6 +169,15 @@ class PeerWatch:
             doc = peer.doc
             if doc is not None and node_id in doc.ray_node_ids:
                 return frozenset(pid for k in doc.kills if k.trigger == "group_teardown" for pid in k.pids)
+        return frozenset()
+
+    def ray_gone(self, node_id: str) -> frozenset[int]:
+        """The pids of the Ray ranks on `node_id` that its own agent (the peer that names that node) says ended, from
+        its last document: no read here (the peer watch reads every `peer_poll_s`, and wakes the group watch when
+        one says so). A reason to look, never to kill: the guard checks this node's own members."""
+        for peer in self._candidates(node_id):
+            if peer.doc is not None and node_id in peer.doc.ray_node_ids:
+                return peerdoc.ray_gone(peer.doc, node_id)
         return frozenset()
 
     def _candidates(self, node_id: str) -> Iterator[Peer]:

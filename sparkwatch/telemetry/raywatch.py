@@ -17,6 +17,13 @@ telemetry loop's own process table every `RAYLET_LOOK_S`: a box without Ray pays
    local raylet runs its Python workers with): `ray.init(address=<GCS>)` and `remove_placement_group`, at most
    `REMOVE_TIMEOUT_S`, once per group. Ray offers no REST call for it, and Ray is never imported here.
 
+This node's agent also tells its peers (telemetry.peerdoc, `ray_gone`) of its own ranks that Ray still lists ALIVE
+and whose process it saw end: when a node's raylet dies first, Ray hears of its ranks only when its health check
+gives up on that node (about 15 s), while the ranks exit within a second (each worker watches its raylet). The ranks
+are kept, as Ray last listed them, RANKS_KEPT_S after the raylet went. A peer's such word marks that rank dead for the
+decisions here (core.kill.raygroup.gone_per_agents), and a peer read that brings one wakes this watch at once: a
+reason to look at this node's own members, which the guard checks again as ever.
+
 Every failed poll is counted by kind (`ray_errors_*`) and said in the log once per change of reason; a failure
 decides nothing. With `group_teardown` off nothing is sent.
 """
@@ -30,11 +37,11 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from sparkwatch.common import logs
 from sparkwatch.common.messages import TEARDOWN_RESEND_S, GroupTeardownMsg
-from sparkwatch.common.sources.procs import ProcParseError, ProcScanner, same_netns
+from sparkwatch.common.sources.procs import ProcParseError, ProcScanner, read_running_start_ticks, same_netns
 from sparkwatch.common.threads import daemon_thread
 from sparkwatch.core.kill import raygroup
 from sparkwatch.core.model import Proc
@@ -58,6 +65,7 @@ RAYLET_LOOK_S = 5.0  # a raylet started later is found within this (a look goes 
 FULL_EVERY_S = 10.0
 FULL_MAX_S = 60.0
 MAX_PIDS = 512  # pids read from /proc a poll: ranks, drivers and their parents of the groups Ray lists
+RANKS_KEPT_S = 60.0  # this node's ranks are told of this long after the last answer from Ray that listed them
 REMOVE_TIMEOUT_S = 30.0  # the helper connects as a Ray driver: 2-3 s on the 2-core test box
 # Run by the engine's interpreter: argv[1] the GCS address, argv[2] the placement group's id (hex).
 REMOVE_PG = """
@@ -81,6 +89,35 @@ class GroupView:
     pg_removed_total: int
 
 
+class PeerWords(Protocol):
+    """What the group watch asks of the other nodes' agents (telemetry.peerwatch.PeerWatch), by Ray node id."""
+
+    def kill_word(self, node_id: str, pid: int | None) -> str | None:
+        """The peer guard's own line when it killed `pid` on that node (text for the event), else None."""
+        ...
+
+    def torn_down(self, node_id: str) -> frozenset[int]:
+        """The pids that node's agent stopped as a group teardown: consequences, never a first death."""
+        ...
+
+    def ray_gone(self, node_id: str) -> frozenset[int]:
+        """The pids of that node's ranks that its own agent saw end while Ray still lists them ALIVE."""
+        ...
+
+
+class NoPeers:
+    """No peers configured: nobody to ask."""
+
+    def kill_word(self, node_id: str, pid: int | None) -> str | None:
+        return None
+
+    def torn_down(self, node_id: str) -> frozenset[int]:
+        return frozenset()
+
+    def ray_gone(self, node_id: str) -> frozenset[int]:
+        return frozenset()
+
+
 class RayWatch:
     LIVE_KEYS = frozenset({"group_teardown", "ray_poll_s"})
 
@@ -89,22 +126,23 @@ class RayWatch:
         settings: Settings,
         send: Callable[[GroupTeardownMsg], None],
         procs: Callable[[], Iterable[Proc]] = lambda: (),
-        peer_word: Callable[[str, int | None], str | None] = lambda node_id, pid: None,
-        peer_torn_down: Callable[[str], frozenset[int]] = lambda node_id: frozenset(),
+        peers: PeerWords | None = None,
     ) -> None:
-        """`procs`: the telemetry loop's last process table (where the raylets are looked for). `peer_word`: the
-        word of the peer agent whose raylet serves a node id on a pid there, when its guard killed it
-        (telemetry.peerwatch.PeerWatch.kill_word): text for the event, never a reason to kill."""
+        """`procs`: the telemetry loop's last process table (where the raylets are looked for). `peers`: what the
+        other nodes' agents say (telemetry.peerwatch.PeerWatch), text and reasons to look, never reasons to kill."""
         self.settings = settings
         self.send = send
         self.procs = procs
-        self.peer_word = peer_word
-        self.peer_torn_down = peer_torn_down  # telemetry.peerwatch.PeerWatch.torn_down
+        self.peers: PeerWords = peers or NoPeers()
         self.proc_root = Path(settings.proc_root)
         self.source = RayStateSource(settings.ray_dashboard_url)
         self.scanner = ProcScanner(settings.proc_root)
         self._state: raygroup.RayState | None = None
         self._decided: raygroup.RayState | None = None  # the state the last decisions were made on
+        self._gone_decided: frozenset[tuple[str, int]] = frozenset()  # and the peers' word on their ranks then
+        # (node id, pid) -> start ticks (None: never seen running here, never told of as ended): this node's ranks
+        self._ranks: dict[tuple[str, int], int | None] = {}
+        self._ranks_at = 0.0  # when Ray last listed them (monotonic)
         self._actors_seen: tuple[tuple[str, str, int | None, str], ...] = ()  # the last answer's actors, in brief
         self._nodes_at = 0.0
         self._full_at = 0.0
@@ -123,6 +161,7 @@ class RayWatch:
         self._next_look = 0.0  # the next look for raylets in the process table
         self._looked = False  # a look went over a process table (telemetry's first cycle has run)
         self._stop = threading.Event()
+        self._wake = threading.Event()  # set by nudge(): poll now
         self._thread: threading.Thread | None = None
         self._said: str | None = None
 
@@ -135,6 +174,7 @@ class RayWatch:
 
     def stop(self) -> None:
         self._stop.set()
+        self._wake.set()
         if self._thread is not None:
             self._thread.join(5)
         self.source.close()
@@ -152,6 +192,30 @@ class RayWatch:
         out["proc_errors"] = self.proc_errors_total
         out["pg_remove_errors"] = self.pg_remove_errors_total
         return out
+
+    def nudge(self) -> None:
+        """Poll now (a peer says one of its ranks ended), not at the next `ray_poll_s`."""
+        self._wake.set()
+
+    def published_node_ids(self) -> frozenset[str]:
+        """The node ids this node's raylets serve, and those of the ranks still told of after a raylet went."""
+        if time.monotonic() - self._ranks_at > RANKS_KEPT_S:
+            return self.node_ids
+        return self.node_ids | {node_id for node_id, _pid in self._ranks}
+
+    def gone_ranks(self) -> tuple[tuple[str, int], ...]:
+        """This node's ranks that Ray last listed ALIVE and whose process has ended since (read now: one stat each),
+        for the peers. Only a rank seen running here counts: one never seen (another pid namespace) is never gone."""
+        ranks, listed_at = self._ranks, self._ranks_at
+        if time.monotonic() - listed_at > RANKS_KEPT_S:
+            return ()
+        return tuple(
+            sorted(
+                key
+                for key, ticks in ranks.items()
+                if ticks is not None and read_running_start_ticks(self.proc_root, key[1]) != ticks
+            )
+        )
 
     def view(self) -> GroupView | None:
         """The groups as of Ray's last answer, with this node's members marked; None while no raylet runs here or
@@ -172,7 +236,8 @@ class RayWatch:
                 log.error("group watch failed: %s: %s", type(exc).__name__, exc)
             # Without a raylet here the thread wakes only to look for one (a quiet box stays quiet); before telemetry's
             # first process table it looks again at the poll interval.
-            self._stop.wait(self.settings.ray_poll_s if self.node_ids or not self._looked else RAYLET_LOOK_S)
+            self._wake.wait(self.settings.ray_poll_s if self.node_ids or not self._looked else RAYLET_LOOK_S)
+            self._wake.clear()
 
     def poll_once(self) -> list[GroupTeardownMsg]:
         now = time.monotonic()
@@ -190,9 +255,16 @@ class RayWatch:
         state = self._poll_state(now)
         if state is None:
             return []
-        if state is self._decided and not (self._sent_at or self._torn_at or self._removing):
+        self._keep_ranks(state, now)
+        gone = self._peers_gone(state)
+        if (
+            state is self._decided
+            and gone == self._gone_decided
+            and not (self._sent_at or self._torn_at or self._removing)
+        ):
             return []  # the same answer as last time and nothing under way: nothing new to decide
-        self._decided = state
+        self._decided, self._gone_decided = state, gone
+        state = raygroup.gone_per_agents(state, gone)
         self.groups = raygroup.groups(state)
         # /proc is read only for groups that lost a member (none, nearly always)
         procs = self._local_procs(tuple(g for g in self.groups if raygroup.first_death(g, state) is not None))
@@ -231,6 +303,24 @@ class RayWatch:
         self._remove_tried &= live | set(self._removing)
         return sent
 
+    def _keep_ranks(self, state: raygroup.RayState, now: float) -> None:
+        """This node's ranks as Ray lists them now, each with its start time read once when first listed."""
+        listed = raygroup.local_ranks(state, self.node_ids)
+        if listed != self._ranks.keys():
+            then = self._ranks
+            self._ranks = {k: then[k] if k in then else read_running_start_ticks(self.proc_root, k[1]) for k in listed}
+        self._ranks_at = now
+
+    def _peers_gone(self, state: raygroup.RayState) -> frozenset[tuple[str, int]]:
+        """(node id, pid) of the other nodes' ranks that their own agents say ended (their last documents)."""
+        out: set[tuple[str, int]] = set()
+        for node_id in raygroup.remote_rank_nodes(state, self.node_ids):
+            try:
+                out.update((node_id, pid) for pid in self.peers.ray_gone(node_id))
+            except Exception as exc:  # a bug there must not hold Ray's own word back
+                log.error("peer's ranks: %s: %s", type(exc).__name__, exc)
+        return frozenset(out)
+
     def _consequences(self, state: raygroup.RayState) -> frozenset[tuple[str, int]]:
         """Dead ranks of another node that its agent says it stopped as a group teardown, asked only for a group
         that shows more than one dead rank at once and has not been torn down here yet (Ray keeps no time of
@@ -243,7 +333,7 @@ class RayWatch:
         out: set[tuple[str, int]] = set()
         for node_id in nodes:
             try:
-                out.update((node_id, pid) for pid in self.peer_torn_down(node_id))
+                out.update((node_id, pid) for pid in self.peers.torn_down(node_id))
             except Exception as exc:  # a bug there must not hold a teardown back
                 log.error("peer teardowns: %s: %s", type(exc).__name__, exc)
         return frozenset(out)
@@ -254,7 +344,7 @@ class RayWatch:
         if death.cause != raygroup.RANK_DIED:
             return None
         try:
-            return self.peer_word(death.node_id, death.pid)
+            return self.peers.kill_word(death.node_id, death.pid)
         except Exception as exc:  # a bug there must not hold a teardown back
             log.error("peer word: %s: %s", type(exc).__name__, exc)
             return None

@@ -46,6 +46,7 @@ from sparkwatch.telemetry import peerdoc
 from sparkwatch.telemetry.drivercheck import DriverWatcher
 from sparkwatch.telemetry.exporter.groupmetric import GroupCollector
 from sparkwatch.telemetry.exporter.internal import InternalCollector
+from sparkwatch.telemetry.exporter.peermetric import PeerCollector
 from sparkwatch.telemetry.exporter.postmortemmetric import PostmortemCollector
 from sparkwatch.telemetry.exporter.server import MetricsServer, build_registry
 from sparkwatch.telemetry.gpufast import GpuFastSampler
@@ -53,7 +54,7 @@ from sparkwatch.telemetry.headroom import HeadroomWatcher
 from sparkwatch.telemetry.loop import Telemetry, TelemetryLoop, gpu_bytes_by_pid, quiet
 from sparkwatch.telemetry.mpwatch import MpGroupWatch
 from sparkwatch.telemetry.outbox import Outbox
-from sparkwatch.telemetry.peerwatch import PeerWatch
+from sparkwatch.telemetry.peerwatch import Peer, PeerWatch
 from sparkwatch.telemetry.postmortemtask import PostmortemWatch
 from sparkwatch.telemetry.raywatch import RayWatch
 from sparkwatch.telemetry.remote import EventErrors, RemoteGuard
@@ -198,18 +199,24 @@ class TelemetryProcess:
         # The other nodes' agents (`peers`): their guard's word on a group member it killed, and peer_lost.
         # Groups without Ray (`--nnodes` over the multiprocessing backends): this node's members from its own trees,
         # a peer's member that vanished (or the peer lost) ends the group here (telemetry.mpwatch).
-        mpwatch = self.mpwatch = MpGroupWatch(settings, self._send, self._last_engines)
-        peers = self.peers = PeerWatch(settings, self.events.append, after_poll=mpwatch.observe)
+        self.mpwatch = MpGroupWatch(settings, self._send, self._last_engines)
+        peers = self.peers = PeerWatch(settings, self.events.append, after_poll=self._after_peers)
         out.append(Component("peers", peers, self.PEERS_LIVE_KEYS, self._apply_peers, peers.counters))
         raywatch = self.raywatch = RayWatch(
             settings,
             self._send,
             procs=lambda: self.loop.telemetry.last_procs,
-            peer_word=peers.kill_word,
-            peer_torn_down=peers.torn_down,
+            peers=peers,
         )
         out.append(Component("raywatch", raywatch, RayWatch.LIVE_KEYS, raywatch.apply, raywatch.counters))
         return out
+
+    def _after_peers(self, peers: list[Peer]) -> None:
+        """After each read of the peers: groups without Ray decide; a peer that says a Ray rank of its node ended
+        wakes the group watch now (a second sooner than its poll: Ray would say so only after its health check)."""
+        self.mpwatch.observe(peers)
+        if any(p.doc is not None and p.doc.ray_gone for p in peers):
+            self.raywatch.nudge()
 
     def _last_engines(self) -> tuple[EngineTree, ...] | None:
         """The engine trees of telemetry's last cycle; None before its first."""
@@ -231,11 +238,12 @@ class TelemetryProcess:
             recent = list(self.remote.stats.recent_kills)
         return peerdoc.build(
             self.host,
-            self.raywatch.node_ids,
+            self.raywatch.published_node_ids(),
             None if snap is None else snap.mem,
             () if snap is None else snap.engines,
             peerdoc.kills_from_guard(recent),
             groups=self.mpwatch.published(),
+            ray_gone=self.raywatch.gone_ranks(),
         )
 
     def _endpoint(self) -> list[Component[Settings]]:
@@ -248,6 +256,7 @@ class TelemetryProcess:
         )
         self.registry.register(PostmortemCollector(lambda: self.postmortem.result))
         self.registry.register(GroupCollector(self.raywatch.view))
+        self.registry.register(PeerCollector(self.peers.view))
         self.metrics = MetricsServer(self.settings, self.registry, documents={peerdoc.PATH: self._peer_doc})
         out: list[Component[Settings]] = [
             Component("metrics", self.metrics, counters=self.metrics.counters),

@@ -12,6 +12,7 @@ from sparkwatch.config.settings import Settings, load_settings
 from sparkwatch.core.enums import DriverVerdict
 from sparkwatch.core.kill import raygroup
 from sparkwatch.core.model import DriverReport, GpuDevice, GpuProcess, GpuReport, Snapshot
+from sparkwatch.telemetry.peerwatch import PeerState
 from sparkwatch.telemetry.raywatch import GroupView
 from tests.helpers.proctree import FIXED_MTIME, PSI_MEMORY, FakeProc, pin_mtimes, write_module, write_proc
 
@@ -244,3 +245,8 @@ def group_view() -> GroupView:
         placement_groups=(raygroup.RayPlacementGroup("5e7bd1a2c7f3", "01000000", "CREATED", (a, b)),),
     )
     return GroupView(raygroup.group_rows(state, frozenset({a})), state.nodes, 1, 0)
+
+
+def peer_view() -> tuple[PeerState, ...]:
+    """Node A's two peers: spark-b answering, spark-c gone quiet (lost)."""
+    return (PeerState("10.0.0.2:9847", "spark-b", False), PeerState("spark-c:9847", "spark-c", True))

@@ -384,6 +384,16 @@ def read_start_ticks(proc_root: Path | str, pid: int) -> int | None:
         return None
 
 
+def read_running_start_ticks(proc_root: Path | str, pid: int) -> int | None:
+    """Start time of a pid that still runs; None if gone or a zombie (it has ended, and its parent has not reaped it
+    yet: a Ray rank whose raylet died waits for whoever inherits it, 2 s on the test box)."""
+    try:
+        _comm, state, _ppid, _flags, start_ticks, _rss = parse_stat(pid, _read(f"{proc_root}/{pid}/stat"))
+    except (OSError, ProcParseError, ValueError):
+        return None
+    return None if state in ("Z", "X") else start_ticks
+
+
 class JobStat(NamedTuple):
     """What the killer reads of each member when it pins it: the start time (with the pid, one process across
     reuse), and the job-control facts (core.kill.terminal: is a shell watching this process?)."""

@@ -5,7 +5,9 @@ A group is what Ray's GCS says one engine is (issue 29): its driver (the job's d
 each with its node. Telemetry reads that state from the dashboard's state API (telemetry.sources.raystate) and hands
 it here as frozen records; this module decides, with no I/O:
 - which groups have a member on this node (`local_members`), from the node ids this node's raylet serves;
-- whether a group has lost a member (`first_death`): a rank DEAD, or on a node Ray marks DEAD;
+- whether a group has lost a member (`first_death`): a rank DEAD, or on a node Ray marks DEAD, or a rank Ray still
+  lists ALIVE whose own node's agent saw its process end (`gone_per_agents`: Ray learns of it only from that node's
+  raylet, and a raylet that died first tells Ray nothing until its health check fails, about 15 s);
 - what this node must stop (`teardowns`): its own ranks, the driver when it runs here, and the driver's parent when
   that is the `vllm serve` API server. Only processes in this node's process table with the same start time.
 
@@ -16,7 +18,7 @@ Ray's word is a reason to look, never a reason to kill.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from sparkwatch.core.model import Proc
 
@@ -120,6 +122,36 @@ def groups(state: RayState) -> tuple[RayGroup, ...]:
         ranks = tuple(a for a in state.actors if a.placement_group_id == pg.placement_group_id)
         out.append(RayGroup(pg.placement_group_id, job, by_ip.get(job.driver_ip) if job else None, ranks))
     return tuple(out)
+
+
+def local_ranks(state: RayState, local_node_ids: frozenset[str]) -> frozenset[tuple[str, int]]:
+    """(node id, pid) of the ranks Ray lists ALIVE on this node in a live group: what this node's agent tells its
+    peers of when one's process ends (telemetry.raywatch)."""
+    return frozenset(
+        (a.node_id, a.pid)
+        for g in groups(state)
+        for a in g.ranks
+        if a.state == "ALIVE" and a.pid and a.node_id in local_node_ids
+    )
+
+
+def remote_rank_nodes(state: RayState, local_node_ids: frozenset[str]) -> frozenset[str]:
+    """The other nodes that run an ALIVE rank of a live group: the ones whose agents' word on their ranks matters."""
+    return frozenset(
+        a.node_id for g in groups(state) for a in g.ranks if a.state == "ALIVE" and a.node_id not in local_node_ids
+    )
+
+
+def gone_per_agents(state: RayState, gone: frozenset[tuple[str, int]]) -> RayState:
+    """Ray's state with the ranks that their own node's agent saw end (`gone`: (node id, pid)) marked DEAD, for the
+    decisions only. Only an actor Ray places on that very node with that pid is marked: a peer names its own node's
+    processes, never another node's."""
+    if not gone:
+        return state
+    actors = tuple(
+        replace(a, state="DEAD") if a.state == "ALIVE" and (a.node_id, a.pid) in gone else a for a in state.actors
+    )
+    return replace(state, actors=actors)
 
 
 def first_death(

@@ -22,7 +22,7 @@ MetricType = Literal["gauge", "counter", "histogram"]
 # When a family is present. A series that is not known is absent, never 0.
 Presence = Literal["always", "meminfo", "guard", "guard_loop", "kill", "events", "outbox", "delivered", "telemetry",
                    "psi", "gpu", "gpu_device", "gpu_field", "driver", "daemon", "launched", "budget",
-                   "postmortem", "ray", "ray_group", "probed"]  # fmt: skip
+                   "postmortem", "ray", "ray_group", "peer", "probed"]  # fmt: skip
 PRESENCE: dict[Presence, str] = {
     "always": "always",
     "meminfo": "once /proc/meminfo was read (the guard's read, else the telemetry's)",
@@ -44,6 +44,7 @@ PRESENCE: dict[Presence, str] = {
     "postmortem": "in the daemon once the previous boot was judged (`postmortem = true`, the default)",
     "ray": "in the daemon while a raylet runs on this node and Ray's state API answered once",
     "ray_group": "per engine group over Ray (a live placement group) this node's Ray lists, node and role",
+    "peer": "in the daemon, per configured peer (`peers`) once it answered",
     "probed": "per engine whose endpoint the serving probe knows, once it was probed (`probe_interval_s` > 0)",
 }
 
@@ -232,6 +233,14 @@ METRICS: tuple[MetricSpec, ...] = (
         "",
         "ray",
         "placement groups still held after this node's teardown, removed through Ray",
+    ),
+    _m(
+        "peer_lost",
+        "gauge",
+        "peer node",
+        "peer",
+        "1 while the peer's agent gives no answer at all (3 reads timed out or its host unreachable: the node is "
+        "wedged, down or cut off), 0 while it answers or refuses (its agent stopped, its node alive)",
     ),
     _m(
         "previous_boot_end_timestamp_seconds",
