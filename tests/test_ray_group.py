@@ -42,6 +42,7 @@ from sparkwatch.guard.groupwatch import GroupWatch
 from sparkwatch.guard.poolwatch import PoolWatch
 from sparkwatch.guard.process import GuardProcess
 from sparkwatch.telemetry import peerdoc
+from sparkwatch.telemetry.mpwatch import ORPHAN_GRACE_S
 from sparkwatch.telemetry.peerwatch import PEER_LOST_AFTER, PEER_TIMEOUT_S
 from sparkwatch.telemetry.raywatch import RayWatch
 from sparkwatch.telemetry.sources.raystate import RayStateError, RayStateSource
@@ -919,8 +920,8 @@ def _lists(cluster: RayCluster, listen: str, key: str, pid: int) -> bool:
 
 def test_mp_group_a_rank_killed_on_b_stops_node_a_s_member(cluster: RayCluster, tmp_path: Path) -> None:
     """The headless rank on B dies (SIGKILL, as the OOM killer would): node A's agent, reading B's agent, stops A's
-    member of the same rendezvous (the API server and its engine core) within the goal; B's member of another
-    group and everything else live."""
+    member of the same rendezvous (the API server and its engine core) within the goal, and B's agent stops the
+    engine core B's rank left behind."""
     with mp_pair(cluster, tmp_path) as pair:
         engine = MpEngine(cluster, tmp_path)
         try:
@@ -944,8 +945,15 @@ def test_mp_group_a_rank_killed_on_b_stops_node_a_s_member(cluster: RayCluster, 
                 (engine.keys["rank0"][0], mpgroup.MP_RANK),
                 (engine.keys["child0"][0], "child"),
             ]
-            assert alive(*engine.keys["child1"])  # B's orphaned child: B's agent has no member left to tie it to
-            assert not any(e["kind"] in ("kill", "group_teardown") for e in read_events(pair.b.events_path))
+            # B's own member died and left its engine core behind (reparented, stuck): B's agent stops it, having
+            # seen it in the member's tree, ORPHAN_GRACE_S after the death at the earliest
+            orphan_s = gone_within([engine.keys["child1"]], died_at)
+            print(f"node B: the dead rank's engine core stopped {orphan_s:.2f} s after the rank died")
+            assert ORPHAN_GRACE_S <= orphan_s <= TEARDOWN_GOAL_S + ORPHAN_GRACE_S
+            on_b = wait_for_event(pair.b.events_path, "group_teardown", timeout_s=10)
+            assert (on_b["group"], on_b["cause"], on_b["first_pid"]) == (engine.key, "rank_died", rank1)
+            assert on_b["members"] == [{"pid": engine.keys["child1"][0], "role": mpgroup.MP_ORPHAN}]
+            assert not any(e["kind"] == "kill" for e in read_events(pair.b.events_path))
         finally:
             engine.close()
 
@@ -1004,6 +1012,34 @@ def _event_age_s(event: dict[str, object]) -> float:
     ts = event["ts"]
     assert isinstance(ts, str)
     return time.time() - datetime.fromisoformat(ts).timestamp()
+
+
+def test_guard_stops_what_a_dead_member_left_behind_only_when_it_is_an_engine(tmp_path: Path) -> None:
+    """What a dead member left behind (role mp_orphan) is tied to the group only by the tree telemetry saw: the guard
+    stops one that is an engine by its own identity (`VLLM::EngineCore`, as vLLM titles it) and refuses one that is
+    not (a plain sleeper telemetry named all the same)."""
+    core = subprocess.Popen([sys.executable, "-c", CORE_TITLE])
+    plain = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        assert wait_until(lambda: _cmdline(core.pid).startswith("VLLM::EngineCore"), 10, 0.05)
+        ticks = {p.pid: read_start_ticks("/proc", p.pid) or 0 for p in (core, plain)}
+        msg = GroupTeardownMsg(
+            "10.9.0.1:29600", "rank_died", "spark-b", 41,
+            tuple((p.pid, ticks[p.pid], mpgroup.MP_ORPHAN) for p in (core, plain)), time.time(),
+        )  # fmt: skip
+        with guard_with_groups(tmp_path) as (pool, watch):
+            assert watch.handle(msg) == 1
+            pool.tick()
+            assert core.wait(5) == -signal.SIGKILL
+            assert plain.poll() is None and watch.refused_total == 1
+    finally:
+        for p in (core, plain):
+            if p.poll() is None:
+                p.kill()
+            p.wait(5)
+
+
+CORE_TITLE = "import setproctitle, time; setproctitle.setproctitle('VLLM::EngineCore'); time.sleep(60)"
 
 
 def test_guard_kills_an_mp_member_only_when_its_own_command_line_names_the_group(tmp_path: Path) -> None:

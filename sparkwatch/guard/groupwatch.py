@@ -8,7 +8,8 @@ reads of /proc:
   node is one);
 - it has its role's shape (core.kill.raygroup.member_shape: `ray::<Actor>` for a rank, `VLLM::EngineCore` for a driver,
   `vllm serve` for the API server; for a group without Ray, core.kill.mpgroup.member_of: its command line names the
-  group's rendezvous), and the guard's own rules let it be touched (core.engines.identity.may_touch: its
+  group's rendezvous; for a process a dead member left behind, an engine's own shape by the guard's engine rules, e.g.
+  `VLLM::EngineCore`), and the guard's own rules let it be touched (core.engines.identity.may_touch: its
   uid, never a protected or system process, never the guard's ancestors).
 The members that pass are one tree (the API server first), handed to the guard's one kill path as a request
 (guard.killpath, trigger `group_teardown`): the pool watch's next tick, woken at once, kills it (pin by pidfd,
@@ -26,14 +27,15 @@ from collections.abc import Callable
 from sparkwatch.common.guardconfig import GuardSnapshot
 from sparkwatch.common.messages import GroupTeardownMsg
 from sparkwatch.common.sources.procs import ProcParseError, ProcScanner
-from sparkwatch.core.engines.identity import may_touch
+from sparkwatch.core.engines.identity import engine_kind, may_touch
 from sparkwatch.core.kill import mpgroup, raygroup
 from sparkwatch.core.kill.killrecord import GroupLoss
 from sparkwatch.core.model import EngineTree, Proc
 from sparkwatch.guard.killpath import GROUP_COUNTERS, GroupFacts
 
 # the tree's order: the API server first (it is the root); a group without Ray has one member a node, its engine's root
-ROLES = (mpgroup.MP_RANK, raygroup.API, raygroup.DRIVER, raygroup.RANK)
+ROLES = (mpgroup.MP_RANK, mpgroup.MP_ORPHAN, raygroup.API, raygroup.DRIVER, raygroup.RANK)
+MP_ROLES = frozenset({mpgroup.MP_RANK, mpgroup.MP_ORPHAN})
 
 
 class GroupWatch:
@@ -69,7 +71,7 @@ class GroupWatch:
                 proc is not None
                 and proc.start_ticks == start_ticks
                 and self._netns(pid) == own_ns
-                and self._shaped(msg.group, role, proc.argv)
+                and self._shaped(msg.group, role, proc)
                 and may_touch(proc, self.rules, self.scope)
             )
             if proc is not None and ok:
@@ -96,18 +98,20 @@ class GroupWatch:
             detected_ts=msg.detected_ts,
             peer_word=msg.peer_word,
         )
-        kind = "mp-group" if members[0][1] == mpgroup.MP_RANK else "ray-group"
+        kind = "mp-group" if members[0][1] in MP_ROLES else "ray-group"
         self.submit(GroupFacts(EngineTree(kind=kind, root=procs[0], members=procs), loss))
         self.teardowns_total += 1
         return len(members)
 
-    @staticmethod
-    def _shaped(group: str, role: str, argv: tuple[str, ...]) -> bool:
-        """A group without Ray (core.kill.mpgroup): its own command line names the group's rendezvous. Ray's: the
-        role's shape (core.kill.raygroup.member_shape)."""
+    def _shaped(self, group: str, role: str, proc: Proc) -> bool:
+        """A group without Ray (core.kill.mpgroup): its own command line names the group's rendezvous; what a dead
+        member left behind: an engine by its own identity (the guard's engine rules). Ray's: the role's shape
+        (core.kill.raygroup.member_shape)."""
         if role == mpgroup.MP_RANK:
-            return mpgroup.member_of(group, argv)
-        return raygroup.member_shape(role, argv)
+            return mpgroup.member_of(group, proc.argv)
+        if role == mpgroup.MP_ORPHAN:
+            return engine_kind(proc, self.rules) is not None
+        return raygroup.member_shape(role, proc.argv)
 
     def _read(self, pid: int) -> Proc | None:
         try:

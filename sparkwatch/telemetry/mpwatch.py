@@ -10,7 +10,11 @@ Runs on the peer watch's thread, after each read of the peers (telemetry.peerwat
    crashed, stopped), or a peer lost (`peer_lost`) that held one: the group is over;
 3. a `GroupTeardownMsg` to the guard naming this node's members (role `mp_rank`), which checks each one itself (the
    pid and start time, its own network namespace, the same rendezvous on its command line) and kills through its
-   one kill path. Sent again at most every TEARDOWN_RESEND_S while a member still runs.
+   one kill path. Sent again at most every TEARDOWN_RESEND_S while a member still runs;
+4. a member of this node that died (OOM-killed, crashed, killed by hand) leaves its children behind, reparented:
+   vLLM's engine core and workers, stuck in a collective, never notice. Those telemetry saw in the member's tree
+   and still running ORPHAN_GRACE_S later are handed to the guard (role `mp_orphan`, cause `rank_died` on this
+   node), which stops only those of an engine's own shape (`VLLM::EngineCore`, `VLLM::Worker_TP0`, `sglang::…`).
 
 A peer's word is a reason to look at this node's own processes: nothing is signalled that the guard cannot tie to
 the group itself. With `group_teardown` off nothing is sent.
@@ -18,14 +22,16 @@ the group itself. With `group_teardown` off nothing is sent.
 
 from __future__ import annotations
 
+import socket
 import time
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from sparkwatch.common import logs
 from sparkwatch.common.messages import TEARDOWN_RESEND_S, GroupTeardownMsg
-from sparkwatch.common.sources.procs import ProcParseError, ProcScanner, same_netns
+from sparkwatch.common.sources.procs import ProcParseError, ProcScanner, read_running_start_ticks, same_netns
 from sparkwatch.core.kill import mpgroup
 from sparkwatch.core.model import EngineTree
 from sparkwatch.telemetry import peerdoc
@@ -35,6 +41,19 @@ if TYPE_CHECKING:
     from sparkwatch.telemetry.peerwatch import Peer
 
 log = logs.get("peers")
+# A child a dead member left behind gets this long to exit on its own: vLLM's engine core notices its parent's death
+# within a second when it is not stuck in a collective; one that is, never does.
+ORPHAN_GRACE_S = 2.0
+
+
+@dataclass
+class _Family:
+    """A member of this node and the rest of its tree as telemetry last saw it: (pid, start ticks) of each."""
+
+    member: mpgroup.Member
+    children: tuple[tuple[int, int], ...]
+    gone_at: float | None = None  # when the member was first seen dead (monotonic)
+    sent_at: float | None = None  # when its children were last handed to the guard
 
 
 class MpGroupWatch:
@@ -43,9 +62,12 @@ class MpGroupWatch:
         settings: Settings,
         send: Callable[[GroupTeardownMsg], None],
         engines: Callable[[], Iterable[EngineTree] | None] = lambda: (),
+        node: str = "",
     ) -> None:
-        """`engines`: the engine trees of telemetry's last cycle, None before its first."""
+        """`engines`: the engine trees of telemetry's last cycle, None before its first. `node`: this node's name,
+        for the events of what a dead member of its own left behind."""
         self.settings = settings
+        self.node = node or socket.gethostname()
         self.send = send
         self.engines = engines
         self.proc_root = Path(settings.proc_root)
@@ -56,6 +78,7 @@ class MpGroupWatch:
         ] = {}  # group -> what ended it, kept while this node's members run
         self._listed: dict[tuple[int, int], mpgroup.Member] = {}  # what this node published last, by (pid, start)
         self._scanner = ProcScanner(Path(settings.proc_root))
+        self._families: dict[tuple[int, int], _Family] = {}  # this node's members by (pid, start)
         self.teardowns_sent_total = 0
 
     def apply(self, settings: Settings) -> None:
@@ -96,7 +119,8 @@ class MpGroupWatch:
     def observe(self, peers: Iterable[Peer]) -> list[GroupTeardownMsg]:
         """After a read of every peer (telemetry.peerwatch's thread): decide, and send what must be stopped here."""
         now_mono = time.monotonic()
-        local = self.local_members()
+        trees = self.engines()
+        local = self.local_members(trees)
         by_label = {p.label: p for p in peers}
         now: dict[str, tuple[str, frozenset[mpgroup.Listed]] | None] = {}
         for label, peer in by_label.items():
@@ -142,6 +166,57 @@ class MpGroupWatch:
             self._sent_at[group] = now_mono
             log.info("group %s lost a member on %s (%s): stopping %d local member(s)", loss.key, msg.first_node,
                      loss.cause, len(members))  # fmt: skip
+            self.send(msg)
+            self.teardowns_sent_total += 1
+            sent.append(msg)
+        return sent + self._orphans(trees, local, now_mono)
+
+    def _orphans(
+        self, trees: Iterable[EngineTree] | None, local: tuple[mpgroup.Member, ...], now: float
+    ) -> list[GroupTeardownMsg]:
+        """What this node's dead members left behind (step 4 of the module's docstring)."""
+        if trees is None:
+            return []
+        roots = {t.root.pid: t for t in trees}
+        for m in local:
+            tree = roots.get(m.pid)
+            if tree is not None and tree.root.start_ticks == m.start_ticks:
+                children = tuple((p.pid, p.start_ticks) for p in tree.members[1:])
+                family = self._families.get((m.pid, m.start_ticks))
+                if family is None:
+                    self._families[m.pid, m.start_ticks] = _Family(m, children)
+                else:
+                    family.children = children
+        live = {(m.pid, m.start_ticks) for m in local}
+        sent = []
+        for key, family in list(self._families.items()):
+            if key in live or self._alive(family.member):
+                continue
+            if family.gone_at is None:
+                family.gone_at = now
+            left = tuple((pid, t) for pid, t in family.children if read_running_start_ticks(self.proc_root, pid) == t)
+            if not left:
+                del self._families[key]
+                continue
+            if (
+                not self.settings.group_teardown
+                or now - family.gone_at < ORPHAN_GRACE_S
+                or (family.sent_at is not None and now - family.sent_at < TEARDOWN_RESEND_S)
+            ):
+                continue
+            m = family.member
+            msg = GroupTeardownMsg(
+                group=m.key,
+                cause=mpgroup.RANK_GONE,
+                first_node=peerdoc.clean(self.node),
+                first_pid=m.pid,
+                members=tuple((pid, t, mpgroup.MP_ORPHAN) for pid, t in left),
+                detected_ts=time.time(),
+                peer_word=None,
+            )
+            family.sent_at = now
+            log.info("group %s: this node's member %d died; stopping %d process(es) it left behind", m.key, m.pid,
+                     len(left))  # fmt: skip
             self.send(msg)
             self.teardowns_sent_total += 1
             sent.append(msg)

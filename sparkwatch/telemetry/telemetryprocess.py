@@ -199,7 +199,7 @@ class TelemetryProcess:
         # The other nodes' agents (`peers`): their guard's word on a group member it killed, and peer_lost.
         # Groups without Ray (`--nnodes` over the multiprocessing backends): this node's members from its own trees,
         # a peer's member that vanished (or the peer lost) ends the group here (telemetry.mpwatch).
-        self.mpwatch = MpGroupWatch(settings, self._send, self._last_engines)
+        self.mpwatch = MpGroupWatch(settings, self._send, self._last_engines, node=self.host)
         peers = self.peers = PeerWatch(settings, self.events.append, after_poll=self._after_peers)
         out.append(Component("peers", peers, self.PEERS_LIVE_KEYS, self._apply_peers, peers.counters))
         raywatch = self.raywatch = RayWatch(

@@ -11,6 +11,8 @@ cannot end the owner's engine on another node. Each node's agent lists its own m
 (telemetry.peerdoc); an agent that sees a peer's member of a group it also runs
 vanish, or the peer itself lost, stops its own members (`teardowns`). The guard checks each member again itself
 (`member_of`: the pid and start time, its own network namespace, the same rendezvous on its own command line).
+A member that dies on this node leaves its children behind, reparented and out of any group's tree; the agent stops
+those it saw in the member's tree (`MP_ORPHAN`), and the guard only those still of an engine's shape.
 """
 
 from __future__ import annotations
@@ -19,6 +21,9 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 MP_RANK = "mp_rank"  # the role of a member (an engine tree's root) in a GroupTeardownMsg
+# the role of a process a dead member of this node left behind (its engine core, its workers: reparented, no longer
+# in the member's tree): tied to the group only by the tree telemetry saw while the member lived
+MP_ORPHAN = "mp_orphan"
 PEER_LOST = "peer_lost"  # a cause: the peer's agent stopped answering (its node is gone, or wedged)
 RANK_GONE = "rank_died"  # a cause, as Ray's groups say it: the peer's member is no longer in its table
 
