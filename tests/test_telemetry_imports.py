@@ -84,14 +84,15 @@ tls = server.ssl_context() is not None
 for accept in ("", "application/openmetrics-text; version=1.0.0"):
     status, _type, body = server.handle("GET", "/metrics", {"accept": accept})
     assert status == 200 and b"sparkwatch_" in body
-heavy = ("ssl", "urllib.request", "http.client", "hashlib", "prometheus_client.exposition")
+heavy = ("ssl", "urllib.request", "http.client", "hashlib", "prometheus_client.exposition", "h11")
 print(json.dumps({"tls": tls, "outbox": outbox is not None, "loaded": [m for m in heavy if m in sys.modules]}))
 """
 
 
 def test_telemetry_without_tls_or_webhook_loads_no_ssl_nor_urllib(tmp_path: Path) -> None:
     """ssl and urllib.request (prometheus_client's exposition module imports both) and libcrypto's hashlib cost
-    telemetry about 8 MiB RSS: loaded only where TLS or a webhook is configured. Scrapes of both formats included."""
+    telemetry about 8 MiB RSS: loaded only where TLS or a webhook is configured; h11 (the peers' and Ray's client,
+    telemetry.sources.httpget) only at a first read of them. Scrapes of both formats included."""
     pki = tmp_path / "pki"
     pki.mkdir()
     subprocess.run(

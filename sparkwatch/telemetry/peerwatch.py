@@ -3,8 +3,8 @@ answering (issue 29; docs/multinode.md).
 
 Each peer is another node's sparkwatch, reached on the endpoint it already serves (`GET /peer/v1/state` beside
 /metrics, telemetry.peerdoc), under the same TLS rules: an `https://` peer is verified against `tls_client_ca_file`
-and, where this node has a certificate (`tls_cert_file`), shown it (the peer may require it: mTLS). Plain
-http.client, one short connection a read, bounded in time (PEER_TIMEOUT_S) and size (peerdoc.MAX_DOC_BYTES).
+and, where this node has a certificate (`tls_cert_file`), shown it (the peer may require it: mTLS). One short
+connection a read (telemetry.sources.httpget), bounded in time (PEER_TIMEOUT_S) and size (peerdoc.MAX_DOC_BYTES).
 
 What a peer says:
 - the group watch (telemetry.raywatch) asks `kill_word(node_id, pid)` when a group's member died on a peer's node:
@@ -49,6 +49,7 @@ if TYPE_CHECKING:
 
 log = logs.get("peers")
 PEER_TIMEOUT_S = 1.0  # one read of a peer on the same switch answers in milliseconds
+ACCEPT = (("Accept", "application/json"),)
 WORD_TIMEOUT_S = 0.5  # a read for a kill's word, on the group watch's thread: a teardown waits at most this
 PEER_LOST_AFTER = 3  # reads in a row without an answer: one slow read of a busy peer is not a lost node
 ERROR_KINDS = ("refused", "unreachable", "timeout", "http", "bad_answer")
@@ -220,28 +221,19 @@ class PeerWatch:
             self.record(lost_event(peer, self.wall_clock()))
 
     def _get(self, peer: Peer, timeout_s: float) -> bytes:
-        import http.client  # noqa: PLC0415  (imports ssl: only on a node with peers)
+        from sparkwatch.telemetry.sources.httpget import HttpGet, HttpGetError  # noqa: PLC0415  (a node with peers)
 
-        conn: http.client.HTTPConnection
-        if peer.scheme == "https":
-            conn = http.client.HTTPSConnection(peer.host, peer.port, timeout=timeout_s, context=self._tls())
-        else:
-            conn = http.client.HTTPConnection(peer.host, peer.port, timeout=timeout_s)
+        client = HttpGet(peer.host, peer.port, tls=self._tls if peer.scheme == "https" else None, headers=ACCEPT)
         try:
-            conn.request("GET", peerdoc.PATH, headers={"Accept": "application/json"})
-            resp = conn.getresponse()
-            body = resp.read(peerdoc.MAX_DOC_BYTES + 1)
-            status = resp.status
-        except TimeoutError:
-            raise PeerError("timeout", f"no answer within {timeout_s:g} s") from None
-        except (ConnectionRefusedError, ConnectionResetError) as exc:
-            raise PeerError("refused", f"{exc.strerror or type(exc).__name__}: its host answers, no agent") from None
-        except (http.client.HTTPException, OSError) as exc:
-            raise PeerError("unreachable", str(exc) or type(exc).__name__) from None
-        finally:
-            conn.close()
+            status, body, cut = client.get(peerdoc.PATH, timeout_s, peerdoc.MAX_DOC_BYTES)
+        except HttpGetError as exc:
+            if exc.kind == "refused":
+                raise PeerError("refused", f"{exc}: its host answers, no agent") from None
+            raise PeerError(exc.kind, str(exc)) from None
         if status != 200:
             raise PeerError("http", f"HTTP {status} (an agent older than peers, or not sparkwatch?)")
+        if cut:
+            raise PeerError("bad_answer", f"larger than {peerdoc.MAX_DOC_BYTES} bytes")
         return body
 
     def _tls(self) -> ssl.SSLContext:

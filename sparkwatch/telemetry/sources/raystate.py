@@ -1,6 +1,6 @@
 """Ray's own state, read from the GCS through the dashboard's state API: nodes, jobs, actors, placement groups.
 
-Plain http.client on one kept-alive connection, no Ray import: GETs of `/api/v0/{nodes,jobs,actors,
+Plain HTTP on one kept-alive connection (telemetry.sources.httpget), no Ray import: GETs of `/api/v0/{nodes,jobs,actors,
 placement_groups}`, each bounded in time (`TIMEOUT_S`) and size (`MAX_BODY_BYTES`): 0.6 ms of CPU and 4-9 ms of
 wall time a listing on the two-node test cluster. The source is polled only while a raylet runs on this node (a box
 without Ray costs nothing), and every failure (refused, timeout, HTTP status, not JSON, a field of the wrong type)
@@ -29,7 +29,9 @@ from sparkwatch.core.kill.raygroup import RayActor, RayJob, RayNode, RayPlacemen
 from sparkwatch.core.model import Proc
 
 if TYPE_CHECKING:
-    import http.client
+    import ssl
+
+    from sparkwatch.telemetry.sources.httpget import HttpGet
 
 T = TypeVar("T")
 TIMEOUT_S = 1.0  # one GET; the four measured 0.14 s together on a 2-core box with a two-node cluster
@@ -48,9 +50,9 @@ class RayStateError(Exception):
 
 
 class Connection:
-    """One kept-alive HTTP connection to the dashboard (http.client): a poll reuses it rather than connecting and
-    building urllib's opener each time (measured: 0.87 ms of CPU a listing through urllib). Any failure closes it;
-    the next request connects again."""
+    """One kept-alive HTTP connection to the dashboard (telemetry.sources.httpget): a poll reuses it rather than
+    connecting and building urllib's opener each time (measured: 0.87 ms of CPU a listing through urllib). Any
+    failure closes it; the next request connects again."""
 
     def __init__(self, base_url: str, timeout_s: float) -> None:
         parts = urllib.parse.urlsplit(base_url)
@@ -63,37 +65,27 @@ class Connection:
             self.bad = None if parts.scheme in ("http", "https") and parts.hostname else "ray_dashboard_url: no host"
         self.https = parts.scheme == "https"
         self.host = parts.hostname or ""
-        self.port = port
+        self.port = port or (443 if self.https else 80)
         self.prefix = parts.path.rstrip("/")
         self.timeout_s = timeout_s
-        self._conn: http.client.HTTPConnection | None = None
+        self.client: HttpGet | None = None
 
     def get_json(self, path: str) -> Any:
         if self.bad is not None:
             raise RayStateError("bad_url", self.bad)
-        # Imported at the first request, on a box with a raylet: http.client imports ssl (libcrypto, about 5 MiB RSS),
-        # which telemetry without Ray, TLS or a webhook never loads (tests/test_telemetry_imports.py).
-        import http.client  # noqa: PLC0415
+        # Imported at the first request, on a box with a raylet: telemetry without Ray or peers loads no HTTP client
+        from sparkwatch.telemetry.sources.httpget import HttpGet, HttpGetError  # noqa: PLC0415
 
-        if self._conn is None:
-            cls = http.client.HTTPSConnection if self.https else http.client.HTTPConnection
-            self._conn = cls(self.host, self.port, timeout=self.timeout_s)
+        if self.client is None:
+            tls = _default_tls if self.https else None
+            self.client = HttpGet(self.host, self.port, tls=tls, keep_alive=True)
         try:
-            self._conn.request("GET", self.prefix + path)
-            resp = self._conn.getresponse()
-            body = resp.read(MAX_BODY_BYTES + 1)
-            status = resp.status
-            if len(body) > MAX_BODY_BYTES or resp.will_close:
-                self.close()  # the rest of an oversized answer is never read: never reuse that connection
-        except TimeoutError:
-            self.close()
-            raise RayStateError("timeout", "timed out") from None
-        except (http.client.HTTPException, OSError) as exc:
-            self.close()
-            raise RayStateError("unreachable", str(exc) or type(exc).__name__) from None
+            status, body, cut = self.client.get(self.prefix + path, self.timeout_s, MAX_BODY_BYTES)
+        except HttpGetError as exc:
+            raise RayStateError("timeout" if exc.kind == "timeout" else "unreachable", str(exc)) from None
         if status != 200:
             raise RayStateError("http", f"HTTP {status}")
-        if len(body) > MAX_BODY_BYTES:
+        if cut:
             raise RayStateError("too_big", f"answer over {MAX_BODY_BYTES >> 20} MiB")
         try:
             return json.loads(body)
@@ -101,9 +93,14 @@ class Connection:
             raise RayStateError("bad_answer", "not JSON") from None
 
     def close(self) -> None:
-        if self._conn is not None:
-            self._conn.close()
-            self._conn = None
+        if self.client is not None:
+            self.client.close()
+
+
+def _default_tls() -> ssl.SSLContext:
+    import ssl  # noqa: PLC0415  (an https:// dashboard only)
+
+    return ssl.create_default_context()
 
 
 def _rows(doc: Any, path: str) -> list[dict[str, Any]]:

@@ -1,0 +1,146 @@
+"""The one HTTP GET client of telemetry's readers of other agents: the peers' documents (telemetry.peerwatch) and Ray's
+state API (telemetry.sources.raystate). Bounded in time (one deadline for the whole exchange, not per read: a peer
+that drips a byte a second is as late as one that says nothing) and in size (an answer past `max_bytes` is cut and
+its connection never reused).
+
+Plain HTTP goes through h11 (the HTTP/1.1 state machine, no I/O of its own) on a socket: `http.client` imports
+`ssl`, whose libssl and libcrypto were 4.4 MiB of the group watch's +5.5 MiB of telemetry RSS
+(bench/RESULTS-group-teardown.md), on a box where nothing else needs TLS. An `https://` peer or dashboard goes
+through `http.client` with the caller's context: TLS needs ssl anyway.
+
+Failures are one exception with a kind: `timeout` (no answer within the deadline), `refused` (the host answered
+that nothing listens there, or reset or closed the connection without an answer), `unreachable` (any other failure
+to connect or read, a broken or cut-short answer included). The caller counts them by its own kinds.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import h11
+
+if TYPE_CHECKING:
+    import http.client
+    import ssl
+
+READ_BYTES = 64 << 10
+
+
+class HttpGetError(Exception):
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind  # timeout, refused, unreachable
+
+
+class HttpGet:
+    """GETs to one host: `get(path)` -> (status, body, cut). With `keep_alive` the connection is reused by the next
+    call while the server keeps it open and the last answer was read whole; any failure closes it."""
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        *,
+        tls: Callable[[], ssl.SSLContext] | None = None,
+        keep_alive: bool = False,
+        headers: tuple[tuple[str, str], ...] = (),
+    ) -> None:
+        self.host = host
+        self.port = port
+        self.tls = tls  # None: plain HTTP
+        self.keep_alive = keep_alive
+        where = f"[{host}]" if ":" in host else host  # an IPv6 address
+        self.headers = (("Host", f"{where}:{port}"), *headers, ("Connection", "keep-alive" if keep_alive else "close"))
+        self._sock: socket.socket | None = None
+        self._h11: h11.Connection | None = None
+        self._https: http.client.HTTPSConnection | None = None
+
+    def get(self, path: str, timeout_s: float, max_bytes: int) -> tuple[int, bytes, bool]:
+        """The status, the body (at most `max_bytes`), and whether the body was cut there."""
+        try:
+            if self.tls is not None:
+                return self._get_tls(path, timeout_s, max_bytes)
+            return self._get_plain(path, time.monotonic() + timeout_s, max_bytes)
+        except HttpGetError:
+            self.close()
+            raise
+        except TimeoutError:
+            self.close()
+            raise HttpGetError("timeout", f"no answer within {timeout_s:g} s") from None
+        except (ConnectionRefusedError, ConnectionResetError) as exc:
+            self.close()
+            raise HttpGetError("refused", exc.strerror or type(exc).__name__) from None
+        except (OSError, h11.ProtocolError) as exc:
+            self.close()
+            raise HttpGetError("unreachable", str(exc) or type(exc).__name__) from None
+
+    def close(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+        if self._https is not None:
+            self._https.close()
+        self._sock, self._h11, self._https = None, None, None
+
+    def _get_plain(self, path: str, deadline: float, max_bytes: int) -> tuple[int, bytes, bool]:
+        if self._sock is None or self._h11 is None:
+            self._sock = socket.create_connection((self.host, self.port), timeout=_left(deadline))
+            self._h11 = h11.Connection(our_role=h11.CLIENT)
+        sock, conn = self._sock, self._h11
+        sock.settimeout(_left(deadline))
+        sock.sendall(conn.send(h11.Request(method="GET", target=path, headers=list(self.headers))) or b"")
+        sock.sendall(conn.send(h11.EndOfMessage()) or b"")
+        status, body, cut, heard = 0, bytearray(), False, False
+        while True:
+            event = conn.next_event()
+            if event is h11.NEED_DATA:
+                sock.settimeout(_left(deadline))
+                data = sock.recv(READ_BYTES)
+                if not data and not heard:  # closed without a byte (a kept-alive one the server dropped too)
+                    raise ConnectionResetError(0, "closed without an answer")
+                heard = True
+                conn.receive_data(data)
+            elif isinstance(event, h11.Response):
+                status = event.status_code
+            elif isinstance(event, h11.Data):
+                body += event.data
+                if len(body) > max_bytes:
+                    cut = True
+                    break
+            elif isinstance(event, h11.EndOfMessage):
+                break
+            elif isinstance(event, h11.ConnectionClosed):
+                raise ConnectionResetError(0, "closed without an answer")
+        if cut or not self.keep_alive or conn.our_state is not h11.DONE or conn.their_state is not h11.DONE:
+            self.close()  # the rest of a cut answer is never read: never reuse that connection
+        else:
+            conn.start_next_cycle()
+        return status, bytes(body[:max_bytes]), cut
+
+    def _get_tls(self, path: str, timeout_s: float, max_bytes: int) -> tuple[int, bytes, bool]:
+        """Through http.client, whose timeout is per read (not one deadline): TLS peers are the rare case."""
+        import http.client  # noqa: PLC0415  (imports ssl: only for an https:// peer or dashboard)
+
+        assert self.tls is not None
+        if self._https is None:
+            self._https = http.client.HTTPSConnection(self.host, self.port, timeout=timeout_s, context=self.tls())
+        conn = self._https
+        try:
+            conn.request("GET", path, headers=dict(self.headers[1:]))
+            resp = conn.getresponse()
+            body = resp.read(max_bytes + 1)
+        except http.client.HTTPException as exc:  # a broken answer: the same as on plain HTTP
+            raise HttpGetError("unreachable", str(exc) or type(exc).__name__) from None
+        cut = len(body) > max_bytes
+        if cut or resp.will_close or not self.keep_alive:
+            self.close()
+        return resp.status, body[:max_bytes], cut
+
+
+def _left(deadline: float) -> float:
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TimeoutError
+    return left
