@@ -54,6 +54,28 @@ def test_the_rendezvous_is_read_from_the_engine_s_own_command_line(
         assert not mpgroup.member_of("10.9.9.9:1", argv)
 
 
+LLAMA = ("/opt/llama.cpp/build/bin/llama-server", "-m", "/models/Qwen3-235B-A22B-Q4_K_M.gguf", "-ngl", "99")
+
+
+def test_a_llama_cpp_head_is_a_member_of_each_rpc_server_it_names_and_an_rpc_server_is_only_listed() -> None:
+    """`--rpc host:port,host:port` (llama.cpp's common/arg.cpp): one group per rpc-server; an entry that does not
+    parse is left out. rpc-server's port from `-p`/`--port`, 50052 by default; any other process has none."""
+    head = (*LLAMA, "--rpc", "192.168.100.11:50052,192.168.100.12:50053,nohost,10.0.0.9:port")
+    assert mpgroup.rpc_endpoints(head) == ("192.168.100.11:50052", "192.168.100.12:50053")
+    assert mpgroup.group_keys(head) == (("192.168.100.11:50052", 0), ("192.168.100.12:50053", 0))
+    assert mpgroup.member_of("192.168.100.12:50053", head) and not mpgroup.member_of("192.168.100.13:50052", head)
+    assert mpgroup.rpc_endpoints((*LLAMA, "--rpc=10.0.0.2:50052")) == ("10.0.0.2:50052",)
+    assert mpgroup.group_keys(LLAMA) == ()  # one node: no group
+    server = "/opt/llama.cpp/build/bin/rpc-server"
+    assert mpgroup.rpc_server_port((server, "-H", "0.0.0.0")) == mpgroup.RPC_PORT
+    assert mpgroup.rpc_server_port((server, "-H", "0.0.0.0", "-p", "50060")) == 50060
+    assert mpgroup.rpc_server_port((server, "--port=50061", "-c")) == 50061
+    assert mpgroup.rpc_server_port((server, "-p", "fifty")) is None  # a parse error makes no member
+    assert mpgroup.rpc_server_port(head) is None
+    # an rpc-server is never a member that may be stopped for a group: a head that ends leaves it waiting
+    assert mpgroup.group_keys((server, "-p", "50052")) == ()
+
+
 KEY = "10.0.0.1:29501"
 OWNER = 1000  # the user who runs the engine on both nodes
 MINE = (Member(KEY, 0, 100, 7, OWNER),)

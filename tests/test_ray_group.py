@@ -1014,6 +1014,115 @@ def _event_age_s(event: dict[str, object]) -> float:
     return time.time() - datetime.fromisoformat(ts).timestamp()
 
 
+# llama.cpp's RPC shape: `rpc-server -H 0.0.0.0 -p P` on node B, `llama-server -m M --rpc <B>:P` on node A. Each is
+# this interpreter under the binary's own name (a symlink: argv[0] is `rpc-server`, as the C++ binary's is), running
+# a stand-in: the server accepts and holds its head's connection; the head connects and then blocks as llama.cpp
+# does in a recv whose peer is wedged.
+RPC_SERVER = """
+import socket, sys, time
+server = socket.create_server(("0.0.0.0", int(sys.argv[sys.argv.index("-p") + 1])))
+print("listening", flush=True)
+held = [server.accept()[0] for _ in range(1)]
+time.sleep(3600)
+"""
+RPC_HEAD = """
+import json, os, socket, sys, time
+host, port = sys.argv[sys.argv.index("--rpc") + 1].rsplit(":", 1)
+deadline = time.monotonic() + 60
+while True:
+    try:
+        conn = socket.create_connection((host, int(port)), timeout=2)
+        break
+    except OSError:
+        if time.monotonic() > deadline:
+            raise
+        time.sleep(0.1)
+print(json.dumps({"pid": os.getpid()}), flush=True)
+time.sleep(3600)
+"""
+
+
+class RpcEngine:
+    """llama.cpp over RPC across the two nodes; `keys`: (pid, start ticks) of `server` (B) and `head` (A)."""
+
+    def __init__(self, cluster: RayCluster, tmp_path: Path) -> None:
+        bin_dir = tmp_path / "bin-rpc"
+        bin_dir.mkdir(exist_ok=True)
+        for name in ("rpc-server", "llama-server"):
+            (bin_dir / name).symlink_to(os.path.realpath(sys.executable))
+        self.port = free_port()
+        self.key = f"{cluster.ip_b}:{self.port}"
+        self.procs: list[subprocess.Popen[str]] = []
+        self.keys: dict[str, tuple[int, int]] = {}
+        try:
+            server_argv = [str(bin_dir / "rpc-server"), "-c", RPC_SERVER, "-H", "0.0.0.0", "-p", str(self.port)]
+            server = subprocess.Popen(cluster.in_ns(cluster.ns_b, server_argv), stdout=subprocess.PIPE, text=True)
+            self.procs.append(server)
+            assert read_line(server, 60).strip() == "listening"
+            self.keys["server"] = key_of(_ns_child(cluster, cluster.ns_b, "rpc-server"), "server")
+            head_argv = [str(bin_dir / "llama-server"), "-c", RPC_HEAD, "-m", "m.gguf", "--rpc", self.key]
+            head = subprocess.Popen(cluster.in_ns(cluster.ns_a, head_argv), stdout=subprocess.PIPE, text=True)
+            self.procs.append(head)
+            self.keys["head"] = key_of(json.loads(read_line(head, 60))["pid"], "head")
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        for key in self.keys.values():
+            if alive(*key):
+                sigkill(*key)
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait(10)
+            if proc.stdout is not None:
+                proc.stdout.close()
+
+
+def _ns_child(cluster: RayCluster, ns: str, name: str) -> int:
+    """The one process of the test's own in namespace `ns` whose argv[0] ends in `name`."""
+    (pid,) = [p for p in cluster.netns_pids(ns) if _cmdline(p).split(" ", 1)[0].endswith("/" + name)]
+    return pid
+
+
+def test_rpc_group_a_dead_rpc_server_on_b_stops_the_head_on_a(cluster: RayCluster, tmp_path: Path) -> None:
+    """B's rpc-server dies (the OOM killer): A's llama-server head, blocked on it, is stopped by A's agent within the
+    goal. B's agent lists its rpc-server by the address the head reached it on, the key the head names."""
+    with mp_pair(cluster, tmp_path) as pair:
+        engine = RpcEngine(cluster, tmp_path)
+        try:
+            server_pid = engine.keys["server"][0]
+            assert wait_until(lambda: _lists(cluster, pair.listen_b, engine.key, server_pid), 20, 0.2)
+            time.sleep(1.5)  # three of A's reads of B: A has seen B's rpc-server
+            died_at = time.monotonic()
+            sigkill(*engine.keys["server"])
+            took_s = gone_within([engine.keys["head"]], died_at)
+            print(f"rpc group teardown on node A: the head gone {took_s:.2f} s after B's rpc-server died")
+            assert took_s <= TEARDOWN_GOAL_S
+            event = wait_for_event(pair.a.events_path, "group_teardown", timeout_s=10)
+            assert (event["group"], event["cause"], event["first_pid"]) == (engine.key, "rank_died", server_pid)
+            assert event["members"] == [{"pid": engine.keys["head"][0], "role": mpgroup.MP_RANK}]
+        finally:
+            engine.close()
+
+
+def test_rpc_group_a_dead_head_leaves_the_rpc_server_waiting_for_the_next(cluster: RayCluster, tmp_path: Path) -> None:
+    """The head on A dies: B's rpc-server frees that client's buffers and waits for the next (llama.cpp's design),
+    so B's agent stops nothing."""
+    with mp_pair(cluster, tmp_path) as pair:
+        engine = RpcEngine(cluster, tmp_path)
+        try:
+            assert wait_until(lambda: _lists(cluster, pair.listen_a, engine.key, engine.keys["head"][0]), 20, 0.2)
+            time.sleep(1.5)
+            sigkill(*engine.keys["head"])
+            time.sleep(2 * 0.5 * PEER_LOST_AFTER + ORPHAN_GRACE_S)
+            assert alive(*engine.keys["server"])
+            assert not any(e["kind"] in ("kill", "group_teardown") for e in read_events(pair.b.events_path))
+        finally:
+            engine.close()
+
+
 def test_guard_stops_what_a_dead_member_left_behind_only_when_it_is_an_engine(tmp_path: Path) -> None:
     """What a dead member left behind (role mp_orphan) is tied to the group only by the tree telemetry saw: the guard
     stops one that is an engine by its own identity (`VLLM::EngineCore`, as vLLM titles it) and refuses one that is

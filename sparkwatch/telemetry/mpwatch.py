@@ -35,6 +35,7 @@ from sparkwatch.common.sources.procs import ProcParseError, ProcScanner, read_ru
 from sparkwatch.core.kill import mpgroup
 from sparkwatch.core.model import EngineTree
 from sparkwatch.telemetry import peerdoc
+from sparkwatch.telemetry.sources.listeners import connected_addresses
 
 if TYPE_CHECKING:
     from sparkwatch.config.settings import Settings
@@ -76,7 +77,7 @@ class MpGroupWatch:
         self._losses: dict[
             mpgroup.GroupId, mpgroup.Loss
         ] = {}  # group -> what ended it, kept while this node's members run
-        self._listed: dict[tuple[int, int], mpgroup.Member] = {}  # what this node published last, by (pid, start)
+        self._listed: dict[tuple[str, int, int], mpgroup.Member] = {}  # published last, by (key, pid, start)
         self._scanner = ProcScanner(Path(settings.proc_root))
         self._families: dict[tuple[int, int], _Family] = {}  # this node's members by (pid, start)
         self.teardowns_sent_total = 0
@@ -85,24 +86,41 @@ class MpGroupWatch:
         self.settings = settings
 
     def local_members(self, trees: Iterable[EngineTree] | None = None) -> tuple[mpgroup.Member, ...]:
-        """This node's members: the engine trees (`trees`, else telemetry's last cycle's) whose root names a
-        rendezvous, in our network namespace."""
+        """This node's members that may be stopped for their group: the engine trees (`trees`, else telemetry's last
+        cycle's) whose root names a rendezvous, or rpc-servers (a llama.cpp head), in our network namespace."""
         out = []
         for tree in (self.engines() if trees is None else trees) or ():
-            r = mpgroup.rendezvous(tree.root.argv)
-            if r is not None and same_netns(self.proc_root, tree.root.pid):
-                out.append(mpgroup.Member(r.key, r.node_rank, tree.root.pid, tree.root.start_ticks, tree.root.uid))
+            root = tree.root
+            keys = mpgroup.group_keys(root.argv)
+            if keys and same_netns(self.proc_root, root.pid):
+                out += [mpgroup.Member(key, rank, root.pid, root.start_ticks, root.uid) for key, rank in keys]
+        return tuple(out)
+
+    def rpc_workers(self, trees: Iterable[EngineTree]) -> tuple[mpgroup.Member, ...]:
+        """This node's llama.cpp rpc-servers, one member per address a head reached it on (its established
+        connections on its port): listed for the peers, never stopped for a group."""
+        out = []
+        for tree in trees:
+            root = tree.root
+            port = mpgroup.rpc_server_port(root.argv)
+            if port is None or not same_netns(self.proc_root, root.pid):
+                continue
+            for addr in sorted(connected_addresses(self.proc_root, root.pid, port)):
+                host = f"[{addr}]" if ":" in addr else addr
+                out.append(mpgroup.Member(f"{host}:{port}", mpgroup.RPC_WORKER, root.pid, root.start_ticks, root.uid))
         return tuple(out)
 
     def published(self) -> tuple[peerdoc.PeerMember, ...] | None:
-        """This node's members for its peers; None before telemetry's first cycle (unknown: a peer must not take an
-        agent that just restarted for a node whose members all died). A member published before stays listed while
-        its process lives (the same start time, not a zombie), even when a cycle's scan missed its tree: a peer ends
+        """This node's members for its peers (rpc-servers included); None before telemetry's first cycle (unknown: a
+        peer must not take an agent that just restarted for a node whose members all died). A member published
+        before stays listed while its process lives (the same start time, not a zombie), even when a cycle's scan
+        missed its tree (or an rpc-server's head disconnected: a new head reconnects to the same key): a peer ends
         the group when it is gone, never on a read that failed here."""
         trees = self.engines()
         if trees is None:
             return None
-        now = {(m.pid, m.start_ticks): m for m in self.local_members(trees)}
+        trees = tuple(trees)
+        now = {(m.key, m.pid, m.start_ticks): m for m in (*self.local_members(trees), *self.rpc_workers(trees))}
         for key, m in self._listed.items():
             if key not in now and self._alive(m):
                 now[key] = m

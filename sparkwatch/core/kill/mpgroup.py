@@ -11,6 +11,11 @@ cannot end the owner's engine on another node. Each node's agent lists its own m
 (telemetry.peerdoc); an agent that sees a peer's member of a group it also runs
 vanish, or the peer itself lost, stops its own members (`teardowns`). The guard checks each member again itself
 (`member_of`: the pid and start time, its own network namespace, the same rendezvous on its own command line).
+llama.cpp's RPC backend is the other shape: the head (`llama-server --rpc 10.0.0.2:50052,…`) connects to an
+`rpc-server` on each other node. Each endpoint the head names is a group's key (`rpc_endpoints`); the rpc-server
+that serves it lists the same key (its address on that connection and its port: telemetry.mpwatch), as a worker
+(`RPC_WORKER`): when it ends, or its node is lost, the head that would block on it forever is stopped. A head that
+ends stops nothing there: an rpc-server frees a client's buffers when it disconnects and waits for the next.
 A member that dies on this node leaves its children behind, reparented and out of any group's tree; the agent stops
 those it saw in the member's tree (`MP_ORPHAN`), and the guard only those still of an engine's shape.
 """
@@ -26,6 +31,9 @@ MP_RANK = "mp_rank"  # the role of a member (an engine tree's root) in a GroupTe
 MP_ORPHAN = "mp_orphan"
 PEER_LOST = "peer_lost"  # a cause: the peer's agent stopped answering (its node is gone, or wedged)
 RANK_GONE = "rank_died"  # a cause, as Ray's groups say it: the peer's member is no longer in its table
+
+RPC_WORKER = -1  # the node rank an rpc-server is listed with: a worker of the head's group, never stopped for it
+RPC_PORT = 50052  # rpc-server's default port (llama.cpp tools/rpc/rpc-server.cpp)
 
 # vLLM's defaults (vllm/config/parallel.py: master_addr "127.0.0.1", master_port 29501)
 VLLM_MASTER_ADDR = "127.0.0.1"
@@ -119,10 +127,52 @@ def rendezvous(argv: tuple[str, ...]) -> Rendezvous | None:
     return Rendezvous(f"{host}:{port}", nnodes, rank)
 
 
-def member_of(key: str, argv: tuple[str, ...]) -> bool:
-    """The guard's own check of a member telemetry named: its command line names this group's rendezvous."""
+def rpc_endpoints(argv: tuple[str, ...]) -> tuple[str, ...]:
+    """The rpc-servers a llama.cpp head names (`--rpc host:port,host:port`): one group key each. An entry that does
+    not parse is left out."""
+    out = []
+    for item in _options(argv).get("--rpc", "").split(","):
+        host, sep, port_s = item.strip().rpartition(":")
+        try:
+            port = int(port_s)
+        except ValueError:
+            continue
+        if sep and host and 0 < port < 65536:
+            out.append(f"{host}:{port}")
+    return tuple(out)
+
+
+def rpc_server_port(argv: tuple[str, ...]) -> int | None:
+    """The port an `rpc-server` listens on (`-p`/`--port`, else 50052); None for any other process or a port that
+    does not parse."""
+    if not argv or argv[0].rsplit("/", 1)[-1] != "rpc-server":
+        return None
+    port_s = str(RPC_PORT)
+    for i, arg in enumerate(argv):
+        if arg in ("-p", "--port") and i + 1 < len(argv):
+            port_s = argv[i + 1]
+        elif arg.startswith("--port="):
+            port_s = arg.partition("=")[2]
+    try:
+        port = int(port_s)
+    except ValueError:
+        return None
+    return port if 0 < port < 65536 else None
+
+
+def group_keys(argv: tuple[str, ...]) -> tuple[tuple[str, int], ...]:
+    """The groups an engine's root takes part in as a member that may be stopped for them, with its node rank: its
+    rendezvous (`--nnodes`), or each rpc-server it names (a llama.cpp head, node rank 0)."""
     r = rendezvous(argv)
-    return r is not None and r.key == key
+    if r is not None:
+        return ((r.key, r.node_rank),)
+    return tuple((key, 0) for key in rpc_endpoints(argv))
+
+
+def member_of(key: str, argv: tuple[str, ...]) -> bool:
+    """The guard's own check of a member telemetry named: its command line names this group's rendezvous, or (a
+    llama.cpp head) this rpc-server."""
+    return any(k == key for k, _rank in group_keys(argv))
 
 
 def teardowns(

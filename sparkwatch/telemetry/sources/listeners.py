@@ -23,6 +23,7 @@ from pathlib import Path
 from sparkwatch.common.sources.procs import same_netns
 
 _LISTEN = "0A"  # include/net/tcp_states.h: TCP_LISTEN
+_ESTABLISHED = "01"  # TCP_ESTABLISHED
 FDS_MAX = 65536  # open fds looked at per process: an engine holds hundreds
 LISTENERS_MAX = 4096  # LISTEN rows read per table
 
@@ -53,12 +54,12 @@ def _address(hex_addr: str) -> str:
     return str(v6.ipv4_mapped) if v6.ipv4_mapped is not None else str(v6)
 
 
-def parse_tcp_table(text: str) -> list[Listener]:
-    """The LISTEN rows of a /proc/net/tcp or tcp6 table."""
+def parse_tcp_table(text: str, state: str = _LISTEN) -> list[Listener]:
+    """The rows of a /proc/net/tcp or tcp6 table in `state` (LISTEN), each by its local address and port."""
     out: list[Listener] = []
     for line in text.splitlines()[1:]:
         fields = line.split()
-        if len(fields) < 10 or fields[3] != _LISTEN:
+        if len(fields) < 10 or fields[3] != state:
             continue
         addr, _colon, port_hex = fields[1].partition(":")
         try:
@@ -125,16 +126,26 @@ def listeners(proc_root: Path | str, pid: int) -> list[Listener]:
     return table_listeners(proc_root, pid)
 
 
-def table_listeners(proc_root: Path | str, pid: int) -> list[Listener]:
-    """The listening TCP sockets of `pid`'s network namespace, from /proc/PID/net/tcp and tcp6."""
+def table_listeners(proc_root: Path | str, pid: int, state: str = _LISTEN) -> list[Listener]:
+    """The listening (or `state`) TCP sockets of `pid`'s network namespace, from /proc/PID/net/tcp and tcp6."""
     out: list[Listener] = []
     for table in ("tcp", "tcp6"):
         try:
             with open(f"{proc_root}/{pid}/net/{table}", encoding="ascii", errors="replace") as fh:
-                out.extend(parse_tcp_table(fh.read(1 << 22)))
+                out.extend(parse_tcp_table(fh.read(1 << 22), state))
         except OSError:
             continue
     return out
+
+
+def connected_addresses(proc_root: Path | str, pid: int, port: int) -> frozenset[str]:
+    """The local addresses of the established TCP connections that `pid` holds on its local `port`: where its
+    clients reached it (an rpc-server's, as the llama.cpp head names it: core.kill.mpgroup)."""
+    rows = [r for r in table_listeners(proc_root, pid, _ESTABLISHED) if r.port == port]
+    if not rows:
+        return frozenset()
+    inodes = socket_inodes(proc_root, [pid])
+    return frozenset(r.address for r in rows if r.inode in inodes)
 
 
 def socket_inodes(proc_root: Path | str, pids: Iterable[int]) -> set[int]:
