@@ -23,7 +23,7 @@ from sparkwatch.telemetry import peerdoc
 from sparkwatch.telemetry.peerwatch import PeerWatch
 from sparkwatch.telemetry.sources.httpget import HttpGet, HttpGetError
 from tests.daemon import sparkwatch_run
-from tests.test_telemetry_live import make_pki
+from tests.test_telemetry_live import make_pki, mtls_env
 
 CHUNKED = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n"
 
@@ -184,12 +184,7 @@ def test_an_https_peer_is_read_through_mutual_tls(tmp_path: Path) -> None:
     pki = tmp_path / "pki"
     pki.mkdir()
     make_pki(pki)
-    env = {
-        "SPARKWATCH_TLS_CERT_FILE": str(pki / "server.pem"),
-        "SPARKWATCH_TLS_KEY_FILE": str(pki / "server.key"),
-        "SPARKWATCH_TLS_CLIENT_CA_FILE": str(pki / "ca.pem"),
-    }
-    with sparkwatch_run(tmp_path, env=env) as daemon:
+    with sparkwatch_run(tmp_path, env=mtls_env(pki)) as daemon:
         peer = f"https://127.0.0.1:{daemon.port}"
         with_cert = {"tls_client_ca_file": pki / "ca.pem", "tls_cert_file": pki / "client.pem",
                      "tls_key_file": pki / "client.key"}  # fmt: skip

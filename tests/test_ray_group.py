@@ -157,12 +157,11 @@ def test_a_budget_kill_on_b_is_named_in_node_a_teardown_by_b_s_own_agent(cluster
     listen_b = f"{cluster.ip_b}:{port_b}"
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
-    raylet_b = [p for p in cluster.netns_pids(cluster.ns_b) if _cmdline(p).split(" ", 1)[0].endswith("/raylet")]
-    assert len(raylet_b) == 1
+    raylet_b = _ns_child(cluster, cluster.ns_b, "raylet")
     env_b = {
         "SPARKWATCH_LISTEN": listen_b,
         # B's engines are the ranks its raylet runs (the raylet itself is infrastructure, never touched)
-        "SPARKWATCH_ANCESTOR_PID": str(raylet_b[0]),
+        "SPARKWATCH_ANCESTOR_PID": str(raylet_b),
         "SPARKWATCH_ENGINE_BUDGETS": json.dumps(["64MiB=RayWorkerWrapper"]),
     }
     env_a = {"SPARKWATCH_PEERS": json.dumps([listen_b]), "SPARKWATCH_PEER_POLL_S": "0.5"}
@@ -296,14 +295,11 @@ def test_node_b_lost_raylet_killed_stops_node_a_members(cluster: RayCluster, tmp
         assert wait_until(lambda: bool(_peer_doc(cluster, listen_b).get("ray_node_ids")), 20, 0.5)
         engine = Engine(cluster, tmp_path, "a")
         try:
-            raylets = [p for p in cluster.netns_pids(cluster.ns_b) if _cmdline(p).split(" ", 1)[0].endswith("/raylet")]
-            assert len(raylets) == 1
-            ticks = read_start_ticks("/proc", raylets[0])
-            assert ticks is not None
+            raylet_b = key_of(_ns_child(cluster, cluster.ns_b, "raylet"), "node B's raylet")
             # B's agent has listed its rank (Ray's state, read every ray_poll_s): what it tells of when the rank ends
             time.sleep(2.5)
             died_at, died_wall = time.monotonic(), time.time()
-            sigkill(raylets[0], ticks)
+            sigkill(*raylet_b)
             rank_b_s = gone_within([engine.keys["rank_b"]], died_at)
             took_s = gone_within([engine.keys["api"], engine.keys["driver"], engine.keys["rank_a"]], died_at)
             print(
@@ -330,12 +326,9 @@ def test_node_b_lost_raylet_without_its_agent_waits_for_ray(cluster: RayCluster,
     with sparkwatch_run(tmp_path, prefix=cluster.in_ns(cluster.ns_a, [])) as daemon:
         engine = Engine(cluster, tmp_path, "a")
         try:
-            raylets = [p for p in cluster.netns_pids(cluster.ns_b) if _cmdline(p).split(" ", 1)[0].endswith("/raylet")]
-            assert len(raylets) == 1
-            ticks = read_start_ticks("/proc", raylets[0])
-            assert ticks is not None
+            raylet_b = key_of(_ns_child(cluster, cluster.ns_b, "raylet"), "node B's raylet")
             died_at = time.monotonic()
-            sigkill(raylets[0], ticks)
+            sigkill(*raylet_b)
             took_s = gone_within([engine.keys["api"], engine.keys["driver"], engine.keys["rank_a"]], died_at)
             gone_ts = time.time()
             event = wait_for_event(daemon.events_path, "group_teardown", timeout_s=10)
@@ -848,19 +841,37 @@ def test_guard_dry_run_signals_nothing(tmp_path: Path) -> None:
 MP_ENGINE = Path(__file__).resolve().parent / "helpers" / "mp_engine.py"
 
 
-class MpEngine:
+class NodeProcs:
+    """Processes a test started on the two nodes, and (pid, start ticks) of those it signals; `close` ends them."""
+
+    def __init__(self) -> None:
+        self.procs: list[subprocess.Popen[str]] = []
+        self.keys: dict[str, tuple[int, int]] = {}
+
+    def close(self) -> None:
+        for key in self.keys.values():
+            if alive(*key):
+                sigkill(*key)
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait(10)
+            if proc.stdout is not None:
+                proc.stdout.close()
+
+
+class MpEngine(NodeProcs):
     """`vllm serve tiny-model --nnodes 2 --node-rank R --master-addr <A> --master-port P` in each namespace (rank 1
     `--headless`), each with one `VLLM::EngineCore` child; `keys`: (pid, start ticks) of rank0, child0, rank1,
     child1."""
 
     def __init__(self, cluster: RayCluster, tmp_path: Path) -> None:
+        super().__init__()
         vllm = tmp_path / "bin-mp" / "vllm"
         vllm.parent.mkdir(exist_ok=True)
         shutil.copy(MP_ENGINE, vllm)
         self.port = free_port()
         self.key = f"{cluster.ip_a}:{self.port}"
-        self.procs: list[subprocess.Popen[str]] = []
-        self.keys: dict[str, tuple[int, int]] = {}
         try:
             for rank, ns in ((0, cluster.ns_a), (1, cluster.ns_b)):
                 argv = [sys.executable, str(vllm), "serve", "tiny-model", "--nnodes", "2", "--node-rank", str(rank),
@@ -874,17 +885,6 @@ class MpEngine:
         except BaseException:
             self.close()
             raise
-
-    def close(self) -> None:
-        for key in self.keys.values():
-            if alive(*key):
-                sigkill(*key)
-        for proc in self.procs:
-            if proc.poll() is None:
-                proc.kill()
-            proc.wait(10)
-            if proc.stdout is not None:
-                proc.stdout.close()
 
 
 @dataclass
@@ -1042,18 +1042,17 @@ time.sleep(3600)
 """
 
 
-class RpcEngine:
+class RpcEngine(NodeProcs):
     """llama.cpp over RPC across the two nodes; `keys`: (pid, start ticks) of `server` (B) and `head` (A)."""
 
     def __init__(self, cluster: RayCluster, tmp_path: Path) -> None:
+        super().__init__()
         bin_dir = tmp_path / "bin-rpc"
         bin_dir.mkdir(exist_ok=True)
         for name in ("rpc-server", "llama-server"):
             (bin_dir / name).symlink_to(os.path.realpath(sys.executable))
         self.port = free_port()
         self.key = f"{cluster.ip_b}:{self.port}"
-        self.procs: list[subprocess.Popen[str]] = []
-        self.keys: dict[str, tuple[int, int]] = {}
         try:
             server_argv = [str(bin_dir / "rpc-server"), "-c", RPC_SERVER, "-H", "0.0.0.0", "-p", str(self.port)]
             server = subprocess.Popen(cluster.in_ns(cluster.ns_b, server_argv), stdout=subprocess.PIPE, text=True)
@@ -1067,17 +1066,6 @@ class RpcEngine:
         except BaseException:
             self.close()
             raise
-
-    def close(self) -> None:
-        for key in self.keys.values():
-            if alive(*key):
-                sigkill(*key)
-        for proc in self.procs:
-            if proc.poll() is None:
-                proc.kill()
-            proc.wait(10)
-            if proc.stdout is not None:
-                proc.stdout.close()
 
 
 def _ns_child(cluster: RayCluster, ns: str, name: str) -> int:
@@ -1123,50 +1111,40 @@ def test_rpc_group_a_dead_head_leaves_the_rpc_server_waiting_for_the_next(cluste
             engine.close()
 
 
-def test_guard_stops_what_a_dead_member_left_behind_only_when_it_is_an_engine(tmp_path: Path) -> None:
-    """What a dead member left behind (role mp_orphan) is tied to the group only by the tree telemetry saw: the guard
-    stops one that is an engine by its own identity (`VLLM::EngineCore`, as vLLM titles it) and refuses one that is
-    not (a plain sleeper telemetry named all the same)."""
-    core = subprocess.Popen([sys.executable, "-c", CORE_TITLE])
-    plain = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-    try:
-        assert wait_until(lambda: _cmdline(core.pid).startswith("VLLM::EngineCore"), 10, 0.05)
-        ticks = {p.pid: read_start_ticks("/proc", p.pid) or 0 for p in (core, plain)}
-        msg = GroupTeardownMsg(
-            "10.9.0.1:29600", "rank_died", "spark-b", 41,
-            tuple((p.pid, ticks[p.pid], mpgroup.MP_ORPHAN) for p in (core, plain)), time.time(),
-        )  # fmt: skip
-        with guard_with_groups(tmp_path) as (pool, watch):
-            assert watch.handle(msg) == 1
-            pool.tick()
-            assert core.wait(5) == -signal.SIGKILL
-            assert plain.poll() is None and watch.refused_total == 1
-    finally:
-        for p in (core, plain):
-            if p.poll() is None:
-                p.kill()
-            p.wait(5)
-
-
+SLEEP = "import time; time.sleep(60)"
+MP_ARGV = ("vllm", "serve", "m", "--nnodes", "2", "--node-rank", "0", "--master-addr", "10.9.0.1", "--master-port")
 CORE_TITLE = "import setproctitle, time; setproctitle.setproctitle('VLLM::EngineCore'); time.sleep(60)"
 
 
-def test_guard_kills_an_mp_member_only_when_its_own_command_line_names_the_group(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("role", "passes", "fails"),
+    [
+        # a member: its own command line names the group's rendezvous (the other names another: another group)
+        (mpgroup.MP_RANK, ("-c", SLEEP, *MP_ARGV, "29600"), ("-c", SLEEP, *MP_ARGV, "29601")),
+        # what a dead member left behind, tied only by the tree telemetry saw: an engine by its own identity
+        # (`VLLM::EngineCore`, as vLLM titles it) passes, a plain sleeper telemetry named all the same does not
+        (mpgroup.MP_ORPHAN, ("-c", CORE_TITLE), ("-c", SLEEP)),
+    ],
+)
+def test_guard_kills_an_mp_member_only_when_its_own_proc_ties_it_to_the_group(
+    tmp_path: Path, role: str, passes: tuple[str, ...], fails: tuple[str, ...]
+) -> None:
     """Telemetry names the members; the guard kills one only when its own /proc says it belongs to the group."""
-    argv = ["vllm", "serve", "m", "--nnodes", "2", "--node-rank", "0", "--master-addr", "10.9.0.1", "--master-port"]
-    member = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", *argv, "29600"])
-    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", *argv, "29601"])
+    member = subprocess.Popen([sys.executable, *passes])
+    other = subprocess.Popen([sys.executable, *fails])
     try:
+        if role == mpgroup.MP_ORPHAN:
+            assert wait_until(lambda: _cmdline(member.pid).startswith("VLLM::EngineCore"), 10, 0.05)
         ticks = {p.pid: read_start_ticks("/proc", p.pid) or 0 for p in (member, other)}
         msg = GroupTeardownMsg(
             "10.9.0.1:29600", "rank_died", "spark-b", 41,
-            tuple((p.pid, ticks[p.pid], mpgroup.MP_RANK) for p in (member, other)), time.time(),
+            tuple((p.pid, ticks[p.pid], role) for p in (member, other)), time.time(),
         )  # fmt: skip
         with guard_with_groups(tmp_path) as (pool, watch):
             assert watch.handle(msg) == 1
             pool.tick()
             assert member.wait(5) == -signal.SIGKILL
-            assert other.poll() is None and watch.refused_total == 1  # another rendezvous: another group
+            assert other.poll() is None and watch.refused_total == 1
     finally:
         for p in (member, other):
             if p.poll() is None:

@@ -156,16 +156,20 @@ def make_pki(d: Path) -> None:
                 "-CAcreateserial", "-out", str(d / f"{name}.pem"), "-days", "2", "-extfile", str(ext))  # fmt: skip
 
 
-def test_mtls(tmp_path: Path) -> None:
-    pki = tmp_path / "pki"
-    pki.mkdir()
-    make_pki(pki)
-    env = {
-        **live_env(tmp_path),
+def mtls_env(pki: Path) -> dict[str, str]:
+    """A daemon serving under mutual TLS with the certificates of make_pki."""
+    return {
         "SPARKWATCH_TLS_CERT_FILE": str(pki / "server.pem"),
         "SPARKWATCH_TLS_KEY_FILE": str(pki / "server.key"),
         "SPARKWATCH_TLS_CLIENT_CA_FILE": str(pki / "ca.pem"),
     }
+
+
+def test_mtls(tmp_path: Path) -> None:
+    pki = tmp_path / "pki"
+    pki.mkdir()
+    make_pki(pki)
+    env = {**live_env(tmp_path), **mtls_env(pki)}
     with sparkwatch_run(tmp_path, env=env) as d:
         url = f"https://127.0.0.1:{d.port}/metrics"
         with_cert = ssl.create_default_context(cafile=str(pki / "ca.pem"))
