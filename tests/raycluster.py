@@ -116,13 +116,14 @@ class RayCluster:
         if set(self.node_ids) != {self.ip_a, self.ip_b}:
             raise RuntimeError(f"the cluster has nodes {self.node_ids}, not {self.ip_a} and {self.ip_b}")
 
-    def restart_b(self) -> None:
-        """Node B anew (after a test killed part of it): every process in its namespace stopped, `ray start` again."""
+    def restart_b(self, env: Mapping[str, str] | None = None) -> None:
+        """Node B anew (after a test killed part of it): every process in its namespace stopped, `ray start` again,
+        with `env` over the cluster's."""
         left = _stop_namespace(self, self.ns_b)
         if left:
             raise AssertionError(f"processes left in {self.ns_b} after SIGKILL: {left}")
         argv = [str(RAY), "start", "--address", self.address, "--node-ip-address", self.ip_b, *COMMON]
-        _ray_start(self, self.ns_b, self.tmp / "b", argv)
+        _ray_start(self, self.ns_b, self.tmp / "b", argv, env)
         self.wait_nodes()
 
     def netns_pids(self, ns: str) -> list[int]:
@@ -133,9 +134,16 @@ class RayCluster:
 COMMON = ["--num-cpus", "1", "--object-store-memory", str(OBJECT_STORE_BYTES), "--disable-usage-stats"]
 
 
-def _ray_start(cluster: RayCluster, ns: str, node_tmp: Path, argv: list[str]) -> None:
+def _ray_start(
+    cluster: RayCluster, ns: str, node_tmp: Path, argv: list[str], env: Mapping[str, str] | None = None
+) -> None:
     done = subprocess.run(
-        cluster.in_ns(ns, argv), env=ray_env(node_tmp), capture_output=True, text=True, timeout=120, check=False
+        cluster.in_ns(ns, argv),
+        env={**ray_env(node_tmp), **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
     )
     if done.returncode != 0:
         raise RuntimeError(f"{' '.join(argv[:3])} in {ns} failed:\n{done.stdout[-2000:]}{done.stderr[-2000:]}")

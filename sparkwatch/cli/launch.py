@@ -13,6 +13,10 @@
    The measured peak of earlier runs with the same key (core.launch.peaks) replaces the estimate once two runs agree
    within 25 %; `--forget KEY` (the key `--plan` prints) or `--forget-all` drops what was learned.
 3. Gate: when it does not fit, one line says by how much and the fix, and the command does not start (exit 75).
+   An engine over Ray (`--distributed-executor-backend ray`, or RAY_ADDRESS) is also held to what its ranks read:
+   the environment of the raylets on this node (core.launch.rayletenv: MAX_JOBS, RAY_memory_monitor_refresh_ms,
+   ninja and nvcc on PATH, memlock, NCCL_IB_GID_INDEX); one line per problem and the `ray start` that fixes it, and
+   the command does not start (exit 78).
    `--fix` applies the fixes that need no guessing (drop caches, compact memory) where the user may, `--force`
    starts anyway, `--plan` prints the plan and exits 0 (fits) or 1 (does not).
 4. Environment (core.launch.launchenv), declaration (common.launched), run (cli.launch_run): the command's output passes
@@ -20,7 +24,8 @@
    exit code comes back; a guard kill is reported in one line and exits 137.
 
 Exit codes: the command's own; 128+N when it died of signal N (137: killed, by the guard when the line says so);
-75 the plan does not fit (nothing started); 2 bad usage or config; 127 the command was not found; with --plan 0 fits,
+75 the plan does not fit (nothing started); 78 a raylet here lacks what the engine's ranks need (nothing started);
+2 bad usage or config; 127 the command was not found; with --plan 0 fits (and the raylets have what the ranks need),
 1 does not; with --forget/--forget-all 0 dropped, 1 nothing to drop.
 """
 
@@ -38,6 +43,7 @@ from typing import Any
 from sparkwatch.cli import argtypes
 
 EXIT_DOES_NOT_FIT = 75  # sysexits' EX_TEMPFAIL: try again when memory is back
+EXIT_RAYLET = 78  # sysexits' EX_CONFIG: the raylets' environment needs a fix first
 EXIT_NOT_FOUND = 127
 DEFAULT_SETTLE_TIMEOUT_S = 60.0
 
@@ -138,12 +144,18 @@ def handle(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"sparkwatch: {exc}", file=sys.stderr)
         return 2
+    raylets = _raylets(settings, inputs, plan.estimate.jobs)
+    lacking = [r for r in raylets if r[1]]
     if args.plan:
         if args.json:
-            print(json.dumps(plan_json(plan, ctx), indent=None, separators=(",", ":")))
+            doc = plan_json(plan, ctx)
+            doc["raylets"] = [_raylet_json(*r) for r in raylets]
+            print(json.dumps(doc, indent=None, separators=(",", ":")))
         else:
             print(plan_text(plan, ctx))
-        return 0 if plan.fits else 1
+            for line in _raylet_lines(raylets):
+                print(line)
+        return 0 if plan.fits and not lacking else 1
     if not args.quiet:
         print(plan_text(plan, ctx, short=True), file=out)
     if not plan.fits and args.fix:
@@ -154,12 +166,15 @@ def handle(args: argparse.Namespace) -> int:
         plan, ctx = replan(settings, inputs, ctx)
         if not args.quiet:
             print(plan_text(plan, ctx, short=True), file=out)
+    for line in _raylet_lines(raylets):  # what the ranks lack is said whether or not the memory fits
+        print(line, file=sys.stderr)
     if not plan.fits:
         from sparkwatch.core.launch.plan import fix_line
 
         print(fix_line(plan), file=sys.stderr)
-        if not args.force:
-            return EXIT_DOES_NOT_FIT
+    if (lacking or not plan.fits) and not args.force:
+        return EXIT_RAYLET if lacking else EXIT_DOES_NOT_FIT  # the raylets' fix first: it needs a `ray start`
+    if lacking or not plan.fits:
         print("sparkwatch: --force: starting anyway", file=sys.stderr)
     if shutil.which(cmd[0]) is None and not Path(cmd[0]).exists():
         print(f"sparkwatch: {cmd[0]}: command not found", file=sys.stderr)
@@ -167,12 +182,47 @@ def handle(args: argparse.Namespace) -> int:
     from sparkwatch.cli.launch_run import Launch
 
     started = time.time()
-    launch = Launch(settings, plan, ctx, cmd, quiet=args.quiet, use_scope=not args.no_scope, probe=args.probe)
+    launch = Launch(
+        settings, plan, ctx, cmd, quiet=args.quiet, use_scope=not args.no_scope, probe=args.probe, ray=bool(raylets)
+    )
     code = launch.run()
     if not args.quiet:
         took = time.time() - started
         print(f"sparkwatch: {plan.estimate.kind} exited after {took:.0f} s: {launch.exit_text}", file=sys.stderr)
     return code
+
+
+def _raylets(settings: Any, inputs: Any, jobs: int) -> list[Any]:
+    """The raylets on this node with what each lacks, for an engine over Ray; [] for any other engine."""
+    from sparkwatch.core.launch.rayletenv import uses_ray
+
+    if not uses_ray(inputs.argv, inputs.env):
+        return []
+    from sparkwatch.cli.launch_raylets import problems
+
+    return problems(settings, max(1, jobs))
+
+
+def _raylet_lines(raylets: list[Any]) -> list[str]:
+    out = []
+    for raylet, lacks, fix in raylets:
+        if raylet.environ is None:
+            out.append(f"sparkwatch: raylet on {raylet.node} (pid {raylet.pid}): its environment is not ours to read")
+        out += [f"sparkwatch: {p.line()}" for p in lacks]
+        if fix is not None:
+            out.append(f"sparkwatch: fix: {fix}")
+    return out
+
+
+def _raylet_json(raylet: Any, lacks: Any, fix: str | None) -> dict[str, Any]:
+    return {
+        "node": raylet.node,
+        "pid": raylet.pid,
+        "head": raylet.head,
+        "environment_read": raylet.environ is not None,
+        "problems": [{"variable": p.variable, "have": p.have, "want": p.want, "why": p.why} for p in lacks],
+        "fix": fix,
+    }
 
 
 def _forget(settings: Any, key: str | None) -> int:

@@ -109,8 +109,12 @@ class Launch:
         use_scope: bool = True,
         env: dict[str, str] | None = None,
         probe: str | None = None,
+        ray: bool = False,
     ) -> None:
+        """`ray`: the engine runs its ranks on the raylets of a running Ray (checked by launch first): the
+        environment launch sets reaches the driver only, and the line says so."""
         self.settings = settings
+        self.ray = ray
         self.plan = plan
         self.ctx = ctx
         self.cmd = cmd
@@ -209,7 +213,7 @@ class Launch:
         plan = self.plan
         choices = launchenv.engine_env(self.env, plan.estimate.jobs)
         if not self.quiet:
-            print(launchenv.describe(choices), file=sys.stderr, flush=True)
+            print(launchenv.describe(choices, ray=self.ray), file=sys.stderr, flush=True)
         env = launchenv.apply(self.env, choices)
         self.gpu = gpu_reader(self.settings)  # before the subreaper: its check is a child of ours, reaped by it
         syscalls.set_child_subreaper()

@@ -78,8 +78,12 @@ def apply(env: Mapping[str, str], choices: tuple[EnvChoice, ...]) -> dict[str, s
     return out
 
 
-def describe(choices: tuple[EnvChoice, ...]) -> str:
+def describe(choices: tuple[EnvChoice, ...], ray: bool = False) -> str:
+    """The one line launch prints. `ray`: the ranks run on the raylets of a running Ray, which start their workers
+    with the raylet's environment (core.launch.rayletenv): what is set here reaches the driver only, and the line
+    never says otherwise."""
     set_ = " ".join(f"{c.name}={c.value}" for c in choices if not c.kept)
     kept = " ".join(f"{c.name}={c.value}" for c in choices if c.kept)
-    line = f"sparkwatch: environment: set {set_ or 'nothing'}"
+    where = "set for the driver only (the Ray ranks read their raylet's environment)" if ray else "set"
+    line = f"sparkwatch: environment: {where} {set_ or 'nothing'}"
     return line + (f"; kept yours: {kept}" if kept else "")

@@ -1,0 +1,134 @@
+"""The raylets on this node as `sparkwatch launch` holds them to what an engine over Ray needs (core.launch.rayletenv):
+each one's environment (/proc/PID/environ), its locked-memory limit (/proc/PID/limits), ninja and nvcc on its PATH,
+and the RoCEv2 GID index sysfs shows now (<root>/sys/class/infiniband). Only raylets in launch's own network
+namespace: this node's. Read once, before the start.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from sparkwatch.common.sources.procs import ProcScanner
+from sparkwatch.core.launch.rayletenv import UNLIMITED, Problem, RayletFacts, check, fix_line, roce_v2_gid_index
+from sparkwatch.telemetry.sources.raystate import local_raylets
+
+if TYPE_CHECKING:
+    from sparkwatch.config.settings import Settings
+
+ENVIRON_MAX_BYTES = 1 << 20
+TOOLS = ("ninja", "nvcc")
+
+
+def raylets(settings: Settings) -> list[RayletFacts]:
+    proc_root = Path(settings.proc_root)
+    scan = ProcScanner(proc_root).scan()
+    by_pid = {p.pid: p for p in scan.procs}
+    out = []
+    for raylet in local_raylets(scan.procs, proc_root):
+        argv = by_pid[raylet.pid].argv
+        env = read_environ(proc_root, raylet.pid)
+        out.append(
+            RayletFacts(
+                pid=raylet.pid,
+                node=_flag(argv, "node_ip_address") or raylet.node_id[:12],
+                head="--head" in argv,
+                gcs_address=raylet.gcs_address,
+                environ=env,
+                memlock_bytes=read_memlock(proc_root, raylet.pid),
+                tools={} if env is None else {t: on_path(env.get("PATH", ""), t) for t in TOOLS},
+                roce_v2_gid_index=None if env is None else gid_index(Path(settings.root), env.get("NCCL_IB_HCA", "")),
+            )
+        )
+    return out
+
+
+def problems(settings: Settings, jobs: int) -> list[tuple[RayletFacts, tuple[Problem, ...], str | None]]:
+    """Each raylet here, what it lacks for an engine that may run `jobs` compile jobs, and the line that fixes it."""
+    out = []
+    for raylet in raylets(settings):
+        found = check(raylet, jobs)
+        out.append((raylet, found, fix_line(raylet, found, jobs) if found else None))
+    return out
+
+
+def _flag(argv: tuple[str, ...], name: str) -> str:
+    prefix = f"--{name}="
+    return next((a[len(prefix) :] for a in argv if a.startswith(prefix)), "")
+
+
+def read_environ(proc_root: Path, pid: int) -> dict[str, str] | None:
+    """A process's environment as it started (None: not ours to read, or gone)."""
+    try:
+        with open(proc_root / str(pid) / "environ", "rb") as fh:
+            data = fh.read(ENVIRON_MAX_BYTES)
+    except OSError:
+        return None
+    out = {}
+    for item in data.split(b"\0"):
+        name, eq, value = item.decode(errors="replace").partition("=")
+        if eq and name:
+            out[name] = value
+    return out
+
+
+def read_memlock(proc_root: Path, pid: int) -> int | None:
+    """The soft "Max locked memory" limit in bytes, UNLIMITED, or None when unreadable."""
+    try:
+        text = (proc_root / str(pid) / "limits").read_text(errors="replace")
+    except OSError:
+        return None
+    for line in text.splitlines():
+        if line.startswith("Max locked memory"):
+            soft = line[len("Max locked memory") :].split()[0]
+            return UNLIMITED if soft == "unlimited" else int(soft) if soft.isdigit() else None
+    return None
+
+
+def on_path(path: str, tool: str) -> bool:
+    return any(os.access(os.path.join(d, tool), os.X_OK) for d in path.split(":") if d)
+
+
+def gid_index(root: Path, hca: str) -> int | None:
+    """The RoCEv2 GID index of the first port of the device NCCL_IB_HCA names (its first entry; any device when
+    unset), as sysfs shows it now; None without RoCE."""
+    base = root / "sys" / "class" / "infiniband"
+    try:
+        devices = sorted(os.listdir(base))
+    except OSError:
+        return None
+    wanted = hca.split(",", maxsplit=1)[0].lstrip("=^").split(":")[0]
+    for device in devices:
+        if wanted and device != wanted:
+            continue
+        ports = base / device / "ports"
+        try:
+            port_names = sorted(os.listdir(ports), key=lambda p: int(p) if p.isdigit() else 0)
+        except OSError:
+            continue
+        for port in port_names:
+            types, gids = _table(ports / port / "gid_attrs" / "types"), _table(ports / port / "gids")
+            index = roce_v2_gid_index(types, gids)
+            if index is not None:
+                return index
+    return None
+
+
+def _table(path: Path) -> Mapping[int, str]:
+    """A sysfs directory of small files named by index: {index: text}; unreadable entries left out (the kernel
+    answers EINVAL for a GID type of an empty slot)."""
+    out: dict[int, str] = {}
+    try:
+        names = os.listdir(path)
+    except OSError:
+        return out
+    for name in names:
+        if not name.isdigit():
+            continue
+        try:
+            out[int(name)] = (path / name).read_text(errors="replace").strip()
+        except OSError:
+            continue
+    return out

@@ -1,0 +1,182 @@
+"""`sparkwatch launch` for an engine over Ray holds the raylets on its node to what the ranks read (issue 30;
+core.launch.rayletenv, cli.launch_raylets): the ranks start with their raylet's environment, not the serve command's.
+
+Pure: what is checked and the `ray start` line that fixes it, and the RoCEv2 GID index from a sysfs tree shaped as a
+ConnectX-7's (the Spark's NIC: `rocep1s0f1`, types "IB/RoCE v1" and "RoCE v2", IPv4-mapped GIDs). Real: a two-node
+Ray cluster in two network namespaces (tests/raycluster.py); node B's raylet started the way the test cluster starts
+it (no MAX_JOBS, Ray's memory monitor on, memlock as the box has it) is refused by name with its fix; started again
+with them it passes on those counts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from sparkwatch.cli.launch_raylets import gid_index, on_path, read_memlock
+from sparkwatch.core.launch.rayletenv import UNLIMITED, RayletFacts, check, fix_line, roce_v2_gid_index, uses_ray
+from tests.conftest import require
+from tests.daemon import daemon_env, free_port
+from tests.raycluster import RayCluster, netns_permitted, ray_cluster
+
+GOOD = {"MAX_JOBS": "4", "RAY_memory_monitor_refresh_ms": "0", "NCCL_IB_GID_INDEX": "3"}
+
+
+def facts(env: dict[str, str] | None, **kw: object) -> RayletFacts:
+    base: dict[str, object] = {
+        "pid": 4242, "node": "192.168.100.11", "head": False, "gcs_address": "192.168.100.10:6379", "environ": env,
+        "memlock_bytes": UNLIMITED, "tools": {"ninja": True, "nvcc": True}, "roce_v2_gid_index": 3,
+    }  # fmt: skip
+    base.update(kw)
+    return RayletFacts(**base)  # type: ignore[arg-type]
+
+
+def test_an_engine_over_ray_is_told_by_its_backend_or_its_ray_address() -> None:
+    vllm = ("vllm", "serve", "m", "-tp", "2")
+    assert uses_ray((*vllm, "--distributed-executor-backend", "ray"), {})
+    assert uses_ray((*vllm, "--distributed_executor_backend=ray"), {})
+    assert uses_ray(vllm, {"RAY_ADDRESS": "192.168.100.10:6379"})
+    assert not uses_ray((*vllm, "--distributed-executor-backend", "mp"), {})
+    assert not uses_ray(vllm, {"RAY_ADDRESS": ""})
+
+
+def test_a_raylet_with_what_the_ranks_need_passes() -> None:
+    assert check(facts(GOOD), jobs=4) == ()
+    assert check(facts({**GOOD, "MAX_JOBS": "2"}), jobs=4) == ()  # fewer jobs than the memory holds: fine
+
+
+@pytest.mark.parametrize(
+    ("changed", "variable"),
+    [
+        ({"environ": {**GOOD, "MAX_JOBS": ""}}, "MAX_JOBS"),  # empty is unset
+        ({"environ": {**GOOD, "MAX_JOBS": "20"}}, "MAX_JOBS"),  # more than this node's memory holds
+        ({"environ": {**GOOD, "MAX_JOBS": "four"}}, "MAX_JOBS"),
+        ({"environ": {k: v for k, v in GOOD.items() if k != "RAY_memory_monitor_refresh_ms"}},
+         "RAY_memory_monitor_refresh_ms"),
+        ({"environ": {**GOOD, "NCCL_IB_GID_INDEX": "6"}}, "NCCL_IB_GID_INDEX"),  # sysfs says 3 now
+        ({"tools": {"ninja": True, "nvcc": False}}, "PATH (nvcc)"),
+        ({"memlock_bytes": 8 << 20}, "memlock"),  # DGX OS's default
+    ],
+)  # fmt: skip
+def test_each_lack_is_named_with_its_node_and_fixed_by_one_ray_start(changed: dict[str, object], variable: str) -> None:
+    raylet = facts(GOOD, **{k: v for k, v in changed.items() if k != "environ"})
+    if "environ" in changed:
+        raylet = facts(changed["environ"])  # type: ignore[arg-type]
+    (problem,) = check(raylet, jobs=4)
+    assert problem.variable == variable and problem.node == "192.168.100.11"
+    assert problem.line().startswith(f"raylet on 192.168.100.11: {variable} is ")
+    fix = fix_line(raylet, (problem,), jobs=4)
+    assert fix.startswith("on 192.168.100.11: ray stop && ") and fix.endswith("ray start --address=192.168.100.10:6379")
+    want = {
+        "MAX_JOBS": "MAX_JOBS=4 ",
+        "RAY_memory_monitor_refresh_ms": "RAY_memory_monitor_refresh_ms=0 ",
+        "NCCL_IB_GID_INDEX": "NCCL_IB_GID_INDEX=3 ",
+        "PATH (nvcc)": "PATH=",
+        "memlock": "ulimit -l unlimited && ",
+    }[variable]
+    assert want in fix
+
+
+def test_the_head_is_fixed_with_ray_start_head_and_an_unreadable_environment_is_not_a_lack() -> None:
+    head = facts({}, head=True, node="192.168.100.10")
+    fix = fix_line(head, check(head, jobs=6), jobs=6)
+    assert fix.endswith("MAX_JOBS=6 RAY_memory_monitor_refresh_ms=0 ray start --head")
+    assert check(facts(None, tools={}), jobs=4) == ()  # another user's raylet: said, never guessed at
+
+
+def write_port(port: Path, entries: dict[int, tuple[str, str]]) -> None:
+    for index, (kind, gid) in entries.items():
+        for sub, text in (("gid_attrs/types", kind), ("gids", gid)):
+            (port / sub).mkdir(parents=True, exist_ok=True)
+            (port / sub / str(index)).write_text(text + "\n")
+
+
+V4 = "0000:0000:0000:0000:0000:ffff:c0a8:640b"  # ::ffff:192.168.100.11
+LINK = "fe80:0000:0000:0000:5a54:c2ff:fe01:0203"
+
+
+def test_the_roce_v2_gid_index_is_read_from_sysfs_now(tmp_path: Path) -> None:
+    """A ConnectX-7 port as sysfs shows it: link-local GIDs at 0 and 1 (v1, v2), the IPv4-mapped ones at 2 (v1) and
+    3 (v2). The index NCCL needs is 3 today; after a reboot that reordered them, 5."""
+    base = tmp_path / "sys" / "class" / "infiniband"
+    write_port(base / "rocep1s0f1" / "ports" / "1", {0: ("IB/RoCE v1", LINK), 1: ("RoCE v2", LINK),
+                                                     2: ("IB/RoCE v1", V4), 3: ("RoCE v2", V4)})  # fmt: skip
+    assert gid_index(tmp_path, "") == 3
+    assert gid_index(tmp_path, "=rocep1s0f1:1") == 3  # NCCL_IB_HCA's exact-match form
+    assert gid_index(tmp_path, "mlx5_0") is None  # a device that is not there
+    write_port(base / "rocep1s0f1" / "ports" / "1", {3: ("IB/RoCE v1", V4), 5: ("RoCE v2", V4)})
+    assert gid_index(tmp_path, "") == 5
+    assert roce_v2_gid_index({0: "RoCE v2"}, {0: LINK}) is None  # no IPv4 address on it
+    assert gid_index(tmp_path / "none", "") is None
+
+
+def test_limits_and_path_are_read_as_the_kernel_writes_them(tmp_path: Path) -> None:
+    assert read_memlock(Path("/proc"), os.getpid()) is not None
+    pid_dir = tmp_path / "7"
+    pid_dir.mkdir()
+    (pid_dir / "limits").write_text(
+        "Limit                     Soft Limit           Hard Limit           Units     \n"
+        "Max locked memory         8388608              8388608              bytes     \n"
+    )
+    assert read_memlock(tmp_path, 7) == 8 << 20
+    (pid_dir / "limits").write_text("Max locked memory         unlimited            unlimited            bytes\n")
+    assert read_memlock(tmp_path, 7) == UNLIMITED
+    assert on_path(f"/nonexistent:{Path(sys.executable).parent}", Path(sys.executable).name)
+    assert not on_path("/nonexistent", "nvcc")
+
+
+# --- a real raylet
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[RayCluster]:
+    why = netns_permitted()
+    require(why is None, why or "")
+    require(shutil.which("ray", path=str(Path(sys.executable).parent)) is not None, "ray is not installed")
+    with ray_cluster() as c:
+        yield c
+
+
+def launch_in_b(cluster: RayCluster, tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    argv = [sys.executable, "-m", "sparkwatch", "launch", "--settle-timeout", "0", *args, "--",
+            "vllm", "serve", "Qwen/Qwen3-0.6B", "-pp", "2", "--distributed-executor-backend", "ray"]  # fmt: skip
+    return subprocess.run(
+        cluster.in_ns(cluster.ns_b, argv), env=daemon_env(tmp_path, free_port()), capture_output=True, text=True,
+        timeout=120,
+    )  # fmt: skip
+
+
+def test_node_b_s_raylet_is_refused_by_name_then_passes_once_started_right(cluster: RayCluster, tmp_path: Path) -> None:
+    plan = launch_in_b(cluster, tmp_path, "--plan", "--json")
+    assert plan.returncode == 1, plan.stderr
+    (raylet,) = json.loads(plan.stdout)["raylets"]  # node B's only: A's runs in another network namespace
+    assert raylet["node"] == cluster.ip_b and raylet["head"] is False and raylet["environment_read"]
+    lacks = {p["variable"] for p in raylet["problems"]}
+    assert {"MAX_JOBS", "RAY_memory_monitor_refresh_ms", "memlock"} <= lacks
+    assert raylet["fix"].startswith(f"on {cluster.ip_b}: ray stop && ulimit -l unlimited && MAX_JOBS=")
+    assert f"ray start --address={cluster.address}" in raylet["fix"]
+    # without --plan: one line per lack, the fix, and nothing started (exit 78)
+    refused = launch_in_b(cluster, tmp_path)
+    assert refused.returncode == 78, refused.stderr
+    assert f"sparkwatch: raylet on {cluster.ip_b}: MAX_JOBS is not set" in refused.stderr
+    assert f"sparkwatch: fix: on {cluster.ip_b}: ray stop" in refused.stderr
+    print(refused.stderr)
+    try:
+        cluster.restart_b({"MAX_JOBS": "1", "RAY_memory_monitor_refresh_ms": "0"})
+        again = launch_in_b(cluster, tmp_path, "--plan", "--json")
+        (raylet,) = json.loads(again.stdout)["raylets"]
+        lacks = {p["variable"] for p in raylet["problems"]}
+        assert not lacks & {"MAX_JOBS", "RAY_memory_monitor_refresh_ms"}, raylet
+        # the rest as this box gives it (a container may not raise memlock: no CAP_SYS_RESOURCE here)
+        assert ("memlock" in lacks) == (read_memlock(Path("/proc"), os.getpid()) != UNLIMITED)
+        path = os.environ.get("PATH", "")
+        assert ("PATH (nvcc)" in lacks) == (shutil.which("nvcc", path=path) is None)
+    finally:
+        cluster.restart_b()
