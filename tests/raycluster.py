@@ -292,10 +292,19 @@ def read_line(proc: subprocess.Popen[str], timeout_s: float) -> str:
 
 def sigkill(pid: int, start_ticks: int) -> None:
     """SIGKILL that very process (pinned by a pidfd, its start time checked)."""
+    _signal(pid, start_ticks, signal.SIGKILL)
+
+
+def sigstop(pid: int, start_ticks: int) -> None:
+    """SIGSTOP that very process: a wedged driver (a stopped process dies of SIGKILL all the same)."""
+    _signal(pid, start_ticks, signal.SIGSTOP)
+
+
+def _signal(pid: int, start_ticks: int, sig: int) -> None:
     fd = syscalls.pidfd_open(pid)
     try:
         if read_start_ticks("/proc", pid) == start_ticks:
-            syscalls.pidfd_send_signal(fd, signal.SIGKILL)
+            syscalls.pidfd_send_signal(fd, sig)
     finally:
         os.close(fd)
 
@@ -309,12 +318,16 @@ class Engine:
         cluster: RayCluster,
         tmp_path: Path,
         node: str,
+        *,
         remote_rank_mib: int = 0,
         launch_env: dict[str, str] | None = None,
+        launch_args: tuple[str, ...] = ("--force",),
+        args: tuple[str, ...] = (),
     ) -> None:
         """`remote_rank_mib`: memory the ranks on the other node take (tests/helpers/ray_engine.py). `launch_env`:
         start the API server under `sparkwatch launch --force` with this environment (its declaration, the guard's
-        word); `self.api` is then the launch process, and `keys["api"]` its child, the API server."""
+        word) and `launch_args`; `self.api` is then the launch process, and `keys["api"]` its child, the API server.
+        `args`: more of the serve command's arguments (`--distributed-executor-backend ray`)."""
         ns, ip = (cluster.ns_a, cluster.ip_a) if node == "a" else (cluster.ns_b, cluster.ip_b)
         vllm = tmp_path / f"bin-{node}" / "vllm"
         vllm.parent.mkdir(exist_ok=True)
@@ -327,9 +340,9 @@ class Engine:
             "RAY_ENGINE_REMOTE_RANK_MIB": str(remote_rank_mib),
             "PYTHONPATH": str(Path(__file__).resolve().parent.parent),
         }
-        argv = [sys.executable, str(vllm), "serve", "tiny-model", "--tensor-parallel-size", "2"]
+        argv = [sys.executable, str(vllm), "serve", "tiny-model", "--tensor-parallel-size", "2", *args]
         if launch_env is not None:
-            argv = [sys.executable, "-m", "sparkwatch", "launch", "--force", "--", *argv]
+            argv = [sys.executable, "-m", "sparkwatch", "launch", *launch_args, "--", *argv]
         # its stderr (launch's lines and the engine's own) goes to a file: a pipe nobody reads while the engine runs
         # could fill and stall it
         self.launch_stderr = tmp_path / f"launch-{node}.stderr"

@@ -29,7 +29,6 @@ from typing import Any
 
 import pytest
 
-from sparkwatch.common import syscalls
 from sparkwatch.common.eventlog import EventLog, read_events
 from sparkwatch.common.messages import GroupTeardownMsg, decode, encode
 from sparkwatch.common.sources.procs import read_start_ticks
@@ -59,6 +58,7 @@ from tests.raycluster import (
     ray_cluster,
     read_line,
     sigkill,
+    sigstop,
 )
 
 SHAPE = Path(__file__).resolve().parent / "helpers" / "shape_proc.py"
@@ -130,7 +130,7 @@ def test_wedged_driver_on_b_its_placement_group_is_removed_from_a(cluster: RayCl
         engine = Engine(cluster, tmp_path, "b")
         try:
             assert netns(engine.pid["api"]) == netns(engine.pid["rank_b"])
-            _wedge(*engine.keys["driver"])
+            sigstop(*engine.keys["driver"])
             died_at = time.monotonic()
             sigkill(*engine.keys["rank_b"])
             took_s = gone_within([engine.keys["rank_a"]], died_at)
@@ -195,16 +195,6 @@ def test_a_budget_kill_on_b_is_named_in_node_a_teardown_by_b_s_own_agent(cluster
             engine.close()
 
 
-def _wedge(pid: int, start_ticks: int) -> None:
-    """SIGSTOP one of the test's own processes, pinned by pidfd and checked by start time (a wedged driver)."""
-    fd = syscalls.pidfd_open(pid)
-    try:
-        assert read_start_ticks("/proc", pid) == start_ticks
-        syscalls.pidfd_send_signal(fd, signal.SIGSTOP)
-    finally:
-        os.close(fd)
-
-
 def _peer_doc(cluster: RayCluster, listen: str) -> dict[str, Any]:
     """A peer's /peer/v1/state as node A reads it (over the veth pair)."""
     out = cluster.get_in_a(f"http://{listen}/peer/v1/state", timeout_s=5)
@@ -242,7 +232,7 @@ def test_both_agents_a_wedged_driver_on_b_then_its_rank_dies(cluster: RayCluster
         assert wait_until(lambda: bool(_peer_doc(cluster, listen_b).get("ray_node_ids")), 20, 0.5)
         engine = Engine(cluster, tmp_path, "b")
         try:
-            _wedge(*engine.keys["driver"])
+            sigstop(*engine.keys["driver"])
             died_at = time.monotonic()
             sigkill(*engine.keys["rank_b"])
             a_s = gone_within([engine.keys["rank_a"]], died_at)

@@ -15,8 +15,9 @@
 3. Gate: when it does not fit, one line says by how much and the fix, and the command does not start (exit 75).
    An engine over Ray (`--distributed-executor-backend ray`, or RAY_ADDRESS) is also held to what its ranks read:
    the environment of the raylets on this node (core.launch.rayletenv: MAX_JOBS, RAY_memory_monitor_refresh_ms,
-   ninja and nvcc on PATH, memlock, NCCL_IB_GID_INDEX); one line per problem and the `ray start` that fixes it, and
-   the command does not start (exit 78).
+   ninja and nvcc on PATH, memlock, NCCL_IB_GID_INDEX), and to the placement groups it would wait behind (held by a
+   stopped driver, or by a job that ended: core.launch.stalepg); one line per problem and its fix, and the command
+   does not start (exit 78). `--fix` removes such groups through Ray.
    `--fix` applies the fixes that need no guessing (drop caches, compact memory) where the user may, `--force`
    starts anyway, `--plan` prints the plan and exits 0 (fits) or 1 (does not).
 4. Environment (core.launch.launchenv), declaration (common.launched), run (cli.launch_run): the command's output passes
@@ -24,7 +25,8 @@
    exit code comes back; a guard kill is reported in one line and exits 137.
 
 Exit codes: the command's own; 128+N when it died of signal N (137: killed, by the guard when the line says so);
-75 the plan does not fit (nothing started); 78 a raylet here lacks what the engine's ranks need (nothing started);
+75 the plan does not fit (nothing started); 78 the Ray cluster needs a fix first: a raylet here lacks what the
+engine's ranks need, or a stale placement group holds its resources (nothing started);
 2 bad usage or config; 127 the command was not found; with --plan 0 fits (and the raylets have what the ranks need),
 1 does not; with --forget/--forget-all 0 dropped, 1 nothing to drop.
 """
@@ -145,15 +147,23 @@ def handle(args: argparse.Namespace) -> int:
         print(f"sparkwatch: {exc}", file=sys.stderr)
         return 2
     raylets = _raylets(settings, inputs, plan.estimate.jobs)
-    lacking = [r for r in raylets if r[1]]
+    stale, stale_note = _stale(settings, inputs)
+    if stale and args.fix and not args.plan:
+        from sparkwatch.cli.launch_ray import remove
+
+        for line in remove(settings, stale):
+            print(f"sparkwatch: fix: {line}", file=sys.stderr)
+        stale, stale_note = _stale(settings, inputs)
+    lacking = [r for r in raylets if r[1]] + list(stale)
     if args.plan:
         if args.json:
             doc = plan_json(plan, ctx)
             doc["raylets"] = [_raylet_json(*r) for r in raylets]
+            doc["stale_placement_groups"] = [_stale_json(g) for g in stale]
             print(json.dumps(doc, indent=None, separators=(",", ":")))
         else:
             print(plan_text(plan, ctx))
-            for line in _raylet_lines(raylets):
+            for line in _raylet_lines(raylets) + _stale_lines(stale, stale_note):
                 print(line)
         return 0 if plan.fits and not lacking else 1
     if not args.quiet:
@@ -166,7 +176,8 @@ def handle(args: argparse.Namespace) -> int:
         plan, ctx = replan(settings, inputs, ctx)
         if not args.quiet:
             print(plan_text(plan, ctx, short=True), file=out)
-    for line in _raylet_lines(raylets):  # what the ranks lack is said whether or not the memory fits
+    # what the cluster lacks is said whether or not the memory fits
+    for line in _raylet_lines(raylets) + _stale_lines(stale, stale_note):
         print(line, file=sys.stderr)
     if not plan.fits:
         from sparkwatch.core.launch.plan import fix_line
@@ -198,9 +209,36 @@ def _raylets(settings: Any, inputs: Any, jobs: int) -> list[Any]:
 
     if not uses_ray(inputs.argv, inputs.env):
         return []
-    from sparkwatch.cli.launch_raylets import problems
+    from sparkwatch.cli.launch_ray import problems
 
     return problems(settings, max(1, jobs))
+
+
+def _stale(settings: Any, inputs: Any) -> tuple[Any, str | None]:
+    """The placement groups an engine over Ray would wait behind (cli.launch_ray.stale); () for any other engine."""
+    from sparkwatch.core.launch.rayletenv import uses_ray
+
+    if not uses_ray(inputs.argv, inputs.env):
+        return (), None
+    from sparkwatch.cli.launch_ray import stale
+
+    return stale(settings)
+
+
+def _stale_lines(stale: Any, note: str | None) -> list[str]:
+    out = [f"sparkwatch: {note}: placement groups not checked"] if note else []
+    for g in stale:
+        out.append(f"sparkwatch: {g.line()}: the engine would wait behind it (vLLM: up to 1800 s)")
+    if stale:
+        out.append(
+            "sparkwatch: fix: sparkwatch launch --fix … removes it through Ray (or `ray stop --force` on every node)"
+        )
+    return out
+
+
+def _stale_json(g: Any) -> dict[str, Any]:
+    return {"group": g.group, "state": g.state, "job_id": g.job_id, "driver_pid": g.driver_pid,
+            "driver_ip": g.driver_ip, "why": g.why}  # fmt: skip
 
 
 def _raylet_lines(raylets: list[Any]) -> list[str]:

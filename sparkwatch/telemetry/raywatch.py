@@ -30,7 +30,6 @@ decides nothing. With `group_teardown` off nothing is sent.
 
 from __future__ import annotations
 
-import os
 import subprocess
 import threading
 import time
@@ -50,6 +49,7 @@ from sparkwatch.telemetry.sources.raystate import (
     RayStateError,
     RayStateSource,
     local_raylets,
+    start_remove_pg,
 )
 
 if TYPE_CHECKING:
@@ -67,16 +67,6 @@ FULL_MAX_S = 60.0
 MAX_PIDS = 512  # pids read from /proc a poll: ranks, drivers and their parents of the groups Ray lists
 RANKS_KEPT_S = 60.0  # this node's ranks are told of this long after the last answer from Ray that listed them
 REMOVE_TIMEOUT_S = 30.0  # the helper connects as a Ray driver: 2-3 s on the 2-core test box
-# Run by the engine's interpreter: argv[1] the GCS address, argv[2] the placement group's id (hex).
-REMOVE_PG = """
-import sys
-import ray
-from ray._raylet import PlacementGroupID
-from ray.util.placement_group import PlacementGroup, remove_placement_group
-ray.init(address=sys.argv[1], logging_level=40, log_to_driver=False)
-remove_placement_group(PlacementGroup(PlacementGroupID(bytes.fromhex(sys.argv[2]))))
-ray.shutdown()
-"""
 
 
 @dataclass(frozen=True, slots=True)
@@ -356,16 +346,8 @@ class RayWatch:
             self.pg_remove_errors_total += 1
             log.error("placement group %s outlived its teardown; no local raylet names an interpreter", group[:12])
             return
-        env = {k: v for k, v in os.environ.items() if not k.startswith("SPARKWATCH_")}
-        env["RAY_USAGE_STATS_ENABLED"] = "0"
         try:
-            helper = subprocess.Popen(
-                [raylet.python, "-c", REMOVE_PG, raylet.gcs_address, group],
-                env=env,
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL,
-            )
+            helper = start_remove_pg(raylet, group)
         except OSError as exc:
             self.pg_remove_errors_total += 1
             log.error("placement group %s: could not start %s: %s", group[:12], raylet.python, exc.strerror)

@@ -18,6 +18,8 @@ core.kill.raygroup; telemetry.raywatch hands the guard what to stop.
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import urllib.parse
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -264,3 +266,31 @@ def local_raylets(procs: Iterable[Proc], proc_root: Path) -> tuple[LocalRaylet, 
         worker = _flag(p.argv, "python_worker_command").split(" ", 1)[0]
         out.append(LocalRaylet(p.pid, node_id, _flag(p.argv, "gcs-address"), worker))
     return tuple(out)
+
+
+# Removing a placement group: Ray offers no REST call for it, and sparkwatch never imports Ray. A short-lived helper
+# in the engine's own interpreter (the one the local raylet starts its Python workers with) connects to the GCS the
+# raylet names as a driver and removes it: 2-3 s on the 2-core test box. argv[1] the GCS address, argv[2] the
+# placement group's id (hex). Used by the group watch (telemetry.raywatch) and `sparkwatch launch --fix`.
+REMOVE_PG = """
+import sys
+import ray
+from ray._raylet import PlacementGroupID
+from ray.util.placement_group import PlacementGroup, remove_placement_group
+ray.init(address=sys.argv[1], logging_level=40, log_to_driver=False)
+remove_placement_group(PlacementGroup(PlacementGroupID(bytes.fromhex(sys.argv[2]))))
+ray.shutdown()
+"""
+
+
+def start_remove_pg(raylet: LocalRaylet, group: str) -> subprocess.Popen[bytes]:
+    """Start the helper that removes placement group `group` through `raylet`'s cluster; raises OSError."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SPARKWATCH_")}
+    env["RAY_USAGE_STATS_ENABLED"] = "0"
+    return subprocess.Popen(
+        [raylet.python, "-c", REMOVE_PG, raylet.gcs_address, group],
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )

@@ -1,11 +1,12 @@
 """`sparkwatch launch` for an engine over Ray holds the raylets on its node to what the ranks read (issue 30;
-core.launch.rayletenv, cli.launch_raylets): the ranks start with their raylet's environment, not the serve command's.
+core.launch.rayletenv, cli.launch_ray): the ranks start with their raylet's environment, not the serve command's.
 
 Pure: what is checked and the `ray start` line that fixes it, and the RoCEv2 GID index from a sysfs tree shaped as a
 ConnectX-7's (the Spark's NIC: `rocep1s0f1`, types "IB/RoCE v1" and "RoCE v2", IPv4-mapped GIDs). Real: a two-node
 Ray cluster in two network namespaces (tests/raycluster.py); node B's raylet started the way the test cluster starts
 it (no MAX_JOBS, Ray's memory monitor on, memlock as the box has it) is refused by name with its fix; started again
-with them it passes on those counts.
+with them it passes on those counts. A placement group held by a stopped (wedged) driver is refused as stale;
+`--fix` removes it through Ray and the next engine gets its own group.
 """
 
 from __future__ import annotations
@@ -20,11 +21,13 @@ from pathlib import Path
 
 import pytest
 
-from sparkwatch.cli.launch_raylets import gid_index, on_path, read_memlock
+from sparkwatch.cli.launch_ray import gid_index, on_path, read_memlock
+from sparkwatch.core.kill.raygroup import RayJob, RayPlacementGroup, RayState
 from sparkwatch.core.launch.rayletenv import UNLIMITED, RayletFacts, check, fix_line, roce_v2_gid_index, uses_ray
+from sparkwatch.core.launch.stalepg import stale_groups
 from tests.conftest import require
 from tests.daemon import daemon_env, free_port
-from tests.raycluster import RayCluster, netns_permitted, ray_cluster
+from tests.raycluster import Engine, RayCluster, netns_permitted, pg_state, ray_cluster, sigstop
 
 GOOD = {"MAX_JOBS": "4", "RAY_memory_monitor_refresh_ms": "0", "NCCL_IB_GID_INDEX": "3"}
 
@@ -132,6 +135,23 @@ def test_limits_and_path_are_read_as_the_kernel_writes_them(tmp_path: Path) -> N
     assert not on_path("/nonexistent", "nvcc")
 
 
+def test_a_group_is_stale_only_when_its_driver_is_stopped_or_its_job_over() -> None:
+    def state(pg_state: str, running: bool) -> RayState:
+        return RayState(
+            nodes=(),
+            jobs=(RayJob("01000000", 100, "192.168.100.10", running),),
+            actors=(),
+            placement_groups=(RayPlacementGroup("a1" * 14, "01000000", pg_state, ()),),
+        )
+
+    (held,) = stale_groups(state("CREATED", True), stopped_drivers={100})
+    assert held.why == "its driver is stopped (wedged)" and held.driver_pid == 100
+    assert "driver pid 100 on 192.168.100.10" in held.line()
+    assert stale_groups(state("CREATED", True), stopped_drivers=()) == ()  # another engine's, running
+    assert stale_groups(state("PENDING", False), ())[0].why == "its job has ended"
+    assert stale_groups(state("REMOVED", False), {100}) == ()
+
+
 # --- a real raylet
 
 
@@ -144,13 +164,16 @@ def cluster() -> Iterator[RayCluster]:
         yield c
 
 
-def launch_in_b(cluster: RayCluster, tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
+def launch_in(cluster: RayCluster, ns: str, tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
     argv = [sys.executable, "-m", "sparkwatch", "launch", "--settle-timeout", "0", *args, "--",
             "vllm", "serve", "Qwen/Qwen3-0.6B", "-pp", "2", "--distributed-executor-backend", "ray"]  # fmt: skip
     return subprocess.run(
-        cluster.in_ns(cluster.ns_b, argv), env=daemon_env(tmp_path, free_port()), capture_output=True, text=True,
-        timeout=120,
-    )  # fmt: skip
+        cluster.in_ns(ns, argv), env=daemon_env(tmp_path, free_port()), capture_output=True, text=True, timeout=120
+    )
+
+
+def launch_in_b(cluster: RayCluster, tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return launch_in(cluster, cluster.ns_b, tmp_path, *args)
 
 
 def test_node_b_s_raylet_is_refused_by_name_then_passes_once_started_right(cluster: RayCluster, tmp_path: Path) -> None:
@@ -180,3 +203,34 @@ def test_node_b_s_raylet_is_refused_by_name_then_passes_once_started_right(clust
         assert ("PATH (nvcc)" in lacks) == (shutil.which("nvcc", path=path) is None)
     finally:
         cluster.restart_b()
+
+
+def test_a_group_held_by_a_wedged_driver_is_refused_and_fix_removes_it_so_the_next_engine_starts(
+    cluster: RayCluster, tmp_path: Path
+) -> None:
+    """An engine's driver on node A wedged (SIGSTOP): its placement group holds both nodes' CPU (one each here), and
+    the next engine would wait behind it forever. launch names it stale; with `--fix` it removes it through Ray and
+    the next engine, started under that same launch, gets its own group."""
+    (tmp_path / "first").mkdir()
+    (tmp_path / "second").mkdir()
+    first = Engine(cluster, tmp_path / "first", "a")
+    second: Engine | None = None
+    try:
+        sigstop(*first.keys["driver"])
+        plan = launch_in(cluster, cluster.ns_a, tmp_path, "--plan", "--json")
+        assert plan.returncode == 1, plan.stderr
+        (held,) = json.loads(plan.stdout)["stale_placement_groups"]
+        assert (held["group"], held["driver_pid"]) == (first.placement_group, first.pid["driver"])
+        assert held["why"] == "its driver is stopped (wedged)"
+        second = Engine(
+            cluster, tmp_path / "second", "a", launch_env=daemon_env(tmp_path / "second", free_port()),
+            launch_args=("--settle-timeout", "0", "--fix", "--force"), args=("--distributed-executor-backend", "ray"),
+        )  # fmt: skip
+        said = second.launch_stderr.read_text()
+        assert f"sparkwatch: fix: placement group {first.placement_group[:12]} removed" in said, said
+        assert pg_state(cluster, first.placement_group) == ["REMOVED"]
+        assert pg_state(cluster, second.placement_group) == ["CREATED"]
+    finally:
+        if second is not None:
+            second.close()
+        first.close()
