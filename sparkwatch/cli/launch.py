@@ -45,7 +45,7 @@ from typing import Any
 from sparkwatch.cli import argtypes
 
 EXIT_DOES_NOT_FIT = 75  # sysexits' EX_TEMPFAIL: try again when memory is back
-EXIT_RAYLET = 78  # sysexits' EX_CONFIG: the raylets' environment needs a fix first
+EXIT_CLUSTER = 78  # sysexits' EX_CONFIG: the Ray cluster needs a fix first (a raylet, a stale group)
 EXIT_NOT_FOUND = 127
 DEFAULT_SETTLE_TIMEOUT_S = 60.0
 
@@ -154,7 +154,8 @@ def handle(args: argparse.Namespace) -> int:
         for line in remove(settings, stale):
             print(f"sparkwatch: fix: {line}", file=sys.stderr)
         stale, stale_note = _stale(settings, inputs)
-    lacking = [r for r in raylets if r[1]] + list(stale)
+        plan, ctx = replan(settings, inputs, ctx)  # the removed group's ranks gave their memory back
+    cluster_fix = any(lacks for _raylet, lacks, _fix in raylets) or bool(stale)
     if args.plan:
         if args.json:
             doc = plan_json(plan, ctx)
@@ -165,7 +166,7 @@ def handle(args: argparse.Namespace) -> int:
             print(plan_text(plan, ctx))
             for line in _raylet_lines(raylets) + _stale_lines(stale, stale_note):
                 print(line)
-        return 0 if plan.fits and not lacking else 1
+        return 0 if plan.fits and not cluster_fix else 1
     if not args.quiet:
         print(plan_text(plan, ctx, short=True), file=out)
     if not plan.fits and args.fix:
@@ -183,9 +184,9 @@ def handle(args: argparse.Namespace) -> int:
         from sparkwatch.core.launch.plan import fix_line
 
         print(fix_line(plan), file=sys.stderr)
-    if (lacking or not plan.fits) and not args.force:
-        return EXIT_RAYLET if lacking else EXIT_DOES_NOT_FIT  # the raylets' fix first: it needs a `ray start`
-    if lacking or not plan.fits:
+    if (cluster_fix or not plan.fits) and not args.force:
+        return EXIT_CLUSTER if cluster_fix else EXIT_DOES_NOT_FIT  # the cluster's fix first: a `ray start`, --fix
+    if cluster_fix or not plan.fits:
         print("sparkwatch: --force: starting anyway", file=sys.stderr)
     if shutil.which(cmd[0]) is None and not Path(cmd[0]).exists():
         print(f"sparkwatch: {cmd[0]}: command not found", file=sys.stderr)
