@@ -4,7 +4,11 @@ processes, two agents and two network namespaces: tests/test_ray_group.py."""
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -17,6 +21,7 @@ from sparkwatch.core.model import EngineTree, Proc
 from sparkwatch.telemetry import peerdoc
 from sparkwatch.telemetry.mpwatch import MpGroupWatch
 from sparkwatch.telemetry.peerwatch import Peer
+from tests.daemon import daemon_env, free_port
 
 VLLM = ("/usr/bin/python3", "/usr/local/bin/vllm", "serve", "nvidia/Qwen3-235B-A22B-FP4", "--tensor-parallel-size", "1")
 
@@ -180,3 +185,25 @@ def test_a_peer_that_does_not_know_yet_ends_nothing_and_a_missed_scan_unlists_no
     assert watch.observe([peer]) == []
     peer.doc = peerdoc.PeerDoc(1, "spark-b", (), None, (), (), None)  # B's agent restarted: its groups unknown
     assert watch.observe([peer]) == [] and sent == []
+
+
+def test_engines_lists_this_node_s_members_of_groups_without_ray(tmp_path: Path) -> None:
+    """`sparkwatch engines` shows each group this node takes part in without Ray: a `vllm serve … --nnodes 2` of the
+    test's own, titled as vLLM's entry point leaves it, with its rendezvous and node rank, in JSON and as text."""
+    vllm = tmp_path / "vllm"
+    vllm.write_text("import time\ntime.sleep(60)\n")
+    argv = [sys.executable, str(vllm), "serve", "m", "--nnodes", "2", "--node-rank", "1", "--master-addr",
+            "10.9.0.1", "--master-port", "29600", "--headless"]  # fmt: skip
+    engine = subprocess.Popen(argv)
+    try:
+        env = {**daemon_env(tmp_path, free_port()), "SPARKWATCH_RAY_DASHBOARD_URL": ""}
+        cmd = [sys.executable, "-m", "sparkwatch", "engines", "--window", "0", "--no-probe"]
+        out = subprocess.run([*cmd, "--json"], env=env, capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        listed = json.loads(out.stdout)["groups_without_ray"]
+        assert listed == [{"group": "10.9.0.1:29600", "node_rank": 1, "pid": engine.pid, "role": "member"}]
+        text = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60)
+        assert f"group 10.9.0.1:29600  node rank 1  pid {engine.pid}  here" in text.stdout
+    finally:
+        engine.kill()
+        engine.wait(5)

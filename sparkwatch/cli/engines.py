@@ -8,12 +8,14 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from sparkwatch.cli import argtypes
+from sparkwatch.core.kill.mpgroup import member_role
 from sparkwatch.core.model import EngineTree, GpuHolder
 from sparkwatch.core.redact import redact, safe_cmdline
 
 if TYPE_CHECKING:
     from sparkwatch.common.sources.enginetrees import EngineFinder
     from sparkwatch.config.settings import Settings
+    from sparkwatch.core.kill.mpgroup import Member
     from sparkwatch.core.kill.policy import Candidate
     from sparkwatch.core.kill.raygroup import GroupRow
     from sparkwatch.core.model import Proc
@@ -177,6 +179,7 @@ def handle(args: argparse.Namespace) -> int:
     budgets = budget_rows(settings, finder, trees, used if args.all else None)
     serving = {} if args.no_probe else serving_rows(settings, trees)
     groups, group_note = ray_groups(settings, finder.scan()[0])
+    local = local_groups(settings, trees)
     from sparkwatch.tui.kill_order_view import kill_order_json, kill_order_view
 
     if args.json:
@@ -186,6 +189,7 @@ def handle(args: argparse.Namespace) -> int:
         out: dict[str, object] = {"engines": engines, "kill_order": kill_order_json(ranking)}
         out["groups"] = [group_json(g) for g in groups]
         out["groups_note"] = group_note
+        out["groups_without_ray"] = [local_group_json(m) for m in local]
         if holders is not None:
             out["gpu_unknown"] = [holder_json(h) for h in holders]
             out["gpu_note"] = note
@@ -195,7 +199,7 @@ def handle(args: argparse.Namespace) -> int:
     from rich.text import Text
 
     from sparkwatch.tui.console import emit
-    from sparkwatch.tui.engines_view import engines_view, groups_view
+    from sparkwatch.tui.engines_view import engines_view, groups_view, local_groups_view
 
     emit(
         Group(
@@ -209,9 +213,26 @@ def handle(args: argparse.Namespace) -> int:
             ),
             *((Text(""), kill_order_view(ranking)) if trees else ()),
             *((Text(""), groups_view(groups, group_note)) if groups or group_note else ()),
+            *((Text(""), local_groups_view(local)) if local else ()),
         )
     )
     return 0
+
+
+def local_groups(settings: Settings, trees: Sequence[EngineTree]) -> tuple[Member, ...]:
+    """This node's members of groups without Ray (telemetry.mpwatch, as the agent lists them for its peers): the
+    engine trees whose root names a rendezvous (`--nnodes`) or rpc-servers (a llama.cpp head), and the rpc-servers
+    a head reached. The other nodes' members are theirs to list: `sparkwatch engines` there."""
+    from pathlib import Path
+
+    from sparkwatch.telemetry.mpwatch import local_members, rpc_workers
+
+    proc_root = Path(settings.proc_root)
+    return local_members(trees, proc_root) + rpc_workers(trees, proc_root)
+
+
+def local_group_json(m: Member) -> dict[str, object]:
+    return {"group": m.key, "node_rank": m.node_rank, "pid": m.pid, "role": member_role(m)}
 
 
 def ray_groups(settings: Settings, procs: tuple[Proc, ...]) -> tuple[tuple[GroupRow, ...], str | None]:

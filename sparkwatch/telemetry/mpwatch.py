@@ -57,6 +57,33 @@ class _Family:
     sent_at: float | None = None  # when its children were last handed to the guard
 
 
+def local_members(trees: Iterable[EngineTree] | None, proc_root: Path) -> tuple[mpgroup.Member, ...]:
+    """This node's members that may be stopped for their group: the engine trees whose root names a rendezvous, or
+    rpc-servers (a llama.cpp head), in our network namespace."""
+    out = []
+    for tree in trees or ():
+        root = tree.root
+        keys = mpgroup.group_keys(root.argv)
+        if keys and same_netns(proc_root, root.pid):
+            out += [mpgroup.Member(key, rank, root.pid, root.start_ticks, root.uid) for key, rank in keys]
+    return tuple(out)
+
+
+def rpc_workers(trees: Iterable[EngineTree], proc_root: Path) -> tuple[mpgroup.Member, ...]:
+    """This node's llama.cpp rpc-servers, one member per address a head reached it on (its established connections
+    on its port): listed for the peers, never stopped for a group."""
+    out = []
+    for tree in trees:
+        root = tree.root
+        port = mpgroup.rpc_server_port(root.argv)
+        if port is None or not same_netns(proc_root, root.pid):
+            continue
+        for addr in sorted(connected_addresses(proc_root, root.pid, port)):
+            host = f"[{addr}]" if ":" in addr else addr
+            out.append(mpgroup.Member(f"{host}:{port}", mpgroup.RPC_WORKER, root.pid, root.start_ticks, root.uid))
+    return tuple(out)
+
+
 class MpGroupWatch:
     def __init__(
         self,
@@ -86,29 +113,11 @@ class MpGroupWatch:
         self.settings = settings
 
     def local_members(self, trees: Iterable[EngineTree] | None = None) -> tuple[mpgroup.Member, ...]:
-        """This node's members that may be stopped for their group: the engine trees (`trees`, else telemetry's last
-        cycle's) whose root names a rendezvous, or rpc-servers (a llama.cpp head), in our network namespace."""
-        out = []
-        for tree in (self.engines() if trees is None else trees) or ():
-            root = tree.root
-            keys = mpgroup.group_keys(root.argv)
-            if keys and same_netns(self.proc_root, root.pid):
-                out += [mpgroup.Member(key, rank, root.pid, root.start_ticks, root.uid) for key, rank in keys]
-        return tuple(out)
+        """This node's members that may be stopped for their group (`trees`, else telemetry's last cycle's)."""
+        return local_members(self.engines() if trees is None else trees, self.proc_root)
 
     def rpc_workers(self, trees: Iterable[EngineTree]) -> tuple[mpgroup.Member, ...]:
-        """This node's llama.cpp rpc-servers, one member per address a head reached it on (its established
-        connections on its port): listed for the peers, never stopped for a group."""
-        out = []
-        for tree in trees:
-            root = tree.root
-            port = mpgroup.rpc_server_port(root.argv)
-            if port is None or not same_netns(self.proc_root, root.pid):
-                continue
-            for addr in sorted(connected_addresses(self.proc_root, root.pid, port)):
-                host = f"[{addr}]" if ":" in addr else addr
-                out.append(mpgroup.Member(f"{host}:{port}", mpgroup.RPC_WORKER, root.pid, root.start_ticks, root.uid))
-        return tuple(out)
+        return rpc_workers(trees, self.proc_root)
 
     def published(self) -> tuple[peerdoc.PeerMember, ...] | None:
         """This node's members for its peers (rpc-servers included); None before telemetry's first cycle (unknown: a

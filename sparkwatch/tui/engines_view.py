@@ -11,6 +11,7 @@ from rich.text import Text
 
 from sparkwatch.core.engines.identity import EngineRules
 from sparkwatch.core.engines.proctree import tree_rows
+from sparkwatch.core.kill.mpgroup import Member, member_role
 from sparkwatch.core.kill.raygroup import GroupRow
 from sparkwatch.core.model import EngineTree, GpuHolder
 from sparkwatch.core.redact import redact
@@ -117,3 +118,12 @@ def groups_view(groups: Sequence[GroupRow], note: str | None) -> RenderableType:
             )
         parts.append(table)
     return Group(Text("Groups over Ray (engines that span nodes)", style="bold"), *parts)
+
+
+def local_groups_view(members: Sequence[Member]) -> RenderableType:
+    """This node's members of groups without Ray, one line each (the other nodes list theirs)."""
+    lines = [Text("Groups without Ray (this node's members; the other nodes list theirs)", style="bold")]
+    for m in members:
+        rank = "rpc-server" if member_role(m) == "rpc-server" else f"node rank {m.node_rank}"
+        lines.append(Text(f"group {m.key}  {rank}  pid {m.pid}  here"))
+    return Group(*lines)

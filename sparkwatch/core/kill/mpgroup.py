@@ -169,6 +169,11 @@ def group_keys(argv: tuple[str, ...]) -> tuple[tuple[str, int], ...]:
     return tuple((key, 0) for key in rpc_endpoints(argv))
 
 
+def member_role(member: Member) -> str:
+    """What a member is to its group, as `sparkwatch engines` says it."""
+    return "rpc-server" if member.node_rank == RPC_WORKER else "member"
+
+
 def member_of(key: str, argv: tuple[str, ...]) -> bool:
     """The guard's own check of a member telemetry named: its command line names this group's rendezvous, or (a
     llama.cpp head) this rpc-server."""
