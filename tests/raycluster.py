@@ -34,7 +34,7 @@ from typing import Any
 
 from sparkwatch.common import syscalls
 from sparkwatch.common.sources.procs import read_start_ticks
-from tests.conftest import alive, wait_until
+from tests.conftest import alive, require, wait_until
 
 RAY = Path(sys.executable).parent / "ray"
 OBJECT_STORE_BYTES = 100_000_000  # Ray's floor is 75 MB
@@ -276,6 +276,17 @@ def ray_cluster() -> Iterator[RayCluster]:
 # --- a vLLM-shaped engine on it (tests/helpers/ray_engine.py)
 
 ENGINE = Path(__file__).resolve().parent / "helpers" / "ray_engine.py"
+
+
+@contextmanager
+def required_cluster() -> Iterator[RayCluster]:
+    """The cluster for a test module, or the module skipped (failed under SPARKWATCH_TEST_REQUIRE_TOOLS) where network
+    namespaces or Ray are missing."""
+    why = netns_permitted()
+    require(why is None, why or "")
+    require(shutil.which("ray", path=str(Path(sys.executable).parent)) is not None, "ray is not installed")
+    with ray_cluster() as c:
+        yield c
 
 
 def netns(pid: int) -> str:

@@ -25,9 +25,8 @@ from sparkwatch.cli.launch_ray import gid_index, on_path, read_memlock
 from sparkwatch.core.kill.raygroup import RayJob, RayPlacementGroup, RayState
 from sparkwatch.core.launch.rayletenv import UNLIMITED, RayletFacts, check, fix_line, roce_v2_gid_index, uses_ray
 from sparkwatch.core.launch.stalepg import stale_groups
-from tests.conftest import require
 from tests.daemon import daemon_env, free_port
-from tests.raycluster import Engine, RayCluster, netns_permitted, pg_state, ray_cluster, sigstop
+from tests.raycluster import Engine, RayCluster, pg_state, required_cluster, sigstop
 
 GOOD = {"MAX_JOBS": "4", "RAY_memory_monitor_refresh_ms": "0", "NCCL_IB_GID_INDEX": "3"}
 
@@ -157,10 +156,7 @@ def test_a_group_is_stale_only_when_its_driver_is_stopped_or_its_job_over() -> N
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[RayCluster]:
-    why = netns_permitted()
-    require(why is None, why or "")
-    require(shutil.which("ray", path=str(Path(sys.executable).parent)) is not None, "ray is not installed")
-    with ray_cluster() as c:
+    with required_cluster() as c:
         yield c
 
 

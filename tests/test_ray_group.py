@@ -45,7 +45,7 @@ from sparkwatch.telemetry.mpwatch import ORPHAN_GRACE_S
 from sparkwatch.telemetry.peerwatch import PEER_LOST_AFTER, PEER_TIMEOUT_S
 from sparkwatch.telemetry.raywatch import RayWatch
 from sparkwatch.telemetry.sources.raystate import RayStateError, RayStateSource
-from tests.conftest import alive, require, wait_until
+from tests.conftest import alive, wait_until
 from tests.daemon import RunningDaemon, daemon_env, free_port, sparkwatch_run, wait_for_event
 from tests.raycluster import (
     Engine,
@@ -53,10 +53,9 @@ from tests.raycluster import (
     gone_within,
     key_of,
     netns,
-    netns_permitted,
     pg_state,
-    ray_cluster,
     read_line,
+    required_cluster,
     sigkill,
     sigstop,
 )
@@ -67,10 +66,7 @@ TEARDOWN_GOAL_S = 5.0
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[RayCluster]:
-    why = netns_permitted()
-    require(why is None, why or "")
-    require(shutil.which("ray", path=str(Path(sys.executable).parent)) is not None, "ray is not installed")
-    with ray_cluster() as c:
+    with required_cluster() as c:
         yield c
 
 
