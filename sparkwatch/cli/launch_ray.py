@@ -39,17 +39,14 @@ TOOLS = ("ninja", "nvcc")
 
 def raylets(settings: Settings) -> list[RayletFacts]:
     proc_root = Path(settings.proc_root)
-    scan = ProcScanner(proc_root).scan()
-    by_pid = {p.pid: p for p in scan.procs}
     out = []
-    for raylet in local_raylets(scan.procs, proc_root):
-        argv = by_pid[raylet.pid].argv
+    for raylet in local_raylets(ProcScanner(proc_root).scan().procs, proc_root):
         env = read_environ(proc_root, raylet.pid)
         out.append(
             RayletFacts(
                 pid=raylet.pid,
-                node=_flag(argv, "node_ip_address") or raylet.node_id[:12],
-                head="--head" in argv,
+                node=raylet.node_ip or raylet.node_id[:12],
+                head=raylet.head,
                 gcs_address=raylet.gcs_address,
                 environ=env,
                 memlock_bytes=read_memlock(proc_root, raylet.pid),
@@ -67,11 +64,6 @@ def problems(settings: Settings, jobs: int) -> list[tuple[RayletFacts, tuple[Pro
         found = check(raylet, jobs)
         out.append((raylet, found, fix_line(raylet, found, jobs) if found else None))
     return out
-
-
-def _flag(argv: tuple[str, ...], name: str) -> str:
-    prefix = f"--{name}="
-    return next((a[len(prefix) :] for a in argv if a.startswith(prefix)), "")
 
 
 def read_environ(proc_root: Path, pid: int) -> dict[str, str] | None:

@@ -247,6 +247,8 @@ class LocalRaylet:
     node_id: str
     gcs_address: str
     python: str
+    node_ip: str = ""  # --node_ip_address
+    head: bool = False  # started by `ray start --head`
 
 
 def _flag(argv: tuple[str, ...], name: str) -> str:
@@ -264,7 +266,8 @@ def local_raylets(procs: Iterable[Proc], proc_root: Path) -> tuple[LocalRaylet, 
         if not node_id or not same_netns(proc_root, p.pid):
             continue
         worker = _flag(p.argv, "python_worker_command").split(" ", 1)[0]
-        out.append(LocalRaylet(p.pid, node_id, _flag(p.argv, "gcs-address"), worker))
+        node_ip = _flag(p.argv, "node_ip_address")
+        out.append(LocalRaylet(p.pid, node_id, _flag(p.argv, "gcs-address"), worker, node_ip, "--head" in p.argv))
     return tuple(out)
 
 
