@@ -141,8 +141,8 @@ def test_one_deadline_for_the_whole_answer_however_it_drips() -> None:
 @pytest.mark.parametrize(
     ("answer", "kind"),
     [
-        (b"SSH-2.0-OpenSSH_9.6\r\n", "unreachable"),  # not HTTP
-        (b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\nshort", "unreachable"),  # cut short
+        (b"SSH-2.0-OpenSSH_9.6\r\n", "broken"),  # not HTTP
+        (b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\nshort", "broken"),  # cut short
         (b"", "refused"),  # closed without a word: its host answered
     ],
 )
@@ -180,7 +180,7 @@ def test_a_plain_get_never_loads_ssl() -> None:
 def test_an_https_peer_is_read_through_mutual_tls(tmp_path: Path) -> None:
     """A real daemon serving under mTLS (its client CA required); the peer reader verifies it against the CA and
     shows its own certificate. With a certificate the daemon does not take (a server's, not made for a client) the
-    read fails, counted, and nothing is lost."""
+    read fails, counted as a bad answer: something answered, and a refused certificate is never a lost node."""
     pki = tmp_path / "pki"
     pki.mkdir()
     make_pki(pki)
@@ -199,4 +199,4 @@ def test_an_https_peer_is_read_through_mutual_tls(tmp_path: Path) -> None:
             if answers:
                 assert doc is not None and doc.version == peerdoc.VERSION
             else:
-                assert doc is None and watch.counters()["peer_errors_unreachable"] == 1
+                assert doc is None and watch.counters()["peer_errors_bad_answer"] == 1

@@ -229,6 +229,8 @@ class PeerWatch:
         except HttpGetError as exc:
             if exc.kind == "refused":
                 raise PeerError("refused", f"{exc}: its host answers, no agent") from None
+            if exc.kind == "broken":  # something answered: a certificate it refused is not a lost node
+                raise PeerError("bad_answer", str(exc)) from None
             raise PeerError(exc.kind, str(exc)) from None
         if status != 200:
             raise PeerError("http", f"HTTP {status} (an agent older than peers, or not sparkwatch?)")

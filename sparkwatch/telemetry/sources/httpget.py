@@ -9,8 +9,10 @@ Plain HTTP goes through h11 (the HTTP/1.1 state machine, no I/O of its own) on a
 through `http.client` with the caller's context: TLS needs ssl anyway.
 
 Failures are one exception with a kind: `timeout` (no answer within the deadline), `refused` (the host answered
-that nothing listens there, or reset or closed the connection without an answer), `unreachable` (any other failure
-to connect or read, a broken or cut-short answer included). The caller counts them by its own kinds.
+that nothing listens there, or reset or closed the connection without an answer), `broken` (something answered,
+and not with whole HTTP: not HTTP at all, cut short, or a TLS handshake it refused), `unreachable` (any other
+failure to connect or read). Only `timeout` and `unreachable` say that nothing answered (telemetry.peerwatch). The
+caller counts them by its own kinds.
 """
 
 from __future__ import annotations
@@ -73,7 +75,10 @@ class HttpGet:
         except (ConnectionRefusedError, ConnectionResetError) as exc:
             self.close()
             raise HttpGetError("refused", exc.strerror or type(exc).__name__) from None
-        except (OSError, h11.ProtocolError) as exc:
+        except h11.ProtocolError as exc:
+            self.close()
+            raise HttpGetError("broken", str(exc) or type(exc).__name__) from None
+        except OSError as exc:
             self.close()
             raise HttpGetError("unreachable", str(exc) or type(exc).__name__) from None
 
@@ -122,6 +127,7 @@ class HttpGet:
     def _get_tls(self, path: str, timeout_s: float, max_bytes: int) -> tuple[int, bytes, bool]:
         """Through http.client, whose timeout is per read (not one deadline): TLS peers are the rare case."""
         import http.client  # noqa: PLC0415  (imports ssl: only for an https:// peer or dashboard)
+        import ssl  # noqa: PLC0415
 
         assert self.tls is not None
         if self._https is None:
@@ -131,8 +137,8 @@ class HttpGet:
             conn.request("GET", path, headers=dict(self.headers[1:]))
             resp = conn.getresponse()
             body = resp.read(max_bytes + 1)
-        except http.client.HTTPException as exc:  # a broken answer: the same as on plain HTTP
-            raise HttpGetError("unreachable", str(exc) or type(exc).__name__) from None
+        except (http.client.HTTPException, ssl.SSLError) as exc:  # an answer, broken (or a handshake refused)
+            raise HttpGetError("broken", str(exc) or type(exc).__name__) from None
         cut = len(body) > max_bytes
         if cut or resp.will_close or not self.keep_alive:
             self.close()

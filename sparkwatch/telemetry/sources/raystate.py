@@ -84,7 +84,8 @@ class Connection:
         try:
             status, body, cut = self.client.get(self.prefix + path, self.timeout_s, MAX_BODY_BYTES)
         except HttpGetError as exc:
-            raise RayStateError("timeout" if exc.kind == "timeout" else "unreachable", str(exc)) from None
+            kind = {"timeout": "timeout", "broken": "bad_answer"}.get(exc.kind, "unreachable")
+            raise RayStateError(kind, str(exc)) from None
         if status != 200:
             raise RayStateError("http", f"HTTP {status}")
         if cut:
