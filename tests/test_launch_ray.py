@@ -21,11 +21,12 @@ from pathlib import Path
 
 import pytest
 
-from sparkwatch.cli.launch_ray import gid_index, on_path, read_memlock
 from sparkwatch.core.kill.raygroup import RayJob, RayPlacementGroup, RayState
 from sparkwatch.core.launch.rayletenv import UNLIMITED, RayletFacts, check, fix_line, roce_v2_gid_index, uses_ray
 from sparkwatch.core.launch.stalepg import stale_groups
-from tests.daemon import daemon_env, free_port
+from sparkwatch.telemetry.sources.rayletfacts import gid_index, on_path, read_memlock
+from tests.conftest import wait_until
+from tests.daemon import daemon_env, free_port, sparkwatch_run
 from tests.raycluster import Engine, RayCluster, pg_state, required_cluster, sigstop
 
 GOOD = {"MAX_JOBS": "4", "RAY_memory_monitor_refresh_ms": "0", "NCCL_IB_GID_INDEX": "3"}
@@ -160,12 +161,13 @@ def cluster() -> Iterator[RayCluster]:
         yield c
 
 
-def launch_in(cluster: RayCluster, ns: str, tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
+def launch_in(
+    cluster: RayCluster, ns: str, tmp_path: Path, *args: str, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
     argv = [sys.executable, "-m", "sparkwatch", "launch", "--settle-timeout", "0", *args, "--",
             "vllm", "serve", "Qwen/Qwen3-0.6B", "-pp", "2", "--distributed-executor-backend", "ray"]  # fmt: skip
-    return subprocess.run(
-        cluster.in_ns(ns, argv), env=daemon_env(tmp_path, free_port()), capture_output=True, text=True, timeout=120
-    )
+    full_env = {**daemon_env(tmp_path, free_port()), **(env or {})}
+    return subprocess.run(cluster.in_ns(ns, argv), env=full_env, capture_output=True, text=True, timeout=120)
 
 
 def launch_in_b(cluster: RayCluster, tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
@@ -230,3 +232,29 @@ def test_a_group_held_by_a_wedged_driver_is_refused_and_fix_removes_it_so_the_ne
         if second is not None:
             second.close()
         first.close()
+
+
+def test_a_launch_on_the_head_checks_node_b_s_raylet_through_b_s_agent(cluster: RayCluster, tmp_path: Path) -> None:
+    """The ranks on node B start with B's raylet's environment, which node A cannot read: B's agent tells it
+    (its peer document, the checked variables only), and a launch on A with B among its `peers` names B's lacks
+    with B's fix, beside its own raylet's."""
+    listen_b = f"{cluster.ip_b}:{free_port()}"
+    (tmp_path / "b").mkdir()
+    env_b = {"SPARKWATCH_LISTEN": listen_b, "SPARKWATCH_RAY_DASHBOARD_URL": cluster.dashboard_b}
+    with sparkwatch_run(tmp_path / "b", prefix=cluster.in_ns(cluster.ns_b, []), env=env_b):
+        url = f"http://{listen_b}/peer/v1/state"
+        assert wait_until(lambda: b'"raylets":[{' in cluster.get_in_a(url).stdout.encode(), 20, 0.5)
+        doc = json.loads(cluster.get_in_a(url).stdout)
+        (told,) = doc["raylets"]
+        assert told["node"] == cluster.ip_b and told["environment_read"] and told["max_jobs"] is None
+        assert "PATH" not in json.dumps(doc) and "RAY_USAGE_STATS_ENABLED" not in json.dumps(doc)  # nothing else of it
+        plan = launch_in(
+            cluster, cluster.ns_a, tmp_path, "--plan", "--json", env={"SPARKWATCH_PEERS": f'["{listen_b}"]'}
+        )
+        assert plan.returncode == 1, plan.stderr
+        by_node = {r["node"]: r for r in json.loads(plan.stdout)["raylets"]}
+        assert set(by_node) == {cluster.ip_a, cluster.ip_b}
+        assert by_node[cluster.ip_a]["head"] and not by_node[cluster.ip_b]["head"]
+        b = by_node[cluster.ip_b]
+        assert "MAX_JOBS" in {p["variable"] for p in b["problems"]}
+        assert b["fix"].startswith(f"on {cluster.ip_b}: ray stop && ") and f"--address={cluster.address}" in b["fix"]

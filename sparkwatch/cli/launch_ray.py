@@ -1,8 +1,8 @@
 """What `sparkwatch launch` checks of a Ray cluster before an engine over it starts (issue 30; docs/launch.md):
 
-- the raylets on this node, held to what the engine's ranks need (core.launch.rayletenv): each one's environment
-  (/proc/PID/environ), its locked-memory limit (/proc/PID/limits), ninja and nvcc on its PATH, and the RoCEv2 GID
-  index sysfs shows now (<root>/sys/class/infiniband). Only raylets in launch's own network namespace: this node's;
+- the raylets, held to what the engine's ranks need (core.launch.rayletenv): this node's (those in launch's own
+  network namespace) as telemetry.sources.rayletfacts reads them, and the other nodes' as their agents (`peers`)
+  say (telemetry.peerdoc);
 - the placement groups the new engine would wait behind (core.launch.stalepg), from Ray's state API
   (`ray_dashboard_url`), and with `--fix` their removal through Ray (the helper the group watch uses).
 Read once, before the start.
@@ -10,16 +10,17 @@ Read once, before the start.
 
 from __future__ import annotations
 
-import os
 import subprocess
+import sys
 import time
-from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from sparkwatch.common.sources.procs import ProcParseError, ProcScanner
-from sparkwatch.core.launch.rayletenv import UNLIMITED, Problem, RayletFacts, check, fix_line, roce_v2_gid_index
+from sparkwatch.core.launch.rayletenv import Problem, RayletFacts, check, fix_line
 from sparkwatch.core.launch.stalepg import StaleGroup, stale_groups
+from sparkwatch.telemetry import peerdoc
+from sparkwatch.telemetry.sources.rayletfacts import local_facts
 from sparkwatch.telemetry.sources.raystate import (
     LocalRaylet,
     RayStateError,
@@ -31,113 +32,36 @@ from sparkwatch.telemetry.sources.raystate import (
 if TYPE_CHECKING:
     from sparkwatch.config.settings import Settings
 
-ENVIRON_MAX_BYTES = 1 << 20
 REMOVE_TIMEOUT_S = 30.0  # the helper connects as a Ray driver: 2-3 s on the 2-core test box
 GONE_WAIT_S = 10.0  # after the removal, how long Ray may take to list the group REMOVED
-TOOLS = ("ninja", "nvcc")
-
-
-def raylets(settings: Settings) -> list[RayletFacts]:
-    proc_root = Path(settings.proc_root)
-    out = []
-    for raylet in local_raylets(ProcScanner(proc_root).scan().procs, proc_root):
-        env = read_environ(proc_root, raylet.pid)
-        out.append(
-            RayletFacts(
-                pid=raylet.pid,
-                node=raylet.node_ip or raylet.node_id[:12],
-                head=raylet.head,
-                gcs_address=raylet.gcs_address,
-                environ=env,
-                memlock_bytes=read_memlock(proc_root, raylet.pid),
-                tools={} if env is None else {t: on_path(env.get("PATH", ""), t) for t in TOOLS},
-                roce_v2_gid_index=None if env is None else gid_index(Path(settings.root), env.get("NCCL_IB_HCA", "")),
-            )
-        )
-    return out
 
 
 def problems(settings: Settings, jobs: int) -> list[tuple[RayletFacts, tuple[Problem, ...], str | None]]:
-    """Each raylet here, what it lacks for an engine that may run `jobs` compile jobs, and the line that fixes it."""
+    """Each raylet of the cluster that launch can see (this node's, from /proc; the peers', from their agents:
+    telemetry.peerdoc), what it lacks for an engine that may run `jobs` compile jobs, and the line that fixes it."""
     out = []
-    for raylet in raylets(settings):
+    for raylet in local_facts(Path(settings.proc_root), Path(settings.root)) + peer_raylets(settings):
         found = check(raylet, jobs)
         out.append((raylet, found, fix_line(raylet, found, jobs) if found else None))
     return out
 
 
-def read_environ(proc_root: Path, pid: int) -> dict[str, str] | None:
-    """A process's environment as it started (None: not ours to read, or gone)."""
-    try:
-        with open(proc_root / str(pid) / "environ", "rb") as fh:
-            data = fh.read(ENVIRON_MAX_BYTES)
-    except OSError:
-        return None
-    out = {}
-    for item in data.split(b"\0"):
-        name, eq, value = item.decode(errors="replace").partition("=")
-        if eq and name:
-            out[name] = value
-    return out
+def peer_raylets(settings: Settings) -> list[RayletFacts]:
+    """The raylets the peers' agents (`peers`) say they have, one read of each (at most a second a peer); a peer
+    that does not answer adds none (its node's raylets are then unchecked, and the line says so)."""
+    if not settings.peers:
+        return []
+    from sparkwatch.telemetry.peerwatch import PeerWatch
 
-
-def read_memlock(proc_root: Path, pid: int) -> int | None:
-    """The soft "Max locked memory" limit in bytes, UNLIMITED, or None when unreadable."""
-    try:
-        text = (proc_root / str(pid) / "limits").read_text(errors="replace")
-    except OSError:
-        return None
-    for line in text.splitlines():
-        if line.startswith("Max locked memory"):
-            soft = line[len("Max locked memory") :].split()[0]
-            return UNLIMITED if soft == "unlimited" else int(soft) if soft.isdigit() else None
-    return None
-
-
-def on_path(path: str, tool: str) -> bool:
-    return any(os.access(os.path.join(d, tool), os.X_OK) for d in path.split(":") if d)
-
-
-def gid_index(root: Path, hca: str) -> int | None:
-    """The RoCEv2 GID index of the first port of the device NCCL_IB_HCA names (its first entry; any device when
-    unset), as sysfs shows it now; None without RoCE."""
-    base = root / "sys" / "class" / "infiniband"
-    try:
-        devices = sorted(os.listdir(base))
-    except OSError:
-        return None
-    wanted = hca.split(",", maxsplit=1)[0].lstrip("=^").split(":")[0]
-    for device in devices:
-        if wanted and device != wanted:
+    watch = PeerWatch(settings, lambda event: None)
+    watch.poll_once()
+    out = []
+    for peer in watch.peers:
+        if peer.doc is None:
+            print(f"sparkwatch: peer {peer.label}: no answer ({peer.last_error}): its raylets are not checked",
+                  file=sys.stderr)  # fmt: skip
             continue
-        ports = base / device / "ports"
-        try:
-            port_names = sorted(os.listdir(ports), key=lambda p: int(p) if p.isdigit() else 0)
-        except OSError:
-            continue
-        for port in port_names:
-            types, gids = _table(ports / port / "gid_attrs" / "types"), _table(ports / port / "gids")
-            index = roce_v2_gid_index(types, gids)
-            if index is not None:
-                return index
-    return None
-
-
-def _table(path: Path) -> Mapping[int, str]:
-    """A sysfs directory of small files named by index: {index: text}; unreadable entries left out (the kernel
-    answers EINVAL for a GID type of an empty slot)."""
-    out: dict[int, str] = {}
-    try:
-        names = os.listdir(path)
-    except OSError:
-        return out
-    for name in names:
-        if not name.isdigit():
-            continue
-        try:
-            out[int(name)] = (path / name).read_text(errors="replace").strip()
-        except OSError:
-            continue
+        out += [peerdoc.raylet_facts(r) for r in peer.doc.raylets]
     return out
 
 

@@ -7,12 +7,15 @@ document says what a node's agent knows that the other cannot see from its own /
 - its guard's recent kills, as the guard remembered them at the signal: trigger, the reason, the pids signalled;
 - its members of engine groups without Ray (core.kill.mpgroup): the rendezvous, the node rank, the tree's root pid;
 - its Ray ranks that Ray still lists ALIVE and whose process it saw end (node id, pid: telemetry.raywatch), which
-  Ray learns of late when the node's raylet died first.
+  Ray learns of late when the node's raylet died first;
+- its raylets as `sparkwatch launch` on another node checks them (telemetry.sources.rayletfacts): the node's address,
+  the checked variables of each raylet's environment (MAX_JOBS, RAY_memory_monitor_refresh_ms, NCCL_IB_GID_INDEX:
+  never the rest of it), its memlock limit, ninja and nvcc on its PATH, the RoCEv2 GID index.
 
-Never more: no command line, no environment, no path, nothing a kill summary does not already say on the node's own
-journal (summaries are redacted again here). A peer's document is a reason to write a better line, and for groups
-without Ray a reason to look at this node's own members of a group (telemetry.mpwatch): never a reason to signal a
-process the guard cannot tie to that group on its own.
+Never more: no command line, no path, of an environment only the three variables launch checks, nothing a kill
+summary does not already say on the node's own journal (summaries are redacted again here). A peer's document is a
+reason to write a better line, and for groups without Ray a reason to look at this node's own members of a group
+(telemetry.mpwatch): never a reason to signal a process the guard cannot tie to that group on its own.
 
 Plain JSON, parsed strictly (common.wiretypes): a document of another shape is refused whole and counted.
 """
@@ -26,6 +29,7 @@ from dataclasses import dataclass
 from sparkwatch.common.eventlog import rfc3339
 from sparkwatch.common.stats import RecentKill
 from sparkwatch.common.wiretypes import from_json, to_json
+from sparkwatch.core.launch.rayletenv import RayletFacts
 from sparkwatch.core.model import EngineTree, MemInfo
 from sparkwatch.core.redact import redact
 
@@ -71,6 +75,51 @@ class PeerRank:
 
 
 @dataclass(frozen=True, slots=True)
+class PeerRaylet:
+    """A raylet on the peer's node, as launch checks it (core.launch.rayletenv.RayletFacts on the wire)."""
+
+    node: str
+    pid: int
+    head: bool
+    gcs_address: str
+    environment_read: bool
+    max_jobs: str | None
+    memory_monitor_refresh_ms: str | None
+    nccl_ib_gid_index: str | None
+    memlock_bytes: int | None
+    ninja: bool | None
+    nvcc: bool | None
+    roce_v2_gid_index: int | None
+
+
+_WIRE_VARS = (("max_jobs", "MAX_JOBS"), ("memory_monitor_refresh_ms", "RAY_memory_monitor_refresh_ms"),
+              ("nccl_ib_gid_index", "NCCL_IB_GID_INDEX"))  # fmt: skip
+
+
+def peer_raylet(f: RayletFacts) -> PeerRaylet:
+    env = f.environ or {}
+    values = {field: env.get(var) for field, var in _WIRE_VARS}
+    return PeerRaylet(
+        node=f.node, pid=f.pid, head=f.head, gcs_address=f.gcs_address, environment_read=f.environ is not None,
+        max_jobs=values["max_jobs"], memory_monitor_refresh_ms=values["memory_monitor_refresh_ms"],
+        nccl_ib_gid_index=values["nccl_ib_gid_index"], memlock_bytes=f.memlock_bytes, ninja=f.tools.get("ninja"),
+        nvcc=f.tools.get("nvcc"), roce_v2_gid_index=f.roce_v2_gid_index,
+    )  # fmt: skip
+
+
+def raylet_facts(r: PeerRaylet) -> RayletFacts:
+    """A peer's raylet as the checks take it (its words cleaned: they reach launch's lines)."""
+    env = None
+    if r.environment_read:
+        env = {var: clean(v) for field, var in _WIRE_VARS if (v := getattr(r, field)) is not None}
+    tools = {name: have for name, have in (("ninja", r.ninja), ("nvcc", r.nvcc)) if have is not None}
+    return RayletFacts(
+        pid=r.pid, node=clean(r.node), head=r.head, gcs_address=clean(r.gcs_address), environ=env,
+        memlock_bytes=r.memlock_bytes, tools=tools, roce_v2_gid_index=r.roce_v2_gid_index,
+    )  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
 class PeerDoc:
     version: int
     node: str
@@ -81,6 +130,7 @@ class PeerDoc:
     # None: unknown (before the agent's first cycle, or an agent from before groups without Ray): never a loss
     groups: tuple[PeerMember, ...] | None = None
     ray_gone: tuple[PeerRank, ...] = ()  # absent from an agent older than it: nothing ended that it knows of
+    raylets: tuple[PeerRaylet, ...] = ()
 
 
 def kills_from_guard(recent: Iterable[RecentKill]) -> tuple[PeerKill, ...]:
@@ -107,6 +157,7 @@ def build(
     *,
     groups: tuple[PeerMember, ...] | None = None,
     ray_gone: Iterable[tuple[str, int]] = (),
+    raylets: Iterable[RayletFacts] = (),
 ) -> bytes:
     doc = PeerDoc(
         version=VERSION,
@@ -117,6 +168,7 @@ def build(
         kills=kills,
         groups=groups,
         ray_gone=tuple(PeerRank(node_id, pid) for node_id, pid in ray_gone),
+        raylets=tuple(peer_raylet(r) for r in raylets),
     )
     return json.dumps(to_json(doc), separators=(",", ":")).encode()
 

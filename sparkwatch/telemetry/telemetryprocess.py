@@ -21,6 +21,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
+from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
@@ -41,6 +42,7 @@ from sparkwatch.common.recording import open_recording
 from sparkwatch.common.selfwatch import rss_bytes
 from sparkwatch.common.sharing import events_gid
 from sparkwatch.config.settings import ConfigError, wire_settings
+from sparkwatch.core.launch.rayletenv import RayletFacts
 from sparkwatch.core.model import EngineTree, NvmlFacts, Snapshot
 from sparkwatch.telemetry import peerdoc
 from sparkwatch.telemetry.drivercheck import DriverWatcher
@@ -60,6 +62,7 @@ from sparkwatch.telemetry.raywatch import RayWatch
 from sparkwatch.telemetry.remote import EventErrors, RemoteGuard
 from sparkwatch.telemetry.sources.nvml import NvmlSource
 from sparkwatch.telemetry.sources.nvml_preflight import NvmlOff, Preflight
+from sparkwatch.telemetry.sources.rayletfacts import local_facts
 from sparkwatch.telemetry.sources.udev import UdevWatcher
 
 if TYPE_CHECKING:
@@ -97,6 +100,8 @@ class TelemetryProcess:
         self.nvml_off = nvml_off
         self.channel = channel
         self.host = socket.gethostname()
+        self._raylet_facts_cache: list[RayletFacts] = []
+        self._raylet_facts_at = -self.RAYLET_FACTS_S
         self.remote = RemoteGuard(settings)
         self.outbox = make_outbox(settings)
         gid = events_gid(settings.events_group)
@@ -244,7 +249,20 @@ class TelemetryProcess:
             peerdoc.kills_from_guard(recent),
             groups=self.mpwatch.published(),
             ray_gone=self.raywatch.gone_ranks(),
+            raylets=self._raylet_facts(),
         )
+
+    RAYLET_FACTS_S = 10.0  # a peer's launch reads them once; the document is asked for every peer_poll_s
+
+    def _raylet_facts(self) -> list[RayletFacts]:
+        """This node's raylets as a launch on another node checks them (telemetry.sources.rayletfacts), read at most
+        every RAYLET_FACTS_S: a few small files per raylet."""
+        now = time.monotonic()
+        if now - self._raylet_facts_at >= self.RAYLET_FACTS_S:
+            root = Path(self.settings.root)
+            self._raylet_facts_cache = local_facts(Path(self.settings.proc_root), root, self.raywatch.raylets)
+            self._raylet_facts_at = now
+        return self._raylet_facts_cache
 
     def _endpoint(self) -> list[Component[Settings]]:
         loop = self.loop

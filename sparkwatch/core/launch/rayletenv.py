@@ -23,6 +23,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 UNLIMITED = -1  # a limit of "unlimited" in /proc/PID/limits
+# The raylet's variables that are checked: the only part of its environment ever kept, or told to a peer (the rest
+# may hold tokens).
+CHECKED_VARS = ("MAX_JOBS", "RAY_memory_monitor_refresh_ms", "NCCL_IB_GID_INDEX")
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,7 +36,7 @@ class RayletFacts:
     node: str  # its node's address (--node_ip_address), else its node id
     head: bool  # started by `ray start --head`
     gcs_address: str
-    environ: Mapping[str, str] | None  # None: unreadable (another user's raylet)
+    environ: Mapping[str, str] | None  # of CHECKED_VARS, those set; None: unreadable (another user's raylet)
     memlock_bytes: int | None  # soft limit; UNLIMITED; None: unreadable
     tools: Mapping[str, bool]  # ninja, nvcc: found on the raylet's PATH
     roce_v2_gid_index: int | None  # the RoCEv2 GID index sysfs shows now for the device NCCL uses; None: no RoCE
