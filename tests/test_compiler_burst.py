@@ -91,7 +91,7 @@ def test_real_compiler_burst(spawner: Spawner, tmp_path: Path) -> None:
     assert mine and all(e.kind == "vllm" for e in mine)
     peak = {tool: max(e.tools.get(tool, 0) for e in mine) for tool in ("nvcc", "cicc", "ptxas", "ninja")}
     assert peak["ninja"] == 1
-    assert 1 <= peak["nvcc"] <= JOBS  # ninja -j 2: two at most
+    assert 1 <= peak["nvcc"] <= JOBS  # ninja -j 2: two at most (a child caught mid-exec is no third: compile.py)
     assert peak["cicc"] >= 1 and peak["ptxas"] >= 1
     assert all(e.max_jobs_state == "unset" for e in mine if e.tools)
     assert any(c.archs.get("121a", 0) >= 1 for c in census)

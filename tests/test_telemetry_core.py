@@ -247,6 +247,11 @@ def test_a_fork_before_exec_is_not_a_second_job() -> None:
     procs = [proc(1, 0, "systemd"), proc(10, 1, "nvcc", nvcc_argv), proc(11, 10, "nvcc", nvcc_argv)]
     census = cc.census(procs, [], {})
     assert census.tools["nvcc"] == 1 and census.parallel_jobs == 1
+    # caught inside execve: the new program's command line, the parent's name still; and, once renamed, a cicc
+    cicc_argv = ("/usr/local/cuda/nvvm/bin/cicc", "--c++17", "-arch", "compute_121a", "a.cpp1.ii")
+    for name, tools in (("nvcc", {"nvcc": 1}), ("cicc", {"nvcc": 1, "cicc": 1})):
+        census = cc.census([*procs[:2], proc(11, 10, name, cicc_argv)], [], {})
+        assert {t: n for t, n in census.tools.items() if n} == tools
 
 
 def test_a_busy_gpu_is_never_stalled() -> None:
