@@ -116,9 +116,6 @@ class MpGroupWatch:
         """This node's members that may be stopped for their group (`trees`, else telemetry's last cycle's)."""
         return local_members(self.engines() if trees is None else trees, self.proc_root)
 
-    def rpc_workers(self, trees: Iterable[EngineTree]) -> tuple[mpgroup.Member, ...]:
-        return rpc_workers(trees, self.proc_root)
-
     def published(self) -> tuple[peerdoc.PeerMember, ...] | None:
         """This node's members for its peers (rpc-servers included); None before telemetry's first cycle (unknown: a
         peer must not take an agent that just restarted for a node whose members all died). A member published
@@ -129,7 +126,9 @@ class MpGroupWatch:
         if trees is None:
             return None
         trees = tuple(trees)
-        now = {(m.key, m.pid, m.start_ticks): m for m in (*self.local_members(trees), *self.rpc_workers(trees))}
+        now = {
+            (m.key, m.pid, m.start_ticks): m for m in (*self.local_members(trees), *rpc_workers(trees, self.proc_root))
+        }
         for key, m in self._listed.items():
             if key not in now and self._alive(m):
                 now[key] = m

@@ -13,9 +13,9 @@ from pathlib import Path
 
 from sparkwatch.common.sources.procs import ProcScanner
 from sparkwatch.core.launch.rayletenv import CHECKED_VARS, UNLIMITED, RayletFacts, roce_v2_gid_index
+from sparkwatch.telemetry.sources.environ import read_environ
 from sparkwatch.telemetry.sources.raystate import LocalRaylet, local_raylets
 
-ENVIRON_MAX_BYTES = 1 << 20
 TOOLS = ("ninja", "nvcc")
 
 
@@ -39,21 +39,6 @@ def facts(raylet: LocalRaylet, proc_root: Path, root: Path) -> RayletFacts:
         tools={} if env is None else {t: on_path(env.get("PATH", ""), t) for t in TOOLS},
         roce_v2_gid_index=None if env is None else gid_index(root, env.get("NCCL_IB_HCA", "")),
     )
-
-
-def read_environ(proc_root: Path, pid: int) -> dict[str, str] | None:
-    """A process's environment as it started (None: not ours to read, or gone)."""
-    try:
-        with open(proc_root / str(pid) / "environ", "rb") as fh:
-            data = fh.read(ENVIRON_MAX_BYTES)
-    except OSError:
-        return None
-    out = {}
-    for item in data.split(b"\0"):
-        name, eq, value = item.decode(errors="replace").partition("=")
-        if eq and name:
-            out[name] = value
-    return out
 
 
 def read_memlock(proc_root: Path, pid: int) -> int | None:
