@@ -146,14 +146,16 @@ def handle(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"sparkwatch: {exc}", file=sys.stderr)
         return 2
-    raylets = _raylets(settings, inputs, plan.estimate.jobs)
-    stale, stale_note = _stale(settings, inputs)
+    from sparkwatch.core.launch.rayletenv import uses_ray
+
+    ray = uses_ray(inputs.argv, inputs.env)
+    raylets, stale, stale_note = _cluster(settings, plan.estimate.jobs) if ray else ([], (), None)
     if stale and args.fix and not args.plan:
         from sparkwatch.cli.launch_ray import remove
 
-        for line in remove(settings, stale):
+        lines, (stale, stale_note) = remove(settings, stale)
+        for line in lines:
             print(f"sparkwatch: fix: {line}", file=sys.stderr)
-        stale, stale_note = _stale(settings, inputs)
         plan, ctx = replan(settings, inputs, ctx)  # the removed group's ranks gave their memory back
     cluster_fix = any(lacks for _raylet, lacks, _fix in raylets) or bool(stale)
     if args.plan:
@@ -204,26 +206,12 @@ def handle(args: argparse.Namespace) -> int:
     return code
 
 
-def _raylets(settings: Any, inputs: Any, jobs: int) -> list[Any]:
-    """The raylets on this node with what each lacks, for an engine over Ray; [] for any other engine."""
-    from sparkwatch.core.launch.rayletenv import uses_ray
+def _cluster(settings: Any, jobs: int) -> tuple[list[Any], Any, str | None]:
+    """For an engine over Ray: each raylet with what it lacks (cli.launch_ray.problems), the placement groups the
+    engine would wait behind, and why those could not be checked, if so (cli.launch_ray.stale)."""
+    from sparkwatch.cli.launch_ray import problems, stale
 
-    if not uses_ray(inputs.argv, inputs.env):
-        return []
-    from sparkwatch.cli.launch_ray import problems
-
-    return problems(settings, max(1, jobs))
-
-
-def _stale(settings: Any, inputs: Any) -> tuple[Any, str | None]:
-    """The placement groups an engine over Ray would wait behind (cli.launch_ray.stale); () for any other engine."""
-    from sparkwatch.core.launch.rayletenv import uses_ray
-
-    if not uses_ray(inputs.argv, inputs.env):
-        return (), None
-    from sparkwatch.cli.launch_ray import stale
-
-    return stale(settings)
+    return problems(settings, max(1, jobs)), *stale(settings)
 
 
 def _stale_lines(stale: Any, note: str | None) -> list[str]:

@@ -89,15 +89,19 @@ def stale(settings: Settings) -> tuple[tuple[StaleGroup, ...], str | None]:
     return stale_groups(state, stopped), None
 
 
-def remove(settings: Settings, groups: tuple[StaleGroup, ...]) -> list[str]:
+def remove(
+    settings: Settings, groups: tuple[StaleGroup, ...]
+) -> tuple[list[str], tuple[tuple[StaleGroup, ...], str | None]]:
     """Remove these groups through Ray (a helper in the local raylet's interpreter, one at a time, each at most
-    REMOVE_TIMEOUT_S), then wait until Ray no longer lists them held; one line per group."""
+    REMOVE_TIMEOUT_S), then wait until Ray no longer lists them held: one line per group, and what `stale` said
+    last (the groups still held, and why none could be read, if so)."""
     proc_root = Path(settings.proc_root)
     raylet: LocalRaylet | None = next(
         (r for r in local_raylets(ProcScanner(proc_root).scan().procs, proc_root) if r.python and r.gcs_address), None
     )
     if raylet is None:
-        return [f"{g.group[:12]}: not removed: no raylet on this node names an interpreter" for g in groups]
+        why = "not removed: no raylet on this node names an interpreter"
+        return [f"{g.group[:12]}: {why}" for g in groups], (groups, None)
     out = []
     for group in groups:
         try:
@@ -116,9 +120,8 @@ def remove(settings: Settings, groups: tuple[StaleGroup, ...]) -> list[str]:
             f"placement group {group.group[:12]} removed" if rc == 0 else f"{group.group[:12]}: not removed: {failed}"
         )
     deadline = time.monotonic() + GONE_WAIT_S
-    while time.monotonic() < deadline:
-        left, _why = stale(settings)
-        if not {g.group for g in left} & {g.group for g in groups}:
-            break
+    while True:
+        left = stale(settings)
+        if not {g.group for g in left[0]} & {g.group for g in groups} or time.monotonic() >= deadline:
+            return out, left
         time.sleep(0.2)
-    return out
