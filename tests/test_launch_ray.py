@@ -16,16 +16,18 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from sparkwatch.core.kill.raygroup import RayJob, RayPlacementGroup, RayState
-from sparkwatch.core.launch.rayletenv import UNLIMITED, RayletFacts, check, fix_line, roce_v2_gid_index, uses_ray
+from sparkwatch.core.launch.rayletenv import UNLIMITED, RayletFacts, check, fix_line, mine, roce_v2_gid_index, uses_ray
 from sparkwatch.core.launch.stalepg import stale_groups
-from sparkwatch.telemetry.sources.rayletfacts import gid_index, on_path, read_memlock
-from tests.conftest import wait_until
+from sparkwatch.telemetry import peerdoc
+from sparkwatch.telemetry.sources.rayletfacts import gid_index, local_facts, on_path, read_memlock
+from tests.conftest import Spawner, wait_until
 from tests.daemon import daemon_env, free_port, sparkwatch_run
 from tests.raycluster import Engine, RayCluster, pg_state, required_cluster, sigstop
 
@@ -92,6 +94,37 @@ def test_the_head_is_fixed_with_ray_start_head_and_an_unreadable_environment_is_
     fix = fix_line(head, check(head, jobs=6), jobs=6)
     assert fix.endswith("MAX_JOBS=6 RAY_memory_monitor_refresh_ms=0 ray start --head")
     assert check(facts(None, tools={}), jobs=4) == ()  # another user's raylet: said, never guessed at
+
+
+def test_only_the_launching_user_s_raylets_are_held_to_the_checks() -> None:
+    own, other = facts({}, uid=1000), facts({}, uid=65534, node="10.9.9.9")
+    assert mine([own, other], 1000) == [own]
+    assert peerdoc.raylet_facts(peerdoc.peer_raylet(other)).uid == 65534  # the uid crosses to the peers
+
+
+def test_another_user_s_process_named_raylet_never_refuses_the_launch(spawner: Spawner, tmp_path: Path) -> None:
+    """Any user can start a process named `raylet` with any node address. nobody does, here, in launch's own network
+    namespace: launch (as root, which can read its environment) does not hold it to the checks nor list it."""
+    bin_dir = Path(tempfile.mkdtemp(prefix="sw-raylet-"))
+    try:
+        bin_dir.chmod(0o755)
+        fake = bin_dir / "raylet"
+        shutil.copy("/bin/sh", fake)
+        fake.chmod(0o755)
+        as_nobody = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
+        spawner.popen([*as_nobody, str(fake), "-c", "sleep 60; :", "raylet", "--node_id=" + "ab" * 28,
+                       "--node_ip_address=10.9.9.9", "--gcs-address=10.9.9.1:6379"])  # fmt: skip
+        found = lambda: any(  # noqa: E731
+            r.node == "10.9.9.9" for r in local_facts(Path("/proc"), Path("/"))
+        )
+        assert wait_until(found, 10, 0.05)  # it is there, and looks like a raylet of this node
+        argv = [sys.executable, "-m", "sparkwatch", "launch", "--settle-timeout", "0", "--plan", "--json", "--",
+                "vllm", "serve", "Qwen/Qwen3-0.6B", "--distributed-executor-backend", "ray"]  # fmt: skip
+        out = subprocess.run(argv, env=daemon_env(tmp_path, free_port()), capture_output=True, text=True, timeout=120)
+        assert out.stdout, out.stderr
+        assert not [r for r in json.loads(out.stdout)["raylets"] if r["node"] == "10.9.9.9"]
+    finally:
+        shutil.rmtree(bin_dir, ignore_errors=True)
 
 
 def write_port(port: Path, entries: dict[int, tuple[str, str]]) -> None:

@@ -10,6 +10,7 @@ Read once, before the start.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -17,7 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from sparkwatch.common.sources.procs import ProcParseError, ProcScanner
-from sparkwatch.core.launch.rayletenv import Problem, RayletFacts, check, fix_line
+from sparkwatch.core.launch.rayletenv import Problem, RayletFacts, check, fix_line, mine
 from sparkwatch.core.launch.stalepg import StaleGroup, stale_groups
 from sparkwatch.telemetry import peerdoc
 from sparkwatch.telemetry.sources.rayletfacts import local_facts
@@ -37,10 +38,12 @@ GONE_WAIT_S = 10.0  # after the removal, how long Ray may take to list the group
 
 
 def problems(settings: Settings, jobs: int) -> list[tuple[RayletFacts, tuple[Problem, ...], str | None]]:
-    """Each raylet of the cluster that launch can see (this node's, from /proc; the peers', from their agents:
-    telemetry.peerdoc), what it lacks for an engine that may run `jobs` compile jobs, and the line that fixes it."""
+    """Each raylet of the cluster that launch can see and that runs as the launching user (this node's, from /proc;
+    the peers', from their agents: telemetry.peerdoc; core.launch.rayletenv.mine), what it lacks for an engine that
+    may run `jobs` compile jobs, and the line that fixes it."""
     out = []
-    for raylet in local_facts(Path(settings.proc_root), Path(settings.root)) + peer_raylets(settings):
+    seen = local_facts(Path(settings.proc_root), Path(settings.root)) + peer_raylets(settings)
+    for raylet in mine(seen, os.geteuid()):
         found = check(raylet, jobs)
         out.append((raylet, found, fix_line(raylet, found, jobs) if found else None))
     return out

@@ -90,6 +90,7 @@ class PeerRaylet:
     ninja: bool | None
     nvcc: bool | None
     roce_v2_gid_index: int | None
+    uid: int = -1  # the user it runs as (the same owner's uid on every Spark, as groups without Ray assume)
 
 
 _WIRE_VARS = (("max_jobs", "MAX_JOBS"), ("memory_monitor_refresh_ms", "RAY_memory_monitor_refresh_ms"),
@@ -103,7 +104,7 @@ def peer_raylet(f: RayletFacts) -> PeerRaylet:
         node=f.node, pid=f.pid, head=f.head, gcs_address=f.gcs_address, environment_read=f.environ is not None,
         max_jobs=values["max_jobs"], memory_monitor_refresh_ms=values["memory_monitor_refresh_ms"],
         nccl_ib_gid_index=values["nccl_ib_gid_index"], memlock_bytes=f.memlock_bytes, ninja=f.tools.get("ninja"),
-        nvcc=f.tools.get("nvcc"), roce_v2_gid_index=f.roce_v2_gid_index,
+        nvcc=f.tools.get("nvcc"), roce_v2_gid_index=f.roce_v2_gid_index, uid=f.uid,
     )  # fmt: skip
 
 
@@ -115,7 +116,7 @@ def raylet_facts(r: PeerRaylet) -> RayletFacts:
     tools = {name: have for name, have in (("ninja", r.ninja), ("nvcc", r.nvcc)) if have is not None}
     return RayletFacts(
         pid=r.pid, node=clean(r.node), head=r.head, gcs_address=clean(r.gcs_address), environ=env,
-        memlock_bytes=r.memlock_bytes, tools=tools, roce_v2_gid_index=r.roce_v2_gid_index,
+        memlock_bytes=r.memlock_bytes, tools=tools, roce_v2_gid_index=r.roce_v2_gid_index, uid=r.uid,
     )  # fmt: skip
 
 

@@ -19,7 +19,7 @@ Checked, for each raylet on this node:
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 UNLIMITED = -1  # a limit of "unlimited" in /proc/PID/limits
@@ -40,6 +40,7 @@ class RayletFacts:
     memlock_bytes: int | None  # soft limit; UNLIMITED; None: unreadable
     tools: Mapping[str, bool]  # ninja, nvcc: found on the raylet's PATH
     roce_v2_gid_index: int | None  # the RoCEv2 GID index sysfs shows now for the device NCCL uses; None: no RoCE
+    uid: int = -1  # the user it runs as: only the launching user's raylets are held to the checks (mine)
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +67,12 @@ def uses_ray(argv: tuple[str, ...], env: Mapping[str, str]) -> bool:
         if arg.replace("_", "-") == "--distributed-executor-backend=ray":
             return True
     return bool(env.get("RAY_ADDRESS"))
+
+
+def mine(raylets: Iterable[RayletFacts], uid: int) -> list[RayletFacts]:
+    """The raylets of the user who launches (`uid`): a process of another user named `raylet` is not the cluster the
+    engine joins, and must not refuse the owner's launch (any user can start one, with any node address)."""
+    return [r for r in raylets if r.uid == uid]
 
 
 def check(raylet: RayletFacts, jobs: int) -> tuple[Problem, ...]:

@@ -38,6 +38,7 @@ def facts(raylet: LocalRaylet, proc_root: Path, root: Path) -> RayletFacts:
         memlock_bytes=read_memlock(proc_root, raylet.pid),
         tools={} if env is None else {t: on_path(env.get("PATH", ""), t) for t in TOOLS},
         roce_v2_gid_index=None if env is None else gid_index(root, env.get("NCCL_IB_HCA", "")),
+        uid=raylet.uid,
     )
 
 

@@ -250,6 +250,7 @@ class LocalRaylet:
     python: str
     node_ip: str = ""  # --node_ip_address
     head: bool = False  # started by `ray start --head`
+    uid: int = -1  # the user it runs as
 
 
 def _flag(argv: tuple[str, ...], name: str) -> str:
@@ -268,7 +269,9 @@ def local_raylets(procs: Iterable[Proc], proc_root: Path) -> tuple[LocalRaylet, 
             continue
         worker = _flag(p.argv, "python_worker_command").split(" ", 1)[0]
         node_ip = _flag(p.argv, "node_ip_address")
-        out.append(LocalRaylet(p.pid, node_id, _flag(p.argv, "gcs-address"), worker, node_ip, "--head" in p.argv))
+        out.append(
+            LocalRaylet(p.pid, node_id, _flag(p.argv, "gcs-address"), worker, node_ip, "--head" in p.argv, p.uid)
+        )
     return tuple(out)
 
 
