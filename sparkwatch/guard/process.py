@@ -24,7 +24,6 @@ stale without the guard writing every tick.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import select
@@ -566,6 +565,16 @@ def read_settings_fd(fd: int) -> Mapping[str, Any]:
     return data
 
 
+def parse_argv(argv: Sequence[str]) -> tuple[int, list[str]]:
+    """`--settings-fd N -- ARGS…`, as guard/start.py's exec_guard writes it: the settings' fd, and the `sparkwatch run`
+    arguments kept for reloads. Read by hand: argparse (with gettext and textwrap) was 0.6 MiB of the guard's RSS, all
+    of it mlocked, for one fixed line (bench/RESULTS-rss-gpu.md)."""
+    if len(argv) < 2 or argv[0] != "--settings-fd" or not argv[1].isdigit():
+        raise SystemExit("usage: sparkwatch-guard --settings-fd N -- [sparkwatch run arguments]")
+    rest = list(argv[2:])
+    return int(argv[1]), rest[1:] if rest[:1] == ["--"] else rest
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     # Handlers first, then unblock: a SIGHUP that arrived while `run` loaded the config is delivered now, as a
     # reload request, and nothing has started yet that it could catch half-built.
@@ -581,20 +590,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     for sig in DAEMON_SIGNALS:
         signal.signal(sig, on_signal)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, DAEMON_SIGNALS)
-    parser = argparse.ArgumentParser(prog="sparkwatch-guard")
-    parser.add_argument("--settings-fd", type=int, required=True)
-    parser.add_argument("cli_args", nargs=argparse.REMAINDER, help="the `sparkwatch run …` arguments, for reloads")
-    args = parser.parse_args(argv)
+    settings_fd, cli_args = parse_argv(sys.argv[1:] if argv is None else argv)
     syscalls.set_comm("sparkwatch")
     handler = logs.setup("guard")
     try:
-        data = read_settings_fd(args.settings_fd)
+        data = read_settings_fd(settings_fd)
         remember_secrets(data.get("secrets") or [])  # before any line is logged: the log redacts them
         config = GuardConfig.from_wire(data["wire"], data["public"])
     except (OSError, ValueError, KeyError) as exc:
         log.error("config error: cannot read the validated settings: %s", exc)
         return 2
-    cli_args = [a for a in args.cli_args if a != "--"]
     validator = Validator([sys.executable, "-m", "sparkwatch", *cli_args, "--print-settings"])
 
     def restart() -> None:
