@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import math
 import os
 import socket
 import threading
@@ -19,23 +18,11 @@ from sparkwatch.common.sharing import share_events_file
 from sparkwatch.core.eventkinds import EventKind
 from sparkwatch.core.model import Event
 from sparkwatch.core.redact import redact, redact_value
+from sparkwatch.core.timestamps import rfc3339
 
 
 class EventLogError(OSError):
     """The event could not be made durable (unwritable or full state dir). The guard logs it and keeps running."""
-
-
-def rfc3339(ts: float) -> str:
-    """`2026-12-04T15:42:20.123Z`, as `datetime.fromtimestamp(ts, UTC).isoformat(timespec="milliseconds")` writes it
-    (microseconds rounded half-even, then cut to milliseconds), without datetime: its module is 0.7 MiB of the
-    guard's RSS, all of it mlocked, for this one line (bench/RESULTS-rss-gpu.md). Held equal by a test."""
-    frac, whole = math.modf(ts)
-    us = round(frac * 1e6)
-    if us >= 1_000_000:
-        whole, us = whole + 1, us - 1_000_000
-    elif us < 0:
-        whole, us = whole - 1, us + 1_000_000
-    return f"{time.strftime('%Y-%m-%dT%H:%M:%S', time.gmtime(int(whole)))}.{us // 1000:03d}Z"
 
 
 def new_event_id(ts: float | None = None) -> str:

@@ -38,6 +38,7 @@ from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 from sparkwatch.common import guardfile, logs, syscalls
+from sparkwatch.common.daemonargv import parse_daemon_argv
 from sparkwatch.common.eventlog import make_event
 from sparkwatch.common.guardconfig import GuardConfig, describe_wire_changes
 from sparkwatch.common.lifecycle import Component, CountersOnly, apply_all, start_all, stop_all
@@ -565,16 +566,6 @@ def read_settings_fd(fd: int) -> Mapping[str, Any]:
     return data
 
 
-def parse_argv(argv: Sequence[str]) -> tuple[int, list[str]]:
-    """`--settings-fd N -- ARGS…`, as guard/start.py's exec_guard writes it: the settings' fd, and the `sparkwatch run`
-    arguments kept for reloads. Read by hand: argparse (with gettext and textwrap) was 0.6 MiB of the guard's RSS, all
-    of it mlocked, for one fixed line (bench/RESULTS-rss-gpu.md)."""
-    if len(argv) < 2 or argv[0] != "--settings-fd" or not argv[1].isdigit():
-        raise SystemExit("usage: sparkwatch-guard --settings-fd N -- [sparkwatch run arguments]")
-    rest = list(argv[2:])
-    return int(argv[1]), rest[1:] if rest[:1] == ["--"] else rest
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     # Handlers first, then unblock: a SIGHUP that arrived while `run` loaded the config is delivered now, as a
     # reload request, and nothing has started yet that it could catch half-built.
@@ -590,11 +581,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     for sig in DAEMON_SIGNALS:
         signal.signal(sig, on_signal)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, DAEMON_SIGNALS)
-    settings_fd, cli_args = parse_argv(sys.argv[1:] if argv is None else argv)
+    values, cli_args = parse_daemon_argv(
+        sys.argv[1:] if argv is None else argv,
+        usage="sparkwatch-guard --settings-fd N -- [sparkwatch run arguments]",
+        numbers=("--settings-fd",),
+        required=("--settings-fd",),
+    )
     syscalls.set_comm("sparkwatch")
     handler = logs.setup("guard")
     try:
-        data = read_settings_fd(settings_fd)
+        data = read_settings_fd(values["--settings-fd"])
         remember_secrets(data.get("secrets") or [])  # before any line is logged: the log redacts them
         config = GuardConfig.from_wire(data["wire"], data["public"])
     except (OSError, ValueError, KeyError) as exc:

@@ -40,13 +40,18 @@ def exec_guard(payload: Mapping[str, Any], cli_args: Sequence[str]) -> None:
     # The first exec, from `sparkwatch run`, has site: its path (site-packages and what .pth files add) is kept for
     # telemetry. A guard restarting itself has no site and leaves it as it is.
     os.environ.setdefault(SITE_PATH_ENV, json.dumps([p for p in sys.path if p]))
+    # Both daemon processes run in the C locale, and in Python's UTF-8 mode (nosite_argv) so that no text they read or
+    # write depends on it. Under a UTF-8 locale glibc maps the locale's files into each: 0.42 MiB of the guard's RSS
+    # on the H200 host, mlocked, for nothing (bench/RESULTS-rss-gpu.md). Neither formats by locale, and journalctl is
+    # asked for C.UTF-8 itself (telemetry.sources.prevboot). Telemetry inherits it.
+    os.environ["LC_ALL"] = "C"
     code = "from sparkwatch.guard.process import main; sys.exit(main())"
     os.execv(sys.executable, nosite_argv(code, [ROOT], ["--settings-fd", str(fd), "--", *cli_args]))
 
 
 def nosite_argv(code: str, path: Sequence[str], args: Sequence[str]) -> list[str]:
-    """`python -S -c CODE ARGS…` with `path` first on sys.path: how both sparkwatch processes start."""
-    return [sys.executable, "-S", "-c", f"import sys; sys.path[:0] = {list(path)!r}; {code}", *args]
+    """`python -S -X utf8 -c CODE ARGS…` with `path` first on sys.path: how both sparkwatch processes start."""
+    return [sys.executable, "-S", "-X", "utf8", "-c", f"import sys; sys.path[:0] = {list(path)!r}; {code}", *args]
 
 
 def telemetry_argv(args: Sequence[str], environ: Mapping[str, str]) -> list[str]:

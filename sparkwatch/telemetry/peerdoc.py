@@ -26,12 +26,12 @@ import json
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from sparkwatch.common.eventlog import rfc3339
 from sparkwatch.common.stats import RecentKill
 from sparkwatch.common.wiretypes import from_json, to_json
 from sparkwatch.core.launch.rayletenv import RayletFacts
 from sparkwatch.core.model import EngineTree, MemInfo
 from sparkwatch.core.redact import redact
+from sparkwatch.core.timestamps import rfc3339
 
 PATH = "/peer/v1/state"
 VERSION = 1

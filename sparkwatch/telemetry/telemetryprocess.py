@@ -13,10 +13,10 @@ STATUS= line.
 
 from __future__ import annotations
 
-import argparse
 import os
 import signal
 import socket
+import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 from sparkwatch.common import logs, syscalls
 from sparkwatch.common.channel import Channel, ChannelClosed
+from sparkwatch.common.daemonargv import parse_daemon_argv
 from sparkwatch.common.lifecycle import Component, CountersOnly, apply_all, start_all, stop_all
 from sparkwatch.common.messages import (
     AckMsg,
@@ -457,15 +458,19 @@ def main(argv: Sequence[str] | None = None, preflight: Preflight | None = None) 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGHUP, signal.SIG_IGN)  # the guard owns reloads; a terminal hangup reaches us too
-    parser = argparse.ArgumentParser(prog="sparkwatch-telemetry")
-    parser.add_argument("--channel-fd", type=int, required=True)
-    parser.add_argument("--guard-pid", type=int, default=0)
-    parser.add_argument("--no-nvml", action="store_true", help="never load libnvidia-ml (after it hung twice)")
-    args = parser.parse_args(argv)
-    if args.no_nvml and preflight is not None:
+    # --no-nvml: never load libnvidia-ml (after it hung twice).
+    args, _ = parse_daemon_argv(
+        sys.argv[1:] if argv is None else argv,
+        usage="sparkwatch-telemetry --channel-fd N [--guard-pid PID] [--no-nvml]",
+        numbers=("--channel-fd", "--guard-pid"),
+        switches=("--no-nvml",),
+        required=("--channel-fd",),
+    )
+    no_nvml, guard_pid = "--no-nvml" in args, args.get("--guard-pid", 0)
+    if no_nvml and preflight is not None:
         preflight.abandon()
         preflight = None
-    elif not args.no_nvml and preflight is None:
+    elif not no_nvml and preflight is None:
         preflight = Preflight.start()
 
     def give_up(status: int) -> int:
@@ -475,14 +480,14 @@ def main(argv: Sequence[str] | None = None, preflight: Preflight | None = None) 
 
     # Die with the guard (even one killed with SIGKILL): a telemetry process left behind would hold the metrics port.
     syscalls.set_parent_death_signal(signal.SIGKILL)
-    if args.guard_pid and os.getppid() != args.guard_pid:
+    if guard_pid and os.getppid() != guard_pid:
         return give_up(0)  # the guard is already gone
     syscalls.set_comm("sparkwatch-tel")
     # Before any thread starts (the guard process does the same): glibc gives each thread that mallocs its own arena
     # (up to 8 per core), and memory freed in one arena is not reused by the others.
     syscalls.limit_malloc_arenas(2)
     handler = logs.setup("telemetry")
-    channel = Channel.from_fd(args.channel_fd)
+    channel = Channel.from_fd(args["--channel-fd"])
     try:
         settings, early = first_settings(channel, stop)
     except (ChannelClosed, ConfigError) as exc:

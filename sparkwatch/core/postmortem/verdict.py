@@ -44,11 +44,11 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
-from datetime import UTC, datetime
 from enum import StrEnum
 
 from sparkwatch.core.driver.nvrm import NvrmError, XidLine, parse_nvrm, xid_info
 from sparkwatch.core.postmortem.flight import FlightSample, PoolTrend, pool_trend
+from sparkwatch.core.timestamps import rfc3339
 from sparkwatch.core.units import format_size
 
 
@@ -200,7 +200,7 @@ class _Cause:
 
 
 def stamp(t: float) -> str:
-    return datetime.fromtimestamp(t, UTC).isoformat(timespec="seconds").replace("+00:00", "Z")
+    return rfc3339(t, ms=False)
 
 
 def _entry_line(entry: JournalEntry) -> str:

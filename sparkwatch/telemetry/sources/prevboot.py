@@ -35,7 +35,6 @@ import stat
 import subprocess
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from datetime import datetime
 from pathlib import Path
 
 from sparkwatch.common.durable import StateFileError, read_regular
@@ -50,6 +49,7 @@ from sparkwatch.core.postmortem.verdict import (
     PstoreRecord,
     SparkwatchEvent,
 )
+from sparkwatch.core.timestamps import parse_rfc3339
 
 JOURNALCTL_TIMEOUT_S = 60.0  # a big journal on a slow disk takes seconds; this runs off the guard, once per boot
 TAIL_ENTRIES = 5000  # each source's last entries of the previous boot: its last minutes, whatever it logged before
@@ -376,12 +376,7 @@ def boot_events(events_path: Path, since: float | None, until: float | None) -> 
 
 
 def _ts(value: object) -> float | None:
-    if not isinstance(value, str):
-        return None
-    try:
-        return datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
-    except ValueError:
-        return None
+    return parse_rfc3339(value) if isinstance(value, str) else None
 
 
 @dataclass(frozen=True, slots=True)
