@@ -1,6 +1,6 @@
 """Budgets on a real GPU: a budget counts GPU and pinned host memory, and a tree that allocates past it is killed on
 the `budget` trigger. Self-contained: needs torch, nvidia-ml-py and the project (and the project's own dependencies:
-pydantic, pydantic-settings, prometheus-client, rich, pyudev, as wheels where the machine lacks them).
+pydantic, pydantic-settings, prometheus-client, rich, as wheels where the machine lacks them).
 
     python3 bench/budget_gpu.py --out bench/RESULTS-budget-gpu.md
 

@@ -21,7 +21,7 @@ from sparkwatch.guard.poolwatch import PoolWatch
 from sparkwatch.telemetry.drivercheck import DriverWatcher
 from sparkwatch.telemetry.headroom import HeadroomWatcher
 from sparkwatch.telemetry.sources.driverfacts import read_driver_facts
-from sparkwatch.telemetry.sources.udev import UdevWatcher, is_driver_uevent
+from sparkwatch.telemetry.sources.udev import UdevWatcher, is_driver_uevent, parse_uevent
 from tests import driverroot as fx
 from tests.receiver import wait_until
 
@@ -109,6 +109,39 @@ def test_udev_handler_matches_nvidia_events() -> None:
     assert is_driver_uevent("add", "nvidia-caps", "nvidia-cap1", None)
 
 
+# As the kernel sends them (lib/kobject_uevent.c): the first captured here from /dev/null's sysfs uevent file, the
+# others shaped as a module's removal and a PCI device's bind (drivers/base/dd.c, DRIVER= added) are.
+NULL_CHANGE = (
+    b"change@/devices/virtual/mem/null\0ACTION=change\0DEVPATH=/devices/virtual/mem/null\0SUBSYSTEM=mem\0"
+    b"SYNTH_UUID=0\0MAJOR=1\0MINOR=3\0DEVNAME=null\0DEVMODE=0666\0SEQNUM=6321\0"
+)
+MODULE_REMOVE = b"remove@/module/nvidia\0ACTION=remove\0DEVPATH=/module/nvidia\0SUBSYSTEM=module\0SEQNUM=7001\0"
+PCI_BIND = (
+    b"bind@/devices/pci000f:00/000f:00:00.0/000f:01:00.0\0ACTION=bind\0"
+    b"DEVPATH=/devices/pci000f:00/000f:00:00.0/000f:01:00.0\0SUBSYSTEM=pci\0DRIVER=nvidia\0SEQNUM=7002\0"
+)
+
+
+def test_kernel_uevents_are_read_as_the_kernel_writes_them() -> None:
+    fields = parse_uevent(NULL_CHANGE)
+    assert fields is not None and (fields["ACTION"], fields["SUBSYSTEM"], fields["DEVNAME"]) == (
+        "change",
+        "mem",
+        "null",
+    )
+    seen: list[str] = []
+    w = UdevWatcher(seen.append)
+    for message in (MODULE_REMOVE, PCI_BIND, NULL_CHANGE):
+        f = parse_uevent(message)
+        assert f is not None
+        w.handle(f["ACTION"], f.get("SUBSYSTEM"), f["DEVPATH"].rsplit("/", 1)[-1], f.get("DRIVER"))
+    assert seen == ["uevent remove module/nvidia", "uevent bind pci/000f:01:00.0"]
+    # udevd's own messages (group 2, `libudev` magic), a torn message, one without its variables: not uevents
+    assert parse_uevent(b"libudev\0\xfe\xed\xca\xfe" + MODULE_REMOVE) is None
+    assert parse_uevent(MODULE_REMOVE[:20]) is None
+    assert parse_uevent(b"remove@/module/nvidia\0SEQNUM=1\0") is None
+
+
 def test_udev_handler_pokes_the_drift_check(tmp_path: Path) -> None:
     root = fx.healthy(tmp_path / "root")
     root.write()
@@ -127,7 +160,7 @@ def test_udev_handler_pokes_the_drift_check(tmp_path: Path) -> None:
 
 
 def test_real_netlink_monitor_delivers_uevents(tmp_path: Path) -> None:
-    """A real pyudev netlink monitor and a real kernel uevent. This box has no NVIDIA module to load, so the
+    """A real netlink uevent socket and a real kernel uevent. This box has no NVIDIA module to load, so the
     matcher is widened to /dev/null's device and the uevent is synthesised through its sysfs uevent file."""
     uevent = Path("/sys/devices/virtual/mem/null/uevent")
     if os.geteuid() != 0 or not os.access(uevent, os.W_OK):

@@ -5,9 +5,6 @@ needs site-packages, gets them as the path `sparkwatch run` ran on, and serves i
 from __future__ import annotations
 
 import functools
-import json
-import subprocess
-import sys
 import urllib.request
 from pathlib import Path
 
@@ -35,24 +32,6 @@ def test_the_guard_and_telemetry_run_without_site(tmp_path: Path) -> None:
     assert any(b"site-packages" in part for part in telemetry[5].split(b",")), telemetry  # the path it was given
     for pid, text in maps.items():
         assert "/usr/lib/locale" not in text, (pid, [line for line in text.splitlines() if "locale" in line])
-
-
-GUARD_IMPORTS = """
-import json, sys
-sys.path[:0] = [sys.argv[1]]
-from sparkwatch.guard.process import main
-print(json.dumps(sorted(sys.modules)))
-"""
-
-
-def test_the_guard_imports_no_module_it_has_no_use_for() -> None:
-    """Every module the guard imports stays resident and mlocked. argparse (with gettext) read one fixed line, datetime
-    wrote one timestamp: 1.3 MiB between them, now read and written by hand (bench/RESULTS-rss-gpu.md)."""
-    root = str(Path(__file__).resolve().parents[1])
-    out = subprocess.run([sys.executable, "-S", "-c", GUARD_IMPORTS, root], capture_output=True, text=True, check=True)
-    loaded = set(json.loads(out.stdout))
-    assert "sparkwatch.guard.process" in loaded  # the probe imported what the guard runs
-    assert not loaded & {"argparse", "gettext", "datetime", "pydantic", "rich", "prometheus_client"}, loaded
 
 
 def test_the_daemons_read_the_lines_sparkwatch_writes_them(capsys: pytest.CaptureFixture[str]) -> None:

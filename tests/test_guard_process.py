@@ -304,12 +304,14 @@ STDLIB_DENIED = (
 )
 # And what only costs the guard memory: hashlib (and secrets and hmac with it) maps OpenSSL's libcrypto, 3.3 MiB of
 # locked RSS; ctypes.util runs ldconfig at import. Without them the guard is 21.4 MiB (bench/RESULTS-idle.md).
-STDLIB_HEAVY = ("hashlib", "_hashlib", "secrets", "hmac", "ctypes.util")
+# argparse (with gettext) read one fixed line and datetime wrote one timestamp: 0.9 MiB of locked RSS between them on
+# the H200 host, now common.daemonargv and core.timestamps (bench/RESULTS-rss-gpu.md).
+STDLIB_HEAVY = ("hashlib", "_hashlib", "secrets", "hmac", "ctypes.util", "argparse", "gettext", "datetime")
 
 
 def test_guard_process_loads_only_what_it_may() -> None:
     """What the guard process really imports: only sparkwatch.{guard,common,core} and the standard library (no
-    pydantic, NVML, prometheus_client, rich, pyudev, HTTP or TLS)."""
+    pydantic, NVML, prometheus_client, rich, HTTP or TLS)."""
 
     def loaded(statement: str) -> set[str]:
         code = f"import sys, json; {statement}; print(json.dumps(sorted(sys.modules)))"

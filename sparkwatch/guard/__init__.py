@@ -8,7 +8,7 @@ with what telemetry reports in `gpuboard`). `process` wires them and handles sig
 `python -m sparkwatch.guard`, the one way in, for `sparkwatch run` and for a restart over the RSS cap.
 
 What it may import: the standard library, `sparkwatch.core` (pure decisions) and `sparkwatch.common` (stdlib-only
-I/O both processes share). Never pydantic, NVML, prometheus_client, rich, pyudev, HTTP or TLS, nor
+I/O both processes share). Never pydantic, NVML, prometheus_client, rich, HTTP or TLS, nor
 `sparkwatch.telemetry`, `sparkwatch.config`, `sparkwatch.cli` or `sparkwatch.tui`: `scripts/lint` checks it
 transitively (import-linter, pyproject.toml), and a test holds the modules the process really loads to an allow list.
 """

@@ -403,7 +403,7 @@ class TelemetryProcess:
             # while the rest runs. Any other failure to start the endpoint (unreadable TLS files) exits, and the
             # guard's supervisor tries again after its backoff.
             # The endpoint first: it serves (a scrape before the first cycle says so) while the other components'
-            # threads start, and the driver check's first dpkg read, the postmortem verdict, pyudev's import and the
+            # threads start, and the driver check's first dpkg read, the postmortem verdict, the uevent socket and the
             # first /proc scan no longer come before it (bench/RESULTS-telemetry-start.md). Stopped last.
             first = [c for c in self.components if c.obj is self.metrics]
             started = start_all(
