@@ -291,3 +291,22 @@ def test_a_launch_on_the_head_checks_node_b_s_raylet_through_b_s_agent(cluster: 
         b = by_node[cluster.ip_b]
         assert "MAX_JOBS" in {p["variable"] for p in b["problems"]}
         assert b["fix"].startswith(f"on {cluster.ip_b}: ray stop && ") and f"--address={cluster.address}" in b["fix"]
+        # B's pool from B's agent, held above B's own floor (the agent's default here)
+        head, worker = json.loads(plan.stdout)["nodes"]
+        assert (head["role"], worker["role"], worker["source"]) == ("head", "worker", "sparkwatch")
+        assert worker["needs_bytes"] > 0 and worker["available_bytes"] is not None
+
+
+def test_without_b_s_agent_b_s_pool_comes_from_ray_s_view_and_says_so(cluster: RayCluster, tmp_path: Path) -> None:
+    """-pp 2 over Ray spans both nodes. No agent answers for B: its pool is read from Ray's dashboard (its reporter's
+    MemAvailable, /nodes?view=summary), and the node is marked `ray`."""
+    plan = launch_in(cluster, cluster.ns_a, tmp_path, "--plan", "--json")
+    doc = json.loads(plan.stdout)
+    head, worker = doc["nodes"]
+    assert (head["role"], head["source"]) == ("head", "this node")
+    assert (worker["node"], worker["role"], worker["source"]) == (cluster.ip_b, "worker", "ray")
+    with open("/proc/meminfo") as fh:  # both namespaces share this kernel's pool
+        available = next(int(line.split()[1]) * 1024 for line in fh if line.startswith("MemAvailable:"))
+    floor_and_margin = doc["memory"]["floor_bytes"] + doc["memory"]["margin_bytes"]  # this node's, standing in
+    assert abs(worker["available_bytes"] + floor_and_margin - available) < 4 << 30, (worker, available)
+    assert {"ray_worker"} <= {t["name"] for t in worker["terms"]}

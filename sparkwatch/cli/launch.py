@@ -149,7 +149,8 @@ def handle(args: argparse.Namespace) -> int:
     from sparkwatch.core.launch.rayletenv import uses_ray
 
     ray = uses_ray(inputs.argv, inputs.env)
-    raylets, stale, stale_note = _cluster(settings, plan.estimate.jobs) if ray else ([], (), None)
+    peers = _peers(settings) if ray or ctx.span is not None else []  # one read of each agent serves every check
+    raylets, stale, stale_note = _cluster(settings, plan.estimate.jobs, peers) if ray else ([], (), None)
     if stale and args.fix and not args.plan:
         from sparkwatch.cli.launch_ray import remove
 
@@ -157,18 +158,24 @@ def handle(args: argparse.Namespace) -> int:
         for line in lines:
             print(f"sparkwatch: fix: {line}", file=sys.stderr)
         plan, ctx = replan(settings, inputs, ctx)  # the removed group's ranks gave their memory back
-    cluster_fix = any(lacks for _raylet, lacks, _fix in raylets) or bool(stale)
+    cluster_fix = any(lacks for _where, _raylet, lacks, _fix in raylets) or bool(stale)
+    nodes = _nodes(settings, plan, ctx, peers=peers, raylets=raylets, reads=inputs.engine_reads)
     if args.plan:
+        fits = plan.fits and _nodes_fit(nodes)
         if args.json:
             doc = plan_json(plan, ctx)
+            from sparkwatch.cli.launch_nodes import nodes_json
+
+            doc["fits"] = fits
+            doc["nodes"] = nodes_json(nodes)
             doc["raylets"] = [_raylet_json(*r) for r in raylets]
             doc["stale_placement_groups"] = [_stale_json(g) for g in stale]
             print(json.dumps(doc, indent=None, separators=(",", ":")))
         else:
             print(plan_text(plan, ctx))
-            for line in _raylet_lines(raylets) + _stale_lines(stale, stale_note):
+            for line in _node_lines(nodes) + _raylet_lines(raylets) + _stale_lines(stale, stale_note):
                 print(line)
-        return 0 if plan.fits and not cluster_fix else 1
+        return 0 if fits and not cluster_fix else 1
     if not args.quiet:
         print(plan_text(plan, ctx, short=True), file=out)
     if not plan.fits and args.fix:
@@ -177,18 +184,20 @@ def handle(args: argparse.Namespace) -> int:
         for line in apply_fixes(plan, settings.proc_root):
             print(f"sparkwatch: fix: {line}", file=out)
         plan, ctx = replan(settings, inputs, ctx)
+        nodes = _nodes(settings, plan, ctx, peers=peers, raylets=raylets, reads=inputs.engine_reads)
         if not args.quiet:
             print(plan_text(plan, ctx, short=True), file=out)
     # what the cluster lacks is said whether or not the memory fits
-    for line in _raylet_lines(raylets) + _stale_lines(stale, stale_note):
+    for line in _node_lines(nodes, quiet=args.quiet) + _raylet_lines(raylets) + _stale_lines(stale, stale_note):
         print(line, file=sys.stderr)
     if not plan.fits:
         from sparkwatch.core.launch.plan import fix_line
 
         print(fix_line(plan), file=sys.stderr)
-    if (cluster_fix or not plan.fits) and not args.force:
+    fits = plan.fits and _nodes_fit(nodes)
+    if (cluster_fix or not fits) and not args.force:
         return EXIT_CLUSTER if cluster_fix else EXIT_DOES_NOT_FIT  # the cluster's fix first: a `ray start`, --fix
-    if cluster_fix or not plan.fits:
+    if cluster_fix or not fits:
         print("sparkwatch: --force: starting anyway", file=sys.stderr)
     if shutil.which(cmd[0]) is None and not Path(cmd[0]).exists():
         print(f"sparkwatch: {cmd[0]}: command not found", file=sys.stderr)
@@ -206,12 +215,53 @@ def handle(args: argparse.Namespace) -> int:
     return code
 
 
-def _cluster(settings: Any, jobs: int) -> tuple[list[Any], Any, str | None]:
-    """For an engine over Ray: each raylet with what it lacks (cli.launch_ray.problems), the placement groups the
-    engine would wait behind, and why those could not be checked, if so (cli.launch_ray.stale)."""
+def _peers(settings: Any) -> list[Any]:
+    from sparkwatch.cli.launch_ray import read_peers
+
+    return read_peers(settings)
+
+
+def _cluster(settings: Any, jobs: int, peers: list[Any]) -> tuple[list[Any], Any, str | None]:
+    """For an engine over Ray: each raylet with where it was seen and what it lacks (cli.launch_ray.problems), the
+    placement groups the engine would wait behind, and why those could not be checked, if so (cli.launch_ray.stale)."""
     from sparkwatch.cli.launch_ray import problems, stale
 
-    return problems(settings, max(1, jobs)), *stale(settings)
+    return problems(settings, max(1, jobs), peers), *stale(settings)
+
+
+def _nodes(settings: Any, plan: Any, ctx: Any, *, peers: list[Any], raylets: list[Any], reads: str | None) -> Any:
+    """Each node's share of an engine that spans nodes (cli.launch_nodes); this node alone otherwise."""
+    from sparkwatch.core.launch.nodeplan import NodePlan, Role, ViewSource
+
+    if ctx.span is None:
+        import socket
+
+        return (NodePlan(socket.gethostname(), Role.HEAD, ViewSource.LOCAL, plan),)
+    from sparkwatch.cli.launch_nodes import node_plans
+    from sparkwatch.core.launch.plan import FreeSource
+
+    return node_plans(
+        settings, plan, ctx, peers=peers, raylets=raylets, engine_reads=FreeSource(reads) if reads else None
+    )
+
+
+def _nodes_fit(nodes: Any) -> bool:
+    """Every node whose memory is known holds its share (the head's plan is launch's own)."""
+    return all(n.fits is not False for n in nodes)
+
+
+def _node_lines(nodes: Any, quiet: bool = False) -> list[str]:
+    """One line a node of an engine that spans nodes: each that does not fit, and (unless quiet) the others."""
+    if len(nodes) < 2:
+        return []
+    out = []
+    for n in nodes[1:] if quiet else nodes:  # the head's own fix is launch's fix line
+        if quiet and n.fits is not False:
+            continue
+        out.append(f"sparkwatch: {n.line()}")
+        if n.fits is False and n.role != "head" and n.plan is not None:
+            out += [f"sparkwatch: fix on {n.node}: {f.text}" for f in n.plan.fixes]
+    return out
 
 
 def _stale_lines(stale: Any, note: str | None) -> list[str]:
@@ -232,7 +282,7 @@ def _stale_json(g: Any) -> dict[str, Any]:
 
 def _raylet_lines(raylets: list[Any]) -> list[str]:
     out = []
-    for raylet, lacks, fix in raylets:
+    for _where, raylet, lacks, fix in raylets:
         if raylet.environ is None:
             out.append(f"sparkwatch: raylet on {raylet.node} (pid {raylet.pid}): its environment is not ours to read")
         out += [f"sparkwatch: {p.line()}" for p in lacks]
@@ -241,7 +291,7 @@ def _raylet_lines(raylets: list[Any]) -> list[str]:
     return out
 
 
-def _raylet_json(raylet: Any, lacks: Any, fix: str | None) -> dict[str, Any]:
+def _raylet_json(_where: str, raylet: Any, lacks: Any, fix: str | None) -> dict[str, Any]:
     return {
         "node": raylet.node,
         "pid": raylet.pid,

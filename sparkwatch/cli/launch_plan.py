@@ -25,6 +25,7 @@ from sparkwatch.common.sources.meminfo import MeminfoReader
 from sparkwatch.core.driver.freeblocks import BuddyinfoError, free_bytes_in_blocks
 from sparkwatch.core.engines.enginecli import EngineCommand, EngineKind, recognise
 from sparkwatch.core.launch import launchenv, peaks
+from sparkwatch.core.launch.nodeplan import Role, Span, rank_facts, role_terms, span_of
 from sparkwatch.core.launch.plan import (
     DEFAULT_MARGIN_BYTES,
     FreeSource,
@@ -35,6 +36,7 @@ from sparkwatch.core.launch.plan import (
     Reservation,
     plan_launch,
 )
+from sparkwatch.core.launch.rayletenv import uses_ray
 from sparkwatch.core.units import MiB, format_size
 
 if TYPE_CHECKING:
@@ -62,6 +64,7 @@ class PlanContext:
     declared: tuple[launched.Declaration, ...] = ()
     took_s: float = 0.0
     record: peaks.PeakRecord | None = None  # what earlier runs with this key measured, confirmed or not
+    span: Span | None = None  # the nodes the engine spans (core.launch.nodeplan): the plan is then the head's share
 
 
 def memory_view(settings: Settings, margin_bytes: int | None) -> MemoryView:
@@ -186,9 +189,11 @@ def gather(settings: Settings, inputs: PlanInputs) -> tuple[Plan, PlanContext]:
         return Learned(confirmed, found.estimate_bytes or 0, found.runs, found.ready_s)
 
     decls, reservations = running(settings, env, time.time())
+    span = span_of(cmd, uses_ray(inputs.argv, env))
     plan = plan_launch(
-        cmd, facts, view, reservations, learned_for=learned_for, budget=inputs.budget, jobs=jobs,
-        engine_version=version, engine_reads=reads,
+        cmd, facts if span is None else rank_facts(facts, span), view, reservations, learned_for=learned_for,
+        budget=inputs.budget, jobs=jobs, engine_version=version, engine_reads=reads,
+        extra=() if span is None else role_terms(Role.HEAD, span),
     )  # fmt: skip
     if plan.learned is not None and not plan.learned.estimate_bytes:
         plan = replace(plan, learned=replace(plan.learned, estimate_bytes=plan.estimate.needs_bytes))
@@ -201,6 +206,7 @@ def gather(settings: Settings, inputs: PlanInputs) -> tuple[Plan, PlanContext]:
         declared=decls,
         took_s=time.monotonic() - started,
         record=record,
+        span=span,
     )
     return plan, ctx
 
@@ -236,6 +242,8 @@ def plan_text(plan: Plan, ctx: PlanContext, short: bool = False) -> str:
     view = plan.view
     verdict = "fits" if plan.fits else f"does NOT fit (short by {format_size(plan.short_bytes)})"
     head = f"sparkwatch: plan for {est.kind}" + (f" {est.model}" if est.model else "")
+    if ctx.span is not None:
+        head += f" ({ctx.span.how}: this node's share, as the head)"
     basis = "measured peak" if plan.learned is not None else "estimate"
     summary = (
         f"{head}: {basis} {format_size(plan.needs_bytes)}, {format_size(max(plan.available_bytes, 0))} free above "

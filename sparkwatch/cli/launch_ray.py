@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -37,34 +38,51 @@ REMOVE_TIMEOUT_S = 30.0  # the helper connects as a Ray driver: 2-3 s on the 2-c
 GONE_WAIT_S = 10.0  # after the removal, how long Ray may take to list the group REMOVED
 
 
-def problems(settings: Settings, jobs: int) -> list[tuple[RayletFacts, tuple[Problem, ...], str | None]]:
-    """Each raylet of the cluster that launch can see and that runs as the launching user (this node's, from /proc;
-    the peers', from their agents: telemetry.peerdoc; core.launch.rayletenv.mine), what it lacks for an engine that
-    may run `jobs` compile jobs, and the line that fixes it."""
-    out = []
-    seen = local_facts(Path(settings.proc_root), Path(settings.root)) + peer_raylets(settings)
-    for raylet in mine(seen, os.geteuid()):
-        found = check(raylet, jobs)
-        out.append((raylet, found, fix_line(raylet, found, jobs) if found else None))
-    return out
+@dataclass(frozen=True)
+class PeerReading:
+    """One peer's agent as launch read it once: its document, or why there is none."""
+
+    label: str
+    doc: peerdoc.PeerDoc | None
+    error: str | None = None
 
 
-def peer_raylets(settings: Settings) -> list[RayletFacts]:
-    """The raylets the peers' agents (`peers`) say they have, one read of each (at most a second a peer); a peer
-    that does not answer adds none (its node's raylets are then unchecked, and the line says so)."""
+def read_peers(settings: Settings) -> list[PeerReading]:
+    """One read of each peer's agent (`peers`), at most a second each and all at once (telemetry.peerwatch): what
+    launch checks of the other nodes (their raylets, their pools) comes from this one read."""
     if not settings.peers:
         return []
     from sparkwatch.telemetry.peerwatch import PeerWatch
 
     watch = PeerWatch(settings, lambda event: None)
     watch.poll_once()
-    out = []
-    for peer in watch.peers:
+    return [PeerReading(p.label, p.doc, None if p.doc is not None else p.last_error) for p in watch.peers]
+
+
+# Where a raylet was seen: HERE (this node's /proc) or the label of the peer whose agent named it.
+RayletCheck = tuple[str, RayletFacts, tuple[Problem, ...], str | None]  # where, raylet, what it lacks, its fix
+HERE = ""
+
+
+def problems(settings: Settings, jobs: int, peers: list[PeerReading]) -> list[RayletCheck]:
+    """Each raylet of the cluster that launch can see and that runs as the launching user (this node's, from /proc;
+    the peers', from their agents: telemetry.peerdoc; core.launch.rayletenv.mine), where it was seen, what it lacks
+    for an engine that may run `jobs` compile jobs, and the line that fixes it. A peer that did not answer adds none
+    (its node's raylets are then unchecked, and a line says so)."""
+    seen = [(HERE, r) for r in local_facts(Path(settings.proc_root), Path(settings.root))]
+    for peer in peers:
         if peer.doc is None:
-            print(f"sparkwatch: peer {peer.label}: no answer ({peer.last_error}): its raylets are not checked",
+            print(f"sparkwatch: peer {peer.label}: no answer ({peer.error}): its raylets are not checked",
                   file=sys.stderr)  # fmt: skip
             continue
-        out += [peerdoc.raylet_facts(r) for r in peer.doc.raylets]
+        seen += [(peer.label, peerdoc.raylet_facts(r)) for r in peer.doc.raylets]
+    out: list[RayletCheck] = []
+    uid = os.geteuid()
+    for where, raylet in seen:
+        if not mine([raylet], uid):  # another user's process named raylet is not the cluster
+            continue
+        found = check(raylet, jobs)
+        out.append((where, raylet, found, fix_line(raylet, found, jobs) if found else None))
     return out
 
 

@@ -3,7 +3,9 @@
 Two Sparks running one engine each run sparkwatch; each lists the other in `peers` (docs/multinode.md). A peer's
 document says what a node's agent knows that the other cannot see from its own /proc or from Ray:
 - the node's name, and the Ray node ids its raylets serve (how a death in Ray's state is tied to a peer);
-- its MemAvailable and its engine trees (root pid, kind, RSS), as of telemetry's last cycle;
+- its MemAvailable and its engine trees (root pid, kind, RSS), as of telemetry's last cycle, and the pool as a launch
+  on another node plans its share of an engine spanning both (core.launch.nodeplan): total, free, page cache, its
+  floor and CPU count;
 - its guard's recent kills, as the guard remembered them at the signal: trigger, the reason, the pids signalled;
 - its members of engine groups without Ray (core.kill.mpgroup): the rendezvous, the node rank, the tree's root pid;
 - its Ray ranks that Ray still lists ALIVE and whose process it saw end (node id, pid: telemetry.raywatch), which
@@ -121,6 +123,18 @@ def raylet_facts(r: PeerRaylet) -> RayletFacts:
 
 
 @dataclass(frozen=True, slots=True)
+class PeerMemory:
+    """The node's pool as launch's plan reads it (core.launch.plan.MemoryView less launch's own margin)."""
+
+    total_bytes: int
+    available_bytes: int
+    free_bytes: int
+    cached_bytes: int
+    floor_bytes: int  # the node's own guard floor: its share is held above it
+    cpus: int
+
+
+@dataclass(frozen=True, slots=True)
 class PeerDoc:
     version: int
     node: str
@@ -132,6 +146,7 @@ class PeerDoc:
     groups: tuple[PeerMember, ...] | None = None
     ray_gone: tuple[PeerRank, ...] = ()  # absent from an agent older than it: nothing ended that it knows of
     raylets: tuple[PeerRaylet, ...] = ()
+    memory: PeerMemory | None = None  # absent from an older agent, and before the first cycle
 
 
 def kills_from_guard(recent: Iterable[RecentKill]) -> tuple[PeerKill, ...]:
@@ -159,7 +174,14 @@ def build(
     groups: tuple[PeerMember, ...] | None = None,
     ray_gone: Iterable[tuple[str, int]] = (),
     raylets: Iterable[RayletFacts] = (),
+    floor_bytes: int | None = None,
+    cpus: int = 1,
 ) -> bytes:
+    memory = None
+    if mem is not None and floor_bytes is not None:
+        memory = PeerMemory(
+            mem.total_bytes, mem.available_bytes, mem.free_bytes, mem.cached_bytes, floor_bytes, max(cpus, 1)
+        )
     doc = PeerDoc(
         version=VERSION,
         node=node,
@@ -170,6 +192,7 @@ def build(
         groups=groups,
         ray_gone=tuple(PeerRank(node_id, pid) for node_id, pid in ray_gone),
         raylets=tuple(peer_raylet(r) for r in raylets),
+        memory=memory,
     )
     return json.dumps(to_json(doc), separators=(",", ":")).encode()
 

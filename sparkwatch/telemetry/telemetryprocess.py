@@ -251,6 +251,8 @@ class TelemetryProcess:
             groups=self.mpwatch.published(),
             ray_gone=self.raywatch.gone_ranks(),
             raylets=self._raylet_facts(),
+            floor_bytes=self.settings.floor,
+            cpus=os.cpu_count() or 1,
         )
 
     RAYLET_FACTS_S = 10.0  # a peer's launch reads them once; the document is asked for every peer_poll_s

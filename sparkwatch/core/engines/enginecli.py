@@ -48,6 +48,9 @@ _VLLM_FLAGS: Mapping[str, str] = {
     "--max-model-len": "max_model_len",
     "--tensor-parallel-size": "tensor_parallel_size",
     "-tp": "tensor_parallel_size",
+    "--pipeline-parallel-size": "pipeline_parallel_size",
+    "-pp": "pipeline_parallel_size",
+    "--nnodes": "nnodes",
     "--max-num-seqs": "max_num_seqs",
     "--max-num-batched-tokens": "max_num_batched_tokens",
     "--enforce-eager": "enforce_eager",
@@ -66,6 +69,9 @@ _SGLANG_FLAGS: Mapping[str, str] = {
     "--context-length": "max_model_len",
     "--tp-size": "tensor_parallel_size",
     "--tensor-parallel-size": "tensor_parallel_size",
+    "--pp-size": "pipeline_parallel_size",
+    "--pipeline-parallel-size": "pipeline_parallel_size",
+    "--nnodes": "nnodes",
     "--dtype": "dtype",
     "--kv-cache-dtype": "kv_cache_dtype",
     "--quantization": "quantization",
@@ -259,6 +265,8 @@ _INT_RANGES: Mapping[str, tuple[int, int, str]] = {
     "chunked_prefill_size": (1, TOKENS_MAX, "tokens"),
     "max_total_tokens": (1, TOKENS_MAX, "tokens"),
     "tensor_parallel_size": (1, TP_MAX, "ranks"),
+    "pipeline_parallel_size": (1, TP_MAX, "stages"),
+    "nnodes": (1, TP_MAX, "nodes"),
     "kv_cache_memory_bytes": (0, SIZE_MAX_BYTES, "bytes"),
 }
 

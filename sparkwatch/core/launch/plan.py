@@ -504,11 +504,13 @@ def estimate(
     engine_version: tuple[int, ...] | None = None,
     engine_reads: FreeSource | None = None,
     reserved_bytes: int = 0,
+    extra: Sequence[Term] = (),
 ) -> Estimate:
     """The footprint estimate of `cmd`. `jobs`: the MAX_JOBS its compilers will run with (default: flashinfer's
     cap, launch_jobs, over MemAvailable less `reserved_bytes`, what running engines' budgets may still take).
-    `engine_reads` overrides which figure vLLM's start-up check reads. Raises ValueError for a flag value the engine
-    itself would refuse, naming the flag."""
+    `engine_reads` overrides which figure vLLM's start-up check reads. `extra`: terms held in every phase besides
+    the engine's own (a node's share of an engine spanning nodes: core.launch.nodeplan). Raises ValueError for a
+    flag value the engine itself would refuse, naming the flag."""
     reserved = reserved_bytes
     if cmd.kind == EngineKind.VLLM:
         est = _vllm(cmd, facts, view, jobs, engine_version, reserved=reserved)
@@ -534,6 +536,8 @@ def estimate(
             engine_reads, est.check.required_bytes, _read(view, engine_reads), f"--engine-reads {engine_reads}"
         )
         est = replace(est, check=check)
+    if extra:
+        est = replace(est, terms=(*est.terms, *extra), needs_bytes=est.needs_bytes + sum(t.bytes for t in extra))
     return est
 
 
@@ -706,6 +710,7 @@ def plan_launch(
     jobs: int | None = None,
     engine_version: tuple[int, ...] | None = None,
     engine_reads: FreeSource | None = None,
+    extra: Sequence[Term] = (),
 ) -> Plan:
     """`sparkwatch launch`'s plan: estimate and decide, and when it does not fit, the flag fix found by planning the
     command again with each candidate applied, so that a suggested fix fits (the old arithmetic suggested
@@ -718,7 +723,7 @@ def plan_launch(
     def replan(command: EngineCommand, run_jobs: int | None) -> Plan:
         est = estimate(
             command, facts, view, budget_bytes=explicit, jobs=run_jobs, engine_version=engine_version,
-            engine_reads=engine_reads, reserved_bytes=reserved,
+            engine_reads=engine_reads, reserved_bytes=reserved, extra=extra,
         )  # fmt: skip
         learned = learned_for(command) if learned_for is not None else None
         needs = learned.peak_bytes if learned is not None else est.needs_bytes

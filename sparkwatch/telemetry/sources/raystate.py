@@ -193,6 +193,38 @@ def parse_actors(doc: Any) -> tuple[RayActor, ...]:
     )
 
 
+@dataclass(frozen=True, slots=True)
+class RayNodeMemory:
+    """A node's memory as Ray's dashboard last heard from its reporter agent (psutil: `available` is MemAvailable)."""
+
+    node_ip: str
+    hostname: str
+    total_bytes: int
+    available_bytes: int
+    cpus: int
+
+
+def parse_node_memory(doc: Any) -> tuple[RayNodeMemory, ...]:
+    """The dashboard's `/nodes?view=summary`: each node's `mem` [total, available, percent, used] and `cpus`
+    [logical, physical]. Raises RayStateError on another shape."""
+    try:
+        rows = doc["data"]["summary"]
+    except (KeyError, TypeError):
+        raise RayStateError("bad_answer", "nodes summary: no data.summary") from None
+    if not isinstance(rows, list):
+        raise RayStateError("bad_answer", "nodes summary: not a list")
+    out = []
+    for row in rows:
+        mem = row.get("mem") if isinstance(row, dict) else None
+        cpus = row.get("cpus") if isinstance(row, dict) else None
+        if not (isinstance(mem, list) and len(mem) >= 2 and all(isinstance(v, int) and v >= 0 for v in mem[:2])):
+            raise RayStateError("bad_answer", "nodes summary: mem is not [total, available, …]")
+        logical = cpus[0] if isinstance(cpus, list) and cpus and isinstance(cpus[0], int) else 1
+        out.append(RayNodeMemory(_str(row, "ip", "nodes summary"), _str(row, "hostname", "nodes summary"),
+                                 mem[0], mem[1], max(logical, 1)))  # fmt: skip
+    return tuple(out)
+
+
 class RayStateSource:
     """Polls the state API at `base_url` (e.g. http://127.0.0.1:8265); `poll()` returns a RayState or raises
     RayStateError, counted in `errors` by kind."""
@@ -217,6 +249,10 @@ class RayStateSource:
     def poll_nodes(self) -> tuple[RayNode, ...]:
         """The nodes only (a dead node shows here, after Ray's own health check)."""
         return self._counted(lambda: parse_nodes(self._get("nodes")))
+
+    def poll_node_memory(self) -> tuple[RayNodeMemory, ...]:
+        """Each node's memory as the dashboard has it (not the state API: the dashboard's own node summary)."""
+        return self._counted(lambda: parse_node_memory(self.conn.get_json("/nodes?view=summary")))
 
     def _get(self, path: str, detail: bool = True) -> Any:
         return self.conn.get_json(f"/api/v0/{path}?limit={LIMIT}" + ("&detail=true" if detail else ""))

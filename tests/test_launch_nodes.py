@@ -1,0 +1,191 @@
+"""`sparkwatch launch` plans an engine that spans nodes node by node (core.launch.nodeplan, cli.launch_nodes): each
+node's share against that node's own pool, read from its own agent, and a refusal that names the node.
+
+The other node is a real `sparkwatch run` whose /proc is a fixture meminfo (its pool is what the test says; it holds
+no process, so its guard has nothing to act on), read through its real peer endpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from sparkwatch.core.engines.enginecli import recognise
+from sparkwatch.core.launch.nodeplan import (
+    HEAD_SERVING_BYTES,
+    RAY_HEAD_BYTES,
+    RAY_WORKER_BYTES,
+    NodeInput,
+    Role,
+    ViewSource,
+    plan_nodes,
+    rank_facts,
+    span_of,
+)
+from sparkwatch.core.launch.plan import MemoryView, ModelFacts
+from tests.conftest import wait_until
+from tests.daemon import sparkwatch_run
+from tests.planbox import GB10_TOTAL_KIB, model_dir, plan, proc_root
+
+GB = 10**9
+GiB = 1 << 30
+# The two checkpoints the field ran across two Sparks: 157 GB over -tp 2, 169 GB over -pp 2. A large MoE's shape
+# (its config.json's fields; 64 layers, grouped KV heads).
+BIG_SHAPE = {
+    "num_hidden_layers": 64,
+    "num_attention_heads": 64,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "hidden_size": 8192,
+    "intermediate_size": 28672,
+    "vocab_size": 151936,
+    "max_position_embeddings": 32768,
+    "dtype": "bfloat16",
+}
+
+
+def gb10(available_gib: float, floor_gib: float = 1) -> MemoryView:
+    return MemoryView(
+        GB10_TOTAL_KIB * 1024, int(available_gib * GiB), int(available_gib * GiB), 0, int(floor_gib * GiB)
+    )
+
+
+@pytest.mark.parametrize(
+    ("argv", "ray", "nodes"),
+    [
+        ("vllm serve m -tp 2 --distributed-executor-backend ray", True, 2),
+        ("vllm serve m --tensor-parallel-size 2", False, None),  # one node's GPUs (mp backend, no --nnodes)
+        ("vllm serve m -pp 2", True, 2),
+        ("vllm serve m -tp 2 -pp 2", True, 4),
+        ("vllm serve m -tp 2 --nnodes 2 --node-rank 0 --master-addr 10.0.0.1", False, 2),
+        ("python -m sglang.launch_server --model-path m --tp 2 --nnodes 2 --node-rank 0", False, 2),
+        ("vllm serve m", True, None),
+        ("llama-server -m m.gguf", True, None),
+    ],
+)
+def test_the_nodes_an_engine_spans(argv: str, ray: bool, nodes: int | None) -> None:
+    span = span_of(recognise(tuple(argv.split())), ray)
+    assert (None if span is None else span.nodes) == nodes, span
+
+
+def test_a_pipeline_stage_holds_its_share_of_the_weights_and_the_layers() -> None:
+    facts = ModelFacts("m", weights_bytes=169 * GB, files=34, format="safetensors", layers=61, kv_heads=8,
+                       head_dim=128, dtype_bytes=2)  # fmt: skip
+    span = span_of(recognise(("vllm", "serve", "m", "-pp", "2")), True)
+    assert span is not None
+    stage = rank_facts(facts, span)
+    assert stage.weights_bytes == 169 * GB // 2 and stage.layers == 31
+
+
+def test_each_node_holds_its_share_and_the_head_more_than_its_share() -> None:
+    facts = ModelFacts("m", weights_bytes=157 * GB, files=32, format="safetensors", layers=64, kv_heads=8,
+                       head_dim=128, dtype_bytes=2, hidden_size=8192, intermediate_size=28672, vocab_size=151936,
+                       max_len=32768)  # fmt: skip
+    cmd = recognise(("vllm", "serve", "m", "-tp", "2", "--distributed-executor-backend", "ray",
+                     "--gpu-memory-utilization", "0.8"))  # fmt: skip
+    span = span_of(cmd, True)
+    assert span is not None
+    head, worker = plan_nodes(
+        cmd, facts, span, [NodeInput("a", Role.HEAD, gb10(110), ViewSource.LOCAL),
+                           NodeInput("b", Role.WORKER, gb10(110), ViewSource.AGENT)],
+    )  # fmt: skip
+    assert head.plan is not None and worker.plan is not None
+    weights = {p.node: next(t.bytes for t in p.plan.terms if t.name == "weights") for p in (head, worker) if p.plan}
+    assert weights == {"a": 157 * GB // 2, "b": 157 * GB // 2}
+    # the head's API server, engine core and Ray's head processes; the worker's raylet and agents
+    assert head.plan.needs_bytes - worker.plan.needs_bytes == HEAD_SERVING_BYTES + RAY_HEAD_BYTES - RAY_WORKER_BYTES
+    assert head.fits and worker.fits
+    (short,) = plan_nodes(cmd, facts, span, [NodeInput("spark-b", Role.WORKER, gb10(52), ViewSource.AGENT)])
+    assert short.fits is False
+    assert short.line().startswith("does not fit on spark-b (worker, memory as sparkwatch reports it): needs ")
+    (unknown,) = plan_nodes(cmd, facts, span, [NodeInput("spark-b", Role.WORKER, None, ViewSource.NONE)])
+    assert unknown.fits is None and "not checked" in unknown.line()
+
+
+def _peer(tmp_path: Path, available_gib: float) -> tuple[Path, dict[str, str]]:
+    """A real agent whose pool is a fixture meminfo with `available_gib` available."""
+    root = proc_root(tmp_path / "peer", available_gib)
+    return root, {"SPARKWATCH_PROC_ROOT": str(root), "SPARKWATCH_FLOOR": "4GiB"}
+
+
+def _served(daemon_port: int) -> bool:
+    """Whether the agent's peer document carries its pool yet (after telemetry's first cycle)."""
+    import urllib.request
+
+    from sparkwatch.telemetry import peerdoc
+
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{daemon_port}{peerdoc.PATH}", timeout=5) as resp:
+            return peerdoc.parse(resp.read()).memory is not None
+    except OSError:
+        return False
+
+
+@pytest.mark.parametrize(("shape", "size_gb", "worker_gib", "fits"), [("-tp", 157, 40, False), ("-pp", 169, 110, True)])
+def test_a_worker_node_whose_agent_reports_too_little_is_named(
+    tmp_path: Path, shape: str, size_gb: int, worker_gib: float, fits: bool
+) -> None:
+    model = model_dir(tmp_path / "model", size_gb * GB, BIG_SHAPE)
+    (tmp_path / "peer").mkdir()
+    _root, peer_env = _peer(tmp_path, worker_gib)
+    with sparkwatch_run(tmp_path / "peer", env=peer_env) as b:
+        assert wait_until(lambda: _served(b.port), 30)
+        env = {"SPARKWATCH_PEERS": json.dumps([f"127.0.0.1:{b.port}"]), "RAY_ADDRESS": "127.0.0.1:1",
+               "SPARKWATCH_RAY_DASHBOARD_URL": "http://127.0.0.1:1"}  # fmt: skip
+        cmd = ("--", "vllm", "serve", str(model), shape, "2", "--distributed-executor-backend", "ray",
+               "--gpu-memory-utilization", "0.8")  # fmt: skip
+        done = plan(tmp_path, "--json", *cmd, env=env, available_gib=110)
+        text = plan(tmp_path, *cmd, env=env, available_gib=110)
+    doc = json.loads(done.stdout)
+    head, worker = doc["nodes"]
+    assert (head["role"], head["source"], worker["role"], worker["source"]) == (
+        "head",
+        "this node",
+        "worker",
+        "sparkwatch",
+    )
+    assert worker["available_bytes"] == int(worker_gib * GiB) - 4 * GiB - GiB  # its own floor, launch's margin
+    for node in (head, worker):
+        terms = {t["name"]: t["bytes"] for t in node["terms"]}
+        assert terms["weights"] == size_gb * GB // 2, node  # one rank or one stage a node
+        assert node["needs_bytes"] > terms["weights"]
+    assert {"head_serving", "ray_head"} <= {t["name"] for t in head["terms"]}
+    assert "ray_worker" in {t["name"] for t in worker["terms"]}
+    assert worker["fits"] is fits and doc["fits"] is (fits and head["fits"])
+    assert done.returncode == (0 if doc["fits"] else 1)
+    node_b = socket.gethostname()  # the agent's node name (one host here; on two Sparks, spark-b's)
+    if not fits:
+        assert f"does not fit on {node_b} (worker, memory as sparkwatch reports it): needs " in text.stdout, text.stdout
+
+
+def test_the_launch_refuses_before_anything_starts_and_names_the_node(tmp_path: Path) -> None:
+    """Without --plan, over --nnodes (no Ray): exit 75, the worker named, and the command never ran (a `vllm` of the
+    test's own that would leave a file)."""
+    model = model_dir(tmp_path / "model", 157 * GB, BIG_SHAPE)
+    (tmp_path / "peer").mkdir()
+    _root, peer_env = _peer(tmp_path, 40)
+    marker = tmp_path / "started"
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "vllm").write_text(f"#!/bin/sh\ntouch {marker}\n")
+    (bin_dir / "vllm").chmod(0o755)
+    with sparkwatch_run(tmp_path / "peer", env=peer_env) as b:
+        assert wait_until(lambda: _served(b.port), 30)
+        env = {**{k: v for k, v in os.environ.items() if not k.startswith("SPARKWATCH_")},
+               "PATH": f"{bin_dir}:{os.environ['PATH']}", "SPARKWATCH_PEERS": json.dumps([f"127.0.0.1:{b.port}"]),
+               "SPARKWATCH_STATE_DIR": str(tmp_path / "s"), "XDG_RUNTIME_DIR": str(tmp_path / "run"),
+               "XDG_CONFIG_HOME": str(tmp_path / "xdg"), "SPARKWATCH_FLOOR": "1GiB"}  # fmt: skip
+        (tmp_path / "run").mkdir(exist_ok=True)
+        argv = [sys.executable, "-m", "sparkwatch", "launch", "--settle-timeout", "0", "--no-scope", "--proc-root",
+                str(proc_root(tmp_path, 110)), "--", "vllm", "serve", str(model), "-tp", "2", "--nnodes", "2",
+                "--node-rank", "0", "--master-addr", "127.0.0.1", "--gpu-memory-utilization", "0.8"]  # fmt: skip
+        done = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=60)
+    assert done.returncode == 75, done.stderr
+    assert "does not fit on " in done.stderr and "(worker, memory as sparkwatch reports it)" in done.stderr
+    assert not marker.exists()
