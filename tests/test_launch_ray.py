@@ -23,21 +23,39 @@ from pathlib import Path
 import pytest
 
 from sparkwatch.core.kill.raygroup import RayJob, RayPlacementGroup, RayState
-from sparkwatch.core.launch.rayletenv import UNLIMITED, RayletFacts, check, fix_line, mine, roce_v2_gid_index, uses_ray
+from sparkwatch.core.launch.rayletenv import (
+    UNLIMITED,
+    RayletFacts,
+    check,
+    check_driver,
+    fix_line,
+    mine,
+    roce_v2_gid_index,
+    uses_ray,
+)
 from sparkwatch.core.launch.stalepg import stale_groups
 from sparkwatch.telemetry import peerdoc
-from sparkwatch.telemetry.sources.rayletfacts import gid_index, local_facts, on_path, read_memlock
+from sparkwatch.telemetry.sources.rayletfacts import gid_index, interface_of, local_facts, on_path, read_memlock
 from tests.conftest import Spawner, wait_until
 from tests.daemon import daemon_env, free_port, sparkwatch_run
 from tests.raycluster import Engine, RayCluster, pg_state, required_cluster, sigstop
 
-GOOD = {"MAX_JOBS": "4", "RAY_memory_monitor_refresh_ms": "0", "NCCL_IB_GID_INDEX": "3"}
+SPARK_FABRIC = "enP2p1s0f1np1"  # a Spark's ConnectX-7 port on the QSFP fabric between Sparks
+GOOD = {
+    "MAX_JOBS": "4",
+    "RAY_memory_monitor_refresh_ms": "0",
+    "NCCL_IB_GID_INDEX": "3",
+    "VLLM_HOST_IP": "192.168.100.11",
+    "GLOO_SOCKET_IFNAME": SPARK_FABRIC,
+    "NCCL_SOCKET_IFNAME": SPARK_FABRIC,
+}
 
 
 def facts(env: dict[str, str] | None, **kw: object) -> RayletFacts:
     base: dict[str, object] = {
         "pid": 4242, "node": "192.168.100.11", "head": False, "gcs_address": "192.168.100.10:6379", "environ": env,
         "memlock_bytes": UNLIMITED, "tools": {"ninja": True, "nvcc": True}, "roce_v2_gid_index": 3,
+        "fabric_ifname": SPARK_FABRIC,
     }  # fmt: skip
     base.update(kw)
     return RayletFacts(**base)  # type: ignore[arg-type]
@@ -68,6 +86,12 @@ def test_a_raylet_with_what_the_ranks_need_passes() -> None:
         ({"environ": {**GOOD, "NCCL_IB_GID_INDEX": "6"}}, "NCCL_IB_GID_INDEX"),  # sysfs says 3 now
         ({"tools": {"ninja": True, "nvcc": False}}, "PATH (nvcc)"),
         ({"memlock_bytes": 8 << 20}, "memlock"),  # DGX OS's default
+        ({"environ": {**GOOD, "VLLM_HOST_IP": ""}}, "VLLM_HOST_IP"),  # unset: the default route's address
+        ({"environ": {**GOOD, "VLLM_HOST_IP": "10.0.0.11"}}, "VLLM_HOST_IP"),  # the LAN's, not the fabric's
+        ({"environ": {k: v for k, v in GOOD.items() if k != "GLOO_SOCKET_IFNAME"}}, "GLOO_SOCKET_IFNAME"),
+        ({"environ": {**GOOD, "GLOO_SOCKET_IFNAME": "enP7s7"}}, "GLOO_SOCKET_IFNAME"),  # the LAN port
+        ({"environ": {**GOOD, "NCCL_SOCKET_IFNAME": "=enp1s0f1np1"}}, "NCCL_SOCKET_IFNAME"),  # exact, another port
+        ({"environ": {**GOOD, "NCCL_SOCKET_IFNAME": "^docker,enP2"}}, "NCCL_SOCKET_IFNAME"),  # excludes it
     ],
 )  # fmt: skip
 def test_each_lack_is_named_with_its_node_and_fixed_by_one_ray_start(changed: dict[str, object], variable: str) -> None:
@@ -85,6 +109,9 @@ def test_each_lack_is_named_with_its_node_and_fixed_by_one_ray_start(changed: di
         "NCCL_IB_GID_INDEX": "NCCL_IB_GID_INDEX=3 ",
         "PATH (nvcc)": "PATH=",
         "memlock": "ulimit -l unlimited && ",
+        "VLLM_HOST_IP": "VLLM_HOST_IP=192.168.100.11 ",
+        "GLOO_SOCKET_IFNAME": f"GLOO_SOCKET_IFNAME={SPARK_FABRIC} ",
+        "NCCL_SOCKET_IFNAME": f"NCCL_SOCKET_IFNAME={SPARK_FABRIC} ",
     }[variable]
     assert want in fix
 
@@ -92,7 +119,10 @@ def test_each_lack_is_named_with_its_node_and_fixed_by_one_ray_start(changed: di
 def test_the_head_is_fixed_with_ray_start_head_and_an_unreadable_environment_is_not_a_lack() -> None:
     head = facts({}, head=True, node="192.168.100.10")
     fix = fix_line(head, check(head, jobs=6), jobs=6)
-    assert fix.endswith("MAX_JOBS=6 RAY_memory_monitor_refresh_ms=0 ray start --head")
+    assert fix.endswith(
+        "MAX_JOBS=6 RAY_memory_monitor_refresh_ms=0 VLLM_HOST_IP=192.168.100.10 "
+        f"GLOO_SOCKET_IFNAME={SPARK_FABRIC} NCCL_SOCKET_IFNAME={SPARK_FABRIC} ray start --head"
+    )
     assert check(facts(None, tools={}), jobs=4) == ()  # another user's raylet: said, never guessed at
 
 
@@ -214,7 +244,16 @@ def test_node_b_s_raylet_is_refused_by_name_then_passes_once_started_right(clust
     assert raylet["node"] == cluster.ip_b and raylet["head"] is False and raylet["environment_read"]
     lacks = {p["variable"] for p in raylet["problems"]}
     assert {"MAX_JOBS", "RAY_memory_monitor_refresh_ms", "memlock"} <= lacks
+    assert {"VLLM_HOST_IP", "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"} <= lacks  # the fabric: B's veth here
     assert raylet["fix"].startswith(f"on {cluster.ip_b}: ray stop && ulimit -l unlimited && MAX_JOBS=")
+    fabric = raylet["fix"].split(f"VLLM_HOST_IP={cluster.ip_b} GLOO_SOCKET_IFNAME=", 1)[1].split()[0]
+    assert fabric.startswith("sw") and f"NCCL_SOCKET_IFNAME={fabric} " in raylet["fix"]  # the veth that holds ip_b
+    serve = json.loads(plan.stdout)["serve_command"]  # launch's own environment lacks them too
+    assert {p["variable"] for p in serve["problems"]} == {"VLLM_HOST_IP", "GLOO_SOCKET_IFNAME"}
+    assert (
+        serve["fix"]
+        == f"on {cluster.ip_b}: VLLM_HOST_IP={cluster.ip_b} GLOO_SOCKET_IFNAME={fabric} sparkwatch launch …"
+    )
     assert f"ray start --address={cluster.address}" in raylet["fix"]
     # without --plan: one line per lack, the fix, and nothing started (exit 78)
     refused = launch_in_b(cluster, tmp_path)
@@ -223,11 +262,13 @@ def test_node_b_s_raylet_is_refused_by_name_then_passes_once_started_right(clust
     assert f"sparkwatch: fix: on {cluster.ip_b}: ray stop" in refused.stderr
     print(refused.stderr)
     try:
-        cluster.restart_b({"MAX_JOBS": "1", "RAY_memory_monitor_refresh_ms": "0"})
-        again = launch_in_b(cluster, tmp_path, "--plan", "--json")
+        net = {"VLLM_HOST_IP": cluster.ip_b, "GLOO_SOCKET_IFNAME": fabric, "NCCL_SOCKET_IFNAME": fabric}
+        cluster.restart_b({"MAX_JOBS": "1", "RAY_memory_monitor_refresh_ms": "0", **net})
+        again = launch_in(cluster, cluster.ns_b, tmp_path, "--plan", "--json", env=net)
         (raylet,) = json.loads(again.stdout)["raylets"]
         lacks = {p["variable"] for p in raylet["problems"]}
-        assert not lacks & {"MAX_JOBS", "RAY_memory_monitor_refresh_ms"}, raylet
+        assert not lacks & {"MAX_JOBS", "RAY_memory_monitor_refresh_ms", *net}, raylet
+        assert json.loads(again.stdout)["serve_command"] == {"problems": [], "fix": None}
         # the rest as this box gives it (a container may not raise memlock: no CAP_SYS_RESOURCE here)
         assert ("memlock" in lacks) == (read_memlock(Path("/proc"), os.getpid()) != UNLIMITED)
         path = os.environ.get("PATH", "")
@@ -310,3 +351,26 @@ def test_without_b_s_agent_b_s_pool_comes_from_ray_s_view_and_says_so(cluster: R
     floor_and_margin = doc["memory"]["floor_bytes"] + doc["memory"]["margin_bytes"]  # this node's, standing in
     assert abs(worker["available_bytes"] + floor_and_margin - available) < 4 << 30, (worker, available)
     assert {"ray_worker"} <= {t["name"] for t in worker["terms"]}
+
+
+def test_nccl_and_gloo_name_the_fabric_interface_as_each_library_reads_its_variable() -> None:
+    for value in (SPARK_FABRIC, "enP2", f"={SPARK_FABRIC}", "^docker,lo", f"enp1s0f1np1,{SPARK_FABRIC}"):
+        assert check(facts({**GOOD, "NCCL_SOCKET_IFNAME": value}), jobs=4) == (), value  # NCCL: prefixes, = and ^
+    assert check(facts({**GOOD, "GLOO_SOCKET_IFNAME": f"enp1s0f1np1,{SPARK_FABRIC}"}), jobs=4) == ()
+    lacking = {k: v for k, v in GOOD.items() if k not in ("VLLM_HOST_IP", "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")}
+    found = check(facts(lacking), jobs=4)
+    assert {p.variable for p in found} == {"VLLM_HOST_IP", "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"}
+    fix = fix_line(facts(lacking), found, jobs=4)
+    assert (f"VLLM_HOST_IP=192.168.100.11 GLOO_SOCKET_IFNAME={SPARK_FABRIC} NCCL_SOCKET_IFNAME={SPARK_FABRIC} "
+            "ray start --address=192.168.100.10:6379") in fix  # fmt: skip
+    # a node known by its id only (no address): nothing to hold the fabric to
+    assert check(facts(lacking, node="3f2a9c41d0b7"), jobs=4) == ()
+    # the serve command: its engine core joins over Gloo from this node's address
+    serve = check_driver({"VLLM_HOST_IP": "192.168.100.11"}, facts(GOOD))
+    assert [(p.variable, p.where) for p in serve] == [("GLOO_SOCKET_IFNAME", "serve command")]
+    assert serve[0].line().startswith("serve command on 192.168.100.11: GLOO_SOCKET_IFNAME is not set, needs ")
+
+
+def test_the_interface_holding_an_address_is_read_from_this_network_namespace() -> None:
+    assert interface_of("127.0.0.1") == "lo"
+    assert interface_of("192.0.2.77") is None  # TEST-NET-1: held by no interface here

@@ -151,6 +151,7 @@ def handle(args: argparse.Namespace) -> int:
     ray = uses_ray(inputs.argv, inputs.env)
     peers = _peers(settings) if ray or ctx.span is not None else []  # one read of each agent serves every check
     raylets, stale, stale_note = _cluster(settings, plan.estimate.jobs, peers) if ray else ([], (), None)
+    serve, serve_fix = _serve_command(inputs.env, raylets)
     if stale and args.fix and not args.plan:
         from sparkwatch.cli.launch_ray import remove
 
@@ -158,7 +159,7 @@ def handle(args: argparse.Namespace) -> int:
         for line in lines:
             print(f"sparkwatch: fix: {line}", file=sys.stderr)
         plan, ctx = replan(settings, inputs, ctx)  # the removed group's ranks gave their memory back
-    cluster_fix = any(lacks for _where, _raylet, lacks, _fix in raylets) or bool(stale)
+    cluster_fix = any(lacks for _where, _raylet, lacks, _fix in raylets) or bool(stale) or bool(serve)
     nodes = _nodes(settings, plan, ctx, peers=peers, raylets=raylets, reads=inputs.engine_reads)
     if args.plan:
         fits = plan.fits and _nodes_fit(nodes)
@@ -170,10 +171,11 @@ def handle(args: argparse.Namespace) -> int:
             doc["nodes"] = nodes_json(nodes)
             doc["raylets"] = [_raylet_json(*r) for r in raylets]
             doc["stale_placement_groups"] = [_stale_json(g) for g in stale]
+            doc["serve_command"] = {"problems": [_problem_json(p) for p in serve], "fix": serve_fix}
             print(json.dumps(doc, indent=None, separators=(",", ":")))
         else:
             print(plan_text(plan, ctx))
-            for line in _node_lines(nodes) + _raylet_lines(raylets) + _stale_lines(stale, stale_note):
+            for line in _node_lines(nodes) + _raylet_lines(raylets, serve, serve_fix) + _stale_lines(stale, stale_note):
                 print(line)
         return 0 if fits and not cluster_fix else 1
     if not args.quiet:
@@ -188,7 +190,8 @@ def handle(args: argparse.Namespace) -> int:
         if not args.quiet:
             print(plan_text(plan, ctx, short=True), file=out)
     # what the cluster lacks is said whether or not the memory fits
-    for line in _node_lines(nodes, quiet=args.quiet) + _raylet_lines(raylets) + _stale_lines(stale, stale_note):
+    cluster = _raylet_lines(raylets, serve, serve_fix) + _stale_lines(stale, stale_note)
+    for line in _node_lines(nodes, quiet=args.quiet) + cluster:
         print(line, file=sys.stderr)
     if not plan.fits:
         from sparkwatch.core.launch.plan import fix_line
@@ -227,6 +230,14 @@ def _cluster(settings: Any, jobs: int, peers: list[Any]) -> tuple[list[Any], Any
     from sparkwatch.cli.launch_ray import problems, stale
 
     return problems(settings, max(1, jobs), peers), *stale(settings)
+
+
+def _serve_command(env: Any, raylets: list[Any]) -> tuple[Any, str | None]:
+    if not raylets:
+        return (), None
+    from sparkwatch.cli.launch_ray import serve_command
+
+    return serve_command(env, raylets)
 
 
 def _nodes(settings: Any, plan: Any, ctx: Any, *, peers: list[Any], raylets: list[Any], reads: str | None) -> Any:
@@ -280,7 +291,7 @@ def _stale_json(g: Any) -> dict[str, Any]:
             "driver_ip": g.driver_ip, "why": g.why}  # fmt: skip
 
 
-def _raylet_lines(raylets: list[Any]) -> list[str]:
+def _raylet_lines(raylets: list[Any], serve: Any = (), serve_fix: str | None = None) -> list[str]:
     out = []
     for _where, raylet, lacks, fix in raylets:
         if raylet.environ is None:
@@ -288,7 +299,14 @@ def _raylet_lines(raylets: list[Any]) -> list[str]:
         out += [f"sparkwatch: {p.line()}" for p in lacks]
         if fix is not None:
             out.append(f"sparkwatch: fix: {fix}")
+    out += [f"sparkwatch: {p.line()}" for p in serve]
+    if serve_fix is not None:
+        out.append(f"sparkwatch: fix: {serve_fix}")
     return out
+
+
+def _problem_json(p: Any) -> dict[str, Any]:
+    return {"variable": p.variable, "have": p.have, "want": p.want, "why": p.why}
 
 
 def _raylet_json(_where: str, raylet: Any, lacks: Any, fix: str | None) -> dict[str, Any]:
@@ -297,7 +315,7 @@ def _raylet_json(_where: str, raylet: Any, lacks: Any, fix: str | None) -> dict[
         "pid": raylet.pid,
         "head": raylet.head,
         "environment_read": raylet.environ is not None,
-        "problems": [{"variable": p.variable, "have": p.have, "want": p.want, "why": p.why} for p in lacks],
+        "problems": [_problem_json(p) for p in lacks],
         "fix": fix,
     }
 

@@ -14,12 +14,21 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from sparkwatch.common.sources.procs import ProcParseError, ProcScanner
-from sparkwatch.core.launch.rayletenv import Problem, RayletFacts, check, fix_line, mine
+from sparkwatch.core.launch.rayletenv import (
+    Problem,
+    RayletFacts,
+    check,
+    check_driver,
+    fabric_settings,
+    fix_line,
+    mine,
+)
 from sparkwatch.core.launch.stalepg import StaleGroup, stale_groups
 from sparkwatch.telemetry import peerdoc
 from sparkwatch.telemetry.sources.rayletfacts import local_facts
@@ -84,6 +93,19 @@ def problems(settings: Settings, jobs: int, peers: list[PeerReading]) -> list[Ra
         found = check(raylet, jobs)
         out.append((where, raylet, found, fix_line(raylet, found, jobs) if found else None))
     return out
+
+
+def serve_command(env: Mapping[str, str], raylets: list[RayletCheck]) -> tuple[tuple[Problem, ...], str | None]:
+    """What the serve command's environment (`env`, launch's own) lacks to join the ranks' collectives from this
+    node's address (core.launch.rayletenv.check_driver, against this node's raylet), and the line that fixes it."""
+    local = [r for where, r, _lacks, _fix in raylets if where == HERE]
+    if not local:
+        return (), None
+    lacks = check_driver(env, local[0])
+    if not lacks:
+        return (), None
+    settings = " ".join(fabric_settings(local[0], {p.variable for p in lacks}))
+    return lacks, f"on {local[0].node}: {settings} sparkwatch launch …"
 
 
 def stale(settings: Settings) -> tuple[tuple[StaleGroup, ...], str | None]:

@@ -11,10 +11,11 @@ document says what a node's agent knows that the other cannot see from its own /
 - its Ray ranks that Ray still lists ALIVE and whose process it saw end (node id, pid: telemetry.raywatch), which
   Ray learns of late when the node's raylet died first;
 - its raylets as `sparkwatch launch` on another node checks them (telemetry.sources.rayletfacts): the node's address,
-  the checked variables of each raylet's environment (MAX_JOBS, RAY_memory_monitor_refresh_ms, NCCL_IB_GID_INDEX:
-  never the rest of it), its memlock limit, ninja and nvcc on its PATH, the RoCEv2 GID index.
+  the checked variables of each raylet's environment (MAX_JOBS, RAY_memory_monitor_refresh_ms, NCCL_IB_GID_INDEX,
+  VLLM_HOST_IP, GLOO_SOCKET_IFNAME, NCCL_SOCKET_IFNAME: never the rest of it), its memlock limit, ninja and nvcc on
+  its PATH, the RoCEv2 GID index, the interface that holds the node's address.
 
-Never more: no command line, no path, of an environment only the three variables launch checks, nothing a kill
+Never more: no command line, no path, of an environment only the variables launch checks, nothing a kill
 summary does not already say on the node's own journal (summaries are redacted again here). A peer's document is a
 reason to write a better line, and for groups without Ray a reason to look at this node's own members of a group
 (telemetry.mpwatch): never a reason to signal a process the guard cannot tie to that group on its own.
@@ -93,10 +94,16 @@ class PeerRaylet:
     nvcc: bool | None
     roce_v2_gid_index: int | None
     uid: int = -1  # the user it runs as (the same owner's uid on every Spark, as groups without Ray assume)
+    # the fabric: the variables (absent from an older agent: then unknown, never a lack) and the node's interface
+    vllm_host_ip: str | None = None
+    gloo_socket_ifname: str | None = None
+    nccl_socket_ifname: str | None = None
+    fabric_ifname: str | None = None
 
 
 _WIRE_VARS = (("max_jobs", "MAX_JOBS"), ("memory_monitor_refresh_ms", "RAY_memory_monitor_refresh_ms"),
-              ("nccl_ib_gid_index", "NCCL_IB_GID_INDEX"))  # fmt: skip
+              ("nccl_ib_gid_index", "NCCL_IB_GID_INDEX"), ("vllm_host_ip", "VLLM_HOST_IP"),
+              ("gloo_socket_ifname", "GLOO_SOCKET_IFNAME"), ("nccl_socket_ifname", "NCCL_SOCKET_IFNAME"))  # fmt: skip
 
 
 def peer_raylet(f: RayletFacts) -> PeerRaylet:
@@ -107,6 +114,8 @@ def peer_raylet(f: RayletFacts) -> PeerRaylet:
         max_jobs=values["max_jobs"], memory_monitor_refresh_ms=values["memory_monitor_refresh_ms"],
         nccl_ib_gid_index=values["nccl_ib_gid_index"], memlock_bytes=f.memlock_bytes, ninja=f.tools.get("ninja"),
         nvcc=f.tools.get("nvcc"), roce_v2_gid_index=f.roce_v2_gid_index, uid=f.uid,
+        vllm_host_ip=values["vllm_host_ip"], gloo_socket_ifname=values["gloo_socket_ifname"],
+        nccl_socket_ifname=values["nccl_socket_ifname"], fabric_ifname=f.fabric_ifname,
     )  # fmt: skip
 
 
@@ -119,6 +128,7 @@ def raylet_facts(r: PeerRaylet) -> RayletFacts:
     return RayletFacts(
         pid=r.pid, node=clean(r.node), head=r.head, gcs_address=clean(r.gcs_address), environ=env,
         memlock_bytes=r.memlock_bytes, tools=tools, roce_v2_gid_index=r.roce_v2_gid_index, uid=r.uid,
+        fabric_ifname=None if r.fabric_ifname is None else clean(r.fabric_ifname),
     )  # fmt: skip
 
 

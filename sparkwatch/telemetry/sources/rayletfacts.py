@@ -1,13 +1,17 @@
 """What a raylet on this node gives the ranks it starts (issue 30; core.launch.rayletenv): the variables of its
 environment that are checked (/proc/PID/environ, nothing else of it kept), its locked-memory limit
 (/proc/PID/limits), ninja and nvcc on its PATH, and the RoCEv2 GID index sysfs shows now
-(<root>/sys/class/infiniband). Read by `sparkwatch launch` for this node's raylets, and by the agent for its peers
+(<root>/sys/class/infiniband), and the network interface that holds the node's address (the fabric the ranks' Gloo
+and NCCL sockets must use). Read by `sparkwatch launch` for this node's raylets, and by the agent for its peers
 (telemetry.peerdoc: a launch on another node holds this node's raylets to the same checks).
 """
 
 from __future__ import annotations
 
+import fcntl
 import os
+import socket
+import struct
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
@@ -39,7 +43,30 @@ def facts(raylet: LocalRaylet, proc_root: Path, root: Path) -> RayletFacts:
         tools={} if env is None else {t: on_path(env.get("PATH", ""), t) for t in TOOLS},
         roce_v2_gid_index=None if env is None else gid_index(root, env.get("NCCL_IB_HCA", "")),
         uid=raylet.uid,
+        fabric_ifname=interface_of(raylet.node_ip) if raylet.node_ip else None,
     )
+
+
+SIOCGIFADDR = 0x8915  # linux/sockios.h: an interface's IPv4 address
+
+
+def interface_of(address: str) -> str | None:
+    """The interface of this network namespace whose IPv4 address is `address` (its primary address, as SIOCGIFADDR
+    gives it); None when none holds it."""
+    try:
+        names = socket.if_nameindex()
+        sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
+    except OSError:
+        return None
+    with sock:
+        for _index, name in names:
+            try:
+                answer = fcntl.ioctl(sock.fileno(), SIOCGIFADDR, struct.pack("256s", name.encode()[:15]))
+            except OSError:  # no IPv4 address on it
+                continue
+            if socket.inet_ntoa(answer[20:24]) == address:
+                return name
+    return None
 
 
 def read_memlock(proc_root: Path, pid: int) -> int | None:
