@@ -166,3 +166,52 @@ def test_telemetry_starts_the_nvml_check_before_its_imports_and_reaps_it(tmp_pat
     assert heavy(early) == []
     assert not early & {"prometheus_client", "sparkwatch.telemetry.telemetryprocess", "sparkwatch.core.model"}
     assert got["reaped"]
+
+
+def test_a_config_validated_once_is_not_validated_again_until_it_changes(tmp_path: Path) -> None:
+    """The second read-only command with the same config loads no pydantic (config.validated) and reads the same
+    values; a change of the file, of a SPARKWATCH_* variable or of a flag validates again, and so does a config
+    with a secret, every time (a secret is never written down)."""
+    run = tmp_path / "run"
+    run.mkdir(mode=0o700)
+    config = tmp_path / "config.toml"
+    config.write_text('floor = "9GiB"\nrearm_headroom = "3GiB"\n')
+    env = {"XDG_RUNTIME_DIR": str(run)}
+
+    def events(*extra: str, more: dict[str, str] | None = None) -> bool:
+        modules, out = loaded(tmp_path, "events", "--config", str(config), *extra, env={**env, **(more or {})})
+        assert "Traceback" not in out and "config error" not in out, out
+        return "pydantic" in modules
+
+    assert events()  # validated, and kept
+    assert not events()  # the same inputs: kept values, no pydantic
+    cache = run / "sparkwatch" / "validated.json"
+    assert (cache.stat().st_mode & 0o777, run.joinpath("sparkwatch").stat().st_mode & 0o777) == (0o600, 0o700)
+    assert json.loads(cache.read_text())["wire"]["floor"] == 9 << 30
+    assert events(more={"SPARKWATCH_WARN_HEADROOM": "6GiB"})  # another variable
+    assert not events(more={"SPARKWATCH_WARN_HEADROOM": "6GiB"})
+    config.write_text('floor = "10GiB"\n')
+    assert events()  # the file changed
+    assert json.loads(cache.read_text())["wire"]["floor"] == 10 << 30
+    assert events("--state-dir", str(tmp_path / "s"))  # a flag
+    config.write_text('floor = "10GiB"\nwebhook_url = "https://hooks.example.com/T0/B0/s3cr3t"\n')
+    assert events() and events()  # a secret: validated every time
+    assert "s3cr3t" not in cache.read_text()
+
+
+def test_a_kept_validation_is_not_trusted_when_a_file_it_opened_changed(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    run.mkdir(mode=0o700)
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    cert.write_text("not checked for content here\n")
+    key.write_text("nor this\n")
+    config = tmp_path / "config.toml"
+    config.write_text(f'tls_cert_file = "{cert}"\ntls_key_file = "{key}"\nlisten = "127.0.0.1:9464"\n')
+    env = {"XDG_RUNTIME_DIR": str(run)}
+    first, out = loaded(tmp_path, "events", "--config", str(config), env=env)
+    if "pydantic" not in first or "Traceback" in out or "config error" in out:
+        pytest.skip(f"this box refuses the TLS files themselves: {out[-200:]}")
+    assert "pydantic" not in loaded(tmp_path, "events", "--config", str(config), env=env)[0]
+    key.unlink()
+    modules, out = loaded(tmp_path, "events", "--config", str(config), env=env)
+    assert "pydantic" in modules and "tls_key_file" in out, out  # validated again, and refused by name

@@ -149,14 +149,27 @@ def load_settings(
         # Nothing to validate: the schema's own defaults (its generated snapshot; no secrets among them). The daemon
         # and check-config (check_memory) always go through the schema.
         return cast("Settings", DefaultSettings())
+    digest = None
+    if not check_memory and not require_meminfo:  # a read-only command: the last validation may stand (validated)
+        from sparkwatch.config import validated  # noqa: PLC0415
+
+        digest = validated.key(path, os.environ, flags)
+        wire = validated.load(os.environ, digest) if digest is not None else None
+        if wire is not None:
+            try:
+                return wire_settings(wire)
+            except ConfigError:
+                pass  # another version's keys: validate again
     toml_data = _read_toml(path) if path is not None else {}
-    from sparkwatch.config.schema import validate  # noqa: PLC0415 - pydantic, only when there is something to check
+    from sparkwatch.config.schema import settings_to_wire, validate  # noqa: PLC0415 - pydantic, only to check
     from sparkwatch.core.redact import remember_secrets  # noqa: PLC0415
 
     settings = validate(toml_data, flags)
     if check_memory or require_meminfo:
         check_memory_bounds(settings, require_meminfo=require_meminfo)
     remember_secrets(settings.secrets())
+    if digest is not None and not settings.secrets():  # a secret is never written down here
+        validated.store(os.environ, digest, settings_to_wire(settings))
     return settings
 
 
