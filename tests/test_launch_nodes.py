@@ -12,6 +12,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -189,3 +190,40 @@ def test_the_launch_refuses_before_anything_starts_and_names_the_node(tmp_path: 
     assert done.returncode == 75, done.stderr
     assert "does not fit on " in done.stderr and "(worker, memory as sparkwatch reports it)" in done.stderr
     assert not marker.exists()
+
+
+def test_launch_waits_while_the_other_node_is_still_handing_memory_back(tmp_path: Path) -> None:
+    """Node B's pool is still coming back (its MemAvailable climbs a GiB every 0.4 s for 3 s, as after a teardown):
+    launch on A waits until B's agent has shown it steady for the quiet period, then starts the command."""
+    model = model_dir(tmp_path / "model", 1 * GB)
+    (tmp_path / "peer").mkdir()
+    root, peer_env = _peer(tmp_path, 60)
+    marker = tmp_path / "started"
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "vllm").write_text(f"#!/bin/sh\ndate +%s.%N > {marker}\n")
+    (bin_dir / "vllm").chmod(0o755)
+    with sparkwatch_run(tmp_path / "peer", env=peer_env) as b:
+        assert wait_until(lambda: _served(b.port), 30)
+        env = {**{k: v for k, v in os.environ.items() if not k.startswith("SPARKWATCH_")},
+               "PATH": f"{bin_dir}:{os.environ['PATH']}", "SPARKWATCH_PEERS": json.dumps([f"127.0.0.1:{b.port}"]),
+               "SPARKWATCH_STATE_DIR": str(tmp_path / "s"), "XDG_RUNTIME_DIR": str(tmp_path / "run"),
+               "XDG_CONFIG_HOME": str(tmp_path / "xdg"), "SPARKWATCH_FLOOR": "1GiB"}  # fmt: skip
+        (tmp_path / "run").mkdir(exist_ok=True)
+        argv = [sys.executable, "-m", "sparkwatch", "launch", "--settle-timeout", "30", "--no-scope", "--proc-root",
+                str(proc_root(tmp_path, 110)), "--", "vllm", "serve", str(model), "-tp", "2", "--nnodes", "2",
+                "--node-rank", "0", "--master-addr", "127.0.0.1", "--gpu-memory-utilization", "0.3"]  # fmt: skip
+        launch = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        last_rise = 0.0
+        for step in range(1, 9):  # B's teardown hands memory back
+            proc_root(tmp_path / "peer", 60 + step)
+            last_rise = time.time()
+            time.sleep(0.4)
+        _out, err = launch.communicate(timeout=60)
+    assert launch.returncode == 0, err
+    assert "sparkwatch: settling on " in err and "sparkwatch: the other nodes settled (waited " in err, err
+    started = float(marker.read_text())
+    # B's agent reads its pool once a second: the rise is seen up to a cycle late, then 5 s steady are waited for
+    assert started - last_rise >= 4.0, (started - last_rise, err)
+    print(f"started {started - last_rise:.1f} s after the last rise:\n{err}")
+    assert root == tmp_path / "peer" / "proc"

@@ -6,8 +6,9 @@
     sparkwatch launch --forget 'vllm|Qwen/Qwen3-8B|gpu_memory_utilization=0.8'   # or --forget-all
 
 1. Settle: wait (up to --settle-timeout) while an engine tree is exiting, memory is still coming back (MemAvailable
-   rising, Shmem falling) or orphaned engine workers hold the GPU (core.launch.settle). Steady engines are no reason to
-   wait: the plan counts them.
+   rising, Shmem falling) or orphaned engine workers hold the GPU (core.launch.settle), here and, for an engine that
+   spans nodes, on every other node as its agent says (cli.launch_settle.settle_nodes). Steady engines are no reason
+   to wait: the plan counts them.
 2. Plan (core.launch.plan): the footprint as named terms, held against MemAvailable - floor - margin, the engine's own
    start-up check (MemAvailable or MemFree), the free high-order blocks, and what running engines may still take.
    The measured peak of earlier runs with the same key (core.launch.peaks) replaces the estimate once two runs agree
@@ -138,9 +139,12 @@ def handle(args: argparse.Namespace) -> int:
     )
     out = sys.stderr if not args.plan else sys.stdout
     if not args.plan and args.settle_timeout > 0:
-        from sparkwatch.cli.launch_settle import settle
+        from sparkwatch.cli.launch_settle import settle, settle_nodes
 
+        until = time.monotonic() + args.settle_timeout
         settle(settings, args.settle_timeout, quiet=args.quiet)
+        if settings.peers and _spans(inputs):  # and every other node of the engine, as its agent says
+            settle_nodes(settings, max(until - time.monotonic(), 0.1), quiet=args.quiet)
     try:
         plan, ctx = gather(settings, inputs)
     except ValueError as exc:
@@ -216,6 +220,18 @@ def handle(args: argparse.Namespace) -> int:
         took = time.time() - started
         print(f"sparkwatch: {plan.estimate.kind} exited after {took:.0f} s: {launch.exit_text}", file=sys.stderr)
     return code
+
+
+def _spans(inputs: Any) -> bool:
+    """Whether the engine spans nodes (core.launch.nodeplan); a flag out of range is the plan's to report."""
+    from sparkwatch.core.engines.enginecli import recognise
+    from sparkwatch.core.launch.nodeplan import span_of
+    from sparkwatch.core.launch.rayletenv import uses_ray
+
+    try:
+        return span_of(recognise(inputs.argv), uses_ray(inputs.argv, inputs.env)) is not None
+    except ValueError:
+        return False
 
 
 def _peers(settings: Any) -> list[Any]:

@@ -14,30 +14,12 @@ import time
 from typing import TYPE_CHECKING
 
 from sparkwatch.cli.wait_settled import DEFAULT_INTERVAL_S, ProgressLine
-from sparkwatch.common.sources.enginetrees import EngineFinder
+from sparkwatch.common.sources.enginetrees import EngineFinder, still_letting_go
 from sparkwatch.common.sources.meminfo import MeminfoError, MeminfoReader
-from sparkwatch.common.sources.procs import holds_gpu_device
-from sparkwatch.core.launch.settle import SettleParams, SettleState, describe, is_orphan_worker, settle_step
-from sparkwatch.core.model import EngineTree, Proc
+from sparkwatch.core.launch.settle import SettleParams, SettleState, SettleVerdict, describe, settle_step
 
 if TYPE_CHECKING:
     from sparkwatch.config.settings import Settings
-
-
-def still_letting_go(procs: tuple[Proc, ...], trees: list[EngineTree], proc_root: str) -> int:
-    """Engine processes still handing memory back: exiting ones, and orphaned workers holding the GPU."""
-    by_pid = {p.pid: p for p in procs}
-    count = 0
-    for tree in trees:
-        for p in tree.members:
-            if p.exiting:
-                count += 1
-                continue
-            parent = by_pid.get(p.ppid)
-            orphan = p is tree.root and is_orphan_worker(p.display_name, p.ppid, parent.comm if parent else None)
-            if orphan and holds_gpu_device(proc_root, p.pid):
-                count += 1
-    return count
 
 
 def settle(settings: Settings, timeout_s: float, quiet: bool = False) -> bool:
@@ -78,3 +60,50 @@ def settle(settings: Settings, timeout_s: float, quiet: bool = False) -> bool:
             text = describe(verdict, params).replace("engine process", "exiting engine process")
             progress.update(f"sparkwatch: settling {now - start:.0f}s: {text}", (held, waited), now)
             time.sleep(max(min(DEFAULT_INTERVAL_S, deadline - now), 0.0))
+
+
+def settle_nodes(settings: Settings, timeout_s: float, quiet: bool = False) -> bool:
+    """For an engine that spans nodes: wait up to `timeout_s` while any other node's pool is still being handed back,
+    as its agent (`peers`) says: engine processes exiting or orphaned workers holding its GPU, MemAvailable rising,
+    Shmem falling (the same rule, core.launch.settle, over the agent's last cycle). True when every node that answers
+    has settled; a node whose agent does not answer is not waited for (the plan says its share is not checked)."""
+    from sparkwatch.telemetry.peerwatch import PeerWatch
+
+    watch = PeerWatch(settings, lambda event: None)
+    params = SettleParams()
+    progress = ProgressLine(sys.stderr, quiet=quiet)
+    start = time.monotonic()
+    deadline = start + timeout_s
+    states: dict[str, SettleState] = {}
+    waited = False
+    while True:
+        now = time.monotonic()
+        watch.poll_once()
+        pending: list[tuple[str, SettleVerdict]] = []
+        busy = False
+        for peer in watch.peers:
+            mem = peer.doc.memory if peer.doc is not None else None
+            if peer.doc is None or mem is None:
+                continue
+            state, verdict = settle_step(states.get(peer.label, SettleState()), params, now, mem.letting_go,
+                                         mem.available_bytes, shmem_bytes=mem.shmem_bytes)  # fmt: skip
+            states[peer.label] = state
+            busy = busy or bool(mem.letting_go) or verdict.recent_rise_bytes > params.tolerance_bytes
+            if not verdict.settled:
+                pending.append((peer.doc.node, verdict))
+        waited = waited or busy
+        if not waited:  # nothing handed back anywhere from the first looks on: go (the quiet window is for after)
+            if now - start >= min(1.0, timeout_s) or not pending:
+                return True
+        elif not pending:
+            progress.finish(f"sparkwatch: the other nodes settled (waited {now - start:.1f} s)")
+            return True
+        if now >= deadline:
+            node, verdict = pending[0]
+            progress.finish(f"sparkwatch: {node} still settling after {timeout_s:g} s: {describe(verdict, params)}")
+            return False
+        if waited:
+            node, verdict = pending[0]
+            text = describe(verdict, params).replace("engine process", "exiting engine process")
+            progress.update(f"sparkwatch: settling on {node} {now - start:.0f}s: {text}", (node, waited), now)
+        time.sleep(max(min(DEFAULT_INTERVAL_S, deadline - time.monotonic()), 0.0))

@@ -5,7 +5,7 @@ document says what a node's agent knows that the other cannot see from its own /
 - the node's name, and the Ray node ids its raylets serve (how a death in Ray's state is tied to a peer);
 - its MemAvailable and its engine trees (root pid, kind, RSS), as of telemetry's last cycle, and the pool as a launch
   on another node plans its share of an engine spanning both (core.launch.nodeplan): total, free, page cache, its
-  floor and CPU count;
+  floor and CPU count, and whether it is still being handed back (Shmem, engine processes exiting);
 - its guard's recent kills, as the guard remembered them at the signal: trigger, the reason, the pids signalled;
 - its members of engine groups without Ray (core.kill.mpgroup): the rendezvous, the node rank, the tree's root pid;
 - its Ray ranks that Ray still lists ALIVE and whose process it saw end (node id, pid: telemetry.raywatch), which
@@ -142,6 +142,9 @@ class PeerMemory:
     cached_bytes: int
     floor_bytes: int  # the node's own guard floor: its share is held above it
     cpus: int
+    # whether the pool is still being handed back (core.launch.settle: a launch waits for every node of its engine)
+    shmem_bytes: int = 0  # a torn-down engine's NCCL and IPC segments fall here
+    letting_go: int = 0  # engine processes exiting, and orphaned workers holding the GPU
 
 
 @dataclass(frozen=True, slots=True)
@@ -186,12 +189,12 @@ def build(
     raylets: Iterable[RayletFacts] = (),
     floor_bytes: int | None = None,
     cpus: int = 1,
+    letting_go: int = 0,
 ) -> bytes:
     memory = None
     if mem is not None and floor_bytes is not None:
-        memory = PeerMemory(
-            mem.total_bytes, mem.available_bytes, mem.free_bytes, mem.cached_bytes, floor_bytes, max(cpus, 1)
-        )
+        memory = PeerMemory(mem.total_bytes, mem.available_bytes, mem.free_bytes, mem.cached_bytes, floor_bytes,
+                            max(cpus, 1), mem.shmem_bytes, letting_go)  # fmt: skip
     doc = PeerDoc(
         version=VERSION,
         node=node,

@@ -42,6 +42,7 @@ from sparkwatch.common.messages import (
 from sparkwatch.common.recording import open_recording
 from sparkwatch.common.selfwatch import rss_bytes
 from sparkwatch.common.sharing import events_gid
+from sparkwatch.common.sources.enginetrees import still_letting_go
 from sparkwatch.config.settings import ConfigError, wire_settings
 from sparkwatch.core.launch.rayletenv import RayletFacts
 from sparkwatch.core.model import EngineTree, NvmlFacts, Snapshot
@@ -253,7 +254,14 @@ class TelemetryProcess:
             raylets=self._raylet_facts(),
             floor_bytes=self.settings.floor,
             cpus=os.cpu_count() or 1,
+            letting_go=0 if snap is None else self._letting_go(snap.engines),
         )
+
+    def _letting_go(self, trees: tuple[EngineTree, ...]) -> int:
+        """Engine processes still handing memory back, as of the last cycle (a launch on another node waits)."""
+        if not trees:
+            return 0
+        return still_letting_go(self.loop.telemetry.last_procs, trees, str(self.settings.proc_root))
 
     RAYLET_FACTS_S = 10.0  # a peer's launch reads them once; the document is asked for every peer_poll_s
 

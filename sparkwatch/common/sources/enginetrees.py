@@ -7,13 +7,14 @@ between scans; one-shot commands (`engines`) build one and call it once.
 from __future__ import annotations
 
 import os
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from pathlib import Path
 
 from sparkwatch.common.enginerules import EngineSettings, engine_rules, engine_scope
 from sparkwatch.common.launched import Declaration, LaunchedWatch
-from sparkwatch.common.sources.procs import ProcScanner
+from sparkwatch.common.sources.procs import ProcScanner, holds_gpu_device
 from sparkwatch.core.engines.identity import EngineRules, Scope, find_engine_trees
+from sparkwatch.core.launch.settle import is_orphan_worker
 from sparkwatch.core.model import EngineTree, Proc
 
 # Process states that hold nothing any more: a zombie has already closed its files (the GPU driver's included) and
@@ -62,3 +63,19 @@ class EngineFinder:
 def live_processes(trees: list[EngineTree]) -> list[Proc]:
     """The engine-tree processes still alive, roots first (zombies excluded: see GONE_STATES)."""
     return [p for t in trees for p in t.members if p.state not in GONE_STATES]
+
+
+def still_letting_go(procs: Sequence[Proc], trees: Sequence[EngineTree], proc_root: str) -> int:
+    """Engine processes still handing memory back: exiting ones, and orphaned workers holding the GPU."""
+    by_pid = {p.pid: p for p in procs}
+    count = 0
+    for tree in trees:
+        for p in tree.members:
+            if p.exiting:
+                count += 1
+                continue
+            parent = by_pid.get(p.ppid)
+            orphan = p is tree.root and is_orphan_worker(p.display_name, p.ppid, parent.comm if parent else None)
+            if orphan and holds_gpu_device(proc_root, p.pid):
+                count += 1
+    return count
