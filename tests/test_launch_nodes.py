@@ -227,3 +227,36 @@ def test_launch_waits_while_the_other_node_is_still_handing_memory_back(tmp_path
     assert started - last_rise >= 4.0, (started - last_rise, err)
     print(f"started {started - last_rise:.1f} s after the last rise:\n{err}")
     assert root == tmp_path / "peer" / "proc"
+
+
+def test_a_budget_per_role_each_node_s_launch_taking_its_own(tmp_path: Path) -> None:
+    """`--budget head=70GiB,worker=60GiB`: the head's launch declares 70 GiB, the launch on a worker node (its
+    `--node-rank 1 --headless` half of the same engine) 60 GiB, each to its own node's guard; each plans its own
+    role's share, and learns its peaks under its own role's key."""
+    model = model_dir(tmp_path / "model", 1 * GB)
+    shape = ("--", "vllm", "serve", str(model), "-tp", "2", "--nnodes", "2", "--master-addr", "10.0.0.1",
+             "--gpu-memory-utilization", "0.3")  # fmt: skip
+    budget = ("--budget", "head=70GiB,worker=60GiB")
+    head = json.loads(plan(tmp_path, "--json", *budget, *shape, "--node-rank", "0", available_gib=110).stdout)
+    worker = json.loads(
+        plan(tmp_path, "--json", *budget, *shape, "--node-rank", "1", "--headless", available_gib=110).stdout
+    )
+    assert (head["budget_bytes"], worker["budget_bytes"]) == (70 * GiB, 60 * GiB)
+    assert head["key"].endswith("|role=head") and worker["key"].endswith("|role=worker")
+    assert [n["role"] for n in head["nodes"]] == ["head", "worker"] and [n["role"] for n in worker["nodes"]] == [
+        "worker"
+    ]
+    head_terms = {t["name"] for t in head["terms"]}
+    worker_terms = {t["name"] for t in worker["terms"]}
+    assert "head_serving" in head_terms and "head_serving" not in worker_terms
+    assert head["needs_bytes"] - worker["needs_bytes"] == HEAD_SERVING_BYTES  # over --nnodes: no Ray processes
+
+
+@pytest.mark.parametrize(
+    ("text", "error"),
+    [("boss=1GiB", "ROLE one of head, worker"), ("head=1GiB,head=2GiB", "head: given twice"),
+     ("worker=0", "larger than 0"), ("head=lots", "lots")],
+)  # fmt: skip
+def test_a_role_budget_that_is_not_one_is_refused_by_name(tmp_path: Path, text: str, error: str) -> None:
+    done = plan(tmp_path, "--budget", text, "--", "vllm", "serve", "m", available_gib=110)
+    assert done.returncode == 2 and error in done.stderr, done.stderr

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import argparse
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import NoReturn
 
 from sparkwatch.core.bounded import shown
@@ -69,6 +69,27 @@ def size_or(*words: str) -> Callable[[str], int | str]:
         if value <= 0:
             raise argparse.ArgumentTypeError(f"{shown(text)}: expected a size larger than 0, or {' or '.join(words)}")
         return value
+
+    return parse
+
+
+def role_sizes(roles: Sequence[str], *words: str) -> Callable[[str], int | str | dict[str, int | str]]:
+    """As size_or, or one per role: `head=70GiB,worker=60GiB` (each role once, each value as size_or takes it)."""
+    one = size_or(*words)
+
+    def parse(text: str) -> int | str | dict[str, int | str]:
+        if "=" not in text:
+            return one(text)
+        out: dict[str, int | str] = {}
+        for item in text.split(","):
+            role, _eq, value = item.partition("=")
+            role = role.strip()
+            if role not in roles:
+                raise argparse.ArgumentTypeError(f"{shown(item)}: expected ROLE=SIZE, ROLE one of {', '.join(roles)}")
+            if role in out:
+                raise argparse.ArgumentTypeError(f"{role}: given twice")
+            out[role] = one(value.strip())
+        return out
 
     return parse
 

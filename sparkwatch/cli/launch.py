@@ -65,11 +65,14 @@ def add_parser(sub: Any, parent: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="with --plan: one JSON object")
     p.add_argument("--fix", action="store_true", help="apply the fixes that need no guessing (drop caches, compact)")
     p.add_argument("--force", action="store_true", help="start even when the plan does not fit")
+    from sparkwatch.core.launch.nodeplan import Role
+
     p.add_argument(
         "--budget",
-        type=argtypes.size_or("auto"),
-        metavar="SIZE|auto",
-        help="the tree's memory budget, enforced by the guard (auto: the plan's need plus 10 %%)",
+        type=argtypes.role_sizes(tuple(Role), "auto"),
+        metavar="SIZE|auto|head=SIZE,worker=SIZE",
+        help="the tree's memory budget, enforced by the guard (auto: the plan's need plus 10 %%); for an engine "
+        "that spans nodes, one per role: each node's launch takes its own role's",
     )
     p.add_argument(
         "--margin",
@@ -260,10 +263,10 @@ def _nodes(settings: Any, plan: Any, ctx: Any, *, peers: list[Any], raylets: lis
     """Each node's share of an engine that spans nodes (cli.launch_nodes); this node alone otherwise."""
     from sparkwatch.core.launch.nodeplan import NodePlan, Role, ViewSource
 
-    if ctx.span is None:
+    if ctx.span is None or ctx.role != Role.HEAD:  # a worker's launch plans its own share (its head plans the rest)
         import socket
 
-        return (NodePlan(socket.gethostname(), Role.HEAD, ViewSource.LOCAL, plan),)
+        return (NodePlan(socket.gethostname(), ctx.role, ViewSource.LOCAL, plan),)
     from sparkwatch.cli.launch_nodes import node_plans
     from sparkwatch.core.launch.plan import FreeSource
 

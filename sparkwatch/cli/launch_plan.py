@@ -25,7 +25,7 @@ from sparkwatch.common.sources.meminfo import MeminfoReader
 from sparkwatch.core.driver.freeblocks import BuddyinfoError, free_bytes_in_blocks
 from sparkwatch.core.engines.enginecli import EngineCommand, EngineKind, recognise
 from sparkwatch.core.launch import launchenv, peaks
-from sparkwatch.core.launch.nodeplan import Role, Span, rank_facts, role_terms, span_of
+from sparkwatch.core.launch.nodeplan import Role, Span, rank_facts, role_of, role_terms, span_of
 from sparkwatch.core.launch.plan import (
     DEFAULT_MARGIN_BYTES,
     FreeSource,
@@ -48,7 +48,7 @@ CONTIGUOUS_BLOCK_BYTES = 2 * MiB
 @dataclass(frozen=True)
 class PlanInputs:
     argv: tuple[str, ...]
-    budget: int | str | None = None  # bytes, "auto", or None
+    budget: int | str | Mapping[str, int | str] | None = None  # bytes, "auto", None, or each role's (head=, worker=)
     margin_bytes: int | None = None
     engine_reads: str | None = None
     env: Mapping[str, str] = field(default_factory=dict)
@@ -64,7 +64,8 @@ class PlanContext:
     declared: tuple[launched.Declaration, ...] = ()
     took_s: float = 0.0
     record: peaks.PeakRecord | None = None  # what earlier runs with this key measured, confirmed or not
-    span: Span | None = None  # the nodes the engine spans (core.launch.nodeplan): the plan is then the head's share
+    span: Span | None = None  # the nodes the engine spans (core.launch.nodeplan): the plan is then this node's share
+    role: Role = Role.HEAD  # this node's role in it (core.launch.nodeplan.role_of)
 
 
 def memory_view(settings: Settings, margin_bytes: int | None) -> MemoryView:
@@ -173,27 +174,30 @@ def gather(settings: Settings, inputs: PlanInputs) -> tuple[Plan, PlanContext]:
         facts = read_facts(cmd.model, env, cmd.flag("download_dir"), cmd.flag("revision"))
     version = engine_version(cmd.argv, "vllm") if cmd.kind == EngineKind.VLLM else None
     view = memory_view(settings, inputs.margin_bytes)
-    explicit = inputs.budget if isinstance(inputs.budget, int) else None
+    span = span_of(cmd, uses_ray(inputs.argv, env))
+    role = role_of(cmd) if span is not None else Role.HEAD
+    budget = inputs.budget.get(role) if isinstance(inputs.budget, Mapping) else inputs.budget  # this node's role's
+    explicit = budget if isinstance(budget, int) else None
     jobs = launchenv.user_jobs(env)
     reads = FreeSource(inputs.engine_reads) if inputs.engine_reads else None
     records = peakstore.load(settings.state_dir)
-    key = peaks.peak_key(cmd, explicit)
+    key_role = None if span is None else str(role)
+    key = peaks.peak_key(cmd, explicit, key_role)
     record = records.get(key)
 
     def learned_for(command: EngineCommand) -> Learned | None:
         """The measured peak for `command` (the command or a fix of it), once two runs agree (core.launch.peaks)."""
-        found = records.get(peaks.peak_key(command, explicit))
+        found = records.get(peaks.peak_key(command, explicit, key_role))
         confirmed = found.learned_bytes if found is not None else None
         if found is None or confirmed is None:
             return None
         return Learned(confirmed, found.estimate_bytes or 0, found.runs, found.ready_s)
 
     decls, reservations = running(settings, env, time.time())
-    span = span_of(cmd, uses_ray(inputs.argv, env))
     plan = plan_launch(
         cmd, facts if span is None else rank_facts(facts, span), view, reservations, learned_for=learned_for,
-        budget=inputs.budget, jobs=jobs, engine_version=version, engine_reads=reads,
-        extra=() if span is None else role_terms(Role.HEAD, span),
+        budget=budget, jobs=jobs, engine_version=version, engine_reads=reads,
+        extra=() if span is None else role_terms(role, span),
     )  # fmt: skip
     if plan.learned is not None and not plan.learned.estimate_bytes:
         plan = replace(plan, learned=replace(plan.learned, estimate_bytes=plan.estimate.needs_bytes))
@@ -207,6 +211,7 @@ def gather(settings: Settings, inputs: PlanInputs) -> tuple[Plan, PlanContext]:
         took_s=time.monotonic() - started,
         record=record,
         span=span,
+        role=role,
     )
     return plan, ctx
 
@@ -243,7 +248,7 @@ def plan_text(plan: Plan, ctx: PlanContext, short: bool = False) -> str:
     verdict = "fits" if plan.fits else f"does NOT fit (short by {format_size(plan.short_bytes)})"
     head = f"sparkwatch: plan for {est.kind}" + (f" {est.model}" if est.model else "")
     if ctx.span is not None:
-        head += f" ({ctx.span.how}: this node's share, as the head)"
+        head += f" ({ctx.span.how}: this node's share, as the {ctx.role})"
     basis = "measured peak" if plan.learned is not None else "estimate"
     summary = (
         f"{head}: {basis} {format_size(plan.needs_bytes)}, {format_size(max(plan.available_bytes, 0))} free above "

@@ -51,6 +51,8 @@ _VLLM_FLAGS: Mapping[str, str] = {
     "--pipeline-parallel-size": "pipeline_parallel_size",
     "-pp": "pipeline_parallel_size",
     "--nnodes": "nnodes",
+    "--node-rank": "node_rank",
+    "--headless": "headless",
     "--max-num-seqs": "max_num_seqs",
     "--max-num-batched-tokens": "max_num_batched_tokens",
     "--enforce-eager": "enforce_eager",
@@ -72,6 +74,7 @@ _SGLANG_FLAGS: Mapping[str, str] = {
     "--pp-size": "pipeline_parallel_size",
     "--pipeline-parallel-size": "pipeline_parallel_size",
     "--nnodes": "nnodes",
+    "--node-rank": "node_rank",
     "--dtype": "dtype",
     "--kv-cache-dtype": "kv_cache_dtype",
     "--quantization": "quantization",
@@ -100,7 +103,7 @@ _LLAMA_FLAGS: Mapping[str, str] = {
     "--n_gpu_layers": "n_gpu_layers",
 }
 # Flags that take no value (a following word is the next argument, not their value).
-_BOOLEAN = frozenset({"enforce_eager"})
+_BOOLEAN = frozenset({"enforce_eager", "headless"})
 # argparse accepts an unambiguous prefix of a long flag; shorter prefixes than this are not trusted (we know only the
 # memory flags, not every flag the engine has, so a short prefix might belong to one we do not know).
 _MIN_PREFIX = 8
@@ -267,6 +270,7 @@ _INT_RANGES: Mapping[str, tuple[int, int, str]] = {
     "tensor_parallel_size": (1, TP_MAX, "ranks"),
     "pipeline_parallel_size": (1, TP_MAX, "stages"),
     "nnodes": (1, TP_MAX, "nodes"),
+    "node_rank": (0, TP_MAX - 1, "node rank"),
     "kv_cache_memory_bytes": (0, SIZE_MAX_BYTES, "bytes"),
 }
 

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from enum import StrEnum
 
-from sparkwatch.core.engines.enginecli import EngineCommand, EngineKind, flag_int
+from sparkwatch.core.engines.enginecli import EngineCommand, EngineKind, flag_int, flag_set
 from sparkwatch.core.launch.plan import FreeSource, MemoryView, ModelFacts, Plan, Term, decide, estimate
 from sparkwatch.core.units import GiB, MiB, format_size
 
@@ -75,6 +75,14 @@ def span_of(cmd: EngineCommand, ray: bool, gpus_per_node: int = GPUS_PER_NODE) -
         shape = " ".join(f for f in (f"-tp {tp}" if tp > 1 else "", f"-pp {pp}" if pp > 1 else "") if f)
         return Span(math.ceil(ranks / gpus_per_node), tp, pp, ray=True, how=f"{shape} over Ray")
     return None
+
+
+def role_of(cmd: EngineCommand) -> Role:
+    """This node's role in an engine that spans nodes, by its own command line: a `--node-rank` above 0, or vLLM's
+    `--headless` (the nodes that run ranks only), is a worker; the rest is the head."""
+    if flag_set(cmd, "headless"):
+        return Role.WORKER
+    return Role.WORKER if (flag_int(cmd, "node_rank") or 0) > 0 else Role.HEAD
 
 
 def rank_facts(facts: ModelFacts, span: Span) -> ModelFacts:

@@ -22,6 +22,8 @@ KEY_FLAGS = (
     "kv_cache_memory_bytes",
     "max_model_len",
     "tensor_parallel_size",
+    "pipeline_parallel_size",
+    "nnodes",
     "max_num_seqs",
     "max_num_batched_tokens",
     "enforce_eager",
@@ -42,7 +44,7 @@ AGREE_RATIO = 0.25  # two runs agree when the larger is at most this share above
 MAX_KEYS = 256  # records kept; the least recently updated go first
 
 
-def peak_key(cmd: EngineCommand, budget_bytes: int | None = None) -> str:
+def peak_key(cmd: EngineCommand, budget_bytes: int | None = None, role: str | None = None) -> str:
     """`vllm|Qwen/Qwen3-8B|gpu_memory_utilization=0.8,max_model_len=8192`; `other` commands key on their argv.
 
     The key travels into declarations, `engine_started` events and the plan's output (so that `--forget KEY` can
@@ -50,7 +52,8 @@ def peak_key(cmd: EngineCommand, budget_bytes: int | None = None) -> str:
     if cmd.kind == "other":
         return f"other|{safe_cmdline(cmd.argv, 200)}|budget={budget_bytes}"
     flags = ",".join(f"{k}={cmd.flags[k]}" for k in KEY_FLAGS if k in cmd.flags)
-    return f"{cmd.kind}|{redact(cmd.model or '')}|{flags}"
+    # an engine that spans nodes: each node's peaks are its own file's, and its role's (the head holds more)
+    return f"{cmd.kind}|{redact(cmd.model or '')}|{flags}" + (f"|role={role}" if role else "")
 
 
 @dataclass(frozen=True, slots=True)
