@@ -22,7 +22,8 @@ from pathlib import Path
 
 import pytest
 
-from sparkwatch.core.kill.raygroup import RayJob, RayPlacementGroup, RayState
+from sparkwatch.core.kill.raygroup import RayActor, RayJob, RayNode, RayPlacementGroup, RayState
+from sparkwatch.core.launch.rankboot import rank_view
 from sparkwatch.core.launch.rayletenv import (
     UNLIMITED,
     RayletFacts,
@@ -300,6 +301,9 @@ def test_a_group_held_by_a_wedged_driver_is_refused_and_fix_removes_it_so_the_ne
         )  # fmt: skip
         said = second.launch_stderr.read_text()
         assert f"sparkwatch: fix: placement group {first.placement_group[:12]} removed" in said, said
+        # the boot across nodes: each rank's node and state, from Ray, on launch's own lines
+        ranks = f"sparkwatch: ranks: 2 of 2 alive ({cluster.ip_a} ALIVE, {cluster.ip_b} ALIVE)"
+        assert wait_until(lambda: ranks in second.launch_stderr.read_text(), 20), second.launch_stderr.read_text()
         assert pg_state(cluster, first.placement_group) == ["REMOVED"]
         assert pg_state(cluster, second.placement_group) == ["CREATED"]
     finally:
@@ -374,3 +378,14 @@ def test_nccl_and_gloo_name_the_fabric_interface_as_each_library_reads_its_varia
 def test_the_interface_holding_an_address_is_read_from_this_network_namespace() -> None:
     assert interface_of("127.0.0.1") == "lo"
     assert interface_of("192.0.2.77") is None  # TEST-NET-1: held by no interface here
+
+
+def test_the_ranks_of_the_launched_engine_are_told_by_node_and_state() -> None:
+    nodes = (RayNode("n" * 56, "10.0.0.1", True), RayNode("m" * 56, "10.0.0.2", True))
+    job = RayJob("01000000", 4242, "10.0.0.1", True)
+    ranks = (RayActor("a1", "RayWorkerWrapper", "ALIVE", "01000000", "n" * 56, 5001, "pg1"),
+             RayActor("a2", "RayWorkerWrapper", "PENDING_CREATION", "01000000", "m" * 56, None, "pg1"))  # fmt: skip
+    state = RayState(nodes, (job,), ranks, (RayPlacementGroup("pg1", "01000000", "CREATED", ("n" * 56, "m" * 56)),))
+    view = rank_view(state, {4100, 4242})  # the API server, its engine core (the driver)
+    assert view is not None and view.line() == "ranks: 1 of 2 alive (10.0.0.1 ALIVE, 10.0.0.2 PENDING_CREATION)"
+    assert rank_view(state, {4100}) is None  # another engine's group

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 from sparkwatch.cli.anchorsearch import any_anchor
 from sparkwatch.cli.launch_plan import PlanContext
+from sparkwatch.cli.launch_ranks import RankWatch
 from sparkwatch.cli.launch_supervisor import Supervisor
 from sparkwatch.common import guardfile, launched, peakstore, syscalls
 from sparkwatch.common.launched import Declaration
@@ -146,6 +147,8 @@ class Launch:
             host = f"[{endpoint.host}]" if ":" in endpoint.host else endpoint.host
             self.probe_url = f"http://{host}:{endpoint.port}"
         self.first_token: FirstToken | None = None
+        self.ranks: RankWatch | None = None  # an engine over Ray: its ranks' states while it boots
+        self._ranks_said: str | None = None
 
     # --- output
     def note(self, text: str) -> None:
@@ -278,6 +281,17 @@ class Launch:
                 key = api_key_of(self.cmd, self.env, self.endpoint.server)
             self.first_token = FirstToken(self.proc_root, pid, self.endpoint, key)
             self.first_token.start()
+        if self.ray:
+            self.ranks = RankWatch(str(self.settings.ray_dashboard_url), self.proc_root, pid)
+            self.ranks.start()
+
+    def _ranks_word(self) -> None:
+        """Where the engine's ranks stand in Ray, said when it changed (core.launch.rankboot)."""
+        view = self.ranks.latest if self.ranks is not None else None
+        line = None if view is None else view.line()
+        if line is not None and line != self._ranks_said:
+            self._ranks_said = line
+            self.note(line)
 
     def _first_token_word(self) -> None:
         """The first good one-token completion: declared (the guard's engine_ready comes with it) and said once.
@@ -307,6 +321,7 @@ class Launch:
         every = min(SAMPLE_EVERY_S, self._guard_poll_s())
         self._guard_word()
         self._first_token_word()
+        self._ranks_word()
         if self._scoped and self._cgroup is None:
             self._cgroup = self._scope_cgroup(pid)
         fp = self._sample(pid, self._cgroup)
@@ -325,6 +340,8 @@ class Launch:
     def exited(self, status: int | None) -> None:
         if self.first_token is not None:
             self.first_token.stop()
+        if self.ranks is not None:
+            self.ranks.stop()
         self._declare_exit(status, self.peak)  # at once: the guard's engine_exited carries the exit code
 
     def _guard_poll_s(self) -> float:
