@@ -29,14 +29,17 @@ from typing import Any
 
 import pytest
 
+from sparkwatch.common.enginerules import engine_rules, engine_scope
 from sparkwatch.common.eventlog import EventLog, read_events
-from sparkwatch.common.messages import GroupTeardownMsg, decode, encode
-from sparkwatch.common.sources.procs import read_start_ticks
+from sparkwatch.common.messages import GroupTeardownMsg, PeerBudgetMsg, decode, encode
+from sparkwatch.common.sources.procs import ProcScanner, read_start_ticks
 from sparkwatch.config.schema import guard_config
 from sparkwatch.config.settings import load_settings
 from sparkwatch.core.kill import mpgroup, raygroup
+from sparkwatch.core.kill.budget import BudgetParams
 from sparkwatch.core.kill.killrecord import GroupLoss, KillFacts, kill_reason, kill_summary
 from sparkwatch.core.model import MemInfo, Proc
+from sparkwatch.guard.budgets import BudgetWatch
 from sparkwatch.guard.groupwatch import GroupWatch
 from sparkwatch.guard.poolwatch import PoolWatch
 from sparkwatch.guard.process import GuardProcess
@@ -45,7 +48,7 @@ from sparkwatch.telemetry.mpwatch import ORPHAN_GRACE_S
 from sparkwatch.telemetry.peerwatch import PEER_LOST_AFTER, PEER_TIMEOUT_S
 from sparkwatch.telemetry.raywatch import RayWatch
 from sparkwatch.telemetry.sources.raystate import RayStateError, RayStateSource
-from tests.conftest import alive, wait_until
+from tests.conftest import Spawner, alive, pids_in, wait_until
 from tests.daemon import RunningDaemon, daemon_env, free_port, sparkwatch_run, wait_for_event
 from tests.raycluster import (
     Engine,
@@ -187,6 +190,42 @@ def test_a_budget_kill_on_b_is_named_in_node_a_teardown_by_b_s_own_agent(cluster
             said = [line for line in engine.launch_stderr.read_text().splitlines() if "the guard killed" in line]
             assert len(said) == 1 and "trigger group_teardown" in said[0] and word in said[0], said
             print(f"launch on node A: {said[0]}")
+        finally:
+            engine.close()
+
+
+def test_a_worker_budget_given_on_the_head_is_held_by_b_s_guard(cluster: RayCluster, tmp_path: Path) -> None:
+    """`sparkwatch launch --budget worker=64MiB` on node A, no budget configured on B: A's agent tells B's (its peer
+    document's `budgets`, by placement group), B's telemetry names B's rank of that group to B's guard
+    (PeerBudgetMsg), and B's guard kills it when it goes over (trigger `budget`), as a budget of its own."""
+    listen_a, listen_b = f"{cluster.ip_a}:{free_port()}", f"{cluster.ip_b}:{free_port()}"
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    raylet_b = _ns_child(cluster, cluster.ns_b, "raylet")
+    env_b = {"SPARKWATCH_LISTEN": listen_b, "SPARKWATCH_ANCESTOR_PID": str(raylet_b),
+             "SPARKWATCH_PEERS": json.dumps([listen_a]), "SPARKWATCH_PEER_POLL_S": "0.5",
+             "SPARKWATCH_RAY_DASHBOARD_URL": cluster.dashboard_b}  # fmt: skip
+    env_a = {"SPARKWATCH_LISTEN": listen_a, "SPARKWATCH_PEERS": json.dumps([listen_b])}
+    with (
+        sparkwatch_run(tmp_path / "b", prefix=cluster.in_ns(cluster.ns_b, []), env=env_b) as daemon_b,
+        sparkwatch_run(tmp_path / "a", prefix=cluster.in_ns(cluster.ns_a, []), env=env_a) as daemon_a,
+    ):
+        assert wait_until(lambda: bool(_peer_doc(cluster, listen_b).get("ray_node_ids")), 20, 0.5)
+        assert wait_until(lambda: bool(_peer_doc(cluster, listen_a).get("ray_node_ids")), 20, 0.5)
+        launch_env = {**daemon_env(tmp_path / "a", daemon_a.port), "SPARKWATCH_LISTEN": listen_a}
+        engine = Engine(cluster, tmp_path, "a", remote_rank_mib=512, launch_env=launch_env,
+                        launch_args=("--force", "--budget", "worker=64MiB"),
+                        args=("--distributed-executor-backend", "ray"))  # fmt: skip
+        try:
+            assert wait_until(lambda: bool(_peer_doc(cluster, listen_a).get("budgets")), 20, 0.5)
+            (told,) = _peer_doc(cluster, listen_a)["budgets"]
+            assert (told["group"], told["budget_bytes"]) == (engine.placement_group, 64 << 20)
+            kill = wait_for_event(daemon_b.events_path, "kill", timeout_s=30)
+            assert (kill["trigger"], kill["budget_source"], kill["budget_bytes"]) == ("budget", "peer", 64 << 20)
+            victims = kill["victims"]
+            assert isinstance(victims, list) and [v["pid"] for v in victims] == [engine.pid["rank_b"]]
+            started = [line for line in engine.launch_stderr.read_text().splitlines() if "started vllm" in line]
+            assert started and "its ranks on the other nodes 64.0 MiB each" in started[0], started
         finally:
             engine.close()
 
@@ -787,7 +826,7 @@ def test_no_raylet_here_no_request(tmp_path: Path) -> None:
             "ray_dashboard_url": "http://127.0.0.1:9",
         },
     )
-    sent: list[GroupTeardownMsg] = []
+    sent: list[GroupTeardownMsg | PeerBudgetMsg] = []
     watch = RayWatch(settings, sent.append)
     assert watch.poll_once() == [] and sent == []
     assert watch.source.polls_total == 0 and not any(watch.source.errors.values())
@@ -1136,3 +1175,26 @@ def test_guard_kills_an_mp_member_only_when_its_own_proc_ties_it_to_the_group(
             if p.poll() is None:
                 p.kill()
             p.wait(5)
+
+
+def test_the_guard_holds_a_rank_to_a_peer_budget_only_for_that_very_process_and_its_user(
+    spawner: Spawner, tmp_path: Path
+) -> None:
+    """guard.budgets with telemetry's PeerBudgetMsg set: the engine tree whose root is that (pid, start ticks) and
+    uid is held to the budget, source `peer`; the same key with another uid, or a key that is not this process's
+    start, is not."""
+    pidfile = tmp_path / "rank.pids"
+    spawner.engine("--title", "ray::RayWorkerWrapper", pidfile=pidfile, wait_for=1)
+    (pid, (ticks, _role)), *_ = pids_in(pidfile).items()
+    settings = load_settings(None, {"state_dir": str(tmp_path / "state")})
+    rules, scope = engine_rules(settings), engine_scope(settings)
+
+    def tracked(peer: dict[tuple[int, int], tuple[int, int]]) -> dict[tuple[int, int], str]:
+        watch = BudgetWatch("/proc", ProcScanner(Path("/proc")), kill=lambda t, fp: None, event=lambda *e: None)
+        watch.tick(time.monotonic(), 1 << 40, rules=rules, scope=scope, params=BudgetParams(), config_budgets=(),
+                   launched=(), gpu=None, peer_budgets=peer)  # fmt: skip
+        return {k: t.source for k, t in watch.tracked.items()}
+
+    assert tracked({(pid, ticks): (os.geteuid(), 64 << 20)}) == {(pid, ticks): "peer"}
+    assert tracked({(pid, ticks): (os.geteuid() + 1, 64 << 20)}) == {}  # another user's word for our process
+    assert tracked({(pid, ticks + 1): (os.geteuid(), 64 << 20)}) == {}  # a reused pid: another process

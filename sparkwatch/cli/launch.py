@@ -167,7 +167,8 @@ def handle(args: argparse.Namespace) -> int:
             print(f"sparkwatch: fix: {line}", file=sys.stderr)
         plan, ctx = replan(settings, inputs, ctx)  # the removed group's ranks gave their memory back
     cluster_fix = any(lacks for _where, _raylet, lacks, _fix in raylets) or bool(stale) or bool(serve)
-    nodes = _nodes(settings, plan, ctx, peers=peers, raylets=raylets, reads=inputs.engine_reads)
+    worker_budget = args.budget.get("worker") if isinstance(args.budget, dict) else None
+    nodes = _nodes(settings, plan, ctx, peers=peers, raylets=raylets, reads=inputs.engine_reads, worker=worker_budget)
     if args.plan:
         fits = plan.fits and _nodes_fit(nodes)
         if args.json:
@@ -193,7 +194,9 @@ def handle(args: argparse.Namespace) -> int:
         for line in apply_fixes(plan, settings.proc_root):
             print(f"sparkwatch: fix: {line}", file=out)
         plan, ctx = replan(settings, inputs, ctx)
-        nodes = _nodes(settings, plan, ctx, peers=peers, raylets=raylets, reads=inputs.engine_reads)
+        nodes = _nodes(
+            settings, plan, ctx, peers=peers, raylets=raylets, reads=inputs.engine_reads, worker=worker_budget
+        )
         if not args.quiet:
             print(plan_text(plan, ctx, short=True), file=out)
     # what the cluster lacks is said whether or not the memory fits
@@ -216,8 +219,9 @@ def handle(args: argparse.Namespace) -> int:
 
     started = time.time()
     launch = Launch(
-        settings, plan, ctx, cmd, quiet=args.quiet, use_scope=not args.no_scope, probe=args.probe, ray=bool(raylets)
-    )
+        settings, plan, ctx, cmd, quiet=args.quiet, use_scope=not args.no_scope, probe=args.probe, ray=bool(raylets),
+        worker_budget_bytes=_ray_worker_budget(ctx, nodes),
+    )  # fmt: skip
     code = launch.run()
     if not args.quiet:
         took = time.time() - started
@@ -259,7 +263,9 @@ def _serve_command(env: Any, raylets: list[Any]) -> tuple[Any, str | None]:
     return serve_command(env, raylets)
 
 
-def _nodes(settings: Any, plan: Any, ctx: Any, *, peers: list[Any], raylets: list[Any], reads: str | None) -> Any:
+def _nodes(
+    settings: Any, plan: Any, ctx: Any, *, peers: list[Any], raylets: list[Any], reads: str | None, worker: Any = None
+) -> Any:
     """Each node's share of an engine that spans nodes (cli.launch_nodes); this node alone otherwise."""
     from sparkwatch.core.launch.nodeplan import NodePlan, Role, ViewSource
 
@@ -270,9 +276,18 @@ def _nodes(settings: Any, plan: Any, ctx: Any, *, peers: list[Any], raylets: lis
     from sparkwatch.cli.launch_nodes import node_plans
     from sparkwatch.core.launch.plan import FreeSource
 
-    return node_plans(
-        settings, plan, ctx, peers=peers, raylets=raylets, engine_reads=FreeSource(reads) if reads else None
-    )
+    return node_plans(settings, plan, ctx, peers=peers, raylets=raylets,
+                      engine_reads=FreeSource(reads) if reads else None, worker_budget=worker)  # fmt: skip
+
+
+def _ray_worker_budget(ctx: Any, nodes: Any) -> int | None:
+    """The budget of the engine's ranks that Ray starts on the other nodes (`--budget worker=…` on the head): put in
+    its declaration, told to the other nodes' agents (telemetry.peerdoc), held there by their guards. Over `--nnodes`
+    each node's own launch declares its own."""
+    if ctx.span is None or not ctx.span.ray or str(ctx.role) != "head":
+        return None
+    sizes = [n.plan.budget_bytes for n in nodes[1:] if n.plan is not None and n.plan.budget_bytes]
+    return max(sizes) if sizes else None
 
 
 def _nodes_fit(nodes: Any) -> bool:

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import socket
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from sparkwatch.cli.launch_ray import HERE
 from sparkwatch.core.launch.nodeplan import NodeInput, NodePlan, Role, ViewSource, plan_nodes
-from sparkwatch.core.launch.plan import FreeSource, MemoryView, Plan
+from sparkwatch.core.launch.plan import FreeSource, MemoryView, Plan, auto_budget
 
 if TYPE_CHECKING:
     from sparkwatch.cli.launch_plan import PlanContext
@@ -30,6 +31,7 @@ def node_plans(
     peers: Sequence[PeerReading],
     raylets: Sequence[RayletCheck],
     engine_reads: FreeSource | None = None,
+    worker_budget: int | str | None = None,
 ) -> tuple[NodePlan, ...]:
     """The head (this node, launch's own plan) and span.nodes - 1 worker nodes: the peers whose agents answered,
     in the order `peers` lists them, then the nodes only Ray's dashboard knows, then those nothing answered for."""
@@ -55,7 +57,16 @@ def node_plans(
     head = NodePlan(here, Role.HEAD, ViewSource.LOCAL, plan, _lines(raylets, HERE))
     rest = plan_nodes(ctx.cmd, ctx.facts, span, workers[:wanted], jobs=plan.estimate.jobs,
                       engine_version=ctx.engine_version, engine_reads=engine_reads)  # fmt: skip
+    if worker_budget is not None:  # each worker node's members are held to it there (`auto`: its own need + 10 %)
+        rest = tuple(_with_budget(n, worker_budget) for n in rest)
     return (head, *rest)
+
+
+def _with_budget(node: NodePlan, budget: int | str) -> NodePlan:
+    if node.plan is None:
+        return node
+    size = budget if isinstance(budget, int) else auto_budget(node.plan.needs_bytes, node.plan.view.margin_bytes)
+    return replace(node, plan=replace(node.plan, budget_bytes=size))
 
 
 def _lines(raylets: Sequence[RayletCheck], node: str) -> tuple[str, ...]:
@@ -99,6 +110,7 @@ def nodes_json(nodes: Sequence[NodePlan]) -> list[dict[str, Any]]:
             "fits": n.fits,
             "needs_bytes": None if n.plan is None else n.plan.needs_bytes,
             "available_bytes": None if n.plan is None else n.plan.available_bytes,
+            "budget_bytes": None if n.plan is None else n.plan.budget_bytes,
             "terms": []
             if n.plan is None
             else [{"name": t.name, "bytes": t.bytes, "note": t.note} for t in n.plan.terms],

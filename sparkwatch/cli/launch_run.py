@@ -111,11 +111,13 @@ class Launch:
         env: dict[str, str] | None = None,
         probe: str | None = None,
         ray: bool = False,
+        worker_budget_bytes: int | None = None,
     ) -> None:
         """`ray`: the engine runs its ranks on the raylets of a running Ray (checked by launch first): the
         environment launch sets reaches the driver only, and the line says so."""
         self.settings = settings
         self.ray = ray
+        self.worker_budget_bytes = worker_budget_bytes  # its Ray ranks' on the other nodes (cli.launch)
         self.plan = plan
         self.ctx = ctx
         self.cmd = cmd
@@ -268,11 +270,18 @@ class Launch:
             estimate_bytes=est.needs_bytes,
             cgroup=cgroup,
             probe_url=self.probe_url,
+            worker_budget_bytes=self.worker_budget_bytes,
         ).entered(BootPhase.STARTING, started_wall)
         self._write_decl()
         self.note(
             f"started {est.kind} as pid {pid}"
             + (f", budget {format_size(self.plan.budget_bytes)}" if self.plan.budget_bytes else "")
+            + (
+                f", its ranks on the other nodes {format_size(self.worker_budget_bytes)} each (their guards, told by "
+                "their agents)"
+                if self.worker_budget_bytes
+                else ""
+            )
         )
         self._declared_to_guard()
         if self.endpoint is not None:

@@ -91,6 +91,9 @@ class Declaration:
     cgroup: str | None = None  # the scope's cgroup path when launch ran it in a systemd scope
     probe_url: str = ""  # `launch --probe URL`: where the serving probe asks instead of the command line's port
     first_token_s: float | None = None  # launch to the first good one-token completion (engine_ready comes with it)
+    # `--budget worker=SIZE` for an engine over Ray: the budget of its ranks on the other nodes, which Ray starts there
+    # (this node's agent tells theirs: telemetry.peerdoc `budgets`; their guards enforce it)
+    worker_budget_bytes: int | None = None
     version: int = VERSION
 
     @property

@@ -28,6 +28,9 @@ telemetry → guard
   least that long while its process lives, named by (pid, start ticks). The guard checks it again itself (alive with
   that start time, an engine tree by its own rules, may be touched, its own `kill_wedged_after_s` met) before the one
   kill path kills it, trigger `wedged` (guard.wedgewatch).
+- `PeerBudgetMsg` (telemetry/raywatch.py): this node's Ray ranks of an engine whose launch on another node gave them
+  a budget (`--budget worker=SIZE`, told by that node's agent), as (pid, start ticks, uid, budget, group). The guard
+  holds an engine tree whose root is that very process to it (guard.budgets, budget source `peer`).
 - `GpuSampleMsg` (telemetry/gpufast.py, up to FAST_PERIOD_S apart): NVML's per-process bytes of the pids the guard
   asked to be watched closely (the members of an engine tree at GPU_FAST_RATIO of its budget or more, named in the
   state's budgets, `BudgetStat.gpu_watch`), sent when they changed. The guard overlays them on the last `tel`
@@ -69,6 +72,7 @@ class Kind(StrEnum):
     GROUP_TEARDOWN = "group_teardown"
     GPU_SAMPLE = "gpu_sample"
     WEDGED = "wedged"
+    PEER_BUDGET = "peer_budget"
 
 
 class BadMessage(ValueError):
@@ -145,6 +149,21 @@ class GroupTeardownMsg:
 
 
 @dataclass(frozen=True, slots=True)
+class PeerBudgetMsg:
+    """This node's Ray ranks of engines launched on another node with `--budget worker=SIZE`, as that node's agent
+    declared them (telemetry.raywatch): the whole set each time, resent every PEER_BUDGET_RESEND_S; the guard drops a
+    set older than PEER_BUDGET_TTL_S. The guard checks each tree itself (an engine tree whose root is that pid, start
+    time and uid) before it holds it to the budget."""
+
+    KIND: ClassVar[Kind] = Kind.PEER_BUDGET
+    budgets: tuple[tuple[int, int, int, int, str], ...] = ()  # (pid, start ticks, uid, budget bytes, group)
+
+
+PEER_BUDGET_RESEND_S = 10.0
+PEER_BUDGET_TTL_S = 30.0
+
+
+@dataclass(frozen=True, slots=True)
 class GpuSampleMsg:
     KIND: ClassVar[Kind] = Kind.GPU_SAMPLE
     ts: float  # wall clock of the NVML reading
@@ -163,10 +182,32 @@ class WedgedMsg:
     error: str = ""  # the last failure, in words (never the key)
 
 
-Message = SettingsMsg | StateMsg | EventMsg | AppliedMsg | AckMsg | TelMsg | GpuSampleMsg | GroupTeardownMsg | WedgedMsg
+Message = (
+    SettingsMsg
+    | StateMsg
+    | EventMsg
+    | AppliedMsg
+    | AckMsg
+    | TelMsg
+    | GpuSampleMsg
+    | GroupTeardownMsg
+    | WedgedMsg
+    | PeerBudgetMsg
+)
 _BY_KIND: dict[str, type[Any]] = {
     cls.KIND: cls
-    for cls in (SettingsMsg, StateMsg, EventMsg, AppliedMsg, AckMsg, TelMsg, GpuSampleMsg, GroupTeardownMsg, WedgedMsg)
+    for cls in (
+        SettingsMsg,
+        StateMsg,
+        EventMsg,
+        AppliedMsg,
+        AckMsg,
+        TelMsg,
+        GpuSampleMsg,
+        GroupTeardownMsg,
+        WedgedMsg,
+        PeerBudgetMsg,
+    )
 }
 
 
@@ -212,6 +253,8 @@ def _check_sizes(msg: Message) -> None:
         sizes = [len(msg.ids)]
     elif isinstance(msg, GroupTeardownMsg):
         sizes = [len(msg.members)]
+    elif isinstance(msg, PeerBudgetMsg):
+        sizes = [len(msg.budgets)]
     elif isinstance(msg, StateMsg):
         sizes = [len(msg.counters), *(len(c) for c in msg.counters.values())]
     if any(n > MAX_ITEMS for n in sizes):

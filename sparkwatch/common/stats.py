@@ -29,7 +29,7 @@ class BudgetStat:
     footprint_bytes: int | None
     footprint_source: str | None
     peak_bytes: int
-    budget_source: str  # "launch" | "config"
+    budget_source: str  # "launch" | "config" | "peer" (another node's launch: guard.budgets)
     # (pid, start_ticks) of the tree's members while its footprint is at core.kill.budget.GPU_FAST_RATIO of its budget
     # or more: telemetry samples their GPU bytes at FAST_PERIOD_S (telemetry/gpufast.py). Empty: the cycle's reading
     # does.

@@ -372,6 +372,7 @@ class BootState:
     peak_bytes: int | None = None
     probe_url: str = ""  # `launch --probe URL`: where the serving probe asks
     first_token_s: float | None = None  # launch to the first good probe
+    worker_budget_bytes: int | None = None  # over Ray: its ranks' budget on the other nodes (common.launched)
 
 
 @dataclass(frozen=True, slots=True)

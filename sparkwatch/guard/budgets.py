@@ -1,8 +1,11 @@
 """Per-engine budgets, enforced in the guard process on the pool watch's own tick (no thread, no timer of its own).
 
 Which trees have a budget: a launched engine's declaration (`sparkwatch launch --budget`, trusted through
-guard.launchwatch), or the config's `engine_budgets` ('SIZE=regex', matched like kill_priority: core.kill.policy owns
-the syntax). Only those trees are looked at, and only as often as their distance to the budget asks (core.kill.budget):
+guard.launchwatch); this node's Ray ranks of an engine launched on another node with `--budget worker=SIZE`, as
+telemetry names them by pid, start time and uid (common.messages.PeerBudgetMsg: the tree whose root is that very
+process, its own user's); or the config's `engine_budgets` ('SIZE=regex', matched like kill_priority:
+core.kill.policy owns the syntax). Only those trees are looked at, and only as often as their distance to the budget
+asks (core.kill.budget):
 - discovery: a /proc scan (the guard's own scanner, its argv cache warm) finds the budgeted trees and their members,
   every DISCOVER_EVERY_S, every NEAR_DISCOVER_EVERY_S while a tree is within WARN_RATIO of its budget, and at once
   when a member died, a budgeted declaration appeared, or telemetry's count of engine trees changed (a hint from
@@ -25,7 +28,7 @@ from __future__ import annotations
 import logging
 import os
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from sparkwatch.common import logs
@@ -54,7 +57,7 @@ class Tracked:
     key: TreeKey
     tree: EngineTree
     budget_bytes: int
-    source: str  # "launch" | "config"
+    source: str  # "launch" | "config" | "peer"
     decl: Declaration | None = None
     state: core.BudgetState = field(default_factory=core.BudgetState)
     next_t: float = 0.0
@@ -129,8 +132,13 @@ class BudgetWatch:
         self.scans_total = 0
         self.samples_total = 0
 
-    def active(self, config_budgets: Sequence[tuple[int, re.Pattern[str]]], launched: Sequence[Declaration]) -> bool:
-        return bool(config_budgets) or any(d.budget_bytes for d in launched) or bool(self.tracked)
+    def active(
+        self,
+        config_budgets: Sequence[tuple[int, re.Pattern[str]]],
+        launched: Sequence[Declaration],
+        peer_budgets: Mapping[TreeKey, tuple[int, int]] | None = None,
+    ) -> bool:
+        return bool(config_budgets) or any(d.budget_bytes for d in launched) or bool(peer_budgets) or bool(self.tracked)
 
     def stats(self) -> list[BudgetStat]:
         out = []
@@ -168,17 +176,20 @@ class BudgetWatch:
         launched: Sequence[Declaration],
         gpu: GpuBytes | None,
         engines_hint: int | None = None,
+        peer_budgets: Mapping[TreeKey, tuple[int, int]] | None = None,
     ) -> float | None:
         """One look at whatever budgeted tree is due. Returns the seconds until the next is due (None: no budgets).
-        `engines_hint`: telemetry's count of engine trees, whose change means a tree may have appeared."""
-        if not self.active(config_budgets, launched):
+        `engines_hint`: telemetry's count of engine trees, whose change means a tree may have appeared.
+        `peer_budgets`: {(pid, start ticks): (uid, bytes)} of this node's Ray ranks, from another node's launch."""
+        peer = peer_budgets or {}
+        if not self.active(config_budgets, launched, peer):
             return None
-        budgeted = frozenset(d.tree_key for d in launched if d.budget_bytes)
+        budgeted = frozenset(d.tree_key for d in launched if d.budget_bytes) | frozenset(peer)
         if budgeted - self._seen_declared or (engines_hint is not None and engines_hint != self._seen_engines):
             self._next_discovery = now
         self._seen_declared, self._seen_engines = budgeted, engines_hint
         if now >= self._next_discovery:
-            self._discover(now, rules, scope, config_budgets, launched)
+            self._discover(now, rules, scope, config_budgets, launched, peer=peer)
         booting = [d for d in launched if d.booting]
         for t in list(self.tracked.values()):
             if t.killed or (now < t.next_t and not _gpu_moved(t, gpu, now)):
@@ -213,6 +224,8 @@ class BudgetWatch:
         scope: Scope,
         config_budgets: Sequence[tuple[int, re.Pattern[str]]],
         launched: Sequence[Declaration],
+        *,
+        peer: Mapping[TreeKey, tuple[int, int]],
     ) -> None:
         self._next_discovery = now + DISCOVER_EVERY_S
         by_key = {d.tree_key: d for d in launched}
@@ -227,6 +240,9 @@ class BudgetWatch:
             if decl is not None and decl.uid != tree.root.uid:
                 decl = None  # a declaration speaks only for its own uid's process: never another user's budget
             budget, source = (decl.budget_bytes, "launch") if decl is not None and decl.budget_bytes else (None, "")
+            told = peer.get(key)
+            if budget is None and told is not None and told[0] == tree.root.uid:  # that very process, its own user's
+                budget, source = told[1], "peer"
             if budget is None:
                 budget, source = first_match(tree, config_budgets), "config"
             if budget is None:

@@ -22,7 +22,7 @@ import os
 import select
 import threading
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -68,6 +68,10 @@ def _no_hint() -> int | None:
     return None
 
 
+def _no_peer_budgets() -> Mapping[tuple[int, int], tuple[int, int]]:
+    return {}
+
+
 @dataclass(frozen=True)
 class GuardLinks:
     """What the pool watch is given by the process around it (guard.process), all at construction. Each is called on
@@ -84,6 +88,8 @@ class GuardLinks:
     # The set of launched engines the guard took changed, or it killed one: guard.json is republished.
     on_taken: Callable[[], None] | None = None
     recorder: FlightRecorder | None = None  # offered each tick's reading; its own thread writes
+    # Budgets another node's launch gave this node's Ray ranks ({(pid, start ticks): (uid, bytes)}: guard.budgets)
+    peer_budgets: Callable[[], Mapping[tuple[int, int], tuple[int, int]]] = _no_peer_budgets
 
 
 log = logs.get("guard")
@@ -349,6 +355,7 @@ class PoolWatch:
         try:  # the declarations are read on their own thread (guard.launchwatch): here only its last result
             self._note_taken()
             live = self.launched.live()
+            peer = self.links.peer_budgets()
             wake = self.budgets.tick(
                 now,
                 mem.available_bytes,
@@ -357,8 +364,9 @@ class PoolWatch:
                 params=snap.budget_params,
                 config_budgets=snap.engine_budgets,
                 launched=live,
-                gpu=self._gpu() if self.budgets.active(snap.engine_budgets, live) else None,
+                gpu=self._gpu() if self.budgets.active(snap.engine_budgets, live, peer) else None,
                 engines_hint=self.links.engines_hint(),
+                peer_budgets=peer,
             )
         except Exception as exc:  # never let a budget stop the floor loop
             self.budget_errors_total += 1

@@ -205,6 +205,7 @@ class GuardProcess:
                 engines_hint=lambda: self.supervisor.engines,  # a new engine tree: budgets look at once
                 on_taken=self.request_publish,  # the launched engines it guards changed: guard.json says so
                 recorder=self.recorder,
+                peer_budgets=self.supervisor.peer_budgets,  # this node's Ray ranks' budgets from another's launch
             ),
         )
         self._groupwatch: GroupWatch | None = None  # built at the first group's teardown (_group_teardown)

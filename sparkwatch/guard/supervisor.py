@@ -32,12 +32,14 @@ from sparkwatch.common.eventlog import EventLog, EventLogError, make_event
 from sparkwatch.common.guardconfig import GuardConfig
 from sparkwatch.common.lifecycle import Backoff, run_with_restarts
 from sparkwatch.common.messages import (
+    PEER_BUDGET_TTL_S,
     AckMsg,
     AppliedMsg,
     EventMsg,
     GpuSampleMsg,
     GroupTeardownMsg,
     Message,
+    PeerBudgetMsg,
     SettingsMsg,
     StateMsg,
     TelMsg,
@@ -132,6 +134,8 @@ class TelemetrySupervisor:
         self.engines: int | None = None
         self.compile_jobs: int | None = None
         self.engine_roots: tuple[tuple[str, int], ...] | None = None  # telemetry's engine trees (kind, root pid)
+        # The last PeerBudgetMsg's budgets, {(pid, start ticks): (uid, bytes)}, and when it came (monotonic)
+        self._peer_budgets: tuple[float, dict[tuple[int, int], tuple[int, int]]] = (0.0, {})
         self.restarts_total = 0
         self.stalls_total = 0
         self.floods_total = 0
@@ -396,6 +400,9 @@ class TelemetrySupervisor:
                 self.on_wedged(msg)
         elif isinstance(msg, GpuSampleMsg):
             self.gpu.update_fast(msg)
+        elif isinstance(msg, PeerBudgetMsg):
+            budgets = {(pid, ticks): (uid, size) for pid, ticks, uid, size, _group in msg.budgets if size > 0}
+            self._peer_budgets = (time.monotonic(), budgets)
         elif isinstance(msg, AckMsg):
             for event_id in msg.ids:
                 self._unacked.pop(event_id, None)
@@ -411,6 +418,12 @@ class TelemetrySupervisor:
                 for error in msg.errors:
                     log.error("reload: telemetry: %s", error)
         # a guard → telemetry kind coming back is a confused peer: ignored
+
+    def peer_budgets(self) -> Mapping[tuple[int, int], tuple[int, int]]:
+        """The budgets another node's launch gave this node's Ray ranks, as telemetry last sent them (a reference
+        read); nothing once PEER_BUDGET_TTL_S passed without a word (telemetry down, or the group gone)."""
+        at, budgets = self._peer_budgets
+        return budgets if time.monotonic() - at <= PEER_BUDGET_TTL_S else {}
 
     def _record_restart(self, reason: str, backoff_s: float) -> None:
         event = make_event(

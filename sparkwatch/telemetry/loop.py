@@ -277,6 +277,7 @@ class Telemetry:
                 peak_bytes=d.peak_bytes,
                 probe_url=d.probe_url,
                 first_token_s=d.first_token_s,
+                worker_budget_bytes=d.worker_budget_bytes,
             )
             out.append(boot)
             declared.append((boot, d.start_ticks, d.uid, d.launcher_pid))

@@ -10,6 +10,8 @@ document says what a node's agent knows that the other cannot see from its own /
 - its members of engine groups without Ray (core.kill.mpgroup): the rendezvous, the node rank, the tree's root pid;
 - its Ray ranks that Ray still lists ALIVE and whose process it saw end (node id, pid: telemetry.raywatch), which
   Ray learns of late when the node's raylet died first;
+- the worker budgets its launches gave engines over Ray (`--budget worker=SIZE`): the placement group, the size, the
+  launching user;
 - its raylets as `sparkwatch launch` on another node checks them (telemetry.sources.rayletfacts): the node's address,
   the checked variables of each raylet's environment (MAX_JOBS, RAY_memory_monitor_refresh_ms, NCCL_IB_GID_INDEX,
   VLLM_HOST_IP, GLOO_SOCKET_IFNAME, NCCL_SOCKET_IFNAME: never the rest of it), its memlock limit, ninja and nvcc on
@@ -148,6 +150,27 @@ class PeerMemory:
 
 
 @dataclass(frozen=True, slots=True)
+class PeerBudget:
+    """An engine over Ray that this node's `sparkwatch launch` started with `--budget worker=SIZE`: the budget of its
+    ranks on the other nodes, which Ray starts there (their guards hold them to it: telemetry.raywatch)."""
+
+    group: str  # its placement group's id
+    budget_bytes: int
+    uid: int  # the launching user's
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerBudget:
+    """A peer's word as the group watch takes it: a PeerBudget with the Ray nodes that peer serves (the group's
+    driver must run on one of them)."""
+
+    group: str
+    budget_bytes: int
+    uid: int
+    node_ids: frozenset[str]
+
+
+@dataclass(frozen=True, slots=True)
 class PeerDoc:
     version: int
     node: str
@@ -160,6 +183,7 @@ class PeerDoc:
     ray_gone: tuple[PeerRank, ...] = ()  # absent from an agent older than it: nothing ended that it knows of
     raylets: tuple[PeerRaylet, ...] = ()
     memory: PeerMemory | None = None  # absent from an older agent, and before the first cycle
+    budgets: tuple[PeerBudget, ...] = ()
 
 
 def kills_from_guard(recent: Iterable[RecentKill]) -> tuple[PeerKill, ...]:
@@ -190,6 +214,7 @@ def build(
     floor_bytes: int | None = None,
     cpus: int = 1,
     letting_go: int = 0,
+    budgets: Iterable[PeerBudget] = (),
 ) -> bytes:
     memory = None
     if mem is not None and floor_bytes is not None:
@@ -206,6 +231,7 @@ def build(
         ray_gone=tuple(PeerRank(node_id, pid) for node_id, pid in ray_gone),
         raylets=tuple(peer_raylet(r) for r in raylets),
         memory=memory,
+        budgets=tuple(budgets),
     )
     return json.dumps(to_json(doc), separators=(",", ":")).encode()
 

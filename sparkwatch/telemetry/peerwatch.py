@@ -181,6 +181,21 @@ class PeerWatch:
                 return peerdoc.ray_gone(peer.doc, node_id)
         return frozenset()
 
+    def worker_budgets(self) -> list[peerdoc.WorkerBudget]:
+        """The worker budgets each peer's last document says its launches gave (telemetry.peerdoc `budgets`), each
+        with the Ray nodes that peer serves: a budget binds only a group whose driver runs there."""
+        out = []
+        for peer in self.peers:
+            doc = peer.doc
+            if doc is not None and doc.ray_node_ids:
+                nodes = frozenset(doc.ray_node_ids)
+                out += [
+                    peerdoc.WorkerBudget(b.group, b.budget_bytes, b.uid, nodes)
+                    for b in doc.budgets
+                    if b.budget_bytes > 0
+                ]
+        return out
+
     def _candidates(self, node_id: str) -> Iterator[Peer]:
         """The peers that may be the agent of the node `node_id`: those whose last document names it, or names no
         node yet (not read yet, or its raylet not found yet); never another node's agent."""

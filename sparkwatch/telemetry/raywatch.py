@@ -33,17 +33,18 @@ from __future__ import annotations
 import subprocess
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 from sparkwatch.common import logs
-from sparkwatch.common.messages import TEARDOWN_RESEND_S, GroupTeardownMsg
+from sparkwatch.common.messages import PEER_BUDGET_RESEND_S, TEARDOWN_RESEND_S, GroupTeardownMsg, PeerBudgetMsg
 from sparkwatch.common.sources.procs import ProcParseError, ProcScanner, read_running_start_ticks, same_netns
 from sparkwatch.common.threads import daemon_thread
 from sparkwatch.core.kill import raygroup
 from sparkwatch.core.model import Proc
+from sparkwatch.telemetry import peerdoc
 from sparkwatch.telemetry.sources.raystate import (
     LocalRaylet,
     RayStateError,
@@ -94,6 +95,10 @@ class PeerWords(Protocol):
         """The pids of that node's ranks that its own agent saw end while Ray still lists them ALIVE."""
         ...
 
+    def worker_budgets(self) -> Sequence[peerdoc.WorkerBudget]:
+        """The budgets the peers' launches gave their engines' ranks on other nodes (`--budget worker=SIZE`)."""
+        ...
+
 
 class NoPeers:
     """No peers configured: nobody to ask."""
@@ -107,6 +112,9 @@ class NoPeers:
     def ray_gone(self, node_id: str) -> frozenset[int]:
         return frozenset()
 
+    def worker_budgets(self) -> Sequence[peerdoc.WorkerBudget]:
+        return ()
+
 
 class RayWatch:
     LIVE_KEYS = frozenset({"group_teardown", "ray_poll_s"})
@@ -114,7 +122,7 @@ class RayWatch:
     def __init__(
         self,
         settings: Settings,
-        send: Callable[[GroupTeardownMsg], None],
+        send: Callable[[GroupTeardownMsg | PeerBudgetMsg], None],
         procs: Callable[[], Iterable[Proc]] = lambda: (),
         peers: PeerWords | None = None,
     ) -> None:
@@ -140,6 +148,8 @@ class RayWatch:
         self.node_ids: frozenset[str] = frozenset()
         self.groups: tuple[raygroup.RayGroup, ...] = ()  # the last poll's groups (for `engines` and metrics later)
         self.teardowns_sent_total = 0
+        self._budgets_sent: tuple[tuple[int, int, int, int, str], ...] = ()  # the last PeerBudgetMsg's budgets
+        self._budgets_sent_at = 0.0
         self.proc_errors_total = 0
         self._sent_at: dict[str, float] = {}
         self._words: dict[str, str | None] = {}  # group -> the peer's word on its first death, asked once
@@ -246,6 +256,7 @@ class RayWatch:
         if state is None:
             return []
         self._keep_ranks(state, now)
+        self._send_budgets(state, now)
         gone = self._peers_gone(state)
         if (
             state is self._decided
@@ -292,6 +303,28 @@ class RayWatch:
         self._torn_at = {g: t for g, t in self._torn_at.items() if g in live or g in self._removing}
         self._remove_tried &= live | set(self._removing)
         return sent
+
+    def _send_budgets(self, state: raygroup.RayState, now: float) -> None:
+        """This node's ranks of each group a peer's launch gave a worker budget (the peer that serves the group's
+        driver node, for its own user's ranks), to the guard: when they changed, else every PEER_BUDGET_RESEND_S
+        while any (the guard forgets them after PEER_BUDGET_TTL_S)."""
+        told = {b.group: b for b in self.peers.worker_budgets()}
+        budgets: list[tuple[int, int, int, int, str]] = []
+        if told:
+            for group in raygroup.groups(state):
+                word = told.get(group.group)
+                if word is None or group.driver_node_id not in word.node_ids:
+                    continue
+                procs = self._local_procs((group,))
+                for m in raygroup.local_members(group, self.node_ids, procs):
+                    proc = procs.get(m.pid)
+                    if m.role == raygroup.RANK and proc is not None and proc.uid == word.uid:
+                        budgets.append((m.pid, m.start_ticks, proc.uid, word.budget_bytes, group.group))
+        current = tuple(sorted(budgets))
+        if current == self._budgets_sent and (not current or now - self._budgets_sent_at < PEER_BUDGET_RESEND_S):
+            return
+        self._budgets_sent, self._budgets_sent_at = current, now
+        self.send(PeerBudgetMsg(current))
 
     def _keep_ranks(self, state: raygroup.RayState, now: float) -> None:
         """This node's ranks as Ray lists them now, each with its start time read once when first listed."""

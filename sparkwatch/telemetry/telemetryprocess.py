@@ -255,7 +255,27 @@ class TelemetryProcess:
             floor_bytes=self.settings.floor,
             cpus=os.cpu_count() or 1,
             letting_go=0 if snap is None else self._letting_go(snap.engines),
+            budgets=() if snap is None else self._worker_budgets(snap),
         )
+
+    def _worker_budgets(self, snap: Snapshot) -> list[peerdoc.PeerBudget]:
+        """The worker budgets of the engines launched here over Ray (`--budget worker=SIZE`, in their declarations):
+        each by the placement group whose driver runs in the launched tree, on this node."""
+        boots = [b for b in snap.boots if b.worker_budget_bytes]
+        if not boots:
+            return []
+        trees = {t.root.pid: t for t in snap.engines}
+        out = []
+        for boot in boots:
+            tree = trees.get(boot.root_pid)
+            if tree is None or boot.worker_budget_bytes is None:
+                continue
+            pids = {p.pid for p in tree.members}
+            for group in self.raywatch.groups:
+                driver = group.job.driver_pid if group.job is not None else None
+                if driver in pids and group.driver_node_id in self.raywatch.node_ids:
+                    out.append(peerdoc.PeerBudget(group.group, boot.worker_budget_bytes, tree.root.uid))
+        return out
 
     def _letting_go(self, trees: tuple[EngineTree, ...]) -> int:
         """Engine processes still handing memory back, as of the last cycle (a launch on another node waits)."""

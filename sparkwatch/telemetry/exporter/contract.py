@@ -471,7 +471,7 @@ METRICS: tuple[MetricSpec, ...] = (
         "gauge",
         "engine pid name source",
         "budget",
-        "the tree's memory budget (source=launch|config)",
+        "the tree's memory budget (source=launch|peer|config)",
         help="A budgeted engine tree's memory budget",
     ),
     _m(
