@@ -215,3 +215,17 @@ def test_a_kept_validation_is_not_trusted_when_a_file_it_opened_changed(tmp_path
     key.unlink()
     modules, out = loaded(tmp_path, "events", "--config", str(config), env=env)
     assert "pydantic" in modules and "tls_key_file" in out, out  # validated again, and refused by name
+
+
+def test_a_kept_validation_follows_the_defaults_that_follow_the_environment(tmp_path: Path) -> None:
+    """The state dir's default follows XDG_STATE_HOME: another one is another key, never the kept state dir."""
+    run = tmp_path / "run"
+    run.mkdir(mode=0o700)
+    config = tmp_path / "config.toml"
+    config.write_text('floor = "9GiB"\n')
+    for home in ("one", "two"):
+        env = {"XDG_RUNTIME_DIR": str(run), "XDG_STATE_HOME": str(tmp_path / home)}
+        modules, out = loaded(tmp_path, "events", "--config", str(config), env=env)
+        assert "pydantic" in modules, (home, out)  # validated: another state dir than the kept one
+        kept = json.loads((run / "sparkwatch" / "validated.json").read_text())["wire"]["state_dir"]
+        assert kept == str(tmp_path / home / "sparkwatch")

@@ -8,7 +8,7 @@ bench/RESULTS-startup.md);
 (bench/RESULTS-launch-nodes.md). The validated values are kept as the wire carries them (schema.settings_to_wire)
 in `$XDG_RUNTIME_DIR/sparkwatch/validated.json`, private to the user, under a key of everything validation read:
 this sparkwatch's version and schema files, the config file's path and bytes, every SPARKWATCH_* variable, the
-flags; and the files the settings name that validation opened (the TLS files) must be as they were. Any change
+flags, the defaults that follow the environment (the state dir under XDG_STATE_HOME, the cache dirs); and the files the settings name that validation opened (the TLS files) must be as they were. Any change
 misses, and the schema validates again. A hit is rebuilt without pydantic (config.defaults.
 WireSettings, as the telemetry process runs).
 
@@ -54,6 +54,10 @@ def key(config: Path | None, env: Mapping[str, str], flags: Mapping[str, Any]) -
         return None
     parts.append(sorted((k, v) for k, v in env.items() if k.upper().startswith("SPARKWATCH_")))
     parts.append(sorted((k, str(v)) for k, v in flags.items()))
+    # the defaults that follow the environment (XDG_STATE_HOME, HOME, FLASHINFER_WORKSPACE_BASE, VLLM_CACHE_ROOT)
+    from sparkwatch.config.defaults import FACTORIES  # noqa: PLC0415
+
+    parts.append(sorted((name, str(factory())) for name, factory in FACTORIES.items()))
     return hashlib.sha256(json.dumps(parts).encode()).hexdigest()
 
 
