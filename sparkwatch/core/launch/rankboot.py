@@ -20,7 +20,7 @@ from sparkwatch.core.kill.raygroup import RayState, groups
 @dataclass(frozen=True, slots=True)
 class RankView:
     group: str  # the placement group's id
-    ranks: tuple[tuple[str, str], ...]  # (node address, actor state) of each rank, in Ray's order
+    ranks: tuple[tuple[str, str], ...]  # (node address, actor state) of each rank, by address (Ray's order varies)
 
     @property
     def alive(self) -> int:
@@ -37,5 +37,7 @@ def rank_view(state: RayState, tree_pids: Collection[int]) -> RankView | None:
     for group in groups(state):
         if group.job is None or group.job.driver_pid not in tree_pids:
             continue
-        return RankView(group.group, tuple((ips.get(a.node_id) or a.node_id[:12], a.state) for a in group.ranks))
+        return RankView(
+            group.group, tuple(sorted((ips.get(a.node_id) or a.node_id[:12], a.state) for a in group.ranks))
+        )
     return None
