@@ -295,7 +295,10 @@ class Launch:
             self.ranks.start()
 
     def _ranks_word(self) -> None:
-        """Where the engine's ranks stand in Ray, said when it changed (core.launch.rankboot)."""
+        """Where the engine's ranks stand in Ray, said when it changed (core.launch.rankboot); no more reads of Ray
+        once the engine is ready (the group watch, in telemetry, follows the group from there)."""
+        if self.ranks is not None and self.recognizer.phase == BootPhase.READY:
+            self.ranks.stop()
         view = self.ranks.latest if self.ranks is not None else None
         line = None if view is None else view.line()
         if line is not None and line != self._ranks_said:
