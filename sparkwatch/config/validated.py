@@ -3,14 +3,14 @@ needs no pydantic.
 
 A config file (or a SPARKWATCH_* variable) makes every command validate it, and pydantic with the schema costs about
 0.16 s of a command's start on a 2-core VM (`events --config FILE` 290 ms against `events` 130:
-bench/RESULTS-startup.md);
-`launch --plan` for an engine across two nodes, which needs the `peers` key, missed its 500 ms for it
-(bench/RESULTS-launch-nodes.md). The validated values are kept as the wire carries them (schema.settings_to_wire)
-in `$XDG_RUNTIME_DIR/sparkwatch/validated.json`, private to the user, under a key of everything validation read:
-this sparkwatch's version and schema files, the config file's path and bytes, every SPARKWATCH_* variable, the
-flags, the defaults that follow the environment (the state dir under XDG_STATE_HOME, the cache dirs); and the files the settings name that validation opened (the TLS files) must be as they were. Any change
-misses, and the schema validates again. A hit is rebuilt without pydantic (config.defaults.
-WireSettings, as the telemetry process runs).
+bench/RESULTS-startup.md); `launch --plan` for an engine across two nodes, which needs the `peers` key, missed its
+500 ms for it (bench/RESULTS-launch-nodes.md). The validated values are kept as the wire carries them
+(schema.settings_to_wire) in `$XDG_RUNTIME_DIR/sparkwatch/validated.json`, private to the user, under a key of
+everything validation read: this sparkwatch's version and schema files, the config file's path and bytes, every
+SPARKWATCH_* variable, the flags, the defaults that follow the environment (the state dir under XDG_STATE_HOME, the
+cache dirs); and the files the settings name that validation opened (the TLS files) must be as they were. Any change
+misses, and the schema validates again. A hit is rebuilt without pydantic (config.defaults.WireSettings, as the
+telemetry process runs).
 
 Never kept: settings holding a secret (a webhook's secret, a token in a URL), and what the daemon and check-config
 load (they always validate, the checks against this machine included: MemTotal, readable TLS files, a listen host
