@@ -141,13 +141,14 @@ def handle(args: argparse.Namespace) -> int:
         env=dict(os.environ),
     )
     out = sys.stderr if not args.plan else sys.stdout
+    settled_peers: list[Any] | None = None
     if not args.plan and args.settle_timeout > 0:
         from sparkwatch.cli.launch_settle import settle, settle_nodes
 
         until = time.monotonic() + args.settle_timeout
         settle(settings, args.settle_timeout, quiet=args.quiet)
         if settings.peers and _spans(inputs):  # and every other node of the engine, as its agent says
-            settle_nodes(settings, max(until - time.monotonic(), 0.1), quiet=args.quiet)
+            settled_peers = settle_nodes(settings, max(until - time.monotonic(), 0.1), quiet=args.quiet)
     try:
         plan, ctx = gather(settings, inputs)
     except ValueError as exc:
@@ -156,7 +157,8 @@ def handle(args: argparse.Namespace) -> int:
     from sparkwatch.core.launch.rayletenv import uses_ray
 
     ray = uses_ray(inputs.argv, inputs.env)
-    peers = _peers(settings) if ray or ctx.span is not None else []  # one read of each agent serves every check
+    # one read of each agent serves every check: the settle's last, else one now
+    peers = settled_peers if settled_peers is not None else _peers(settings) if ray or ctx.span is not None else []
     raylets, stale, stale_note = _cluster(settings, plan.estimate.jobs, peers) if ray else ([], (), None)
     serve, serve_fix = _serve_command(inputs.env, raylets)
     if stale and args.fix and not args.plan:

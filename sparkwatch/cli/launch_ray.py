@@ -42,6 +42,7 @@ from sparkwatch.telemetry.sources.raystate import (
 
 if TYPE_CHECKING:
     from sparkwatch.config.settings import Settings
+    from sparkwatch.telemetry.peerwatch import PeerWatch
 
 REMOVE_TIMEOUT_S = 30.0  # the helper connects as a Ray driver: 2-3 s on the 2-core test box
 GONE_WAIT_S = 10.0  # after the removal, how long Ray may take to list the group REMOVED
@@ -65,6 +66,11 @@ def read_peers(settings: Settings) -> list[PeerReading]:
 
     watch = PeerWatch(settings, lambda event: None)
     watch.poll_once()
+    return readings(watch)
+
+
+def readings(watch: PeerWatch) -> list[PeerReading]:
+    """What `watch`'s last poll read of each peer."""
     return [PeerReading(p.label, p.doc, None if p.doc is not None else p.last_error) for p in watch.peers]
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from sparkwatch.cli.wait_settled import DEFAULT_INTERVAL_S, ProgressLine
@@ -19,57 +20,58 @@ from sparkwatch.common.sources.meminfo import MeminfoError, MeminfoReader
 from sparkwatch.core.launch.settle import SettleParams, SettleState, SettleVerdict, describe, settle_step
 
 if TYPE_CHECKING:
+    from sparkwatch.cli.launch_ray import PeerReading
     from sparkwatch.config.settings import Settings
+
+
+# One node's look: its name (THIS_NODE here), its engine processes still letting go, MemAvailable, Shmem.
+Look = tuple[str, int, int, int]
+THIS_NODE = ""
 
 
 def settle(settings: Settings, timeout_s: float, quiet: bool = False) -> bool:
     """Wait up to `timeout_s`; True when settled. Progress on stderr (one line a change)."""
     finder = EngineFinder.from_settings(settings, settings.proc_root, any_user=True)
-    params = SettleParams()
-    progress = ProgressLine(sys.stderr, quiet=quiet)
-    start = time.monotonic()
-    deadline = start + timeout_s
-    state = SettleState()
-    waited = False
     with MeminfoReader(settings.proc_root) as reader:
-        while True:
-            now = time.monotonic()
+
+        def look() -> list[Look] | str:
             procs, trees = finder.scan()
             held = still_letting_go(procs, trees, str(settings.proc_root))
             try:
                 mem = reader.read()
             except MeminfoError as exc:
-                progress.finish(f"sparkwatch: {exc}")
-                return False
-            state, verdict = settle_step(state, params, now, held, mem.available_bytes, shmem_bytes=mem.shmem_bytes)
-            # Nothing to wait for from the first look on: start now (the quiet window is for after a teardown).
-            if held == 0 and verdict.recent_rise_bytes <= params.tolerance_bytes and not waited:
-                if now - start >= min(1.0, timeout_s) or verdict.settled:
-                    return True
-            elif held or verdict.recent_rise_bytes > params.tolerance_bytes:
-                waited = True
-            if verdict.settled:
-                progress.finish(f"sparkwatch: {describe(verdict, params)} (waited {now - start:.1f} s)")
-                return True
-            if now >= deadline:
-                progress.finish(f"sparkwatch: still settling after {timeout_s:g} s: {describe(verdict, params)}")
-                return False
-            if not waited:
-                time.sleep(max(min(DEFAULT_INTERVAL_S, deadline - now), 0.0))
-                continue
-            text = describe(verdict, params).replace("engine process", "exiting engine process")
-            progress.update(f"sparkwatch: settling {now - start:.0f}s: {text}", (held, waited), now)
-            time.sleep(max(min(DEFAULT_INTERVAL_S, deadline - now), 0.0))
+                return str(exc)
+            return [(THIS_NODE, held, mem.available_bytes, mem.shmem_bytes)]
+
+        return _wait(look, timeout_s, quiet)
 
 
-def settle_nodes(settings: Settings, timeout_s: float, quiet: bool = False) -> bool:
+def settle_nodes(settings: Settings, timeout_s: float, quiet: bool = False) -> list[PeerReading]:
     """For an engine that spans nodes: wait up to `timeout_s` while any other node's pool is still being handed back,
     as its agent (`peers`) says: engine processes exiting or orphaned workers holding its GPU, MemAvailable rising,
-    Shmem falling (the same rule, core.launch.settle, over the agent's last cycle). True when every node that answers
-    has settled; a node whose agent does not answer is not waited for (the plan says its share is not checked)."""
+    Shmem falling (the same rule, core.launch.settle, over the agent's last cycle). A node whose agent does not
+    answer is not waited for (the plan says its share is not checked). Returns the last reading of every peer: the
+    plan's read of the other nodes (cli.launch_ray.read_peers), taken at the end of the wait."""
+    from sparkwatch.cli.launch_ray import readings
     from sparkwatch.telemetry.peerwatch import PeerWatch
 
     watch = PeerWatch(settings, lambda event: None)
+
+    def look() -> list[Look]:
+        watch.poll_once()
+        return [
+            (p.doc.node, p.doc.memory.letting_go, p.doc.memory.available_bytes, p.doc.memory.shmem_bytes)
+            for p in watch.peers
+            if p.doc is not None and p.doc.memory is not None
+        ]
+
+    _wait(look, timeout_s, quiet)
+    return readings(watch)
+
+
+def _wait(look: Callable[[], list[Look] | str], timeout_s: float, quiet: bool) -> bool:
+    """The one wait, over whatever nodes `look` reports (or the error that ends it): True when all settled. Nothing
+    handed back anywhere in the first second: go at once (the quiet window is for after a teardown)."""
     params = SettleParams()
     progress = ProgressLine(sys.stderr, quiet=quiet)
     start = time.monotonic()
@@ -78,32 +80,37 @@ def settle_nodes(settings: Settings, timeout_s: float, quiet: bool = False) -> b
     waited = False
     while True:
         now = time.monotonic()
-        watch.poll_once()
+        looked = look()
+        if isinstance(looked, str):
+            progress.finish(f"sparkwatch: {looked}")
+            return False
         pending: list[tuple[str, SettleVerdict]] = []
-        busy = False
-        for peer in watch.peers:
-            mem = peer.doc.memory if peer.doc is not None else None
-            if peer.doc is None or mem is None:
-                continue
-            state, verdict = settle_step(states.get(peer.label, SettleState()), params, now, mem.letting_go,
-                                         mem.available_bytes, shmem_bytes=mem.shmem_bytes)  # fmt: skip
-            states[peer.label] = state
-            busy = busy or bool(mem.letting_go) or verdict.recent_rise_bytes > params.tolerance_bytes
-            if not verdict.settled:
-                pending.append((peer.doc.node, verdict))
-        waited = waited or busy
-        if not waited:  # nothing handed back anywhere from the first looks on: go (the quiet window is for after)
+        settled: list[SettleVerdict] = []
+        for node, held, available, shmem in looked:
+            states[node], verdict = settle_step(states.get(node, SettleState()), params, now, held, available,
+                                                shmem_bytes=shmem)  # fmt: skip
+            waited = waited or bool(held) or verdict.recent_rise_bytes > params.tolerance_bytes
+            if verdict.settled:
+                settled.append(verdict)
+            else:
+                pending.append((node, verdict))
+        if not waited:
             if now - start >= min(1.0, timeout_s) or not pending:
                 return True
         elif not pending:
-            progress.finish(f"sparkwatch: the other nodes settled (waited {now - start:.1f} s)")
+            here = [node for node, *_ in looked] == [THIS_NODE]
+            said = describe(settled[0], params) if here else "the other nodes settled"
+            progress.finish(f"sparkwatch: {said} (waited {now - start:.1f} s)")
             return True
         if now >= deadline:
             node, verdict = pending[0]
-            progress.finish(f"sparkwatch: {node} still settling after {timeout_s:g} s: {describe(verdict, params)}")
+            where = f"{node} " if node else ""
+            progress.finish(f"sparkwatch: {where}still settling after {timeout_s:g} s: {describe(verdict, params)}")
             return False
         if waited:
             node, verdict = pending[0]
+            where = f" on {node}" if node else ""
             text = describe(verdict, params).replace("engine process", "exiting engine process")
-            progress.update(f"sparkwatch: settling on {node} {now - start:.0f}s: {text}", (node, waited), now)
+            key = (node, verdict.engine_processes, waited)
+            progress.update(f"sparkwatch: settling{where} {now - start:.0f}s: {text}", key, now)
         time.sleep(max(min(DEFAULT_INTERVAL_S, deadline - time.monotonic()), 0.0))
