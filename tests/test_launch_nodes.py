@@ -266,3 +266,27 @@ def test_a_budget_per_role_each_node_s_launch_taking_its_own(tmp_path: Path) -> 
 def test_a_role_budget_that_is_not_one_is_refused_by_name(tmp_path: Path, text: str, error: str) -> None:
     done = plan(tmp_path, "--budget", text, "--", "vllm", "serve", "m", available_gib=110)
     assert done.returncode == 2 and error in done.stderr, done.stderr
+
+
+def test_worker_auto_is_one_budget_for_the_role_the_largest_share_plus_slack() -> None:
+    """Over Ray the workers' guards are told one size for the group: `worker=auto` is the largest worker share plus
+    10 %, the same on every worker node whose share is known."""
+    from sparkwatch.cli.launch_nodes import _with_budget
+    from sparkwatch.core.launch.plan import auto_budget
+
+    facts = ModelFacts("m", weights_bytes=40 * GB, files=8, format="safetensors", layers=64, kv_heads=8,
+                       head_dim=128, dtype_bytes=2)  # fmt: skip
+    cmd = recognise(("vllm", "serve", "m", "-tp", "3", "--gpu-memory-utilization", "0.5",
+                     "--distributed-executor-backend", "ray"))  # fmt: skip
+    span = span_of(cmd, True)
+    assert span is not None
+    small = MemoryView(64 << 30, 60 << 30, 60 << 30, 0, 1 << 30)  # a smaller box: a smaller share at 0.5 × total
+    workers = plan_nodes(cmd, facts, span, [NodeInput("b", Role.WORKER, gb10(110), ViewSource.AGENT),
+                                            NodeInput("c", Role.WORKER, small, ViewSource.AGENT),
+                                            NodeInput("d", Role.WORKER, None, ViewSource.NONE)])  # fmt: skip
+    needs = [n.plan.needs_bytes for n in workers if n.plan is not None]
+    assert len(set(needs)) == 2  # the shares differ
+    budgeted = _with_budget(workers, "auto")
+    want = max(auto_budget(n, 1 << 30) for n in needs)
+    assert [None if n.plan is None else n.plan.budget_bytes for n in budgeted] == [want, want, None]
+    assert [n.plan.budget_bytes for n in _with_budget(workers, 60 << 30) if n.plan is not None] == [60 << 30] * 2

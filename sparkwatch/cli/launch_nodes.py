@@ -57,16 +57,19 @@ def node_plans(
     head = NodePlan(here, Role.HEAD, ViewSource.LOCAL, plan, _lines(raylets, HERE))
     rest = plan_nodes(ctx.cmd, ctx.facts, span, workers[:wanted], jobs=plan.estimate.jobs,
                       engine_version=ctx.engine_version, engine_reads=engine_reads)  # fmt: skip
-    if worker_budget is not None:  # each worker node's members are held to it there (`auto`: its own need + 10 %)
-        rest = tuple(_with_budget(n, worker_budget) for n in rest)
+    if worker_budget is not None:  # one size for the role, as each worker node's guard holds it there
+        rest = _with_budget(rest, worker_budget)
     return (head, *rest)
 
 
-def _with_budget(node: NodePlan, budget: int | str) -> NodePlan:
-    if node.plan is None:
-        return node
-    size = budget if isinstance(budget, int) else auto_budget(node.plan.needs_bytes, node.plan.view.margin_bytes)
-    return replace(node, plan=replace(node.plan, budget_bytes=size))
+def _with_budget(workers: tuple[NodePlan, ...], budget: int | str) -> tuple[NodePlan, ...]:
+    """`worker=SIZE` on every worker whose share is known; `worker=auto`: the largest share plus 10 % (one budget for
+    the role: over Ray the workers' guards are told one size for the group)."""
+    known = [n.plan for n in workers if n.plan is not None]
+    if not known:
+        return workers
+    size = budget if isinstance(budget, int) else max(auto_budget(p.needs_bytes, p.view.margin_bytes) for p in known)
+    return tuple(n if n.plan is None else replace(n, plan=replace(n.plan, budget_bytes=size)) for n in workers)
 
 
 def _lines(raylets: Sequence[RayletCheck], node: str) -> tuple[str, ...]:

@@ -28,9 +28,9 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 UNLIMITED = -1  # a limit of "unlimited" in /proc/PID/limits
+FABRIC_VARS = ("VLLM_HOST_IP", "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
 # The raylet's variables that are checked: the only part of its environment ever kept, or told to a peer (the rest
 # may hold tokens).
-FABRIC_VARS = ("VLLM_HOST_IP", "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
 CHECKED_VARS = ("MAX_JOBS", "RAY_memory_monitor_refresh_ms", "NCCL_IB_GID_INDEX", *FABRIC_VARS)
 
 
@@ -185,7 +185,8 @@ def fabric_settings(raylet: RayletFacts, names: Iterable[str]) -> list[str]:
     """`VAR=value` for each fabric variable named, as the node's address and interface give it."""
     ifname = raylet.fabric_ifname or "IFNAME"
     values = {"VLLM_HOST_IP": raylet.node, "GLOO_SOCKET_IFNAME": ifname, "NCCL_SOCKET_IFNAME": ifname}
-    return [f"{var}={values[var]}" for var in FABRIC_VARS if var in set(names)]
+    wanted = set(names)
+    return [f"{var}={values[var]}" for var in FABRIC_VARS if var in wanted]
 
 
 def roce_v2_gid_index(types: Mapping[int, str], gids: Mapping[int, str]) -> int | None:
