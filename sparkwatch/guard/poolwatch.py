@@ -25,6 +25,7 @@ import time
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from types import MappingProxyType
 
 from sparkwatch.common import logs
 from sparkwatch.common.eventlog import EventLog
@@ -68,8 +69,11 @@ def _no_hint() -> int | None:
     return None
 
 
+_NONE: Mapping[tuple[int, int], tuple[int, int]] = MappingProxyType({})
+
+
 def _no_peer_budgets() -> Mapping[tuple[int, int], tuple[int, int]]:
-    return {}
+    return _NONE
 
 
 @dataclass(frozen=True)

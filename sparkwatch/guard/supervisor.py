@@ -423,6 +423,8 @@ class TelemetrySupervisor:
         """The budgets another node's launch gave this node's Ray ranks, as telemetry last sent them (a reference
         read); nothing once PEER_BUDGET_TTL_S passed without a word (telemetry down, or the group gone)."""
         at, budgets = self._peer_budgets
+        if not budgets:  # nearly always: no clock read on the guard's tick
+            return budgets
         return budgets if time.monotonic() - at <= PEER_BUDGET_TTL_S else {}
 
     def _record_restart(self, reason: str, backoff_s: float) -> None:
