@@ -434,6 +434,13 @@ def _proc(pid: int, ppid: int, argv: tuple[str, ...], ticks: int = 7) -> Proc:
     return Proc(pid, ppid, 0, argv[0][:15], "S", ticks, 0, argv)
 
 
+RAYLET = 50  # the raylet that started the ranks (their parent)
+
+
+def _cluster(node_id: str, uid: int = 0) -> raygroup.Cluster:
+    return raygroup.Cluster(frozenset({node_id}), uid, frozenset({RAYLET}))
+
+
 PROCS = {
     99: _proc(99, 1, ("/usr/bin/python3", "/usr/local/bin/vllm", "serve", "m")),
     100: _proc(100, 99, ("VLLM::EngineCore",)),
@@ -480,9 +487,9 @@ def test_a_rank_its_own_node_s_agent_saw_end_is_dead_for_the_decisions() -> None
     assert raygroup.remote_rank_nodes(state, frozenset({NODE_A})) == {NODE_B}
     for wrong in ({(NODE_A, 300)}, {(NODE_B, 200)}, {(NODE_B, 999)}):
         assert raygroup.gone_per_agents(state, frozenset(wrong)) == state
-        assert raygroup.teardowns(raygroup.gone_per_agents(state, frozenset(wrong)), frozenset({NODE_A}), PROCS) == ()
+        assert raygroup.teardowns(raygroup.gone_per_agents(state, frozenset(wrong)), _cluster(NODE_A), PROCS) == ()
     marked = raygroup.gone_per_agents(state, frozenset({(NODE_B, 300)}))
-    (teardown,) = raygroup.teardowns(marked, frozenset({NODE_A}), PROCS)
+    (teardown,) = raygroup.teardowns(marked, _cluster(NODE_A), PROCS)
     assert teardown.death == raygroup.Death(raygroup.RANK_DIED, NODE_B, "10.0.0.2", 300)
     assert {m.role for m in teardown.members} == {raygroup.RANK, raygroup.DRIVER, raygroup.API}
     assert raygroup.local_ranks(marked, frozenset({NODE_B})) == frozenset()  # told of once Ray, or we, say so
@@ -508,7 +515,7 @@ def test_this_node_tells_of_its_ranks_that_ended_and_never_of_one_it_never_saw(t
             placement_groups=(raygroup.RayPlacementGroup("pg1", "01000000", "CREATED", (NODE_B, NODE_B)),),
         )
         watch.node_ids = frozenset({NODE_B})
-        watch._keep_ranks(state, time.monotonic())
+        watch._keep_ranks(state, _cluster(NODE_B), time.monotonic())
         assert watch.gone_ranks() == () and watch.published_node_ids() == {NODE_B}
         rank.kill()
         assert wait_until(lambda: watch.gone_ranks() == ((NODE_B, rank.pid),), 5, 0.05)  # a zombie until reaped
@@ -541,14 +548,14 @@ def test_the_driver_is_on_the_live_node_of_its_address_when_ray_keeps_a_dead_one
         assert group.driver_node_id == NODE_A
         (teardown,) = raygroup.teardowns(
             replace(state, actors=tuple(replace(a, state="DEAD") if a.node_id == NODE_B else a for a in state.actors)),
-            frozenset({NODE_A}),
+            _cluster(NODE_A),
             PROCS,
         )
         assert {m.role for m in teardown.members} == {raygroup.API, raygroup.DRIVER, raygroup.RANK}
 
 
 def test_no_teardown_while_every_member_lives() -> None:
-    assert raygroup.teardowns(_state(), frozenset({NODE_A}), PROCS) == ()
+    assert raygroup.teardowns(_state(), _cluster(NODE_A), PROCS) == ()
 
 
 @pytest.mark.parametrize(
@@ -556,7 +563,7 @@ def test_no_teardown_while_every_member_lives() -> None:
     [(_state(rank_b_state="DEAD"), raygroup.RANK_DIED), (_state(node_b_alive=False), raygroup.NODE_DEAD)],
 )
 def test_a_dead_rank_or_node_tears_down_the_local_half(state: raygroup.RayState, cause: str) -> None:
-    (teardown,) = raygroup.teardowns(state, frozenset({NODE_A}), PROCS)
+    (teardown,) = raygroup.teardowns(state, _cluster(NODE_A), PROCS)
     assert teardown.group == "pg1"
     assert teardown.death == raygroup.Death(cause, NODE_B, "10.0.0.2", 300)
     assert {(m.pid, m.role) for m in teardown.members} == {
@@ -569,16 +576,34 @@ def test_a_dead_rank_or_node_tears_down_the_local_half(state: raygroup.RayState,
 def test_only_this_nodes_members_and_their_shapes() -> None:
     state = _state(rank_b_state="DEAD")
     # Node B's view: its rank is dead, the driver and the other rank run elsewhere: nothing of its own to stop.
-    assert raygroup.teardowns(state, frozenset({NODE_B}), PROCS) == ()
+    assert raygroup.teardowns(state, _cluster(NODE_B), PROCS) == ()
     # A pid Ray names that this node's table shows as something else (not a Ray worker) is never a member.
     procs = {**PROCS, 200: _proc(200, 50, ("sshd",))}
-    (teardown,) = raygroup.teardowns(state, frozenset({NODE_A}), procs)
+    (teardown,) = raygroup.teardowns(state, _cluster(NODE_A), procs)
     assert 200 not in {m.pid for m in teardown.members}
     # A removed placement group is no group.
     gone = raygroup.RayState(
         state.nodes, state.jobs, state.actors, (raygroup.RayPlacementGroup("pg1", "01000000", "REMOVED", ()),)
     )
-    assert raygroup.teardowns(gone, frozenset({NODE_A}), PROCS) == ()
+    assert raygroup.teardowns(gone, _cluster(NODE_A), PROCS) == ()
+
+
+def test_only_the_cluster_owner_s_processes_are_members() -> None:
+    """A cluster belongs to the user its raylets run as: Ray's state naming another user's `vllm serve` and engine
+    core (a forged answer, or another user's process at a pid Ray names) makes them no members, and a `ray::` worker
+    that the cluster's raylet did not start (any user can set that title) is no rank."""
+    state = _state(rank_b_state="DEAD")
+    (teardown,) = raygroup.teardowns(state, _cluster(NODE_A), PROCS)
+    assert {m.pid for m in teardown.members} == {99, 100, 200}
+    assert raygroup.teardowns(state, _cluster(NODE_A, uid=1000), PROCS) == ()  # the cluster is uid 1000's
+    theirs = {pid: replace(p, uid=65534) for pid, p in PROCS.items()}
+    assert raygroup.teardowns(state, _cluster(NODE_A), theirs) == ()
+    api_theirs = {**PROCS, 99: replace(PROCS[99], uid=65534)}
+    (teardown,) = raygroup.teardowns(state, _cluster(NODE_A), api_theirs)
+    assert {m.pid for m in teardown.members} == {100, 200}
+    titled = {**PROCS, 200: replace(PROCS[200], ppid=4242)}  # a ray::RayWorkerWrapper title under another parent
+    (teardown,) = raygroup.teardowns(state, _cluster(NODE_A), titled)
+    assert {m.pid for m in teardown.members} == {99, 100}
 
 
 def test_member_shapes() -> None:
@@ -624,7 +649,7 @@ def test_a_group_loss_is_said_one_way_in_the_line_the_summary_and_the_reasons(
 
 
 def test_teardown_message_round_trip() -> None:
-    msg = GroupTeardownMsg("pg1", raygroup.RANK_DIED, "10.0.0.2", 300, ((200, 7, "rank"),), 1.5)
+    msg = GroupTeardownMsg("pg1", raygroup.RANK_DIED, "10.0.0.2", 300, ((200, 7, "rank"),), 1.5, owner_uid=1000)
     assert decode(encode(msg)) == msg
 
 
@@ -675,7 +700,11 @@ def test_guard_kills_only_members_it_verifies_itself(tmp_path: Path) -> None:
     other = _shaped("ray::RayWorkerWrapper")
     plain = subprocess.Popen(["sleep", "60"])
     elsewhere = _shaped("ray::RayWorkerWrapper", ("unshare", "--net"))  # another network namespace: another node
-    procs = (rank, other, plain, elsewhere)
+    # another user's process titled as a rank: not the cluster owner's
+    theirs = subprocess.Popen(["bash", "-c", "exec -a ray::RayWorkerWrapper sleep 60"], user=65534, group=65534,
+                              extra_groups=[])  # fmt: skip
+    assert wait_until(lambda: _cmdline(theirs.pid).startswith("ray::RayWorkerWrapper"))
+    procs = (rank, other, plain, elsewhere, theirs)
     try:
         ticks = {p.pid: read_start_ticks("/proc", p.pid) or 0 for p in procs}
         msg = GroupTeardownMsg(
@@ -688,16 +717,20 @@ def test_guard_kills_only_members_it_verifies_itself(tmp_path: Path) -> None:
                 (other.pid, ticks[other.pid] + 1, raygroup.RANK),  # another start time: a reused pid
                 (plain.pid, ticks[plain.pid], raygroup.RANK),  # not shaped like a Ray worker
                 (elsewhere.pid, ticks[elsewhere.pid], raygroup.RANK),  # not on this node
+                (theirs.pid, ticks[theirs.pid], raygroup.RANK),  # not the user the group belongs to
             ),
             time.time(),
+            owner_uid=os.getuid(),
         )
         with guard_with_groups(tmp_path) as (pool, watch):
+            assert watch.handle(replace(msg, owner_uid=-1)) == 0  # a message naming no owner moves nothing
+            assert watch.refused_total == 5
             assert watch.handle(msg) == 1
             assert rank.poll() is None  # the check only asks: the kill path kills, on the guard's tick
             pool.tick()
             assert rank.wait(5) == -signal.SIGKILL
-            assert other.poll() is None and plain.poll() is None and elsewhere.poll() is None
-            assert watch.refused_total == 3
+            assert other.poll() is None and plain.poll() is None and elsewhere.poll() is None and theirs.poll() is None
+            assert watch.refused_total == 5 + 4
             assert pool.stats.kills_total == {"group_teardown": 1}  # counted like every kill
             events = tmp_path / "events.jsonl"
             assert wait_until(lambda: any(e["kind"] == "group_teardown" for e in read_events(events)))
@@ -845,7 +878,9 @@ def test_guard_dry_run_signals_nothing(tmp_path: Path) -> None:
     try:
         with guard_with_groups(tmp_path, dry_run=True) as (pool, watch):
             ticks = read_start_ticks("/proc", rank.pid) or 0
-            msg = GroupTeardownMsg("pg1", raygroup.RANK_DIED, "10.0.0.2", 300, ((rank.pid, ticks, raygroup.RANK),))
+            msg = GroupTeardownMsg(
+                "pg1", raygroup.RANK_DIED, "10.0.0.2", 300, ((rank.pid, ticks, raygroup.RANK),), owner_uid=os.getuid()
+            )
             assert watch.handle(msg) == 1
             pool.tick()
             assert wait_until(lambda: bool(read_events(tmp_path / "events.jsonl")))
@@ -1163,7 +1198,7 @@ def test_guard_kills_an_mp_member_only_when_its_own_proc_ties_it_to_the_group(
         ticks = {p.pid: read_start_ticks("/proc", p.pid) or 0 for p in (member, other)}
         msg = GroupTeardownMsg(
             "10.9.0.1:29600", "rank_died", "spark-b", 41,
-            tuple((p.pid, ticks[p.pid], role) for p in (member, other)), time.time(),
+            tuple((p.pid, ticks[p.pid], role) for p in (member, other)), time.time(), owner_uid=os.getuid(),
         )  # fmt: skip
         with guard_with_groups(tmp_path) as (pool, watch):
             assert watch.handle(msg) == 1

@@ -36,6 +36,7 @@ from sparkwatch.telemetry.sources.raystate import (
     LocalRaylet,
     RayStateError,
     RayStateSource,
+    cluster_owner,
     local_raylets,
     start_remove_pg,
 )
@@ -116,7 +117,15 @@ def serve_command(env: Mapping[str, str], raylets: list[RayletCheck]) -> tuple[t
 
 def stale(settings: Settings) -> tuple[tuple[StaleGroup, ...], str | None]:
     """The placement groups a new engine would wait behind, and None; or () and why Ray's state could not be read
-    (no dashboard: not checked, said once, never a refusal)."""
+    (no dashboard: not checked, said once, never a refusal). Only a dashboard of the launching user's own cluster
+    (raystate.cluster_owner) is read: another user's, or a port another user holds, is not this launch's Ray."""
+    proc_root = Path(settings.proc_root)
+    raylets = tuple(r for r in local_raylets(ProcScanner(proc_root).scan().procs, proc_root) if r.uid == os.geteuid())
+    owner, why = cluster_owner(settings.ray_dashboard_url, raylets, proc_root)
+    if owner is not None and owner != os.geteuid():
+        why = f"served by uid {owner}, not yours"
+    if why is not None:
+        return (), f"Ray's state API at {settings.ray_dashboard_url}: not read: {why}"
     source = RayStateSource(settings.ray_dashboard_url)
     try:
         state = source.poll()
@@ -143,20 +152,26 @@ def remove(
 ) -> tuple[list[str], tuple[tuple[StaleGroup, ...], str | None]]:
     """Remove these groups through Ray (a helper in the local raylet's interpreter, one at a time, each at most
     REMOVE_TIMEOUT_S), then wait until Ray no longer lists them held: one line per group, and what `stale` said
-    last (the groups still held, and why none could be read, if so)."""
+    last (the groups still held, and why none could be read, if so). The helper acts as the invoking user, through
+    that user's own raylet only (raystate.start_remove_pg)."""
     proc_root = Path(settings.proc_root)
     raylet: LocalRaylet | None = next(
-        (r for r in local_raylets(ProcScanner(proc_root).scan().procs, proc_root) if r.python and r.gcs_address), None
+        (
+            r
+            for r in local_raylets(ProcScanner(proc_root).scan().procs, proc_root)
+            if r.uid == os.geteuid() and r.python and r.gcs_address
+        ),
+        None,
     )
     if raylet is None:
-        why = "not removed: no raylet on this node names an interpreter"
+        why = "not removed: no raylet of yours on this node names an interpreter"
         return [f"{g.group[:12]}: {why}" for g in groups], (groups, None)
     out = []
     for group in groups:
         try:
-            helper = start_remove_pg(raylet, group.group)
+            helper = start_remove_pg(raylet, group.group, proc_root)
         except OSError as exc:
-            out.append(f"{group.group[:12]}: not removed: {raylet.python}: {exc.strerror}")
+            out.append(f"{group.group[:12]}: not removed: {raylet.python}: {exc.strerror or exc}")
             continue
         try:
             rc = helper.wait(REMOVE_TIMEOUT_S)

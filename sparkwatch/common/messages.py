@@ -146,6 +146,9 @@ class GroupTeardownMsg:
     detected_ts: float = 0.0  # wall clock when telemetry saw the death
     # The word of the peer agent on the node where it died, when its guard killed it (telemetry.peerwatch): text only
     peer_word: str | None = None
+    # The user whose group it is (Ray: the uid of the raylets that serve its cluster here; without Ray: its members'):
+    # the guard touches only that user's processes for it, and none for a message that names no user
+    owner_uid: int = -1
 
 
 @dataclass(frozen=True, slots=True)

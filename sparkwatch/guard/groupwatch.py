@@ -6,6 +6,8 @@ reads of /proc:
 - it is alive with the pid and start time telemetry named (a reused pid is never hit);
 - it runs in the guard's own network namespace (this node: on a Spark that is the host's; in the two-node test each
   node is one);
+- it is the process of the user the group belongs to (the message's `owner_uid`: the uid of the raylets of its Ray
+  cluster, or of its members without Ray): a root guard never stops another user's process for a group;
 - it has its role's shape (core.kill.raygroup.member_shape: `ray::<Actor>` for a rank, `VLLM::EngineCore` for a driver,
   `vllm serve` for the API server; for a group without Ray, core.kill.mpgroup.member_of: its command line names the
   group's rendezvous; for a process a dead member left behind, an engine's own shape by the guard's engine rules, e.g.
@@ -69,6 +71,8 @@ class GroupWatch:
             proc = self._read(pid)
             ok = (
                 proc is not None
+                and msg.owner_uid >= 0
+                and proc.uid == msg.owner_uid
                 and proc.start_ticks == start_ticks
                 and self._netns(pid) == own_ns
                 and self._shaped(msg.group, role, proc)

@@ -188,6 +188,7 @@ class MpGroupWatch:
                 members=tuple((m.pid, m.start_ticks, mpgroup.MP_RANK) for m in members),
                 detected_ts=time.time(),
                 peer_word=None if doc is None else peerdoc.kill_word(doc, loss.pid),
+                owner_uid=loss.uid,
             )
             self._sent_at[group] = now_mono
             log.info("group %s lost a member on %s (%s): stopping %d local member(s)", loss.key, msg.first_node,
@@ -239,6 +240,7 @@ class MpGroupWatch:
                 members=tuple((pid, t, mpgroup.MP_ORPHAN) for pid, t in left),
                 detected_ts=time.time(),
                 peer_word=None,
+                owner_uid=m.uid,
             )
             family.sent_at = now
             log.info("group %s: this node's member %d died; stopping %d process(es) it left behind", m.key, m.pid,

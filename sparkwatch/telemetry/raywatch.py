@@ -46,9 +46,12 @@ from sparkwatch.core.kill import raygroup
 from sparkwatch.core.model import Proc
 from sparkwatch.telemetry import peerdoc
 from sparkwatch.telemetry.sources.raystate import (
+    Connection,
     LocalRaylet,
     RayStateError,
     RayStateSource,
+    cluster_owner,
+    local_dashboard_url,
     local_raylets,
     start_remove_pg,
 )
@@ -146,6 +149,10 @@ class RayWatch:
         self._full_at = 0.0
         self.raylets: tuple[LocalRaylet, ...] = ()
         self.node_ids: frozenset[str] = frozenset()
+        # The cluster whose state the dashboard serves, tied to this node's raylets of one user (cluster_of); None:
+        # Ray's state is shown, never acted on (no teardown, no budget, no removal, no word to the peers)
+        self.cluster: raygroup.Cluster | None = None
+        self.untrusted_why: str | None = None
         self.groups: tuple[raygroup.RayGroup, ...] = ()  # the last poll's groups (for `engines` and metrics later)
         self.teardowns_sent_total = 0
         self._budgets_sent: tuple[tuple[int, int, int, int, str], ...] = ()  # the last PeerBudgetMsg's budgets
@@ -246,6 +253,7 @@ class RayWatch:
             table = tuple(self.procs())
             self.raylets = local_raylets(table, self.proc_root)
             self.node_ids = frozenset(r.node_id for r in self.raylets)
+            self._trust(table)
             if table:  # before telemetry's first cycle there is no table yet: look again at the next poll
                 self._next_look = now + RAYLET_LOOK_S
                 self._looked = True
@@ -255,8 +263,12 @@ class RayWatch:
         state = self._poll_state(now)
         if state is None:
             return []
-        self._keep_ranks(state, now)
-        self._send_budgets(state, now)
+        cluster = self.cluster
+        if cluster is None:
+            self.groups = raygroup.groups(state)  # shown (engines, metrics), never acted on
+            return []
+        self._keep_ranks(state, cluster, now)
+        self._send_budgets(state, cluster, now)
         gone = self._peers_gone(state)
         if (
             state is self._decided
@@ -270,7 +282,7 @@ class RayWatch:
         # /proc is read only for groups that lost a member (none, nearly always)
         procs = self._local_procs(tuple(g for g in self.groups if raygroup.first_death(g, state) is not None))
         sent = []
-        for teardown in raygroup.teardowns(state, self.node_ids, procs, consequences=self._consequences(state)):
+        for teardown in raygroup.teardowns(state, cluster, procs, consequences=self._consequences(state)):
             if (
                 not self.settings.group_teardown
                 or now - self._sent_at.get(teardown.group, -TEARDOWN_RESEND_S) < TEARDOWN_RESEND_S
@@ -286,6 +298,7 @@ class RayWatch:
                 members=tuple((m.pid, m.start_ticks, m.role) for m in teardown.members),
                 detected_ts=time.time(),
                 peer_word=self._words[teardown.group],
+                owner_uid=cluster.uid,
             )
             self._sent_at[teardown.group] = now
             self._torn_at.setdefault(teardown.group, now)
@@ -299,12 +312,12 @@ class RayWatch:
         for group in raygroup.leaked_groups(self.groups, self._torn_at, now):
             if group not in self._remove_tried:
                 self._remove_tried.add(group)
-                self._remove(group, now)
+                self._remove(group, cluster, now)
         self._torn_at = {g: t for g, t in self._torn_at.items() if g in live or g in self._removing}
         self._remove_tried &= live | set(self._removing)
         return sent
 
-    def _send_budgets(self, state: raygroup.RayState, now: float) -> None:
+    def _send_budgets(self, state: raygroup.RayState, cluster: raygroup.Cluster, now: float) -> None:
         """This node's ranks of each group a peer's launch gave a worker budget (the peer that serves the group's
         driver node, for its own user's ranks), to the guard: when they changed, else every PEER_BUDGET_RESEND_S
         while any (the guard forgets them after PEER_BUDGET_TTL_S)."""
@@ -313,10 +326,10 @@ class RayWatch:
         if told:
             for group in raygroup.groups(state):
                 word = told.get(group.group)
-                if word is None or group.driver_node_id not in word.node_ids:
+                if word is None or group.driver_node_id not in word.node_ids or word.uid != cluster.uid:
                     continue
                 procs = self._local_procs((group,))
-                for m in raygroup.local_members(group, self.node_ids, procs):
+                for m in raygroup.local_members(group, cluster, procs):
                     proc = procs.get(m.pid)
                     if m.role == raygroup.RANK and proc is not None and proc.uid == word.uid:
                         budgets.append((m.pid, m.start_ticks, proc.uid, word.budget_bytes, group.group))
@@ -326,9 +339,9 @@ class RayWatch:
         self._budgets_sent, self._budgets_sent_at = current, now
         self.send(PeerBudgetMsg(current))
 
-    def _keep_ranks(self, state: raygroup.RayState, now: float) -> None:
+    def _keep_ranks(self, state: raygroup.RayState, cluster: raygroup.Cluster, now: float) -> None:
         """This node's ranks as Ray lists them now, each with its start time read once when first listed."""
-        listed = raygroup.local_ranks(state, self.node_ids)
+        listed = raygroup.local_ranks(state, cluster.node_ids)
         if listed != self._ranks.keys():
             then = self._ranks
             self._ranks = {k: then[k] if k in then else read_running_start_ticks(self.proc_root, k[1]) for k in listed}
@@ -372,18 +385,19 @@ class RayWatch:
             log.error("peer word: %s: %s", type(exc).__name__, exc)
             return None
 
-    def _remove(self, group: str, now: float) -> None:
-        """Start the helper that removes a leaked placement group (see the module's docstring)."""
-        raylet = next((r for r in self.raylets if r.python and r.gcs_address), None)
+    def _remove(self, group: str, cluster: raygroup.Cluster, now: float) -> None:
+        """Start the helper that removes a leaked placement group (see the module's docstring), as the cluster's own
+        user, through one of its raylets."""
+        raylet = next((r for r in self.raylets if r.pid in cluster.raylet_pids and r.python and r.gcs_address), None)
         if raylet is None:
             self.pg_remove_errors_total += 1
             log.error("placement group %s outlived its teardown; no local raylet names an interpreter", group[:12])
             return
         try:
-            helper = start_remove_pg(raylet, group)
+            helper = start_remove_pg(raylet, group, self.proc_root)
         except OSError as exc:
             self.pg_remove_errors_total += 1
-            log.error("placement group %s: could not start %s: %s", group[:12], raylet.python, exc.strerror)
+            log.error("placement group %s: not removed: %s", group[:12], exc.strerror or exc)
             return
         log.warning("placement group %s outlived its teardown by %.0f s: removing it", group[:12], raygroup.PG_GRACE_S)
         self._removing[group] = (helper, now)
@@ -447,6 +461,35 @@ class RayWatch:
         self._full_at = self._nodes_at = now
         self._actors_seen = tuple((a.actor_id, a.state, a.pid, a.node_id) for a in state.actors)
         return state
+
+    def _trust(self, table: tuple[Proc, ...] = ()) -> None:
+        """Which of this node's raylets the dashboard's state speaks for (core.kill.raygroup.Cluster), said in the log
+        once per change. A dashboard on this node speaks for the user whose process holds its port (any user may
+        bind it while Ray's is down); one on another host for the raylets here of the cluster whose GCS is on that
+        host (plain HTTP from there cannot be proven: docs/security.md says what a host on the link can then do)."""
+        url = self.settings.ray_dashboard_url
+        owner, why = cluster_owner(url, self.raylets, self.proc_root)
+        if owner is None:  # nothing (of one user) on the configured port: the dashboard the raylets' user started
+            for uid in sorted({r.uid for r in self.raylets}):
+                found = local_dashboard_url(table, uid, self.proc_root)
+                if found is not None and cluster_owner(found, self.raylets, self.proc_root)[0] == uid:
+                    url, owner, why = found, uid, None
+                    break
+        if url != self.source.conn.base_url:
+            self.source.close()
+            self.source.conn = Connection(url, self.source.conn.timeout_s)
+        mine = tuple(r for r in self.raylets if owner is not None and r.uid == owner)
+        cluster = None
+        if mine:
+            cluster = raygroup.Cluster(frozenset(r.node_id for r in mine), mine[0].uid, frozenset(r.pid for r in mine))
+        elif self.raylets and why is None:
+            why = f"the dashboard's user {owner} runs no raylet here"
+        if why != self.untrusted_why and self.raylets:
+            if why is None:
+                log.info("Ray's state at %s is the cluster of uid %s's raylets", url, owner)
+            else:
+                log.warning("Ray's state at %s is shown, never acted on: %s", url, why)
+        self.cluster, self.untrusted_why = cluster, why
 
     def _raylets_alive(self) -> bool:
         """Whether the raylets last found still run (one stat each): a raylet gone is looked for again at once."""

@@ -264,6 +264,9 @@ class TelemetryProcess:
         boots = [b for b in snap.boots if b.worker_budget_bytes]
         if not boots:
             return []
+        cluster = self.raywatch.cluster  # only a cluster whose state is this node's to believe (telemetry.raywatch)
+        if cluster is None:
+            return []
         trees = {t.root.pid: t for t in snap.engines}
         out = []
         for boot in boots:
@@ -273,7 +276,7 @@ class TelemetryProcess:
             pids = {p.pid for p in tree.members}
             for group in self.raywatch.groups:
                 driver = group.job.driver_pid if group.job is not None else None
-                if driver in pids and group.driver_node_id in self.raywatch.node_ids:
+                if driver in pids and group.driver_node_id in cluster.node_ids and tree.root.uid == cluster.uid:
                     out.append(peerdoc.PeerBudget(group.group, boot.worker_budget_bytes, tree.root.uid))
         return out
 

@@ -11,6 +11,11 @@ it here as frozen records; this module decides, with no I/O:
 - what this node must stop (`teardowns`): its own ranks, the driver when it runs here, and the driver's parent when
   that is the `vllm serve` API server. Only processes in this node's process table with the same start time.
 
+A cluster belongs to a user (`Cluster`): the uid of the raylets that serve it here, found by their executable, and
+whose Ray state is believed only from a dashboard that user's process listens for (telemetry.sources.raystate).
+Its members are that user's processes only: a rank is a worker one of those raylets started (its parent), the driver
+and the API server that user's. Another user's `vllm serve` is never a member, whatever Ray's state names.
+
 The guard checks every member again itself (`member_shape`, the pid and start time, its own node) before any signal:
 Ray's word is a reason to look, never a reason to kill.
 """
@@ -100,6 +105,16 @@ class Member:
 
 
 @dataclass(frozen=True, slots=True)
+class Cluster:
+    """This node's part of one user's Ray cluster: the node ids its raylets serve, their pids (a rank is a worker one
+    of them started), and the user they run as (every member is that user's process)."""
+
+    node_ids: frozenset[str]
+    uid: int
+    raylet_pids: frozenset[int]
+
+
+@dataclass(frozen=True, slots=True)
 class Teardown:
     """What this node must stop for one group, and why."""
 
@@ -178,28 +193,35 @@ def first_death(
     return None
 
 
-def local_members(group: RayGroup, local_node_ids: frozenset[str], procs: Mapping[int, Proc]) -> tuple[Member, ...]:
+def local_members(group: RayGroup, cluster: Cluster, procs: Mapping[int, Proc]) -> tuple[Member, ...]:
     """The group's members that run on this node, as this node's process table shows them (`procs`: pid -> Proc of
-    the processes on this node): its ranks still alive there, the driver when its node is this one, and the driver's
-    parent when it is shaped like vLLM's API server. A pid missing from the table is left out."""
+    the processes on this node): its ranks still alive there that the cluster's raylets started, the driver when its
+    node is this one, and the driver's parent when it is shaped like vLLM's API server; each the cluster's user's
+    process. A pid missing from the table is left out."""
     out: list[Member] = []
     for actor in group.ranks:
         proc = procs.get(actor.pid or 0)
-        if actor.node_id in local_node_ids and proc is not None and member_shape(RANK, proc.argv):
+        if (
+            actor.node_id in cluster.node_ids
+            and proc is not None
+            and proc.uid == cluster.uid
+            and proc.ppid in cluster.raylet_pids
+            and member_shape(RANK, proc.argv)
+        ):
             out.append(Member(proc.pid, proc.start_ticks, RANK))
-    if group.job is not None and group.driver_node_id in local_node_ids:
+    if group.job is not None and group.driver_node_id in cluster.node_ids:
         driver = procs.get(group.job.driver_pid or 0)
-        if driver is not None:
+        if driver is not None and driver.uid == cluster.uid:
             out.append(Member(driver.pid, driver.start_ticks, DRIVER))
             api = procs.get(driver.ppid)
-            if api is not None and member_shape(API, api.argv):
+            if api is not None and api.uid == cluster.uid and member_shape(API, api.argv):
                 out.append(Member(api.pid, api.start_ticks, API))
     return tuple(out)
 
 
 def teardowns(
     state: RayState,
-    local_node_ids: frozenset[str],
+    cluster: Cluster,
     procs: Mapping[int, Proc],
     done: Iterable[str] = (),
     consequences: frozenset[tuple[str, int]] = frozenset(),
@@ -214,7 +236,7 @@ def teardowns(
         death = first_death(group, state, consequences)
         if death is None:
             continue
-        members = local_members(group, local_node_ids, procs)
+        members = local_members(group, cluster, procs)
         if members:
             out.append(Teardown(group.group, group.job.job_id if group.job else "", death, members))
     return tuple(out)

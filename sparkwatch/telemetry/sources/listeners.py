@@ -33,6 +33,7 @@ class Listener:
     address: str  # as the kernel has it: "0.0.0.0", "127.0.0.1", "::", "::1"
     port: int
     inode: int
+    uid: int = -1  # the user whose process made the socket, as the kernel recorded it (sock_i_uid): unforgeable
 
     @property
     def connect_host(self) -> str:
@@ -63,7 +64,7 @@ def parse_tcp_table(text: str, state: str = _LISTEN) -> list[Listener]:
             continue
         addr, _colon, port_hex = fields[1].partition(":")
         try:
-            out.append(Listener(_address(addr), int(port_hex, 16), int(fields[9])))
+            out.append(Listener(_address(addr), int(port_hex, 16), int(fields[9]), int(fields[7])))
         except ValueError:
             continue
         if len(out) >= LISTENERS_MAX:
@@ -108,7 +109,7 @@ def _diag_listeners(family: int) -> list[Listener]:
                     ip = ipaddress.ip_address(f[6][:4] if family == socket.AF_INET else f[6])
                     mapped = ip.ipv4_mapped if isinstance(ip, ipaddress.IPv6Address) else None
                     addr = str(mapped if mapped is not None else ip)
-                    out.append(Listener(addr, port, f[14]))
+                    out.append(Listener(addr, port, f[14], f[13]))
                 at += (length + 3) & ~3
             if not data:
                 break

@@ -57,6 +57,7 @@ class Connection:
     failure closes it; the next request connects again."""
 
     def __init__(self, base_url: str, timeout_s: float) -> None:
+        self.base_url = base_url
         parts = urllib.parse.urlsplit(base_url)
         try:
             port = parts.port
@@ -273,12 +274,18 @@ class RayStateSource:
 
 
 RAYLET_COMM = "raylet"
+# Ray's own raylet executable, as every Ray wheel installs it (site-packages/ray/core/src/ray/raylet/raylet): a process
+# that only calls itself `raylet` (its comm, which any user sets with prctl or by naming a script) is not one.
+RAYLET_EXE_SUFFIX = "/ray/core/src/ray/raylet/raylet"
+DELETED = " (deleted)"  # the kernel's mark on an executable replaced since (a pip upgrade under a running raylet)
 
 
 @dataclass(frozen=True, slots=True)
 class LocalRaylet:
     """A raylet in our network namespace, from its command line: the node it serves, its cluster's GCS, and the
-    interpreter its Python workers run (the engine's own: Ray runs every worker with the driver's environment)."""
+    interpreter its Python workers run (the engine's own: Ray runs every worker with the driver's environment). Its
+    `uid` owns the cluster it serves on this node (core.kill.raygroup.Cluster): only that user's processes are its
+    members, and only that user's interpreter is ever run for it (start_remove_pg)."""
 
     pid: int
     node_id: str
@@ -294,14 +301,24 @@ def _flag(argv: tuple[str, ...], name: str) -> str:
     return next((a[len(prefix) :] for a in argv if a.startswith(prefix)), "")
 
 
+def is_raylet_exe(proc_root: Path | str, pid: int) -> bool:
+    """Whether `pid` runs Ray's own raylet executable (/proc/PID/exe, which the kernel sets at exec)."""
+    try:
+        exe = os.readlink(f"{proc_root}/{pid}/exe")
+    except OSError:
+        return False
+    return exe.removesuffix(DELETED).endswith(RAYLET_EXE_SUFFIX)
+
+
 def local_raylets(procs: Iterable[Proc], proc_root: Path) -> tuple[LocalRaylet, ...]:
-    """The raylets in our own network namespace (a few readlinks: raylets only)."""
+    """The raylets in our own network namespace: Ray's raylet executable, not a name (a few readlinks: processes
+    named raylet only)."""
     out = []
     for p in procs:
         if p.comm != RAYLET_COMM:
             continue
         node_id = _flag(p.argv, "node_id")
-        if not node_id or not same_netns(proc_root, p.pid):
+        if not node_id or not same_netns(proc_root, p.pid) or not is_raylet_exe(proc_root, p.pid):
             continue
         worker = _flag(p.argv, "python_worker_command").split(" ", 1)[0]
         node_ip = _flag(p.argv, "node_ip_address")
@@ -309,6 +326,136 @@ def local_raylets(procs: Iterable[Proc], proc_root: Path) -> tuple[LocalRaylet, 
             LocalRaylet(p.pid, node_id, _flag(p.argv, "gcs-address"), worker, node_ip, "--head" in p.argv, p.uid)
         )
     return tuple(out)
+
+
+@dataclass(frozen=True, slots=True)
+class DashboardOwner:
+    """Whose Ray state a dashboard URL serves: the uid whose process holds its listening socket on this node (the
+    kernel's record of the socket's maker, /proc/net/tcp's uid column), else None and why."""
+
+    uid: int | None
+    why: str = ""
+
+
+def dashboard_owner(url: str, proc_root: Path | str) -> DashboardOwner:
+    """A dashboard on this node is believed as the cluster of the user whose process listens on its port: any user may
+    bind 8265 while no Ray dashboard runs (an unprivileged port), and then its answers are that user's word. One on
+    another host is not this node's to prove: plain HTTP from there is display-only (docs/security.md)."""
+    from sparkwatch.telemetry.sources.listeners import listeners  # noqa: PLC0415  (a node with a raylet)
+
+    parts = urllib.parse.urlsplit(url)
+    try:
+        port = parts.port or (443 if parts.scheme == "https" else 80)
+    except ValueError:
+        return DashboardOwner(None, "ray_dashboard_url: not a port")
+    host = parts.hostname or ""
+    address = _local_address(host)
+    if address is None:
+        return DashboardOwner(None, f"{host} is not an address of this node: its answers are display-only")
+    wildcard = "::" if ":" in address else "0.0.0.0"
+    rows = [
+        lst
+        for lst in listeners(proc_root, os.getpid())
+        if lst.port == port and lst.address in (address, wildcard, "::")
+    ]
+    if not rows:
+        return DashboardOwner(None, f"nothing listens on {host}:{port}")
+    uids = {lst.uid for lst in rows}
+    if len(uids) != 1 or -1 in uids:
+        return DashboardOwner(None, f"{host}:{port} is held by several users")
+    return DashboardOwner(uids.pop())
+
+
+def _local_address(host: str) -> str | None:
+    """`host` as a literal address when it is one of this node's own (loopback, or the route to it is local: the
+    kernel then picks it as the source of a datagram socket connected to it), else None. No name is resolved."""
+    import ipaddress  # noqa: PLC0415
+    import socket  # noqa: PLC0415
+
+    if host == "localhost":
+        return "127.0.0.1"
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        return None
+    if ip.is_loopback:
+        return str(ip)
+    family = socket.AF_INET6 if ip.version == 6 else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_DGRAM) as probe:
+            probe.connect((str(ip), 9))  # a route lookup: nothing is sent
+            local = probe.getsockname()[0]
+    except OSError:
+        return None
+    return str(ip) if local == str(ip) else None
+
+
+def cluster_owner(url: str, raylets: Iterable[LocalRaylet], proc_root: Path | str) -> tuple[int | None, str | None]:
+    """The user whose cluster the dashboard at `url` serves to this node, and None; or None and why none is.
+
+    On this node: the user holding its port (dashboard_owner). On another host (a worker node reading the head's):
+    the user of this node's raylets whose GCS is on that host. That answer is plain HTTP from the link: it can hurt
+    only that user's own Ray members here (their ranks, drivers and API server), never another user's process."""
+    parts = urllib.parse.urlsplit(url)
+    host = parts.hostname or ""
+    if _local_address(host) is not None:
+        owner = dashboard_owner(url, proc_root)
+        return owner.uid, None if owner.uid is not None else owner.why
+    uids = {r.uid for r in raylets if urllib.parse.urlsplit(f"//{r.gcs_address}").hostname == host}
+    if len(uids) == 1:
+        return uids.pop(), None
+    if not uids:
+        return None, f"no raylet here belongs to the cluster whose GCS is on {host}"
+    return None, f"raylets of several users here belong to a cluster on {host}"
+
+
+DASHBOARD_SCRIPT = "/ray/dashboard/dashboard.py"  # ray._private.services.start_api_server: `--host=H --port=N`
+
+
+def local_dashboard_url(procs: Iterable[Proc], uid: int, proc_root: Path | str) -> str | None:
+    """The dashboard that user's own Ray started on this node (its process: Ray's dashboard.py, `--port=N`, in our
+    network namespace), as a URL this node reaches it at: `ray start --head --dashboard-port` needs no
+    `ray_dashboard_url` then. None when that user runs none here."""
+    for p in procs:
+        if p.uid != uid or not any(a.endswith(DASHBOARD_SCRIPT) for a in p.argv[:4]):
+            continue
+        port, host = _flag(p.argv, "port"), _flag(p.argv, "host")
+        if not port.isdigit() or not same_netns(proc_root, p.pid):
+            continue
+        host = "127.0.0.1" if host in ("", "0.0.0.0", "localhost") else host
+        return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class Identity:
+    """Who a helper runs as: a raylet's own user, its groups (/proc/PID/status)."""
+
+    uid: int
+    gid: int
+    groups: tuple[int, ...]
+
+
+def raylet_identity(raylet: LocalRaylet, proc_root: Path | str) -> Identity:
+    """The raylet's real uid, gid and supplementary groups, read from its status now; raises OSError when it is gone
+    or is no longer that user's."""
+    uid = gid = -1
+    groups: tuple[int, ...] = ()
+    with open(f"{proc_root}/{raylet.pid}/status", encoding="ascii", errors="replace") as fh:
+        for line in fh.read(1 << 16).splitlines():
+            key, _sep, value = line.partition(":")
+            try:
+                if key == "Uid":
+                    uid = int(value.split()[0])
+                elif key == "Gid":
+                    gid = int(value.split()[0])
+                elif key == "Groups":
+                    groups = tuple(int(g) for g in value.split())
+            except (ValueError, IndexError):
+                raise OSError(f"raylet {raylet.pid}: unreadable {key}") from None
+    if uid != raylet.uid or uid < 0 or gid < 0:
+        raise OSError(f"raylet {raylet.pid} is no longer the user {raylet.uid}'s")
+    return Identity(uid, gid, groups)
 
 
 # Removing a placement group: Ray offers no REST call for it, and sparkwatch never imports Ray. A short-lived helper
@@ -324,16 +471,45 @@ ray.init(address=sys.argv[1], logging_level=40, log_to_driver=False)
 remove_placement_group(PlacementGroup(PlacementGroupID(bytes.fromhex(sys.argv[2]))))
 ray.shutdown()
 """
+HELPER_PATH = "/usr/local/bin:/usr/bin:/bin"  # the helper's whole PATH: nothing of the agent's environment
 
 
-def start_remove_pg(raylet: LocalRaylet, group: str) -> subprocess.Popen[bytes]:
-    """Start the helper that removes placement group `group` through `raylet`'s cluster; raises OSError."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SPARKWATCH_")}
-    env["RAY_USAGE_STATS_ENABLED"] = "0"
+def start_remove_pg(raylet: LocalRaylet, group: str, proc_root: Path | str = "/proc") -> subprocess.Popen[bytes]:
+    """Start the helper that removes placement group `group` through `raylet`'s cluster; raises OSError (and
+    PermissionError when it may not run).
+
+    The interpreter comes from the raylet's command line, so it is that user's code: it runs as the raylet's own
+    uid, gid and groups (never the agent's root), from a clean environment and `/`, and only from an interpreter that
+    user or root owns (another user's writable file would be a third user's code). An agent that is not root runs it
+    only for its own user's raylet."""
+    who = raylet_identity(raylet, proc_root)
+    python = raylet.python
+    if not python.startswith("/"):
+        raise PermissionError(f"{python!r} is not an absolute path")
+    st = os.stat(python)  # the file the link leads to (a venv's python is a link to the system's)
+    if st.st_uid not in (who.uid, 0):
+        raise PermissionError(f"{python} belongs to uid {st.st_uid}, neither the raylet's user {who.uid} nor root")
+    env = {"PATH": HELPER_PATH, "HOME": _home(who.uid), "LC_ALL": "C.UTF-8", "RAY_USAGE_STATS_ENABLED": "0"}
+    drop: dict[str, Any] = {}
+    if who.uid != os.geteuid():
+        if os.geteuid() != 0:
+            raise PermissionError(f"the raylet runs as uid {who.uid}: only its user or root may act for it")
+        drop = {"user": who.uid, "group": who.gid, "extra_groups": list(who.groups)}
     return subprocess.Popen(
-        [raylet.python, "-c", REMOVE_PG, raylet.gcs_address, group],
+        [python, "-c", REMOVE_PG, raylet.gcs_address, group],
         env=env,
+        cwd="/",
         stdin=subprocess.DEVNULL,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
+        **drop,
     )
+
+
+def _home(uid: int) -> str:
+    import pwd  # noqa: PLC0415
+
+    try:
+        return pwd.getpwuid(uid).pw_dir or "/"
+    except KeyError:
+        return "/"
