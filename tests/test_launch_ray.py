@@ -139,7 +139,9 @@ def test_another_user_s_process_named_raylet_never_refuses_the_launch(spawner: S
     bin_dir = Path(tempfile.mkdtemp(prefix="sw-raylet-"))
     try:
         bin_dir.chmod(0o755)
-        fake = bin_dir / "raylet"
+        # at Ray's own path (a raylet is Ray's executable: telemetry.sources.raystate), its cluster nobody's
+        fake = bin_dir / "ray" / "core" / "src" / "ray" / "raylet" / "raylet"
+        fake.parent.mkdir(parents=True, mode=0o755)
         shutil.copy("/bin/sh", fake)
         fake.chmod(0o755)
         as_nobody = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]

@@ -767,7 +767,9 @@ def test_the_guard_process_honours_group_teardown_itself(tmp_path: Path, on: boo
             },
         )
         gp = GuardProcess(guard_config(settings), telemetry=None)
-        msg = GroupTeardownMsg("pg1", raygroup.RANK_DIED, "10.0.0.2", 300, ((rank.pid, ticks, raygroup.RANK),), 1.0)
+        msg = GroupTeardownMsg(
+            "pg1", raygroup.RANK_DIED, "10.0.0.2", 300, ((rank.pid, ticks, raygroup.RANK),), 1.0, owner_uid=os.getuid()
+        )
         assert gp.supervisor.on_group_teardown is not None
         gp.supervisor.on_group_teardown(msg)
         gp.guard.reaper.start()
