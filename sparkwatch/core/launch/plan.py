@@ -125,22 +125,68 @@ class MemoryView:
     cpus: int = 1
 
 
+# How long a declared engine counts as booting after its root started, by the kernel's start time (its declaration's
+# phase is its owner's word, so a "still booting" forged or left behind lapses here). launch's own boots took 412 s
+# for a 32B model with its first flashinfer JIT (docs/launch.md); a cold 120 GB checkpoint from disk and every JIT
+# module built fresh stays well under 30 minutes.
+BOOT_MAX_S = 1800.0
+
+
 @dataclass(frozen=True, slots=True)
 class Reservation:
-    """An engine already running: what it may still take is its budget minus what it holds now."""
+    """An engine already running, as the plan holds it. What it may still take (`reserved_bytes`, the rule in
+    `reserve`) needs no trust in the declaration beyond what the declaring user can only lower: every input that
+    grants a reservation is the kernel's (the tree's RSS, its root's age, whether the rules see an engine in it),
+    or bounds it by the launch's own plan (its estimate, its budget)."""
 
     kind: str
     root_pid: int
     name: str
-    footprint_bytes: int
+    footprint_bytes: int  # what its tree holds now: RSS from /proc, never the declaration's measured peak
     budget_bytes: int | None = None
-    booting: bool = False
+    booting: bool = False  # its declaration says so (phase before ready)
+    estimate_bytes: int | None = None  # the plan's estimate it was launched with (None: undeclared, or none given)
+    phase: str = ""  # the declared boot phase, for the plan line
+    age_s: float | None = None  # since its root started (the kernel's start time); None: unknown
+    engine: bool = False  # the engine rules see an engine in its tree (no declaration's word taken for it)
+    other_uid: int | None = None  # the declarer, when another user (None: the user planning)
 
     @property
     def reserved_bytes(self) -> int:
-        if self.budget_bytes is None:
-            return 0
-        return max(self.budget_bytes - self.footprint_bytes, 0)
+        return reserve(self)[0]
+
+    @property
+    def why(self) -> str:
+        return reserve(self)[1]
+
+
+def reserve(r: Reservation) -> tuple[int, str]:
+    """What a running engine may still take from the pool a new launch plans against, and the rule's words.
+
+    A declaration reserves only for a tree still booting: its declaration says it is not ready yet, its root is
+    younger than BOOT_MAX_S, and its tree is an engine (by the engine rules; the planning user's own declaration
+    also by its word: an engine the rules do not name is still theirs to plan around). It reserves what its engine
+    could still take by the plan it was launched with: the estimate (or the budget, when lower: the guard kills
+    beyond it) less what its tree holds now; never the raw budget, never more than the estimate. So an idle process
+    of any user, declared with any budget, reserves nothing; a ready engine holds what it holds (already out of
+    MemAvailable); and a booting one reserves at most the estimate its own launch computed."""
+    if r.estimate_bytes is None:
+        return 0, "no plan's estimate declared" if r.budget_bytes is not None else "not declared"
+    if not r.booting:
+        return 0, "ready: what it holds is already out of MemAvailable"
+    if not r.engine and r.other_uid is not None:
+        return 0, "its tree is no engine"
+    if r.age_s is None or r.age_s >= BOOT_MAX_S:
+        age = "of unknown age" if r.age_s is None else f"{r.age_s:.0f} s old"
+        return 0, f"said to boot, but {age}: past the {BOOT_MAX_S:.0f} s a boot may take"
+    bound = r.estimate_bytes if r.budget_bytes is None else min(r.estimate_bytes, r.budget_bytes)
+    which = "its plan's estimate" if bound == r.estimate_bytes else "its budget (under its plan's estimate)"
+    held = max(r.footprint_bytes, 0)
+    text = (
+        f"booting ({r.phase or 'starting'}, {r.age_s:.0f} s of at most {BOOT_MAX_S:.0f} s): {which} "
+        f"{format_size(bound)} less the {format_size(held)} its tree holds"
+    )
+    return max(bound - held, 0), text
 
 
 @dataclass(frozen=True, slots=True)
