@@ -1,8 +1,9 @@
 """Will this engine fit? The footprint estimate of `sparkwatch launch`, as named terms, and the fit decision.
 
 Pure: the caller passes what the engine's command line says (core.engines.enginecli), what its checkpoint's file sizes
-and config.json say (ModelFacts, read by common.sources.checkpoint), the pool now (MemoryView) and what engines already
-running may still take (Reservation). docs/launch.md gives every term with its source.
+and config.json say (ModelFacts, read by common.sources.checkpoint), the pool now (MemoryView) and the engines already
+running (Reservation: what the kernel says of each tree and what its launch declared; `reserve` decides what it may
+still take). docs/launch.md gives every term with its source.
 
 The terms, and the phase each one belongs to (the peak is the largest phase, not the sum of all):
 - weights: the checkpoint's file sizes (safetensors shards, a GGUF file), split over tensor-parallel ranks;
@@ -335,9 +336,10 @@ def jit_jobs(available_bytes: int, cpus: int, headroom_bytes: int = JIT_HEADROOM
 def launch_jobs(view: MemoryView, engine_bytes: int, reserved_bytes: int = 0) -> int:
     """MAX_JOBS for an engine about to start: flashinfer's formula over the memory that will be available when its
     JIT runs (MemAvailable now less what the engine holds by then: weights, activations, overhead, and less what
-    running engines' budgets may still take), with the floor and margin as headroom where they exceed flashinfer's
-    16 GiB. flashinfer measures at JIT time; launch sets the variable before the weights load, so it subtracts them
-    itself. The plan's jit_workers term and the MAX_JOBS launch sets are this one count (core.launch.launchenv)."""
+    engines still booting may still take: `reserve`), with the floor and margin as headroom where they exceed
+    flashinfer's 16 GiB. flashinfer measures at JIT time; launch sets the variable before the weights load, so it
+    subtracts them itself. The plan's jit_workers term and the MAX_JOBS launch sets are this one count
+    (core.launch.launchenv)."""
     headroom = max(JIT_HEADROOM_BYTES, view.floor_bytes + view.margin_bytes)
     return jit_jobs(view.available_bytes - reserved_bytes - engine_bytes, view.cpus, headroom)
 
@@ -553,7 +555,7 @@ def estimate(
     extra: Sequence[Term] = (),
 ) -> Estimate:
     """The footprint estimate of `cmd`. `jobs`: the MAX_JOBS its compilers will run with (default: flashinfer's
-    cap, launch_jobs, over MemAvailable less `reserved_bytes`, what running engines' budgets may still take).
+    cap, launch_jobs, over MemAvailable less `reserved_bytes`, what engines still booting may still take: `reserve`).
     `engine_reads` overrides which figure vLLM's start-up check reads. `extra`: terms held in every phase besides
     the engine's own (a node's share of an engine spanning nodes: core.launch.nodeplan). Raises ValueError for a
     flag value the engine itself would refuse, naming the flag."""
