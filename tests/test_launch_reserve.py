@@ -79,11 +79,14 @@ def test_without_an_estimate_the_budget_reserves_nothing() -> None:
     assert reserve(undeclared) == (0, "not declared")
 
 
-def test_the_planning_users_own_declaration_needs_no_engine_rule() -> None:
-    """An engine the rules do not name (`launch --budget 20GiB -- python serve.py`) is its owner's to plan around."""
-    own = booting(engine=False, other_uid=None, estimate_bytes=20 * GiB, budget_bytes=20 * GiB, footprint_bytes=GiB)
+def test_the_planning_users_own_launch_needs_no_engine_rule() -> None:
+    """An engine the rules do not name (`launch --budget 20GiB -- python serve.py`) is its owner's to plan around
+    while its launch runs it; an idle process declared by hand is not, even the planner's own."""
+    own = booting(engine=False, other_uid=None, estimate_bytes=20 * GiB, budget_bytes=20 * GiB, footprint_bytes=GiB,
+                  launched=True)  # fmt: skip
     assert reserve(own)[0] == 19 * GiB
     assert reserve(replace(own, other_uid=NOBODY))[0] == 0
+    assert reserve(replace(own, launched=False)) == (0, "its tree is no engine")
 
 
 def test_the_fix_still_names_a_booting_engine_to_wait_for() -> None:
@@ -103,6 +106,7 @@ def test_the_fix_still_names_a_booting_engine_to_wait_for() -> None:
     age_s=st.none() | st.floats(0, 10 * BOOT_MAX_S),
     engine=st.booleans(),
     other_uid=st.none() | st.just(NOBODY),
+    launched=st.booleans(),
 )
 def test_a_reservation_never_exceeds_the_estimate_less_what_is_held(
     *,
@@ -113,9 +117,10 @@ def test_a_reservation_never_exceeds_the_estimate_less_what_is_held(
     age_s: float | None,
     engine: bool,
     other_uid: int | None,
+    launched: bool,
 ) -> None:
     r = Reservation(
-        "vllm", 1, "x", footprint, budget, is_booting, estimate_bytes, "profiling", age_s, engine, other_uid
+        "vllm", 1, "x", footprint, budget, is_booting, estimate_bytes, "profiling", age_s, engine, other_uid, launched
     )
     got = reserve(r)[0]
     assert got >= 0
@@ -123,4 +128,4 @@ def test_a_reservation_never_exceeds_the_estimate_less_what_is_held(
         assert estimate_bytes is not None and got <= estimate_bytes - footprint
         assert budget is None or got <= budget - footprint
         assert is_booting and age_s is not None and age_s < BOOT_MAX_S
-        assert engine or other_uid is None
+        assert engine or (other_uid is None and launched)

@@ -145,6 +145,7 @@ def running(
     engines = set(engine_kinds(procs, finder.rules)) if decls else set()  # the rules alone: no declaration's word
     uptime_s = _uptime_s(settings.proc_root) if decls else None
     me = os.geteuid()
+    parents = {p.pid: p.ppid for p in procs}
     out = []
     for d in decls:
         pids = read_descendants(settings.proc_root, [d.root_pid])
@@ -162,6 +163,7 @@ def running(
                 age_s=age_s,
                 engine=any(pid in engines for pid in pids),
                 other_uid=None if d.uid == me else d.uid,
+                launched=parents.get(d.root_pid) == d.launcher_pid,
             )
         )
     declared = {d.root_pid for d in decls}

@@ -151,6 +151,7 @@ class Reservation:
     age_s: float | None = None  # since its root started (the kernel's start time); None: unknown
     engine: bool = False  # the engine rules see an engine in its tree (no declaration's word taken for it)
     other_uid: int | None = None  # the declarer, when another user (None: the user planning)
+    launched: bool = False  # its root's parent is the launch that declared it (the kernel's ppid)
 
     @property
     def reserved_bytes(self) -> int:
@@ -166,16 +167,16 @@ def reserve(r: Reservation) -> tuple[int, str]:
 
     A declaration reserves only for a tree still booting: its declaration says it is not ready yet, its root is
     younger than BOOT_MAX_S, and its tree is an engine (by the engine rules; the planning user's own declaration
-    also by its word: an engine the rules do not name is still theirs to plan around). It reserves what its engine
-    could still take by the plan it was launched with: the estimate (or the budget, when lower: the guard kills
-    beyond it) less what its tree holds now; never the raw budget, never more than the estimate. So an idle process
-    of any user, declared with any budget, reserves nothing; a ready engine holds what it holds (already out of
-    MemAvailable); and a booting one reserves at most the estimate its own launch computed."""
+    also by its word while its launch runs it: an engine the rules do not name is still theirs to plan around). It
+    reserves what its engine could still take by the plan it was launched with: the estimate (or the budget, when
+    lower: the guard kills beyond it) less what its tree holds now; never the raw budget, never more than the
+    estimate. So an idle process of any user, declared with any budget, reserves nothing; a ready engine holds what
+    it holds (already out of MemAvailable); and a booting one reserves at most the estimate its own launch computed."""
     if r.estimate_bytes is None:
         return 0, "no plan's estimate declared" if r.budget_bytes is not None else "not declared"
     if not r.booting:
         return 0, "ready: what it holds is already out of MemAvailable"
-    if not r.engine and r.other_uid is not None:
+    if not r.engine and (r.other_uid is not None or not r.launched):
         return 0, "its tree is no engine"
     if r.age_s is None or r.age_s >= BOOT_MAX_S:
         age = "of unknown age" if r.age_s is None else f"{r.age_s:.0f} s old"
