@@ -300,6 +300,109 @@ def test_a_declaration_naming_pid_1_does_not_block_roots_launch(runtime: Runtime
     assert "pid 1" not in done.stdout + done.stderr
 
 
+def idle_process(spawner: Spawner, uid: int) -> tuple[int, int]:
+    """An idle process of `uid` (a `sleep`): (pid, start ticks) once the kernel says `uid` owns it."""
+    proc = spawner.popen(["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "sleep", "120"])
+    assert wait_until(lambda: read_start_ticks("/proc", proc.pid) is not None and
+                      os.stat(f"/proc/{proc.pid}").st_uid == uid, 10)  # fmt: skip
+    ticks = read_start_ticks("/proc", proc.pid)
+    assert ticks is not None
+    return proc.pid, ticks
+
+
+def roots_plan(rt: Runtime, box: Box, tmp_path: Path, *flags: str) -> subprocess.CompletedProcess[str]:
+    model = tmp_path / "model"
+    if not model.exists():
+        small_model(tmp_path)
+    return root_command(rt, box.env, "launch", "--plan", *flags, "--", *small_args(model, fitting_util()))
+
+
+def reserved_for(plan: dict[str, Any], pid: int) -> dict[str, Any]:
+    entries: list[dict[str, Any]] = plan["reserved"]
+    return next(r for r in entries if r["root_pid"] == pid)
+
+
+def test_another_users_idle_declaration_of_100_tib_does_not_block_roots_launch(
+    runtime: Runtime, box: Box, spawner: Spawner, tmp_path: Path
+) -> None:
+    """Old main: nobody's `sleep`, declared booting with a 100 TiB budget and estimate, was a 100 TiB reservation:
+    every launch on the box refused ("short by 100.0 TiB")."""
+    runtime.login(NOBODY)
+    pid, ticks = idle_process(spawner, NOBODY)
+    decl = declaration(pid, ticks, NOBODY, 100 << 40, estimate_bytes=100 << 40)
+    declare(runtime, NOBODY, launched.encode(decl), f"{pid}-{ticks}.json")
+    done = roots_plan(runtime, box, tmp_path, "--json")
+    assert done.returncode == 0, (done.stdout, done.stderr)
+    plan = json.loads(done.stdout)
+    mine = reserved_for(plan, pid)  # read, vouched for, and held to the rule
+    assert mine["reserved_bytes"] == 0 and mine["why"] == "its tree is no engine" and mine["uid"] == NOBODY, mine
+    text = roots_plan(runtime, box, tmp_path)
+    assert text.returncode == 0 and f"pid {pid}" not in text.stdout + text.stderr, text.stdout
+
+
+def test_seven_idle_1_gib_declarations_take_nothing_off_roots_plan(
+    runtime: Runtime, box: Box, spawner: Spawner, tmp_path: Path
+) -> None:
+    """Old main: seven idle processes of nobody's, each declared with 1 GiB, took 7 GiB off every plan."""
+    runtime.login(NOBODY)
+    pids = set()
+    for _ in range(7):
+        pid, ticks = idle_process(spawner, NOBODY)
+        decl = declaration(pid, ticks, NOBODY, GiB, estimate_bytes=GiB)
+        declare(runtime, NOBODY, launched.encode(decl), f"{pid}-{ticks}.json")
+        pids.add(pid)
+    done = roots_plan(runtime, box, tmp_path, "--json")
+    assert done.returncode == 0, (done.stdout, done.stderr)
+    plan = json.loads(done.stdout)
+    theirs = [r for r in plan["reserved"] if r["root_pid"] in pids]
+    assert len(theirs) == 7 and sum(r["reserved_bytes"] for r in theirs) == 0, theirs
+    mem = plan["memory"]
+    assert plan["available_bytes"] == mem["available_bytes"] - mem["floor_bytes"] - mem["margin_bytes"]
+    assert {r["uid"] for r in theirs} == {NOBODY}
+
+
+def tree_rss_bytes(root: int) -> int:
+    from sparkwatch.common.sources.procs import read_descendants, read_rss_bytes
+
+    return read_rss_bytes("/proc", read_descendants("/proc", [root]))
+
+
+def test_another_users_booting_engine_reserves_its_estimate_less_what_it_holds(
+    runtime: Runtime, box: Box, spawner: Spawner, tmp_path: Path
+) -> None:
+    """nobody's engine tree (VLLM::EngineCore and a child holding 256 MiB) declared loading its weights, with an
+    estimate of 2 GiB and a budget of 100 TiB: it reserves 2 GiB less what its tree holds, named as nobody's, and
+    nothing once declared ready. Old main reserved the budget less the declared peak: 100 TiB."""
+    enough_memory(512 * MiB)
+    runtime.login(NOBODY)
+    pid, ticks = user_engine(spawner, runtime, NOBODY, "--title", "VLLM::EngineCore_sw-decl-boot", "--hog-rate-mib",
+                             "400", "--hog-limit-mib", "256")  # fmt: skip
+    assert wait_until(lambda: tree_rss_bytes(pid) >= 256 * MiB, 20)
+    decl = declaration(pid, ticks, NOBODY, 100 << 40, estimate_bytes=2 * GiB).entered(BootPhase.LOADING_WEIGHTS,
+                                                                                      time.time())  # fmt: skip
+    name = f"{pid}-{ticks}.json"
+    declare(runtime, NOBODY, launched.encode(decl), name)
+    done = roots_plan(runtime, box, tmp_path, "--json")
+    held = tree_rss_bytes(pid)
+    assert done.returncode == 0, (done.stdout, done.stderr)
+    plan = json.loads(done.stdout)
+    mine = reserved_for(plan, pid)
+    # What the tree held when the plan read it, within what its interpreters may have grown meanwhile.
+    assert 2 * GiB - held <= mine["reserved_bytes"] <= 2 * GiB - 256 * MiB, (mine, held)
+    assert mine["uid"] == NOBODY and mine["why"].startswith("booting (loading_weights, "), mine
+    mem = plan["memory"]
+    assert plan["available_bytes"] == mem["available_bytes"] - mem["floor_bytes"] - mem["margin_bytes"] - sum(
+        r["reserved_bytes"] for r in plan["reserved"]
+    )
+    text = roots_plan(runtime, box, tmp_path)
+    line = next(x for x in text.stdout.splitlines() if f"(pid {pid}" in x)
+    assert line.startswith(f"  reserved for vllm m{pid} (pid {pid}, another user's: uid {NOBODY}): "), line
+    assert "its plan's estimate 2.0 GiB less the " in line and "its tree holds" in line, line
+    declare(runtime, NOBODY, launched.encode(decl.entered(BootPhase.READY, time.time())), name)
+    ready = json.loads(roots_plan(runtime, box, tmp_path, "--json").stdout)
+    assert reserved_for(ready, pid)["reserved_bytes"] == 0
+
+
 def dead_pids(count: int) -> list[int]:
     with open("/proc/sys/kernel/pid_max") as fh:
         top = int(fh.read())

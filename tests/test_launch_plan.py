@@ -252,10 +252,16 @@ def test_fragmented_pool_is_compacted_first() -> None:
     assert plan.fixes[0].action == FixAction.COMPACT
 
 
-def test_a_running_engines_budget_is_reserved_and_named_in_the_fix() -> None:
+def booting(footprint: int, estimate: int, budget: int | None = None) -> Reservation:
+    """A declared engine tree 60 s into its boot, as launch_plan.running reads it."""
+    return Reservation("vllm", 4242, "vllm prod", footprint_bytes=footprint, budget_bytes=budget, booting=True,
+                       estimate_bytes=estimate, phase="loading_weights", age_s=60.0, engine=True)  # fmt: skip
+
+
+def test_a_booting_engines_plan_is_reserved_and_named_in_the_fix() -> None:
     cmd = recognise(["llama-server", "-m", "x.gguf", "-c", "4096"])
     v = view(available=40 * GiB)
-    running = Reservation("vllm", 4242, "vllm prod", footprint_bytes=20 * GiB, budget_bytes=50 * GiB, booting=True)
+    running = booting(footprint=20 * GiB, estimate=50 * GiB, budget=55 * GiB)
     plan = decide(estimate(cmd, QWEN3_8B, v), v, [running])
     assert plan.available_bytes == 40 * GiB - 8 * GiB - 1 * GiB - 30 * GiB
     assert not plan.fits
@@ -511,12 +517,12 @@ def test_a_gguf_header_is_read_past_its_arrays(tmp_path: Path) -> None:
 
 
 def test_max_jobs_follows_what_running_engines_may_still_take() -> None:
-    """A booting engine's budget is reserved: the JIT has that much less room. The count ignored it (3 jobs, 24 GiB
+    """A booting engine's plan is reserved: the JIT has that much less room. The count ignored it (3 jobs, 24 GiB
     of compilers, does not fit); launch sets the count the plan assumes, so the plan now says MAX_JOBS=1 and fits."""
     cmd = recognise(["vllm", "serve", "m", "--kv-cache-memory-bytes", "2G", "--gpu-memory-utilization", "0.3",
                      "--max-model-len", "4096"])  # fmt: skip
     v = view(available=64 * GiB)
-    prod = Reservation("vllm", 4242, "vllm prod", footprint_bytes=10 * GiB, budget_bytes=36 * GiB, booting=True)
+    prod = booting(footprint=10 * GiB, estimate=36 * GiB)
     plan = plan_launch(cmd, QWEN3_8B, v, [prod])
     assert plan.estimate.jobs == 1 and plan.fits, fix_line(plan)
     jit = next(t for t in plan.terms if t.name == "jit_workers")
@@ -547,7 +553,7 @@ def test_every_suggested_flag_fix_fits_when_applied(
     "use a quantized model" while the weights would fit."""
     facts = replace(QWEN3_8B, weights_bytes=weights)
     v = view(available, free=available // 2 if memfree else None, floor=8 * GiB)
-    running = [Reservation("vllm", 4242, "vllm prod", footprint_bytes=0, budget_bytes=reserved)] if reserved else []
+    running = [booting(footprint=0, estimate=reserved)] if reserved else []
     reads = FreeSource.MEM_FREE if memfree else None
     cmd = recognise(argv)
     plan = plan_launch(cmd, facts, v, running, jobs=jobs, engine_reads=reads)

@@ -22,6 +22,7 @@ from sparkwatch.common.durable import read_regular
 from sparkwatch.common.sources.buddyinfo import page_size_bytes, read_buddyinfo
 from sparkwatch.common.sources.checkpoint import read_facts
 from sparkwatch.common.sources.meminfo import MeminfoReader
+from sparkwatch.common.sources.procs import read_descendants, read_rss_bytes
 from sparkwatch.core.driver.freeblocks import BuddyinfoError, free_bytes_in_blocks
 from sparkwatch.core.engines.enginecli import EngineCommand, EngineKind, recognise
 from sparkwatch.core.launch import launchenv, peaks
@@ -43,6 +44,7 @@ if TYPE_CHECKING:
     from sparkwatch.config.settings import Settings
 
 CONTIGUOUS_BLOCK_BYTES = 2 * MiB
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")  # the unit of a process's start time in /proc/PID/stat
 
 
 @dataclass(frozen=True)
@@ -126,33 +128,58 @@ def engine_version(argv: tuple[str, ...], package: str) -> tuple[int, ...] | Non
 def running(
     settings: Settings, env: Mapping[str, str], now: float
 ) -> tuple[tuple[launched.Declaration, ...], list[Reservation]]:
-    """Engines launched and still running (their budgets are reservations), and every other engine tree (named in a
-    fix, reserving nothing: what it holds is already out of MemAvailable)."""
+    """Engines launched and still running, and every other engine tree (named in a fix, reserving nothing: what it
+    holds is already out of MemAvailable). What a declared engine reserves is core.launch.plan.reserve's rule over
+    what the kernel says of its tree (RSS, its root's age, whether the engine rules see an engine in it) and its
+    launch's plan; the declaration's own word decides only whether it is still booting, which lapses at BOOT_MAX_S."""
     from sparkwatch.common.sources.enginetrees import EngineFinder
+    from sparkwatch.core.engines.identity import engine_kinds
 
     watch = launched.LaunchedWatch.of(env, settings.state_dir, settings.proc_root)
     decls = tuple(d for d in watch.poll() if d.exited_at is None and _alive(d.root_pid, d.start_ticks, settings))
-    out = [
-        Reservation(
-            kind=d.kind,
-            root_pid=d.root_pid,
-            name=f"{d.kind} {d.model}".strip(),
-            footprint_bytes=d.peak_bytes or 0,
-            budget_bytes=d.budget_bytes,
-            booting=d.booting,
-        )
-        for d in decls
-    ]
-    declared = {d.root_pid for d in decls}
+    finder = EngineFinder.from_settings(settings, settings.proc_root, any_user=True)
     try:
-        trees = EngineFinder.from_settings(settings, settings.proc_root, any_user=True).find()
+        procs, trees = finder.scan()
     except OSError:
-        trees = []
+        procs, trees = (), []
+    engines = set(engine_kinds(procs, finder.rules)) if decls else set()  # the rules alone: no declaration's word
+    uptime_s = _uptime_s(settings.proc_root) if decls else None
+    me = os.geteuid()
+    parents = {p.pid: p.ppid for p in procs}
+    out = []
+    for d in decls:
+        pids = read_descendants(settings.proc_root, [d.root_pid])
+        age_s = None if uptime_s is None else max(uptime_s - d.start_ticks / CLOCK_TICKS, 0.0)
+        out.append(
+            Reservation(
+                kind=d.kind,
+                root_pid=d.root_pid,
+                name=f"{d.kind} {d.model}".strip(),
+                footprint_bytes=read_rss_bytes(settings.proc_root, pids),
+                budget_bytes=d.budget_bytes,
+                booting=d.booting,
+                estimate_bytes=d.estimate_bytes,
+                phase=str(d.phase),
+                age_s=age_s,
+                engine=any(pid in engines for pid in pids),
+                other_uid=None if d.uid == me else d.uid,
+                launched=parents.get(d.root_pid) == d.launcher_pid,
+            )
+        )
+    declared = {d.root_pid for d in decls}
     for tree in trees:
         if tree.root.pid in declared:
             continue
         out.append(Reservation(tree.kind, tree.root.pid, f"{tree.kind} {tree.root.display_name}", tree.rss_bytes))
     return decls, out
+
+
+def _uptime_s(proc_root: Path) -> float | None:
+    """Seconds since boot (<proc_root>/uptime: CLOCK_BOOTTIME, the clock of a process's start ticks)."""
+    try:
+        return float(read_regular(Path(proc_root) / "uptime", 256).split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def _alive(pid: int, start_ticks: int, settings: Settings) -> bool:
@@ -274,7 +301,8 @@ def plan_text(plan: Plan, ctx: PlanContext, short: bool = False) -> str:
         lines.append(f"  free in blocks of 2 MiB or more: {format_size(view.contiguous_free_bytes)}")
     reserved = [r for r in plan.reservations if r.reserved_bytes]
     for r in reserved:
-        lines.append(f"  reserved for {r.name} (pid {r.root_pid}): {format_size(r.reserved_bytes)} of its budget")
+        whose = "" if r.other_uid is None else f", another user's: uid {r.other_uid}"
+        lines.append(f"  reserved for {r.name} (pid {r.root_pid}{whose}): {format_size(r.reserved_bytes)}, {r.why}")
     check = est.check
     if check is not None and check.required_bytes:
         ok = "ok" if check.ok else "FAILS"
@@ -341,7 +369,14 @@ def plan_json(plan: Plan, ctx: PlanContext) -> dict[str, Any]:
             "contiguous_free_bytes": view.contiguous_free_bytes,
         },
         "reserved": [
-            {"kind": r.kind, "root_pid": r.root_pid, "name": r.name, "reserved_bytes": r.reserved_bytes}
+            {
+                "kind": r.kind,
+                "root_pid": r.root_pid,
+                "name": r.name,
+                "reserved_bytes": r.reserved_bytes,
+                "why": r.why,
+                "uid": r.other_uid,  # another user's declaration; null: the planning user's own, or undeclared
+            }
             for r in plan.reservations
         ],
         "fixes": [

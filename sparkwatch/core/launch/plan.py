@@ -1,8 +1,9 @@
 """Will this engine fit? The footprint estimate of `sparkwatch launch`, as named terms, and the fit decision.
 
 Pure: the caller passes what the engine's command line says (core.engines.enginecli), what its checkpoint's file sizes
-and config.json say (ModelFacts, read by common.sources.checkpoint), the pool now (MemoryView) and what engines already
-running may still take (Reservation). docs/launch.md gives every term with its source.
+and config.json say (ModelFacts, read by common.sources.checkpoint), the pool now (MemoryView) and the engines already
+running (Reservation: what the kernel says of each tree and what its launch declared; `reserve` decides what it may
+still take). docs/launch.md gives every term with its source.
 
 The terms, and the phase each one belongs to (the peak is the largest phase, not the sum of all):
 - weights: the checkpoint's file sizes (safetensors shards, a GGUF file), split over tensor-parallel ranks;
@@ -125,22 +126,69 @@ class MemoryView:
     cpus: int = 1
 
 
+# How long a declared engine counts as booting after its root started, by the kernel's start time (its declaration's
+# phase is its owner's word, so a "still booting" forged or left behind lapses here). launch's own boots took 412 s
+# for a 32B model with its first flashinfer JIT (docs/launch.md); a cold 120 GB checkpoint from disk and every JIT
+# module built fresh stays well under 30 minutes.
+BOOT_MAX_S = 1800.0
+
+
 @dataclass(frozen=True, slots=True)
 class Reservation:
-    """An engine already running: what it may still take is its budget minus what it holds now."""
+    """An engine already running, as the plan holds it. What it may still take (`reserved_bytes`, the rule in
+    `reserve`) needs no trust in the declaration beyond what the declaring user can only lower: every input that
+    grants a reservation is the kernel's (the tree's RSS, its root's age, whether the rules see an engine in it),
+    or bounds it by the launch's own plan (its estimate, its budget)."""
 
     kind: str
     root_pid: int
     name: str
-    footprint_bytes: int
+    footprint_bytes: int  # what its tree holds now: RSS from /proc, never the declaration's measured peak
     budget_bytes: int | None = None
-    booting: bool = False
+    booting: bool = False  # its declaration says so (phase before ready)
+    estimate_bytes: int | None = None  # the plan's estimate it was launched with (None: undeclared, or none given)
+    phase: str = ""  # the declared boot phase, for the plan line
+    age_s: float | None = None  # since its root started (the kernel's start time); None: unknown
+    engine: bool = False  # the engine rules see an engine in its tree (no declaration's word taken for it)
+    other_uid: int | None = None  # the declarer, when another user (None: the user planning)
+    launched: bool = False  # its root's parent is the launch that declared it (the kernel's ppid)
 
     @property
     def reserved_bytes(self) -> int:
-        if self.budget_bytes is None:
-            return 0
-        return max(self.budget_bytes - self.footprint_bytes, 0)
+        return reserve(self)[0]
+
+    @property
+    def why(self) -> str:
+        return reserve(self)[1]
+
+
+def reserve(r: Reservation) -> tuple[int, str]:
+    """What a running engine may still take from the pool a new launch plans against, and the rule's words.
+
+    A declaration reserves only for a tree still booting: its declaration says it is not ready yet, its root is
+    younger than BOOT_MAX_S, and its tree is an engine (by the engine rules; the planning user's own declaration
+    also by its word while its launch runs it: an engine the rules do not name is still theirs to plan around). It
+    reserves what its engine could still take by the plan it was launched with: the estimate (or the budget, when
+    lower: the guard kills beyond it) less what its tree holds now; never the raw budget, never more than the
+    estimate. So an idle process of any user, declared with any budget, reserves nothing; a ready engine holds what
+    it holds (already out of MemAvailable); and a booting one reserves at most the estimate its own launch computed."""
+    if r.estimate_bytes is None:
+        return 0, "no plan's estimate declared" if r.budget_bytes is not None else "not declared"
+    if not r.booting:
+        return 0, "ready: what it holds is already out of MemAvailable"
+    if not r.engine and (r.other_uid is not None or not r.launched):
+        return 0, "its tree is no engine"
+    if r.age_s is None or r.age_s >= BOOT_MAX_S:
+        age = "of unknown age" if r.age_s is None else f"{r.age_s:.0f} s old"
+        return 0, f"said to boot, but {age}: past the {BOOT_MAX_S:.0f} s a boot may take"
+    bound = r.estimate_bytes if r.budget_bytes is None else min(r.estimate_bytes, r.budget_bytes)
+    which = "its plan's estimate" if bound == r.estimate_bytes else "its budget (under its plan's estimate)"
+    held = max(r.footprint_bytes, 0)
+    text = (
+        f"booting ({r.phase or 'starting'}, {r.age_s:.0f} s of at most {BOOT_MAX_S:.0f} s): {which} "
+        f"{format_size(bound)} less the {format_size(held)} its tree holds"
+    )
+    return max(bound - held, 0), text
 
 
 @dataclass(frozen=True, slots=True)
@@ -289,9 +337,10 @@ def jit_jobs(available_bytes: int, cpus: int, headroom_bytes: int = JIT_HEADROOM
 def launch_jobs(view: MemoryView, engine_bytes: int, reserved_bytes: int = 0) -> int:
     """MAX_JOBS for an engine about to start: flashinfer's formula over the memory that will be available when its
     JIT runs (MemAvailable now less what the engine holds by then: weights, activations, overhead, and less what
-    running engines' budgets may still take), with the floor and margin as headroom where they exceed flashinfer's
-    16 GiB. flashinfer measures at JIT time; launch sets the variable before the weights load, so it subtracts them
-    itself. The plan's jit_workers term and the MAX_JOBS launch sets are this one count (core.launch.launchenv)."""
+    engines still booting may still take: `reserve`), with the floor and margin as headroom where they exceed
+    flashinfer's 16 GiB. flashinfer measures at JIT time; launch sets the variable before the weights load, so it
+    subtracts them itself. The plan's jit_workers term and the MAX_JOBS launch sets are this one count
+    (core.launch.launchenv)."""
     headroom = max(JIT_HEADROOM_BYTES, view.floor_bytes + view.margin_bytes)
     return jit_jobs(view.available_bytes - reserved_bytes - engine_bytes, view.cpus, headroom)
 
@@ -507,7 +556,7 @@ def estimate(
     extra: Sequence[Term] = (),
 ) -> Estimate:
     """The footprint estimate of `cmd`. `jobs`: the MAX_JOBS its compilers will run with (default: flashinfer's
-    cap, launch_jobs, over MemAvailable less `reserved_bytes`, what running engines' budgets may still take).
+    cap, launch_jobs, over MemAvailable less `reserved_bytes`, what engines still booting may still take: `reserve`).
     `engine_reads` overrides which figure vLLM's start-up check reads. `extra`: terms held in every phase besides
     the engine's own (a node's share of an engine spanning nodes: core.launch.nodeplan). Raises ValueError for a
     flag value the engine itself would refuse, naming the flag."""
