@@ -121,12 +121,15 @@ def open_dir(path: Path, mode: int = 0o700) -> int:
                 continue
             component = os.path.join(where, name)
             try:
-                os.mkdir(name, mode if last else PARENT_MODE, dir_fd=fd)
-            except FileExistsError:
-                pass
-            except OSError as exc:  # EACCES, EROFS…: said with the whole path, as mkdir -p says it
-                raise OSError(exc.errno, exc.strerror, component) from None
-            st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+                st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+            except FileNotFoundError:
+                try:
+                    os.mkdir(name, mode if last else PARENT_MODE, dir_fd=fd)
+                except FileExistsError:  # made meanwhile: looked at below as any other
+                    pass
+                except OSError as exc:  # EACCES, EROFS…: said with the whole path, as mkdir -p says it
+                    raise OSError(exc.errno, exc.strerror, component) from None
+                st = os.stat(name, dir_fd=fd, follow_symlinks=False)
             if stat.S_ISLNK(st.st_mode):
                 if last:
                     raise StateFileError(errno.ELOOP, "is a symlink; the state dir must be a real directory", str(path))
