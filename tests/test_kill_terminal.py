@@ -169,6 +169,21 @@ def test_the_note_reaches_only_the_victims_own_terminal(terminal: Terminal, tmp_
     assert not tell_terminal(0, owner, "no terminal")
 
 
+def test_a_cause_a_peer_named_reaches_the_owner_s_terminal_inert(terminal: Terminal) -> None:
+    """The note carries a group's cause, and a peer names it ("killed by sparkwatch on spark-b: …"): an escape
+    sequence in it (clear screen, retitle the window, CSI as one C1 byte) arrives as `?`, never as a sequence."""
+    with open(f"/proc/{terminal.shell.pid}/stat", "rb") as fh:
+        tty_nr = int(fh.read().rsplit(b")", 1)[1].split()[4])
+    name = tty_device(tty_nr)
+    assert name is not None
+    word = "killed by sparkwatch on spark-b: \x1b[2J\x1b]0;owned\x07\x9b2J\u202eevil end-of-note"
+    assert tell_terminal(tty_nr, os.stat(f"/dev/{name}").st_uid, f"sparkwatch: {word}")
+    assert wait_until(lambda: "end-of-note" in terminal.text(), 5)
+    note = terminal.text()[terminal.text().index("sparkwatch: killed by") :]
+    assert "\x1b" not in note and "\x07" not in note, repr(note)
+    assert "spark-b: ?[2J?]0;owned??2J?evil end-of-note" in note
+
+
 def test_terminal_job_leaders_are_only_leaders_of_their_own_group_on_a_terminal() -> None:
     assert is_terminal_job_leader(pid=10, pgrp=10, tty_nr=34816, parent_in_tree=False)
     assert not is_terminal_job_leader(pid=10, pgrp=10, tty_nr=0, parent_in_tree=False)  # a daemon's child

@@ -24,6 +24,7 @@ from tests.daemon import scrape, sparkwatch_run
 LABEL_MAX_CHARS = 128  # docs/contract.md and docs/security.md give both figures
 SERIES_SETS_MAX = 64
 PASSWORD = "hunter2-canary-7f3a"
+SCP_PASSWORD = "scp-canary-9c1e"
 API_KEY = "sk-canaryq7W9xZ2mN4vB8cD1eF"
 
 
@@ -55,7 +56,8 @@ def label_values(text: str) -> list[str]:
 
 def test_no_secret_from_a_title_or_a_declared_model_reaches_metrics(spawner: Spawner, tmp_path: Path) -> None:
     """An engine-shaped tree whose title carries `--api-key sk-…` (the budget's `name` label) and whose declaration
-    names the model `https://user:<password>@host/model` (the boot phase's `model` label)."""
+    names the model `https://user:<password>@host/model` (the boot phase's `model` label), and another scp's
+    `user:<password>@host:/path`."""
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     env = {"XDG_RUNTIME_DIR": str(run_dir), "SPARKWATCH_ENGINE_BUDGETS": json.dumps(["8GiB=sw-secret"])}
@@ -65,15 +67,18 @@ def test_no_secret_from_a_title_or_a_declared_model_reaches_metrics(spawner: Spa
         # A second engine, declared: its model is both its boot phase's `model` and its budget's `name` label.
         declared = spawner.popen([sys.executable, "-c", "import time; time.sleep(600)"])
         declare(run_dir / "sparkwatch" / "launched", declared.pid, f"https://user:{PASSWORD}@models.example/org/m")
+        scp = spawner.popen([sys.executable, "-c", "import time; time.sleep(600)"])  # scp's form: no scheme
+        declare(run_dir / "sparkwatch" / "launched", scp.pid, f"ubuntu:{SCP_PASSWORD}@nas.example:/models/m")
         text = ""
 
         def both_shown() -> bool:
             nonlocal text
             text = scrape(daemon.port)
-            return "--api-key" in text and "sparkwatch_engine_boot_phase{" in text
+            return "--api-key" in text and "models.example" in text and "nas.example" in text
 
         assert wait_until(both_shown, 30), text[-2000:]
-    assert PASSWORD not in text and API_KEY not in text
+    assert PASSWORD not in text and API_KEY not in text and SCP_PASSWORD not in text
+    assert 'model="<redacted>@nas.example:/models/m"' in text
     assert "https://user:" not in text  # the userinfo goes whole: no name, no password
     assert 'model="https://<redacted>@models.example/org/m"' in text
     names = [line for line in text.splitlines() if line.startswith("sparkwatch_engine_budget_bytes{")]

@@ -48,6 +48,8 @@ C = {
     "ghp_cut": "ghp_canary22ab",  # a token cut short (the scanner reads 8 KiB of a command line)
     "hf_cut": "hf_canary0023x",
     "mysql_p": "canaryMysql0024",
+    "scp": "canaryScpPw0025",
+    "api_token": "canaryApiToken0026",
 }
 
 WORKER_ARGV = [
@@ -79,6 +81,8 @@ WORKER2_ARGV = [
     C["github_pat"],
     C["ghp_cut"],
     C["hf_cut"],
+    f"ubuntu:{C['scp']}@nas.example:/models/m",  # scp's and rsync's user:password@host:/path
+    f"--api-token={C['api_token']}",
 ]
 # mysql-style: the password glued to -p, as mysql, mysqldump and mariadb take it.
 MYSQL_ARGV = ["mysql", "-c", "import time; time.sleep(120)", "-uroot", f"-p{C['mysql_p']}", "db"]
@@ -121,8 +125,14 @@ def test_redact_covers_every_form() -> None:
         "reload: webhook_secret: changed (value hidden)",  # sparkwatch's own messages are prose, not headers
         "Content-Type: application/json",
         "pip install hf_transfer",
+        # sparkwatch's own prose: a word ending in -token is not a flag, and `token` in it not a `Token X` scheme
+        "whether each serves (one one-token completion to its own port)",
+        "one-token probes failed in a row",
+        "git clone git@github.com:org/repo",  # scp's form with a user but no password
     ):
         assert redact(plain) == plain
+    for secret_form in (f"--hf-token {C['hf_token']}", f"--api-token={C['api_token']}", f"HF_TOKEN={C['env']}"):
+        assert leaks(redact(secret_form)) == [], secret_form
     assert redact_argv(MYSQL_ARGV)[4] == "-p<redacted>"
     assert redact_argv(["gcc", "-pthread", "-pipe"]) == ["gcc", "-pthread", "-pipe"]
 

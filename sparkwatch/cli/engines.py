@@ -129,7 +129,7 @@ def holder_json(holder: GpuHolder) -> dict[str, object]:
     p = holder.proc
     return {
         "pid": p.pid,
-        "name": p.display_name,
+        "name": redact(p.display_name),
         "used_gpu_memory_bytes": holder.used_gpu_memory_bytes,
         "cmdline": safe_cmdline(p.argv),
     }

@@ -38,6 +38,7 @@ from sparkwatch.core.launch.plan import (
     plan_launch,
 )
 from sparkwatch.core.launch.rayletenv import uses_ray
+from sparkwatch.core.redact import redact
 from sparkwatch.core.units import MiB, format_size
 
 if TYPE_CHECKING:
@@ -154,7 +155,7 @@ def running(
             Reservation(
                 kind=d.kind,
                 root_pid=d.root_pid,
-                name=f"{d.kind} {d.model}".strip(),
+                name=redact(f"{d.kind} {d.model}".strip()),  # another user's words, printed in the plan: redacted
                 footprint_bytes=read_rss_bytes(settings.proc_root, pids),
                 budget_bytes=d.budget_bytes,
                 booting=d.booting,
@@ -170,7 +171,8 @@ def running(
     for tree in trees:
         if tree.root.pid in declared:
             continue
-        out.append(Reservation(tree.kind, tree.root.pid, f"{tree.kind} {tree.root.display_name}", tree.rss_bytes))
+        name = redact(f"{tree.kind} {tree.root.display_name}")
+        out.append(Reservation(tree.kind, tree.root.pid, name, tree.rss_bytes))
     return decls, out
 
 

@@ -285,7 +285,7 @@ class QuitKeys:
 def _live(app: StatusApp, interval_s: float) -> int:
     from rich.live import Live
 
-    from sparkwatch.tui.console import make_console
+    from sparkwatch.tui.console import inert, make_console
     from sparkwatch.tui.status_view import render
 
     console = make_console()
@@ -299,7 +299,7 @@ def _live(app: StatusApp, interval_s: float) -> int:
     ):
         next_at = time.monotonic()
         while True:
-            live.update(render(app.frame(live=True), console.width), refresh=True)
+            live.update(inert(render(app.frame(live=True), console.width)), refresh=True)
             next_at = max(next_at + interval_s, time.monotonic())  # a slow cycle starts the next one at once
             if keys.wait(next_at - time.monotonic()):
                 return 0

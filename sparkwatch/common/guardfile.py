@@ -22,7 +22,6 @@ persistent state dir) is therefore stale, never "running".
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 import stat
@@ -32,6 +31,7 @@ from pathlib import Path
 
 from sparkwatch.common.durable import (
     StateFileError,
+    open_dir,
     open_regular,
     private_dir,
     read_regular,
@@ -94,10 +94,7 @@ def _make_dir(directory: Path) -> None:
     if directory != SYSTEM_DIR:
         private_dir(directory)
         return
-    directory.mkdir(parents=True, exist_ok=True, mode=0o755)
-    st = os.lstat(directory)
-    if not stat.S_ISDIR(st.st_mode):
-        raise StateFileError(errno.ENOTDIR, "is not a directory", str(directory))
+    os.close(open_dir(directory, 0o755))  # a real directory, made without following a link, or StateFileError
     refuse_foreign(directory)
 
 

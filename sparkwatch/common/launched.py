@@ -42,7 +42,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from sparkwatch.common import logs
-from sparkwatch.common.durable import StateFileError, private_dir, write_atomic
+from sparkwatch.common.durable import StateFileError, open_dir, private_dir, write_atomic
 from sparkwatch.common.sources.procs import read_fd, read_start_ticks
 from sparkwatch.common.wiretypes import WireError, from_json, to_json
 from sparkwatch.core.launch.bootphase import BOOTING, BootPhase
@@ -212,7 +212,7 @@ def write(directory: Path, decl: Declaration) -> Path:
     """Declare (or update) one engine, atomically."""
     if directory == SYSTEM_LAUNCHED_DIR:
         # /run/sparkwatch is shared with other system files of sparkwatch's: made 0755 if missing, never tightened.
-        directory.parent.mkdir(mode=0o755, exist_ok=True)
+        os.close(open_dir(directory.parent, 0o755))
     else:
         private_dir(directory.parent)
     private_dir(directory)

@@ -5,6 +5,7 @@ What it hides, anywhere in a string (an argv element, a whole process title such
 `VLLM::EngineCore --api-key sk-…`, an `sh -c` script, a log line):
 - the value after a secret-looking flag, `--api-key X`, `--api-key=X`, and `-k X`, `--pass X`, `--pwd X`,
   `--creds X`, `--cookie X`, `--hf-token X`, `--password X`, `--secret X`, `--auth X`, `--credential X`;
+  a word that only ends in one (`one-token probes`) is prose, not a flag;
 - `NAME=value` where NAME holds KEY, TOKEN, SECRET, PASSWORD, PASSWD, PWD, CREDENTIAL(S) or COOKIE;
 - `Authorization: Bearer X`, `Bearer X`, `Basic X`;
 - HTTP headers whose name looks secret (`X-Api-Key: X`, `X-Auth-Token: X`, `Private-Token: X`) and every cookie of
@@ -15,7 +16,7 @@ What it hides, anywhere in a string (an argv element, a whole process title such
   (NVIDIA NGC), `xox?-…` (Slack), `AKIA…` (AWS);
 - a password glued to `-p` after mysql, mysqldump, mariadb… (`mysql -uroot -pSECRET`): only there, since `-pthread`
   and `-pipe` on every compiler line sparkwatch shows are flags, and `-p8000` a port;
-- URL userinfo (`https://user:pw@host`);
+- URL userinfo (`https://user:pw@host`), and scp's (`user:pw@host:/path`);
 - sparkwatch's own webhook URL (path and query) and secret, registered at config load with `remember_secrets`.
 Then it cuts control characters (escape sequences, CR/LF that would forge a log line) with `safe_text`.
 
@@ -42,7 +43,8 @@ _ENV_ASSIGN = re.compile(
     r"\b([A-Za-z_]*(?:KEY|TOKEN(?!S)|SECRET|PASSWORD|PASSWD|PWD|CREDENTIALS?|COOKIE)[A-Za-z0-9_]*)=(\S+)",
     re.IGNORECASE,
 )
-_AUTH_SCHEME = re.compile(r"\b(Bearer|Basic|Token|Digest)(\s+)[A-Za-z0-9._~+/=:-]{6,}", re.IGNORECASE)
+# The scheme is a word of its own: `one-token probes` (the serving probe's own words) is a compound, not `Token X`.
+_AUTH_SCHEME = re.compile(r"(?<![\w-])(Bearer|Basic|Token|Digest)(\s+)[A-Za-z0-9._~+/=:-]{6,}", re.IGNORECASE)
 _JSON_MEMBER = re.compile(
     rf"((?:\"|\\\")[\w-]*{_SECRET_WORD}[\w-]*(?:\"|\\\")\s*:\s*)(\\?\"(?:[^\"\\]|\\.)*?\\?\"|[^,}}\s]+)",
     re.IGNORECASE,
@@ -66,6 +68,9 @@ _MYSQL_PROGRAM = r"(?:mysql[\w-]*|mariadb[\w-]*)"
 _MYSQL_GLUED = re.compile(rf"(?<![\w/-])((?:\S*/)?{_MYSQL_PROGRAM}\b[^\n]*?\s-p)(?=[^\s-])(\S+)")
 _MYSQL_ARGV0 = re.compile(rf"^(?:.*/)?{_MYSQL_PROGRAM}$")
 _URL_USERINFO = re.compile(r"(://)[^/@\s]+@")
+# scp and rsync's `user:password@host:/path` (no scheme, so no `://`): the userinfo goes whole, as in a URL. A colon is
+# what makes it a password: `git@github.com:org/repo` names a user only and stays.
+_SCP_USERINFO = re.compile(r"(?<![\w.%+~:/@-])[\w.%+~-]+:[^\s@/:]+@(?=[\w\[])")
 
 # sparkwatch's own secrets (webhook URL path/query, its HMAC secret): set once at config load, read everywhere.
 _OWN_SECRETS: tuple[str, ...] = ()
@@ -90,6 +95,7 @@ def redact(text: str) -> str:
         if secret in text:
             text = text.replace(secret, REDACTED)
     text = _URL_USERINFO.sub(r"\1" + REDACTED + "@", text)
+    text = _SCP_USERINFO.sub(REDACTED + "@", text)
     text = _HEADER.sub(_header, text)
     text = _AUTH_SCHEME.sub(lambda m: f"{m.group(1)}{m.group(2)}{REDACTED}", text)
     text = _MYSQL_GLUED.sub(lambda m: f"{m.group(1)}{REDACTED}", text)
@@ -108,11 +114,12 @@ def _header(match: re.Match[str]) -> str:
 
 
 def redact_value(value: Any) -> Any:
-    """`redact` applied to every string inside a JSON-like value (dict keys are names, kept as they are)."""
+    """`redact` applied to every string inside a JSON-like value (dict keys are names, kept as they are but for their
+    control characters: a peer's or Ray's name as a key is remote text too)."""
     if isinstance(value, str):
         return redact(value)
     if isinstance(value, Mapping):
-        return {k: redact_value(v) for k, v in value.items()}
+        return {safe_text(k) if isinstance(k, str) else k: redact_value(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         return [redact_value(v) for v in value]
     return value
@@ -141,14 +148,20 @@ def safe_cmdline(argv: Sequence[str], limit: int = CMDLINE_MAX_CHARS) -> str:
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
-# C0 and C1 controls (ESC starts terminal escape sequences; CR/LF forge log lines), DEL, and the Unicode line and
-# paragraph separators and bidi overrides that reorder what a terminal shows.
-_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069]")
+# C0 and C1 controls (ESC starts terminal escape sequences, 0x9b is CSI on its own; BEL, backspace and CR redraw
+# a line; CR/LF forge log lines), DEL, and the Unicode line and paragraph separators, the bidi embeddings, overrides
+# and isolates that reorder what a terminal shows (U+202A-202E, U+2066-2069: "Trojan Source") and the bidi marks
+# (U+061C, U+200E, U+200F).
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u061c\u200e\u200f\u2028\u2029\u202a-\u202e\u2066-\u2069]")
 
 
 def safe_text(text: str) -> str:
     """`text` with line breaks and tabs as spaces and every other control character as '?': one line, safe to print
-    on a terminal, in a log or on a pipe."""
+    on a terminal, in a log or on a pipe.
+
+    The one owner of "remote text is inert": every string from Ray's state API, a peer or an engine (a process title,
+    an actor's class name, a node id) passes through it where it enters (telemetry.sources.raystate's parse) or where
+    it leaves (`redact`, and so events, log lines and webhooks; the terminal views through tui.console)."""
     return _CONTROL.sub(_replace_control, text)
 
 

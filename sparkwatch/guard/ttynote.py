@@ -20,6 +20,7 @@ import stat
 
 from sparkwatch.common import logs
 from sparkwatch.core.kill.terminal import tty_device, tty_major_minor
+from sparkwatch.core.redact import safe_text
 
 log = logs.get("ttynote")
 
@@ -44,7 +45,8 @@ def tell_terminal(tty_nr: int, uid: int, line: str, dev_root: str = "/dev") -> b
         ):
             log.info("no line on %s for the killed engine: not that user's terminal", path)
             return False
-        data = ("\r\n" + line + "\r\n").encode("ascii", errors="replace")
+        # safe_text: the line is sparkwatch's words, but a cause a peer named reaches it; ESC is ASCII too
+        data = ("\r\n" + safe_text(line) + "\r\n").encode("ascii", errors="replace")
         os.write(fd, data)
         return True
     except OSError as exc:

@@ -242,7 +242,7 @@ def engine_lines(frame: StatusFrame) -> list[Text]:
         out.append(line)
     for boot in snap.boots:
         if boot.root_pid not in roots:  # declared, but not (yet) an engine tree in this cycle's scan
-            out.append(Text(f"{boot.kind} {boot.root_pid} · {boot.model} · {boot_text(boot, snap.ts)}"))
+            out.append(Text(f"{boot.kind} {boot.root_pid} · {redact(boot.model)} · {boot_text(boot, snap.ts)}"))
     return out
 
 

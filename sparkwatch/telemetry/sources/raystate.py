@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from sparkwatch.common.sources.procs import same_netns
 from sparkwatch.core.kill.raygroup import RayActor, RayJob, RayNode, RayPlacementGroup, RayState
 from sparkwatch.core.model import Proc
+from sparkwatch.core.redact import safe_text
 
 if TYPE_CHECKING:
     import ssl
@@ -118,12 +119,15 @@ def _rows(doc: Any, path: str) -> list[dict[str, Any]]:
 
 
 def _str(row: dict[str, Any], key: str, path: str) -> str:
+    """A string field, its control characters cut (core.redact.safe_text) as it enters: an actor's class name or a
+    node id is whatever the cluster's users (or whoever answers on the dashboard's port) wrote, and it reaches
+    `sparkwatch engines`, the events and the log."""
     value = row.get(key)
     if value is None:
         return ""
     if not isinstance(value, str):
         raise RayStateError("bad_answer", f"{path}: {key} is not a string")
-    return value
+    return safe_text(value)
 
 
 def _pid(value: object, path: str) -> int | None:
@@ -173,7 +177,7 @@ def parse_state(docs: dict[str, Any]) -> RayState:
                 placement_group_id=_str(r, "placement_group_id", "placement_groups"),
                 creator_job_id=_str(r, "creator_job_id", "placement_groups"),
                 state=_str(r, "state", "placement_groups"),
-                node_ids=tuple(str(b.get("node_id") or "") for b in bundles if isinstance(b, dict)),
+                node_ids=tuple(safe_text(str(b.get("node_id") or "")) for b in bundles if isinstance(b, dict)),
             )
         )
     return RayState(nodes, tuple(jobs), actors, tuple(pgs))
