@@ -30,6 +30,7 @@ from sparkwatch.core.eventkinds import EventKind
 from sparkwatch.core.kill.killrecord import GroupLoss, KillFacts, WedgeStall, kill_reason
 from sparkwatch.core.model import MemInfo
 from sparkwatch.telemetry.loop import Telemetry
+from sparkwatch.telemetry.probewatch import Wedged
 from sparkwatch.telemetry.sources.completion import send_probe
 from sparkwatch.telemetry.sources.listeners import parse_tcp_table
 from tests.daemon import free_port, sparkwatch_run, wait_for_event
@@ -439,8 +440,112 @@ def test_send_probe_holds_one_deadline_against_a_server_that_accepts_and_never_a
 # --- the daemon: engine_wedged recorded, and with kill_wedged_after_s the guard kills, trigger wedged
 
 
+@contextmanager
+def clients(port: int, count: int, max_tokens: int) -> Iterator[list[int]]:
+    """`count` clients of the engine's API, each sending completions of `max_tokens` one after another until the
+    block ends: a batch-1 engine's one slot is never free for long. Yields the answers' statuses as they come."""
+    import threading
+    import urllib.request
+
+    stop, statuses = threading.Event(), []
+
+    def client() -> None:
+        body = json.dumps({"prompt": "Tell me a story", "max_tokens": max_tokens}).encode()
+        while not stop.is_set():
+            req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", body, method="POST")
+            try:
+                with urllib.request.urlopen(req, timeout=60) as answer:
+                    statuses.append(answer.status)
+            except OSError:
+                statuses.append(0)
+
+    threads = [threading.Thread(target=client, daemon=True) for _ in range(count)]
+    for t in threads:
+        t.start()
+    try:
+        yield statuses
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(10)  # each ends with its completion in flight: a few seconds of the slot
+
+
+def test_a_busy_batch1_engine_is_never_wedged_and_a_frozen_one_is_handed_to_the_guard(tmp_path: Path) -> None:
+    """The issue's attack: six clients keep a batch-1 engine's one slot busy, the probe waits past its timeout again
+    and again. Its own counters move: busy, never engine_wedged, never handed to the guard. Then its generation
+    stops (counters frozen, requests hang): wedged, and handed over with the counter that stayed."""
+    handed: list[Wedged] = []
+    telemetry = Telemetry(fast_settings(tmp_path, kill_wedged_after_s=0.5))
+    telemetry.on_wedged = handed.append
+    try:
+        with stand_in(tmp_path, "vllm", "serve", "/models/m", batch1_tok_s=40) as engine:
+            run_until(telemetry, lambda ev: any(s.state == "serving" for s in telemetry.collect().serving))
+            seen: set[str] = set()
+            with clients(engine.port, 6, max_tokens=40) as statuses:  # 1 s of the slot each: the probe waits
+                deadline = time.monotonic() + 6.0
+                events: list[dict[str, object]] = []
+                while time.monotonic() < deadline:
+                    seen |= {s.state for s in telemetry.collect().serving}
+                    events += [e.to_json_dict() for e in telemetry.drain_events()]
+                    time.sleep(0.1)
+            assert statuses.count(200) >= 3, statuses  # the clients were served all along
+            assert "busy" in seen and "wedged" not in seen, seen
+            assert EventKind.ENGINE_WEDGED not in kinds(events) and handed == [], (events, handed)
+            assert telemetry.probes.counter_reads_total >= 2  # the probe failed, and its counters were read
+            engine.broken.write_text("freeze")
+            # the probe itself takes the slot and hangs there; /metrics still answers, unmoved
+            events = run_until(telemetry, lambda ev: EventKind.ENGINE_WEDGED in kinds(ev) and handed != [])
+            wedged = next(e for e in events if e["kind"] == EventKind.ENGINE_WEDGED)
+            assert wedged["killable"] is True and wedged["progress_counter"] == "vllm:generation_tokens_total"
+            assert "its own counters did not move (tokens generated stayed at " in str(wedged["summary"]), wedged
+            assert handed[0].counter == "vllm:generation_tokens_total" and handed[0].root_pid == engine.proc.pid
+            assert engine.proc.poll() is None  # telemetry only names it: the guard decides
+    finally:
+        telemetry.close()
+
+
+def test_an_engine_without_counters_is_shown_wedged_and_never_handed_to_the_guard(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """No /metrics (404, as llama-cpp-python's server answers): a wedge cannot be told from busy there. It is shown
+    wedged, says why, once in the log, and is never handed to the guard whatever kill_wedged_after_s says."""
+    handed: list[Wedged] = []
+    telemetry = Telemetry(fast_settings(tmp_path, kill_wedged_after_s=0.3))
+    telemetry.on_wedged = handed.append
+    caplog.set_level("WARNING", logger=logs.get("telemetry").name)
+    try:
+        with stand_in(tmp_path, "vllm", "serve", "/models/m") as engine:
+            engine.broken.write_text("500")
+            events = run_until(telemetry, lambda ev: EventKind.ENGINE_WEDGED in kinds(ev))
+            wedged = next(e for e in events if e["kind"] == EventKind.ENGINE_WEDGED)
+            assert wedged["killable"] is False and wedged["progress_counter"] is None
+            assert "serves no progress counters: a wedge cannot be told from busy" in str(wedged["summary"])
+            deadline = time.monotonic() + 2.0
+            while time.monotonic() < deadline:
+                snap = telemetry.collect()
+                time.sleep(0.1)
+            assert handed == [] and engine.proc.poll() is None
+            (state,) = snap.serving
+            assert state.state == "wedged" and state.counted is False
+            from sparkwatch.telemetry.exporter.server import build_registry, render
+            from sparkwatch.tui.status_view import serving_text
+
+            exposition = render(build_registry(telemetry.settings, lambda: snap)).decode()
+            assert f'sparkwatch_engine_progress_counters{{engine="vllm",pid="{engine.proc.pid}"}} 0.0' in exposition
+            assert serving_text(state).endswith("; no progress counters: never killed as wedged"), serving_text(state)
+            said = [r.getMessage() for r in caplog.records if "serves no progress counters" in r.getMessage()]
+            assert said == [
+                f"kill_wedged_after_s refused: engine {engine.proc.pid} (vllm) serves no progress counters: a wedge "
+                "cannot be told from busy, it is never killed as wedged (no /metrics with them)"
+            ]
+    finally:
+        telemetry.close()
+
+
 @pytest.mark.slow
-def test_the_daemon_records_a_wedge_and_kills_it_when_asked(tmp_path: Path) -> None:
+def test_the_daemon_never_kills_a_busy_engine_and_kills_a_wedged_one_for_its_wedge(tmp_path: Path) -> None:
+    """With kill_wedged_after_s: six clients on a batch-1 engine (the issue's SIGKILL 9.4 s later) kill nothing; its
+    generation frozen, the guard kills it, trigger wedged, and the kill line names the wedge, not the floor."""
     env = {
         "SPARKWATCH_PROBE_INTERVAL_S": "0.5",
         "SPARKWATCH_PROBE_RETRY_S": "0.3",
@@ -448,14 +553,28 @@ def test_the_daemon_records_a_wedge_and_kills_it_when_asked(tmp_path: Path) -> N
         "SPARKWATCH_PROBE_FAILURES_WEDGED": "2",
         "SPARKWATCH_KILL_WEDGED_AFTER_S": "2",
     }
-    with stand_in(tmp_path, "vllm", "serve", "/models/m") as engine, sparkwatch_run(tmp_path, env=env) as d:
+    with (
+        stand_in(tmp_path, "vllm", "serve", "/models/m", batch1_tok_s=40) as engine,
+        sparkwatch_run(tmp_path, env=env) as d,
+    ):
         time.sleep(1.5)
         assert engine.seen(), "the daemon never probed the engine"
-        engine.broken.write_text("500")
+        with clients(engine.port, 6, max_tokens=40):
+            time.sleep(12.0)
+        assert "/metrics" in {r["path"] for r in engine.seen()}  # probes failed: the counters were read
+        busy_kinds = [e["kind"] for e in read_events(d.events_path)]
+        assert EventKind.ENGINE_WEDGED not in busy_kinds and EventKind.KILL not in busy_kinds, busy_kinds
+        assert engine.proc.poll() is None
+        engine.broken.write_text("freeze")
         wedged = wait_for_event(d.events_path, EventKind.ENGINE_WEDGED, 30)
-        assert wedged["root_pid"] == engine.proc.pid
+        assert wedged["root_pid"] == engine.proc.pid and wedged["killable"] is True
         kill = wait_for_event(d.events_path, EventKind.KILL, 30)
-        assert kill["trigger"] == "wedged", kill
+        assert kill["trigger"] == "wedged" and kill["progress_counter"] == "vllm:generation_tokens_total", kill
+        summary = str(kill["summary"])
+        assert (
+            "engine wedged: " in summary and "with no progress in its counters (tokens generated stayed at" in summary
+        )
+        assert "floor" not in summary, summary
         assert engine.proc.wait(15) == -signal.SIGKILL
         assert any("wedged" in str(r) for r in kill["why"]), kill  # type: ignore[attr-defined]
     kinds_seen = [e["kind"] for e in read_events(d.events_path)]
