@@ -138,7 +138,9 @@ def full_exposition(tmp_path: Path) -> list[Metric]:
     boot = BootState(4242, "vllm", "Qwen/Qwen3-8B", "ready", FIXED_MTIME + 90.0, FIXED_MTIME, 61.5, 60 << 30, 58 << 30)
     serving = (
         EngineServing("vllm", 4242, "0.0.0.0:8000", "serving", 0, 0.041, FIXED_MTIME + 95.0),
-        EngineServing("llama.cpp", 5151, "127.0.0.1:8080", "wedged", 3, None, None, 40.0, "no answer within 10 s"),
+        EngineServing(
+            "llama.cpp", 5151, "127.0.0.1:8080", "wedged", 3, None, None, 40.0, "no answer within 10 s", counted=False
+        ),
     )
     snap = dataclasses.replace(snap, boots=(boot,), serving=serving)
     stats = guard_stats()

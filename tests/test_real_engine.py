@@ -6,7 +6,10 @@ builds it once into /var/tmp). Every line, socket, token and byte of KV cache be
 - the engine's own KV allocation (`--n_ctx 65536`: llama.cpp zeroes 1.6 GiB when the context is made) past a budget:
   the guard kills it, trigger `budget`, and launch exits 137 with the guard's line;
 - SIGSTOP: the process lives, its socket accepts, no token comes: `engine_wedged` within the probe window, and
-  `engine_serving_again` after SIGCONT; with `kill_wedged_after_s` the guard kills it, trigger `wedged`;
+  `engine_serving_again` after SIGCONT; never killed, even with `kill_wedged_after_s`: llama-cpp-python's server
+  serves no progress counters (no /metrics), so a wedge cannot be told from busy there;
+- busy: clients keep its one model busy, the probe waits past its timeout; /metrics answers 404: shown wedged, with
+  why, and never killed with `kill_wedged_after_s` set (issue 37);
 - its GGUF header, read past its arrays, gives the plan its KV cache.
 """
 
@@ -139,11 +142,12 @@ def test_the_engines_own_kv_allocation_past_its_budget_is_killed(
 
 
 @pytest.mark.parametrize("kill_after", [None, 2.0])
-def test_a_stopped_engine_is_wedged_and_serves_again_or_is_killed(
+def test_a_stopped_engine_is_wedged_and_serves_again_never_killed_without_counters(
     engine: realengine.RealEngine, tmp_path: Path, kill_after: float | None
 ) -> None:
     """SIGSTOP: the kernel still accepts connections on its socket, no token comes. Not killed: SIGCONT brings it
-    back. With kill_wedged_after_s: the guard kills it, trigger wedged, through its one kill path."""
+    back. Not even with kill_wedged_after_s: its counters cannot be read (it serves none; stopped, nothing answers),
+    so its stall is never proven."""
     env = dict(FAST_PROBE)
     if kill_after is not None:
         env["SPARKWATCH_KILL_WEDGED_AFTER_S"] = str(kill_after)
@@ -161,20 +165,42 @@ def test_a_stopped_engine_is_wedged_and_serves_again_or_is_killed(
             # the probe window: the next probe (<= 1 s), two timeouts (1 s each), a retry (0.5 s), a cycle (1 s): 4.5 s,
             # with room for a loaded box
             assert took < 12.0, took
-            assert serving_value(d.port, proc.pid) == "0.0"
-            if kill_after is None:
-                time.sleep(1.0)
-                assert proc.poll() is None
-                os.kill(proc.pid, signal.SIGCONT)
-                again = wait_for_event(d.events_path, "engine_serving_again", 30)
-                wedged_s = again["wedged_s"]
-                assert again["root_pid"] == proc.pid and isinstance(wedged_s, float) and wedged_s > 0, again
-                wait_until(lambda: serving_value(d.port, proc.pid) == "1.0", 30, "serving again")
-                assert "kill" not in [e["kind"] for e in read_events(d.events_path)]
-            else:
-                kill = wait_for_event(d.events_path, "kill", 30)
-                assert kill["trigger"] == "wedged" and kill["victims"][0]["pid"] == proc.pid, kill  # type: ignore[index]
-                assert proc.wait(30) == -signal.SIGKILL
+            assert serving_value(d.port, proc.pid) == "0.0" and wedged["killable"] is False
+            time.sleep(1.0 if kill_after is None else kill_after + 3.0)
+            assert proc.poll() is None
+            os.kill(proc.pid, signal.SIGCONT)
+            again = wait_for_event(d.events_path, "engine_serving_again", 30)
+            wedged_s = again["wedged_s"]
+            assert again["root_pid"] == proc.pid and isinstance(wedged_s, float) and wedged_s > 0, again
+            wait_until(lambda: serving_value(d.port, proc.pid) == "1.0", 30, "serving again")
+            assert "kill" not in [e["kind"] for e in read_events(d.events_path)]
+    finally:
+        stop(proc)
+
+
+def test_a_busy_engine_that_serves_no_counters_is_never_killed_as_wedged(
+    engine: realengine.RealEngine, tmp_path: Path
+) -> None:
+    """The issue's attack on the real engine: clients keep its one model busy (llama-cpp-python serves one completion
+    at a time), the probe waits past its timeout again and again. Its /metrics answers 404: no counters tell busy from
+    wedged, so kill_wedged_after_s is refused for it, with the reason, and it lives."""
+    from tests.test_serving_probe import clients
+
+    env = {**FAST_PROBE, "SPARKWATCH_KILL_WEDGED_AFTER_S": "1"}
+    port = free_port()
+    proc = start_engine(engine, port, tmp_path)
+    try:
+        with sparkwatch_run(tmp_path, env=env) as d:
+            wait_until(lambda: serving_value(d.port, proc.pid) == "1.0", 120, "serving")
+            with clients(port, 4, max_tokens=256):  # seconds each at one CPU thread: the probe's 1 s runs out
+                wedged = wait_for_event(d.events_path, "engine_wedged", 60)
+                assert wedged["root_pid"] == proc.pid and wedged["killable"] is False, wedged
+                assert "serves no progress counters: a wedge cannot be told from busy" in str(wedged["summary"])
+                time.sleep(4.0)  # kill_wedged_after_s 1 s, four times over
+                prefix = f'sparkwatch_engine_progress_counters{{engine="llama.cpp",pid="{proc.pid}"}} '
+                assert prefix + "0.0" in scrape(d.port).splitlines()
+            assert proc.poll() is None
+            assert "kill" not in [e["kind"] for e in read_events(d.events_path)]
     finally:
         stop(proc)
 

@@ -14,7 +14,7 @@ import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -23,10 +23,14 @@ import pytest
 from sparkwatch.common import logs
 from sparkwatch.common.eventlog import read_events
 from sparkwatch.config.settings import Settings, load_settings
+from sparkwatch.core.engines import progress
 from sparkwatch.core.engines import serving as core
 from sparkwatch.core.engines.serving import Outcome, ProbeResult, Serving, ServingParams, ServingTrack
 from sparkwatch.core.eventkinds import EventKind
+from sparkwatch.core.kill.killrecord import GroupLoss, KillFacts, WedgeStall, kill_reason
+from sparkwatch.core.model import MemInfo
 from sparkwatch.telemetry.loop import Telemetry
+from sparkwatch.telemetry.probewatch import Wedged
 from sparkwatch.telemetry.sources.completion import send_probe
 from sparkwatch.telemetry.sources.listeners import parse_tcp_table
 from tests.daemon import free_port, sparkwatch_run, wait_for_event
@@ -73,6 +77,122 @@ def test_a_booting_engine_is_never_wedged() -> None:
         track, change = core.step(track, _fail(float(i)), float(i), PARAMS, booting=True)
         assert change is None
     assert track.state == Serving.UNKNOWN and track.failures == 0
+
+
+# --- busy is not wedged: the engine's own counters (core/engines/progress.py), pure
+
+VLLM_METRICS = """\
+# HELP vllm:num_requests_running Number of requests in model execution batches.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="m"} 1.0
+vllm:num_requests_running{engine="1",model_name="m"} 2.0
+# HELP vllm:generation_tokens_total Number of generation tokens processed.
+# TYPE vllm:generation_tokens_total counter
+vllm:generation_tokens_total{engine="0",model_name="m"} 1234.0
+vllm:generation_tokens_total{engine="1",model_name="a {b} c"} 6.0
+vllm:generation_tokens_created{engine="0",model_name="m"} 1.7e+09
+vllm:prompt_tokens_total{engine="0",model_name="m"} 5e+02
+vllm:prompt_tokens_total{engine="1",model_name="m"} NaN
+vllm:time_to_first_token_seconds_bucket{engine="0",le="+Inf",model_name="m"} 3.0
+"""
+
+
+def test_the_progress_counters_of_each_engines_exposition() -> None:
+    """Summed over label sets (a label value may hold braces and spaces); _created, buckets, NaN skipped."""
+    vllm = progress.parse_counters(VLLM_METRICS)
+    assert vllm == progress.Counters(
+        "vllm", (("vllm:generation_tokens_total", 1240.0), ("vllm:prompt_tokens_total", 500.0)), 3.0
+    )
+    sglang = progress.parse_counters(
+        'sglang:generation_tokens_total{model_name="m"} 9.0\n'
+        'sglang:realtime_tokens_total{mode="decode",model_name="m",tp_rank="0"} 70.0\n'
+        'sglang:realtime_tokens_total{mode="prefill_compute",model_name="m",tp_rank="0"} 30.0\n'
+        'sglang:num_running_reqs{model_name="m",tp_rank="0"} 4.0\n'
+    )
+    assert sglang == progress.Counters("sglang", (("sglang:realtime_tokens_total", 100.0),), 4.0)
+    llama = progress.parse_counters(
+        "# TYPE llamacpp:n_decode_total counter\nllamacpp:n_decode_total 332\nllamacpp:requests_processing 1\n"
+        "llamacpp:tokens_predicted_total 4096\n"
+    )
+    assert llama == progress.Counters("llama.cpp", (("llamacpp:n_decode_total", 332.0),), 1.0)
+    # Counters that move only when a request ends are no progress counters: an SGLang serving only them has none.
+    assert progress.parse_counters('sglang:generation_tokens_total{model_name="m"} 9.0\n') is None
+    assert progress.parse_counters('{"detail":"Not Found"}') is None and progress.parse_counters("") is None
+
+
+def _failed_with(track: ServingTrack, ts: float, read: progress.MetricsRead) -> tuple[ServingTrack, core.Change | None]:
+    return core.step(track, _fail(ts), ts, PARAMS, counters=read)
+
+
+def _vllm_at(generated: float) -> progress.MetricsRead:
+    return progress.MetricsRead(
+        progress.Read.COUNTERS,
+        progress.Counters("vllm", (("vllm:generation_tokens_total", generated), ("vllm:prompt_tokens_total", 9.0)), 6),
+    )
+
+
+def test_failed_probes_while_the_counters_move_are_busy_never_wedged() -> None:
+    track = ServingTrack()
+    for i in range(20):
+        track, change = _failed_with(track, float(i), _vllm_at(100.0 + 40 * i))
+        assert change is None and track.state != Serving.WEDGED and not track.killable
+    assert track.state == Serving.BUSY and track.failures == 0 and track.moved == 40.0
+    assert track.next_due == 19.0 + PARAMS.interval_s  # busy: the next look a whole interval away
+
+
+def test_failed_probes_with_the_counters_stalled_wedge_it_and_only_then_is_it_killable() -> None:
+    track = ServingTrack()
+    looks = []
+    for i in range(4):
+        track, change = _failed_with(track, float(i), _vllm_at(500.0))
+        looks.append((track.state, track.look, track.killable))
+    assert looks == [
+        (Serving.FAILING, progress.Look.FIRST, False),
+        (Serving.FAILING, progress.Look.STALLED, False),
+        (Serving.WEDGED, progress.Look.STALLED, True),
+        (Serving.WEDGED, progress.Look.STALLED, True),
+    ]
+    unread = progress.MetricsRead(progress.Read.UNREAD, error="/metrics: no answer within 1 s")
+    track, _change = _failed_with(track, 4.0, unread)
+    assert track.state == Serving.WEDGED and not track.killable  # no proof at this look
+    track, _change = _failed_with(track, 5.0, _vllm_at(500.0))
+    assert track.killable and track.counters is not None
+    assert progress.stall_words(track.counters) == "tokens generated stayed at 500"
+    track, change = _failed_with(track, 6.0, _vllm_at(501.0))  # it moved again: busy, the wedge is over
+    assert track.state == Serving.BUSY and change is not None and change.new == Serving.BUSY
+
+
+def test_an_engine_without_counters_may_be_shown_wedged_and_is_never_killable() -> None:
+    none = progress.MetricsRead(progress.Read.NONE, error="/metrics: HTTP 404")
+    track = ServingTrack()
+    for i in range(6):
+        track, _change = _failed_with(track, float(i), none)
+    assert track.state == Serving.WEDGED and track.uncounted and not track.killable
+
+
+def _kill_facts(trigger: str, **extra: object) -> KillFacts:
+    mem = MemInfo(128 << 30, int(22.8 * (1 << 30)), 0, 0, 0, 0, 0)
+    facts = KillFacts(trigger, mem, 4 << 30, 0.0, False, (), ())
+    return replace(facts, **extra)  # type: ignore[arg-type]
+
+
+def test_every_trigger_has_its_own_reason_and_a_wedge_is_not_the_floor() -> None:
+    wedge = WedgeStall(3, 12.4, "no answer within 10 s", "vllm:generation_tokens_total", 1234.0)
+    reasons = {
+        "floor": kill_reason(_kill_facts("floor")),
+        "predicted": kill_reason(_kill_facts("predicted", fill_rate_bytes_per_s=float(1 << 30))),
+        "escalate": kill_reason(_kill_facts("escalate")),
+        "hunt": kill_reason(_kill_facts("hunt")),
+        "driver_alloc_failed": kill_reason(_kill_facts("driver_alloc_failed")),
+        "budget": kill_reason(_kill_facts("budget", budget_bytes=1 << 30, footprint_bytes=2 << 30)),
+        "group_teardown": kill_reason(_kill_facts("group_teardown", group=GroupLoss("pg1", "rank_died", "b", 7, ()))),
+        "wedged": kill_reason(_kill_facts("wedged", wedge=wedge)),
+    }
+    assert len(set(reasons.values())) == len(reasons), reasons
+    assert reasons["wedged"] == (
+        "engine wedged: 3 probes failed over 12 s with no progress in its counters (tokens generated stayed at 1234)"
+    )
+    assert "floor" not in reasons["wedged"] and "MemAvailable" not in reasons["wedged"]
 
 
 def test_endpoints_from_the_engines_command_lines() -> None:
@@ -150,13 +270,17 @@ class StandIn:
 
 
 @contextmanager
-def stand_in(tmp_path: Path, *engine: str, port: int | None = None, bind: bool = True) -> Iterator[StandIn]:
+def stand_in(
+    tmp_path: Path, *engine: str, port: int | None = None, bind: bool = True, batch1_tok_s: float = 0.0
+) -> Iterator[StandIn]:
     """The stand-in titled `engine` (its command line: `--port PORT` is added), serving on 127.0.0.1:PORT unless
-    `bind` is false (then it sleeps, titled so, and owns no socket)."""
+    `bind` is false (then it sleeps, titled so, and owns no socket). `batch1_tok_s`: shaped as a vLLM engine with one
+    sequence slot, generating that many tokens a second, with vLLM's /metrics (tests/helpers/serving_engine.py)."""
     port = port or free_port()
     requests, broken = tmp_path / f"requests-{port}.log", tmp_path / f"broken-{port}"
     cmd = [*engine, "--port", str(port)]
-    argv = [sys.executable, str(HELPER), "--requests", str(requests), "--broken", str(broken), "--", *cmd]
+    shape = ["--batch1", str(batch1_tok_s)] if batch1_tok_s else []
+    argv = [sys.executable, str(HELPER), "--requests", str(requests), "--broken", str(broken), *shape, "--", *cmd]
     if not bind:
         argv = [sys.executable, "-c", "import setproctitle,sys,time; setproctitle.setproctitle(sys.argv[1]); "
                 "time.sleep(3600)", " ".join(cmd)]  # fmt: skip
@@ -232,7 +356,8 @@ def test_health_answering_while_completions_fail_is_wedged_then_serving_again(tm
             wedged = next(e for e in events if e["kind"] == EventKind.ENGINE_WEDGED)
             assert wedged["error"] == "no answer within 1 s"
             paths = {r["path"] for r in engine.seen()}
-            assert paths == {"/v1/completions"}  # the probe asks for a token, never /health
+            # the probe asks for a token, never /health; after a failed one, the engine's own counters
+            assert paths == {"/v1/completions", "/metrics"}
     finally:
         telemetry.close()
 
@@ -315,8 +440,112 @@ def test_send_probe_holds_one_deadline_against_a_server_that_accepts_and_never_a
 # --- the daemon: engine_wedged recorded, and with kill_wedged_after_s the guard kills, trigger wedged
 
 
+@contextmanager
+def clients(port: int, count: int, max_tokens: int) -> Iterator[list[int]]:
+    """`count` clients of the engine's API, each sending completions of `max_tokens` one after another until the
+    block ends: a batch-1 engine's one slot is never free for long. Yields the answers' statuses as they come."""
+    import threading
+    import urllib.request
+
+    stop, statuses = threading.Event(), []
+
+    def client() -> None:
+        body = json.dumps({"prompt": "Tell me a story", "max_tokens": max_tokens}).encode()
+        while not stop.is_set():
+            req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", body, method="POST")
+            try:
+                with urllib.request.urlopen(req, timeout=60) as answer:
+                    statuses.append(answer.status)
+            except OSError:
+                statuses.append(0)
+
+    threads = [threading.Thread(target=client, daemon=True) for _ in range(count)]
+    for t in threads:
+        t.start()
+    try:
+        yield statuses
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(10)  # each ends with its completion in flight: a few seconds of the slot
+
+
+def test_a_busy_batch1_engine_is_never_wedged_and_a_frozen_one_is_handed_to_the_guard(tmp_path: Path) -> None:
+    """The issue's attack: six clients keep a batch-1 engine's one slot busy, the probe waits past its timeout again
+    and again. Its own counters move: busy, never engine_wedged, never handed to the guard. Then its generation
+    stops (counters frozen, requests hang): wedged, and handed over with the counter that stayed."""
+    handed: list[Wedged] = []
+    telemetry = Telemetry(fast_settings(tmp_path, kill_wedged_after_s=0.5))
+    telemetry.on_wedged = handed.append
+    try:
+        with stand_in(tmp_path, "vllm", "serve", "/models/m", batch1_tok_s=40) as engine:
+            run_until(telemetry, lambda ev: any(s.state == "serving" for s in telemetry.collect().serving))
+            seen: set[str] = set()
+            with clients(engine.port, 6, max_tokens=40) as statuses:  # 1 s of the slot each: the probe waits
+                deadline = time.monotonic() + 6.0
+                events: list[dict[str, object]] = []
+                while time.monotonic() < deadline:
+                    seen |= {s.state for s in telemetry.collect().serving}
+                    events += [e.to_json_dict() for e in telemetry.drain_events()]
+                    time.sleep(0.1)
+            assert statuses.count(200) >= 3, statuses  # the clients were served all along
+            assert "busy" in seen and "wedged" not in seen, seen
+            assert EventKind.ENGINE_WEDGED not in kinds(events) and handed == [], (events, handed)
+            assert telemetry.probes.counter_reads_total >= 2  # the probe failed, and its counters were read
+            engine.broken.write_text("freeze")
+            # the probe itself takes the slot and hangs there; /metrics still answers, unmoved
+            events = run_until(telemetry, lambda ev: EventKind.ENGINE_WEDGED in kinds(ev) and handed != [])
+            wedged = next(e for e in events if e["kind"] == EventKind.ENGINE_WEDGED)
+            assert wedged["killable"] is True and wedged["progress_counter"] == "vllm:generation_tokens_total"
+            assert "its own counters did not move (tokens generated stayed at " in str(wedged["summary"]), wedged
+            assert handed[0].counter == "vllm:generation_tokens_total" and handed[0].root_pid == engine.proc.pid
+            assert engine.proc.poll() is None  # telemetry only names it: the guard decides
+    finally:
+        telemetry.close()
+
+
+def test_an_engine_without_counters_is_shown_wedged_and_never_handed_to_the_guard(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """No /metrics (404, as llama-cpp-python's server answers): a wedge cannot be told from busy there. It is shown
+    wedged, says why, once in the log, and is never handed to the guard whatever kill_wedged_after_s says."""
+    handed: list[Wedged] = []
+    telemetry = Telemetry(fast_settings(tmp_path, kill_wedged_after_s=0.3))
+    telemetry.on_wedged = handed.append
+    caplog.set_level("WARNING", logger=logs.get("telemetry").name)
+    try:
+        with stand_in(tmp_path, "vllm", "serve", "/models/m") as engine:
+            engine.broken.write_text("500")
+            events = run_until(telemetry, lambda ev: EventKind.ENGINE_WEDGED in kinds(ev))
+            wedged = next(e for e in events if e["kind"] == EventKind.ENGINE_WEDGED)
+            assert wedged["killable"] is False and wedged["progress_counter"] is None
+            assert "serves no progress counters: a wedge cannot be told from busy" in str(wedged["summary"])
+            deadline = time.monotonic() + 2.0
+            while time.monotonic() < deadline:
+                snap = telemetry.collect()
+                time.sleep(0.1)
+            assert handed == [] and engine.proc.poll() is None
+            (state,) = snap.serving
+            assert state.state == "wedged" and state.counted is False
+            from sparkwatch.telemetry.exporter.server import build_registry, render
+            from sparkwatch.tui.status_view import serving_text
+
+            exposition = render(build_registry(telemetry.settings, lambda: snap)).decode()
+            assert f'sparkwatch_engine_progress_counters{{engine="vllm",pid="{engine.proc.pid}"}} 0.0' in exposition
+            assert serving_text(state).endswith("; no progress counters: never killed as wedged"), serving_text(state)
+            said = [r.getMessage() for r in caplog.records if "serves no progress counters" in r.getMessage()]
+            assert said == [
+                f"kill_wedged_after_s refused: engine {engine.proc.pid} (vllm) serves no progress counters: a wedge "
+                "cannot be told from busy, it is never killed as wedged (no /metrics with them)"
+            ]
+    finally:
+        telemetry.close()
+
+
 @pytest.mark.slow
-def test_the_daemon_records_a_wedge_and_kills_it_when_asked(tmp_path: Path) -> None:
+def test_the_daemon_never_kills_a_busy_engine_and_kills_a_wedged_one_for_its_wedge(tmp_path: Path) -> None:
+    """With kill_wedged_after_s: six clients on a batch-1 engine (the issue's SIGKILL 9.4 s later) kill nothing; its
+    generation frozen, the guard kills it, trigger wedged, and the kill line names the wedge, not the floor."""
     env = {
         "SPARKWATCH_PROBE_INTERVAL_S": "0.5",
         "SPARKWATCH_PROBE_RETRY_S": "0.3",
@@ -324,14 +553,28 @@ def test_the_daemon_records_a_wedge_and_kills_it_when_asked(tmp_path: Path) -> N
         "SPARKWATCH_PROBE_FAILURES_WEDGED": "2",
         "SPARKWATCH_KILL_WEDGED_AFTER_S": "2",
     }
-    with stand_in(tmp_path, "vllm", "serve", "/models/m") as engine, sparkwatch_run(tmp_path, env=env) as d:
+    with (
+        stand_in(tmp_path, "vllm", "serve", "/models/m", batch1_tok_s=40) as engine,
+        sparkwatch_run(tmp_path, env=env) as d,
+    ):
         time.sleep(1.5)
         assert engine.seen(), "the daemon never probed the engine"
-        engine.broken.write_text("500")
+        with clients(engine.port, 6, max_tokens=40):
+            time.sleep(12.0)
+        assert "/metrics" in {r["path"] for r in engine.seen()}  # probes failed: the counters were read
+        busy_kinds = [e["kind"] for e in read_events(d.events_path)]
+        assert EventKind.ENGINE_WEDGED not in busy_kinds and EventKind.KILL not in busy_kinds, busy_kinds
+        assert engine.proc.poll() is None
+        engine.broken.write_text("freeze")
         wedged = wait_for_event(d.events_path, EventKind.ENGINE_WEDGED, 30)
-        assert wedged["root_pid"] == engine.proc.pid
+        assert wedged["root_pid"] == engine.proc.pid and wedged["killable"] is True
         kill = wait_for_event(d.events_path, EventKind.KILL, 30)
-        assert kill["trigger"] == "wedged", kill
+        assert kill["trigger"] == "wedged" and kill["progress_counter"] == "vllm:generation_tokens_total", kill
+        summary = str(kill["summary"])
+        assert (
+            "engine wedged: " in summary and "with no progress in its counters (tokens generated stayed at" in summary
+        )
+        assert "floor" not in summary, summary
         assert engine.proc.wait(15) == -signal.SIGKILL
         assert any("wedged" in str(r) for r in kill["why"]), kill  # type: ignore[attr-defined]
     kinds_seen = [e["kind"] for e in read_events(d.events_path)]
@@ -410,7 +653,7 @@ def test_the_guard_checks_a_wedge_itself_before_its_kill_path_kills(tmp_path: Pa
 
     with stand_in(tmp_path, "vllm", "serve", "/models/m") as engine, stand_in(tmp_path, "python3", "train.py") as other:
         ticks = read_start_ticks("/proc", engine.proc.pid) or 0
-        msg = WedgedMsg("vllm", engine.proc.pid, ticks, 120.0, 3, "HTTP 500")
+        msg = WedgedMsg("vllm", engine.proc.pid, ticks, 120.0, 3, "HTTP 500", "vllm:generation_tokens_total", 1234.0)
         off = guard(0.0)
         watch = WedgeWatch(lambda: off.snapshot, off.request_wedged_kill)
         assert not watch.handle(msg) and watch.off_total == 1
@@ -422,7 +665,11 @@ def test_the_guard_checks_a_wedge_itself_before_its_kill_path_kills(tmp_path: Pa
             assert not watch.handle(WedgedMsg("vllm", engine.proc.pid, ticks, 30.0, 3))  # not wedged long enough
             other_ticks = read_start_ticks("/proc", other.proc.pid) or 0
             assert not watch.handle(WedgedMsg("vllm", other.proc.pid, other_ticks, 120.0, 3))  # not an engine
-            assert watch.refused_total == 3 and engine.proc.poll() is None and other.proc.poll() is None
+            # A failed probe alone (no counter of the engine's own proved the stall), or a counter that is none of
+            # the engines' progress counters: a busy engine gives the first, nothing of ours names the second.
+            assert not watch.handle(WedgedMsg("vllm", engine.proc.pid, ticks, 120.0, 3, "no answer within 10 s"))
+            assert not watch.handle(replace(msg, counter="MemAvailable <= floor"))
+            assert watch.refused_total == 5 and engine.proc.poll() is None and other.proc.poll() is None
             assert watch.handle(msg) and watch.handle(msg)  # twice: the kill path kills it once
             assert engine.proc.poll() is None  # the check only asks: the kill path kills, on the guard's tick
             pool.tick()
@@ -432,6 +679,9 @@ def test_the_guard_checks_a_wedge_itself_before_its_kill_path_kills(tmp_path: Pa
             pool.reaper.stop()
         events = [e for e in read_events(tmp_path / "events.jsonl") if e["kind"] == EventKind.KILL]
         assert [e["trigger"] for e in events] == ["wedged"] and other.proc.poll() is None
+        assert events[0]["progress_counter"] == "vllm:generation_tokens_total" and events[0]["failures"] == 3
+        wedged = "engine wedged: 3 probes failed over 120 s with no progress in its counters (tokens generated stayed"
+        assert f"{wedged} at 1234)" in str(events[0]["summary"]), events[0]
 
 
 # --- launch --probe URL: an engine whose command line names no endpoint sparkwatch knows

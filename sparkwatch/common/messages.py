@@ -25,8 +25,9 @@ telemetry → guard
   (pid, start ticks, role), the first death and its cause. The guard checks each member again itself (same start
   time, this node's network namespace, the role's shape) before it signals anything (guard.groupwatch).
 - `WedgedMsg` (telemetry/probewatch.py, with `kill_wedged_after_s` set): an engine has failed the serving probe for at
-  least that long while its process lives, named by (pid, start ticks). The guard checks it again itself (alive with
-  that start time, an engine tree by its own rules, may be touched, its own `kill_wedged_after_s` met) before the one
+  least that long while its process lives, named by (pid, start ticks), with the progress counter of its own that did
+  not move (core.engines.progress: busy is not wedged). The guard checks it again itself (alive with that start time,
+  an engine tree by its own rules, may be touched, its own `kill_wedged_after_s` met, a counter named) before the one
   kill path kills it, trigger `wedged` (guard.wedgewatch).
 - `PeerBudgetMsg` (telemetry/raywatch.py): this node's Ray ranks of an engine whose launch on another node gave them
   a budget (`--budget worker=SIZE`, told by that node's agent), as (pid, start ticks, uid, budget, group). The guard
@@ -183,6 +184,8 @@ class WedgedMsg:
     wedged_for_s: float  # since the first failed probe of the run that wedged it
     failures: int  # failed probes in a row
     error: str = ""  # the last failure, in words (never the key)
+    counter: str = ""  # the engine's progress counter the probe's look found unmoved (core.engines.progress)
+    counter_value: float = 0.0  # its value, as it stayed
 
 
 Message = (

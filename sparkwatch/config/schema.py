@@ -214,7 +214,11 @@ class Settings(BaseModel, Derived):
         3, ge=1, le=100, description="failed probes in a row, the process alive, that make an engine wedged"
     )
     kill_wedged_after_s: float = Field(
-        0.0, ge=0, le=86400, description="the guard kills an engine wedged this long, trigger wedged (0: never)"
+        0.0,
+        ge=0,
+        le=86400,
+        description="the guard kills an engine wedged this long, trigger wedged, once its own progress counters prove "
+        "the stall (0: never)",
     )
 
     # --- records and alerts

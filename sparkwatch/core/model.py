@@ -388,6 +388,12 @@ class EngineServing:
     last_ok_ts: float | None = None
     wedged_for_s: float | None = None
     error: str = ""  # the last failure, in words
+    # core.engines.progress: whether it served progress counters at the last look after a failed probe (None: never
+    # looked; False: none, so it is never killed as wedged), the requests running then, and for `busy` how far its
+    # lead counter moved since the look before.
+    counted: bool | None = None
+    running: float | None = None
+    moved: float | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -53,6 +53,7 @@ from sparkwatch.core.kill.killloop import LOOP_WINDOW_S, LoopState, loop_identit
 from sparkwatch.core.kill.killrecord import (
     GroupLoss,
     KillFacts,
+    WedgeStall,
     kill_fields,
     kill_line,
     kill_reason,
@@ -104,6 +105,8 @@ class WedgedFacts:
     wedged_for_s: float
     failures: int
     error: str
+    counter: str  # the engine's progress counter that did not move, and its value (core.engines.progress)
+    counter_value: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -264,11 +267,13 @@ def _named(req: KillRequest, facts: KillFacts) -> tuple[_Choice, KillFacts] | No
         return _Choice(tree, tree.root.key, tree.rss_bytes, tree.rss_bytes, None, reasons), replace(facts, group=loss)
     if req.wedged is not None:
         w, tree = req.wedged, req.wedged.tree
+        stall = WedgeStall(w.failures, w.wedged_for_s, w.error, w.counter, w.counter_value)
         reasons = (
             f"wedged: up but not serving for {w.wedged_for_s:.0f} s ({w.failures} one-token probes failed in a row"
-            + (f", last: {w.error})" if w.error else ")"),
+            + (f", last: {w.error}" if w.error else "")
+            + f"; {stall.counter} did not move)",
         )
-        return _Choice(tree, tree.root.key, tree.rss_bytes, tree.rss_bytes, None, reasons), facts
+        return _Choice(tree, tree.root.key, tree.rss_bytes, tree.rss_bytes, None, reasons), replace(facts, wedge=stall)
     return None
 
 

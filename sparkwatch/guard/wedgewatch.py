@@ -7,7 +7,10 @@ trigger `wedged`) only when, in the guard's own reads of /proc:
 - its root is alive with the pid and start time telemetry named (a reused pid is never hit);
 - it is the root of an engine tree by the guard's own rules and scope (core.engines.identity: `never_kill`, the
   protected processes, other users' processes and the guard's ancestors stay out), so the whole tree dies with it;
-- the wedge telemetry reports is at least the guard's own `kill_wedged_after_s`.
+- the wedge telemetry reports is at least the guard's own `kill_wedged_after_s`;
+- telemetry names the engine's own progress counter that did not move (core.engines.progress): a word without one is
+  a failed probe alone, which a busy engine gives too (six concurrent requests to a batch-1 engine did), and an engine
+  that serves no counters is never killed as wedged.
 The kill path then does what it does for every kill: pin by pidfd, SIGSTOP, sweep, SIGKILL, count, and one `kill`
 event with trigger `wedged` and the reason; a tree already killed in this episode is not signalled twice.
 
@@ -22,7 +25,10 @@ from sparkwatch.common.guardconfig import GuardSnapshot
 from sparkwatch.common.messages import WedgedMsg
 from sparkwatch.common.sources.procs import ProcScanner
 from sparkwatch.core.engines.identity import Declared, Launchers, find_engine_trees
+from sparkwatch.core.engines.progress import PROGRESS_COUNTERS
 from sparkwatch.guard.killpath import WedgedFacts
+
+PROGRESS_NAMES = frozenset(name for names in PROGRESS_COUNTERS.values() for name in names)
 
 
 class WedgeWatch:
@@ -57,8 +63,8 @@ class WedgeWatch:
         if after <= 0:
             self.off_total += 1
             return False
-        if msg.wedged_for_s < after:
-            self.refused_total += 1
+        if msg.wedged_for_s < after or msg.counter not in PROGRESS_NAMES:
+            self.refused_total += 1  # not wedged that long, or no counter of its own proved the stall
             return False
         try:
             procs = self.scanner.scan().procs
@@ -79,6 +85,6 @@ class WedgeWatch:
         if tree is None:
             self.refused_total += 1
             return False
-        self.submit(WedgedFacts(tree, msg.wedged_for_s, msg.failures, msg.error[:200]))
+        self.submit(WedgedFacts(tree, msg.wedged_for_s, msg.failures, msg.error[:200], msg.counter, msg.counter_value))
         self.kills_total += 1
         return True

@@ -11,10 +11,18 @@ The probe connects to that socket's own address (a wildcard on loopback). The ke
 or its environment names one, is read right before the probe and put in one header: never in a record, an event, a
 metric or a log line.
 
+Busy is not wedged (core.engines.progress): after a failed probe, and only then, this thread reads the engine's own
+progress counters (`GET /metrics` on the same socket, telemetry/sources/enginecounters.py). Counters that moved since
+the last look make it busy: the failure does not count. A failure counts toward a wedge when they did not move, or
+could not be read, or the engine serves none.
+
 Events: `engine_wedged` once an engine failed `probe_failures_wedged` probes in a row while its process lives, and
-`engine_serving_again` with the next good one. With `kill_wedged_after_s` set, each probe of an engine wedged at
-least that long hands the guard its pid and start time (common.messages.WedgedMsg): the guard checks it again and
-kills through its one kill path, trigger `wedged`.
+`engine_serving_again` with the next good one (or once its counters move again: busy). With `kill_wedged_after_s`
+set, each probe of an engine wedged at least that long whose counters the same probe's look found unmoved hands the
+guard its pid and start time and the stalled counter (common.messages.WedgedMsg): the guard checks it again and kills
+through its one kill path, trigger `wedged`. An engine that serves no progress counters is never handed over: a wedge
+cannot be told from busy there; one log line says so, once per engine, and its `engine_wedged` event, its status row
+and `sparkwatch_engine_progress_counters` 0 say it too.
 """
 
 from __future__ import annotations
@@ -28,12 +36,14 @@ from sparkwatch.common import logs
 from sparkwatch.common.eventlog import make_event
 from sparkwatch.common.threads import daemon_thread
 from sparkwatch.core.engines import serving as core
+from sparkwatch.core.engines.progress import stall_words
 from sparkwatch.core.eventkinds import EventKind
 from sparkwatch.core.launch.bootphase import BOOTING
 from sparkwatch.core.model import BootState, EngineServing, EngineTree, Event
 from sparkwatch.telemetry.sources.completion import send_probe
+from sparkwatch.telemetry.sources.enginecounters import read_counters
 from sparkwatch.telemetry.sources.environ import read_environ
-from sparkwatch.telemetry.sources.listeners import owned_listener
+from sparkwatch.telemetry.sources.listeners import Listener, owned_listener
 
 log = logs.get("telemetry")
 TARGETS_MAX = 64  # engines probed: a box runs a handful
@@ -61,6 +71,8 @@ class Wedged:
     wedged_for_s: float
     failures: int
     error: str
+    counter: str  # the engine's progress counter that did not move (core.engines.progress), and its value
+    counter_value: float
 
 
 def targets_of(trees: tuple[EngineTree, ...], boots: tuple[BootState, ...]) -> dict[tuple[int, int], Target]:
@@ -108,7 +120,9 @@ class ProbeWatch:
         self._tracks: dict[tuple[int, int], core.ServingTrack] = {}
         self.states: tuple[EngineServing, ...] = ()  # published by a reference swap
         self.probes_total = 0
+        self.counter_reads_total = 0  # reads of the engines' progress counters (one after each failed probe)
         self.errors_total = 0
+        self._told_uncounted: set[tuple[int, int]] = set()  # engines whose lack of counters was logged
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -173,15 +187,29 @@ class ProbeWatch:
         targets = self._targets
         for key in [k for k in self._tracks if k not in targets]:
             del self._tracks[key]  # the engine is gone: its track goes with it
+        self._told_uncounted &= set(targets)
         for key, target in targets.items():
             if self._stop.is_set():
                 break
             track = self._tracks.get(key, core.ServingTrack())
             if track.next_due > time.monotonic():
                 continue
-            result = self.probe(target)
+            result, listener, secret = self._probe(target)
             self.probes_total += result.outcome != core.Outcome.NOT_LISTENING
-            track, change = core.step(track, result, time.monotonic(), self.params, booting=target.booting)
+            counters = None
+            if result.outcome == core.Outcome.FAILED and listener is not None and not target.booting:
+                # Busy or wedged? Its own counters tell (core.engines.progress); read only after a failed probe.
+                counters = read_counters(
+                    listener.connect_host,
+                    listener.port,
+                    prefix=target.endpoint.prefix,
+                    key=secret,
+                    timeout_s=self.params.timeout_s,
+                )
+                self.counter_reads_total += 1
+            track, change = core.step(
+                track, result, time.monotonic(), self.params, booting=target.booting, counters=counters
+            )
             self._tracks[key] = track
             if change is not None:
                 self._event(target, track, change)
@@ -193,10 +221,15 @@ class ProbeWatch:
 
     def probe(self, target: Target) -> core.ProbeResult:
         """One probe of one engine, if it owns its port; never raises for what the engine or the network does."""
+        return self._probe(target)[0]
+
+    def _probe(self, target: Target) -> tuple[core.ProbeResult, Listener | None, str | None]:
+        """The probe's result, the socket it dialled (None: the engine owns none on its port) and the key it sent
+        (for the counters' read right after; never kept)."""
         ep = target.endpoint
         listener = owned_listener(self.proc_root, target.root_pid, target.pids, ep.port)
         if listener is None:
-            return core.ProbeResult(core.Outcome.NOT_LISTENING, self.wall_clock())
+            return core.ProbeResult(core.Outcome.NOT_LISTENING, self.wall_clock()), None, None
         key = None
         if ep.server != "url":
             environ = read_environ(self.proc_root, target.root_pid) or {}
@@ -204,7 +237,7 @@ class ProbeWatch:
         answer = send_probe(
             listener.connect_host, listener.port, prefix=ep.prefix, key=key, timeout_s=self.params.timeout_s
         )
-        return core.ProbeResult(answer.outcome, self.wall_clock(), answer.latency_s, answer.error)
+        return core.ProbeResult(answer.outcome, self.wall_clock(), answer.latency_s, answer.error), listener, key
 
     def _publish(self) -> None:
         now = self.wall_clock()
@@ -225,6 +258,9 @@ class ProbeWatch:
                     last_ok_ts=track.last_ok_ts,
                     wedged_for_s=core.wedged_for_s(track, now),
                     error=track.last.error if track.last is not None else "",
+                    counted=track.counted,
+                    running=track.counters.running if track.counters is not None else None,
+                    moved=track.moved,
                 )
             )
         self.states = tuple(out)
@@ -241,10 +277,28 @@ class ProbeWatch:
             kind = EventKind.ENGINE_WEDGED
             summary = (
                 f"{target.kind} engine {target.root_pid} is up but not serving: {change.failures} one-token "
-                f"completions in a row to {ep} failed ({change.error}) while its process lives."
+                f"completions in a row to {ep} failed ({change.error}) while its process lives"
             )
+            if track.uncounted:
+                summary += f"; {self._uncounted_words(target)}."
+            elif track.counters is not None:
+                summary += f", and its own counters did not move ({stall_words(track.counters)})."
+            else:
+                summary += "; its counters could not be read (/metrics gave no answer): not proven, not killed."
             fields["error"] = change.error
             fields["failing_since"] = change.since_ts
+            fields["progress_counter"] = track.counters.lead[0] if track.counters is not None else None
+            fields["killable"] = track.killable
+        elif change.new == core.Serving.BUSY:
+            kind = EventKind.ENGINE_SERVING_AGAIN
+            wedged = self.wall_clock() - change.since_ts if change.since_ts is not None else None
+            summary = (
+                f"{target.kind} engine {target.root_pid} makes progress again: its own counters moved"
+                + (f" ({track.moved:.0f})" if track.moved is not None else "")
+                + f" though the probe to {ep} still waits ({change.error}): busy, not wedged."
+            )
+            fields["wedged_s"] = round(wedged, 3) if wedged is not None else None
+            fields["busy"] = True
         else:
             kind = EventKind.ENGINE_SERVING_AGAIN
             wedged = self.wall_clock() - change.since_ts if change.since_ts is not None else None
@@ -262,12 +316,34 @@ class ProbeWatch:
             self.errors_total += 1
             log.error("could not record %s event: %s", kind, exc)
 
+    def _uncounted_words(self, target: Target) -> str:
+        return (
+            f"engine {target.root_pid} ({target.kind}) serves no progress counters: a wedge cannot be told from "
+            "busy, it is never killed as wedged"
+        )
+
     def _hand_over(self, target: Target, track: core.ServingTrack) -> None:
-        wedged_for = core.wedged_for_s(track, self.wall_clock())
         after = self.kill_wedged_after_s
-        if self.on_wedged is None or after <= 0 or wedged_for is None or wedged_for < after:
+        if self.on_wedged is None or after <= 0:
             return
+        key = (target.root_pid, target.start_ticks)
+        if track.uncounted and track.state == core.Serving.WEDGED and key not in self._told_uncounted:
+            self._told_uncounted.add(key)  # once per engine: kill_wedged_after_s is refused for it, and why
+            log.warning("kill_wedged_after_s refused: %s (no /metrics with them)", self._uncounted_words(target))
+        wedged_for = core.wedged_for_s(track, self.wall_clock())
+        if not track.killable or track.counters is None or wedged_for is None or wedged_for < after:
+            return  # not wedged that long, or its own counters did not prove the stall at this look
         last = track.last.error if track.last is not None else ""
+        name, value = track.counters.lead
         self.on_wedged(
-            Wedged(target.kind, target.root_pid, target.start_ticks, round(wedged_for, 3), track.failures, last)
+            Wedged(
+                target.kind,
+                target.root_pid,
+                target.start_ticks,
+                round(wedged_for, 3),
+                track.failures,
+                last,
+                name,
+                value,
+            )
         )

@@ -132,7 +132,9 @@ class TelemetryProcess:
         )
         # An engine wedged for kill_wedged_after_s: named to the guard, which checks it again before any signal.
         loop.telemetry.on_wedged = lambda w: self._send(
-            WedgedMsg(w.kind, w.root_pid, w.start_ticks, w.wedged_for_s, w.failures, w.error)
+            WedgedMsg(
+                w.kind, w.root_pid, w.start_ticks, w.wedged_for_s, w.failures, w.error, w.counter, w.counter_value
+            )
         )
         probes = loop.telemetry.probes
         self.components.append(Component("probe", CountersOnly(), counters=probes.counters))

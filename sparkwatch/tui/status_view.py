@@ -188,18 +188,24 @@ def boot_text(boot: BootState, now: float) -> str:
     return text
 
 
-_SERVING_STYLE = {"serving": "green", "failing": "yellow", "wedged": "bold red"}
+_SERVING_STYLE = {"serving": "green", "busy": "green", "failing": "yellow", "wedged": "bold red"}
 
 
 def serving_text(e: EngineServing) -> str:
-    """`serving (token in 41 ms)`, `failing: 2 probes (no answer within 10 s)`, `WEDGED for 1m30s: …`."""
+    """`serving (token in 41 ms)`, `busy: its counters moved, 6 running, …`, `failing: 2 probes (no answer within 10
+    s)`, `WEDGED for 1m30s: …`."""
     if e.state == "serving":
         return "serving" + (f" (token in {e.latency_s * 1000:.0f} ms)" if e.latency_s is not None else "")
     why = f" ({e.error})" if e.error else ""
+    if e.state == "busy":  # core.engines.progress: the probe waited, its own counters moved
+        running = f", {e.running:.0f} running" if e.running is not None else ""
+        return f"busy: its counters moved{running}, the probe waits{why}"
+    # An engine with no progress counters is never killed as wedged (kill_wedged_after_s refused for it).
+    uncounted = "; no progress counters: never killed as wedged" if e.counted is False else ""
     if e.state == "wedged":
         lasted = f" for {fmt_duration(e.wedged_for_s)}" if e.wedged_for_s is not None else ""
-        return f"WEDGED{lasted}: up but not serving, {plural(e.failures, 'probe')} failed{why}"
-    return f"failing: {plural(e.failures, 'probe')} failed{why}"
+        return f"WEDGED{lasted}: up but not serving, {plural(e.failures, 'probe')} failed{why}{uncounted}"
+    return f"failing: {plural(e.failures, 'probe')} failed{why}{uncounted}"
 
 
 def _jit_state_for(tree: EngineTree, states: Sequence[JitEngineState]) -> JitEngineState | None:

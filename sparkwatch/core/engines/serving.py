@@ -22,6 +22,13 @@ event); the next good answer makes it serving again (one `engine_serving_again`)
 engine's boot is over: a launched engine still in a boot phase, or one that listens on no port of its own yet, is
 booting, not wedged. An answer that refuses the key (401, 403) says the engine is up but not what it serves: it
 counts neither way.
+
+Busy is not wedged (core.engines.progress). After a failed probe telemetry reads the engine's own progress counters and
+hands `step` the read: counters that moved since the last look of the same failing run make it busy (the failures in
+a row start again from 0; `engine_serving_again` if it was wedged); counters as they were, a first read, a read that
+got no answer, or an engine that serves no counters count the failure as before. An engine is killable as wedged
+(`killable`) only while it is wedged and its last look found its counters as they were: the stall is proven by its
+own counters. One that serves none is never killable (`uncounted`): it may be shown wedged, the guard is never asked.
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ from dataclasses import dataclass, replace
 from enum import StrEnum
 
 from sparkwatch.core.engines.enginecli import EngineKind, parse_flags, recognise
+from sparkwatch.core.engines.progress import Counters, Look, MetricsRead, Read, look, moved_by
 
 DEFAULT_PORTS: Mapping[str, int] = {
     "vllm": 8000,
@@ -138,6 +146,7 @@ class Serving(StrEnum):
     UNKNOWN = "unknown"  # not probed yet, or not listening on its port (booting)
     SERVING = "serving"  # the last probe got a token
     FAILING = "failing"  # failures in a row, fewer than failures_wedged
+    BUSY = "busy"  # the last probe failed, but the engine's own counters moved since the look before: not wedged
     WEDGED = "wedged"  # failures_wedged in a row, the process alive
 
 
@@ -177,11 +186,29 @@ class ServingTrack:
     wedged_since: float | None = None  # wall clock of the first failure of the run that wedged it
     failing_since: float | None = None
     next_due: float = 0.0  # monotonic
+    # The counters at the last look of this failing run (None: none read since the last token), that look's verdict,
+    # whether the engine served progress counters at its last answer (None: never looked), and how far the lead
+    # counter moved at the last look that found it busy.
+    counters: Counters | None = None
+    look: Look | None = None
+    counted: bool | None = None
+    moved: float | None = None
+
+    @property
+    def killable(self) -> bool:
+        """Wedged, and its own counters proved the stall at the last look: the guard may be asked to kill it."""
+        return self.state == Serving.WEDGED and self.look == Look.STALLED and self.counters is not None
+
+    @property
+    def uncounted(self) -> bool:
+        """It answered without progress counters: a wedge cannot be told from busy, it is never killed as wedged."""
+        return self.counted is False
 
 
 @dataclass(frozen=True, slots=True)
 class Change:
-    """A state change worth an event: to WEDGED (engine_wedged) or from WEDGED back to SERVING."""
+    """A state change worth an event: to WEDGED (engine_wedged), or from WEDGED back to SERVING or to BUSY (its
+    counters moved: engine_serving_again)."""
 
     old: Serving
     new: Serving
@@ -191,9 +218,16 @@ class Change:
 
 
 def step(
-    track: ServingTrack, result: ProbeResult, now_mono: float, params: ServingParams, *, booting: bool = False
+    track: ServingTrack,
+    result: ProbeResult,
+    now_mono: float,
+    params: ServingParams,
+    *,
+    booting: bool = False,
+    counters: MetricsRead | None = None,
 ) -> tuple[ServingTrack, Change | None]:
-    """A probe's result folded into the track: the new track, and the change worth an event (or None)."""
+    """A probe's result folded into the track: the new track, and the change worth an event (or None). `counters`:
+    the read of the engine's progress counters made after this probe failed (None: none was made)."""
     probes = track.probes + (result.outcome != Outcome.NOT_LISTENING)
     if result.outcome == Outcome.OK:
         new = replace(
@@ -207,6 +241,9 @@ def step(
             wedged_since=None,
             failing_since=None,
             next_due=now_mono + params.interval_s,
+            counters=None,
+            look=None,
+            moved=None,
         )
         change = None
         if track.state == Serving.WEDGED:
@@ -220,6 +257,36 @@ def step(
             state = Serving.WEDGED  # a wedged engine that closed its socket is still not serving
         wait = params.retry_s if result.outcome == Outcome.NOT_LISTENING or booting else params.interval_s
         return replace(track, state=state, probes=probes, last=result, next_due=now_mono + wait), None
+    seen = look(track.counters, counters) if counters is not None else None
+    counted = track.counted
+    if counters is not None and counters.read != Read.UNREAD:
+        counted = counters.read == Read.COUNTERS
+    if seen == Look.MOVING:
+        # Busy: it made progress since the last look; the probe waited behind other requests. Not a failure of
+        # serving: the run starts again from this read, and the next look is a whole interval away.
+        new = replace(
+            track,
+            state=Serving.BUSY,
+            failures=0,
+            probes=probes,
+            last=result,
+            failing_since=None,
+            wedged_since=None,
+            next_due=now_mono + params.interval_s,
+            counters=counters.counters if counters is not None else None,
+            look=seen,
+            counted=True,
+            moved=moved_by(track.counters, counters.counters if counters is not None else None),
+        )
+        change = None
+        if track.state == Serving.WEDGED:
+            change = Change(Serving.WEDGED, Serving.BUSY, track.failures, track.wedged_since, result.error)
+        return new, change
+    kept = track.counters
+    if counters is not None and counters.read == Read.COUNTERS:
+        kept = counters.counters
+    elif counters is not None and counters.read == Read.NONE:
+        kept = None
     failures = track.failures + 1
     failing_since = track.failing_since if track.failing_since is not None else result.ts
     state = Serving.WEDGED if failures >= params.failures_wedged else Serving.FAILING
@@ -237,6 +304,10 @@ def step(
         failing_since=failing_since,
         wedged_since=wedged_since,
         next_due=now_mono + params.retry_s,
+        counters=kept,
+        look=seen,
+        counted=counted,
+        moved=None,
     )
     change = None
     if state == Serving.WEDGED and track.state != Serving.WEDGED:

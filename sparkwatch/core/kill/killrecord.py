@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from sparkwatch.core.engines.progress import COUNTER_WORDS
 from sparkwatch.core.model import EngineTree, MemInfo, Proc
 from sparkwatch.core.redact import safe_cmdline
 from sparkwatch.core.units import format_size
@@ -35,6 +36,23 @@ class GroupLoss:
         if not self.first_node and self.first_pid is None:
             return f"{self.cause}: a rank died before Ray placed it (its start failed)"
         return f"{self.cause} on {self.first_node or '?'} (pid {self.first_pid if self.first_pid is not None else '?'})"
+
+
+@dataclass(frozen=True, slots=True)
+class WedgeStall:
+    """Trigger `wedged`: what the serving probe and the engine's own counters said (core.engines.serving, .progress):
+    the failed probes in a row, since the first of them, the last failure, and the progress counter that stayed."""
+
+    failures: int
+    wedged_for_s: float
+    error: str
+    counter: str
+    counter_value: float
+
+    @property
+    def stayed(self) -> str:
+        """`tokens generated stayed at 1234` (core.engines.progress's words for the counter)."""
+        return f"{COUNTER_WORDS.get(self.counter, self.counter)} stayed at {self.counter_value:.0f}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,12 +87,14 @@ class KillFacts:
     footprint_source: str | None = None
     budget_source: str | None = None
     group: GroupLoss | None = None  # trigger "group_teardown"
+    wedge: WedgeStall | None = None  # trigger "wedged"
 
 
 def kill_reason(facts: KillFacts) -> str:
-    """Why the guard fired. Every size of a kill's record is written by core.units.format_size, in the line, the
-    summary and the views alike: one kill once showed its floor as "21761 MiB" in one place and "21.3 GiB" in
-    another."""
+    """Why the guard fired, one sentence per trigger: a wedged engine's kill once said `MemAvailable 22.8 GiB <= floor
+    4.0 GiB`, the floor's sentence, for a pool far above it. Every size of a kill's record is written by
+    core.units.format_size, in the line, the summary and the views alike: one kill once showed its floor as "21761
+    MiB" in one place and "21.3 GiB" in another."""
     avail = format_size(facts.mem.available_bytes)
     floor = format_size(facts.floor_bytes)
     if facts.trigger == "budget" and facts.budget_bytes is not None and facts.footprint_bytes is not None:
@@ -85,6 +105,12 @@ def kill_reason(facts: KillFacts) -> str:
     if facts.group is not None:
         g = facts.group
         return f"group {g.group[:12]} lost a member: {g.death}"
+    if facts.wedge is not None:
+        w = facts.wedge
+        return (
+            f"engine wedged: {plural(w.failures, 'probe')} failed over {w.wedged_for_s:.0f} s with no progress in its "
+            f"counters ({w.stayed})"
+        )
     if facts.trigger == "escalate":
         return f"MemAvailable {avail} still <= floor {floor} after the last kill"
     if facts.trigger == "predicted":
@@ -94,6 +120,8 @@ def kill_reason(facts: KillFacts) -> str:
         )
     if facts.trigger == "driver_alloc_failed":  # core.driver.nvrm's corroboration: the driver ran out first
         return f"NVIDIA driver allocation failed at MemAvailable {avail}, within warn_headroom of floor {floor}"
+    if facts.trigger == "hunt":  # core.kill.trigger: under the floor, and the last look found no engine to kill
+        return f"MemAvailable {avail} still <= floor {floor} (looking again: the last look found no engine to kill)"
     return f"MemAvailable {avail} <= floor {floor}"
 
 
@@ -180,6 +208,17 @@ def kill_fields(facts: KillFacts) -> dict[str, object]:
             else {}
         ),
         **(_group_fields(facts.group, facts.victims) if facts.group is not None else {}),
+        **(
+            {
+                "failures": facts.wedge.failures,
+                "wedged_for_s": facts.wedge.wedged_for_s,
+                "probe_error": facts.wedge.error,
+                "progress_counter": facts.wedge.counter,
+                "progress_value": facts.wedge.counter_value,
+            }
+            if facts.wedge is not None
+            else {}
+        ),
     }
 
 

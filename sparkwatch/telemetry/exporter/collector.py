@@ -395,18 +395,23 @@ def _serving_families(snap: Snapshot) -> Iterator[Metric]:
     serving = gauge("engine_serving", labels=["engine", "pid"])
     latency = gauge("engine_probe_latency_seconds", labels=["engine", "pid"])
     failures = gauge("engine_probe_failures", labels=["engine", "pid"])
+    counted = gauge("engine_progress_counters", labels=["engine", "pid"])
     for e in probed:
         key = [e.kind, str(e.root_pid)]
-        if e.state == "serving":
+        if e.state in ("serving", "busy"):  # busy: the probe waited while its own counters moved
             serving.add_metric(key, 1)
         elif e.state in ("failing", "wedged"):
             serving.add_metric(key, 0)
         if e.latency_s is not None:
             latency.add_metric(key, e.latency_s)
         failures.add_metric(key, e.failures)
+        if e.counted is not None:
+            counted.add_metric(key, 1 if e.counted else 0)
     yield serving
     yield latency
     yield failures
+    if counted.samples:  # looked at only after a failed probe
+        yield counted
 
 
 def _budget_families(s: GuardStats) -> Iterator[Metric]:

@@ -495,7 +495,8 @@ METRICS: tuple[MetricSpec, ...] = (
         "gauge",
         "engine pid",
         "probed",
-        "1: the last one-token completion got a token; 0: failing or wedged (absent while booting or not listening)",
+        "1: the last one-token completion got a token, or it waited while the engine's own counters moved (busy); 0: "
+        "failing or wedged (absent while booting or not listening)",
         help="1 if the engine's last one-token completion answered (the serving probe)",
     ),
     _m(
@@ -513,6 +514,15 @@ METRICS: tuple[MetricSpec, ...] = (
         "probed",
         "failed probes in a row (engine_wedged at probe_failures_wedged)",
         help="The engine's failed one-token completions in a row",
+    ),
+    _m(
+        "engine_progress_counters",
+        "gauge",
+        "engine pid",
+        "probed",
+        "1: the engine served progress counters at the look after a failed probe (a wedge is proven by them before "
+        "kill_wedged_after_s acts); 0: it serves none, it is never killed as wedged (absent until a probe failed)",
+        help="1 if the engine serves the progress counters that tell busy from wedged",
     ),
     _m("collector_success", "gauge", "collector", "telemetry", "1 if the source worked this cycle"),
     _m(
