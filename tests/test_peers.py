@@ -14,12 +14,13 @@ import json
 import socket
 import threading
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 
+from sparkwatch.common import peerproof
 from sparkwatch.common.peeraddr import parse_peer
 from sparkwatch.common.stats import RecentKill
 from sparkwatch.config.settings import ConfigError, load_settings
@@ -28,6 +29,7 @@ from sparkwatch.core.model import Event, MemInfo
 from sparkwatch.telemetry import peerdoc
 from sparkwatch.telemetry.peerwatch import PEER_LOST_AFTER, PeerWatch
 from tests.daemon import sparkwatch_run
+from tests.helpers.peerkey import key_file, key_of
 
 GiB = 1 << 30
 TOKEN = "hf_" + "A1b2C3d4E5f6G7h8I9j0K1"  # a Hugging Face token's shape (core.redact), never a real one
@@ -54,19 +56,35 @@ def doc_bytes(kills: tuple[peerdoc.PeerKill, ...] = (), node_ids: tuple[str, ...
 
 
 class Peer:
-    """A peer agent on loopback: serves `body` at /peer/v1/state (or answers 500 while `broken`)."""
+    """A peer agent on loopback: serves `body` at /peer/v1/state, proven by `key` (the pair's, common.peerproof)
+    when the reader sends a nonce; `forge` rewrites the proof's headers (a forger's answer)."""
 
-    def __init__(self) -> None:
+    def __init__(self, key: bytes | None = None) -> None:
         self.body = doc_bytes()
         self.requests = 0
+        self.key = key
+        self.node = "spark-b"  # the node its proof names
+        self.status = 200
+        self.forge: Callable[[str, tuple[tuple[str, str], ...]], tuple[tuple[str, str], ...]] | None = None
+        self.nonces: list[str] = []
         peer = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
             def do_GET(self) -> None:
                 peer.requests += 1
-                ok = self.path == peerdoc.PATH
-                self.send_response(200 if ok else 404)
+                ok = self.path.split("?", 1)[0] == peerdoc.PATH
+                self.send_response(peer.status if ok else 404)
                 self.send_header("Content-Type", "application/json")
+                nonce = peerproof.nonce_of(self.path)
+                if ok and nonce is not None:
+                    peer.nonces.append(nonce)
+                    proof: tuple[tuple[str, str], ...] = ()
+                    if peer.key is not None:
+                        proof = peerproof.prove(peer.key, peer.node, nonce, peer.body)
+                    if peer.forge is not None:
+                        proof = peer.forge(nonce, proof)
+                    for name, value in proof:
+                        self.send_header(name, value)
                 self.end_headers()
                 self.wfile.write(peer.body if ok else b"{}")
 
@@ -84,18 +102,26 @@ class Peer:
 
 
 @contextmanager
-def peer() -> Iterator[Peer]:
-    p = Peer()
+def peer(key: bytes | None = None) -> Iterator[Peer]:
+    p = Peer(key)
     try:
         yield p
     finally:
         p.stop()
 
 
-def watch(tmp_path: Path, *peers: str) -> tuple[PeerWatch, list[Event]]:
-    settings = load_settings(None, {"state_dir": tmp_path / "state", "peers": list(peers)}, check_memory=False)
+def watch(tmp_path: Path, *peers: str, keyed: bool = True, **overrides: object) -> tuple[PeerWatch, list[Event]]:
+    """A peer watch over `peers`, holding the pair's key (tests.helpers.peerkey) unless not `keyed`."""
+    keys = {"peer_key_file": key_file(tmp_path / "key")} if keyed else {}
+    settings = load_settings(
+        None, {"state_dir": tmp_path / "state", "peers": list(peers), **keys, **overrides}, check_memory=False
+    )
     recorded: list[Event] = []
     return PeerWatch(settings, recorded.append), recorded
+
+
+def pair_key(tmp_path: Path) -> bytes:
+    return key_of(key_file(tmp_path / "key"))
 
 
 def test_peer_addresses_and_the_config_key_that_is_wrong() -> None:
@@ -148,7 +174,7 @@ def silent_host() -> Iterator[int]:
 
 
 def test_a_peer_read_then_lost_once_then_back(tmp_path: Path) -> None:
-    with peer() as p:
+    with peer(pair_key(tmp_path)) as p:
         w, recorded = watch(tmp_path, f"127.0.0.1:{p.port}")
         p.body = doc_bytes(peerdoc.kills_from_guard([recent(301)]))
         w.poll_once()
@@ -173,7 +199,7 @@ def test_a_peer_read_then_lost_once_then_back(tmp_path: Path) -> None:
     assert "spark-b" in lost[0].summary and "52.0 GiB" in lost[0].summary
     assert w.counters()["peer_errors_timeout"] == PEER_LOST_AFTER + 1
     # it answers again (on another port here: the test cannot count on getting the old one back): peer_back, once
-    with peer() as again:
+    with peer(pair_key(tmp_path)) as again:
         w.peers[0].port = again.port
         w.poll_once()
         w.poll_once()
@@ -181,7 +207,7 @@ def test_a_peer_read_then_lost_once_then_back(tmp_path: Path) -> None:
 
 
 def test_a_peer_that_never_answered_is_not_lost_and_bad_answers_are_counted(tmp_path: Path) -> None:
-    with peer() as p:
+    with peer(pair_key(tmp_path)) as p:
         p.body = b"<html>not sparkwatch</html>"
         w, recorded = watch(tmp_path, f"127.0.0.1:{p.port}")
         for _ in range(PEER_LOST_AFTER + 1):
@@ -192,7 +218,7 @@ def test_a_peer_that_never_answered_is_not_lost_and_bad_answers_are_counted(tmp_
 
 def test_the_kill_word_is_read_again_once_when_the_last_document_does_not_name_the_pid(tmp_path: Path) -> None:
     node_b = "b" * 56
-    with peer() as p:
+    with peer(pair_key(tmp_path)) as p:
         w, _ = watch(tmp_path, f"127.0.0.1:{p.port}")
         w.poll_once()  # its document names no kill yet
         p.body = doc_bytes(peerdoc.kills_from_guard([recent(301)]))  # its guard has just recorded it

@@ -16,15 +16,15 @@ its document with three headers:
 The reader holds the proof to its own nonce (a proof recorded earlier answers another nonce: replays fail), the
 time within MAX_SKEW_S of its own clock, and the node to the document's; compared with hmac.compare_digest. A
 document that fails is not the peer's, whoever answered on its port (telemetry.peerwatch).
+
+hashlib and hmac (libcrypto: part of the ~8 MiB that telemetry spares where nothing needs it,
+tests/test_telemetry_imports.py) are imported only where a key is: the nonce is os.urandom's.
 """
 
 from __future__ import annotations
 
 import errno
-import hashlib
-import hmac
 import os
-import secrets
 import stat
 import time
 import urllib.parse
@@ -114,7 +114,7 @@ def parse_key(path: Path, data: bytes) -> bytes:
 
 
 def new_key_text() -> str:
-    return secrets.token_hex(KEY_BYTES) + "\n"
+    return os.urandom(KEY_BYTES).hex() + "\n"
 
 
 def write_key(path: Path, *, force: bool = False) -> None:
@@ -123,7 +123,7 @@ def write_key(path: Path, *, force: bool = False) -> None:
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
     target = path
     if force:
-        target = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
+        target = path.with_name(f".{path.name}.{os.urandom(4).hex()}.tmp")
     fd = os.open(target, flags, 0o600)
     try:
         os.fchmod(fd, 0o600)  # whatever the umask
@@ -136,7 +136,7 @@ def write_key(path: Path, *, force: bool = False) -> None:
 
 
 def new_nonce() -> str:
-    return secrets.token_hex(NONCE_BYTES)
+    return os.urandom(NONCE_BYTES).hex()
 
 
 def nonce_of(path: str) -> str | None:
@@ -155,6 +155,9 @@ def nonce_of(path: str) -> str | None:
 
 
 def _mac(key: bytes, node: str, nonce: str, when: str, body: bytes) -> str:
+    import hashlib  # noqa: PLC0415 - only where a key is configured (the module's docstring)
+    import hmac  # noqa: PLC0415
+
     msg = b"\0".join((DOMAIN, node.encode("ascii"), nonce.encode("ascii"), when.encode("ascii")))
     return hmac.new(key, msg + b"\0" + hashlib.sha256(body).digest(), hashlib.sha256).hexdigest()
 
@@ -183,10 +186,13 @@ def check(key: bytes, nonce: str, body: bytes, headers: Mapping[str, str], now: 
         raise ProofError("no proof in its answer (peer_key_file unset on that node, or not sparkwatch)")
     if not quoted.isascii() or not when.isascii() or not when.isdigit() or len(when) > 12:
         raise ProofError("a proof of another shape")
+    import hmac  # noqa: PLC0415 - loaded by _mac already
+
     expected = _mac(key, quoted, nonce, when, body)
     if not hmac.compare_digest(expected, proof.strip().lower()):
         raise ProofError("its proof does not check (another key, an answer to another read, or a changed body)")
     skew = (time.time() if now is None else now) - int(when)
     if abs(skew) > MAX_SKEW_S:
-        raise ProofError(f"its proof is dated {skew:+.0f} s from this node's clock (at most {MAX_SKEW_S:g} s)")
+        ahead = "ahead of" if skew < 0 else "behind"
+        raise ProofError(f"its proof's time is over {MAX_SKEW_S:g} s {ahead} this node's clock (NTP off on one?)")
     return urllib.parse.unquote(quoted)

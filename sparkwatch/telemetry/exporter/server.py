@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING
 from prometheus_client.registry import CollectorRegistry
 
 from sparkwatch.common import logs
+from sparkwatch.common.peerproof import nonce_of
 from sparkwatch.common.threads import daemon_thread
 from sparkwatch.core.model import Snapshot
 from sparkwatch.telemetry.exporter.collector import (
@@ -88,7 +89,11 @@ def render(registry: CollectorRegistry) -> bytes:
     return generate_text(registry)
 
 
-Handler = Callable[[str, str, dict[str, str]], tuple[int, str, bytes]]
+Headers = tuple[tuple[str, str], ...]
+# (status, content type, body) or the same with headers of its own (a peer document's proof: common.peerproof)
+Answer = tuple[int, str, bytes] | tuple[int, str, bytes, Headers]
+Handler = Callable[[str, str, dict[str, str]], Answer]
+Prover = Callable[[str, bytes], Headers]
 
 
 @dataclass
@@ -339,8 +344,12 @@ class BoundedHTTPServer:
     def _answer(self, conn: _Conn) -> None:
         assert conn.request is not None
         method, path, headers = conn.request
+        extra: Headers = ()
         try:
-            status, content_type, body = self.handler(method, path, headers)
+            answer = self.handler(method, path, headers)
+            status, content_type, body = answer[0], answer[1], answer[2]
+            if len(answer) == 4:
+                extra = answer[3]
         except Exception as exc:  # a collector that raises: say so and answer 500, never a silent empty reply
             self.render_errors_total += 1
             now = time.monotonic()
@@ -351,8 +360,9 @@ class BoundedHTTPServer:
         reason = {200: "OK", 404: "Not Found", 405: "Method Not Allowed", 500: "Internal Server Error"}.get(
             status, "Error"
         )
+        own = "".join(f"{name}: {value}\r\n" for name, value in extra)
         head = (
-            f"HTTP/1.1 {status} {reason}\r\nContent-Type: {content_type}\r\n"
+            f"HTTP/1.1 {status} {reason}\r\nContent-Type: {content_type}\r\n{own}"
             f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
         ).encode("latin-1")
         conn.sock.setblocking(True)
@@ -382,12 +392,15 @@ class MetricsServer:
         registry: CollectorRegistry,
         bind_retry_s: float = BIND_RETRY_S,
         documents: Mapping[str, Callable[[], bytes]] | None = None,
+        prover: Prover | None = None,
     ) -> None:
         """`documents`: JSON answers beside /metrics, by path (the peers' state, telemetry.peerdoc), under the same
-        listener, TLS and limits."""
+        listener, TLS and limits. `prover`: the headers that prove a document answers a reader's nonce (the pair's
+        key, common.peerproof), for a request that sends one; None: documents go unproven."""
         self.settings = settings
         self.registry = registry
         self.documents = dict(documents or {})
+        self.prover = prover
         self.bind_retry_s = bind_retry_s
         self.port_in_use_total = 0  # binds refused because the address was taken
         self._server: BoundedHTTPServer | None = None
@@ -433,7 +446,7 @@ class MetricsServer:
             context.load_verify_locations(cafile=str(s.tls_client_ca_file))
         return context
 
-    def handle(self, method: str, path: str, headers: dict[str, str]) -> tuple[int, str, bytes]:
+    def handle(self, method: str, path: str, headers: dict[str, str]) -> Answer:
         if method not in ("GET", "HEAD"):
             return 405, "text/plain; charset=utf-8", b"only GET\n"
         route = path.split("?", 1)[0]
@@ -441,7 +454,11 @@ class MetricsServer:
             return 404, "text/plain; charset=utf-8", b"not found\n"
         document = self.documents.get(route)
         if document is not None:
-            return 200, "application/json", document()
+            body = document()
+            nonce = nonce_of(path) if self.prover is not None else None
+            if self.prover is None or nonce is None:
+                return 200, "application/json", body
+            return 200, "application/json", body, self.prover(nonce, body)
         encoder, content_type = choose_encoder(headers.get("accept", ""))
         return 200, content_type, encoder(self.registry)
 
