@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import http.server
 import json
+import os
 import socket
 import threading
+import time
 import urllib.request
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -21,12 +23,16 @@ from pathlib import Path
 import pytest
 
 from sparkwatch.common import peerproof
+from sparkwatch.common.messages import GroupTeardownMsg
 from sparkwatch.common.peeraddr import parse_peer
+from sparkwatch.common.sources.procs import read_start_ticks
 from sparkwatch.common.stats import RecentKill
 from sparkwatch.config.settings import ConfigError, load_settings
 from sparkwatch.core.eventkinds import EventKind
-from sparkwatch.core.model import Event, MemInfo
+from sparkwatch.core.kill import mpgroup
+from sparkwatch.core.model import EngineTree, Event, MemInfo, Proc
 from sparkwatch.telemetry import peerdoc
+from sparkwatch.telemetry.mpwatch import MpGroupWatch
 from sparkwatch.telemetry.peerwatch import PEER_LOST_AFTER, PeerWatch
 from tests.daemon import sparkwatch_run
 from tests.helpers.peerkey import key_file, key_of
@@ -239,3 +245,167 @@ def test_a_real_daemon_serves_its_state_to_peers(tmp_path: Path) -> None:
             doc = peerdoc.parse(resp.read())
     assert doc.node and doc.ray_node_ids == () and doc.kills == ()
     assert doc.mem_available_bytes is None or doc.mem_available_bytes > 0
+
+
+# --- issue 37: a peer proves who it is before its word moves anything
+
+KEY = "10.0.0.1:29501"
+NODE_B = "b" * 56
+
+
+def member_trees() -> list[EngineTree]:
+    """This test process as node A's member of group KEY (its own namespace and start time)."""
+    me = os.getpid()
+    proc = Proc(me, 1, os.getuid(), "vllm", "S", read_start_ticks("/proc", me) or 0, 1 << 20,
+                ("vllm", "serve", "m", "--nnodes", "2", "--master-addr", "10.0.0.1"))  # fmt: skip
+    return [EngineTree("vllm", proc, (proc,))]
+
+
+def b_doc(*, member: bool = True, budget: int = 0, kill_pid: int | None = None) -> bytes:
+    """Node B's document: its member of KEY (pid 200), a worker budget for placement group pg1, a kill."""
+    kills = peerdoc.kills_from_guard([recent(kill_pid, "budget", "forged reason: rm -rf /")]) if kill_pid else ()
+    budgets = (peerdoc.PeerBudget("pg1", budget, os.getuid()),) if budget else ()
+    groups = (peerdoc.PeerMember(KEY, 1, 200, os.getuid()),) if member else ()
+    return peerdoc.build("spark-b", (NODE_B,), None, (), kills, groups=groups, budgets=budgets)
+
+
+def group_watch(w: PeerWatch) -> tuple[MpGroupWatch, list[GroupTeardownMsg]]:
+    sent: list[GroupTeardownMsg] = []
+    trees = member_trees()
+    return MpGroupWatch(w.settings, sent.append, lambda: trees), sent
+
+
+def moved(w: PeerWatch, mp: MpGroupWatch) -> tuple[list[GroupTeardownMsg], list[peerdoc.WorkerBudget], str | None]:
+    """One read of the peers and what its word moved: a teardown here, a worker budget, a kill word."""
+    w.poll_once()
+    return mp.observe(w.peers), w.worker_budgets(), w.kill_word(NODE_B, 301)
+
+
+def replay_of(recorded: tuple[tuple[str, str], ...]) -> Callable[[str, tuple[tuple[str, str], ...]], Headers]:
+    return lambda nonce, proof: recorded
+
+
+Headers = tuple[tuple[str, str], ...]
+
+
+@pytest.mark.parametrize("forgery", ["unsigned", "another key", "replayed", "another node"])
+def test_a_forged_document_moves_nothing_and_is_counted(tmp_path: Path, forgery: str) -> None:
+    """The peer's port answers with a document that drops B's member, sets a 1-byte worker budget on its rank and
+    claims a kill word, without the pair's proof: unsigned, signed with another key, an honest proof replayed from
+    an earlier read, or the proof of another node. Nothing moves: no teardown, no budget, no word; bad_proof
+    counted, and the last proven document stands."""
+    with peer(pair_key(tmp_path)) as p:
+        w, _ = watch(tmp_path, f"127.0.0.1:{p.port}")
+        mp, sent = group_watch(w)
+        p.body = b_doc(member=True)
+        assert moved(w, mp) == ([], [], None)  # the honest document: B's member listed
+        honest_nonce = p.nonces[-1]
+        honest_proof = peerproof.prove(pair_key(tmp_path), "spark-b", honest_nonce, b_doc(member=False))
+        p.body = b_doc(member=False, budget=1, kill_pid=301)
+        if forgery == "unsigned":
+            p.key = None
+        elif forgery == "another key":
+            p.key = os.urandom(32)
+        elif forgery == "replayed":  # a proof the honest agent gave for the earlier read (the body as forged)
+            p.forge = replay_of(honest_proof)
+        else:  # a proof the pair's key made for another node's answer (spark-c's, replayed as spark-b)
+            p.node = "spark-c"
+        for _ in range(3):
+            assert moved(w, mp) == ([], [], None)
+        assert sent == []
+        assert w.counters()["peer_errors_bad_proof"] == 6  # each poll, and kill_word's one read again
+        assert w.peers[0].doc is not None and w.peers[0].doc.groups is not None and w.peers[0].doc.groups
+        # the same document, proven: it moves (the forgery alone was refused)
+        p.key, p.forge, p.node = pair_key(tmp_path), None, "spark-b"
+        teardowns, budgets, word = moved(w, mp)
+        assert [t.cause for t in teardowns] == [mpgroup.RANK_GONE]
+        assert [(b.group, b.budget_bytes) for b in budgets] == [("pg1", 1)]
+        assert word is not None and "killed by sparkwatch on spark-b: budget" in word
+
+
+def test_without_a_key_peers_are_display_only(tmp_path: Path) -> None:
+    """No peer_key_file (and a plain-HTTP peer): its memory shows, its word moves nothing: a dropped member ends no
+    group, its budget binds no rank, its kill word is not repeated, torn_down and ray_gone answer nothing."""
+    with peer() as p:
+        w, _ = watch(tmp_path, f"127.0.0.1:{p.port}", keyed=False)
+        mp, sent = group_watch(w)
+        p.body = b_doc(member=True)
+        assert moved(w, mp) == ([], [], None)
+        kills = peerdoc.kills_from_guard([recent(301, "group_teardown")])
+        budgets = (peerdoc.PeerBudget("pg1", 1, os.getuid()),)
+        p.body = peerdoc.build(
+            "spark-b", (NODE_B,), None, (), kills, groups=(), budgets=budgets, ray_gone=((NODE_B, 301),)
+        )
+        assert moved(w, mp) == ([], [], None) and sent == []
+        assert w.torn_down(NODE_B) == frozenset() and w.ray_gone(NODE_B) == frozenset()
+        doc = w.peers[0].doc
+        assert doc is not None and doc.node == "spark-b"  # shown, marked unproven
+        assert [(v.node, v.proven) for v in w.view()] == [("spark-b", False)]
+        assert p.nonces == []  # no key: no proof asked for
+
+
+@pytest.mark.parametrize("answer", ["refused", "http 404", "bad proof"])
+def test_a_witness_that_gives_no_proven_document_for_peer_lost_after_s_is_lost(tmp_path: Path, answer: str) -> None:
+    """A proven peer that held a member of a group then answers, for longer than peer_lost_after_s, with a refused
+    connection, an HTTP 404, or a document without its proof: it is lost for that group (a teardown is sent, cause
+    peer_lost), once, whatever it answered; before that time nothing is decided."""
+    with peer(pair_key(tmp_path)) as p:
+        w, recorded = watch(tmp_path, f"127.0.0.1:{p.port}", peer_lost_after_s=1.0)
+        mp, _ = group_watch(w)
+        p.body = b_doc(member=True)
+        assert moved(w, mp)[0] == []
+        if answer == "refused":
+            p.stop()
+        elif answer == "http 404":
+            p.status = 404
+        else:
+            p.key = os.urandom(32)
+        assert moved(w, mp)[0] == []  # within peer_lost_after_s: not yet
+        time.sleep(1.1)
+        (msg,) = moved(w, mp)[0]
+        assert (msg.group, msg.cause, msg.first_pid) == (KEY, mpgroup.PEER_LOST, None)
+        (lost,) = [e for e in recorded if e.kind == EventKind.PEER_LOST]
+        assert "gave no document" in lost.summary and lost.fields["error"]
+        if answer == "refused":  # p.stop() closed it already
+            p.server.server_close = lambda: None  # type: ignore[method-assign]
+            p.server.shutdown = lambda: None  # type: ignore[method-assign]
+
+
+def test_an_honest_restart_shorter_than_peer_lost_after_s_is_not_a_loss(tmp_path: Path) -> None:
+    """B's agent restarts: its port refuses for a while, then the new agent answers, proven, its groups unknown until
+    its first cycle, then listing its member again. Nothing is lost, nothing is torn down."""
+    with peer(pair_key(tmp_path)) as p:
+        w, recorded = watch(tmp_path, f"127.0.0.1:{p.port}", peer_lost_after_s=2.0)
+        mp, sent = group_watch(w)
+        p.body = b_doc(member=True)
+        assert moved(w, mp)[0] == []
+        port = p.port
+    deadline = time.monotonic() + 1.0
+    while time.monotonic() < deadline:  # refused, read after read
+        assert moved(w, mp)[0] == []
+        time.sleep(0.2)
+    with peer(pair_key(tmp_path)) as again:
+        w.peers[0].port = again.port  # (the test cannot count on getting port back)
+        assert port
+        again.body = peerdoc.build("spark-b", (NODE_B,), None, (), ())  # before its first cycle: groups unknown
+        assert moved(w, mp)[0] == []
+        again.body = b_doc(member=True)
+        assert moved(w, mp)[0] == []
+    assert sent == [] and recorded == [] and w.counters()["peer_errors_refused"] >= 3
+
+
+def test_a_real_daemon_proves_its_document_with_the_pair_s_key(tmp_path: Path) -> None:
+    """`sparkwatch run` with peer_key_file answers a reader's nonce with its proof: a reader with the same key takes
+    its document, proven; a reader with another key refuses it (bad_proof) and keeps nothing."""
+    key = key_file(tmp_path / "key")
+    with sparkwatch_run(tmp_path / "agent", env={"SPARKWATCH_PEER_KEY_FILE": str(key)}) as daemon:
+        w, _ = watch(tmp_path, f"127.0.0.1:{daemon.port}")
+        w.poll_once()
+        assert w.peers[0].doc is not None and w.peers[0].proven
+        other = key_file(tmp_path / "other")
+        w2, _ = watch(tmp_path / "2", f"127.0.0.1:{daemon.port}", peer_key_file=other)
+        w2.poll_once()
+        assert w2.peers[0].doc is None and w2.counters()["peer_errors_bad_proof"] == 1
+        # a plain read (no nonce) still gets the document, unproven: it is display information
+        with urllib.request.urlopen(f"http://127.0.0.1:{daemon.port}{peerdoc.PATH}", timeout=10) as resp:
+            assert resp.headers.get(peerproof.PROOF_HEADER) is None and peerdoc.parse(resp.read()).node
