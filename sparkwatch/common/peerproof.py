@@ -30,6 +30,7 @@ import time
 import urllib.parse
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Protocol
 
 KEY_BYTES = 32  # what `peer-key write` makes: 256 bits
 KEY_MIN_BYTES = 16  # a shorter key is refused (a typo, a truncated copy)
@@ -196,3 +197,47 @@ def check(key: bytes, nonce: str, body: bytes, headers: Mapping[str, str], now: 
         ahead = "ahead of" if skew < 0 else "behind"
         raise ProofError(f"its proof's time is over {MAX_SKEW_S:g} s {ahead} this node's clock (NTP off on one?)")
     return urllib.parse.unquote(quoted)
+
+
+def proof_kind(scheme: str, key: bool, mtls: bool) -> str | None:
+    """How a peer of `scheme` is proven: "key" (peer_key_file), "mtls" (https:// under the pinned client CA, with this
+    node's certificate: `mtls`), or None: display-only. The one rule, for the peer watch and the commands' line."""
+    if key:
+        return "key"
+    if mtls and scheme == "https":
+        return "mtls"
+    return None
+
+
+def peers_line(peers: list[str], key_file: Path | None, mtls: bool) -> tuple[str | None, bool]:
+    """The one line `check-config`, `doctor` and `status` say of the peers, and whether any is display-only."""
+    if not peers:
+        return None, False
+    from sparkwatch.common.peeraddr import parse_peer  # noqa: PLC0415
+
+    kinds = [proof_kind(parse_peer(p)[0], key_file is not None, mtls) for p in peers]
+    n = len(peers)
+    if key_file is not None:
+        return f"peers: {n} configured, proven by peer_key_file", False
+    proven = sum(k is not None for k in kinds)
+    if proven == n:
+        return f"peers: {n} configured, proven by mutual TLS", False
+    shown = "display-only" if not proven else f"{proven} proven by mutual TLS, {n - proven} display-only"
+    return f"peers: {n} configured, {shown}: no peer_key_file (docs/multinode.md)", True
+
+
+class PeerSettings(Protocol):
+    peers: list[str]
+    peer_key_file: Path | None
+    tls_client_ca_file: Path | None
+    tls_cert_file: Path | None
+
+
+def mtls_of(settings: PeerSettings) -> bool:
+    """Whether an https:// peer is proven by the channel: the client CA pinned, this node's certificate shown."""
+    return settings.tls_client_ca_file is not None and settings.tls_cert_file is not None
+
+
+def settings_line(settings: PeerSettings) -> tuple[str | None, bool]:
+    """peers_line for these settings."""
+    return peers_line(list(settings.peers), settings.peer_key_file, mtls_of(settings))

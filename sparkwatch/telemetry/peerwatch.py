@@ -136,6 +136,8 @@ class PeerWatch:
     def start(self) -> None:
         if not self.peers:
             return
+        line, display_only = peerproof.settings_line(self.settings)
+        (log.warning if display_only else log.info)("%s", line)
         self._stop.clear()
         self._thread = daemon_thread(self._run, "sparkwatch-peers")
         self._thread.start()
@@ -159,12 +161,7 @@ class PeerWatch:
     def proof(self, peer: Peer) -> str | None:
         """How `peer`'s documents are proven: KEY (peer_key_file), MTLS (an https:// peer, the pinned client CA and
         this node's certificate), or None: display-only."""
-        if self.key is not None:
-            return KEY
-        s = self.settings
-        if peer.scheme == "https" and s.tls_client_ca_file is not None and s.tls_cert_file is not None:
-            return MTLS
-        return None
+        return peerproof.proof_kind(peer.scheme, self.key is not None, peerproof.mtls_of(self.settings))
 
     def _proven(self, peer: Peer) -> peerdoc.PeerDoc | None:
         """`peer`'s last document when proven: the only one whose word moves anything."""

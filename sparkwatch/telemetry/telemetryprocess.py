@@ -306,12 +306,12 @@ class TelemetryProcess:
         )
         self.registry.register(PostmortemCollector(lambda: self.postmortem.result))
         self.registry.register(GroupCollector(self.raywatch.view))
-        self.registry.register(PeerCollector(self.peers.view))
         key = self.peers.key  # the pair's key (peer_key_file): each document answers a reader's nonce with its proof
         prover = None if key is None else partial(peerproof.prove, key, self.host)
         self.metrics = MetricsServer(
             self.settings, self.registry, documents={peerdoc.PATH: self._peer_doc}, prover=prover
         )
+        self.registry.register(PeerCollector(self.peers.view, self.metrics.port_taken_s))
         out: list[Component[Settings]] = [
             Component("metrics", self.metrics, counters=self.metrics.counters),
             Component("events", CountersOnly(), counters=self.recording.counters),

@@ -63,6 +63,7 @@ REQUEST_HEAD_MAX_BYTES = 16384
 # and binds again this often; before, the process exited and the guard restarted it, with backoff, for as long as
 # the port stayed taken, and no alert went out all that time.
 BIND_RETRY_S = 5.0
+TAKEN_SAY_S = 60.0  # while the port stays taken, the error (with its holder) again this often
 EVICT_MIN_IDLE_S = 0.2  # a connection younger than this is not evicted for a newer one (a scrape sends at once)
 
 log = logs.get("metrics")
@@ -403,6 +404,10 @@ class MetricsServer:
         self.prover = prover
         self.bind_retry_s = bind_retry_s
         self.port_in_use_total = 0  # binds refused because the address was taken
+        self.port_in_use = False  # the address is taken now: this agent does not serve (sparkwatch_listen_port_in_use)
+        self.holder = ""  # who holds it, as /proc tells (telemetry.sources.portholder)
+        self.taken_since: float | None = None  # when a bind first found it taken (monotonic)
+        self.taken_s = 0.0  # how long it was taken before this agent bound it
         self._server: BoundedHTTPServer | None = None
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -418,6 +423,14 @@ class MetricsServer:
     @property
     def serving(self) -> bool:
         return self._server is not None
+
+    def port_taken_s(self) -> float:
+        """How long another process held this agent's port before it bound it (0: bound at once): exported as
+        sparkwatch_listen_port_taken_seconds, so that the first scrape after the agent takes its port back says
+        who answered for it meanwhile was not this agent."""
+        if self.port_in_use and self.taken_since is not None:
+            return time.monotonic() - self.taken_since
+        return self.taken_s
 
     def counters(self) -> dict[str, int]:
         """What the endpoint closed unanswered and why, for sparkwatch_internal_errors_total: a rising count of
@@ -471,14 +484,29 @@ class MetricsServer:
         self._stop.clear()
         if self._bind():
             return
-        log.error(
-            "ERROR metrics: %s is in use by another process; trying again every %.0f s (alerts and checks run "
-            "meanwhile)",
-            s.listen,
-            self.bind_retry_s,
-        )
+        self._say_taken()
         self._retry = daemon_thread(self._keep_binding, "sparkwatch-metrics-bind")
         self._retry.start()
+
+    def _say_taken(self) -> None:
+        """Loudly, naming the holder: whoever holds the port answers as this node to its peers and to Prometheus
+        (issue 37). Said at start and every TAKEN_SAY_S while it stays taken; doctor names it too."""
+        from sparkwatch.telemetry.sources.portholder import describe, port_holders  # noqa: PLC0415
+
+        s = self.settings
+        try:
+            _listening, holders = port_holders(s.proc_root, s.listen_port)
+            self.holder = describe(holders)
+        except OSError:
+            self.holder = "a process /proc does not name"
+        log.error(
+            "ERROR metrics: %s is held by %s, not this agent: it answers as this node to its peers and to Prometheus "
+            "(peers with peer_key_file refuse its documents); trying again every %.0f s (alerts and checks run "
+            "meanwhile; sparkwatch_listen_port_in_use 1, sparkwatch doctor names it)",
+            s.listen,
+            self.holder,
+            self.bind_retry_s,
+        )
 
     def _bind(self) -> bool:
         """True once serving; False while the address is in use."""
@@ -489,7 +517,13 @@ class MetricsServer:
             if exc.errno != errno.EADDRINUSE:
                 raise
             self.port_in_use_total += 1
+            if self.taken_since is None:
+                self.taken_since = time.monotonic()
+            self.port_in_use = True
             return False
+        if self.taken_since is not None:
+            self.taken_s = time.monotonic() - self.taken_since
+        self.port_in_use = False
         with self._lock:
             if self._stop.is_set():
                 server.stop()
@@ -500,12 +534,16 @@ class MetricsServer:
 
     def _keep_binding(self) -> None:
         said = ""
+        said_at = time.monotonic()
         while not self._stop.wait(self.bind_retry_s):
             try:
                 if self._bind():
                     if not self._stop.is_set():
                         log.info("metrics on %s", self.settings.listen)
                     return
+                if time.monotonic() - said_at >= TAKEN_SAY_S:
+                    said_at = time.monotonic()
+                    self._say_taken()
             except Exception as exc:  # e.g. the TLS files went away meanwhile: say so (once), keep trying
                 if str(exc) != said:
                     said = str(exc)
