@@ -13,6 +13,9 @@ import http.server
 import json
 import os
 import socket
+import stat
+import subprocess
+import sys
 import threading
 import time
 import urllib.request
@@ -34,7 +37,7 @@ from sparkwatch.core.model import EngineTree, Event, MemInfo, Proc
 from sparkwatch.telemetry import peerdoc
 from sparkwatch.telemetry.mpwatch import MpGroupWatch
 from sparkwatch.telemetry.peerwatch import PEER_LOST_AFTER, PeerWatch
-from tests.daemon import sparkwatch_run
+from tests.daemon import free_port, scrape, sparkwatch_run
 from tests.helpers.peerkey import key_file, key_of
 
 GiB = 1 << 30
@@ -409,3 +412,88 @@ def test_a_real_daemon_proves_its_document_with_the_pair_s_key(tmp_path: Path) -
         # a plain read (no nonce) still gets the document, unproven: it is display information
         with urllib.request.urlopen(f"http://127.0.0.1:{daemon.port}{peerdoc.PATH}", timeout=10) as resp:
             assert resp.headers.get(peerproof.PROOF_HEADER) is None and peerdoc.parse(resp.read()).node
+
+
+def cli(tmp_path: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    full = {k: v for k, v in os.environ.items() if not k.startswith("SPARKWATCH_")}
+    full.update({"XDG_CONFIG_HOME": str(tmp_path / "xdg"), "XDG_STATE_HOME": str(tmp_path / "xdg-state"),
+                 "XDG_RUNTIME_DIR": str(tmp_path / "run"), **(env or {})})  # fmt: skip
+    return subprocess.run([sys.executable, "-m", "sparkwatch", *args], env=full, capture_output=True, text=True,
+                          timeout=120)  # fmt: skip
+
+
+def test_check_config_doctor_and_status_say_display_only_in_one_line(tmp_path: Path) -> None:
+    """Peers without peer_key_file: check-config warns, doctor's peers check warns, status shows the line; with the
+    key each says they are proven. A key file others may read is refused by name."""
+    line = "peers: 1 configured, display-only: no peer_key_file (docs/multinode.md)"
+    env = {"SPARKWATCH_PEERS": '["127.0.0.1:9"]'}
+    out = cli(tmp_path, "check-config", env=env)
+    assert out.returncode == 0 and f"sparkwatch: WARNING {line}" in out.stderr.splitlines()
+    doctor = cli(tmp_path, "doctor", "--json", env=env)
+    (peers,) = [c for c in json.loads(doctor.stdout)["checks"] if c["id"] == "peers"]
+    assert (peers["status"], peers["summary"]) == ("warn", line) and "peer-key write" in peers["fix"]
+    status = cli(tmp_path, "status", "--once", env=env)
+    assert status.returncode == 0 and line in status.stdout, status.stderr
+    keyed = {**env, "SPARKWATCH_PEER_KEY_FILE": str(key_file(tmp_path / "key"))}
+    out = cli(tmp_path, "check-config", env=keyed)
+    assert out.returncode == 0 and "peers: 1 configured, proven by peer_key_file" in out.stdout.splitlines()
+    assert "display-only" not in out.stderr
+    loose = key_file(tmp_path / "loose")
+    loose.chmod(0o640)
+    out = cli(tmp_path, "check-config", env={**env, "SPARKWATCH_PEER_KEY_FILE": str(loose)})
+    assert out.returncode == 2 and "peer_key_file" in out.stderr and "chmod 600" in out.stderr
+    assert loose.read_text().strip() not in out.stderr + out.stdout  # the key is never echoed
+
+
+def test_peer_key_write_makes_a_private_key_and_keeps_an_existing_one(tmp_path: Path) -> None:
+    path = tmp_path / "peer.key"
+    out = cli(tmp_path, "peer-key", "write", str(path))
+    assert out.returncode == 0 and stat.S_IMODE(path.stat().st_mode) == 0o600
+    key = path.read_text()
+    assert len(bytes.fromhex(key.strip())) == 32 and key.strip() not in out.stdout + out.stderr
+    again = cli(tmp_path, "peer-key", "write", str(path))
+    assert again.returncode == 1 and path.read_text() == key
+    link = tmp_path / "link.key"
+    link.symlink_to(path)
+    with pytest.raises(peerproof.PeerKeyError, match="symlink"):
+        peerproof.read_key(link)
+
+
+def test_a_port_taken_at_start_is_named_by_doctor_and_the_metric(tmp_path: Path) -> None:
+    """Another process (here uid 65534's, listening) holds the agent's port when it starts: doctor's listen check
+    fails naming its pid and uid; the agent logs the holder; once the holder is gone the agent binds, and
+    sparkwatch_listen_port_taken_seconds says how long another process answered in its place. (The holder is the
+    system's python3: uid 65534 cannot run the test's venv.)"""
+    port = free_port()
+    holder = subprocess.Popen(
+        ["/usr/bin/python3", "-c", f"import socket,time; s=socket.socket(); s.setsockopt(socket.SOL_SOCKET, "
+         f"socket.SO_REUSEADDR, 1); s.bind(('127.0.0.1', {port})); s.listen(); print('ok', flush=True); "
+         "time.sleep(60)"],
+        user=65534, group=65534, extra_groups=[], stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "ok"
+        env = {"SPARKWATCH_LISTEN": f"127.0.0.1:{port}"}
+        doctor = cli(tmp_path, "doctor", "--json", env=env)
+        (listen,) = [c for c in json.loads(doctor.stdout)["checks"] if c["id"] == "listen"]
+        assert listen["status"] == "fail" and f"pid {holder.pid}" in listen["summary"]
+        assert "uid 65534" in listen["summary"] and "not this node's agent" in listen["summary"]
+        with sparkwatch_run(tmp_path / "agent", env=env) as daemon:
+            assert any("is held by pid" in line and str(holder.pid) in line for line in daemon.stderr_lines)
+            holder.kill()
+            holder.wait(5)
+            deadline = time.monotonic() + 20
+            while True:
+                try:
+                    text = scrape(port, 2)
+                    break
+                except OSError:
+                    assert time.monotonic() < deadline, "the agent never took its port back"
+                    time.sleep(0.5)
+            (taken,) = [ln for ln in text.splitlines() if ln.startswith("sparkwatch_listen_port_taken_seconds ")]
+            assert float(taken.split()[1]) > 0
+    finally:
+        holder.kill()
+        holder.wait(5)
+        if holder.stdout is not None:
+            holder.stdout.close()
