@@ -479,7 +479,7 @@ def test_a_port_taken_at_start_is_named_by_doctor_and_the_metric(tmp_path: Path)
         assert listen["status"] == "fail" and f"pid {holder.pid}" in listen["summary"]
         assert "uid 65534" in listen["summary"] and "not this node's agent" in listen["summary"]
         with sparkwatch_run(tmp_path / "agent", env=env) as daemon:
-            assert any("is held by pid" in line and str(holder.pid) in line for line in daemon.stderr_lines)
+            assert any("is in use by pid" in line and str(holder.pid) in line for line in daemon.stderr_lines)
             holder.kill()
             holder.wait(5)
             deadline = time.monotonic() + 20

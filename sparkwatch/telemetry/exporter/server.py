@@ -500,7 +500,7 @@ class MetricsServer:
         except OSError:
             self.holder = "a process /proc does not name"
         log.error(
-            "ERROR metrics: %s is held by %s, not this agent: it answers as this node to its peers and to Prometheus "
+            "ERROR metrics: %s is in use by %s, not this agent: it answers as this node to its peers and to Prometheus "
             "(peers with peer_key_file refuse its documents); trying again every %.0f s (alerts and checks run "
             "meanwhile; sparkwatch_listen_port_in_use 1, sparkwatch doctor names it)",
             s.listen,
