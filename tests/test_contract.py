@@ -160,7 +160,7 @@ def full_exposition(tmp_path: Path) -> list[Metric]:
     )
     registry.register(PostmortemCollector(lambda: Judged(BootEnd.DRIVER_NO_MEMORY, FIXED_MTIME, "a" * 32)))
     registry.register(GroupCollector(group_view))
-    registry.register(PeerCollector(peer_view))
+    registry.register(PeerCollector(peer_view, lambda: 0.0))
     return list(registry.collect())
 
 

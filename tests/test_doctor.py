@@ -30,6 +30,8 @@ CHECK_IDS = [
     "guard",
     "kernel-log",
     "recent-xids",
+    "peers",
+    "listen",
 ]
 
 

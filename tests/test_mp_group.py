@@ -152,7 +152,7 @@ def test_the_watch_ends_a_group_once_and_not_a_new_run_while_the_peer_is_still_l
     settings = load_settings(None, {"group_teardown": True})
     watch = MpGroupWatch(settings, sent.append, lambda: trees)
     assert watch.published() == (peerdoc.PeerMember(KEY, 0, me, os.getuid()),)
-    peer = Peer("b:9847", "http", "b", 9847)
+    peer = Peer("b:9847", "http", "b", 9847, proven=True)  # a proven peer (display-only ones end nothing)
     peer.doc = peerdoc.PeerDoc(1, "spark-b", (), None, (), (), (peerdoc.PeerMember(KEY, 1, 200, os.getuid()),))
     assert watch.observe([peer]) == []
     peer.lost = True
@@ -180,7 +180,7 @@ def test_a_peer_that_does_not_know_yet_ends_nothing_and_a_missed_scan_unlists_no
     trees.clear()  # a cycle whose scan missed the tree: the process lives, it stays listed
     assert watch.published() == (peerdoc.PeerMember(KEY, 0, me, os.getuid()),)
     trees.append(EngineTree("vllm", proc, (proc,)))
-    peer = Peer("b:9847", "http", "b", 9847)
+    peer = Peer("b:9847", "http", "b", 9847, proven=True)  # a proven peer (display-only ones end nothing)
     peer.doc = peerdoc.PeerDoc(1, "spark-b", (), None, (), (), (peerdoc.PeerMember(KEY, 1, 200, os.getuid()),))
     assert watch.observe([peer]) == []
     peer.doc = peerdoc.PeerDoc(1, "spark-b", (), None, (), (), None)  # B's agent restarted: its groups unknown

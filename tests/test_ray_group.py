@@ -50,6 +50,7 @@ from sparkwatch.telemetry.raywatch import RayWatch
 from sparkwatch.telemetry.sources.raystate import RayStateError, RayStateSource
 from tests.conftest import Spawner, alive, pids_in, wait_until
 from tests.daemon import RunningDaemon, daemon_env, free_port, sparkwatch_run, wait_for_event
+from tests.helpers.peerkey import key_env, key_file
 from tests.raycluster import (
     Engine,
     RayCluster,
@@ -71,6 +72,11 @@ TEARDOWN_GOAL_S = 5.0
 def cluster() -> Iterator[RayCluster]:
     with required_cluster() as c:
         yield c
+
+
+def pair_key(tmp_path: Path) -> dict[str, str]:
+    """The pair's key (peer_key_file), one file both agents name: an honest pair is authenticated (issue 37)."""
+    return key_env(key_file(tmp_path / "pair-key"))
 
 
 def test_rank_death_on_b_stops_node_a_members(cluster: RayCluster, tmp_path: Path) -> None:
@@ -159,11 +165,12 @@ def test_a_budget_kill_on_b_is_named_in_node_a_teardown_by_b_s_own_agent(cluster
     raylet_b = _ns_child(cluster, cluster.ns_b, "raylet")
     env_b = {
         "SPARKWATCH_LISTEN": listen_b,
+        **pair_key(tmp_path),
         # B's engines are the ranks its raylet runs (the raylet itself is infrastructure, never touched)
         "SPARKWATCH_ANCESTOR_PID": str(raylet_b),
         "SPARKWATCH_ENGINE_BUDGETS": json.dumps(["64MiB=RayWorkerWrapper"]),
     }
-    env_a = {"SPARKWATCH_PEERS": json.dumps([listen_b]), "SPARKWATCH_PEER_POLL_S": "0.5"}
+    env_a = {"SPARKWATCH_PEERS": json.dumps([listen_b]), "SPARKWATCH_PEER_POLL_S": "0.5", **pair_key(tmp_path)}
     with (
         sparkwatch_run(tmp_path / "b", prefix=cluster.in_ns(cluster.ns_b, []), env=env_b) as daemon_b,
         sparkwatch_run(tmp_path / "a", prefix=cluster.in_ns(cluster.ns_a, []), env=env_a) as daemon_a,
@@ -203,9 +210,9 @@ def test_a_worker_budget_given_on_the_head_is_held_by_b_s_guard(cluster: RayClus
     (tmp_path / "b").mkdir()
     raylet_b = _ns_child(cluster, cluster.ns_b, "raylet")
     env_b = {"SPARKWATCH_LISTEN": listen_b, "SPARKWATCH_ANCESTOR_PID": str(raylet_b),
-             "SPARKWATCH_PEERS": json.dumps([listen_a]), "SPARKWATCH_PEER_POLL_S": "0.5",
+             "SPARKWATCH_PEERS": json.dumps([listen_a]), "SPARKWATCH_PEER_POLL_S": "0.5", **pair_key(tmp_path),
              "SPARKWATCH_RAY_DASHBOARD_URL": cluster.dashboard_b}  # fmt: skip
-    env_a = {"SPARKWATCH_LISTEN": listen_a, "SPARKWATCH_PEERS": json.dumps([listen_b])}
+    env_a = {"SPARKWATCH_LISTEN": listen_a, "SPARKWATCH_PEERS": json.dumps([listen_b]), **pair_key(tmp_path)}
     with (
         sparkwatch_run(tmp_path / "b", prefix=cluster.in_ns(cluster.ns_b, []), env=env_b) as daemon_b,
         sparkwatch_run(tmp_path / "a", prefix=cluster.in_ns(cluster.ns_a, []), env=env_a) as daemon_a,
@@ -252,9 +259,11 @@ def test_both_agents_a_wedged_driver_on_b_then_its_rank_dies(cluster: RayCluster
         "SPARKWATCH_LISTEN": listen_b,
         "SPARKWATCH_RAY_DASHBOARD_URL": cluster.dashboard_b,
         "SPARKWATCH_PEERS": json.dumps([listen_a]),
+        **pair_key(tmp_path),
         "SPARKWATCH_PEER_POLL_S": "0.5",
     }
-    env_a = {"SPARKWATCH_LISTEN": listen_a, "SPARKWATCH_PEERS": json.dumps([listen_b]), "SPARKWATCH_PEER_POLL_S": "0.5"}
+    env_a = {"SPARKWATCH_LISTEN": listen_a, "SPARKWATCH_PEERS": json.dumps([listen_b]), "SPARKWATCH_PEER_POLL_S": "0.5",
+             **pair_key(tmp_path)}  # fmt: skip
     with ExitStack() as agents:
         daemon_a = agents.enter_context(
             sparkwatch_run(tmp_path / "a", prefix=cluster.in_ns(cluster.ns_a, []), env=env_a)
@@ -311,8 +320,8 @@ def test_node_b_lost_raylet_killed_stops_node_a_members(cluster: RayCluster, tmp
     listen_b = f"{cluster.ip_b}:{free_port()}"
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
-    env_b = {"SPARKWATCH_LISTEN": listen_b, "SPARKWATCH_RAY_DASHBOARD_URL": cluster.dashboard_b}
-    env_a = {"SPARKWATCH_PEERS": json.dumps([listen_b]), "SPARKWATCH_PEER_POLL_S": "0.5"}
+    env_b = {"SPARKWATCH_LISTEN": listen_b, "SPARKWATCH_RAY_DASHBOARD_URL": cluster.dashboard_b, **pair_key(tmp_path)}
+    env_a = {"SPARKWATCH_PEERS": json.dumps([listen_b]), "SPARKWATCH_PEER_POLL_S": "0.5", **pair_key(tmp_path)}
     with (
         sparkwatch_run(tmp_path / "b", prefix=cluster.in_ns(cluster.ns_b, []), env=env_b),
         sparkwatch_run(tmp_path / "a", prefix=cluster.in_ns(cluster.ns_a, []), env=env_a) as daemon,
@@ -965,7 +974,7 @@ def mp_pair(cluster: RayCluster, tmp_path: Path) -> Iterator[MpPair]:
     listen_a, listen_b = f"{cluster.ip_a}:{free_port()}", f"{cluster.ip_b}:{free_port()}"
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
-    common = {"SPARKWATCH_PEER_POLL_S": "0.5", "SPARKWATCH_RAY_DASHBOARD_URL": ""}
+    common = {"SPARKWATCH_PEER_POLL_S": "0.5", "SPARKWATCH_RAY_DASHBOARD_URL": "", **pair_key(tmp_path)}
     env_a = {**common, "SPARKWATCH_LISTEN": listen_a, "SPARKWATCH_PEERS": json.dumps([listen_b])}
     env_b = {**common, "SPARKWATCH_LISTEN": listen_b, "SPARKWATCH_PEERS": json.dumps([listen_a])}
     with ExitStack() as stop_b:

@@ -63,7 +63,7 @@ def scenario_exposition(tmp_path: Path) -> bytes:
         )
     )
     registry.register(GroupCollector(group_view))
-    registry.register(PeerCollector(peer_view))
+    registry.register(PeerCollector(peer_view, lambda: 0.0))
     return render(registry)
 
 

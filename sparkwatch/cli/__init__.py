@@ -33,6 +33,7 @@ COMMANDS: dict[str, str] = {
     "status": "status",
     "wait-settled": "wait_settled",
     "check-config": "check_config",
+    "peer-key": "peer_key",
     "install-service": "install_service",
     "assets": "assets",
 }

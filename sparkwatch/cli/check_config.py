@@ -27,6 +27,13 @@ def handle(args: argparse.Namespace) -> int:
     settings = settings_from(args, check_memory=True)
     for warning in settings.warnings():
         print(f"sparkwatch: WARNING {warning}", file=sys.stderr)
+    peers = None
+    if settings.peers:
+        from sparkwatch.common.peerproof import settings_line
+
+        peers, display_only = settings_line(settings)
+        if display_only:  # the peers' word moves nothing: said where a human looks (issue 37)
+            print(f"sparkwatch: WARNING {peers}", file=sys.stderr)
     data = settings.public_dict()
     if args.json:
         print(json.dumps(data, indent=2))
@@ -35,5 +42,7 @@ def handle(args: argparse.Namespace) -> int:
     for key, value in data.items():
         shown = ", ".join(map(str, value)) if isinstance(value, list) else ("-" if value is None else value)
         print(f"{key:<{width}}  {shown}")
+    if peers is not None:
+        print(peers)
     print("config ok")
     return 0

@@ -10,11 +10,16 @@ import argparse
 import json
 import os
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sparkwatch.core.enums import CheckStatus
 from sparkwatch.core.model import Check
+
+if TYPE_CHECKING:
+    from sparkwatch.config.settings import Settings
+    from sparkwatch.core.report.guardstate import GuardState
 
 _STATUS_STYLE: dict[CheckStatus, tuple[str, str]] = {
     CheckStatus.OK: ("ok", "32"),
@@ -98,7 +103,25 @@ def run_checks(args: argparse.Namespace) -> tuple[list[Check], Path, bool]:
     records, why_not = read_kmsg_ring(kmsg, records_file=not live)
     checks.append(kernel_log_check(records, why_not))
     checks.append(xid_check(records, why_not))
+    checks += pair_checks(settings, proc_root, guards.states if guards else (), live)
     return checks, root, live
+
+
+def pair_checks(settings: Settings, proc_root: Path, guards: Sequence[GuardState], live: bool) -> list[Check]:
+    """The peers' trust in one line, and whether the agent's port is its agent's (issue 37; docs/multinode.md)."""
+    from sparkwatch.common.peerproof import settings_line
+    from sparkwatch.core.report.peerchecks import listen_check, listen_skipped, peers_check
+    from sparkwatch.telemetry.sources.portholder import describe, port_holders
+
+    out = [peers_check(*settings_line(settings))]
+    if not live:
+        out.append(listen_skipped(settings.listen))
+    else:
+        listening, holders = port_holders(proc_root, settings.listen_port)
+        pids = {g.pid for g in guards}
+        agent = any(h.pid in pids or h.ppid in pids for h in holders) if holders else None
+        out.append(listen_check(settings.listen, listening, describe(holders), agent, bool(pids)))
+    return out
 
 
 def handle(args: argparse.Namespace) -> int:

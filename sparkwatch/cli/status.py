@@ -115,6 +115,12 @@ class StatusApp:
         self._driver_error: str | None = None
         self._driver_checked = -math.inf
         self._started_ts: float | None = None
+        self._peers_note: tuple[str, ...] = ()  # the one line on the peers (issue 37), under the guard's
+        if settings.peers:
+            from sparkwatch.common.peerproof import settings_line
+
+            line, _display_only = settings_line(settings)
+            self._peers_note = (line,) if line else ()
 
     def frame(self, live: bool = False) -> StatusFrame:
         from sparkwatch.tui.status_view import BuildView, StatusFrame  # rich: only when there is a frame to draw
@@ -144,7 +150,7 @@ class StatusApp:
         guards = read_guards(reader_paths(os.environ, self.settings.state_dir))
         return StatusFrame(
             guards=guards.states,
-            guard_notes=guards.notes,
+            guard_notes=guards.notes + self._peers_note,
             snapshot=snap,
             host=self.host,
             floor_bytes=self.settings.floor,

@@ -80,6 +80,8 @@ STATIC: dict[str, object] = {
     "ray_poll_s": 2.0,
     "peers": [],
     "peer_poll_s": 2.0,
+    "peer_key_file": None,
+    "peer_lost_after_s": 30.0,
     "listen": "127.0.0.1:9847",
     "tls_cert_file": None,
     "tls_key_file": None,
@@ -241,7 +243,7 @@ class Secret:
 # key by key, by tests/test_config_defaults.py.
 PATH_KEYS = frozenset(
     {"state_dir", "kernel_log_path", "proc_root", "root", "tls_cert_file", "tls_key_file", "tls_client_ca_file",
-     "postmortem_journal_dir"}
+     "postmortem_journal_dir", "peer_key_file"}
 )  # fmt: skip
 PATH_LIST_KEYS = frozenset({"jit_cache_dirs", "vllm_cache_dirs"})
 

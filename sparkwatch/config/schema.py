@@ -33,6 +33,7 @@ from pydantic import (
 from sparkwatch.common.durable import read_regular
 from sparkwatch.common.guardconfig import GuardConfig
 from sparkwatch.common.peeraddr import parse_peer
+from sparkwatch.common.peerproof import check_key_file
 from sparkwatch.common.sharing import group_id
 from sparkwatch.config.defaults import (
     FACTORIES,
@@ -188,6 +189,18 @@ class Settings(BaseModel, Derived):
         "their guard's word on a group member it killed, and peer_lost",
     )
     peer_poll_s: float = Field(2.0, ge=0.5, le=60, description="how often each peer's state is read")
+    peer_key_file: Path | None = Field(
+        None,
+        description="the pair's shared key (`sparkwatch peer-key write PATH`, the same file on each node): a peer's "
+        "document moves the guard only when proven by it (or by mTLS); unset: peers are display-only",
+    )
+    peer_lost_after_s: float = Field(
+        30.0,
+        ge=1,
+        le=3600,
+        description="a peer that gives no proven document this long (refused, an HTTP error, a bad proof or silence) "
+        "is lost for the groups without Ray it held members in; longer than an agent's restart (docs/multinode.md)",
+    )
     listen: str = f"127.0.0.1:{DEFAULT_PORT}"
     tls_cert_file: Path | None = None
     tls_key_file: Path | None = None
@@ -279,6 +292,13 @@ class Settings(BaseModel, Derived):
     def _check_peers(cls, value: list[str]) -> list[str]:
         for peer in value:
             parse_peer(peer)  # a ValueError names the entry; pydantic names the key
+        return value
+
+    @field_validator("peer_key_file")
+    @classmethod
+    def _check_peer_key(cls, value: Path | None) -> Path | None:
+        if value is not None:
+            check_key_file(value)  # a PeerKeyError (a ValueError) says why; pydantic names the key
         return value
 
     @field_validator("listen")

@@ -6,8 +6,10 @@ Runs on the peer watch's thread, after each read of the peers (telemetry.peerwat
 1. this node's members: the roots of the engine trees of telemetry's last cycle whose command line names a
    rendezvous (core.kill.mpgroup.rendezvous), in this node's network namespace; published in this node's peer
    document (`groups`);
-2. a member of a group this node also runs that a peer listed and no longer does (that rank ended: killed, OOM,
-   crashed, stopped), or a peer lost (`peer_lost`) that held one: the group is over;
+2. a member of a group this node also runs that a proven peer listed and no longer does (that rank ended: killed,
+   OOM, crashed, stopped), or a proven peer lost that held one (no proven document for `peer_lost_after_s`, or
+   silent: telemetry.peerwatch): the group is over. A display-only peer (no `peer_key_file`, no mutual TLS) ends
+   nothing;
 3. a `GroupTeardownMsg` to the guard naming this node's members (role `mp_rank`), which checks each one itself (the
    pid and start time, its own network namespace, the same rendezvous on its command line) and kills through its
    one kill path. Sent again at most every TEARDOWN_RESEND_S while a member still runs;
@@ -151,6 +153,8 @@ class MpGroupWatch:
         now: dict[str, tuple[str, frozenset[mpgroup.Listed]] | None] = {}
         for label, peer in by_label.items():
             doc = peer.doc
+            if not peer.proven:  # display-only (no peer_key_file, no mutual TLS): its word ends nothing
+                continue
             if peer.lost:
                 now[label] = None
             elif doc is not None and doc.groups is not None:  # None: the peer does not know yet (it just started)

@@ -22,14 +22,19 @@ summary does not already say on the node's own journal (summaries are redacted a
 reason to write a better line, and for groups without Ray a reason to look at this node's own members of a group
 (telemetry.mpwatch): never a reason to signal a process the guard cannot tie to that group on its own.
 
-Plain JSON, parsed strictly (common.wiretypes): a document of another shape is refused whole and counted.
+Plain JSON, parsed strictly (common.wiretypes): a document of another shape is refused whole and counted. Bounded
+(issue 37): at most MAX_DOC_BYTES, and each list at most its count in CAPS, a document past either refused whole
+before it is converted. Refused, not cut: an honest agent never sends more (`build` holds its own lists to the caps,
+and leaves `groups` unknown rather than cut), and a cut list of members would read as members gone, which ends
+groups. The caps are tens of times what a Spark runs, and a document at its caps parses in a few milliseconds
+(bench/RESULTS-peerdoc.md: ≤ 20 ms at MAX_DOC_BYTES, where 13,000 budgets in 1 MiB took 154 ms).
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from sparkwatch.common.stats import RecentKill
 from sparkwatch.common.wiretypes import from_json, to_json
@@ -40,8 +45,22 @@ from sparkwatch.core.timestamps import rfc3339
 
 PATH = "/peer/v1/state"
 VERSION = 1
-MAX_DOC_BYTES = 1 << 20  # a few KiB in practice: 16 kills and a handful of trees
+# A few KiB in practice (16 kills and a handful of trees); a document at every cap below is under 100 KiB. 1 MiB
+# took json.loads alone 17 ms for small objects (bench/RESULTS-peerdoc.md).
+MAX_DOC_BYTES = 256 << 10
 KILLS_SHOWN = 16
+# The most of each list a document may carry (a document past one is refused whole: the module's docstring). Each is
+# tens of times what a node holds: a Spark runs one or two engines; a raylet per Ray cluster it joins; a rank per GPU.
+CAPS = {
+    "ray_node_ids": 16,
+    "engines": 64,
+    "kills": KILLS_SHOWN,
+    "groups": 256,  # members of groups without Ray: one per engine tree and rendezvous (an rpc-server: per head)
+    "ray_gone": 256,
+    "raylets": 16,
+    "budgets": 64,  # one per engine launched here with a worker budget
+}
+PIDS_PER_KILL = 256  # the processes one kill signalled: a vLLM tree with its workers and compilers is tens
 SUMMARY_MAX = 240  # a kill's summary as a peer repeats it, cut (it reaches events and launch's line)
 
 
@@ -220,18 +239,20 @@ def build(
     if mem is not None and floor_bytes is not None:
         memory = PeerMemory(mem.total_bytes, mem.available_bytes, mem.free_bytes, mem.cached_bytes, floor_bytes,
                             max(cpus, 1), mem.shmem_bytes, letting_go)  # fmt: skip
+    if groups is not None and len(groups) > CAPS["groups"]:
+        groups = None  # unknown, never cut: a member missing from the list would read as gone (the docstring)
     doc = PeerDoc(
         version=VERSION,
         node=node,
-        ray_node_ids=tuple(sorted(ray_node_ids)),
+        ray_node_ids=tuple(sorted(ray_node_ids))[: CAPS["ray_node_ids"]],
         mem_available_bytes=None if mem is None else mem.available_bytes,
-        engines=tuple(PeerEngine(t.root.pid, t.kind, t.rss_bytes) for t in engines),
-        kills=kills,
+        engines=tuple(PeerEngine(t.root.pid, t.kind, t.rss_bytes) for t in engines)[: CAPS["engines"]],
+        kills=tuple(replace(k, pids=k.pids[:PIDS_PER_KILL]) for k in kills[-CAPS["kills"] :]),
         groups=groups,
-        ray_gone=tuple(PeerRank(node_id, pid) for node_id, pid in ray_gone),
-        raylets=tuple(peer_raylet(r) for r in raylets),
+        ray_gone=tuple(PeerRank(node_id, pid) for node_id, pid in ray_gone)[: CAPS["ray_gone"]],
+        raylets=tuple(peer_raylet(r) for r in raylets)[: CAPS["raylets"]],
         memory=memory,
-        budgets=tuple(budgets),
+        budgets=tuple(budgets)[: CAPS["budgets"]],
     )
     return json.dumps(to_json(doc), separators=(",", ":")).encode()
 
@@ -240,7 +261,21 @@ def parse(body: bytes) -> PeerDoc:
     """A peer's document; raises ValueError (WireError names the field) on anything else."""
     if len(body) > MAX_DOC_BYTES:
         raise ValueError(f"larger than {MAX_DOC_BYTES} bytes")
-    doc: PeerDoc = from_json(PeerDoc, json.loads(body), "peer state")
+    try:
+        raw = json.loads(body)
+    except RecursionError:  # nesting deeper than the interpreter's stack: not a document
+        raise ValueError("peer state: nested too deep") from None
+    if isinstance(raw, dict):
+        for name, cap in CAPS.items():
+            value = raw.get(name)
+            if isinstance(value, list) and len(value) > cap:
+                raise ValueError(f"peer state: {len(value)} {name}, at most {cap}")
+        kills = raw.get("kills")
+        for kill in kills if isinstance(kills, list) else ():
+            pids = kill.get("pids") if isinstance(kill, dict) else None
+            if isinstance(pids, list) and len(pids) > PIDS_PER_KILL:
+                raise ValueError(f"peer state: a kill of {len(pids)} pids, at most {PIDS_PER_KILL}")
+    doc: PeerDoc = from_json(PeerDoc, raw, "peer state")
     if doc.version != VERSION:
         raise ValueError(f"peer state: version {doc.version}, this agent reads {VERSION}")
     return doc

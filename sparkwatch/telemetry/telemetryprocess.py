@@ -21,11 +21,12 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
-from sparkwatch.common import logs, syscalls
+from sparkwatch.common import logs, peerproof, syscalls
 from sparkwatch.common.channel import Channel, ChannelClosed
 from sparkwatch.common.daemonargv import parse_daemon_argv
 from sparkwatch.common.lifecycle import Component, CountersOnly, apply_all, start_all, stop_all
@@ -310,8 +311,12 @@ class TelemetryProcess:
         )
         self.registry.register(PostmortemCollector(lambda: self.postmortem.result))
         self.registry.register(GroupCollector(self.raywatch.view))
-        self.registry.register(PeerCollector(self.peers.view))
-        self.metrics = MetricsServer(self.settings, self.registry, documents={peerdoc.PATH: self._peer_doc})
+        key = self.peers.key  # the pair's key (peer_key_file): each document answers a reader's nonce with its proof
+        prover = None if key is None else partial(peerproof.prove, key, self.host)
+        self.metrics = MetricsServer(
+            self.settings, self.registry, documents={peerdoc.PATH: self._peer_doc}, prover=prover
+        )
+        self.registry.register(PeerCollector(self.peers.view, self.metrics.port_taken_s))
         out: list[Component[Settings]] = [
             Component("metrics", self.metrics, counters=self.metrics.counters),
             Component("events", CountersOnly(), counters=self.recording.counters),

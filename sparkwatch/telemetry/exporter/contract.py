@@ -239,8 +239,25 @@ METRICS: tuple[MetricSpec, ...] = (
         "gauge",
         "peer node",
         "peer",
-        "1 while the peer's agent gives no answer at all (3 reads timed out or its host unreachable: the node is "
-        "wedged, down or cut off), 0 while it answers or refuses (its agent stopped, its node alive)",
+        "1 while the peer is lost: no answer at all for 3 reads (timed out or its host unreachable: the node is "
+        "wedged, down or cut off), or no document taken for peer_lost_after_s whatever it answered (refused, an HTTP "
+        "error, a bad proof); 0 while it gives documents",
+    ),
+    _m(
+        "peer_proven",
+        "gauge",
+        "peer node",
+        "peer",
+        "1 when the peer's documents are proven (peer_key_file, or mutual TLS), 0 when it is display-only: its word "
+        "moves nothing (no teardown, worker budget or kill word)",
+    ),
+    _m(
+        "listen_port_taken_seconds",
+        "gauge",
+        "",
+        "daemon",
+        "how long another process held this agent's port (listen) before it bound it; 0 when bound at once. Meanwhile "
+        "that process answered as this node (sparkwatch doctor names it)",
     ),
     _m(
         "previous_boot_end_timestamp_seconds",

@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING
 from prometheus_client.registry import CollectorRegistry
 
 from sparkwatch.common import logs
+from sparkwatch.common.peerproof import nonce_of
 from sparkwatch.common.threads import daemon_thread
 from sparkwatch.core.model import Snapshot
 from sparkwatch.telemetry.exporter.collector import (
@@ -62,6 +63,7 @@ REQUEST_HEAD_MAX_BYTES = 16384
 # and binds again this often; before, the process exited and the guard restarted it, with backoff, for as long as
 # the port stayed taken, and no alert went out all that time.
 BIND_RETRY_S = 5.0
+TAKEN_SAY_S = 60.0  # while the port stays taken, the error (with its holder) again this often
 EVICT_MIN_IDLE_S = 0.2  # a connection younger than this is not evicted for a newer one (a scrape sends at once)
 
 log = logs.get("metrics")
@@ -88,7 +90,11 @@ def render(registry: CollectorRegistry) -> bytes:
     return generate_text(registry)
 
 
-Handler = Callable[[str, str, dict[str, str]], tuple[int, str, bytes]]
+Headers = tuple[tuple[str, str], ...]
+# (status, content type, body) or the same with headers of its own (a peer document's proof: common.peerproof)
+Answer = tuple[int, str, bytes] | tuple[int, str, bytes, Headers]
+Handler = Callable[[str, str, dict[str, str]], Answer]
+Prover = Callable[[str, bytes], Headers]
 
 
 @dataclass
@@ -339,8 +345,12 @@ class BoundedHTTPServer:
     def _answer(self, conn: _Conn) -> None:
         assert conn.request is not None
         method, path, headers = conn.request
+        extra: Headers = ()
         try:
-            status, content_type, body = self.handler(method, path, headers)
+            answer = self.handler(method, path, headers)
+            status, content_type, body = answer[0], answer[1], answer[2]
+            if len(answer) == 4:
+                extra = answer[3]
         except Exception as exc:  # a collector that raises: say so and answer 500, never a silent empty reply
             self.render_errors_total += 1
             now = time.monotonic()
@@ -351,8 +361,9 @@ class BoundedHTTPServer:
         reason = {200: "OK", 404: "Not Found", 405: "Method Not Allowed", 500: "Internal Server Error"}.get(
             status, "Error"
         )
+        own = "".join(f"{name}: {value}\r\n" for name, value in extra)
         head = (
-            f"HTTP/1.1 {status} {reason}\r\nContent-Type: {content_type}\r\n"
+            f"HTTP/1.1 {status} {reason}\r\nContent-Type: {content_type}\r\n{own}"
             f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
         ).encode("latin-1")
         conn.sock.setblocking(True)
@@ -382,14 +393,21 @@ class MetricsServer:
         registry: CollectorRegistry,
         bind_retry_s: float = BIND_RETRY_S,
         documents: Mapping[str, Callable[[], bytes]] | None = None,
+        prover: Prover | None = None,
     ) -> None:
         """`documents`: JSON answers beside /metrics, by path (the peers' state, telemetry.peerdoc), under the same
-        listener, TLS and limits."""
+        listener, TLS and limits. `prover`: the headers that prove a document answers a reader's nonce (the pair's
+        key, common.peerproof), for a request that sends one; None: documents go unproven."""
         self.settings = settings
         self.registry = registry
         self.documents = dict(documents or {})
+        self.prover = prover
         self.bind_retry_s = bind_retry_s
         self.port_in_use_total = 0  # binds refused because the address was taken
+        self.port_in_use = False  # the address is taken now: this agent does not serve (sparkwatch_listen_port_in_use)
+        self.holder = ""  # who holds it, as /proc tells (telemetry.sources.portholder)
+        self.taken_since: float | None = None  # when a bind first found it taken (monotonic)
+        self.taken_s = 0.0  # how long it was taken before this agent bound it
         self._server: BoundedHTTPServer | None = None
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -405,6 +423,14 @@ class MetricsServer:
     @property
     def serving(self) -> bool:
         return self._server is not None
+
+    def port_taken_s(self) -> float:
+        """How long another process held this agent's port before it bound it (0: bound at once): exported as
+        sparkwatch_listen_port_taken_seconds, so that the first scrape after the agent takes its port back says
+        who answered for it meanwhile was not this agent."""
+        if self.port_in_use and self.taken_since is not None:
+            return time.monotonic() - self.taken_since
+        return self.taken_s
 
     def counters(self) -> dict[str, int]:
         """What the endpoint closed unanswered and why, for sparkwatch_internal_errors_total: a rising count of
@@ -433,7 +459,7 @@ class MetricsServer:
             context.load_verify_locations(cafile=str(s.tls_client_ca_file))
         return context
 
-    def handle(self, method: str, path: str, headers: dict[str, str]) -> tuple[int, str, bytes]:
+    def handle(self, method: str, path: str, headers: dict[str, str]) -> Answer:
         if method not in ("GET", "HEAD"):
             return 405, "text/plain; charset=utf-8", b"only GET\n"
         route = path.split("?", 1)[0]
@@ -441,7 +467,11 @@ class MetricsServer:
             return 404, "text/plain; charset=utf-8", b"not found\n"
         document = self.documents.get(route)
         if document is not None:
-            return 200, "application/json", document()
+            body = document()
+            nonce = nonce_of(path) if self.prover is not None else None
+            if self.prover is None or nonce is None:
+                return 200, "application/json", body
+            return 200, "application/json", body, self.prover(nonce, body)
         encoder, content_type = choose_encoder(headers.get("accept", ""))
         return 200, content_type, encoder(self.registry)
 
@@ -454,14 +484,29 @@ class MetricsServer:
         self._stop.clear()
         if self._bind():
             return
-        log.error(
-            "ERROR metrics: %s is in use by another process; trying again every %.0f s (alerts and checks run "
-            "meanwhile)",
-            s.listen,
-            self.bind_retry_s,
-        )
+        self._say_taken()
         self._retry = daemon_thread(self._keep_binding, "sparkwatch-metrics-bind")
         self._retry.start()
+
+    def _say_taken(self) -> None:
+        """Loudly, naming the holder: whoever holds the port answers as this node to its peers and to Prometheus
+        (issue 37). Said at start and every TAKEN_SAY_S while it stays taken; doctor names it too."""
+        from sparkwatch.telemetry.sources.portholder import describe, port_holders  # noqa: PLC0415
+
+        s = self.settings
+        try:
+            _listening, holders = port_holders(s.proc_root, s.listen_port)
+            self.holder = describe(holders)
+        except OSError:
+            self.holder = "a process /proc does not name"
+        log.error(
+            "ERROR metrics: %s is in use by %s, not this agent: it answers as this node to its peers and to Prometheus "
+            "(peers with peer_key_file refuse its documents); trying again every %.0f s (alerts and checks run "
+            "meanwhile; sparkwatch_listen_port_in_use 1, sparkwatch doctor names it)",
+            s.listen,
+            self.holder,
+            self.bind_retry_s,
+        )
 
     def _bind(self) -> bool:
         """True once serving; False while the address is in use."""
@@ -472,7 +517,13 @@ class MetricsServer:
             if exc.errno != errno.EADDRINUSE:
                 raise
             self.port_in_use_total += 1
+            if self.taken_since is None:
+                self.taken_since = time.monotonic()
+            self.port_in_use = True
             return False
+        if self.taken_since is not None:
+            self.taken_s = time.monotonic() - self.taken_since
+        self.port_in_use = False
         with self._lock:
             if self._stop.is_set():
                 server.stop()
@@ -483,12 +534,16 @@ class MetricsServer:
 
     def _keep_binding(self) -> None:
         said = ""
+        said_at = time.monotonic()
         while not self._stop.wait(self.bind_retry_s):
             try:
                 if self._bind():
                     if not self._stop.is_set():
                         log.info("metrics on %s", self.settings.listen)
                     return
+                if time.monotonic() - said_at >= TAKEN_SAY_S:
+                    said_at = time.monotonic()
+                    self._say_taken()
             except Exception as exc:  # e.g. the TLS files went away meanwhile: say so (once), keep trying
                 if str(exc) != said:
                     said = str(exc)

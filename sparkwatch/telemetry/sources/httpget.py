@@ -56,12 +56,15 @@ class HttpGet:
         self.keep_alive = keep_alive
         where = f"[{host}]" if ":" in host else host  # an IPv6 address
         self.headers = (("Host", f"{where}:{port}"), *headers, ("Connection", "keep-alive" if keep_alive else "close"))
+        self.last_headers: dict[str, str] = {}  # the last answer's headers, names lower-cased (a peer's proof)
         self._sock: socket.socket | None = None
         self._h11: h11.Connection | None = None
         self._https: http.client.HTTPSConnection | None = None
 
     def get(self, path: str, timeout_s: float, max_bytes: int) -> tuple[int, bytes, bool]:
-        """The status, the body (at most `max_bytes`), and whether the body was cut there."""
+        """The status, the body (at most `max_bytes`), and whether the body was cut there. Its headers: in
+        `last_headers`."""
+        self.last_headers = {}
         try:
             if self.tls is not None:
                 return self._get_tls(path, timeout_s, max_bytes)
@@ -109,6 +112,7 @@ class HttpGet:
                 conn.receive_data(data)
             elif isinstance(event, h11.Response):
                 status = event.status_code
+                self.last_headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in event.headers}
             elif isinstance(event, h11.Data):
                 body += event.data
                 if len(body) > max_bytes:
@@ -139,6 +143,7 @@ class HttpGet:
             body = resp.read(max_bytes + 1)
         except (http.client.HTTPException, ssl.SSLError) as exc:  # an answer, broken (or a handshake refused)
             raise HttpGetError("broken", str(exc) or type(exc).__name__) from None
+        self.last_headers = {k.lower(): v for k, v in resp.getheaders()}
         cut = len(body) > max_bytes
         if cut or resp.will_close or not self.keep_alive:
             self.close()
