@@ -237,6 +237,12 @@ def test_a_worker_budget_given_on_the_head_is_held_by_b_s_guard(cluster: RayClus
             engine.close()
 
 
+def _relayed_pids(cluster: RayCluster, listen: str) -> set[int]:
+    """The actors' pids in the Ray state that agent relays in its document (telemetry.peerdoc.RayRelay)."""
+    relay = _peer_doc(cluster, listen).get("ray") or {}
+    return {a["pid"] for a in relay.get("actors", []) if a.get("pid")}
+
+
 def _peer_doc(cluster: RayCluster, listen: str) -> dict[str, Any]:
     """A peer's /peer/v1/state as node A reads it (over the veth pair)."""
     out = cluster.get_in_a(f"http://{listen}/peer/v1/state", timeout_s=5)
@@ -320,8 +326,17 @@ def test_node_b_lost_raylet_killed_stops_node_a_members(cluster: RayCluster, tmp
     listen_b = f"{cluster.ip_b}:{free_port()}"
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
-    env_b = {"SPARKWATCH_LISTEN": listen_b, "SPARKWATCH_RAY_DASHBOARD_URL": cluster.dashboard_b, **pair_key(tmp_path)}
-    env_a = {"SPARKWATCH_PEERS": json.dumps([listen_b]), "SPARKWATCH_PEER_POLL_S": "0.5", **pair_key(tmp_path)}
+    listen_a = f"{cluster.ip_a}:{free_port()}"
+    # B reads Ray's state as A's agent relays it (proven): the head's dashboard over plain HTTP moves nothing on B
+    env_b = {
+        "SPARKWATCH_LISTEN": listen_b,
+        "SPARKWATCH_RAY_DASHBOARD_URL": cluster.dashboard_b,
+        "SPARKWATCH_PEERS": json.dumps([listen_a]),
+        "SPARKWATCH_PEER_POLL_S": "0.5",
+        **pair_key(tmp_path),
+    }
+    env_a = {"SPARKWATCH_LISTEN": listen_a, "SPARKWATCH_PEERS": json.dumps([listen_b]), "SPARKWATCH_PEER_POLL_S": "0.5",
+             **pair_key(tmp_path)}  # fmt: skip
     with (
         sparkwatch_run(tmp_path / "b", prefix=cluster.in_ns(cluster.ns_b, []), env=env_b),
         sparkwatch_run(tmp_path / "a", prefix=cluster.in_ns(cluster.ns_a, []), env=env_a) as daemon,
@@ -330,7 +345,13 @@ def test_node_b_lost_raylet_killed_stops_node_a_members(cluster: RayCluster, tmp
         engine = Engine(cluster, tmp_path, "a")
         try:
             raylet_b = key_of(_ns_child(cluster, cluster.ns_b, "raylet"), "node B's raylet")
-            # B's agent has listed its rank (Ray's state, read every ray_poll_s): what it tells of when the rank ends
+            # B's agent has listed its rank (Ray's state as A relays it, read every ray_poll_s): what it tells of
+            # when the rank ends
+            relayed = lambda: any(  # noqa: E731
+                a["pid"] == engine.pid["rank_b"]
+                for a in (_peer_doc(cluster, listen_a).get("ray") or {}).get("actors", [])
+            )
+            assert wait_until(relayed, 20, 0.5)
             time.sleep(2.5)
             died_at, died_wall = time.monotonic(), time.time()
             sigkill(*raylet_b)

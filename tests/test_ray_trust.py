@@ -17,6 +17,7 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -24,7 +25,8 @@ import pytest
 from sparkwatch.common.sources.procs import ProcScanner
 from sparkwatch.config.settings import load_settings
 from sparkwatch.core.kill import raygroup
-from sparkwatch.telemetry.raywatch import RayWatch
+from sparkwatch.telemetry import peerdoc
+from sparkwatch.telemetry.raywatch import NoPeers, RayWatch
 from sparkwatch.telemetry.sources.raystate import (
     RAYLET_EXE_SUFFIX,
     LocalRaylet,
@@ -228,3 +230,69 @@ def test_the_raylets_user_s_own_dashboard_is_found_on_another_port(
     cluster: raygroup.Cluster | None = watch.cluster  # (mypy keeps the None narrowed across the call)
     assert cluster is not None and cluster.uid == os.geteuid()
     assert watch.source.conn.base_url == f"http://127.0.0.1:{ports[os.geteuid()]}"
+
+
+class _Relaying(NoPeers):
+    """The peer watch as the group watch asks it, relaying one proven document's Ray state (peerdoc.RayRelay)."""
+
+    def __init__(self, relay: peerdoc.RayRelay | None) -> None:
+        self.relay = relay
+        self.asked: list[frozenset[str]] = []
+
+    def ray_state(self, gcs_addresses: frozenset[str]) -> peerdoc.RayRelay | None:
+        self.asked.append(gcs_addresses)
+        return self.relay
+
+
+def _state() -> raygroup.RayState:
+    return raygroup.RayState(
+        nodes=(raygroup.RayNode(NODE_ID, "10.0.0.2", True), raygroup.RayNode("b" * 56, "10.0.0.1", True)),
+        jobs=(raygroup.RayJob("01000000", 100, "10.0.0.1", True), raygroup.RayJob("02000000", 7, "10.0.0.1", False)),
+        actors=(
+            raygroup.RayActor("x1", "RayWorkerWrapper", "DEAD", "01000000", NODE_ID, 300, "pg1"),
+            raygroup.RayActor("x2", "RayWorkerWrapper", "ALIVE", "01000000", "b" * 56, 200, "pg1"),
+            raygroup.RayActor("x3", "Other", "DEAD", "02000000", "b" * 56, 9, None),
+        ),
+        placement_groups=(
+            raygroup.RayPlacementGroup("pg1", "01000000", "CREATED", (NODE_ID, "b" * 56)),
+            raygroup.RayPlacementGroup("pg0", "02000000", "REMOVED", ()),
+        ),
+    )
+
+
+def test_another_host_s_ray_state_moves_this_node_only_as_a_proven_peer_relays_it(tmp_path: Path) -> None:
+    """A worker node reads the head's dashboard over the link: plain HTTP that any host there can answer. Its word
+    is display-only; the state the head's agent relays in its proven document speaks for this node's raylets of that
+    cluster (its GCS, its user), and for no other user's."""
+    settings = load_settings(
+        None, {"state_dir": tmp_path, "ray_dashboard_url": "http://192.0.2.7:8265"}, check_memory=False
+    )
+    mine = LocalRaylet(os.getpid(), NODE_ID, "10.0.0.1:6379", sys.executable, "10.0.0.2", uid=os.geteuid())
+    relay = peerdoc.relay("10.0.0.1:6379", os.geteuid(), _state())
+    assert relay is not None and [a.actor_id for a in relay.actors] == ["x1", "x2"]  # the live groups' only
+    assert [g.placement_group_id for g in relay.placement_groups] == ["pg1"] and len(relay.jobs) == 1
+    for told, cluster in (
+        (None, None),
+        (replace(relay, uid=NOBODY), None),  # the relayed cluster is another user's
+        (replace(relay, gcs_address="10.0.0.9:6379"), None),  # another cluster's (asked by GCS: never returned)
+        (relay, raygroup.Cluster(frozenset({NODE_ID}), os.geteuid(), frozenset({os.getpid()}))),
+    ):
+        peers = _Relaying(told if told is None or told.gcs_address == mine.gcs_address else None)
+        watch = RayWatch(settings, lambda msg: None, peers=peers)
+        watch.raylets = (mine,)
+        watch._trust()
+        assert watch.remote and watch.cluster is None
+        state = watch._relayed()
+        assert peers.asked == [frozenset({"10.0.0.1:6379"})]
+        assert watch.cluster == cluster
+        assert (state is not None) == (cluster is not None)
+        assert (watch.untrusted_why is None) == (cluster is not None)
+        if state is not None:
+            assert state == relay.state
+    # the relay travels inside the peer document, held to its caps
+    body = peerdoc.build("spark-a", (NODE_ID,), None, (), (), ray=relay)
+    assert peerdoc.parse(body).ray == relay
+    crowded = replace(relay, actors=relay.actors * 200)
+    with pytest.raises(ValueError, match="ray: 400 actors"):
+        peerdoc.parse(peerdoc.build("spark-a", (NODE_ID,), None, (), (), ray=crowded))
+    assert peerdoc.relay("10.0.0.1:6379", 0, replace(_state(), actors=_state().actors * 200)) is None

@@ -38,6 +38,7 @@ from dataclasses import dataclass, replace
 
 from sparkwatch.common.stats import RecentKill
 from sparkwatch.common.wiretypes import from_json, to_json
+from sparkwatch.core.kill.raygroup import RayActor, RayJob, RayNode, RayPlacementGroup, RayState
 from sparkwatch.core.launch.rayletenv import RayletFacts
 from sparkwatch.core.model import EngineTree, MemInfo
 from sparkwatch.core.redact import redact
@@ -189,6 +190,50 @@ class WorkerBudget:
     node_ids: frozenset[str]
 
 
+# The relayed Ray state's lists (RayRelay): the live groups of a node's engines, each a handful of ranks.
+RELAY_CAPS = {"nodes": 16, "jobs": 64, "actors": 256, "placement_groups": 64}
+
+
+@dataclass(frozen=True, slots=True)
+class RayRelay:
+    """Ray's state as the head node's agent read it from a dashboard it proved its cluster's (the port held by the
+    raylets' own user: telemetry.sources.raystate), for the other nodes of that cluster: Ray's state of another host
+    moves their guards only this way, inside a proven document (telemetry.raywatch); plain HTTP from the head's
+    dashboard is display-only. Only what the group decisions read: the nodes, and the live placement groups with
+    their jobs and actors."""
+
+    gcs_address: str  # the cluster's GCS, as its raylets name it: a node takes the relay of its own raylets' cluster
+    uid: int  # the cluster's user (the same owner's uid on every Spark, as the worker budgets assume)
+    nodes: tuple[RayNode, ...]
+    jobs: tuple[RayJob, ...]
+    actors: tuple[RayActor, ...]
+    placement_groups: tuple[RayPlacementGroup, ...]
+
+    @property
+    def state(self) -> RayState:
+        return RayState(self.nodes, self.jobs, self.actors, self.placement_groups)
+
+
+def relay(gcs_address: str, uid: int, state: RayState) -> RayRelay | None:
+    """The part of `state` a relay carries: every placement group not removed, the jobs that made them and the actors
+    placed in them (dead ones too: a death is what the other nodes act on). None when it would pass a cap (then the
+    other nodes' groups fall back to display-only, never to a cut list that would read as members gone)."""
+    pgs = tuple(g for g in state.placement_groups if g.state != "REMOVED")
+    live = {g.placement_group_id for g in pgs}
+    makers = {g.creator_job_id for g in pgs}
+    out = RayRelay(
+        gcs_address,
+        uid,
+        state.nodes,
+        tuple(j for j in state.jobs if j.job_id in makers),
+        tuple(a for a in state.actors if a.placement_group_id in live),
+        pgs,
+    )
+    if any(len(getattr(out, name)) > cap for name, cap in RELAY_CAPS.items()):
+        return None
+    return out
+
+
 @dataclass(frozen=True, slots=True)
 class PeerDoc:
     version: int
@@ -203,6 +248,7 @@ class PeerDoc:
     raylets: tuple[PeerRaylet, ...] = ()
     memory: PeerMemory | None = None  # absent from an older agent, and before the first cycle
     budgets: tuple[PeerBudget, ...] = ()
+    ray: RayRelay | None = None  # absent from an older agent, and from any node that is not its cluster's head
 
 
 def kills_from_guard(recent: Iterable[RecentKill]) -> tuple[PeerKill, ...]:
@@ -234,6 +280,7 @@ def build(
     cpus: int = 1,
     letting_go: int = 0,
     budgets: Iterable[PeerBudget] = (),
+    ray: RayRelay | None = None,
 ) -> bytes:
     memory = None
     if mem is not None and floor_bytes is not None:
@@ -253,6 +300,7 @@ def build(
         raylets=tuple(peer_raylet(r) for r in raylets)[: CAPS["raylets"]],
         memory=memory,
         budgets=tuple(budgets)[: CAPS["budgets"]],
+        ray=ray,
     )
     return json.dumps(to_json(doc), separators=(",", ":")).encode()
 
@@ -270,6 +318,12 @@ def parse(body: bytes) -> PeerDoc:
             value = raw.get(name)
             if isinstance(value, list) and len(value) > cap:
                 raise ValueError(f"peer state: {len(value)} {name}, at most {cap}")
+        ray = raw.get("ray")
+        ray = ray if isinstance(ray, dict) else {}
+        for name, cap in RELAY_CAPS.items():
+            value = ray.get(name)
+            if isinstance(value, list) and len(value) > cap:
+                raise ValueError(f"peer state: ray: {len(value)} {name}, at most {cap}")
         kills = raw.get("kills")
         for kill in kills if isinstance(kills, list) else ():
             pids = kill.get("pids") if isinstance(kill, dict) else None

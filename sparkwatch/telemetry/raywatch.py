@@ -51,6 +51,7 @@ from sparkwatch.telemetry.sources.raystate import (
     RayStateError,
     RayStateSource,
     cluster_owner,
+    is_local_url,
     local_dashboard_url,
     local_raylets,
     start_remove_pg,
@@ -102,6 +103,10 @@ class PeerWords(Protocol):
         """The budgets the peers' launches gave their engines' ranks on other nodes (`--budget worker=SIZE`)."""
         ...
 
+    def ray_state(self, gcs_addresses: frozenset[str]) -> peerdoc.RayRelay | None:
+        """Ray's state as the proven agent of the head of a cluster with one of these GCS addresses relays it."""
+        ...
+
 
 class NoPeers:
     """No peers configured: nobody to ask."""
@@ -117,6 +122,9 @@ class NoPeers:
 
     def worker_budgets(self) -> Sequence[peerdoc.WorkerBudget]:
         return ()
+
+    def ray_state(self, gcs_addresses: frozenset[str]) -> peerdoc.RayRelay | None:
+        return None
 
 
 class RayWatch:
@@ -153,6 +161,7 @@ class RayWatch:
         # Ray's state is shown, never acted on (no teardown, no budget, no removal, no word to the peers)
         self.cluster: raygroup.Cluster | None = None
         self.untrusted_why: str | None = None
+        self.remote = False  # the dashboard is another host's: Ray's state moves nothing here unless a peer relays it
         self.groups: tuple[raygroup.RayGroup, ...] = ()  # the last poll's groups (for `engines` and metrics later)
         self.teardowns_sent_total = 0
         self._budgets_sent: tuple[tuple[int, int, int, int, str], ...] = ()  # the last PeerBudgetMsg's budgets
@@ -260,7 +269,9 @@ class RayWatch:
         if not self.node_ids:
             self.groups, self._state = (), None
             return []
-        state = self._poll_state(now)
+        state = self._relayed() if self.remote else None
+        if state is None:
+            state = self._poll_state(now)
         if state is None:
             return []
         cluster = self.cluster
@@ -462,12 +473,58 @@ class RayWatch:
         self._actors_seen = tuple((a.actor_id, a.state, a.pid, a.node_id) for a in state.actors)
         return state
 
+    def relay(self) -> peerdoc.RayRelay | None:
+        """Ray's state for the other nodes of this node's cluster, when this node is its head and read it from a
+        dashboard proven its cluster's (telemetry.peerdoc.RayRelay, in the peer document): their only way to act on
+        Ray's state of this host. Called from the metrics server's thread: it reads references the poll replaces."""
+        cluster, state = self.cluster, self._state
+        if self.remote or cluster is None or state is None:
+            return None
+        head = next((r for r in self.raylets if r.pid in cluster.raylet_pids and r.head and r.gcs_address), None)
+        return None if head is None else peerdoc.relay(head.gcs_address, cluster.uid, state)
+
+    def _relayed(self) -> raygroup.RayState | None:
+        """Ray's state of the other host as its proven agent relays it, with the cluster it speaks for here (this
+        node's raylets of that GCS and user); None when no proven peer relays it (then the other host's dashboard
+        is read for display only, and `cluster` is None)."""
+        gcs = frozenset(r.gcs_address for r in self.raylets if r.gcs_address)
+        try:
+            relay = self.peers.ray_state(gcs)
+        except Exception as exc:  # a bug there must not stop the watch
+            log.error("peer's Ray state: %s: %s", type(exc).__name__, exc)
+            relay = None
+        mine = () if relay is None else tuple(
+            r for r in self.raylets if r.gcs_address == relay.gcs_address and r.uid == relay.uid
+        )  # fmt: skip
+        why = None if mine else "no proven peer relays it (docs/multinode.md)"
+        if relay is not None and not mine:
+            why = f"the relayed cluster is uid {relay.uid}'s, whose raylets do not run here"
+        self._say_trust(self.settings.ray_dashboard_url, relay.uid if relay is not None else None, why)
+        if relay is None or not mine:
+            self.cluster = None
+            return None
+        self.cluster = raygroup.Cluster(frozenset(r.node_id for r in mine), relay.uid, frozenset(r.pid for r in mine))
+        state = relay.state
+        self._state = self._state if state == self._state else state  # an unchanged answer decides nothing again
+        return self._state
+
+    def _say_trust(self, url: str, owner: int | None, why: str | None) -> None:
+        if why != self.untrusted_why and self.raylets:
+            if why is None:
+                log.info("Ray's state at %s is the cluster of uid %s's raylets", url, owner)
+            else:
+                log.warning("Ray's state at %s is shown, never acted on: %s", url, why)
+        self.untrusted_why = why
+
     def _trust(self, table: tuple[Proc, ...] = ()) -> None:
         """Which of this node's raylets the dashboard's state speaks for (core.kill.raygroup.Cluster), said in the log
         once per change. A dashboard on this node speaks for the user whose process holds its port (any user may
         bind it while Ray's is down); one on another host for the raylets here of the cluster whose GCS is on that
         host (plain HTTP from there cannot be proven: docs/security.md says what a host on the link can then do)."""
         url = self.settings.ray_dashboard_url
+        self.remote = not is_local_url(url)
+        if self.remote:
+            return  # the proven relay decides, each poll (_relayed)
         owner, why = cluster_owner(url, self.raylets, self.proc_root)
         if owner is None:  # nothing (of one user) on the configured port: the dashboard the raylets' user started
             for uid in sorted({r.uid for r in self.raylets}):
@@ -484,12 +541,8 @@ class RayWatch:
             cluster = raygroup.Cluster(frozenset(r.node_id for r in mine), mine[0].uid, frozenset(r.pid for r in mine))
         elif self.raylets and why is None:
             why = f"the dashboard's user {owner} runs no raylet here"
-        if why != self.untrusted_why and self.raylets:
-            if why is None:
-                log.info("Ray's state at %s is the cluster of uid %s's raylets", url, owner)
-            else:
-                log.warning("Ray's state at %s is shown, never acted on: %s", url, why)
-        self.cluster, self.untrusted_why = cluster, why
+        self._say_trust(url, owner, why)
+        self.cluster = cluster
 
     def _raylets_alive(self) -> bool:
         """Whether the raylets last found still run (one stat each): a raylet gone is looked for again at once."""

@@ -221,11 +221,17 @@ class TelemetryProcess:
         out.append(Component("raywatch", raywatch, RayWatch.LIVE_KEYS, raywatch.apply, raywatch.counters))
         return out
 
+    _relays: tuple[peerdoc.RayRelay, ...] = ()  # the Ray states the proven peers relayed at their last read
+
     def _after_peers(self, peers: list[Peer]) -> None:
         """After each read of the peers: groups without Ray decide; a peer that says a Ray rank of its node ended
         wakes the group watch now (a second sooner than its poll: Ray would say so only after its health check)."""
         self.mpwatch.observe(peers)
-        if any(p.doc is not None and p.doc.ray_gone for p in peers):
+        proven = [p.doc for p in peers if p.proven and p.doc is not None]
+        relays = tuple(doc.ray for doc in proven if doc.ray is not None)
+        # and one whose relayed Ray state changed (a rank died on the head's node): the group watch reads it now
+        if any(doc.ray_gone for doc in proven) or relays != self._relays:
+            self._relays = relays
             self.raywatch.nudge()
 
     def _last_engines(self) -> tuple[EngineTree, ...] | None:
@@ -259,6 +265,7 @@ class TelemetryProcess:
             cpus=os.cpu_count() or 1,
             letting_go=0 if snap is None else self._letting_go(snap.engines),
             budgets=() if snap is None else self._worker_budgets(snap),
+            ray=self.raywatch.relay(),
         )
 
     def _worker_budgets(self, snap: Snapshot) -> list[peerdoc.PeerBudget]:

@@ -394,6 +394,11 @@ def _local_address(host: str) -> str | None:
     return str(ip) if local == str(ip) else None
 
 
+def is_local_url(url: str) -> bool:
+    """Whether the URL's host is one of this node's own addresses (no name resolved but localhost)."""
+    return _local_address(urllib.parse.urlsplit(url).hostname or "") is not None
+
+
 def cluster_owner(url: str, raylets: Iterable[LocalRaylet], proc_root: Path | str) -> tuple[int | None, str | None]:
     """The user whose cluster the dashboard at `url` serves to this node, and None; or None and why none is.
 
