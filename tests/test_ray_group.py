@@ -18,6 +18,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -1265,3 +1266,80 @@ def test_the_guard_holds_a_rank_to_a_peer_budget_only_for_that_very_process_and_
     assert tracked({(pid, ticks): (os.geteuid(), 64 << 20)}) == {(pid, ticks): "peer"}
     assert tracked({(pid, ticks): (os.geteuid() + 1, 64 << 20)}) == {}  # another user's word for our process
     assert tracked({(pid, ticks + 1): (os.geteuid(), 64 << 20)}) == {}  # a reused pid: another process
+
+
+# --- another user against a root agent on the real cluster (issue 37): a forged word moves nothing
+
+FORGED_STATE = """
+import http.server, json, sys
+port, ip_a, ip_b, node_a, node_b, driver = sys.argv[1:7]
+def rows(r):
+    return json.dumps({"data": {"result": {"result": r}}}).encode()
+ANSWERS = {
+    "nodes": rows([{"node_id": node_a, "node_ip": ip_a, "state": "ALIVE"},
+                   {"node_id": node_b, "node_ip": ip_b, "state": "ALIVE"}]),
+    "jobs": rows([{"job_id": "01000000", "status": "RUNNING",
+                   "driver_info": {"pid": driver, "node_ip_address": ip_a}}]),
+    "actors": rows([{"actor_id": "x1", "class_name": "RayWorkerWrapper", "state": "DEAD", "job_id": "01000000",
+                     "node_id": node_b, "pid": 4242, "placement_group_id": "ab" * 9}]),
+    "placement_groups": rows([{"placement_group_id": "ab" * 9, "creator_job_id": "01000000", "state": "CREATED",
+                               "bundles": [{"node_id": node_a}, {"node_id": node_b}]}]),
+}
+class Answers(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        body = ANSWERS.get(self.path.split("?")[0].rsplit("/", 1)[-1])
+        self.send_response(200 if body else 404)
+        self.send_header("Content-Length", str(len(body or b"")))
+        self.end_headers()
+        self.wfile.write(body or b"")
+    def log_message(self, *args):
+        pass
+server = http.server.HTTPServer(("127.0.0.1", int(port)), Answers)
+print("up", flush=True)
+server.serve_forever()
+"""
+VLLM_SERVE = """
+import subprocess, sys
+core = subprocess.Popen(["bash", "-c", "exec -a VLLM::EngineCore sleep 120"])
+print(core.pid, flush=True)
+core.wait()
+"""
+
+
+@pytest.mark.parametrize("served_by", ["nobody", "root"])
+def test_a_forged_rank_death_never_kills_another_user_s_engine(
+    cluster: RayCluster, tmp_path: Path, spawner: Spawner, served_by: str
+) -> None:
+    """Node A's raylet is root's; nobody runs a healthy `vllm serve` and its `VLLM::EngineCore` on node A. A Ray state
+    API names that engine core as the driver of a group whose rank on B is DEAD (before issue 37, root's guard killed
+    both 0.8 s later). Served from a port nobody holds, it is nobody's word: shown, never acted on. Served from a
+    port of root's, it speaks for root's cluster, whose members are root's processes only: nobody's engine is none."""
+    share = Path(tempfile.mkdtemp(prefix="sw-nobody-"))
+    try:
+        share.chmod(0o755)
+        (share / "vllm").write_text(VLLM_SERVE)
+        (share / "forged.py").write_text(FORGED_STATE)
+        as_nobody = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
+        api = spawner.popen(cluster.in_ns(cluster.ns_a, [*as_nobody, "/usr/bin/python3", str(share / "vllm"),
+                                                          "serve", "m"]), stdout=subprocess.PIPE)  # fmt: skip
+        assert api.stdout is not None
+        core = int(api.stdout.readline())
+        port = free_port()
+        serve_as = as_nobody if served_by == "nobody" else []
+        node_a, node_b = cluster.node_ids[cluster.ip_a], cluster.node_ids[cluster.ip_b]
+        forged = spawner.popen(cluster.in_ns(cluster.ns_a, [*serve_as, "/usr/bin/python3", str(share / "forged.py"),
+                               str(port), cluster.ip_a, cluster.ip_b, node_a, node_b, str(core)]),
+                               stdout=subprocess.PIPE)  # fmt: skip
+        assert forged.stdout is not None and forged.stdout.readline() == b"up\n"
+        keys = [(pid, read_start_ticks("/proc", pid) or 0) for pid in (api.pid, core)]
+        env = {"SPARKWATCH_RAY_DASHBOARD_URL": f"http://127.0.0.1:{port}"}
+        with sparkwatch_run(tmp_path, prefix=cluster.in_ns(cluster.ns_a, []), env=env) as daemon:
+            group = f'group="{"ab" * 9}"'  # the forged group, read and shown (engines, metrics)
+            assert wait_until(lambda: group in str(_scrape(cluster, f"127.0.0.1:{daemon.port}")), 20, 0.5)
+            time.sleep(3 * 2.0)  # three of the group watch's polls (ray_poll_s): each would have torn it down
+            said = "never acted on: the dashboard's port is held by uid 65534"
+            assert any(said in line for line in daemon.stderr_lines) == (served_by == "nobody"), daemon.stderr_lines
+            assert all(alive(*k) for k in keys)
+            assert not any(e["kind"] == "group_teardown" for e in read_events(daemon.events_path))
+    finally:
+        shutil.rmtree(share, ignore_errors=True)

@@ -27,6 +27,7 @@ from sparkwatch.config.settings import load_settings
 from sparkwatch.core.kill import raygroup
 from sparkwatch.telemetry import peerdoc
 from sparkwatch.telemetry.raywatch import NoPeers, RayWatch
+from sparkwatch.telemetry.sources.listeners import connected_to
 from sparkwatch.telemetry.sources.raystate import (
     RAYLET_EXE_SUFFIX,
     LocalRaylet,
@@ -296,3 +297,32 @@ def test_another_host_s_ray_state_moves_this_node_only_as_a_proven_peer_relays_i
     with pytest.raises(ValueError, match="ray: 400 actors"):
         peerdoc.parse(peerdoc.build("spark-a", (NODE_ID,), None, (), (), ray=crowded))
     assert peerdoc.relay("10.0.0.1:6379", 0, replace(_state(), actors=_state().actors * 200)) is None
+
+
+CLIENT = """
+import socket, sys, time
+s = socket.create_connection(("127.0.0.1", int(sys.argv[1])))
+print("up", flush=True)
+time.sleep(60)
+"""
+
+
+def test_a_driver_is_one_only_while_it_holds_a_connection_to_its_cluster_s_gcs(
+    started: list[subprocess.Popen[bytes]],
+) -> None:
+    """Ray's state names a job's driver by pid; the group watch takes it for a member only while that process holds
+    an established connection to the GCS its raylets name (a Ray driver keeps one open while it runs)."""
+    with socket.socket() as gcs:
+        gcs.bind(("127.0.0.1", 0))
+        gcs.listen()
+        port = gcs.getsockname()[1]
+        driver = subprocess.Popen([SYSTEM_PYTHON, "-c", CLIENT, str(port)], stdout=subprocess.PIPE)
+        bystander = subprocess.Popen(["sleep", "60"], stdout=subprocess.PIPE)
+        started += [driver, bystander]
+        assert driver.stdout is not None and driver.stdout.readline() == b"up\n"
+        conn, _addr = gcs.accept()
+        with conn:
+            assert connected_to("/proc", driver.pid, "127.0.0.1", port)
+            assert not connected_to("/proc", bystander.pid, "127.0.0.1", port)
+            assert not connected_to("/proc", driver.pid, "127.0.0.1", port + 1 if port < 65535 else port - 1)
+            assert not connected_to("/proc", driver.pid, "not-an-address", port)

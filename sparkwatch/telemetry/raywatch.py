@@ -45,6 +45,7 @@ from sparkwatch.common.threads import daemon_thread
 from sparkwatch.core.kill import raygroup
 from sparkwatch.core.model import Proc
 from sparkwatch.telemetry import peerdoc
+from sparkwatch.telemetry.sources.listeners import connected_to
 from sparkwatch.telemetry.sources.raystate import (
     Connection,
     LocalRaylet,
@@ -540,7 +541,7 @@ class RayWatch:
         if mine:
             cluster = raygroup.Cluster(frozenset(r.node_id for r in mine), mine[0].uid, frozenset(r.pid for r in mine))
         elif self.raylets and why is None:
-            why = f"the dashboard's user {owner} runs no raylet here"
+            why = f"the dashboard's port is held by uid {owner}, who runs no raylet here"
         self._say_trust(url, owner, why)
         self.cluster = cluster
 
@@ -550,22 +551,33 @@ class RayWatch:
 
     def _local_procs(self, groups: tuple[raygroup.RayGroup, ...]) -> dict[int, Proc]:
         """The processes Ray names for these groups (ranks, drivers) and the drivers' parents, read one by one,
-        kept only when they run in our network namespace (this node)."""
+        kept only when they run in our network namespace (this node). A driver is kept only while it holds a
+        connection to its cluster's GCS (the one this node's raylets name): a pid Ray's state names as a driver that
+        is no driver of this cluster is no member."""
         wanted: list[int] = []
+        drivers: set[int] = set()
         for g in groups:
             wanted += [a.pid for a in g.ranks if a.pid]
             if g.job is not None and g.job.driver_pid:
                 wanted.append(g.job.driver_pid)
+                drivers.add(g.job.driver_pid)
+        gcs = {r.gcs_address for r in self.raylets if self.cluster is not None and r.pid in self.cluster.raylet_pids}
         out: dict[int, Proc] = {}
         for pid in wanted[:MAX_PIDS]:
             proc = self._read(pid)
-            if proc is None:
+            if proc is None or (pid in drivers and not any(self._gcs_client(pid, a) for a in gcs)):
                 continue
             out[pid] = proc
             parent = self._read(proc.ppid) if proc.ppid > 1 else None
             if parent is not None:
                 out[parent.pid] = parent
         return out
+
+    def _gcs_client(self, pid: int, gcs_address: str) -> bool:
+        host, _sep, port = gcs_address.rpartition(":")
+        if not port.isdigit():
+            return False
+        return connected_to(self.proc_root, pid, host.strip("[]"), int(port))
 
     def _read(self, pid: int) -> Proc | None:
         try:

@@ -149,6 +149,36 @@ def connected_addresses(proc_root: Path | str, pid: int, port: int) -> frozenset
     return frozenset(r.address for r in rows if r.inode in inodes)
 
 
+def connected_to(proc_root: Path | str, pid: int, host: str, port: int) -> bool:
+    """Whether `pid` holds an established TCP connection to `host`:`port` (a literal address): a Ray driver's to its
+    cluster's GCS, which it keeps open while it runs (telemetry.raywatch). Its network namespace's tables, then its
+    own fds: a connection of another process there is not its."""
+    try:
+        want = ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    mapped = want.ipv4_mapped if isinstance(want, ipaddress.IPv6Address) else None
+    want_text = str(mapped if mapped is not None else want)
+    inodes: set[int] = set()
+    for table in ("tcp", "tcp6"):
+        try:
+            with open(f"{proc_root}/{pid}/net/{table}", encoding="ascii", errors="replace") as fh:
+                lines = fh.read(1 << 22).splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines[:LISTENERS_MAX]:
+            fields = line.split()
+            if len(fields) < 10 or fields[3] != _ESTABLISHED:
+                continue
+            addr, _colon, port_hex = fields[2].partition(":")
+            try:
+                if int(port_hex, 16) == port and _address(addr) == want_text:
+                    inodes.add(int(fields[9]))
+            except ValueError:
+                continue
+    return bool(inodes) and not inodes.isdisjoint(socket_inodes(proc_root, [pid]))
+
+
 def socket_inodes(proc_root: Path | str, pids: Iterable[int]) -> set[int]:
     """The socket inodes these processes hold open (what each can read; an unreadable one adds nothing)."""
     out: set[int] = set()
