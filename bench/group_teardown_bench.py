@@ -10,6 +10,12 @@ The real two-node cluster of the tests (tests/raycluster.py: two network namespa
 Part 1, latency: each run starts the engine, SIGKILLs the rank on node B, and measures (CLOCK_MONOTONIC in this
 process) until node A's API server, driver and rank are all gone, then waits for the placement group's REMOVED.
 
+With `--pair` (issue 37) both nodes run an agent, each naming the other in `peers` under one `peer_key_file` (the
+pair authenticated, as docs/multinode.md sets it up), node B reading the head's dashboard over the link: what it reads
+there is display-only, and it acts on the state node A's agent relays in its proven document. The runs alternate
+which rank dies: B's (node A's members gone, as without the pair) and A's (node B's rank gone: B's half through A's
+relay).
+
 Part 2, cost: with the engine running and nothing dying, the CPU time of telemetry's group-watch thread
 (`sw-raywatch`, /proc/PID/task/TID/schedstat) over `--idle-s`, and telemetry's RSS against a daemon with
 `ray_dashboard_url = ""` (the watch off) in the same conditions.
@@ -18,6 +24,7 @@ Part 2, cost: with the engine running and nothing dying, the CPU time of telemet
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import os
 import platform
@@ -34,7 +41,8 @@ sys.path.insert(0, str(ROOT))
 from tables import publish  # noqa: E402
 
 from tests.conftest import wait_until  # noqa: E402
-from tests.daemon import sparkwatch_run  # noqa: E402
+from tests.daemon import free_port, sparkwatch_run  # noqa: E402
+from tests.helpers.peerkey import key_env, key_file  # noqa: E402
 from tests.raycluster import Engine, RayCluster, gone_within, pg_state, ray_cluster, sigkill  # noqa: E402
 
 
@@ -84,22 +92,35 @@ def removed(cluster: RayCluster, pg: str) -> bool:
     return pg_state(cluster, pg) == ["REMOVED"]
 
 
-def latency_runs(cluster: RayCluster, tmp: Path, runs: int) -> list[tuple[float, float]]:
+def latency_runs(cluster: RayCluster, tmp: Path, runs: int, pair: bool) -> list[tuple[str, float, float]]:
+    """(which rank died, the other node's members gone after it, the placement group removed after it) per run."""
     out = []
-    (tmp / "lat").mkdir()
-    with sparkwatch_run(tmp / "lat", prefix=cluster.in_ns(cluster.ns_a, [])):
+    (tmp / "lat" / "b").mkdir(parents=True)
+    listen_a, listen_b = f"{cluster.ip_a}:{free_port()}", f"{cluster.ip_b}:{free_port()}"
+    key = key_env(key_file(tmp / "key"))
+    env_a = {"SPARKWATCH_LISTEN": listen_a, "SPARKWATCH_PEERS": f'["{listen_b}"]', **key} if pair else {}
+    env_b = {"SPARKWATCH_LISTEN": listen_b, "SPARKWATCH_PEERS": f'["{listen_a}"]', **key,
+             "SPARKWATCH_RAY_DASHBOARD_URL": cluster.dashboard_b}  # fmt: skip
+    with contextlib.ExitStack() as agents:
+        agents.enter_context(sparkwatch_run(tmp / "lat", prefix=cluster.in_ns(cluster.ns_a, []), env=env_a))
+        if pair:
+            agents.enter_context(sparkwatch_run(tmp / "lat" / "b", prefix=cluster.in_ns(cluster.ns_b, []), env=env_b))
         for i in range(runs):
             engine = Engine(cluster, tmp / "lat", "a")
+            dies = "rank_a" if pair and i % 2 else "rank_b"
+            others = ["rank_b"] if dies == "rank_a" else ["api", "driver", "rank_a"]
             try:
+                time.sleep(2.5 if pair else 0)  # B's agent has read its rank in A's relay (ray_poll_s)
                 died_at = time.monotonic()
-                sigkill(*engine.keys["rank_b"])
-                took = gone_within([engine.keys["api"], engine.keys["driver"], engine.keys["rank_a"]], died_at)
+                sigkill(*engine.keys[dies])
+                took = gone_within([engine.keys[k] for k in others], died_at)
                 assert wait_until(functools.partial(removed, cluster, engine.placement_group), 30, 0.1)
                 pg_s = time.monotonic() - died_at
             finally:
                 engine.close()
-            print(f"run {i + 1}: members gone {took:.2f} s, placement group removed {pg_s:.2f} s", file=sys.stderr)
-            out.append((took, pg_s))
+            print(f"run {i + 1}: {dies} killed, the others gone {took:.2f} s, placement group removed {pg_s:.2f} s",
+                  file=sys.stderr)  # fmt: skip
+            out.append((dies, took, pg_s))
     return out
 
 
@@ -126,13 +147,15 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=20)
     ap.add_argument("--idle-s", type=float, default=60)
     ap.add_argument("--out", type=Path)
+    ap.add_argument("--pair", action="store_true", help="both agents, authenticated; the runs alternate the rank")
+    ap.add_argument("--no-cost", action="store_true", help="the latency runs only")
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="swgtb"))
     try:
         with ray_cluster() as cluster:
-            runs = latency_runs(cluster, tmp, args.runs)
+            runs = latency_runs(cluster, tmp, args.runs, args.pair)
             costs: dict[bool, list[tuple[float | None, int, int]]] = {True: [], False: []}
-            for episode in range(4):  # A B A B: these VMs are noisy
+            for episode in range(0 if args.no_cost else 4):  # A B A B: these VMs are noisy
                 watch = episode % 2 == 0
                 costs[watch].append(idle_cost(cluster, tmp / str(episode), args.idle_s, watch=watch))
             start_s = cluster.start_s
@@ -141,35 +164,44 @@ def main() -> None:
     from sparkwatch.config.defaults import STATIC
 
     poll_s = STATIC["ray_poll_s"]
-    shares = [c[0] for c in costs[True] if c[0] is not None]
-    share_on = statistics.median(shares) if shares else None
-    rss_on, rss_off = (statistics.median(c[1] for c in costs[w]) for w in (True, False))
-    pss_on, pss_off = (statistics.median(c[2] for c in costs[w]) for w in (True, False))
-    took = sorted(r[0] for r in runs)
-    pg = sorted(r[1] for r in runs)
     lines = [
         "# Group teardown over Ray: latency and cost",
         "",
         f"`{' '.join(['bench/group_teardown_bench.py', *sys.argv[1:]])}` on {platform.node()} "
         f"({os.cpu_count()} cores, {platform.release()}); cluster up in {start_s:.1f} s.",
         "",
-        "The rank on node B SIGKILLed; node A's `sparkwatch run` stops the API server, the driver and A's rank.",
+        "The rank on node B SIGKILLed; node A's `sparkwatch run` stops the API server, the driver and A's rank."
+        + (" With `--pair`, every other run the rank on node A instead: node B's agent stops B's rank, on the state"
+           " A's agent relays (both agents authenticated by one `peer_key_file`)." if args.pair else ""),
         "",
         "| what | runs | median | worst |",
         "| --- | --- | --- | --- |",
-        f"| last of node A's members gone after the death | {len(took)} | {statistics.median(took):.2f} s "
-        f"| {took[-1]:.2f} s |",
-        f"| placement group REMOVED after the death | {len(pg)} | {statistics.median(pg):.2f} s | {pg[-1]:.2f} s |",
-        "",
-        f"Cost, an engine running and nothing dying, over {args.idle_s:.0f} s, episodes with and without the watch "
-        "alternated A B A B (medians): the group watch's thread took "
-        + (f"{share_on * 100:.3f} % of a core" if share_on is not None else "(thread not found)")
-        + f" (ray_poll_s {poll_s:g} s); telemetry's RSS {rss_on / 2**20:.1f} MiB with the watch, "
-        f"{rss_off / 2**20:.1f} MiB without ({(rss_on - rss_off) / 2**20:+.1f} MiB), PSS {pss_on / 2**20:.1f} "
-        f"against {pss_off / 2**20:.1f} MiB ({(pss_on - pss_off) / 2**20:+.1f} MiB).",
-        "",
-        "Every run: " + ", ".join(f"{t:.2f}" for t, _ in runs) + " s.",
-    ]
+    ]  # fmt: skip
+    for dies, what in (("rank_b", "node A's members"), ("rank_a", "node B's rank (through A's relay)")):
+        took = sorted(r[1] for r in runs if r[0] == dies)
+        pg = sorted(r[2] for r in runs if r[0] == dies)
+        if took:
+            lines += [
+                f"| last of {what} gone after the death | {len(took)} | {statistics.median(took):.2f} s "
+                f"| {took[-1]:.2f} s |",
+                f"| placement group REMOVED after the death | {len(pg)} | {statistics.median(pg):.2f} s "
+                f"| {pg[-1]:.2f} s |",
+            ]
+    if not args.no_cost:
+        shares = [c[0] for c in costs[True] if c[0] is not None]
+        share_on = statistics.median(shares) if shares else None
+        rss_on, rss_off = (statistics.median(c[1] for c in costs[w]) for w in (True, False))
+        pss_on, pss_off = (statistics.median(c[2] for c in costs[w]) for w in (True, False))
+        lines += [
+            "",
+            f"Cost, an engine running and nothing dying, over {args.idle_s:.0f} s, episodes with and without the "
+            "watch alternated A B A B (medians): the group watch's thread took "
+            + (f"{share_on * 100:.3f} % of a core" if share_on is not None else "(thread not found)")
+            + f" (ray_poll_s {poll_s:g} s); telemetry's RSS {rss_on / 2**20:.1f} MiB with the watch, "
+            f"{rss_off / 2**20:.1f} MiB without ({(rss_on - rss_off) / 2**20:+.1f} MiB), PSS {pss_on / 2**20:.1f} "
+            f"against {pss_off / 2**20:.1f} MiB ({(pss_on - pss_off) / 2**20:+.1f} MiB).",
+        ]
+    lines += ["", "Every run: " + ", ".join(f"{d} {t:.2f}" for d, t, _ in runs) + " s."]
     publish(lines, args.out)
 
 
