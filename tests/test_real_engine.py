@@ -192,7 +192,10 @@ def test_a_busy_engine_that_serves_no_counters_is_never_killed_as_wedged(
     try:
         with sparkwatch_run(tmp_path, env=env) as d:
             wait_until(lambda: serving_value(d.port, proc.pid) == "1.0", 120, "serving")
-            with clients(port, 4, max_tokens=256):  # seconds each at one CPU thread: the probe's 1 s runs out
+            # 256 tokens each, never ended early (SmolLM2's end tokens, <|endoftext|> 0 and <|im_end|> 2, biased
+            # away: a story it ended after a few tokens left the slot free for the probe): seconds each at one CPU
+            # thread, and the probe's 1 s runs out behind them
+            with clients(port, 4, max_tokens=256, logit_bias={"0": -100, "2": -100}):
                 wedged = wait_for_event(d.events_path, "engine_wedged", 60)
                 assert wedged["root_pid"] == proc.pid and wedged["killable"] is False, wedged
                 assert "serves no progress counters: a wedge cannot be told from busy" in str(wedged["summary"])

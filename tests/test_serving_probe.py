@@ -441,18 +441,21 @@ def test_send_probe_holds_one_deadline_against_a_server_that_accepts_and_never_a
 
 
 @contextmanager
-def clients(port: int, count: int, max_tokens: int) -> Iterator[list[int]]:
+def clients(port: int, count: int, max_tokens: int, **extra: object) -> Iterator[list[int]]:
     """`count` clients of the engine's API, each sending completions of `max_tokens` one after another until the
-    block ends: a batch-1 engine's one slot is never free for long. Yields the answers' statuses as they come."""
+    block ends: a batch-1 engine's one slot is never free for long. Yields the answers' statuses as they come.
+    `extra`: more of the request's fields (a real engine's `logit_bias`, to keep it from ending early)."""
     import threading
     import urllib.request
 
     stop, statuses = threading.Event(), []
 
     def client() -> None:
-        body = json.dumps({"prompt": "Tell me a story", "max_tokens": max_tokens}).encode()
+        body = json.dumps({"prompt": "Tell me a story", "max_tokens": max_tokens, **extra}).encode()
         while not stop.is_set():
-            req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", body, method="POST")
+            req = urllib.request.Request(  # a real engine's API (FastAPI) parses only a body said to be JSON
+                f"http://127.0.0.1:{port}/v1/completions", body, {"Content-Type": "application/json"}, method="POST"
+            )
             try:
                 with urllib.request.urlopen(req, timeout=60) as answer:
                     statuses.append(answer.status)

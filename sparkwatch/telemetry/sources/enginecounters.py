@@ -10,7 +10,6 @@ reads as no answer, never as an engine without counters. Read only after a faile
 from __future__ import annotations
 
 from sparkwatch.core.engines.progress import MetricsRead, Read, parse_counters
-from sparkwatch.telemetry.sources.httpget import HttpGet, HttpGetError
 
 METRICS_PATH = "/metrics"
 METRICS_MAX_BYTES = 4 << 20
@@ -19,6 +18,9 @@ METRICS_TIMEOUT_MAX_S = 5.0  # the probe thread waits this long at most for the 
 
 def read_counters(host: str, port: int, *, prefix: str = "", key: str | None = None, timeout_s: float) -> MetricsRead:
     """The engine's progress counters; never raises for what the engine or the network does."""
+    # h11 at the first failed probe only: telemetry with no engine failing a probe loads no HTTP client (0.5 MiB)
+    from sparkwatch.telemetry.sources.httpget import HttpGet, HttpGetError  # noqa: PLC0415
+
     headers: tuple[tuple[str, str], ...] = (("User-Agent", "sparkwatch-probe"), ("Accept", "text/plain"))
     if key:
         headers += (("Authorization", f"Bearer {key}"),)
