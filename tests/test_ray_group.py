@@ -89,15 +89,22 @@ def test_rank_death_on_b_stops_node_a_members(cluster: RayCluster, tmp_path: Pat
             assert pg_state(cluster, engine.placement_group) == ["CREATED"]
             _engines_shows_the_group(cluster, tmp_path, engine)
             group = f'group="{engine.placement_group}"'
+            rows = [
+                f'sparkwatch_group_members{{{group},node="{cluster.ip_a}",role="driver"}}',
+                f'sparkwatch_group_members{{{group},node="{cluster.ip_a}",role="rank"}}',
+                f'sparkwatch_group_members{{{group},node="{cluster.ip_b}",role="rank"}}',
+                f'sparkwatch_ray_node_up{{node="{cluster.ip_b}"}}',
+            ]
             before: dict[str, float] = {}
-            # the group's members on each node, as node A's agent exports them (telemetry.exporter.groupmetric)
+            # the group's members on each node, as node A's agent exports them (telemetry.exporter.groupmetric): a
+            # scrape may come between Ray's listings of a group still being made (a rank not placed yet)
             assert wait_until(
-                lambda: bool(before.update(_scrape(cluster, f"127.0.0.1:{daemon.port}"))) or group in str(before), 15
-            )
-            assert before[f'sparkwatch_group_members{{{group},node="{cluster.ip_a}",role="driver"}}'] == 1
-            assert before[f'sparkwatch_group_members{{{group},node="{cluster.ip_a}",role="rank"}}'] == 1
-            assert before[f'sparkwatch_group_members{{{group},node="{cluster.ip_b}",role="rank"}}'] == 1
-            assert before[f'sparkwatch_ray_node_up{{node="{cluster.ip_b}"}}'] == 1
+                lambda: (
+                    bool(before.update(_scrape(cluster, f"127.0.0.1:{daemon.port}"))) or all(r in before for r in rows)
+                ),
+                15,
+            ), before
+            assert [before[r] for r in rows] == [1, 1, 1, 1]
 
             died_at = time.monotonic()
             sigkill(*engine.keys["rank_b"])
@@ -238,6 +245,16 @@ def test_a_worker_budget_given_on_the_head_is_held_by_b_s_guard(cluster: RayClus
             engine.close()
 
 
+def _pair_envs(cluster: RayCluster, tmp_path: Path, listen_a: str, listen_b: str) -> tuple[dict[str, str], ...]:
+    """The two agents of an authenticated pair, each naming the other (reads every 0.5 s); B reads the head's
+    dashboard over the link (display-only) and acts on what A's agent relays."""
+    key = pair_key(tmp_path)
+    env_a = {"SPARKWATCH_LISTEN": listen_a, "SPARKWATCH_PEERS": json.dumps([listen_b]), "SPARKWATCH_PEER_POLL_S": "0.5"}
+    env_b = {"SPARKWATCH_LISTEN": listen_b, "SPARKWATCH_PEERS": json.dumps([listen_a]), "SPARKWATCH_PEER_POLL_S": "0.5",
+             "SPARKWATCH_RAY_DASHBOARD_URL": cluster.dashboard_b}  # fmt: skip
+    return {**env_a, **key}, {**env_b, **key}
+
+
 def _relayed_pids(cluster: RayCluster, listen: str) -> set[int]:
     """The actors' pids in the Ray state that agent relays in its document (telemetry.peerdoc.RayRelay)."""
     relay = _peer_doc(cluster, listen).get("ray") or {}
@@ -262,15 +279,7 @@ def test_both_agents_a_wedged_driver_on_b_then_its_rank_dies(cluster: RayCluster
     listen_a = f"{cluster.ip_a}:{free_port()}"
     # Each lists the other: B learns from A that A's rank died of A's own teardown (Ray keeps no time of death, and
     # B may see both ranks dead at once), so B names the true first death too.
-    env_b = {
-        "SPARKWATCH_LISTEN": listen_b,
-        "SPARKWATCH_RAY_DASHBOARD_URL": cluster.dashboard_b,
-        "SPARKWATCH_PEERS": json.dumps([listen_a]),
-        **pair_key(tmp_path),
-        "SPARKWATCH_PEER_POLL_S": "0.5",
-    }
-    env_a = {"SPARKWATCH_LISTEN": listen_a, "SPARKWATCH_PEERS": json.dumps([listen_b]), "SPARKWATCH_PEER_POLL_S": "0.5",
-             **pair_key(tmp_path)}  # fmt: skip
+    env_a, env_b = _pair_envs(cluster, tmp_path, listen_a, listen_b)
     with ExitStack() as agents:
         daemon_a = agents.enter_context(
             sparkwatch_run(tmp_path / "a", prefix=cluster.in_ns(cluster.ns_a, []), env=env_a)
@@ -329,15 +338,7 @@ def test_node_b_lost_raylet_killed_stops_node_a_members(cluster: RayCluster, tmp
     (tmp_path / "b").mkdir()
     listen_a = f"{cluster.ip_a}:{free_port()}"
     # B reads Ray's state as A's agent relays it (proven): the head's dashboard over plain HTTP moves nothing on B
-    env_b = {
-        "SPARKWATCH_LISTEN": listen_b,
-        "SPARKWATCH_RAY_DASHBOARD_URL": cluster.dashboard_b,
-        "SPARKWATCH_PEERS": json.dumps([listen_a]),
-        "SPARKWATCH_PEER_POLL_S": "0.5",
-        **pair_key(tmp_path),
-    }
-    env_a = {"SPARKWATCH_LISTEN": listen_a, "SPARKWATCH_PEERS": json.dumps([listen_b]), "SPARKWATCH_PEER_POLL_S": "0.5",
-             **pair_key(tmp_path)}  # fmt: skip
+    env_a, env_b = _pair_envs(cluster, tmp_path, listen_a, listen_b)
     with (
         sparkwatch_run(tmp_path / "b", prefix=cluster.in_ns(cluster.ns_b, []), env=env_b),
         sparkwatch_run(tmp_path / "a", prefix=cluster.in_ns(cluster.ns_a, []), env=env_a) as daemon,
