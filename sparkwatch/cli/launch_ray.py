@@ -117,8 +117,9 @@ def serve_command(env: Mapping[str, str], raylets: list[RayletCheck]) -> tuple[t
 
 def stale(settings: Settings) -> tuple[tuple[StaleGroup, ...], str | None]:
     """The placement groups a new engine would wait behind, and None; or () and why Ray's state could not be read
-    (no dashboard: not checked, said once, never a refusal). Only a dashboard of the launching user's own cluster
-    (raystate.cluster_owner) is read: another user's, or a port another user holds, is not this launch's Ray."""
+    (no dashboard: not checked, said once, never a refusal). Only a dashboard of the launching user's own cluster on
+    this node (raystate.cluster_owner) is read: another user's port is not this launch's Ray, and another host's
+    answers are display-only (`--fix` would remove groups on their word): launch on the head node checks them."""
     proc_root = Path(settings.proc_root)
     raylets = tuple(r for r in local_raylets(ProcScanner(proc_root).scan().procs, proc_root) if r.uid == os.geteuid())
     owner, why = cluster_owner(settings.ray_dashboard_url, raylets, proc_root)

@@ -158,8 +158,8 @@ class RayWatch:
         self._full_at = 0.0
         self.raylets: tuple[LocalRaylet, ...] = ()
         self.node_ids: frozenset[str] = frozenset()
-        # The cluster whose state the dashboard serves, tied to this node's raylets of one user (cluster_of); None:
-        # Ray's state is shown, never acted on (no teardown, no budget, no removal, no word to the peers)
+        # The cluster whose state this node believes, tied to its raylets of one user (_trust, _relayed); None: Ray's
+        # state is shown, never acted on (no teardown, no budget, no removal, no word to the peers)
         self.cluster: raygroup.Cluster | None = None
         self.untrusted_why: str | None = None
         self.remote = False  # the dashboard is another host's: Ray's state moves nothing here unless a peer relays it
@@ -520,8 +520,8 @@ class RayWatch:
     def _trust(self, table: tuple[Proc, ...] = ()) -> None:
         """Which of this node's raylets the dashboard's state speaks for (core.kill.raygroup.Cluster), said in the log
         once per change. A dashboard on this node speaks for the user whose process holds its port (any user may
-        bind it while Ray's is down); one on another host for the raylets here of the cluster whose GCS is on that
-        host (plain HTTP from there cannot be proven: docs/security.md says what a host on the link can then do)."""
+        bind it while Ray's is down), else that user's own dashboard on its own port is looked for. One on another
+        host speaks for nothing (plain HTTP on the link): there the proven relay decides, at each poll (_relayed)."""
         url = self.settings.ray_dashboard_url
         self.remote = not is_local_url(url)
         if self.remote:

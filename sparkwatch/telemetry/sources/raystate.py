@@ -402,20 +402,13 @@ def is_local_url(url: str) -> bool:
 def cluster_owner(url: str, raylets: Iterable[LocalRaylet], proc_root: Path | str) -> tuple[int | None, str | None]:
     """The user whose cluster the dashboard at `url` serves to this node, and None; or None and why none is.
 
-    On this node: the user holding its port (dashboard_owner). On another host (a worker node reading the head's):
-    the user of this node's raylets whose GCS is on that host. That answer is plain HTTP from the link: it can hurt
-    only that user's own Ray members here (their ranks, drivers and API server), never another user's process."""
-    parts = urllib.parse.urlsplit(url)
-    host = parts.hostname or ""
-    if _local_address(host) is not None:
-        owner = dashboard_owner(url, proc_root)
-        return owner.uid, None if owner.uid is not None else owner.why
-    uids = {r.uid for r in raylets if urllib.parse.urlsplit(f"//{r.gcs_address}").hostname == host}
-    if len(uids) == 1:
-        return uids.pop(), None
-    if not uids:
-        return None, f"no raylet here belongs to the cluster whose GCS is on {host}"
-    return None, f"raylets of several users here belong to a cluster on {host}"
+    On this node: the user holding its port (dashboard_owner). On another host: none. Its answers are plain HTTP on
+    the link, which any host there can give: display-only, and a worker node acts on the state the head's agent
+    relays in its proven document instead (telemetry.raywatch)."""
+    if not is_local_url(url):
+        return None, f"{urllib.parse.urlsplit(url).hostname} is another host: its answers are display-only"
+    owner = dashboard_owner(url, proc_root)
+    return owner.uid, None if owner.uid is not None else owner.why
 
 
 DASHBOARD_SCRIPT = "/ray/dashboard/dashboard.py"  # ray._private.services.start_api_server: `--host=H --port=N`
