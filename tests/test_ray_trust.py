@@ -169,7 +169,7 @@ def test_a_dashboard_port_held_by_another_user_moves_nothing_for_root_s_raylets(
     nothing = dashboard_owner("http://127.0.0.1:9", "/proc")
     assert nothing.uid is None and "nothing listens" in nothing.why
     roots = (LocalRaylet(os.getpid(), NODE_ID, "127.0.0.1:6379", sys.executable, uid=os.geteuid()),)
-    assert cluster_owner(theirs, roots, "/proc") == (NOBODY, None)
+    assert cluster_owner(theirs, "/proc") == (NOBODY, None)
 
     def watch_for(url: str) -> RayWatch:
         settings = load_settings(None, {"state_dir": tmp_path, "ray_dashboard_url": url}, check_memory=False)
@@ -182,7 +182,7 @@ def test_a_dashboard_port_held_by_another_user_moves_nothing_for_root_s_raylets(
     assert "65534" in (watch_for(theirs).untrusted_why or "")
     assert watch_for(ours).cluster == raygroup.Cluster(frozenset({NODE_ID}), os.geteuid(), frozenset({os.getpid()}))
     # another host's dashboard: the cluster of this node's raylets whose GCS is on that host, and none other
-    assert cluster_owner("http://192.0.2.7:8265", roots, "/proc")[0] is None
+    assert cluster_owner("http://192.0.2.7:8265", "/proc")[0] is None
 
 
 DASHBOARD = """

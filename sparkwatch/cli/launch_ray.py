@@ -120,9 +120,7 @@ def stale(settings: Settings) -> tuple[tuple[StaleGroup, ...], str | None]:
     (no dashboard: not checked, said once, never a refusal). Only a dashboard of the launching user's own cluster on
     this node (raystate.cluster_owner) is read: another user's port is not this launch's Ray, and another host's
     answers are display-only (`--fix` would remove groups on their word): launch on the head node checks them."""
-    proc_root = Path(settings.proc_root)
-    raylets = tuple(r for r in local_raylets(ProcScanner(proc_root).scan().procs, proc_root) if r.uid == os.geteuid())
-    owner, why = cluster_owner(settings.ray_dashboard_url, raylets, proc_root)
+    owner, why = cluster_owner(settings.ray_dashboard_url, settings.proc_root)
     if owner is not None and owner != os.geteuid():
         why = f"served by uid {owner}, not yours"
     if why is not None:

@@ -526,11 +526,11 @@ class RayWatch:
         self.remote = not is_local_url(url)
         if self.remote:
             return  # the proven relay decides, each poll (_relayed)
-        owner, why = cluster_owner(url, self.raylets, self.proc_root)
+        owner, why = cluster_owner(url, self.proc_root)
         if owner is None:  # nothing (of one user) on the configured port: the dashboard the raylets' user started
             for uid in sorted({r.uid for r in self.raylets}):
                 found = local_dashboard_url(table, uid, self.proc_root)
-                if found is not None and cluster_owner(found, self.raylets, self.proc_root)[0] == uid:
+                if found is not None and cluster_owner(found, self.proc_root)[0] == uid:
                     url, owner, why = found, uid, None
                     break
         if url != self.source.conn.base_url:

@@ -399,7 +399,7 @@ def is_local_url(url: str) -> bool:
     return _local_address(urllib.parse.urlsplit(url).hostname or "") is not None
 
 
-def cluster_owner(url: str, raylets: Iterable[LocalRaylet], proc_root: Path | str) -> tuple[int | None, str | None]:
+def cluster_owner(url: str, proc_root: Path | str) -> tuple[int | None, str | None]:
     """The user whose cluster the dashboard at `url` serves to this node, and None; or None and why none is.
 
     On this node: the user holding its port (dashboard_owner). On another host: none. Its answers are plain HTTP on
