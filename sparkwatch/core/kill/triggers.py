@@ -78,7 +78,3 @@ TRIGGERS: MappingProxyType[Trigger, TriggerSpec] = MappingProxyType(
         ),
     }
 )
-
-
-def spec(trigger: Trigger) -> TriggerSpec:
-    return TRIGGERS[trigger]
