@@ -32,6 +32,7 @@ from sparkwatch.core.driver.nvmlcodes import NvmlReturn
 from sparkwatch.core.enums import CheckStatus, DriverVerdict
 from sparkwatch.core.eventkinds import EventKind
 from sparkwatch.core.kill.killrecord import KillFacts, kill_fields, kill_summary, victims_of
+from sparkwatch.core.kill.triggers import TRIGGERS, Recovery, Trigger
 from sparkwatch.core.model import BootState, EngineServing, EngineTree, Event, GpuDevice, GpuReport, MemInfo, Proc
 from sparkwatch.core.postmortem.verdict import BootEnd
 from sparkwatch.core.report.alerts import ALERT_MIN_INTERVAL_S
@@ -205,6 +206,63 @@ def test_the_document_holds_the_metrics_table() -> None:
         assert generated_block(section, name) == table, f"docs/contract.md {name} table is stale"
 
 
+# --- kill triggers ------------------------------------------------------------------------------------------------
+
+RECOVERY_WORDS = {
+    Recovery.ABOVE_FLOOR: "cancels it (MemAvailable above the floor at the re-read)",
+    Recovery.FLOOR_FAR: "cancels it once the floor is 2 kill budgets away at its fill rate",
+    Recovery.NEVER: "never cancels it",
+}
+
+
+def triggers_table() -> str:
+    """core.kill.triggers' table as docs/contract.md shows it: one row per member, in the enum's order."""
+    rows = [
+        "| trigger | what it is | a pool that came back | its tree | a kill loop |",
+        "|---|---|---|---|---|",
+    ]
+    for trigger in Trigger:
+        spec = TRIGGERS[trigger]
+        tree = "named by the request" if spec.names_tree else "chosen by the kill path's policy"
+        loop = "counts" if spec.counts_toward_loop else "never counts"
+        rows.append(f"| `{trigger}` | {spec.wording} | {RECOVERY_WORDS[spec.recovery]} | {tree} | {loop} |")
+    return "\n".join(rows) + "\n"
+
+
+def test_the_document_holds_the_triggers_table() -> None:
+    """docs/contract.md lists every trigger the guard has, as core.kill.triggers declares them (regenerate with
+    UPDATE_GOLDEN): the commit that added `wedged` missed a hand-typed list."""
+    assert set(TRIGGERS) == set(Trigger)
+    section = contract_section("Kill triggers")
+    if UPDATE:
+        text = CONTRACT.read_text(encoding="utf-8")
+        old = generated_block(section, "triggers")
+        CONTRACT.write_text(
+            text.replace(f"<!-- triggers:begin -->\n{old}", f"<!-- triggers:begin -->\n{triggers_table()}")
+        )
+        section = contract_section("Kill triggers")
+    assert generated_block(section, "triggers") == triggers_table(), "docs/contract.md triggers table is stale"
+
+
+def test_every_trigger_is_exported_at_0_from_the_start(tmp_path: Path) -> None:
+    """SparkwatchGuardKilled and SparkwatchGuardWouldKill take increase(): a series that appears at 1 is no increase,
+    so a fresh guard exports every trigger's kill and would-kill counters at 0 (`wedged` once was not)."""
+    from sparkwatch.common.stats import GuardStats
+
+    registry = build_registry(build_scenario(tmp_path), lambda: None, StaticGuard(GuardStats()))
+    for name in ("sparkwatch_guard_kills_total", "sparkwatch_guard_would_kills_total"):
+        for trigger in Trigger:
+            assert registry.get_sample_value(name, {"trigger": trigger}) == 0, (name, trigger)
+
+
+def test_the_kill_alert_names_every_trigger() -> None:
+    """The shipped alert's comment says which triggers start at 0: every one of the enum."""
+    rules = (REPO / "sparkwatch" / "data" / "grafana" / "sparkwatch-alerts.yml").read_text(encoding="utf-8")
+    match = re.search(r"- alert: SparkwatchGuardKilled\n(.*?)\n\s+expr:", rules, re.S)
+    assert match
+    assert set(re.findall(r"`([a-z_]+)`", match.group(1))) == {t.value for t in Trigger}
+
+
 # --- events -------------------------------------------------------------------------------------------------------
 
 
@@ -254,7 +312,7 @@ def golden_kill() -> Event:
     core = proc(41301, 41234, "VLLM::EngineCor", ("VLLM::EngineCore",), 61 * GiB)
     tree = EngineTree("vllm", root, (root, core))
     facts = KillFacts(
-        trigger="floor",
+        trigger=Trigger.FLOOR,
         mem=MemInfo(127_600_748 * 1024, 4_839_424 * 1024, 3 * GiB, 0, 2 * GiB, 0, 0),
         floor_bytes=8 * GiB,
         fill_rate_bytes_per_s=1.42e10,

@@ -30,7 +30,7 @@ BOUNDS: dict[str, Any] = {"floor": P.floor, "poll_min_s": P.poll_min_s, "poll_ma
 def run(samples: list[tuple[float, int]], params: GuardConfig = P) -> list[str | None]:
     """Every firing kills a tree that is reaped at once (one engine per firing, plenty of engines)."""
     state = GuardState()
-    out = []
+    out: list[str | None] = []
     for t, avail in samples:
         state, decision = step(state, t, avail, **trigger_keys(params))
         out.append(decision.trigger)

@@ -12,6 +12,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from sparkwatch.core.kill import policy
 from sparkwatch.core.kill import trigger as g
 from sparkwatch.core.kill.killloop import LOOP_KILLS, LOOP_WINDOW_S, LoopState, note_kill
+from sparkwatch.core.kill.triggers import Trigger
 from sparkwatch.core.model import EngineTree, Proc
 from sparkwatch.core.units import GiB, MiB
 from tests.helpers.configs import guard_config_with, trigger_keys
@@ -232,15 +233,17 @@ TestGuardMachine = GuardMachine.TestCase
 def test_should_cancel_rereads_like_earlyoom() -> None:
     cancel: dict[str, Any] = {"floor": 8 * GiB, "kill_budget_s": 0.25}
     rate = 400.0 * MiB  # the smoothed fill rate the decision used
-    assert not g.should_cancel("floor", 7 * GiB, 7 * GiB, rate, **cancel)
-    assert g.should_cancel("floor", 7 * GiB, 9 * GiB, rate, **cancel)
-    assert not g.should_cancel("driver_alloc_failed", 20 * GiB, 30 * GiB, rate, **cancel)
-    assert not g.should_cancel("budget", 20 * GiB, 30 * GiB, rate, **cancel)  # the engine's own limit, not the pool's
+    assert not g.should_cancel(Trigger.FLOOR, 7 * GiB, 7 * GiB, rate, **cancel)
+    assert g.should_cancel(Trigger.FLOOR, 7 * GiB, 9 * GiB, rate, **cancel)
+    assert not g.should_cancel(Trigger.DRIVER_ALLOC_FAILED, 20 * GiB, 30 * GiB, rate, **cancel)
+    # a budget is the engine's own limit, not the pool's
+    assert not g.should_cancel(Trigger.BUDGET, 20 * GiB, 30 * GiB, rate, **cancel)
     decided = 8 * GiB + 80 * MiB  # 0.2 s from the floor at 400 MiB/s: a prediction
-    assert not g.should_cancel("predicted", decided, decided - 50 * MiB, rate, **cancel)  # still falling
-    assert not g.should_cancel("predicted", decided, decided, rate, **cancel)  # a pause in a bursty fill
-    assert not g.should_cancel("predicted", decided, decided + 100 * MiB, rate, **cancel)  # 0.45 s away: not back yet
-    assert g.should_cancel("predicted", decided, decided + 150 * MiB, rate, **cancel)  # 0.575 s away: came back
+    assert not g.should_cancel(Trigger.PREDICTED, decided, decided - 50 * MiB, rate, **cancel)  # still falling
+    assert not g.should_cancel(Trigger.PREDICTED, decided, decided, rate, **cancel)  # a pause in a bursty fill
+    # 0.45 s away: not back yet
+    assert not g.should_cancel(Trigger.PREDICTED, decided, decided + 100 * MiB, rate, **cancel)
+    assert g.should_cancel(Trigger.PREDICTED, decided, decided + 150 * MiB, rate, **cancel)  # 0.575 s away: came back
 
 
 @given(
@@ -259,7 +262,7 @@ def test_a_prediction_is_cancelled_only_by_memory_coming_back(
 
     def cancel(available_now: int) -> bool:
         return g.should_cancel(
-            "predicted",
+            Trigger.PREDICTED,
             decided,
             available_now,
             rate_mib_s * MiB,

@@ -22,6 +22,7 @@ from sparkwatch.common.sources.procs import ProcScanner
 from sparkwatch.core.engines.identity import EngineRules, Scope, find_engine_trees
 from sparkwatch.core.kill.killrecord import KillFacts
 from sparkwatch.core.kill.terminal import is_terminal_job_leader, tty_device, tty_major_minor
+from sparkwatch.core.kill.triggers import Trigger
 from sparkwatch.core.model import EngineTree, MemInfo
 from sparkwatch.guard.killer import Killer, KillJob, Reaper
 from sparkwatch.guard.ttynote import tell_terminal
@@ -137,7 +138,7 @@ def test_a_killed_foreground_engine_reads_killed_not_stopped(terminal: Terminal,
     killer = Killer(Path("/proc"), RULES, Scope(self_pid=os.getpid(), own_uid=os.geteuid()))
     victims, signaled_at, notes, _method = killer.kill(trees)
     assert signaled_at is not None
-    facts = KillFacts("floor", MEM, 1 << 31, 0.0, False, tuple(trees), tuple((v.proc, v.engine) for v in victims))
+    facts = KillFacts(Trigger.FLOOR, MEM, 1 << 31, 0.0, False, tuple(trees), tuple((v.proc, v.engine) for v in victims))
     reaper = Reaper(Path("/proc"), announce=lambda job: None, finish=lambda job, facts: None, settle_s=0.0)
     reaped = reaper.reap(KillJob(facts, victims, time.monotonic(), signaled_at, MEM.available_bytes))
     assert reaped.survivors == ()

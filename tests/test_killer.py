@@ -16,6 +16,7 @@ import pytest
 from sparkwatch.common.sources.procs import ProcScanner, read_start_ticks
 from sparkwatch.core.engines.identity import EngineRules, Scope, find_engine_trees
 from sparkwatch.core.kill.killrecord import KillFacts
+from sparkwatch.core.kill.triggers import Trigger
 from sparkwatch.core.model import EngineTree, MemInfo
 from sparkwatch.guard.killer import Killer, KillJob, Reaper, find_cgroup2_mount
 from tests.conftest import Spawner, alive, pids_in, require_tool, wait_until
@@ -46,7 +47,7 @@ def kill_and_reap(trees: list[EngineTree], dry_run: bool = False) -> tuple[KillF
     detected = time.monotonic()
     victims, signaled_at, notes, method = killer.kill(trees, dry_run=dry_run)
     facts = KillFacts(
-        trigger="floor",
+        trigger=Trigger.FLOOR,
         mem=MEM,
         floor_bytes=1 << 31,
         fill_rate_bytes_per_s=0.0,
@@ -295,7 +296,13 @@ def test_reaper_reports_a_process_that_does_not_exit(spawner: Spawner) -> None:
     assert proc is not None
     victim = Victim(proc=proc, engine="test", pidfd=fd, tree_root=stubborn.pid)
     facts = KillFacts(
-        trigger="floor", mem=MEM, floor_bytes=1 << 31, fill_rate_bytes_per_s=0.0, dry_run=False, trees=(), victims=()
+        trigger=Trigger.FLOOR,
+        mem=MEM,
+        floor_bytes=1 << 31,
+        fill_rate_bytes_per_s=0.0,
+        dry_run=False,
+        trees=(),
+        victims=(),
     )
     reaper = Reaper(Path("/proc"), announce=lambda job: None, finish=lambda job, facts: None, wait_s=0.3, settle_s=0.05)
     t0 = time.monotonic()

@@ -39,6 +39,7 @@ from sparkwatch.config.settings import load_settings
 from sparkwatch.core.kill import mpgroup, raygroup
 from sparkwatch.core.kill.budget import BudgetParams
 from sparkwatch.core.kill.killrecord import GroupLoss, KillFacts, kill_reason, kill_summary
+from sparkwatch.core.kill.triggers import Trigger
 from sparkwatch.core.model import MemInfo, Proc
 from sparkwatch.guard.budgets import BudgetWatch
 from sparkwatch.guard.groupwatch import GroupWatch
@@ -666,7 +667,7 @@ def test_a_group_loss_is_said_one_way_in_the_line_the_summary_and_the_reasons(
     assert said in loss.death
     proc = Proc(1, 0, 0, "VLLM::EngineCore", "S", 7, 1 << 20, ("VLLM::EngineCore",))
     facts = KillFacts(
-        "group_teardown",
+        Trigger.GROUP_TEARDOWN,
         MemInfo(1 << 34, 1 << 33, 0, 0, 0, 0, 0),
         1 << 30,
         0.0,

@@ -15,6 +15,7 @@ import pytest
 from sparkwatch.common.eventlog import EventLog, EventLogError, make_event, read_events
 from sparkwatch.core.eventkinds import EventKind
 from sparkwatch.core.kill.killrecord import KillFacts, kill_fields, kill_line
+from sparkwatch.core.kill.triggers import Trigger
 from sparkwatch.core.model import EngineTree, Event, MemInfo, Proc
 from sparkwatch.core.redact import REDACTED, safe_cmdline
 from sparkwatch.core.units import MiB
@@ -65,7 +66,7 @@ def facts(dry_run: bool = False) -> KillFacts:
         swap_free_bytes=0,
     )
     return KillFacts(
-        trigger="floor",
+        trigger=Trigger.FLOOR,
         mem=mem,
         floor_bytes=8192 * MiB,
         fill_rate_bytes_per_s=1e9,

@@ -28,6 +28,7 @@ from sparkwatch.core.engines import serving as core
 from sparkwatch.core.engines.serving import Outcome, ProbeResult, Serving, ServingParams, ServingTrack
 from sparkwatch.core.eventkinds import EventKind
 from sparkwatch.core.kill.killrecord import GroupLoss, KillFacts, WedgeStall, kill_reason
+from sparkwatch.core.kill.triggers import Trigger
 from sparkwatch.core.model import MemInfo
 from sparkwatch.telemetry.loop import Telemetry
 from sparkwatch.telemetry.probewatch import Wedged
@@ -170,7 +171,7 @@ def test_an_engine_without_counters_may_be_shown_wedged_and_is_never_killable() 
     assert track.state == Serving.WEDGED and track.uncounted and not track.killable
 
 
-def _kill_facts(trigger: str, **extra: object) -> KillFacts:
+def _kill_facts(trigger: Trigger, **extra: object) -> KillFacts:
     mem = MemInfo(128 << 30, int(22.8 * (1 << 30)), 0, 0, 0, 0, 0)
     facts = KillFacts(trigger, mem, 4 << 30, 0.0, False, (), ())
     return replace(facts, **extra)  # type: ignore[arg-type]
@@ -179,14 +180,16 @@ def _kill_facts(trigger: str, **extra: object) -> KillFacts:
 def test_every_trigger_has_its_own_reason_and_a_wedge_is_not_the_floor() -> None:
     wedge = WedgeStall(3, 12.4, "no answer within 10 s", "vllm:generation_tokens_total", 1234.0)
     reasons = {
-        "floor": kill_reason(_kill_facts("floor")),
-        "predicted": kill_reason(_kill_facts("predicted", fill_rate_bytes_per_s=float(1 << 30))),
-        "escalate": kill_reason(_kill_facts("escalate")),
-        "hunt": kill_reason(_kill_facts("hunt")),
-        "driver_alloc_failed": kill_reason(_kill_facts("driver_alloc_failed")),
-        "budget": kill_reason(_kill_facts("budget", budget_bytes=1 << 30, footprint_bytes=2 << 30)),
-        "group_teardown": kill_reason(_kill_facts("group_teardown", group=GroupLoss("pg1", "rank_died", "b", 7, ()))),
-        "wedged": kill_reason(_kill_facts("wedged", wedge=wedge)),
+        "floor": kill_reason(_kill_facts(Trigger.FLOOR)),
+        "predicted": kill_reason(_kill_facts(Trigger.PREDICTED, fill_rate_bytes_per_s=float(1 << 30))),
+        "escalate": kill_reason(_kill_facts(Trigger.ESCALATE)),
+        "hunt": kill_reason(_kill_facts(Trigger.HUNT)),
+        "driver_alloc_failed": kill_reason(_kill_facts(Trigger.DRIVER_ALLOC_FAILED)),
+        "budget": kill_reason(_kill_facts(Trigger.BUDGET, budget_bytes=1 << 30, footprint_bytes=2 << 30)),
+        "group_teardown": kill_reason(
+            _kill_facts(Trigger.GROUP_TEARDOWN, group=GroupLoss("pg1", "rank_died", "b", 7, ()))
+        ),
+        "wedged": kill_reason(_kill_facts(Trigger.WEDGED, wedge=wedge)),
     }
     assert len(set(reasons.values())) == len(reasons), reasons
     assert reasons["wedged"] == (

@@ -61,6 +61,7 @@ from sparkwatch.core.kill.killrecord import (
     terminal_note,
     victims_of,
 )
+from sparkwatch.core.kill.triggers import TRIGGERS, Trigger
 from sparkwatch.core.model import EngineTree, MemInfo
 from sparkwatch.core.units import format_size
 from sparkwatch.guard.gpuboard import device_check, verified_holders
@@ -115,7 +116,7 @@ class KillRequest:
     `growing_only`: during a teardown only a tree that is itself growing may die; `budget`: set for trigger `budget`;
     `group`: set for trigger `group_teardown`; `wedged`: set for trigger `wedged`."""
 
-    trigger: str
+    trigger: Trigger
     mem: MemInfo
     detected_at: float
     growing_only: bool = False
@@ -469,9 +470,9 @@ class KillPath:
                 told_by_launch=told,
             )
         )
-        # A tree chosen again and again in dry run was never killed; a budget kill is the engine's own limit and a
-        # group teardown a peer's death, not a spike under the floor: none is a kill loop to report.
-        if not dry_run and req.budget is None and req.group is None and req.wedged is None:
+        # A tree chosen again and again in dry run was never killed; a trigger that names its own tree (a budget, a
+        # group teardown, a wedge) is no spike under the floor: its row says it counts toward no kill loop.
+        if not dry_run and TRIGGERS[req.trigger].counts_toward_loop:
             self.loops, count = note_kill(self.loops, now, loop_identity(tree))
             if count is not None:
                 with self.lock:

@@ -39,6 +39,7 @@ from sparkwatch.core.engines.identity import find_engine_trees
 from sparkwatch.core.kill import policy
 from sparkwatch.core.kill import trigger as core
 from sparkwatch.core.kill.footprint import Footprint
+from sparkwatch.core.kill.triggers import Trigger
 from sparkwatch.core.model import EngineTree, MemInfo
 from sparkwatch.core.units import format_size
 from sparkwatch.guard.budgets import BudgetWatch, Tracked
@@ -313,11 +314,11 @@ class PoolWatch:
             self.state = kills.fire(request, self.state, snap)
         while self._group_requests:  # a group spanning nodes lost a member: this node's members of it (groupwatch)
             detected_at, group = self._group_requests.popleft()
-            request = KillRequest("group_teardown", mem, detected_at, group=group)
+            request = KillRequest(Trigger.GROUP_TEARDOWN, mem, detected_at, group=group)
             self.state = kills.fire(request, self.state, snap)
         while self._wedged_requests:  # an engine up but not serving for kill_wedged_after_s (wedgewatch)
             detected_at, wedged = self._wedged_requests.popleft()
-            self.state = kills.fire(KillRequest("wedged", mem, detected_at, wedged=wedged), self.state, snap)
+            self.state = kills.fire(KillRequest(Trigger.WEDGED, mem, detected_at, wedged=wedged), self.state, snap)
         wake = self._engines_tick(now, mem, snap)
         with self.lock:
             self.stats.mem = mem
@@ -396,7 +397,7 @@ class PoolWatch:
         if mem is None:
             return
         budget = BudgetFacts(tracked.tree, tracked.budget_bytes, tracked.source, fp)
-        request = KillRequest("budget", mem, time.monotonic(), budget=budget)
+        request = KillRequest(Trigger.BUDGET, mem, time.monotonic(), budget=budget)
         self.state = self.kills.fire(request, self.state, self._tick_snap)
 
     def _kernel_log(self, now: float, mem: MemInfo, snap: GuardSnapshot) -> bool:
@@ -407,7 +408,7 @@ class PoolWatch:
         )
         if trigger is None:
             return False
-        self.state = self.kills.fire(KillRequest(trigger, mem, now), self.state, snap)
+        self.state = self.kills.fire(KillRequest(Trigger(trigger), mem, now), self.state, snap)
         return True
 
     def _near_floor(self, available_bytes: int, decision: core.Decision, snap: GuardSnapshot) -> bool:

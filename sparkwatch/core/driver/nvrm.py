@@ -18,6 +18,8 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
+from sparkwatch.core.kill.triggers import Trigger
+
 # --- /dev/kmsg records
 
 
@@ -207,7 +209,7 @@ ALLOC_EPISODE_GAP_S = 5.0
 
 FIRE = "fire"
 ALERT = "alert"
-TRIGGER = "driver_alloc_failed"
+TRIGGER = Trigger.DRIVER_ALLOC_FAILED
 
 
 @dataclass(frozen=True, slots=True)

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import assert_never
 
 from sparkwatch.core.engines.progress import COUNTER_WORDS
+from sparkwatch.core.kill.triggers import Trigger
 from sparkwatch.core.model import EngineTree, MemInfo, Proc
 from sparkwatch.core.redact import safe_cmdline
 from sparkwatch.core.units import format_size
@@ -59,7 +61,7 @@ class WedgeStall:
 class KillFacts:
     """Everything known about one guard firing, measured by the guard and the reaper."""
 
-    trigger: str
+    trigger: Trigger
     mem: MemInfo
     floor_bytes: int
     fill_rate_bytes_per_s: float
@@ -91,38 +93,49 @@ class KillFacts:
 
 
 def kill_reason(facts: KillFacts) -> str:
-    """Why the guard fired, one sentence per trigger: a wedged engine's kill once said `MemAvailable 22.8 GiB <= floor
-    4.0 GiB`, the floor's sentence, for a pool far above it. Every size of a kill's record is written by
-    core.units.format_size, in the line, the summary and the views alike: one kill once showed its floor as "21761
-    MiB" in one place and "21.3 GiB" in another."""
+    """Why the guard fired, one sentence per trigger (core.kill.triggers: the match names every member, and mypy's
+    exhaustiveness check fails the lint for a new one without its sentence): a wedged engine's kill once said
+    `MemAvailable 22.8 GiB <= floor 4.0 GiB`, the floor's sentence, for a pool far above it. Every size of a kill's
+    record is written by core.units.format_size, in the line, the summary and the views alike: one kill once showed
+    its floor as "21761 MiB" in one place and "21.3 GiB" in another."""
     avail = format_size(facts.mem.available_bytes)
     floor = format_size(facts.floor_bytes)
-    if facts.trigger == "budget" and facts.budget_bytes is not None and facts.footprint_bytes is not None:
-        return (
-            f"footprint {format_size(facts.footprint_bytes)} ({facts.footprint_source}) over its budget "
-            f"{format_size(facts.budget_bytes)} ({facts.budget_source}); MemAvailable {avail}"
-        )
-    if facts.group is not None:
-        g = facts.group
-        return f"group {g.group[:12]} lost a member: {g.death}"
-    if facts.wedge is not None:
-        w = facts.wedge
-        return (
-            f"engine wedged: {plural(w.failures, 'probe')} failed over {w.wedged_for_s:.0f} s with no progress in its "
-            f"counters ({w.stayed})"
-        )
-    if facts.trigger == "escalate":
-        return f"MemAvailable {avail} still <= floor {floor} after the last kill"
-    if facts.trigger == "predicted":
-        return (
-            f"MemAvailable {avail} falling {format_size(facts.fill_rate_bytes_per_s)}/s, "
-            f"predicted to cross floor {floor}"
-        )
-    if facts.trigger == "driver_alloc_failed":  # core.driver.nvrm's corroboration: the driver ran out first
-        return f"NVIDIA driver allocation failed at MemAvailable {avail}, within warn_headroom of floor {floor}"
-    if facts.trigger == "hunt":  # core.kill.trigger: under the floor, and the last look found no engine to kill
-        return f"MemAvailable {avail} still <= floor {floor} (looking again: the last look found no engine to kill)"
-    return f"MemAvailable {avail} <= floor {floor}"
+    under = f"MemAvailable {avail} <= floor {floor}"
+    match facts.trigger:
+        case Trigger.BUDGET:
+            if facts.budget_bytes is None or facts.footprint_bytes is None:
+                return under
+            return (
+                f"footprint {format_size(facts.footprint_bytes)} ({facts.footprint_source}) over its budget "
+                f"{format_size(facts.budget_bytes)} ({facts.budget_source}); MemAvailable {avail}"
+            )
+        case Trigger.GROUP_TEARDOWN:
+            if facts.group is None:
+                return under
+            return f"group {facts.group.group[:12]} lost a member: {facts.group.death}"
+        case Trigger.WEDGED:
+            if facts.wedge is None:
+                return under
+            w = facts.wedge
+            return (
+                f"engine wedged: {plural(w.failures, 'probe')} failed over {w.wedged_for_s:.0f} s with no progress in "
+                f"its counters ({w.stayed})"
+            )
+        case Trigger.ESCALATE:
+            return f"MemAvailable {avail} still <= floor {floor} after the last kill"
+        case Trigger.PREDICTED:
+            return (
+                f"MemAvailable {avail} falling {format_size(facts.fill_rate_bytes_per_s)}/s, "
+                f"predicted to cross floor {floor}"
+            )
+        case Trigger.DRIVER_ALLOC_FAILED:  # core.driver.nvrm's corroboration: the driver ran out first
+            return f"NVIDIA driver allocation failed at MemAvailable {avail}, within warn_headroom of floor {floor}"
+        case Trigger.HUNT:  # core.kill.trigger: under the floor, and the last look found no engine to kill
+            return f"MemAvailable {avail} still <= floor {floor} (looking again: the last look found no engine to kill)"
+        case Trigger.FLOOR:
+            return under
+        case _:
+            assert_never(facts.trigger)
 
 
 def kill_line(facts: KillFacts) -> str:

@@ -24,6 +24,7 @@ import math
 from dataclasses import dataclass, replace
 from enum import StrEnum
 
+from sparkwatch.core.kill.triggers import TRIGGERS, Recovery, Trigger
 from sparkwatch.core.units import GiB, MiB
 
 # earlyoom sizes its sleep for a 6000 MiB/s fill rate (the rate `stress` reaches). The field saw faster:
@@ -88,7 +89,7 @@ class GuardState:
 
 @dataclass(frozen=True, slots=True)
 class Decision:
-    trigger: str | None  # "floor", "predicted", "escalate" (next tree) or "hunt" (look again) when to act now
+    trigger: Trigger | None  # floor, predicted, escalate (next tree) or hunt (look again) when to act now
     next_interval_s: float
     rearmed: bool = False  # the episode ended: MemAvailable back above floor + rearm_headroom
     seconds_to_floor: float | None = None
@@ -154,14 +155,14 @@ def step(
     predict = state.predict_count + 1 if predicted else 0
     phase, until, in_episode, next_look = state.phase, state.phase_until, state.in_episode, state.next_look_t
     rearmed = False
-    trigger: str | None = None
+    trigger: Trigger | None = None
     growing_only = False
 
     if phase == Phase.TEARDOWN and until is not None and t >= until:
         phase, until = Phase.SETTLE, t + kill_settle_s  # not reaped in time: stuck, count it as done
     if phase == Phase.SETTLE and until is not None and t >= until:
         if under:
-            trigger = "escalate"  # still at or under the floor after the settle time: the next tree
+            trigger = Trigger.ESCALATE  # still at or under the floor after the settle time: the next tree
         else:
             phase, until = Phase.WATCH, None
     if phase == Phase.HUNT and not under:
@@ -170,14 +171,14 @@ def step(
         if in_episode and available_bytes >= floor + rearm_headroom:
             in_episode, rearmed = False, True
         if below >= debounce_samples:
-            trigger = "floor"
+            trigger = Trigger.FLOOR
         elif predict >= debounce_samples:
-            trigger = "predicted"
+            trigger = Trigger.PREDICTED
     elif phase == Phase.TEARDOWN:
         if below >= debounce_samples and t >= next_look:
-            trigger, growing_only = "escalate", True
+            trigger, growing_only = Trigger.ESCALATE, True
     elif phase == Phase.HUNT and t >= next_look:
-        trigger = "hunt"
+        trigger = Trigger.HUNT
     if trigger is not None:
         below, predict, next_look = 0, 0, t + LOOK_EVERY_S
 
@@ -238,7 +239,7 @@ RECOVERED_AFTER_BUDGETS = 2.0
 
 
 def should_cancel(
-    trigger: str,
+    trigger: Trigger,
     decided_available_bytes: int,
     available_now_bytes: int,
     fill_rate_bytes_per_s: float,
@@ -246,27 +247,17 @@ def should_cancel(
     floor: int,
     kill_budget_s: float,
 ) -> bool:
-    """Re-read right before the signal, as earlyoom does: cancel when memory recovered since the decision. For the
-    floor, escalation and hunting: MemAvailable is above the floor now. For a prediction (made above the floor): at
-    the fill rate it was made with, the floor is now more than RECOVERED_AFTER_BUDGETS kill budgets away. A driver
-    allocation failure, a budget, a group teardown and a wedged engine are never cancelled."""
+    """Re-read right before the signal, as earlyoom does: cancel when memory recovered since the decision, as the
+    trigger's row says (core.kill.triggers, `recovery`). For the floor, escalation and hunting: MemAvailable is above
+    the floor now. For a prediction (made above the floor): at the fill rate it was made with, the floor is now more
+    than RECOVERED_AFTER_BUDGETS kill budgets away. A driver allocation failure, a budget, a group teardown and a
+    wedged engine are never cancelled (the row gives each one's reason)."""
     if available_now_bytes <= floor:
         return False
-    if trigger == "driver_alloc_failed":
-        # The driver already failed an allocation: MemAvailable is what lags there (a box showed 22.5 GiB available
-        # while the driver logged NV_ERR_NO_MEMORY at 119.2 of 121.7 GiB used), so a re-read cannot cancel it.
+    recovery = TRIGGERS[trigger].recovery
+    if recovery == Recovery.NEVER:
         return False
-    if trigger == "budget":
-        # A budget is the engine's own limit, measured on its own tree: the pool having room says nothing about it
-        # (a budget kill is made far above the floor by design).
-        return False
-    if trigger == "wedged":
-        # The engine stopped serving (guard.wedgewatch): that is no pool condition, and a pool with room lifts nothing.
-        return False
-    if trigger == "group_teardown":
-        # A member of the engine's group died on another node: the rest of the group is stuck whatever the pool holds.
-        return False
-    if trigger == "predicted":
+    if recovery == Recovery.FLOOR_FAR:
         if available_now_bytes <= decided_available_bytes:
             return False  # still falling, or a pause in a bursty fill
         eta = seconds_to_floor(available_now_bytes, floor, fill_rate_bytes_per_s)

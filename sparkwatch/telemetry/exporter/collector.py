@@ -27,6 +27,7 @@ from sparkwatch.config.defaults import Derived
 from sparkwatch.core.driver.nvrm import NVRM_KINDS, XID_CATALOGUE
 from sparkwatch.core.engines.compile import TOOLS
 from sparkwatch.core.enums import JitState, MaxJobsState
+from sparkwatch.core.kill.triggers import Trigger
 from sparkwatch.core.launch.bootphase import BootPhase
 from sparkwatch.core.model import DriverReport, GpuReport, MemInfo, Snapshot
 from sparkwatch.telemetry.exporter.families import counter, dropped_total, gauge, histogram
@@ -39,9 +40,10 @@ if TYPE_CHECKING:
     # values, both Derived) or, with the pool watch in the same process, its GuardConfig; all name them alike.
     LiveConfig = Settings | GuardConfig
 
-# core.kill.trigger's triggers (each may choose a tree), core.driver.nvrm's and core.kill.budget's: exported at 0 so
-# increase() sees the first kill (or, in dry run, the first would-kill) of each from the start
-GUARD_TRIGGERS = ("floor", "predicted", "escalate", "hunt", "driver_alloc_failed", "budget", "group_teardown")
+# Every trigger of core.kill.triggers, exported at 0 so increase() sees the first kill (or, in dry run, the first
+# would-kill) of each from the start: SparkwatchGuardKilled relies on it. Read from the enum: a list typed here once
+# lacked `wedged`, so the first wedged kill after a start fired no alert.
+GUARD_TRIGGERS: tuple[str, ...] = tuple(Trigger)
 
 
 class GuardLike(Protocol):
