@@ -29,7 +29,7 @@ def _which_boot(verdict: Verdict) -> str:
         return f"{boot} ended {_when(verdict.ended_at)}"
     if verdict.boot_id is not None:
         return f"{boot}, its end unknown"
-    return "previous boot: its id and its end unknown (no journal, flight recorder sample or event of it)"
+    return "previous boot (its id and its end unknown: no journal, flight recorder sample or event of it)"
 
 
 def _rate(bytes_per_s: float) -> str:
