@@ -216,12 +216,31 @@ def test_swap_and_floor_against_memtotal(tmp_path: Path) -> None:
     assert by_id(data)["swap"]["status"] == "ok"
 
 
+def test_the_floor_s_fix_names_the_config_file_in_use(tmp_path: Path) -> None:
+    """The fix named ~/.config/sparkwatch/config.toml while --config or SPARKWATCH_CONFIG named another file: it names
+    the file in use, else the default one (under XDG_CONFIG_HOME)."""
+    root = fx.healthy(tmp_path / "root").write()
+    cfg = tmp_path / "elsewhere.toml"
+    cfg.write_text('floor = "1GiB"\n')
+    _, data = doctor_json(tmp_path, root, "--config", str(cfg))
+    assert f"# in {cfg}, then restart" in by_id(data)["floor"]["fix"], by_id(data)["floor"]
+    env = {**clean_env(tmp_path), "SPARKWATCH_CONFIG": str(cfg)}
+    argv = [sys.executable, "-m", "sparkwatch", "doctor", "--json", "--root", str(root)]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=60, env=env, check=False)
+    assert f"# in {cfg}, then restart" in by_id(json.loads(done.stdout))["floor"]["fix"], done.stdout
+    default = tmp_path / "xdg-config" / "sparkwatch" / "config.toml"
+    default.parent.mkdir(parents=True)
+    default.write_text('floor = "1GiB"\n')
+    _, data = doctor_json(tmp_path, root)
+    assert f"# in {default}, then restart" in by_id(data)["floor"]["fix"], by_id(data)["floor"]
+
+
 def test_floor_rules() -> None:
     spark = MemInfo(127600748 * 1024, 118566368 * 1024, 0, 0, 0, 0, 0)
-    assert floor_check(8 * GiB, 4 * GiB, spark).status == "ok"
-    assert floor_check(40 * GiB, 4 * GiB, spark).status == "warn"
+    assert floor_check(8 * GiB, 4 * GiB, spark, "c.toml").status == "ok"
+    assert floor_check(40 * GiB, 4 * GiB, spark, "c.toml").status == "warn"
     small = MemInfo(24 * GiB, 20 * GiB, 0, 0, 0, 0, 0)
-    check = floor_check(8 * GiB, 4 * GiB, small)
+    check = floor_check(8 * GiB, 4 * GiB, small, "c.toml")
     assert check.status == "warn" and check.fix is not None and '"6GiB"' in check.fix
     assert swap_check(None).status == "skip"
 

@@ -47,3 +47,6 @@ def test_the_command_prints_the_verdict_and_its_json(tools: None, tmp_path: Path
     assert empty.returncode == 0, empty.stderr
     nothing = json.loads(empty.stdout)
     assert nothing["class"] == "unknown" and nothing["evidence"] == [] and nothing["recorder"] is None
+    said = postmortem_cli("--journal-dir", str(tmp_path / "none"), "--state-dir", str(tmp_path / "s2")).stdout
+    assert said.startswith("previous boot (its id and its end unknown: no journal"), said  # never `? ended ?`
+    assert "?" not in said.splitlines()[0], said

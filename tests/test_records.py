@@ -103,6 +103,27 @@ def test_a_kill_writes_every_size_in_one_format() -> None:
     assert "1 process)" in kill_summary(replace(f, trees=(lone,)))
 
 
+@pytest.mark.parametrize(
+    ("group", "shown"),
+    [("10.9.0.1:29500", "10.9.0.1:29500"), ("a1b2c3d4e5f6" + "0" * 24, "a1b2c3d4e5f6")],
+    ids=["rendezvous", "ray"],
+)
+def test_a_group_kill_names_a_rendezvous_whole(group: str, shown: str) -> None:
+    """A group without Ray is its rendezvous `addr:port`: cut to 12 it read `10.9.0.1:295`, another port, in the
+    line, the summary and the webhook. A Ray placement group's 36 hex digits stay cut to 12 there; the event's `group`
+    field is whole for both."""
+    from dataclasses import replace
+
+    from sparkwatch.core.kill.killrecord import GroupLoss, kill_summary
+
+    loss = GroupLoss(group=group, cause="exit 1", first_node="b", first_pid=7, roles=((1234, "rank"),))
+    f = replace(facts(), trigger="group_teardown", group=loss)
+    for text in (kill_line(f), kill_summary(f)):
+        assert f"group {shown}:" in text or f"group {shown} " in text, text
+        assert group == shown or group not in text, text
+    assert kill_fields(f)["group"] == group
+
+
 def test_kill_event_has_the_contract_fields(tmp_path: Path) -> None:
     log = EventLog(tmp_path / "state" / "events.jsonl")
     seen: list[Event] = []

@@ -369,6 +369,21 @@ def test_the_system_guard_publishes_its_state_for_every_user(unit: SystemUnit) -
         unit.ct.run(["systemctl", "start", UNIT], timeout_s=60)
 
 
+def test_a_restart_keeps_root_s_launch_declarations(unit: SystemUnit) -> None:
+    """/run/sparkwatch holds root's launch declarations (launched/): RuntimeDirectoryPreserve=yes keeps the directory
+    across a stop and a restart, where systemd would otherwise delete it and the guard forget root's engines."""
+    unit.ct.run(["mkdir", "-p", "/run/sparkwatch/launched"])
+    unit.ct.write("/run/sparkwatch/launched/kept", "a file of root's\n")
+    unit.ct.run(["systemctl", "restart", UNIT], timeout_s=60)
+    assert unit.ct.read("/run/sparkwatch/launched/kept") == "a file of root's\n"
+    unit.ct.run(["systemctl", "stop", UNIT])
+    try:
+        assert unit.ct.run(["test", "-f", "/run/sparkwatch/launched/kept"], check=False).returncode == 0
+    finally:
+        unit.ct.run(["rm", "-f", "/run/sparkwatch/launched/kept"], check=False)
+        unit.ct.run(["systemctl", "start", UNIT], timeout_s=60)
+
+
 def test_user_unit_under_the_user_manager(ct: nspawn.Container) -> None:
     """The shipped user unit under tester's (lingering) user manager: READY, and the kernel log is not readable
     where kernel.dmesg_restrict=1, with the hint to run the system unit, which the test above shows reads it."""

@@ -104,6 +104,8 @@ def test_units_carry_what_the_guard_needs(system: bool) -> None:
     assert k["RestrictAddressFamilies"] == ["AF_UNIX AF_INET AF_INET6 AF_NETLINK"]
     assert k["ProtectSystem"] == ["strict"] and k["NoNewPrivileges"] == ["yes"]
     assert "ProtectControlGroups" not in k and "ProtectKernelTunables" not in k  # cgroup.kill must stay writable
+    # Launch's declarations live in the RuntimeDirectory (root's in /run/sparkwatch/launched): a restart keeps them.
+    assert k["RuntimeDirectory"] == ["sparkwatch"] and k["RuntimeDirectoryPreserve"] == ["yes"]
     if system:
         assert k["User"] == ["root"] and "CAP_KILL" in k["CapabilityBoundingSet"][0]
         assert k["OOMScoreAdjust"] == ["-900"]

@@ -90,8 +90,12 @@ def test_engines_draws_root_workers_and_compilers(tmp_path: Path) -> None:
     assert len(tree["members"]) == 6
 
 
-def test_engines_with_none() -> None:
-    out = sparkwatch("engines")
+def test_engines_with_none(tmp_path: Path) -> None:
+    """A proc root of the test's own, holding no process: on a working Spark the live /proc has engines and raylets
+    of other users (one owner's run found another user's raylet, and a note that Ray did not answer)."""
+    proc_root = tmp_path / "proc"
+    proc_root.mkdir()
+    out = sparkwatch("engines", "--proc-root", str(proc_root))
     assert out.returncode == 0 and out.stdout == "no engine processes\n"
 
 

@@ -51,6 +51,8 @@ def run_checks(args: argparse.Namespace) -> tuple[list[Check], Path, bool]:
     from sparkwatch.common.sources.kmsg import read_kmsg_ring
     from sparkwatch.common.sources.meminfo import MeminfoError, parse_meminfo
     from sparkwatch.common.sources.procs import ProcScanner
+    from sparkwatch.config.defaults import default_config_file
+    from sparkwatch.config.settings import config_file_in_use
     from sparkwatch.core.driver.drift import driver_checks, judge
     from sparkwatch.core.report.doctorchecks import (
         env_targets,
@@ -94,7 +96,8 @@ def run_checks(args: argparse.Namespace) -> tuple[list[Check], Path, bool]:
     environ = {t.proc.pid: read_environ(proc_root, t.proc.pid) for t in targets}
     checks.append(max_jobs_check(targets, environ, settings.compile_jobs_alert))
     checks.append(ray_monitor_check(targets, environ))
-    checks.append(floor_check(settings.floor, settings.warn_headroom, mem))
+    in_use = config_file_in_use(args.config)
+    checks.append(floor_check(settings.floor, settings.warn_headroom, mem, str(in_use or default_config_file())))
     # The running guard's own word (common.guardfile); only this machine's: a fixture root has no processes to ask.
     guards = read_guards(reader_paths(os.environ, settings.state_dir)) if live else None
     checks.append(guard_check(guards.states if guards else (), guards.notes if guards else (), live))

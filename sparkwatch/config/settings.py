@@ -120,6 +120,16 @@ def wire_settings(wire: Mapping[str, Any]) -> Settings:
     return settings
 
 
+def config_file_in_use(config_file: Path | None = None) -> Path | None:
+    """The config file the settings are read from: --config, else $SPARKWATCH_CONFIG, else the default file if it
+    exists (None: no file, the defaults only)."""
+    if config_file is not None:
+        return config_file
+    candidate = Path(os.environ.get(ENV_PREFIX + "CONFIG", "")) if os.environ.get(ENV_PREFIX + "CONFIG") else None
+    # lexists, not is_file: a FIFO or directory at the default path is refused, not silently skipped.
+    return candidate or (default_config_file() if os.path.lexists(default_config_file()) else None)
+
+
 def load_settings(
     config_file: Path | None = None,
     overrides: Mapping[str, Any] | None = None,
@@ -133,11 +143,7 @@ def load_settings(
     is readable, and with `require_meminfo` an unreadable meminfo is an error too. The read-only commands skip it:
     `doctor` must be able to report a floor above MemTotal rather than refuse to run.
     """
-    path = config_file
-    if path is None:
-        candidate = Path(os.environ.get(ENV_PREFIX + "CONFIG", "")) if os.environ.get(ENV_PREFIX + "CONFIG") else None
-        # lexists, not is_file: a FIFO or directory at the default path is refused, not silently skipped.
-        path = candidate or (default_config_file() if os.path.lexists(default_config_file()) else None)
+    path = config_file_in_use(config_file)
     flags = {k: v for k, v in (overrides or {}).items() if v is not None}
     if (
         path is None

@@ -21,6 +21,17 @@ def _when(t: float | None) -> str:
     return "?" if t is None else datetime.fromtimestamp(t).astimezone().strftime("%Y-%m-%d %H:%M:%S %Z")
 
 
+def _which_boot(verdict: Verdict) -> str:
+    """The previous boot by its id and its end, each said in words when unknown: nothing of that boot was found (no
+    journal, recorder sample or event of it), never a bare `?`."""
+    boot = "previous boot" if verdict.boot_id is None else f"previous boot {verdict.boot_id}"
+    if verdict.ended_at is not None:
+        return f"{boot} ended {_when(verdict.ended_at)}"
+    if verdict.boot_id is not None:
+        return f"{boot}, its end unknown"
+    return "previous boot (its id and its end unknown: no journal, flight recorder sample or event of it)"
+
+
 def _rate(bytes_per_s: float) -> str:
     sign = "+" if bytes_per_s >= 0 else "-"
     return f"{sign}{format_size(abs(bytes_per_s))}/s"
@@ -68,9 +79,8 @@ def timeline(samples: Sequence[FlightSample], step_s: float = TIMELINE_STEP_S) -
 
 
 def postmortem_lines(verdict: Verdict, samples: Sequence[FlightSample]) -> list[str]:
-    boot = verdict.boot_id or "?"
     lines = [
-        f"previous boot {boot} ended {_when(verdict.ended_at)}: {verdict.boot_class}",
+        f"{_which_boot(verdict)}: {verdict.boot_class}",
         f"  {safe_text(verdict.summary)}",
     ]
     if verdict.evidence:

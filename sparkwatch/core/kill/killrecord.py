@@ -29,6 +29,15 @@ class GroupLoss:
     peer_word: str | None = None  # the peer guard's own line when it killed the first member (text only)
 
     @property
+    def label(self) -> str:
+        """The group as the line and the summary name it: a Ray placement group's id (36 hex digits) by its first 12,
+        as `sparkwatch engines` shows it; a group without Ray by its whole rendezvous (`10.9.0.1:29500`), which cut
+        to 12 read `10.9.0.1:295`, another port. The event's `group` field is always whole."""
+        if len(self.group) > 12 and all(c in "0123456789abcdef" for c in self.group):
+            return self.group[:12]
+        return self.group
+
+    @property
     def death(self) -> str:
         """The first death in words, the one wording of the line, the summary and the reasons. A rank Ray never
         placed has no node and no pid: its actor died before it started (its creation cancelled), and the engine's
@@ -112,7 +121,7 @@ def kill_reason(facts: KillFacts) -> str:
         case Trigger.GROUP_TEARDOWN:
             if facts.group is None:
                 return under
-            return f"group {facts.group.group[:12]} lost a member: {facts.group.death}"
+            return f"group {facts.group.label} lost a member: {facts.group.death}"
         case Trigger.WEDGED:
             if facts.wedge is None:
                 return under
@@ -164,7 +173,7 @@ def kill_summary(facts: KillFacts) -> str:
         g, roles = facts.group, dict(facts.group.roles)
         members = ", ".join(f"{roles.get(p.pid, 'child')} {p.pid}" for p, _kind in facts.victims)
         verb = "would stop" if facts.dry_run else "stopped"
-        return f"group {g.group[:12]}: {g.death}; {verb} {plural(len(facts.victims), 'local member')}: {members}"
+        return f"group {g.label}: {g.death}; {verb} {plural(len(facts.victims), 'local member')}: {members}"
     if not facts.trees:
         return f"Memory ran low ({kill_reason(facts)}) but no engine process was found to kill."
     names = ", ".join(f"{t.kind} (root pid {t.root.pid}, {plural(len(t.members), 'process')})" for t in facts.trees)

@@ -168,13 +168,14 @@ def _suggested_floor_gib(total_bytes: int) -> int:
     return max(FLOOR_MIN_BYTES // GiB, min(SUGGESTED_FLOOR_GIB, int(FLOOR_MAX_FRACTION * total_bytes) // GiB))
 
 
-def floor_check(floor_bytes: int, warn_headroom_bytes: int, mem: MemInfo | None) -> Check:
+def floor_check(floor_bytes: int, warn_headroom_bytes: int, mem: MemInfo | None, config_file: str) -> Check:
+    """`config_file`: the file the fix goes in, the one in use (--config, SPARKWATCH_CONFIG), else the default one."""
     if mem is None or mem.total_bytes <= 0:
         return Check("floor", CheckStatus.SKIP, "meminfo unreadable: cannot judge the floor")
     total = mem.total_bytes
     shown = f"floor {floor_bytes / GiB:.1f} GiB of {total / GiB:.1f} GiB MemTotal"
     suggested = _suggested_floor_gib(total)
-    fix = f'floor = "{suggested}GiB"   # in ~/.config/sparkwatch/config.toml, then restart sparkwatch'
+    fix = f'floor = "{suggested}GiB"   # in {config_file}, then restart sparkwatch'
     if floor_bytes >= total:
         return Check("floor", CheckStatus.FAIL, f"{shown}: the guard would kill every engine at once", fix=fix)
     if floor_bytes < FLOOR_MIN_BYTES:
