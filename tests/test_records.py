@@ -115,9 +115,10 @@ def test_a_group_kill_names_a_rendezvous_whole(group: str, shown: str) -> None:
     from dataclasses import replace
 
     from sparkwatch.core.kill.killrecord import GroupLoss, kill_summary
+    from sparkwatch.core.kill.triggers import Trigger
 
     loss = GroupLoss(group=group, cause="exit 1", first_node="b", first_pid=7, roles=((1234, "rank"),))
-    f = replace(facts(), trigger="group_teardown", group=loss)
+    f = replace(facts(), trigger=Trigger.GROUP_TEARDOWN, group=loss)
     for text in (kill_line(f), kill_summary(f)):
         assert f"group {shown}:" in text or f"group {shown} " in text, text
         assert group == shown or group not in text, text
