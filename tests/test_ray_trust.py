@@ -326,3 +326,31 @@ def test_a_driver_is_one_only_while_it_holds_a_connection_to_its_cluster_s_gcs(
             assert not connected_to("/proc", bystander.pid, "127.0.0.1", port)
             assert not connected_to("/proc", driver.pid, "127.0.0.1", port + 1 if port < 65535 else port - 1)
             assert not connected_to("/proc", driver.pid, "not-an-address", port)
+
+
+def test_a_box_without_a_raylet_asks_nothing_of_who_holds_the_dashboard_s_port(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The group watch looks for raylets every few seconds; with none, it ties no cluster and asks the kernel nothing
+    (no sock_diag dump, no route lookup): a watch with nothing to watch costs nothing."""
+    from sparkwatch.telemetry import raywatch
+
+    asked: list[str] = []
+
+    def cluster_owner(url: str, proc_root: object) -> tuple[int | None, str | None]:
+        asked.append(url)
+        return None, "nothing listens"
+
+    def is_local_url(url: str) -> bool:
+        asked.append(url)
+        return True
+
+    monkeypatch.setattr(raywatch, "cluster_owner", cluster_owner)
+    monkeypatch.setattr(raywatch, "is_local_url", is_local_url)
+    settings = load_settings(None, {"state_dir": tmp_path}, check_memory=False)
+    watch = RayWatch(settings, lambda msg: None)
+    watch._trust(())
+    assert asked == [] and watch.cluster is None and not watch.remote and watch.untrusted_why is None
+    watch.raylets = (LocalRaylet(os.getpid(), NODE_ID, "127.0.0.1:6379", sys.executable, uid=os.geteuid()),)
+    watch._trust(())
+    assert asked  # with a raylet, the port's owner is asked

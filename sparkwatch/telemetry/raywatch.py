@@ -523,6 +523,9 @@ class RayWatch:
         bind it while Ray's is down), else that user's own dashboard on its own port is looked for. One on another
         host speaks for nothing (plain HTTP on the link): there the proven relay decides, at each poll (_relayed)."""
         url = self.settings.ray_dashboard_url
+        if not self.raylets:  # no Ray here: nothing to tie, and nothing asked of the kernel (a quiet box stays quiet)
+            self.cluster, self.remote = None, False
+            return
         self.remote = not is_local_url(url)
         if self.remote:
             return  # the proven relay decides, each poll (_relayed)
