@@ -218,13 +218,10 @@ class PeerWatch:
 
     def ray_state(self, gcs_addresses: frozenset[str]) -> peerdoc.RayRelay | None:
         """Ray's state as relayed by the proven peer that heads a cluster whose GCS this node's raylets name
-        (peerdoc.RayRelay), read again now within WORD_TIMEOUT_S (the group watch asks at each of its polls).
-        None: no proven peer relays it, and Ray's state of that host moves nothing here."""
+        (peerdoc.RayRelay), from its last document: no read here (the peer watch reads every `peer_poll_s`, and wakes
+        the group watch when a relay changes). None: no proven peer relays it, and Ray's state of that host moves
+        nothing here."""
         for peer in self.peers:
-            doc = self._proven(peer)
-            if doc is None or doc.ray is None or doc.ray.gcs_address not in gcs_addresses:
-                continue
-            self._read(peer, WORD_TIMEOUT_S)
             doc = self._proven(peer)
             if doc is not None and doc.ray is not None and doc.ray.gcs_address in gcs_addresses:
                 return doc.ray

@@ -128,6 +128,11 @@ class NoPeers:
         return None
 
 
+def _cluster_of(raylets: tuple[LocalRaylet, ...]) -> raygroup.Cluster:
+    """This node's part of the cluster these raylets (one user's, at least one) serve."""
+    return raygroup.Cluster(frozenset(r.node_id for r in raylets), raylets[0].uid, frozenset(r.pid for r in raylets))
+
+
 class RayWatch:
     LIVE_KEYS = frozenset({"group_teardown", "ray_poll_s"})
 
@@ -504,7 +509,7 @@ class RayWatch:
         if relay is None or not mine:
             self.cluster = None
             return None
-        self.cluster = raygroup.Cluster(frozenset(r.node_id for r in mine), relay.uid, frozenset(r.pid for r in mine))
+        self.cluster = _cluster_of(mine)
         state = relay.state
         self._state = self._state if state == self._state else state  # an unchanged answer decides nothing again
         return self._state
@@ -542,7 +547,7 @@ class RayWatch:
         mine = tuple(r for r in self.raylets if owner is not None and r.uid == owner)
         cluster = None
         if mine:
-            cluster = raygroup.Cluster(frozenset(r.node_id for r in mine), mine[0].uid, frozenset(r.pid for r in mine))
+            cluster = _cluster_of(mine)
         elif self.raylets and why is None:
             why = f"the dashboard's port is held by uid {owner}, who runs no raylet here"
         self._say_trust(url, owner, why)

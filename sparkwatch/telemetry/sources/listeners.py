@@ -17,7 +17,7 @@ import os
 import socket
 import struct
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from sparkwatch.common.sources.procs import same_netns
@@ -34,6 +34,9 @@ class Listener:
     port: int
     inode: int
     uid: int = -1  # the user whose process made the socket, as the kernel recorded it (sock_i_uid): unforgeable
+    # an established connection's other end (parse_tcp_table of a state other than LISTEN; a listener has none)
+    remote: str = ""
+    remote_port: int = 0
 
     @property
     def connect_host(self) -> str:
@@ -56,7 +59,8 @@ def _address(hex_addr: str) -> str:
 
 
 def parse_tcp_table(text: str, state: str = _LISTEN) -> list[Listener]:
-    """The rows of a /proc/net/tcp or tcp6 table in `state` (LISTEN), each by its local address and port."""
+    """The rows of a /proc/net/tcp or tcp6 table in `state` (LISTEN), each by its local address and port (and, for a
+    connection, its other end's)."""
     out: list[Listener] = []
     for line in text.splitlines()[1:]:
         fields = line.split()
@@ -64,7 +68,11 @@ def parse_tcp_table(text: str, state: str = _LISTEN) -> list[Listener]:
             continue
         addr, _colon, port_hex = fields[1].partition(":")
         try:
-            out.append(Listener(_address(addr), int(port_hex, 16), int(fields[9]), int(fields[7])))
+            row = Listener(_address(addr), int(port_hex, 16), int(fields[9]), int(fields[7]))
+            if state != _LISTEN:
+                remote, _colon, remote_port = fields[2].partition(":")
+                row = replace(row, remote=_address(remote), remote_port=int(remote_port, 16))
+            out.append(row)
         except ValueError:
             continue
         if len(out) >= LISTENERS_MAX:
@@ -159,23 +167,8 @@ def connected_to(proc_root: Path | str, pid: int, host: str, port: int) -> bool:
         return False
     mapped = want.ipv4_mapped if isinstance(want, ipaddress.IPv6Address) else None
     want_text = str(mapped if mapped is not None else want)
-    inodes: set[int] = set()
-    for table in ("tcp", "tcp6"):
-        try:
-            with open(f"{proc_root}/{pid}/net/{table}", encoding="ascii", errors="replace") as fh:
-                lines = fh.read(1 << 22).splitlines()[1:]
-        except OSError:
-            continue
-        for line in lines[:LISTENERS_MAX]:
-            fields = line.split()
-            if len(fields) < 10 or fields[3] != _ESTABLISHED:
-                continue
-            addr, _colon, port_hex = fields[2].partition(":")
-            try:
-                if int(port_hex, 16) == port and _address(addr) == want_text:
-                    inodes.add(int(fields[9]))
-            except ValueError:
-                continue
+    rows = table_listeners(proc_root, pid, _ESTABLISHED)
+    inodes = {r.inode for r in rows if r.remote_port == port and r.remote == want_text}
     return bool(inodes) and not inodes.isdisjoint(socket_inodes(proc_root, [pid]))
 
 

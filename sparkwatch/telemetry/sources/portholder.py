@@ -1,10 +1,10 @@
 """Who holds a TCP port in LISTEN (issue 37): the agent's own port, taken by another program at start, answers as
 this node to its peers and to Prometheus. `sparkwatch doctor` and the metrics endpoint's bind retry name the holder.
 
-The listening sockets on the port from this network namespace's /proc/net/tcp and tcp6 (telemetry.sources.listeners'
-parser), each tied to the processes holding its inode open (/proc/PID/fd/* -> `socket:[INODE]`). A process whose fd
-directory this user cannot read (another user's, under a non-root agent) is not named: the socket is then "held by a
-process this user cannot see".
+The listening sockets on the port in this network namespace (telemetry.sources.listeners: sock_diag, else
+/proc/PID/net/tcp and tcp6), each tied to the processes holding its inode open (/proc/PID/fd/* -> `socket:[INODE]`).
+A process whose fd directory this user cannot read (another user's, under a non-root agent) is not named: the
+socket is then "held by a process this user cannot see".
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from sparkwatch.common.sources.procs import ProcParseError, ProcScanner
-from sparkwatch.telemetry.sources.listeners import parse_tcp_table, socket_inodes
+from sparkwatch.telemetry.sources.listeners import listeners, socket_inodes
 
 PROCS_MAX = 65536
 
@@ -29,14 +29,7 @@ class Holder:
 
 def port_listeners(proc_root: Path | str, port: int) -> set[int]:
     """The inodes of the LISTEN sockets on `port` (any address) in this process's network namespace."""
-    out: set[int] = set()
-    for table in ("tcp", "tcp6"):
-        try:
-            with open(f"{proc_root}/net/{table}", encoding="ascii", errors="replace") as fh:
-                out.update(lst.inode for lst in parse_tcp_table(fh.read(1 << 22)) if lst.port == port)
-        except OSError:
-            continue
-    return out
+    return {lst.inode for lst in listeners(proc_root, os.getpid()) if lst.port == port}
 
 
 def port_holders(proc_root: Path | str, port: int) -> tuple[bool, tuple[Holder, ...]]:
