@@ -249,22 +249,13 @@ def test_engines_prints_forged_ray_state_and_titles_inert(
     env |= {"SPARKWATCH_ANCESTOR_PID": str(os.getpid()), "SPARKWATCH_RAY_DASHBOARD_URL": forged_dashboard}
     with staged_engine(title="VLLM::EngineCore " + EVIL, children=("VLLM::Worker_TP0 " + EVIL,), env=env):
         on_tty = _engines_on_a_terminal(env)
-        piped = subprocess.run(
-            [sys.executable, "-m", "sparkwatch", "engines", "--no-probe", "--window", "0"],
-            capture_output=True,
-            text=True,
-            env=env,
-            timeout=60,
-            check=True,
-        ).stdout
-        as_json = subprocess.run(
-            [sys.executable, "-m", "sparkwatch", "engines", "--json", "--no-probe", "--window", "0"],
-            capture_output=True,
-            text=True,
-            env=env,
-            timeout=60,
-            check=True,
-        ).stdout
+        piped, as_json = (
+            subprocess.run(
+                [sys.executable, "-m", "sparkwatch", "engines", *flags, "--no-probe", "--window", "0"],
+                capture_output=True, text=True, env=env, timeout=60, check=True,
+            ).stdout
+            for flags in ((), ("--json",))
+        )  # fmt: skip
     for out in (on_tty, piped):
         assert "Groups over Ray" in out and "RayWorkerWrapper" in out and "VLLM::EngineCore" in out, out
         _assert_inert(out)
