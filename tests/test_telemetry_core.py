@@ -252,6 +252,11 @@ def test_a_fork_before_exec_is_not_a_second_job() -> None:
     for name, tools in (("nvcc", {"nvcc": 1}), ("cicc", {"nvcc": 1, "cicc": 1})):
         census = cc.census([*procs[:2], proc(11, 10, name, cicc_argv)], [], {})
         assert {t: n for t, n in census.tools.items() if n} == tools
+    # the parent read while it was still the wrapper script (`/bin/sh /usr/local/bin/nvcc …`, comm nvcc), its fork
+    # read after its exec of the real nvcc: one job
+    wrapper = proc(10, 1, "nvcc", ("/bin/sh", "/usr/local/bin/nvcc", *nvcc_argv[1:]))
+    census = cc.census([procs[0], wrapper, proc(11, 10, "nvcc", ("/usr/local/cuda/bin/nvcc", *nvcc_argv[1:]))], [], {})
+    assert census.tools["nvcc"] == 1
 
 
 def test_a_busy_gpu_is_never_stalled() -> None:
