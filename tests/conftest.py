@@ -18,6 +18,10 @@ from pathlib import Path
 import pytest
 
 from sparkwatch.common.sources.procs import read_children, read_start_ticks
+from tests.dockerd import Dockerd
+from tests.dockerd import missing_reason as dockerd_missing_reason
+from tests.dockerd import start as start_dockerd
+from tests.dockerd import stop as stop_dockerd
 from tests.receiver import Receiver
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -200,6 +204,19 @@ def _a_runtime_dir_of_the_suites_own() -> Iterator[None]:
         else:
             os.environ["XDG_RUNTIME_DIR"] = before
         shutil.rmtree(runtime, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def dockerd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Dockerd]:
+    """A real Docker daemon of this session's own (tests/dockerd.py), for the tests marked `docker`; skipped (failed
+    under SPARKWATCH_TEST_REQUIRE_TOOLS=1) where none can start."""
+    reason = dockerd_missing_reason()
+    require(reason is None, reason or "")
+    daemon = start_dockerd(tmp_path_factory.mktemp("dockerd") / "dockerd.log")
+    try:
+        yield daemon
+    finally:
+        stop_dockerd(daemon)
 
 
 @pytest.fixture(autouse=True)

@@ -13,8 +13,8 @@ from pathlib import Path
 
 from prometheus_client import CollectorRegistry, generate_latest
 
-from sparkwatch.telemetry.exporter.gpu import gpu_families
 from sparkwatch.core.model import GpuReport
+from sparkwatch.telemetry.exporter.gpu import gpu_families
 from sparkwatch.telemetry.sources.nvml import NvmlSource
 
 

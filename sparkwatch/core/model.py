@@ -9,6 +9,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from sparkwatch.core.containerid import ContainerRef, container_of
 from sparkwatch.core.enums import CheckStatus, DriverVerdict, EnvSource, JitCacheKind, JitState, MaxJobsState
 from sparkwatch.core.eventkinds import EventKind
 
@@ -89,6 +90,11 @@ class EngineTree:
     @property
     def rss_bytes(self) -> int:
         return sum(p.rss_bytes for p in self.members)
+
+    @property
+    def container(self) -> ContainerRef | None:
+        """The container the root runs in, from its cgroup path (core.containerid), or None when bare."""
+        return container_of(self.root.cgroup)
 
 
 @dataclass(frozen=True, slots=True)
