@@ -1,4 +1,4 @@
-"""Which container a process runs in, from its cgroup path alone: pure, no I/O, a few µs a tree (bench/bench_containerid.py).
+"""Which container a process runs in, from its cgroup path alone: pure, no I/O, a few µs a tree (bench/).
 
 The guard names the container of every tree it may kill without asking any daemon: the id is in the path
 /proc/PID/cgroup gives (`Proc.cgroup`, the v2 line, which a hybrid host has too), in each runtime's shape:
