@@ -48,6 +48,7 @@ def run_checks(args: argparse.Namespace) -> tuple[list[Check], Path, bool]:
     from sparkwatch.cli import settings_from
     from sparkwatch.common.enginerules import engine_rules
     from sparkwatch.common.guardfile import read_guards, reader_paths
+    from sparkwatch.common.sources.environ import read_environ
     from sparkwatch.common.sources.kmsg import read_kmsg_ring
     from sparkwatch.common.sources.meminfo import MeminfoError, parse_meminfo
     from sparkwatch.common.sources.procs import ProcScanner
@@ -65,7 +66,6 @@ def run_checks(args: argparse.Namespace) -> tuple[list[Check], Path, bool]:
         xid_check,
     )
     from sparkwatch.telemetry.sources.driverfacts import read_driver_facts
-    from sparkwatch.telemetry.sources.environ import read_environ
     from sparkwatch.telemetry.sources.nvml import probe_nvml
 
     settings = settings_from(args)

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 
 from sparkwatch.common import logs
 from sparkwatch.common.eventlog import make_event
+from sparkwatch.common.sources.environ import read_environ
 from sparkwatch.common.threads import daemon_thread
 from sparkwatch.core.engines import serving as core
 from sparkwatch.core.engines.progress import stall_words
@@ -42,7 +43,6 @@ from sparkwatch.core.launch.bootphase import BOOTING
 from sparkwatch.core.model import BootState, EngineServing, EngineTree, Event
 from sparkwatch.telemetry.sources.completion import send_probe
 from sparkwatch.telemetry.sources.enginecounters import read_counters
-from sparkwatch.telemetry.sources.environ import read_environ
 from sparkwatch.telemetry.sources.listeners import Listener, owned_listener
 
 log = logs.get("telemetry")

@@ -11,9 +11,9 @@ import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
+from sparkwatch.common.sources.environ import read_environ
 from sparkwatch.core.livecache import LiveCache
 from sparkwatch.core.model import Proc
-from sparkwatch.telemetry.sources.environ import read_environ
 
 
 class EnvironReader:

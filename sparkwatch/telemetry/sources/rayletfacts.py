@@ -15,9 +15,9 @@ import struct
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
+from sparkwatch.common.sources.environ import read_environ
 from sparkwatch.common.sources.procs import ProcScanner
 from sparkwatch.core.launch.rayletenv import CHECKED_VARS, UNLIMITED, RayletFacts, roce_v2_gid_index
-from sparkwatch.telemetry.sources.environ import read_environ
 from sparkwatch.telemetry.sources.raystate import LocalRaylet, local_raylets
 
 TOOLS = ("ninja", "nvcc")

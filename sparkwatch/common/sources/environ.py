@@ -1,4 +1,5 @@
-"""/proc/<pid>/environ: the environment a process started with (MAX_JOBS, RAY_memory_monitor_refresh_ms)."""
+"""/proc/<pid>/environ: the environment a process started with (MAX_JOBS, RAY_memory_monitor_refresh_ms, and for the
+guard a container's launch token: common.launched)."""
 
 from __future__ import annotations
 
