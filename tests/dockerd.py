@@ -24,12 +24,14 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+SUBREAPER = REPO / "tests" / "helpers" / "subreaper.py"
 IMAGE_DIR = Path(os.environ.get("SPARKWATCH_DOCKER_IMAGE_DIR", "/var/tmp/sparkwatch-docker-image"))
 DATA_DIR = Path("/var/tmp/sparkwatch-dockerd")
 RUN_PREFIX = "/run/swd-"
@@ -237,7 +239,15 @@ def start(log: Path) -> Dockerd:
         "--ip-masq=false",
     ]
     with open(log, "ab") as out:
-        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd="/")
+        # Under a subreaper of its own (tests/helpers/subreaper.py): the containers' shims then descend from the test
+        # process, where `ancestor_pid` confines a test's guard; handed to PID 1 they were no test's descendants.
+        proc = subprocess.Popen(
+            [sys.executable, str(SUBREAPER), *argv],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            cwd="/",
+        )
     _DAEMONS[proc.pid] = proc
     ticks = _start_ticks(proc.pid)
     assert ticks is not None, "dockerd exited at once"
