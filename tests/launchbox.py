@@ -49,8 +49,11 @@ class Box:
         )
         return env
 
+    def launch_argv(self, *args: str) -> list[str]:
+        return [sys.executable, "-m", "sparkwatch", "launch", "--settle-timeout", "0", *args]
+
     def launch(self, *args: str, env: dict[str, str] | None = None, **kw: object) -> subprocess.Popen[bytes]:
-        cmd = [sys.executable, "-m", "sparkwatch", "launch", "--settle-timeout", "0", *args]
+        cmd = self.launch_argv(*args)
         return subprocess.Popen(cmd, env=env or self.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, **kw)  # type: ignore[call-overload,no-any-return]
 
     def pids(self) -> list[tuple[int, int]]:

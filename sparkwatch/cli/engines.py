@@ -306,7 +306,9 @@ def budget_rows(
                 rss_bytes=tree.rss_bytes,
                 gpu_bytes=gpu,
                 gpu_age_s=0.0 if gpu is not None else None,
-                cgroup_bytes=read_memory_current(owned_scope(tree.root.cgroup, decl.cgroup if decl else None)),
+                cgroup_bytes=read_memory_current(
+                    owned_scope(tree.root.cgroup, decl.cgroup, decl.container) if decl else None
+                ),
             )
         )
         out[tree.root.pid] = {

@@ -133,12 +133,16 @@ def handle(args: argparse.Namespace) -> int:
         print("sparkwatch: launch needs a command: sparkwatch launch -- vllm serve MODEL", file=sys.stderr)
         return 2
     settings = settings_from(args)
+    box = _container(cmd)  # `docker run …`, `docker compose up SERVICE`: the engine inside (cli.launch_docker)
+    if isinstance(box, int):
+        return box
     inputs = PlanInputs(
-        argv=tuple(cmd),
+        argv=tuple(box.engine if box else cmd),
         budget=args.budget,  # bytes, "auto" or None: argtypes.size_or checked it
         margin_bytes=args.margin,
         engine_reads=args.engine_reads,
-        env=dict(os.environ),
+        env=box.plan_env(os.environ) if box else dict(os.environ),
+        view=box,
     )
     out = sys.stderr if not args.plan else sys.stdout
     settled_peers: list[Any] | None = None
@@ -220,15 +224,35 @@ def handle(args: argparse.Namespace) -> int:
     from sparkwatch.cli.launch_run import Launch
 
     started = time.time()
-    launch = Launch(
-        settings, plan, ctx, cmd, quiet=args.quiet, use_scope=not args.no_scope, probe=args.probe, ray=bool(raylets),
-        worker_budget_bytes=_ray_worker_budget(ctx, nodes),
-    )  # fmt: skip
+    if box is not None:
+        from sparkwatch.cli.launch_container import ContainerLaunch
+
+        launch: Launch = ContainerLaunch(settings, plan, ctx, box, quiet=args.quiet, probe=args.probe)
+    else:
+        launch = Launch(
+            settings, plan, ctx, cmd, quiet=args.quiet, use_scope=not args.no_scope, probe=args.probe,
+            ray=bool(raylets), worker_budget_bytes=_ray_worker_budget(ctx, nodes),
+        )  # fmt: skip
     code = launch.run()
     if not args.quiet:
         took = time.time() - started
-        print(f"sparkwatch: {plan.estimate.kind} exited after {took:.0f} s: {launch.exit_text}", file=sys.stderr)
+        ended = "runs on" if launch.detached else "exited"
+        print(f"sparkwatch: {plan.estimate.kind} {ended} after {took:.0f} s: {launch.exit_text}", file=sys.stderr)
     return code
+
+
+def _container(cmd: list[str]) -> Any:
+    """The container `cmd` starts (cli.launch_docker.Container), None for a bare command, or the exit code after the
+    one line that says why it cannot be planned."""
+    if Path(cmd[0]).name not in ("docker", "docker-compose"):
+        return None
+    from sparkwatch.cli.launch_docker import ContainerError, prepare
+
+    try:
+        return prepare(cmd, os.environ)
+    except ContainerError as exc:
+        print(f"sparkwatch launch: {exc}", file=sys.stderr)
+        return exc.code
 
 
 def _spans(inputs: Any) -> bool:

@@ -55,6 +55,9 @@ class PlanInputs:
     margin_bytes: int | None = None
     engine_reads: str | None = None
     env: Mapping[str, str] = field(default_factory=dict)
+    view: Any = (
+        None  # an engine in a container (cli.launch_docker.Container): its checkpoint is read through its mounts
+    )
 
 
 @dataclass(frozen=True)
@@ -200,8 +203,10 @@ def gather(settings: Settings, inputs: PlanInputs) -> tuple[Plan, PlanContext]:
     if cmd.kind == EngineKind.OTHER:
         facts = ModelFacts(source="")
     else:
-        facts = read_facts(cmd.model, env, cmd.flag("download_dir"), cmd.flag("revision"))
-    version = engine_version(cmd.argv, "vllm") if cmd.kind == EngineKind.VLLM else None
+        facts = (inputs.view.facts if inputs.view else read_facts)(cmd.model, env, cmd.flag("download_dir"),
+                                                                   cmd.flag("revision"))  # fmt: skip
+    # the vLLM installed here says nothing of the one in a container's image
+    version = engine_version(cmd.argv, "vllm") if cmd.kind == EngineKind.VLLM and not inputs.view else None
     view = memory_view(settings, inputs.margin_bytes)
     span = span_of(cmd, uses_ray(inputs.argv, env))
     role = role_of(cmd) if span is not None else Role.HEAD

@@ -126,6 +126,7 @@ class Launch:
         self.env = dict(os.environ if env is None else env)
         self.proc_root = str(settings.proc_root)
         self.exit_text = ""
+        self.detached = False  # the engine runs on after launch (a container launched with -d, once ready)
         self.supervisor = Supervisor(cmd, self.env, self.proc_root, quiet=quiet, use_scope=use_scope)
         self.recognizer = PhaseRecognizer(str(plan.estimate.kind), any_of=any_anchor)
         self.phase_peaks: dict[str, int] = {}
@@ -214,12 +215,16 @@ class Launch:
         self._guard_wait_until = None
 
     # --- the run
-    def run(self) -> int:
-        plan = self.plan
-        choices = launchenv.engine_env(self.env, plan.estimate.jobs)
+    def _environment(self) -> dict[str, str]:
+        """The command's environment: ours (core.launch.launchenv) over the user's, and the line that says what."""
+        choices = launchenv.engine_env(self.env, self.plan.estimate.jobs)
         if not self.quiet:
             print(launchenv.describe(choices, ray=self.ray), file=sys.stderr, flush=True)
-        env = launchenv.apply(self.env, choices)
+        return launchenv.apply(self.env, choices)
+
+    def run(self) -> int:
+        plan = self.plan
+        env = self._environment()
         self.gpu = gpu_reader(self.settings)  # before the subreaper: its check is a child of ours, reaped by it
         syscalls.set_child_subreaper()
         try:  # the pool-drop baseline the guard's budget warning reads (never a kill's nor a peak's)
@@ -248,12 +253,18 @@ class Launch:
     # --- the supervisor's hooks (cli.launch_supervisor.Hooks)
     def started(self, pid: int) -> None:
         """The declaration, written at once; the line saying where it went."""
-        started_wall = self._started_wall = time.time()
-        ticks = read_start_ticks(self.proc_root, pid) or 0
+        self._started_wall = time.time()
         # The scope's cgroup, once systemd-run has moved the command into it (read again at each sample until then:
         # before the move the child is still in our own cgroup, whose memory.current is not the engine's).
         self._scoped = self.supervisor.scoped
-        cgroup = self._cgroup = None
+        self._cgroup = None
+        self._declare(pid)
+        self._watch_boot(pid)
+
+    def _declare(self, pid: int, where: str = "", **extra: Any) -> None:
+        """The declaration of the root `pid` (`extra`: more of its fields), written; the lines saying so."""
+        started_wall = self._started_wall
+        ticks = read_start_ticks(self.proc_root, pid) or 0
         baseline = self._baseline
         est = self.plan.estimate
         self.decl = Declaration(
@@ -268,13 +279,16 @@ class Launch:
             launcher_pid=os.getpid(),
             available_at_launch_bytes=baseline,
             estimate_bytes=est.needs_bytes,
-            cgroup=cgroup,
+            cgroup=self._cgroup,
             probe_url=self.probe_url,
             worker_budget_bytes=self.worker_budget_bytes,
-        ).entered(BootPhase.STARTING, started_wall)
+        )
+        self.decl = replace(self.decl, **extra).entered(BootPhase.STARTING, started_wall)
+        if self.recognizer.phase != BootPhase.STARTING:  # what its output said before it was declared
+            self.decl = self.decl.entered(self.recognizer.phase, time.time())
         self._write_decl()
         self.note(
-            f"started {est.kind} as pid {pid}"
+            f"started {est.kind}{where} as pid {pid}"
             + (f", budget {format_size(self.plan.budget_bytes)}" if self.plan.budget_bytes else "")
             + (
                 f", its ranks on the other nodes {format_size(self.worker_budget_bytes)} each (their guards, told by "
@@ -284,11 +298,18 @@ class Launch:
             )
         )
         self._declared_to_guard()
+
+    def _watch_boot(
+        self, pid: int, engine: tuple[list[str], dict[str, str]] | None = None, connect: tuple[str, int] | None = None
+    ) -> None:
+        """The first-token probe (`engine`: the argv and environment that name its key, where they are not launch's
+        own; `connect`: where the host reaches its port) and, for an engine over Ray, its ranks."""
         if self.endpoint is not None:
             key = None
             if self.endpoint.server != "url":
-                key = api_key_of(self.cmd, self.env, self.endpoint.server)
-            self.first_token = FirstToken(self.proc_root, pid, self.endpoint, key)
+                argv, env = engine or (self.cmd, self.env)
+                key = api_key_of(argv, env, self.endpoint.server)
+            self.first_token = FirstToken(self.proc_root, pid, self.endpoint, key, connect)
             self.first_token.start()
         if self.ray:
             self.ranks = RankWatch(str(self.settings.ray_dashboard_url), self.proc_root, pid)
@@ -381,11 +402,15 @@ class Launch:
             self._write_decl()
         return path
 
-    def _sample(self, pid: int, cgroup: str | None) -> int:
-        """What the tree holds now (core.kill.footprint, without the pool's drop): the root's descendants and what was
-        reparented to launch (the subreaper), their RSS or the scope's memory.current, and NVML's bytes for them."""
+    def _tree_pids(self, pid: int) -> list[int]:
+        """The root's descendants and what was reparented to launch (the subreaper)."""
         orphans = [p for p in read_children(self.proc_root, os.getpid()) or [] if p != pid]
-        pids = read_descendants(self.proc_root, [pid, *orphans])
+        return read_descendants(self.proc_root, [pid, *orphans])
+
+    def _sample(self, pid: int, cgroup: str | None) -> int:
+        """What the tree holds now (core.kill.footprint, without the pool's drop): its processes' RSS
+        (`_tree_pids`) or the scope's memory.current, and NVML's bytes for them."""
+        pids = self._tree_pids(pid)
         gpu = gpu_bytes_of(self.gpu, pids)
         return footprint(
             FootprintInputs(
@@ -468,8 +493,11 @@ class FirstToken:
     LOOK_EVERY_S = 0.25  # a look for its listening socket until then (a few small /proc reads)
     TIMEOUT_S = 10.0
 
-    def __init__(self, proc_root: str, pid: int, endpoint: Endpoint, key: str | None) -> None:
-        self.proc_root, self.pid, self.endpoint, self._key = proc_root, pid, endpoint, key
+    def __init__(
+        self, proc_root: str, pid: int, endpoint: Endpoint, key: str | None, connect: tuple[str, int] | None = None
+    ) -> None:
+        """`connect`: where to dial once the engine listens (a container's port as the host reaches it)."""
+        self.proc_root, self.pid, self.endpoint, self._key, self.connect = proc_root, pid, endpoint, key, connect
         self.answered_at: float | None = None  # wall clock
         self.latency_s: float | None = None
         self.probes = 0
@@ -490,9 +518,10 @@ class FirstToken:
                 continue
             self.listening_seen = True
             self.probes += 1
+            host, port = self.connect or (listener.connect_host, listener.port)
             answer = send_probe(
-                listener.connect_host,
-                listener.port,
+                host,
+                port,
                 prefix=self.endpoint.prefix,
                 key=self._key,
                 timeout_s=self.TIMEOUT_S,

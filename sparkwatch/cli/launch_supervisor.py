@@ -87,6 +87,7 @@ class Supervisor:
         self._signals: list[int] = []
         self.sent: list[int] = []  # the signals launch sent the tree (a SIGKILL not among them came from elsewhere)
         self._stderr_at_line_start = True
+        self.stdout_fd = 1  # where the command's stdout is copied (2: a detached container's, cli.launch_container)
 
     # --- output
     def note(self, text: str) -> None:
@@ -209,7 +210,7 @@ class Supervisor:
             except OSError:
                 pass  # above /proc/sys/fs/pipe-max-size: the default 64 KiB still works, with more wake-ups
         poller = select.poll()
-        streams = {out_fd: (1, 0), err_fd: (2, 1)}
+        streams = {out_fd: (self.stdout_fd, 0), err_fd: (2, 1)}
         for fd in streams:
             poller.register(fd, select.POLLIN | select.POLLHUP)
         poller.register(pidfd, select.POLLIN)

@@ -15,8 +15,13 @@ believes comes from the kernel, never from a file (docs/security.md, "What a lau
 change"):
 - the declarer is the file's owner: a declaration of another uid than its owner's is skipped (root's may declare any);
 - a declaration counts only for a live process with its pid and start time that the kernel says the declared uid
-  owns (`vouched`); per tree, the directory vouched for while the engine ran keeps its say (its exit included), and a
-  declaration from elsewhere counts only when vouched itself. Exits are heard only from the first;
+  owns (`vouched`). A container's declaration (`container`: launch started the engine with `docker run` or compose)
+  names the container's top process, often root's: it counts only while that process is in that container's cgroup
+  and its environment carries the declaration's token (`launch_id`, SPARKWATCH_LAUNCH), which launch put in the
+  container it created, and the token names the file's owner (`<uid>-…`): another user can neither name a container
+  they did not start nor copy someone else's token (`in_container`); per tree, the directory vouched for while the
+  engine ran keeps its say (its exit included), and a declaration from elsewhere counts only when vouched itself.
+  Exits are heard only from the first;
 - reading is bounded whatever a user put there: the `sparkwatch` and `launched` directories are never reached
   through a symlink, at most MAX_ENTRIES entries are looked at (os.scandir stops there), MAX_DECLARATIONS files and
   MAX_DIR_BYTES read, each at most DECLARATION_MAX_BYTES, never through a symlink nor blocking on a FIFO;
@@ -43,8 +48,10 @@ from pathlib import Path
 
 from sparkwatch.common import logs
 from sparkwatch.common.durable import StateFileError, open_dir, private_dir, write_atomic
-from sparkwatch.common.sources.procs import read_fd, read_start_ticks
+from sparkwatch.common.sources.environ import read_environ
+from sparkwatch.common.sources.procs import read_cgroup, read_fd, read_start_ticks
 from sparkwatch.common.wiretypes import WireError, from_json, to_json
+from sparkwatch.core.containerid import ID_RE, LAUNCH_ENV, container_of
 from sparkwatch.core.launch.bootphase import BOOTING, BootPhase
 
 VERSION = 1
@@ -94,6 +101,10 @@ class Declaration:
     # `--budget worker=SIZE` for an engine over Ray: the budget of its ranks on the other nodes, which Ray starts there
     # (this node's agent tells theirs: telemetry.peerdoc `budgets`; their guards enforce it)
     worker_budget_bytes: int | None = None
+    # An engine in a container (`launch -- docker run …`, compose): the container's id (64 hex digits; the root is its
+    # top process, whose uid `uid` is) and the token launch put in its environment and label (`<declarer uid>-<hex>`)
+    container: str = ""
+    launch_id: str = ""
     version: int = VERSION
 
     @property
@@ -124,13 +135,26 @@ def matches(decl: Declaration, pid: int, start_ticks: int, uid: int) -> bool:
 
 def vouched(decl: Declaration, proc_root: str | Path = "/proc") -> bool:
     """Whether the kernel vouches for `decl` now: the process at root_pid has the declared start time and is owned
-    by the declared uid, which decode() already held against the file's owner (root's files may declare any uid)."""
+    by the declared uid, which decode() already held against the file's owner (root's files may declare any uid);
+    a container's, also `in_container`."""
     if read_start_ticks(proc_root, decl.root_pid) != decl.start_ticks:
         return False
     try:
-        return os.stat(f"{proc_root}/{decl.root_pid}").st_uid == decl.uid
+        owned = os.stat(f"{proc_root}/{decl.root_pid}").st_uid == decl.uid
     except OSError:
         return False
+    return owned and (not decl.container or in_container(decl, proc_root))
+
+
+def in_container(decl: Declaration, proc_root: str | Path = "/proc") -> bool:
+    """A container's declaration, proven: its root is in that container (the kernel's cgroup of the process,
+    core.containerid) and started with the declaration's token in its environment (what `docker run -e` or compose
+    gave the container's first process: only whoever created the container could put it there)."""
+    ref = container_of(read_cgroup(proc_root, decl.root_pid))
+    if ref is None or ref.id != decl.container or not decl.launch_id:
+        return False
+    env = read_environ(proc_root, decl.root_pid)
+    return env is not None and env.get(LAUNCH_ENV) == decl.launch_id
 
 
 def runtime_dir(env: Mapping[str, str], uid: int) -> Path | None:
@@ -201,7 +225,12 @@ def decode(data: bytes, owner_uid: int) -> Declaration:
         raise
     except (ArithmeticError, RecursionError, TypeError, ValueError) as exc:
         raise WireError(f"declaration: {type(exc).__name__}") from None
-    if decl.uid != owner_uid and owner_uid != 0:
+    if decl.container and not ID_RE.fullmatch(decl.container):
+        raise WireError("declaration: container is not a 64-digit id")
+    # A container's top process is often root's: its declaration may name another uid, with a token of its owner's
+    # making (in_container then holds the container to it).
+    theirs = bool(decl.container) and decl.launch_id.startswith(f"{owner_uid}-")
+    if decl.uid != owner_uid and owner_uid != 0 and not theirs:
         raise WireError(f"declaration: declares uid {decl.uid} in a file owned by uid {owner_uid}")
     if len(decl.phases) > PHASES_KEPT:
         raise WireError("declaration: phase timeline too long")
@@ -259,7 +288,7 @@ def prune(directory: Path, now: float, alive: Iterable[int] = ()) -> int:
     for decl in scan(directory).declarations:
         stale = decl.exited_at is not None and now - decl.exited_at > EXITED_KEEP_S
         orphan = decl.exited_at is None and not _alive(decl.launcher_pid) and decl.launcher_pid not in keep_launchers
-        if (stale or orphan) and decl.uid == os.geteuid():
+        if (stale or orphan) and (decl.uid == os.geteuid() or decl.launch_id.startswith(f"{os.geteuid()}-")):
             if orphan and _alive(decl.root_pid):
                 continue
             remove(directory, decl)

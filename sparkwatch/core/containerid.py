@@ -21,7 +21,13 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+# What `sparkwatch launch` puts on a container it starts (cli.launch_docker): a label, and the same token in the
+# container's environment, which the guard reads in /proc to believe a declaration of that container
+# (common.launched.in_container).
+LAUNCH_LABEL = "io.sparkwatch.launch"
+LAUNCH_ENV = "SPARKWATCH_LAUNCH"
 _ID = r"([0-9a-f]{64})"
+ID_RE = re.compile(r"[0-9a-f]{64}")
 # A whole path component, each runtime's systemd-driver unit or its cgroupfs directory.
 _SCOPE = re.compile(rf"^(docker|libpod|cri-containerd|crio)-{_ID}(?:\.scope)?$")
 _BARE = re.compile(rf"^{_ID}$")

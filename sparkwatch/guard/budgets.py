@@ -269,7 +269,8 @@ class BudgetWatch:
             gpu_age = now - taken_at
             gpu_bytes = sum(by_pid.get(p.pid, 0) for p in t.tree.members)
         decl = t.decl
-        cgroup = read_memory_current(owned_scope(t.tree.root.cgroup, decl.cgroup if decl is not None else None))
+        declared = (decl.cgroup, decl.container) if decl is not None else (None, "")
+        cgroup = read_memory_current(owned_scope(t.tree.root.cgroup, *declared))
         drop = None
         if decl is not None and decl.booting and sole_booting and decl.available_at_launch_bytes:
             drop = max(decl.available_at_launch_bytes - available_bytes, 0)

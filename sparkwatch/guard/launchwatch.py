@@ -87,6 +87,7 @@ class LaunchedEngines:
         # What other threads read (the scout): replaced whole after each poll, never mutated.
         self._declared: Declared = {}
         self._launchers: Launchers = {}
+        self._containers: frozenset[tuple[int, int]] = frozenset()
         self._live: tuple[Declaration, ...] = ()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -156,8 +157,11 @@ class LaunchedEngines:
 
     def told_by_launch(self, key: tuple[int, int], parent_pid: int) -> bool:
         """Whether the owner learns of this tree's kill from its launch: a declared root whose parent is the launch
-        that declared it (alive when the guard scanned; it prints the guard's word on its own terminal)."""
+        that declared it (alive when the guard scanned; it prints the guard's word on its own terminal), or a
+        container's top process whose launch is alive (it watches the container from outside)."""
         launcher = self._launchers.get(key)
+        if launcher is not None and key in self._containers:
+            return read_start_ticks(self.proc_root, launcher) is not None
         return launcher is not None and launcher == parent_pid
 
     # --- the tick
@@ -199,6 +203,7 @@ class LaunchedEngines:
         self._live = tuple(s.decl for s in live)
         self._declared = {s.decl.tree_key: (s.decl.kind, s.decl.uid) for s in live}
         self._launchers = {s.decl.tree_key: s.decl.launcher_pid for s in live}
+        self._containers = frozenset(s.decl.tree_key for s in live if s.decl.container)
         for key in [k for k, s in self._seen.items() if s.exited and k not in current]:
             del self._seen[key]  # bounded: an exited engine whose file is gone is forgotten
 

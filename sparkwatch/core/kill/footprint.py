@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import StrEnum
 
+from sparkwatch.core.containerid import container_of
 from sparkwatch.core.engines.identity import LAUNCH_SCOPE_RE
 from sparkwatch.core.kill.policy import GPU_STALE_S
 
@@ -75,8 +76,12 @@ def footprint(inp: FootprintInputs) -> Footprint:
 
 # A declared scope counts only as what `sparkwatch launch` makes (`…/sparkwatch-launch-<pid>.scope`) and only where the
 # root really is in it (the scanner's read of /proc/PID/cgroup): a declaration cannot point anyone at a larger group.
-def owned_scope(root_cgroup: str | None, declared_cgroup: str | None) -> str | None:
-    """The cgroup whose memory.current is the tree's: the declared scope, when the root is in it."""
-    if not declared_cgroup or declared_cgroup != root_cgroup or not LAUNCH_SCOPE_RE.search(declared_cgroup):
+def owned_scope(root_cgroup: str | None, declared_cgroup: str | None, container: str = "") -> str | None:
+    """The cgroup whose memory.current is the tree's: the declared scope, when the root is in it; for a declared
+    container (`container`, its id), the container's own cgroup, when the root is in it."""
+    if not declared_cgroup or declared_cgroup != root_cgroup:
+        return None
+    ref = container_of(declared_cgroup) if container else None
+    if not LAUNCH_SCOPE_RE.search(declared_cgroup) and (ref is None or ref.id != container):
         return None
     return declared_cgroup

@@ -78,12 +78,14 @@ def apply(env: Mapping[str, str], choices: tuple[EnvChoice, ...]) -> dict[str, s
     return out
 
 
-def describe(choices: tuple[EnvChoice, ...], ray: bool = False) -> str:
+def describe(choices: tuple[EnvChoice, ...], ray: bool = False, container: bool = False) -> str:
     """The one line launch prints. `ray`: the ranks run on the raylets of a running Ray, which start their workers
     with the raylet's environment (core.launch.rayletenv): what is set here reaches the driver only, and the line
-    never says otherwise."""
+    never says otherwise. `container`: set in the container (`-e`, or the compose file launch adds), over what the
+    image and the command set there."""
     set_ = " ".join(f"{c.name}={c.value}" for c in choices if not c.kept)
     kept = " ".join(f"{c.name}={c.value}" for c in choices if c.kept)
     where = "set for the driver only (the Ray ranks read their raylet's environment)" if ray else "set"
+    where = "set in the container" if container else where
     line = f"sparkwatch: environment: {where} {set_ or 'nothing'}"
     return line + (f"; kept yours: {kept}" if kept else "")

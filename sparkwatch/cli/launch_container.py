@@ -1,0 +1,315 @@
+"""Running an engine in a container for `sparkwatch launch` (cli.launch_docker prepared it): the hooks of
+cli.launch_run.Launch where the engine is a container's processes, and launch's child only the docker client.
+
+- launch runs the client attached (`docker run` without `-d`, `compose up SERVICE` without `-d`): its output is the
+  container's, passed through and searched for boot phases as a bare engine's.
+- The container is found on a thread of its own (`Finder`): its id from the cidfile (`docker run`) or by launch's
+  label (`docker ps --filter label=io.sparkwatch.launch=TOKEN`, compose), then `docker inspect` until it runs. Its
+  top process (docker-init, under containerd-shim) is then declared (common.launched: `container`, `launch_id`, the
+  process's own uid), so the guard takes the container's processes as the declared engine's tree, holds its budget
+  and names it in its word to launch; the footprint is that tree's, with the container's cgroup (memory.current).
+  `docker wait` on the same thread gives the container's first exit code (compose up's own says nothing of it).
+- Ready is a bare engine's: the first one-token completion, dialled where the host reaches the engine's port (the
+  `-p` that publishes it, else the container's address; with `--network host`, the port itself), else its ready line.
+- Ctrl-C (and SIGTERM, SIGHUP) stops the container by its id (`docker stop`, the image's stop signal then SIGKILL
+  after its timeout); a second one `docker kill`s it; a third kills the client. Before the container is known, they
+  go to the client as for any command.
+- The end: when the container's top process is gone (the guard killed it, or it ended), its restart policy is set to
+  `no` (`docker update`) and it is stopped (`docker stop`): nothing launch started runs on unwatched, even with
+  `--restart unless-stopped`. The exit code is the container's (137 and the guard's word when the guard killed it).
+- `-d`: launch stays until the engine is ready, with the container's output on stderr, then prints the container's
+  id on stdout (as `docker run -d` does), leaves the client and exits 0: the container runs on, declared to the guard
+  (its budget holds until the container stops; a restart is then docker's, under no declaration).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import threading
+import time
+from typing import TYPE_CHECKING
+
+from sparkwatch.cli.launch_docker import Container, docker_out
+from sparkwatch.cli.launch_run import Launch
+from sparkwatch.cli.launch_supervisor import Supervisor
+from sparkwatch.common.sources.procs import read_cgroup, read_descendants, read_start_ticks
+from sparkwatch.common.threads import daemon_thread
+from sparkwatch.core.containerid import LAUNCH_LABEL
+from sparkwatch.core.engines.enginecli import EngineKind
+from sparkwatch.core.engines.serving import endpoint_of, endpoint_of_url
+from sparkwatch.core.launch import launchenv
+from sparkwatch.core.launch.bootphase import BootPhase
+from sparkwatch.core.launch.dockerargv import published_port
+
+if TYPE_CHECKING:
+    from sparkwatch.cli.launch_plan import PlanContext
+    from sparkwatch.config.settings import Settings
+    from sparkwatch.core.launch.plan import Plan
+
+FIND_EVERY_S = 0.25
+EXIT_CODE_WAIT_S = 5.0  # after the client ended, how long `docker wait` may take to say the container's exit code
+STOP_GRACE_S = 2  # `docker stop -t`: a container restarted after its engine ended is a boot nobody asked for
+
+
+class Finder:
+    """The container on a thread of its own: its id, then `docker inspect` until it runs; then `docker wait`."""
+
+    def __init__(self, box: Container, env: dict[str, str]) -> None:
+        self.box, self.env = box, env
+        self.found: tuple[str, int, str] | None = None  # (id, top pid, IP address or "")
+        self.exit_code: int | None = None
+        self.waited = threading.Event()
+        self._stop = threading.Event()
+
+    def start(self) -> None:
+        daemon_thread(self._run, "sparkwatch-container").start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _id(self) -> str | None:
+        cidfile = self.box.cidfile
+        if cidfile is not None:
+            try:
+                return cidfile.read_text().strip() or None
+            except OSError:
+                return None
+        code, out, _err = docker_out(
+            [*self.box.docker, "ps", "-aq", "--no-trunc", "--filter", f"label={LAUNCH_LABEL}={self.box.token}"],
+            self.env,
+        )
+        ids = out.split() if code == 0 else []
+        return ids[0] if ids else None
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.wait(FIND_EVERY_S):
+                cid = self._id()
+                if cid is None:
+                    continue
+                code, out, _err = docker_out([*self.box.docker, "inspect", "--type", "container", cid], self.env)
+                state = _inspected(out) if code == 0 else None
+                if state is not None:
+                    self.found = (cid, *state)
+                    break
+            else:
+                return
+            code, out, _err = docker_out([*self.box.docker, "wait", self.found[0]], self.env, timeout_s=None)
+            if code == 0 and out.strip().isdigit():
+                self.exit_code = int(out.strip())
+        finally:
+            self.waited.set()
+
+
+def _inspected(out: str) -> tuple[int, str] | None:
+    """(top pid, IP address) of a running container, from `docker inspect`; None until it runs."""
+    try:
+        doc = json.loads(out)[0]
+        state, net = doc["State"], doc.get("NetworkSettings") or {}
+        pid = int(state.get("Pid") or 0)
+    except (ValueError, KeyError, IndexError, TypeError):
+        return None
+    if not state.get("Running") or pid <= 0:
+        return None
+    ips = [net.get("IPAddress") or ""] + [
+        (n or {}).get("IPAddress") or "" for n in (net.get("Networks") or {}).values()
+    ]
+    return pid, next((ip for ip in ips if ip), "")
+
+
+class ContainerSupervisor(Supervisor):
+    """cli.launch_supervisor's run, with the signals going to the container once launch knows it."""
+
+    def __init__(self, launch: ContainerLaunch, env: dict[str, str], proc_root: str, quiet: bool) -> None:
+        super().__init__([], env, proc_root, quiet=quiet, use_scope=False)
+        self.launch = launch
+        self.interrupted = False
+
+    def _forward(self, pid: int) -> None:
+        launch = self.launch
+        if self._signals and launch.cid is None:
+            self.interrupted = True  # the container, found later, is stopped at once
+        while self._signals and launch.cid is not None:
+            signum = self._signals.pop(0)
+            done = sum(1 for s in self.sent if s in (signal.SIGTERM, signal.SIGKILL))
+            if done >= 2:
+                self.sent.append(signal.SIGKILL)
+                self._kill_all(pid, signal.SIGKILL)
+                self.note(f"sent SIGKILL to the docker client {pid}")
+                continue
+            self.sent.append(signal.SIGTERM if done == 0 else signal.SIGKILL)
+            launch.stop_container("stop" if done == 0 else "kill", f"{signal.Signals(signum).name}")
+        super()._forward(pid)
+
+
+class ContainerLaunch(Launch):
+    def __init__(
+        self, settings: Settings, plan: Plan, ctx: PlanContext, box: Container, *, quiet: bool = False,
+        probe: str | None = None,
+    ) -> None:  # fmt: skip
+        super().__init__(settings, plan, ctx, [box.docker[0]], quiet=quiet, use_scope=False, probe=probe)
+        self.box = box
+        self.supervisor = self.signals = ContainerSupervisor(self, self.env, self.proc_root, quiet)
+        self.endpoint = endpoint_of_url(probe) if probe else endpoint_of(box.engine)
+        self.probe_url = probe or ""
+        self.finder = Finder(box, self.env)
+        self.cid: str | None = None
+        self.root: int | None = None
+        self._root_ticks = 0
+        self._settled = False
+        self._lock = threading.Lock()
+        self._status: int | None = None  # the engine's end as a wait status (`_ended`), which `_finish` reports
+        self._ended_at: float | None = None
+
+    def _environment(self) -> dict[str, str]:
+        """Ours go in the container (`-e`, or launch's compose file), never over what the image or command set."""
+        choices = launchenv.engine_env(self.box.env, self.plan.estimate.jobs)
+        if not self.quiet:
+            print(launchenv.describe(choices, container=True), file=sys.stderr, flush=True)
+        self.cmd = self.supervisor.cmd = self.box.argv([(c.name, c.value) for c in choices if not c.kept])
+        if self.box.detach:
+            self.supervisor.stdout_fd = 2  # stdout says the container's id, as `docker run -d` does
+        return dict(self.env)
+
+    def run(self) -> int:
+        try:
+            return super().run()
+        finally:
+            self.finder.stop()
+            self.box.cleanup()
+
+    # --- the hooks
+    def started(self, pid: int) -> None:
+        self._started_wall = time.time()
+        self.finder.start()
+        self.note(f"started {self.box.what} as pid {pid}: the engine is declared once its container runs")
+
+    def tick(self, pid: int) -> float:
+        if self.root is None:
+            if self.finder.found is None:
+                return FIND_EVERY_S
+            self._adopt(*self.finder.found)
+        assert self.root is not None
+        if self._ended_at is None and read_start_ticks(self.proc_root, self.root) != self._root_ticks:
+            self._ended(None)  # its top process is gone: it ended, or the guard killed it (the client may stay)
+        every = super().tick(self.root)
+        if self.box.detach and not self.detached and self._ready():
+            self._detach(pid)
+        return every
+
+    def _adopt(self, cid: str, root: int, ip: str) -> None:
+        """The container runs: its top process declared as the engine's root (its own uid, launch's token)."""
+        self.cid, self.root = cid, root
+        self._root_ticks = read_start_ticks(self.proc_root, root) or 0
+        self._cgroup = read_cgroup(self.proc_root, root)
+        try:
+            uid = os.stat(f"{self.proc_root}/{root}").st_uid
+        except OSError:
+            uid = os.geteuid()
+        connect = None
+        if self.endpoint is not None and not self.probe_url:
+            connect = published_port(self.box.publish, self.endpoint.port)
+            if connect is None and ip and not self.box.host_network:
+                connect = (ip, self.endpoint.port)
+            if connect is None and not self.box.host_network:
+                self.endpoint = None  # the host cannot reach it: ready is its log line
+            else:
+                host, port = connect or ("127.0.0.1", self.endpoint.port)
+                self.probe_url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
+        where = f" in container {cid[:12]}"
+        self._declare(root, where, uid=uid, container=cid, launch_id=self.box.token)
+        self._watch_boot(root, (list(self.box.engine), self.box.env), connect)
+        if self.signals.interrupted:
+            self.stop_container("stop", "an interrupt before it ran")
+
+    def _tree_pids(self, pid: int) -> list[int]:
+        return read_descendants(self.proc_root, [pid])
+
+    def _ready(self) -> bool:
+        d = self.decl
+        if d is None:
+            return False
+        no_phases = self.plan.estimate.kind == EngineKind.OTHER
+        return no_phases or d.first_token_s is not None or (d.phase == BootPhase.READY and not d.probe_url)
+
+    def _detach(self, client: int) -> None:
+        self.detached = True
+        assert self.cid is not None
+        self.note(f"detached: container {self.cid[:12]} runs on, declared to the guard")
+        try:
+            os.killpg(client, signal.SIGKILL)  # the client only: the container is the daemon's
+        except OSError:
+            pass
+
+    # --- the container
+    def stop_container(self, how: str, why: str) -> None:
+        """`docker stop` (or `kill`) of the container by its id, on a thread: the output keeps coming meanwhile."""
+        cid = self.cid
+        if cid is None:
+            return
+        self.note(f"{why}: docker {how} {cid[:12]}")
+
+        def run() -> None:
+            self._no_restart()
+            docker_out([*self.box.docker, how, cid], self.env)
+
+        daemon_thread(run, f"sparkwatch-docker-{how}").start()
+
+    def _no_restart(self) -> None:
+        if self.cid is not None and self.box.restart not in ("", "no"):
+            docker_out([*self.box.docker, "update", "--restart=no", self.cid], self.env)
+
+    def _settle(self) -> None:
+        """Its engine ended: no restart, and stopped if docker restarted it meanwhile (or it still runs)."""
+        with self._lock:
+            if self._settled or self.cid is None:
+                return
+            self._settled = True
+        self._no_restart()
+        if self.box.restart not in ("", "no") or read_start_ticks(self.proc_root, self.root or 0) == self._root_ticks:
+            docker_out([*self.box.docker, "stop", "-t", str(STOP_GRACE_S), self.cid], self.env)
+
+    def exited(self, status: int | None) -> None:
+        """The client ended."""
+        if self.detached:
+            if self.first_token is not None:
+                self.first_token.stop()
+        elif self.root is None:
+            self._status = status  # no container ran: the client's own end (docker's error, 125…)
+            super().exited(status)
+        elif self._ended_at is None:
+            self._ended(status)
+        elif self._status is None:
+            self._status = _engine_status(None, status, compose=self.box.compose is not None)
+
+    def _ended(self, client: int | None) -> None:
+        """The container's engine ended: settled (no restart), its exit code (`docker wait`, else the client's),
+        declared at once (the guard's engine_exited carries it)."""
+        self._ended_at = time.monotonic()
+        self._settle()
+        self.finder.waited.wait(EXIT_CODE_WAIT_S)
+        self._status = _engine_status(self.finder.exit_code, client, compose=self.box.compose is not None)
+        super().exited(self._status)
+
+    def _finish(self, pid: int, status: int | None, peak: int) -> int:
+        if self.detached:
+            assert self.cid is not None
+            os.write(1, f"{self.cid}\n".encode())
+            if self.decl is not None and self.decl.ready_s is not None and peak > 0:
+                self._learn(peak)
+            self.exit_text = f"container {self.cid[:12]}, declared to the guard"
+            return 0
+        return super()._finish(self.root or pid, self._status, peak)
+
+
+def _engine_status(code: int | None, client: int | None, *, compose: bool) -> int | None:
+    """The engine's end as a wait status: the container's exit code (`docker wait`; `docker run`'s own exit code is
+    the same), 128+N read as signal N as docker writes it. compose up's code says nothing of the container."""
+    if code is None and client is not None and os.WIFEXITED(client) and not compose:
+        code = os.WEXITSTATUS(client)
+    if code is None:
+        return None if compose else client
+    return code - 128 if 128 < code <= 128 + 64 else code << 8
