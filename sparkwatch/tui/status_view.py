@@ -293,7 +293,8 @@ def compile_lines(census: CompileCensus | None, jobs_alert: int) -> list[Text]:
 
 
 def _cache_name(cache: JitCacheState) -> str:
-    return " ".join(part for part in (cache.cache, cache.version, cache.arch) if part)
+    name = " ".join(part for part in (cache.cache, cache.version, cache.arch) if part)
+    return f"{name} ({cache.where})" if cache.where else name  # a container's own cache: whose
 
 
 def jit_lines(builds: Sequence[BuildView], now: float, width: int) -> list[Text]:
