@@ -350,6 +350,10 @@ class JitCacheState:
     modules_total: int = 0
     modules_built: int = 0  # modules whose <module>.so exists
     error: str | None = None  # part of the tree was unreadable or vanished mid-walk
+    # A container's own cache, read through its engine's /proc/PID/root (telemetry/sources/jitcache.py): that engine's
+    # root pid and where it is in words ("container 4f4f4f4f4f4f"); 0 and "" for a cache of the host's own.
+    root_pid: int = 0
+    where: str = ""
 
 
 @dataclass(frozen=True, slots=True)

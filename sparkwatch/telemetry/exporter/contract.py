@@ -45,7 +45,8 @@ PRESENCE: dict[Presence, str] = {
     "ray": "in the daemon while a raylet runs on this node and Ray's state API answered once",
     "ray_group": "per engine group over Ray (a live placement group) this node's Ray lists, node and role",
     "peer": "in the daemon, per configured peer (`peers`) once it answered",
-    "probed": "per engine whose endpoint the serving probe knows, once it was probed (`probe_interval_s` > 0)",
+    "probed": "per engine whose endpoint the serving probe knows, once it was probed (`probe_interval_s` > 0; an "
+    "engine whose socket is out of reach, `not_probed`, has none)",
 }
 
 
@@ -513,7 +514,7 @@ METRICS: tuple[MetricSpec, ...] = (
         "engine pid",
         "probed",
         "1: the last one-token completion got a token, or it waited while the engine's own counters moved (busy); 0: "
-        "failing or wedged (absent while booting or not listening)",
+        "failing or wedged (absent while booting, not listening, or not probed: its socket out of reach)",
         help="1 if the engine's last one-token completion answered (the serving probe)",
     ),
     _m(
