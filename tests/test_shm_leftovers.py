@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -21,11 +22,13 @@ import pytest
 
 from sparkwatch.core.enums import CheckStatus
 from sparkwatch.core.launch.shmleft import fix_command, judge, kept_why, removable, summary
-from sparkwatch.core.model import ShmFile, ShmScan
+from sparkwatch.core.model import EngineTree, Proc, ShmFile, ShmScan
 from sparkwatch.core.report.doctorchecks import shm_check
 from sparkwatch.core.units import MiB, format_size
+from sparkwatch.telemetry import shmwatch
 from sparkwatch.telemetry.sources.shmfiles import scan
 from tests.conftest import wait_until
+from tests.daemon import scrape, sparkwatch_run
 from tests.dockerd import Dockerd, run_args
 
 SHM = Path("/dev/shm")
@@ -306,6 +309,51 @@ def test_doctor_on_the_real_dev_shm_names_and_fixes(tmp_path: Path, real_shm: Fi
         assert files.other.exists() and files.mapped.exists() and files.held.exists()
         assert files.orphan.name not in check.get("detail", "")
         assert files.other.name in check["detail"]  # named still, never removed
+
+
+# --- the metric's watch ---------------------------------------------------------------------------------------------
+
+
+def test_the_watch_scans_again_soon_after_an_engine_tree_ends(
+    scratch: tuple[Path, Files], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    root, files = scratch
+    monkeypatch.setattr(shmwatch, "SCAN_EVERY_S", 3600.0)  # only the end of the tree can bring the next scan
+    monkeypatch.setattr(shmwatch, "AFTER_END_S", 0.3)
+    monkeypatch.setattr(shmwatch, "LOOK_EVERY_S", 0.05)
+    engine = Proc(4242, 1, 0, "python3", "S", 99, 0, ("VLLM::EngineCore",))
+    trees: list[tuple[EngineTree, ...]] = [(EngineTree("vllm", engine, (engine,)),)]
+    watch = shmwatch.ShmWatch(root, Path("/proc"), lambda: trees[0])
+    files.orphan.unlink()
+    watch.start()
+    try:
+        assert wait_until(lambda: watch.latest is not None, 10)
+        assert watch.latest is not None and files.orphan.name not in {f.name for f in watch.latest.orphans}
+        write(files.orphan, 3 * MiB)  # the tree's leftover
+        time.sleep(0.3)
+        assert files.orphan.name not in {f.name for f in watch.latest.orphans}  # no scan while the tree runs
+        trees[0] = ()
+        assert wait_until(lambda: watch.latest is not None and watch.latest.held_bytes >= 3 * MiB, 5)
+    finally:
+        watch.stop()
+
+
+def test_the_daemon_exports_the_orphans_bytes(tmp_path: Path, scratch: tuple[Path, Files]) -> None:
+    """A real `sparkwatch run` over the scratch root: its first scan at start, scraped."""
+    root, files = scratch
+    want = held_bytes(files.orphan) + held_bytes(files.other)
+    with holder(files.mapped, files.held), sparkwatch_run(tmp_path, env={"SPARKWATCH_ROOT": str(root)}) as daemon:
+        text = ""
+
+        def exported() -> bool:
+            nonlocal text
+            text = scrape(daemon.port)
+            return "sparkwatch_shm_orphaned_bytes" in text
+
+        assert wait_until(exported, 20, 0.2), text
+        values = dict(line.split(" ", 1) for line in text.splitlines() if line.startswith("sparkwatch_shm_orphaned_"))
+        assert float(values["sparkwatch_shm_orphaned_bytes"]) == want, text
+        assert float(values["sparkwatch_shm_orphaned_files"]) == 2
 
 
 # --- an engine in Docker with --ipc=host ----------------------------------------------------------------------------

@@ -462,3 +462,4 @@ class Snapshot:
     gpu_unknown: tuple[GpuHolder, ...] = ()  # GPU holders no rule names: core.engines.identity.unknown_gpu_holders
     boots: tuple[BootState, ...] = ()  # engines `sparkwatch launch` declared, with their boot phase
     serving: tuple[EngineServing, ...] = ()  # per probed engine: telemetry/serving.py
+    shm: ShmLeft | None = None  # /dev/shm's orphans, from the shm watch's last scan (telemetry/shmwatch.py)
