@@ -155,6 +155,31 @@ def test_only_the_files_no_process_maps_or_holds_are_orphans(scratch: tuple[Path
     assert kept_why(other, left, os.geteuid()) == "not an engine's name"
 
 
+def test_what_one_part_of_a_process_showed_counts_when_the_other_cannot_be_read(scratch: tuple[Path, Files]) -> None:
+    """A fixture /proc: pid 42 holds a file by an fd and its maps cannot be read (a directory: EISDIR, as root reads
+    any file); pid 43 maps another in the kernel's maps shape. /proc shows no namespace: not the whole table."""
+    _root, files = scratch
+    proc = scratch[0] / "proc"
+    (proc / "42" / "fd").mkdir(parents=True)
+    (proc / "42" / "fd" / "3").symlink_to(files.held)
+    (proc / "42" / "maps").mkdir()
+    (proc / "43" / "fd").mkdir(parents=True)
+    st = os.stat(files.mapped)
+    dev = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}"
+    (proc / "43" / "maps").write_text(
+        "7f0000000000-7f0000200000 rw-s 00000000 " + dev + f" {st.st_ino}                    {files.mapped}\n"
+        "7f0000200000-7f0000201000 r--p 00000000 fd:01 123                        /usr/lib/libc.so.6\n"
+    )
+    (proc / "44").mkdir()  # no fd, no maps: it exited mid-read
+    found = scan(files.where, proc)
+    assert found.used == {(st.st_dev, st.st_ino), (os.stat(files.held).st_dev, os.stat(files.held).st_ino)}
+    assert found.unreadable == (os.stat(proc / "42").st_uid,)
+    assert found.partial_table
+    left = judge(found, euid=0)
+    assert {f.name for f in left.orphans} == {files.orphan.name, files.other.name}
+    assert not left.certain and removable(left, 0) == ()
+
+
 def test_a_process_of_another_user_that_cannot_be_read_makes_it_uncertain(real_shm: Files) -> None:
     """As nobody, root's processes cannot be read: the orphan is named, uncertain, and nothing is removable."""
     read_r, read_w = os.pipe()

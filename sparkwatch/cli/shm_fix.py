@@ -88,7 +88,11 @@ def say(root: Path, proc_root: Path, fix: bool, command: str, *, quiet: bool = F
         if hint is not None:
             print(hint, file=stream)
         return
-    removed, failed = remove(where, proc_root, left)
+    try:
+        removed, failed = remove(where, proc_root, left)
+    except OSError as exc:  # the directory itself went or turned unreadable since the first look
+        print(f"sparkwatch: fix: cannot read {where}: {exc.strerror or exc}", file=stream)
+        return
     print(f"sparkwatch: fix: {removed_line(removed, str(where))}", file=stream)
     for line in failed:
         print(f"sparkwatch: fix: could not remove {line}", file=stream)

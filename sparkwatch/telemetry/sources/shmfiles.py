@@ -65,10 +65,9 @@ def scan(shm_root: Path, proc_root: Path) -> ShmScan:
     for pid in _pids(proc_root):
         if used >= wanted:
             break  # every file has a user: nothing left to learn
-        found = _held_by(proc_root / pid, wanted, names, needles)
-        if found is not None:
-            used |= found
-        elif (owner := _owner(proc_root / pid)) is not None:
+        found, read = _held_by(proc_root / pid, wanted, names, needles)
+        used |= found
+        if not read and (owner := _owner(proc_root / pid)) is not None:
             unreadable.append(owner)
     return ShmScan(files, frozenset(used), tuple(unreadable), partial_table=not _whole_table(proc_root))
 
@@ -79,14 +78,18 @@ def _pids(proc_root: Path) -> list[str]:
 
 def _held_by(
     pid_dir: Path, wanted: set[tuple[int, int]], names: set[str], needles: set[bytes]
-) -> set[tuple[int, int]] | None:
-    """The wanted files this process holds; empty when it exited mid-read; None when it could not be read."""
+) -> tuple[set[tuple[int, int]], bool]:
+    """(the wanted files this process holds, whether both its fds and its maps were read). A process that exited
+    mid-read holds nothing and counts as read; what one part showed is kept when the other could not be read."""
+    found: set[tuple[int, int]] = set()
     try:
-        return _fd_keys(pid_dir, wanted, names) | _map_keys(pid_dir, wanted, needles)
+        found |= _fd_keys(pid_dir, wanted, names)
+        found |= _map_keys(pid_dir, wanted, needles)
     except (FileNotFoundError, ProcessLookupError):
-        return set()  # it exited: it holds nothing now
+        return set(), True  # it exited: it holds nothing now
     except (OSError, ValueError):  # EACCES, or a maps line not in the kernel's shape: never a reason to call it free
-        return None
+        return found, False
+    return found, True
 
 
 def _owner(pid_dir: Path) -> int | None:
