@@ -44,6 +44,7 @@ from sparkwatch.core.model import (
     JitEngineState,
     MemInfo,
     Proc,
+    ShmLeft,
     Snapshot,
 )
 from sparkwatch.telemetry.probewatch import ProbeWatch, Wedged
@@ -94,9 +95,11 @@ class Telemetry:
         gpu_source: Any | None = None,
         wall_clock: Callable[[], float] = time.time,
         driver: Callable[[], DriverReport | None] | None = None,
+        shm: Callable[[], ShmLeft | None] | None = None,
     ) -> None:
         """`gpu_source`: anything with collect() -> GpuReport (default NvmlSource). `driver`: the drift watcher's
-        latest report (a reference read, no I/O), put in Snapshot.driver as it is."""
+        latest report, `shm`: the shm watch's last verdict (each a reference read, no I/O), put in the Snapshot as
+        they are."""
         self.settings = settings
         self.wall_clock = wall_clock
         self.rules = engine_rules(settings)
@@ -110,6 +113,7 @@ class Telemetry:
         # NvmlSource bounds every NVML call and never raises from collect(); pynvml is imported on its first cycle.
         self.gpu_source = gpu_source if gpu_source is not None else NvmlSource(proc_root=settings.proc_root)
         self.driver = driver
+        self.shm = shm
         self.page_size_bytes = page_size_bytes()  # buddyinfo counts pages: 4 KiB, or 64 KiB on some arm64 kernels
         self._meminfo: MeminfoReader | None = None
         self._jit_tracks: dict[tuple[int, int], jit_core.JitTrack] = {}
@@ -255,6 +259,7 @@ class Telemetry:
             gpu_unknown=gpu_unknown,
             boots=boots,
             serving=serving,
+            shm=self.shm() if self.shm is not None else None,
         )
 
     _declared: tuple[tuple[BootState, int, int, int], ...] = ()  # (boot, start ticks, uid, launcher pid)

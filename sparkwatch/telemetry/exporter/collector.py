@@ -209,6 +209,9 @@ class SparkwatchCollector(Collector):
             for label, size in snap.free_contiguous:
                 contiguous.add_metric([label], size)
             yield contiguous
+        if snap is not None and snap.shm is not None and snap.shm.certain:  # an uncertain count is not known: absent
+            yield gauge("shm_orphaned_bytes", value=snap.shm.held_bytes)
+            yield gauge("shm_orphaned_files", value=len(snap.shm.orphans))
         if snap is not None and snap.psi is not None:
             psi = counter(
                 "memory_pressure_stalled_seconds",
