@@ -2,8 +2,8 @@
 
 Files live in a scratch shm directory (the commands' --root) or in the real /dev/shm under names unique to the test,
 removed at its end. A holder is a real child process: one file it maps (its fd closed: held by the mapping alone),
-one it only holds open. `--fix` on the real /dev/shm removes only orphans (files no process holds), so it can take
-another test's leftovers too, never a file in use. The docker test SIGKILLs a container that ran with --ipc=host.
+one it only holds open. `--fix` runs only on scratch roots: on the real /dev/shm it would take any engine-named orphan
+of this box. The docker test SIGKILLs a container that ran with --ipc=host and a scratch /dev/shm.
 """
 
 from __future__ import annotations
@@ -316,7 +316,9 @@ def doctor_shm(tmp_path: Path, *extra: str) -> tuple[dict[str, str], str]:
     return checks["shm-leftovers"], done.stderr
 
 
-def test_doctor_on_the_real_dev_shm_names_and_fixes(tmp_path: Path, real_shm: Files) -> None:
+def test_doctor_on_the_real_dev_shm_names_them(tmp_path: Path, real_shm: Files) -> None:
+    """The real /dev/shm and /proc, read only: a test never removes a file it did not make, and --fix on the real
+    /dev/shm would take any engine-named orphan of this box (the fix is tested on a scratch root below)."""
     files = real_shm
     with holder(files.mapped, files.held):
         check, _ = doctor_shm(tmp_path)
@@ -328,7 +330,12 @@ def test_doctor_on_the_real_dev_shm_names_and_fixes(tmp_path: Path, real_shm: Fi
         assert files.mapped.name not in check["detail"] and files.held.name not in check["detail"]
         assert check["fix"].startswith("sparkwatch doctor --fix")
 
-        check, stderr = doctor_shm(tmp_path, "--fix")
+
+def test_doctor_fix_removes_only_an_engines_orphan(tmp_path: Path, scratch: tuple[Path, Files]) -> None:
+    root, files = scratch
+    where = ("--root", str(root), "--proc-root", "/proc")
+    with holder(files.mapped, files.held):
+        check, stderr = doctor_shm(tmp_path, *where, "--fix")
         assert "sparkwatch: fix: removed" in stderr and "back in the pool" in stderr
         assert not files.orphan.exists()
         assert files.other.exists() and files.mapped.exists() and files.held.exists()
@@ -405,26 +412,31 @@ def running(dockerd: Dockerd, name: str) -> bool:
 
 @pytest.mark.docker
 def test_a_killed_containers_shm_files_are_named_and_fixed(dockerd: Dockerd, tmp_path: Path) -> None:
+    """--ipc=host, with the container's /dev/shm a scratch directory of the host (the commands' --root dev/shm): the
+    files are the host's, held by the container's process until it dies, and the fix never touches the real
+    /dev/shm."""
     name = f"sw-shm-{os.getpid()}"
     psm, sem = unique("psm_"), unique("sem.mp-")
+    root = tmp_path / "root"
+    shm = root / "dev" / "shm"
+    shm.mkdir(parents=True)
+    where = ("--root", str(root), "--proc-root", "/proc")
     dockerd.remove(name)
     try:
-        dockerd.docker(*run_args(dockerd, name, "--ipc=host", "--network", "none", src=False), "python3", "-c",
-                       CONTAINER_ENGINE, psm, sem)  # fmt: skip
+        flags = ("--ipc=host", "-v", f"{shm}:/dev/shm", "--network", "none")
+        dockerd.docker(*run_args(dockerd, name, *flags, src=False), "python3", "-c", CONTAINER_ENGINE, psm, sem)
         assert wait_until(lambda: "ready" in dockerd.docker("logs", name, check=False).stdout, 30)
-        check, _ = doctor_shm(tmp_path)
+        check, _ = doctor_shm(tmp_path, *where)
         assert psm not in check.get("detail", "") and sem not in check.get("detail", "")  # mapped in the container
-        assert (SHM / psm).exists() and (SHM / sem).exists()  # the host's /dev/shm: --ipc=host
+        assert (shm / psm).exists() and (shm / sem).exists()  # the host's directory
         dockerd.docker("kill", name)
         assert wait_until(lambda: not running(dockerd, name), 30)
-        check, _ = doctor_shm(tmp_path)
+        check, _ = doctor_shm(tmp_path, *where)
         detail = check["detail"].splitlines()
         for leftover in (psm, sem):  # the container ran as root: uid 0, which root's --fix may remove
             assert f"{leftover}: 4.0 MiB, uid 0 (removable)" in detail, check
-        fixed = sparkwatch(tmp_path, *WAIT, "--fix")
+        fixed = sparkwatch(tmp_path, *WAIT, *where, "--fix")
         assert fixed.returncode == 0 and "sparkwatch: fix: removed" in fixed.stderr, fixed.stderr
-        assert not (SHM / psm).exists() and not (SHM / sem).exists()
+        assert not (shm / psm).exists() and not (shm / sem).exists()
     finally:
         dockerd.remove(name)
-        for leftover in (psm, sem):
-            (SHM / leftover).unlink(missing_ok=True)
