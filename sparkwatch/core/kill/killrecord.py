@@ -152,7 +152,9 @@ def kill_line(facts: KillFacts) -> str:
     verb = "DRY-RUN would KILL" if facts.dry_run else "KILL"
     if not facts.trees:
         return f"sparkwatch: NO ENGINE TO KILL: {kill_reason(facts)}"
-    parts = [f"{t.kind} tree root={t.root.pid} ({plural(len(t.members), 'process')})" for t in facts.trees]
+    parts = [
+        f"{t.kind} tree root={t.root.pid}{_in_container(t)} ({plural(len(t.members), 'process')})" for t in facts.trees
+    ]
     why = f" [{'; '.join(facts.why_this_tree)}]" if facts.why_this_tree else ""
     return f"sparkwatch: {verb} {', '.join(parts)}: {kill_reason(facts)}{why}"
 
@@ -230,6 +232,7 @@ def kill_fields(facts: KillFacts) -> dict[str, object]:
             else {}
         ),
         **(_group_fields(facts.group, facts.victims) if facts.group is not None else {}),
+        **({"containers": containers} if (containers := _container_fields(facts.trees)) else {}),
         **(
             {
                 "failures": facts.wedge.failures,
@@ -255,6 +258,22 @@ def _group_fields(g: GroupLoss, victims: Sequence[tuple[Proc, str]]) -> dict[str
         "detected_ts": g.detected_ts or None,  # wall clock: when telemetry saw the death in Ray's state
         "peer_word": g.peer_word,  # the peer guard's line when it killed the first member; None: it did not, or unknown
     }
+
+
+def _in_container(tree: EngineTree) -> str:
+    """` in container 4f4f4f4f4f4f` (the id `docker ps` shows) for a tree in a container; "" for a bare one."""
+    ref = tree.container
+    return f" in container {ref.short_id}" if ref is not None else ""
+
+
+def _container_fields(trees: Sequence[EngineTree]) -> list[dict[str, object]]:
+    """The event's `containers`: each killed tree's container by its full id (telemetry's after-kill policy and the
+    views find it by that id), from the cgroup path alone."""
+    return [
+        {"root_pid": t.root.pid, "runtime": ref.runtime, "id": ref.id}
+        for t in trees
+        if (ref := t.container) is not None
+    ]
 
 
 def _ms(value: float | None) -> float | None:

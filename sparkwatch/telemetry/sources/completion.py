@@ -3,13 +3,16 @@
 A plain socket, not http.client: the whole exchange (connect, send, every read) is held to one deadline, so a
 server that accepts and then drips a byte a second cannot hold the probe past `timeout_s`. The answer is read to
 ANSWER_MAX_BYTES at most (`Connection: close`; a chunked body is joined). The key goes in one header and nowhere
-else: no error text here ever carries it or the request.
+else: no error text here ever carries it or the request. With `check`, the connection is shown to it before anything
+is sent (an engine in another network namespace: did it land there? telemetry.sources.listeners.landed); a refusal
+sends nothing and answers NOT_PROBED.
 """
 
 from __future__ import annotations
 
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from sparkwatch.core.engines.serving import PROBE_BODY, PROBE_PATH, Outcome, judge_answer
@@ -22,6 +25,7 @@ class Answer:
     outcome: Outcome
     latency_s: float | None  # connect to the last byte of the answer
     error: str = ""
+    connected: bool = True  # False: the connection itself failed (refused, unreachable, no answer to connect)
 
 
 def _request(host: str, port: int, prefix: str, key: str | None) -> bytes:
@@ -71,13 +75,28 @@ def parse_answer(data: bytes) -> tuple[int, bytes]:
     return int(parts[1]), body
 
 
-def send_probe(host: str, port: int, *, prefix: str = "", key: str | None = None, timeout_s: float) -> Answer:
-    """One completion of one token; never raises for anything the network or the server does."""
+def send_probe(
+    host: str,
+    port: int,
+    *,
+    prefix: str = "",
+    key: str | None = None,
+    timeout_s: float,
+    check: Callable[[tuple[str, int]], str] | None = None,
+) -> Answer:
+    """One completion of one token; never raises for anything the network or the server does. `check`: given our
+    socket's (address, port) once connected, returns why the request must not be sent ("" to send it)."""
     t0 = time.monotonic()
     deadline = t0 + timeout_s
     data = bytearray()
+    connected = False
     try:
         with socket.create_connection((host, port), timeout=timeout_s) as sock:
+            connected = True
+            if check is not None:
+                refused = check(sock.getsockname()[:2])
+                if refused:
+                    return Answer(Outcome.NOT_PROBED, None, refused)
             sock.settimeout(max(deadline - time.monotonic(), 0.001))
             sock.sendall(_request(host, port, prefix, key))
             while len(data) < ANSWER_MAX_BYTES:
@@ -90,11 +109,11 @@ def send_probe(host: str, port: int, *, prefix: str = "", key: str | None = None
                     break
                 data += piece
     except TimeoutError:
-        return Answer(Outcome.FAILED, None, f"no answer within {timeout_s:g} s")
+        return Answer(Outcome.FAILED, None, f"no answer within {timeout_s:g} s", connected)
     except ConnectionRefusedError:
-        return Answer(Outcome.FAILED, None, "connection refused")
+        return Answer(Outcome.FAILED, None, "connection refused", connected)
     except OSError as exc:
-        return Answer(Outcome.FAILED, None, f"{type(exc).__name__}: {exc.strerror or 'error'}")
+        return Answer(Outcome.FAILED, None, f"{type(exc).__name__}: {exc.strerror or 'error'}", connected)
     latency = time.monotonic() - t0
     status, body = parse_answer(bytes(data))
     if status == 0:

@@ -1,7 +1,8 @@
-"""The one HTTP GET client of telemetry's readers of other agents: the peers' documents (telemetry.peerwatch) and Ray's
-state API (telemetry.sources.raystate). Bounded in time (one deadline for the whole exchange, not per read: a peer
-that drips a byte a second is as late as one that says nothing) and in size (an answer past `max_bytes` is cut and
-its connection never reused).
+"""The one HTTP client of telemetry's readers of other agents: the peers' documents (telemetry.peerwatch), Ray's
+state API (telemetry.sources.raystate), the engines' counters, and the Docker Engine API on its unix socket
+(telemetry.sources.dockerapi: GETs, and the POSTs that pause, unpause or kill a container). Bounded in time (one
+deadline for the whole exchange, not per read: a peer that drips a byte a second is as late as one that says nothing)
+and in size (an answer past `max_bytes` is cut and its connection never reused).
 
 Plain HTTP goes through h11 (the HTTP/1.1 state machine, no I/O of its own) on a socket: `http.client` imports
 `ssl`, whose libssl and libcrypto were 4.4 MiB of the group watch's +5.5 MiB of telemetry RSS
@@ -38,8 +39,10 @@ class HttpGetError(Exception):
 
 
 class HttpGet:
-    """GETs to one host: `get(path)` -> (status, body, cut). With `keep_alive` the connection is reused by the next
-    call while the server keeps it open and the last answer was read whole; any failure closes it."""
+    """Requests to one host: `get(path)` -> (status, body, cut), `post(path)` the same for a POST with no body. With
+    `keep_alive` the connection is reused by the next call while the server keeps it open and the last answer was
+    read whole; any failure closes it. With `unix_path` the host is a unix socket (the Docker API's): `host` is then
+    only the Host header."""
 
     def __init__(
         self,
@@ -49,8 +52,10 @@ class HttpGet:
         tls: Callable[[], ssl.SSLContext] | None = None,
         keep_alive: bool = False,
         headers: tuple[tuple[str, str], ...] = (),
+        unix_path: str | None = None,
     ) -> None:
         self.host = host
+        self.unix_path = unix_path
         self.port = port
         self.tls = tls  # None: plain HTTP
         self.keep_alive = keep_alive
@@ -64,11 +69,18 @@ class HttpGet:
     def get(self, path: str, timeout_s: float, max_bytes: int) -> tuple[int, bytes, bool]:
         """The status, the body (at most `max_bytes`), and whether the body was cut there. Its headers: in
         `last_headers`."""
+        return self._request("GET", path, timeout_s, max_bytes)
+
+    def post(self, path: str, timeout_s: float, max_bytes: int) -> tuple[int, bytes, bool]:
+        """A POST with an empty body (the Docker API's pause, unpause, kill), answered as `get`."""
+        return self._request("POST", path, timeout_s, max_bytes)
+
+    def _request(self, method: str, path: str, timeout_s: float, max_bytes: int) -> tuple[int, bytes, bool]:
         self.last_headers = {}
         try:
             if self.tls is not None:
-                return self._get_tls(path, timeout_s, max_bytes)
-            return self._get_plain(path, time.monotonic() + timeout_s, max_bytes)
+                return self._get_tls(method, path, timeout_s, max_bytes)
+            return self._get_plain(method, path, time.monotonic() + timeout_s, max_bytes)
         except HttpGetError:
             self.close()
             raise
@@ -92,13 +104,14 @@ class HttpGet:
             self._https.close()
         self._sock, self._h11, self._https = None, None, None
 
-    def _get_plain(self, path: str, deadline: float, max_bytes: int) -> tuple[int, bytes, bool]:
+    def _get_plain(self, method: str, path: str, deadline: float, max_bytes: int) -> tuple[int, bytes, bool]:
         if self._sock is None or self._h11 is None:
-            self._sock = socket.create_connection((self.host, self.port), timeout=_left(deadline))
+            self._sock = self._connect(deadline)
             self._h11 = h11.Connection(our_role=h11.CLIENT)
         sock, conn = self._sock, self._h11
         sock.settimeout(_left(deadline))
-        sock.sendall(conn.send(h11.Request(method="GET", target=path, headers=list(self.headers))) or b"")
+        headers = [*self.headers, ("Content-Length", "0")] if method != "GET" else list(self.headers)
+        sock.sendall(conn.send(h11.Request(method=method, target=path, headers=headers)) or b"")
         sock.sendall(conn.send(h11.EndOfMessage()) or b"")
         status, body, cut, heard = 0, bytearray(), False, False
         while True:
@@ -128,7 +141,19 @@ class HttpGet:
             conn.start_next_cycle()
         return status, bytes(body[:max_bytes]), cut
 
-    def _get_tls(self, path: str, timeout_s: float, max_bytes: int) -> tuple[int, bytes, bool]:
+    def _connect(self, deadline: float) -> socket.socket:
+        if self.unix_path is None:
+            return socket.create_connection((self.host, self.port), timeout=_left(deadline))
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.settimeout(_left(deadline))
+            sock.connect(self.unix_path)
+        except BaseException:
+            sock.close()
+            raise
+        return sock
+
+    def _get_tls(self, method: str, path: str, timeout_s: float, max_bytes: int) -> tuple[int, bytes, bool]:
         """Through http.client, whose timeout is per read (not one deadline): TLS peers are the rare case."""
         import http.client  # noqa: PLC0415  (imports ssl: only for an https:// peer or dashboard)
         import ssl  # noqa: PLC0415
@@ -138,7 +163,7 @@ class HttpGet:
             self._https = http.client.HTTPSConnection(self.host, self.port, timeout=timeout_s, context=self.tls())
         conn = self._https
         try:
-            conn.request("GET", path, headers=dict(self.headers[1:]))
+            conn.request(method, path, headers=dict(self.headers[1:]))
             resp = conn.getresponse()
             body = resp.read(max_bytes + 1)
         except (http.client.HTTPException, ssl.SSLError) as exc:  # an answer, broken (or a handshake refused)
