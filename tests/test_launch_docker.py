@@ -206,3 +206,25 @@ def test_compose_up_is_planned_labelled_and_adopted(box: Box, dockerd: Dockerd, 
     finally:
         subprocess.run(["docker-compose", "-f", str(compose), "-p", project, "down", "-t", "1"], env=env,
                        capture_output=True, timeout=120, check=False)  # fmt: skip
+
+
+def test_detached_launch_returns_at_ready_with_the_id_and_the_container_runs_on_declared(
+    box: Box, dockerd: Dockerd, tmp_path: Path
+) -> None:
+    """`-d`: launch stays through the boot (the container's output on stderr), prints the id on stdout as `docker run
+    -d` does once the engine is ready, and leaves the container running under its declaration."""
+    name = f"sw-ld-detach-{os.getpid()}"
+    argv = run_argv(name, engine_dir(tmp_path), small_model(tmp_path), "-d", engine=("--phase-s", "0.1"))
+    try:
+        proc = box.launch("--", *argv, env=docker_env(box, dockerd))
+        out, err = proc.communicate(timeout=120)
+        text = err.decode()
+        assert proc.returncode == 0, text
+        (decl,) = box.declarations()
+        assert out.decode() == f"{decl['container']}\n"
+        assert "Loading safetensors checkpoint shards" in text and "vllm runs on after" in text, text
+        assert decl["phase"] == "ready" and decl["exited_at"] is None
+        running = state(dockerd, name)
+        assert running is not None and running["Running"] is True and running["Pid"] == decl["root_pid"]
+    finally:
+        dockerd.remove(name)

@@ -24,7 +24,8 @@
    starts anyway, `--plan` prints the plan and exits 0 (fits) or 1 (does not).
 4. Environment (core.launch.launchenv), declaration (common.launched), run (cli.launch_run): the command's output passes
    through unchanged, its boot phases are recognised (core.launch.bootphase), Ctrl-C goes to the whole tree, and the
-   exit code comes back; a guard kill is reported in one line and exits 137.
+   exit code comes back; a guard kill is reported in one line and exits 137. A container (`docker run …`, `docker
+   compose up SERVICE`) is planned by the engine inside (cli.launch_docker) and run by cli.launch_container.
 
 Exit codes: the command's own; 128+N when it died of signal N (137: killed, by the guard when the line says so);
 75 the plan does not fit (nothing started); 78 the Ray cluster needs a fix first: a raylet here lacks what the
@@ -138,7 +139,9 @@ def handle(args: argparse.Namespace) -> int:
         print("sparkwatch: launch needs a command: sparkwatch launch -- vllm serve MODEL", file=sys.stderr)
         return 2
     settings = settings_from(args)
-    box = _container(cmd)  # `docker run …`, `docker compose up SERVICE`: the engine inside (cli.launch_docker)
+    from sparkwatch.cli.launch_docker import prepared
+
+    box = prepared(cmd, os.environ)  # `docker run …`, `docker compose up SERVICE`: the engine inside; int: exit code
     if isinstance(box, int):
         return box
     inputs = PlanInputs(
@@ -248,20 +251,6 @@ def handle(args: argparse.Namespace) -> int:
         ended = "runs on" if launch.detached else "exited"
         print(f"sparkwatch: {plan.estimate.kind} {ended} after {took:.0f} s: {launch.exit_text}", file=sys.stderr)
     return code
-
-
-def _container(cmd: list[str]) -> Any:
-    """The container `cmd` starts (cli.launch_docker.Container), None for a bare command, or the exit code after the
-    one line that says why it cannot be planned."""
-    if Path(cmd[0]).name not in ("docker", "docker-compose"):
-        return None
-    from sparkwatch.cli.launch_docker import ContainerError, prepare
-
-    try:
-        return prepare(cmd, os.environ)
-    except ContainerError as exc:
-        print(f"sparkwatch launch: {exc}", file=sys.stderr)
-        return exc.code
 
 
 def _spans(inputs: Any) -> bool:

@@ -9,8 +9,8 @@ cli.launch_run.Launch where the engine is a container's processes, and launch's 
   process's own uid), so the guard takes the container's processes as the declared engine's tree, holds its budget
   and names it in its word to launch; the footprint is that tree's, with the container's cgroup (memory.current).
   `docker wait` on the same thread gives the container's first exit code (compose up's own says nothing of it).
-- Ready is a bare engine's: the first one-token completion, dialled where the host reaches the engine's port (the
-  `-p` that publishes it, else the container's address; with `--network host`, the port itself), else its ready line.
+- Ready is a bare engine's: the first one-token completion, dialled at the engine's own address in the container's
+  network namespace (telemetry.sources.listeners.dial_of: the owner of that rule), else its ready line.
 - Ctrl-C (and SIGTERM, SIGHUP) stops the container by its id (`docker stop`, the image's stop signal then SIGKILL
   after its timeout); a second one `docker kill`s it; a third kills the client. Before the container is known, they
   go to the client as for any command.
@@ -37,12 +37,11 @@ from sparkwatch.cli.launch_run import Launch
 from sparkwatch.cli.launch_supervisor import Supervisor
 from sparkwatch.common.sources.procs import read_cgroup, read_descendants, read_start_ticks
 from sparkwatch.common.threads import daemon_thread
-from sparkwatch.core.containerid import LAUNCH_LABEL
+from sparkwatch.core.container import LABEL_LAUNCH
 from sparkwatch.core.engines.enginecli import EngineKind
-from sparkwatch.core.engines.serving import endpoint_of, endpoint_of_url
+from sparkwatch.core.engines.serving import endpoint_of
 from sparkwatch.core.launch import launchenv
 from sparkwatch.core.launch.bootphase import BootPhase
-from sparkwatch.core.launch.dockerargv import published_port
 
 if TYPE_CHECKING:
     from sparkwatch.cli.launch_plan import PlanContext
@@ -59,7 +58,7 @@ class Finder:
 
     def __init__(self, box: Container, env: dict[str, str]) -> None:
         self.box, self.env = box, env
-        self.found: tuple[str, int, str] | None = None  # (id, top pid, IP address or "")
+        self.found: tuple[str, int] | None = None  # (id, top pid)
         self.exit_code: int | None = None
         self.waited = threading.Event()
         self._stop = threading.Event()
@@ -78,7 +77,7 @@ class Finder:
             except OSError:
                 return None
         code, out, _err = docker_out(
-            [*self.box.docker, "ps", "-aq", "--no-trunc", "--filter", f"label={LAUNCH_LABEL}={self.box.token}"],
+            [*self.box.docker, "ps", "-aq", "--no-trunc", "--filter", f"label={LABEL_LAUNCH}={self.box.token}"],
             self.env,
         )
         ids = out.split() if code == 0 else []
@@ -91,9 +90,9 @@ class Finder:
                 if cid is None:
                     continue
                 code, out, _err = docker_out([*self.box.docker, "inspect", "--type", "container", cid], self.env)
-                state = _inspected(out) if code == 0 else None
-                if state is not None:
-                    self.found = (cid, *state)
+                pid = _running_pid(out) if code == 0 else None
+                if pid is not None:
+                    self.found = (cid, pid)
                     break
             else:
                 return
@@ -104,20 +103,14 @@ class Finder:
             self.waited.set()
 
 
-def _inspected(out: str) -> tuple[int, str] | None:
-    """(top pid, IP address) of a running container, from `docker inspect`; None until it runs."""
+def _running_pid(out: str) -> int | None:
+    """The top process of a running container, from `docker inspect`; None until it runs."""
     try:
-        doc = json.loads(out)[0]
-        state, net = doc["State"], doc.get("NetworkSettings") or {}
+        state = json.loads(out)[0]["State"]
         pid = int(state.get("Pid") or 0)
-    except (ValueError, KeyError, IndexError, TypeError):
+    except (ValueError, KeyError, IndexError, TypeError, AttributeError):
         return None
-    if not state.get("Running") or pid <= 0:
-        return None
-    ips = [net.get("IPAddress") or ""] + [
-        (n or {}).get("IPAddress") or "" for n in (net.get("Networks") or {}).values()
-    ]
-    return pid, next((ip for ip in ips if ip), "")
+    return pid if state.get("Running") and pid > 0 else None
 
 
 class ContainerSupervisor(Supervisor):
@@ -153,8 +146,9 @@ class ContainerLaunch(Launch):
         super().__init__(settings, plan, ctx, [box.docker[0]], quiet=quiet, use_scope=False, probe=probe)
         self.box = box
         self.supervisor = self.signals = ContainerSupervisor(self, self.env, self.proc_root, quiet)
-        self.endpoint = endpoint_of_url(probe) if probe else endpoint_of(box.engine)
-        self.probe_url = probe or ""
+        if not probe:  # the engine's own port, dialled at its address in the container (telemetry.sources.listeners)
+            self.endpoint = ep = endpoint_of(box.engine)
+            self.probe_url = "" if ep is None else f"http://{f'[{ep.host}]' if ':' in ep.host else ep.host}:{ep.port}"
         self.finder = Finder(box, self.env)
         self.cid: str | None = None
         self.root: int | None = None
@@ -200,7 +194,7 @@ class ContainerLaunch(Launch):
             self._detach(pid)
         return every
 
-    def _adopt(self, cid: str, root: int, ip: str) -> None:
+    def _adopt(self, cid: str, root: int) -> None:
         """The container runs: its top process declared as the engine's root (its own uid, launch's token)."""
         self.cid, self.root = cid, root
         self._root_ticks = read_start_ticks(self.proc_root, root) or 0
@@ -209,19 +203,8 @@ class ContainerLaunch(Launch):
             uid = os.stat(f"{self.proc_root}/{root}").st_uid
         except OSError:
             uid = os.geteuid()
-        connect = None
-        if self.endpoint is not None and not self.probe_url:
-            connect = published_port(self.box.publish, self.endpoint.port)
-            if connect is None and ip and not self.box.host_network:
-                connect = (ip, self.endpoint.port)
-            if connect is None and not self.box.host_network:
-                self.endpoint = None  # the host cannot reach it: ready is its log line
-            else:
-                host, port = connect or ("127.0.0.1", self.endpoint.port)
-                self.probe_url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
-        where = f" in container {cid[:12]}"
-        self._declare(root, where, uid=uid, container=cid, launch_id=self.box.token)
-        self._watch_boot(root, (list(self.box.engine), self.box.env), connect)
+        self._declare(root, f" in container {cid[:12]}", uid=uid, container=cid, launch_id=self.box.token)
+        self._watch_boot(root, (list(self.box.engine), self.box.env))
         if self.signals.interrupted:
             self.stop_container("stop", "an interrupt before it ran")
 

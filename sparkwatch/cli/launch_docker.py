@@ -20,6 +20,7 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -27,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from sparkwatch.common.sources.checkpoint import hub_cache, read_facts
+from sparkwatch.core.launch import containerspec as cs
 from sparkwatch.core.launch import dockerargv as dk
 from sparkwatch.core.launch.plan import ModelFacts
 
@@ -69,16 +71,14 @@ class Container:
     image: str
     engine: tuple[str, ...]  # the engine's command line in the container
     env: dict[str, str]  # the container's environment
-    mounts: tuple[dk.Mount, ...]
+    mounts: tuple[cs.Mount, ...]
     restart: str
     detach: bool
-    publish: tuple[str, ...]
-    host_network: bool
     user: str | None
     token: str = field(default_factory=lambda: f"{os.geteuid()}-{os.urandom(8).hex()}")
     run: dk.DockerRun | None = None
     compose: dk.ComposeUp | None = None
-    service: dk.Service | None = None
+    service: cs.Service | None = None
     files: tuple[str, ...] = ()
     version: str | None = None
     workdir: Path | None = None  # launch's own files (the cidfile, the compose file it adds), removed at the end
@@ -106,7 +106,7 @@ class Container:
         if self.run is not None:
             return dk.launch_run_argv(self.run, token=self.token, cidfile=str(self.cidfile), env=env)
         assert self.compose is not None and self.service is not None
-        doc = dk.compose_override(self.service, token=self.token, env=env, version=self.version)
+        doc = cs.compose_override(self.service, token=self.token, env=env, version=self.version)
         override = self._dir() / "sparkwatch-launch.json"  # JSON is YAML: compose reads it as any compose file
         override.write_text(json.dumps(doc, indent=1))
         return dk.launch_compose_argv(self.compose, self.files, str(override), self.service.name)
@@ -128,13 +128,13 @@ class Container:
         the facts say so, and the plan counts no weights."""
         home = self.env.get("HOME") or ("/" if self.user else "/root")
         hub = str(hub_cache({**self.env, "XDG_CACHE_HOME": self.env.get("XDG_CACHE_HOME") or f"{home}/.cache"}))
-        host_hub = dk.host_path(self.mounts, hub)
+        host_hub = cs.host_path(self.mounts, hub)
         where, unmapped = model or "", None
         if where.startswith("/"):
-            where = dk.host_path(self.mounts, where) or ""
+            where = cs.host_path(self.mounts, where) or ""
             unmapped = None if where else model
         if download:
-            host_download = dk.host_path(self.mounts, download)
+            host_download = cs.host_path(self.mounts, download)
             unmapped, download = unmapped or (None if host_download else download), host_download
         if unmapped is None and where and not where.startswith("/") and not download and host_hub is None:
             unmapped = f"{hub} (the container's Hugging Face cache)"
@@ -142,6 +142,17 @@ class Container:
             return ModelFacts(source=model or "", error=f"{unmapped}: in the container under no bind mount (-v): "
                               "its files are not read")  # fmt: skip
         return read_facts(where, {"HF_HUB_CACHE": host_hub} if host_hub else {}, download, revision)
+
+
+def prepared(argv: list[str], env: Mapping[str, str]) -> Container | int | None:
+    """`prepare`, for launch: the exit code after one line on stderr where the container cannot be planned."""
+    if not argv or Path(argv[0]).name not in ("docker", "docker-compose"):
+        return None
+    try:
+        return prepare(argv, env)
+    except ContainerError as exc:
+        print(f"sparkwatch launch: {exc}", file=sys.stderr)
+        return exc.code
 
 
 def prepare(argv: list[str], env: Mapping[str, str]) -> Container | None:
@@ -170,7 +181,7 @@ def _image(docker: tuple[str, ...], image: str, env: Mapping[str, str]) -> dict[
                 return config
         except ValueError:
             pass
-    entry, cmd = dk.KNOWN_IMAGES.get(dk.repository(image), ((), ()))
+    entry, cmd = cs.KNOWN_IMAGES.get(cs.repository(image), ((), ()))
     return {"Entrypoint": list(entry), "Cmd": list(cmd), "Env": []}
 
 
@@ -184,16 +195,15 @@ def _run(run: dk.DockerRun, env: Mapping[str, str]) -> Container:
     entries = []
     for path in run.values("env-file"):
         try:
-            entries += dk.env_file_entries(Path(path).read_text(encoding="utf-8", errors="replace"))
+            entries += cs.env_file_entries(Path(path).read_text(encoding="utf-8", errors="replace"))
         except OSError as exc:
             raise ContainerError(f"docker run: --env-file {path}: {exc.strerror or exc}") from None
-    cenv = dk.container_env(_list(config, "Env") or (), [*entries, *run.values("env")], env)
-    inner = dk.entry_and_command(run.entrypoint, run.command, _list(config, "Entrypoint"), _list(config, "Cmd"))
+    cenv = cs.container_env(_list(config, "Env") or (), [*entries, *run.values("env")], env)
+    inner = cs.entry_and_command(run.entrypoint, run.command, _list(config, "Entrypoint"), _list(config, "Cmd"))
     return Container(
-        docker=run.docker, image=run.image, engine=dk.engine_argv(inner), env=cenv,
-        mounts=dk.bind_mounts(run.values("volume"), run.values("mount"), os.getcwd()),
-        restart=run.restart, detach=run.detach, publish=tuple(run.values("publish")),
-        host_network=run.host_network, user=run.last("user") or config.get("User") or None, run=run,
+        docker=run.docker, image=run.image, engine=cs.engine_argv(inner), env=cenv,
+        mounts=cs.bind_mounts(run.values("volume"), run.values("mount"), os.getcwd()),
+        restart=run.restart, detach=run.detach, user=run.last("user") or config.get("User") or None, run=run,
     )  # fmt: skip
 
 
@@ -250,19 +260,19 @@ def _compose(up: dk.ComposeUp, env: Mapping[str, str]) -> Container:
     files = compose_files(up, env)
     config = _config(up, files, env)
     try:
-        svc = dk.service_of(config, up.services[0] if up.services else None, os.getcwd())
+        svc = cs.service_of(config, up.services[0] if up.services else None, os.getcwd())
     except ValueError as exc:
         raise ContainerError(str(exc)) from None
     image = _image(up.docker, svc.image, env) if svc.image else {}
-    cenv = dk.container_env(_list(image, "Env") or (), [f"{k}={v}" for k, v in svc.environment.items()], {})
+    cenv = cs.container_env(_list(image, "Env") or (), [f"{k}={v}" for k, v in svc.environment.items()], {})
     if svc.entrypoint is not None:  # compose, as docker: an entrypoint given resets the image's command
         inner = (*svc.entrypoint, *(svc.command or ()))
     else:
-        inner = dk.entry_and_command(None, svc.command or (), _list(image, "Entrypoint"), _list(image, "Cmd"))
+        inner = cs.entry_and_command(None, svc.command or (), _list(image, "Entrypoint"), _list(image, "Cmd"))
     version = config.get("version")
     return Container(
-        docker=up.docker, image=svc.image, engine=dk.engine_argv(inner), env=cenv, mounts=svc.mounts,
-        restart=svc.restart, detach=up.detach, publish=svc.ports, host_network=svc.host_network,
+        docker=up.docker, image=svc.image, engine=cs.engine_argv(inner), env=cenv, mounts=svc.mounts,
+        restart=svc.restart, detach=up.detach,
         user=str(image.get("User") or "") or None, compose=up, service=svc, files=files,
         version=str(version) if version else None,
     )  # fmt: skip

@@ -55,9 +55,7 @@ class PlanInputs:
     margin_bytes: int | None = None
     engine_reads: str | None = None
     env: Mapping[str, str] = field(default_factory=dict)
-    view: Any = (
-        None  # an engine in a container (cli.launch_docker.Container): its checkpoint is read through its mounts
-    )
+    view: Any = None  # an engine in a container (cli.launch_docker.Container): its checkpoint seen through its mounts
 
 
 @dataclass(frozen=True)
@@ -166,7 +164,7 @@ def running(
                 phase=str(d.phase),
                 age_s=age_s,
                 engine=any(pid in engines for pid in pids),
-                other_uid=None if d.uid == me else d.uid,
+                other_uid=None if d.uid == me or d.launch_id.startswith(f"{me}-") else d.uid,  # (a container: yours)
                 launched=parents.get(d.root_pid) == d.launcher_pid,
             )
         )
@@ -203,9 +201,8 @@ def gather(settings: Settings, inputs: PlanInputs) -> tuple[Plan, PlanContext]:
     if cmd.kind == EngineKind.OTHER:
         facts = ModelFacts(source="")
     else:
-        facts = (inputs.view.facts if inputs.view else read_facts)(cmd.model, env, cmd.flag("download_dir"),
-                                                                   cmd.flag("revision"))  # fmt: skip
-    # the vLLM installed here says nothing of the one in a container's image
+        read = inputs.view.facts if inputs.view else read_facts  # a container's: through its mounts
+        facts = read(cmd.model, env, cmd.flag("download_dir"), cmd.flag("revision"))
     version = engine_version(cmd.argv, "vllm") if cmd.kind == EngineKind.VLLM and not inputs.view else None
     view = memory_view(settings, inputs.margin_bytes)
     span = span_of(cmd, uses_ray(inputs.argv, env))

@@ -55,7 +55,7 @@ from sparkwatch.core.launch.plan import Plan
 from sparkwatch.core.report.guardstate import KillWord, no_guard_line, not_taken_line, taken_line
 from sparkwatch.core.units import MiB, format_size
 from sparkwatch.telemetry.sources.completion import send_probe
-from sparkwatch.telemetry.sources.listeners import owned_listener
+from sparkwatch.telemetry.sources.listeners import Unreachable, dial_of, landing_check
 
 if TYPE_CHECKING:
     from sparkwatch.config.settings import Settings
@@ -299,17 +299,15 @@ class Launch:
         )
         self._declared_to_guard()
 
-    def _watch_boot(
-        self, pid: int, engine: tuple[list[str], dict[str, str]] | None = None, connect: tuple[str, int] | None = None
-    ) -> None:
+    def _watch_boot(self, pid: int, engine: tuple[list[str], dict[str, str]] | None = None) -> None:
         """The first-token probe (`engine`: the argv and environment that name its key, where they are not launch's
-        own; `connect`: where the host reaches its port) and, for an engine over Ray, its ranks."""
+        own) and, for an engine over Ray, its ranks."""
         if self.endpoint is not None:
             key = None
             if self.endpoint.server != "url":
                 argv, env = engine or (self.cmd, self.env)
                 key = api_key_of(argv, env, self.endpoint.server)
-            self.first_token = FirstToken(self.proc_root, pid, self.endpoint, key, connect)
+            self.first_token = FirstToken(self.proc_root, pid, self.endpoint, key)
             self.first_token.start()
         if self.ray:
             self.ranks = RankWatch(str(self.settings.ray_dashboard_url), self.proc_root, pid)
@@ -336,12 +334,13 @@ class Launch:
             return
         if ft.answered_at is None:
             ready_at = next((at for p, at in self.decl.phases if p == BootPhase.READY), None)
-            if ready_at is not None and not ft.listening_seen and time.time() - ready_at >= READY_LISTEN_GRACE_S:
+            silent = ready_at is not None and not ft.listening_seen and time.time() - ready_at >= READY_LISTEN_GRACE_S
+            if silent or ft.unreachable:  # (unreachable: a container's socket the host cannot dial, said why)
                 ft.stop()
-                port = ft.endpoint.port
                 self.decl = replace(self.decl, probe_url="")
                 self._write_decl()
-                self.note(f"no socket of the engine listens on port {port}: ready by its log line (--probe URL)")
+                why = ft.unreachable or f"no socket of the engine listens on port {ft.endpoint.port}"
+                self.note(f"{why}: ready by its log line" + ("" if ft.unreachable else " (--probe URL)"))
             return
         took = max(ft.answered_at - self.decl.launched_at, 0.0)
         self.decl = replace(self.decl, first_token_s=took)
@@ -493,15 +492,13 @@ class FirstToken:
     LOOK_EVERY_S = 0.25  # a look for its listening socket until then (a few small /proc reads)
     TIMEOUT_S = 10.0
 
-    def __init__(
-        self, proc_root: str, pid: int, endpoint: Endpoint, key: str | None, connect: tuple[str, int] | None = None
-    ) -> None:
-        """`connect`: where to dial once the engine listens (a container's port as the host reaches it)."""
-        self.proc_root, self.pid, self.endpoint, self._key, self.connect = proc_root, pid, endpoint, key, connect
+    def __init__(self, proc_root: str, pid: int, endpoint: Endpoint, key: str | None) -> None:
+        self.proc_root, self.pid, self.endpoint, self._key = proc_root, pid, endpoint, key
         self.answered_at: float | None = None  # wall clock
         self.latency_s: float | None = None
         self.probes = 0
         self.listening_seen = False
+        self.unreachable = ""  # why its socket cannot be reached from here (a container's, telemetry.sources.listeners)
         self._stop = threading.Event()
 
     def start(self) -> None:
@@ -513,18 +510,17 @@ class FirstToken:
     def _run(self) -> None:
         while not self._stop.wait(self.EVERY_S if self.listening_seen else self.LOOK_EVERY_S):
             pids = read_descendants(self.proc_root, [self.pid])
-            listener = owned_listener(self.proc_root, self.pid, pids, self.endpoint.port)
-            if listener is None:
+            dial = dial_of(self.proc_root, self.pid, pids, self.endpoint.port)  # in a container: its own address
+            if dial is None:
                 continue
             self.listening_seen = True
+            if isinstance(dial, Unreachable):
+                self.unreachable = dial.reason
+                return
             self.probes += 1
-            host, port = self.connect or (listener.connect_host, listener.port)
+            check = landing_check(self.proc_root, dial) if dial.netns_pid else None
             answer = send_probe(
-                host,
-                port,
-                prefix=self.endpoint.prefix,
-                key=self._key,
-                timeout_s=self.TIMEOUT_S,
+                dial.host, dial.port, prefix=self.endpoint.prefix, key=self._key, timeout_s=self.TIMEOUT_S, check=check
             )
             if answer.outcome == Outcome.OK:
                 self.latency_s = answer.latency_s

@@ -21,10 +21,9 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-# What `sparkwatch launch` puts on a container it starts (cli.launch_docker): a label, and the same token in the
-# container's environment, which the guard reads in /proc to believe a declaration of that container
+# The token `sparkwatch launch` puts in the environment of a container it starts (cli.launch_docker), as in its label
+# (core.container.LABEL_LAUNCH): the guard reads it in /proc to believe a declaration of that container
 # (common.launched.in_container).
-LAUNCH_LABEL = "io.sparkwatch.launch"
 LAUNCH_ENV = "SPARKWATCH_LAUNCH"
 _ID = r"([0-9a-f]{64})"
 ID_RE = re.compile(r"[0-9a-f]{64}")

@@ -49,7 +49,7 @@ from sparkwatch.core.launch.bootphase import BOOTING
 from sparkwatch.core.model import BootState, EngineServing, EngineTree, Event
 from sparkwatch.telemetry.sources.completion import send_probe
 from sparkwatch.telemetry.sources.enginecounters import read_counters
-from sparkwatch.telemetry.sources.listeners import Dial, Unreachable, dial_of, landed
+from sparkwatch.telemetry.sources.listeners import Dial, Unreachable, dial_of, landing_check
 
 log = logs.get("telemetry")
 TARGETS_MAX = 64  # engines probed: a box runs a handful
@@ -254,7 +254,7 @@ class ProbeWatch:
         tree = (target.root_pid, target.start_ticks)
         if dial.netns_pid:
             self._dialled[tree] = dial.address
-            check = self._landing_check(dial)
+            check = landing_check(self.proc_root, dial)
         answer = send_probe(
             dial.host, dial.port, prefix=ep.prefix, key=key, timeout_s=self.params.timeout_s, check=check
         )
@@ -268,15 +268,6 @@ class ProbeWatch:
             return core.ProbeResult(core.Outcome.NOT_PROBED, self.wall_clock(), None, why), None, None
         result = core.ProbeResult(answer.outcome, self.wall_clock(), answer.latency_s, answer.error)
         return result, (dial if answer.outcome != core.Outcome.NOT_PROBED else None), key
-
-    def _landing_check(self, dial: Dial) -> Callable[[tuple[str, int]], str]:
-        def check(ours: tuple[str, int]) -> str:
-            v6 = ":" in dial.listener.address
-            if landed(self.proc_root, dial.netns_pid, (dial.host, dial.port), (ours[0], ours[1]), v6_listener=v6):
-                return ""
-            return f"a connection to {dial.address} did not reach the engine's own network namespace"
-
-        return check
 
     def _endpoint(self, target: Target) -> str:
         """host:port as its command line names it, or the address it was dialled at in its own network namespace."""

@@ -28,7 +28,7 @@ import os
 import socket
 import struct
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -356,6 +356,19 @@ def _connection_rows(proc_root: Path | str, pid: int, tables: tuple[str, ...]) -
             except ValueError:
                 continue
     return out
+
+
+def landing_check(proc_root: Path | str, dial: Dial) -> Callable[[tuple[str, int]], str]:
+    """send_probe's `check` for a dial into another network namespace: "" once our connection (`ours`, our socket's
+    address and port) `landed` there, else why the request must not be sent."""
+
+    def check(ours: tuple[str, int]) -> str:
+        v6 = ":" in dial.listener.address
+        if landed(proc_root, dial.netns_pid, (dial.host, dial.port), (ours[0], ours[1]), v6_listener=v6):
+            return ""
+        return f"a connection to {dial.address} did not reach the engine's own network namespace"
+
+    return check
 
 
 def landed(
