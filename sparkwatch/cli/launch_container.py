@@ -49,6 +49,10 @@ if TYPE_CHECKING:
     from sparkwatch.core.launch.plan import Plan
 
 FIND_EVERY_S = 0.25
+# A pull or a build can take minutes: after this long the container is looked for once a second (each look may be a
+# docker command, some 30 ms of a core).
+FIND_SLOWER_AFTER_S = 10.0
+FIND_SLOW_S = 1.0
 EXIT_CODE_WAIT_S = 5.0  # after the client ended, how long `docker wait` may take to say the container's exit code
 STOP_GRACE_S = 2  # `docker stop -t`: a container restarted after its engine ended is a boot nobody asked for
 
@@ -84,8 +88,9 @@ class Finder:
         return ids[0] if ids else None
 
     def _run(self) -> None:
+        slow_from = time.monotonic() + FIND_SLOWER_AFTER_S
         try:
-            while not self._stop.wait(FIND_EVERY_S):
+            while not self._stop.wait(FIND_EVERY_S if time.monotonic() < slow_from else FIND_SLOW_S):
                 cid = self._id()
                 if cid is None:
                     continue
@@ -197,6 +202,7 @@ class ContainerLaunch(Launch):
     def _adopt(self, cid: str, root: int) -> None:
         """The container runs: its top process declared as the engine's root (its own uid, launch's token)."""
         self.cid, self.root = cid, root
+        self._started_wall = time.time()  # the engine's start is its container's (a pull before it is no boot)
         self._root_ticks = read_start_ticks(self.proc_root, root) or 0
         self._cgroup = read_cgroup(self.proc_root, root)
         try:
