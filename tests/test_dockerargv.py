@@ -122,10 +122,10 @@ def test_the_containers_environment_is_the_images_then_env_files_then_e() -> Non
 
 
 def test_what_launch_adds_to_docker_run() -> None:
-    r = run("run", "-dit", "--rm", "-e", "A=1", "--name", "x", "img", "serve", "m")
+    r = run("run", "-dit", "--restart=always", "-e", "A=1", "--name", "x", "img", "serve", "m")
     argv = dk.launch_run_argv(r, token="1000-ab", cidfile="/run/cid", env=[("MAX_JOBS", "2")])
     assert argv == ["docker", "run", "--label=io.sparkwatch.launch=1000-ab", "--env=SPARKWATCH_LAUNCH=1000-ab",
-                    "--cidfile=/run/cid", "--init", "--env=MAX_JOBS=2", "--rm", "--env=A=1", "--name=x", "img",
+                    "--cidfile=/run/cid", "--init", "--env=MAX_JOBS=2", "--env=A=1", "--name=x", "img",
                     "serve", "m"]  # fmt: skip
     own = run("run", "--init=false", "--cidfile", "/mine", "img")
     argv = dk.launch_run_argv(own, token="t", cidfile="/run/cid", env=[])
@@ -147,7 +147,8 @@ def test_a_compose_service_from_its_config_and_launchs_own_file() -> None:
     assert cs.host_path(svc.mounts, "/models/m") == "/data/m"
     assert cs.host_path(svc.mounts, "/root/.cache/huggingface/hub") == "/hf/hub"
     doc = cs.compose_override(svc, token="0-ab", env=[("MAX_JOBS", "1")], version="3.4")
-    body = {"labels": {"io.sparkwatch.launch": "0-ab"}, "environment": {"SPARKWATCH_LAUNCH": "0-ab", "MAX_JOBS": "1"}}
+    body = {"labels": {"io.sparkwatch.launch": "0-ab"}, "environment": {"SPARKWATCH_LAUNCH": "0-ab", "MAX_JOBS": "1"},
+            "restart": "no"}  # fmt: skip
     assert doc == {"version": "3.4", "services": {"engine": body}}
     assert cs.compose_override(svc, token="t", env=[], version=None)["services"]["engine"]["init"] is True  # type: ignore[index]
     assert [cs.init_allowed(v) for v in ("2.1", "2.2", "3.6", "3.7", "3", None, "x")] == [

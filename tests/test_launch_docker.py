@@ -127,9 +127,11 @@ def test_a_budget_kill_by_the_guard_stops_the_container_for_good(box: Box, docke
         assert inspected["Id"] == decl["container"]
         labels = inspected["Config"]["Labels"]  # type: ignore[index]
         assert labels["io.sparkwatch.launch"] == decl["launch_id"] and labels["io.sparkwatch.test"] == "1"
+        assert "restart policy unless-stopped: held back while launch watches" in text, text
         time.sleep(3)  # the restart policy's backoff is 100 ms, doubling: it would have come by now
-        after = state(dockerd, name)
-        assert after is not None and after["Running"] is False and after["Restarting"] is False, after
+        after = dockerd.inspect(name)
+        assert after["RestartCount"] == 0, after["State"]  # never restarted, not even once before launch stopped it
+        assert after["State"]["Running"] is False and after["State"]["Restarting"] is False, after["State"]  # type: ignore[index]
     finally:
         dockerd.remove(name)
 
@@ -214,7 +216,8 @@ def test_detached_launch_returns_at_ready_with_the_id_and_the_container_runs_on_
     """`-d`: launch stays through the boot (the container's output on stderr), prints the id on stdout as `docker run
     -d` does once the engine is ready, and leaves the container running under its declaration."""
     name = f"sw-ld-detach-{os.getpid()}"
-    argv = run_argv(name, engine_dir(tmp_path), small_model(tmp_path), "-d", engine=("--phase-s", "0.1"))
+    argv = run_argv(name, engine_dir(tmp_path), small_model(tmp_path), "-d", "--restart", "unless-stopped",
+                    engine=("--phase-s", "0.1"))  # fmt: skip
     try:
         proc = box.launch("--", *argv, env=docker_env(box, dockerd))
         out, err = proc.communicate(timeout=120)
@@ -224,7 +227,8 @@ def test_detached_launch_returns_at_ready_with_the_id_and_the_container_runs_on_
         assert out.decode() == f"{decl['container']}\n"
         assert "Loading safetensors checkpoint shards" in text and "vllm runs on after" in text, text
         assert decl["phase"] == "ready" and decl["exited_at"] is None
-        running = state(dockerd, name)
-        assert running is not None and running["Running"] is True and running["Pid"] == decl["root_pid"]
+        running = dockerd.inspect(name)
+        assert running["State"]["Running"] is True and running["State"]["Pid"] == decl["root_pid"]  # type: ignore[index]
+        assert running["HostConfig"]["RestartPolicy"]["Name"] == "unless-stopped"  # type: ignore[index]
     finally:
         dockerd.remove(name)

@@ -14,12 +14,15 @@ cli.launch_run.Launch where the engine is a container's processes, and launch's 
 - Ctrl-C (and SIGTERM, SIGHUP) stops the container by its id (`docker stop`, the image's stop signal then SIGKILL
   after its timeout); a second one `docker kill`s it; a third kills the client. Before the container is known, they
   go to the client as for any command.
-- The end: when the container's top process is gone (the guard killed it, or it ended), its restart policy is set to
-  `no` (`docker update`) and it is stopped (`docker stop`): nothing launch started runs on unwatched, even with
-  `--restart unless-stopped`. The exit code is the container's (137 and the guard's word when the guard killed it).
-- `-d`: launch stays until the engine is ready, with the container's output on stderr, then prints the container's
-  id on stdout (as `docker run -d` does), leaves the client and exits 0: the container runs on, declared to the guard
-  (its budget holds until the container stops; a restart is then docker's, under no declaration).
+- The end: the container runs with no restart policy while launch watches it (cli.launch_docker leaves `--restart`
+  out, or sets `restart: "no"` in launch's compose file): when its top process is gone (the guard killed it, or it
+  ended) it stays stopped, however `--restart` read. A container still running when its client ended is stopped
+  (`docker stop`): nothing launch started runs on unwatched. The exit code is the container's first (`docker wait`;
+  137 and the guard's word when the guard killed it).
+- `-d`: launch stays until the engine is ready, with the container's output on stderr, gives the container the
+  restart policy the command named (`docker update --restart`), prints its id on stdout (as `docker run -d` does),
+  leaves the client and exits 0: the container runs on, declared to the guard (its budget holds until the container
+  stops; a restart after that is docker's, under no declaration).
 """
 
 from __future__ import annotations
@@ -54,7 +57,7 @@ FIND_EVERY_S = 0.25
 FIND_SLOWER_AFTER_S = 10.0
 FIND_SLOW_S = 1.0
 EXIT_CODE_WAIT_S = 5.0  # after the client ended, how long `docker wait` may take to say the container's exit code
-STOP_GRACE_S = 2  # `docker stop -t`: a container restarted after its engine ended is a boot nobody asked for
+STOP_GRACE_S = 2  # `docker stop -t` of a container whose client is gone: launch is ending
 
 
 class Finder:
@@ -185,6 +188,11 @@ class ContainerLaunch(Launch):
         self._started_wall = time.time()
         self.finder.start()
         self.note(f"started {self.box.what} as pid {pid}: the engine is declared once its container runs")
+        if self.box.restart not in ("", "no"):
+            then = "once it is ready (-d)" if self.box.detach else "never: launch ends with it (-d keeps a policy)"
+            self.note(
+                f"restart policy {self.box.restart}: held back while launch watches, given to the container {then}"
+            )
 
     def tick(self, pid: int) -> float:
         if self.root is None:
@@ -227,6 +235,10 @@ class ContainerLaunch(Launch):
     def _detach(self, client: int) -> None:
         self.detached = True
         assert self.cid is not None
+        policy = self.box.restart
+        if policy not in ("", "no"):  # held back while launch watched: a guard kill during the boot was final
+            code, _out, err = docker_out([*self.box.docker, "update", f"--restart={policy}", self.cid], self.env)
+            self.note(f"its restart policy {policy}: " + ("given back" if code == 0 else f"not set: {err.strip()}"))
         self.note(f"detached: container {self.cid[:12]} runs on, declared to the guard")
         try:
             os.killpg(client, signal.SIGKILL)  # the client only: the container is the daemon's
@@ -241,24 +253,16 @@ class ContainerLaunch(Launch):
             return
         self.note(f"{why}: docker {how} {cid[:12]}")
 
-        def run() -> None:
-            self._no_restart()
-            docker_out([*self.box.docker, how, cid], self.env)
-
-        daemon_thread(run, f"sparkwatch-docker-{how}").start()
-
-    def _no_restart(self) -> None:
-        if self.cid is not None and self.box.restart not in ("", "no"):
-            docker_out([*self.box.docker, "update", "--restart=no", self.cid], self.env)
+        daemon_thread(lambda: docker_out([*self.box.docker, how, cid], self.env), f"sparkwatch-docker-{how}").start()
 
     def _settle(self) -> None:
-        """Its engine ended: no restart, and stopped if docker restarted it meanwhile (or it still runs)."""
+        """The client or the engine ended: a container still running (its client gone) is stopped, nothing launch
+        started runs on unwatched (with no restart policy while launch watches, an ended engine stays ended)."""
         with self._lock:
             if self._settled or self.cid is None:
                 return
             self._settled = True
-        self._no_restart()
-        if self.box.restart not in ("", "no") or read_start_ticks(self.proc_root, self.root or 0) == self._root_ticks:
+        if read_start_ticks(self.proc_root, self.root or 0) == self._root_ticks:
             docker_out([*self.box.docker, "stop", "-t", str(STOP_GRACE_S), self.cid], self.env)
 
     def exited(self, status: int | None) -> None:

@@ -257,9 +257,11 @@ def init_allowed(version: str | None) -> bool:
 def compose_override(
     svc: Service, *, token: str, env: Iterable[tuple[str, str]], version: str | None
 ) -> dict[str, object]:
-    """The compose file launch adds after the owner's (`-f`): the label and token, the environment it sets, and
-    `init: true` where the service says nothing of it and its file format allows it."""
+    """The compose file launch adds after the owner's (`-f`): the label and token, the environment it sets, no restart
+    policy while launch watches, and `init: true` where the service says nothing of it and its file format allows it."""
     body: dict[str, object] = {"labels": {LABEL: token}, "environment": {ENV: token, **dict(env)}}
+    if svc.restart not in ("", "no"):
+        body["restart"] = "no"  # held back while launch watches (core.launch.dockerargv.launch_run_argv)
     if svc.init is None and init_allowed(version):
         body["init"] = True
     doc: dict[str, object] = {"services": {svc.name: body}}

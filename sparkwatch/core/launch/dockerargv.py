@@ -241,7 +241,8 @@ def _compose(tool: tuple[str, ...], docker: tuple[str, ...], words: Sequence[str
 def launch_run_argv(run: DockerRun, *, token: str, cidfile: str | None, env: Iterable[tuple[str, str]]) -> list[str]:
     """The `docker run` launch starts: its label and token, `--cidfile` (unless the command has one), `--init` unless
     the command says either way, the environment it sets (core.launch.launchenv), attached: without `-d` (launch
-    detaches itself once the engine is ready) nor `-i`/`-t` (the output comes through launch's pipes)."""
+    detaches itself once the engine is ready) nor `-i`/`-t` (the output comes through launch's pipes), and without
+    `--restart` (held back while launch watches: a guard kill is final; `-d` gives it back at ready)."""
     out = [*run.docker, *run.run, f"--label={LABEL}={token}", f"--env={ENV}={token}"]
     if cidfile is not None and run.last("cidfile") is None:
         out.append(f"--cidfile={cidfile}")
@@ -249,7 +250,7 @@ def launch_run_argv(run: DockerRun, *, token: str, cidfile: str | None, env: Ite
         out.append("--init")
     out += [f"--env={k}={v}" for k, v in env]
     for opt in run.options:
-        if opt.name not in ("detach", "interactive", "tty"):
+        if opt.name not in ("detach", "interactive", "tty", "restart"):
             out += opt.words()
     return [*out, run.image, *run.command]
 
