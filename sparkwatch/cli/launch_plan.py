@@ -35,6 +35,8 @@ from sparkwatch.core.launch.plan import (
     ModelFacts,
     Plan,
     Reservation,
+    fix_text,
+    miss_reasons,
     plan_launch,
 )
 from sparkwatch.core.launch.rayletenv import uses_ray
@@ -274,7 +276,10 @@ def _learned_line(plan: Plan, ctx: PlanContext) -> str | None:
 def plan_text(plan: Plan, ctx: PlanContext, short: bool = False) -> str:
     est = plan.estimate
     view = plan.view
-    verdict = "fits" if plan.fits else f"does NOT fit (short by {format_size(plan.short_bytes)})"
+    verdict = "fits"
+    if not plan.fits:  # the reason, never a bare "short by 0 B"; the fix here too, but where the gate's line follows
+        verdict = f"does NOT fit: {'; '.join(miss_reasons(plan, figures=False))}"
+        verdict += "" if short else f"; fix: {fix_text(plan)}"
     head = f"sparkwatch: plan for {est.kind}" + (f" {est.model}" if est.model else "")
     if ctx.span is not None:
         head += f" ({ctx.span.how}: this node's share, as the {ctx.role})"
