@@ -288,4 +288,6 @@ def test_launch_never_says_enforced_for_a_tree_outside_the_guard_s_ancestor_pid(
     assert "is enforced" not in text, text
     line = f"sparkwatch: guard pid {pid} has not taken it within 5 s (it is outside the guard's ancestor_pid, or the "
     assert line + "guard does not read this runtime dir): the budget is not enforced\n" in text, text
+    # and the plan warned before the start: 300 MiB is under what the plan says this engine takes
+    assert "sparkwatch: WARNING: the budget 300 MiB is under the plan's estimate " in text, text
     assert decl["budget_bytes"] == 300 << 20

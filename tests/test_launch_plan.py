@@ -642,3 +642,20 @@ def test_a_learned_peak_that_fits_beside_a_setting_vllm_refuses_says_why_and_the
     small = planbox.plan(tmp_path, "--json", "--", *argv, available_gib=6)
     (fix,) = json.loads(small.stdout)["fixes"]
     assert fix["action"] == "free_memory" and fix["text"].startswith("free 8.0 GiB: vllm starts from "), fix
+
+
+def test_a_budget_under_the_estimate_warns_with_the_estimate(tmp_path: Path) -> None:
+    """`--budget 5GiB` for an engine estimated at tens of GiB said "fits … enforced by the guard": the guard would
+    kill it during its boot. The plan warns, with the estimate, in text and JSON; a budget over it does not."""
+    model = planbox.model_dir(tmp_path / "m")
+    argv = ("--", "vllm", "serve", str(model), "--gpu-memory-utilization", "0.4")
+    res = planbox.plan(tmp_path, "--budget", "5GiB", *argv, available_gib=110)
+    assert res.returncode == 0, res.stdout + res.stderr
+    doc = json.loads(planbox.plan(tmp_path, "--json", "--budget", "5GiB", *argv, available_gib=110).stdout)
+    need = doc["needs_bytes"]
+    assert need > 40 * GiB
+    warning = doc["budget_warning"]
+    assert warning.startswith(f"the budget 5.0 GiB is under the plan's estimate {need / GiB:.1f} GiB: the guard kills")
+    assert f"  WARNING: {warning}" in res.stdout.splitlines(), res.stdout
+    fine = json.loads(planbox.plan(tmp_path, "--json", "--budget", "auto", *argv, available_gib=110).stdout)
+    assert fine["budget_warning"] is None

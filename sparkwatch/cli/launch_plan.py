@@ -35,6 +35,7 @@ from sparkwatch.core.launch.plan import (
     ModelFacts,
     Plan,
     Reservation,
+    budget_warning,
     fix_text,
     miss_reasons,
     plan_launch,
@@ -318,7 +319,10 @@ def plan_text(plan: Plan, ctx: PlanContext, short: bool = False) -> str:
             f"{format_size(check.required_bytes)}: {ok} ({check.why})"
         )
     if plan.budget_bytes is not None:
-        lines.append(f"  budget: {format_size(plan.budget_bytes)} (enforced by the guard)")
+        lines.append(f"  budget: {format_size(plan.budget_bytes)} (declared to the guard: its kill limit for the tree)")
+    warning = budget_warning(plan)
+    if warning:
+        lines.append(f"  WARNING: {warning}")
     if ctx.facts.error and est.kind != EngineKind.OTHER:
         lines.append(f"  note: {ctx.facts.error}")
     for note in (*est.notes, *est.problems):
@@ -356,6 +360,7 @@ def plan_json(plan: Plan, ctx: PlanContext) -> dict[str, Any]:
         },
         "fragmented": plan.fragmented,
         "budget_bytes": plan.budget_bytes,
+        "budget_warning": budget_warning(plan),
         "learned": None
         if learned is None
         else {

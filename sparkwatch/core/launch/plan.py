@@ -1031,6 +1031,21 @@ def miss_reasons(plan: Plan, *, figures: bool = True) -> list[str]:
     return out
 
 
+def budget_warning(plan: Plan) -> str | None:
+    """A budget under what the plan says the engine takes (its measured peak, else the estimate): the guard kills
+    the tree once it passes the budget, so such an engine is killed on its way up, most likely during its boot. None
+    when the budget holds the need (or there is no budget, or the command's need is the budget itself)."""
+    budget = plan.budget_bytes
+    if budget is None or budget >= plan.needs_bytes or plan.estimate.kind == EngineKind.OTHER:
+        return None
+    basis = "measured peak" if plan.learned is not None else "estimate"
+    return (
+        f"the budget {format_size(budget)} is under the plan's {basis} {format_size(plan.needs_bytes)}: the guard "
+        f"kills the engine once its tree passes {format_size(budget)}, most likely during its boot "
+        "(--budget auto: the need plus 10 %)"
+    )
+
+
 def fix_text(plan: Plan) -> str:
     """The fixes of a plan that does not fit, in one phrase."""
     return "; ".join(f.text for f in plan.fixes) or "free memory"
