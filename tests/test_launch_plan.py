@@ -659,3 +659,18 @@ def test_a_budget_under_the_estimate_warns_with_the_estimate(tmp_path: Path) -> 
     assert f"  WARNING: {warning}" in res.stdout.splitlines(), res.stdout
     fine = json.loads(planbox.plan(tmp_path, "--json", "--budget", "auto", *argv, available_gib=110).stdout)
     assert fine["budget_warning"] is None
+
+
+def test_a_fix_lowers_the_setting_and_raises_it_only_where_the_engine_would_refuse_it() -> None:
+    """A 1 GiB KV cache under one sequence, with vLLM's start-up check short: the fix keeps the user's 1 GiB (and
+    names the --max-model-len it holds), never the largest KV cache the pool would hold; a utilization too small to
+    load the model is raised to the least one that loads it, not to the most the pool holds."""
+    v = view(available=110 * GiB)
+    kv = plan_launch(recognise(["vllm", "serve", "m", "--kv-cache-memory-bytes", "1G"]), QWEN3_8B, v)
+    assert [f.text for f in kv.fixes] == [
+        "--gpu-memory-utilization 0.90 --kv-cache-memory-bytes 1024M --max-model-len 7168"
+    ]
+    small = plan_launch(recognise(["vllm", "serve", "m", "--gpu-memory-utilization", "0.05"]), QWEN3_8B, v)
+    assert [f.text for f in small.fixes] == ["--gpu-memory-utilization 0.22"]
+    fixed = plan_launch(recognise(["vllm", "serve", "m", "--gpu-memory-utilization", "0.21"]), QWEN3_8B, v)
+    assert fixed.estimate.problems  # 0.21 would not load it: 0.22 is the least

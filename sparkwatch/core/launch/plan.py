@@ -869,27 +869,28 @@ def _flag_search(
                 return flags + extra, again
         return None
 
-    def sized(setting: Setting, lo: int, hi: int, base: Flags = ()) -> tuple[Flags, Plan] | None:
-        """The engine's sizing flag over its whole range: where the engine would refuse its setting as too small
-        (weights and activations over utilization × total, a KV cache under one sequence, weights that fill the
-        fraction) and no other flag cures it, the least value at which it starts, if the pool holds that; else the
-        largest value the pool holds."""
+    def sized(setting: Setting, lo: int, below: int, top: int, base: Flags = ()) -> tuple[Flags, Plan] | None:
+        """The engine's sizing flag: where the engine would refuse its setting as too small (weights and
+        activations over utilization × total, a KV cache under one sequence, weights that fill the fraction) and no
+        other flag cures it, the least value up to `top` at which it starts, if the pool holds that; else the
+        largest value up to `below` (the setting now: a fix lowers it) that the pool holds."""
 
         def at(k: int) -> Plan:
             return plan_with((*base, setting(k)))
 
         if est.problems and not est.problem_fixes:
-            k = _smallest(lo, hi, lambda k: not at(k).estimate.problems)
+            k = _smallest(lo, top, lambda k: not at(k).estimate.problems)
             return None if k is None or at(k).short_bytes else complete((*base, setting(k)))
-        k = _largest(lo, hi, lambda k: at(k).short_bytes == 0)
+        k = _largest(lo, below, lambda k: at(k).short_bytes == 0)
         return None if k is None else complete((*base, setting(k)))
 
+    now = 0 if est.tune_value is None else math.ceil(est.tune_value * _PERCENT) - 1  # hundredths below the setting
     if try_as_is or est.problem_fixes:
         found = complete(())
         if found is not None:
             return found
     if est.kind == EngineKind.VLLM and est.tune == "gpu-memory-utilization":
-        return sized(_util, 1, _PERCENT)
+        return sized(_util, 1, now, _PERCENT)
     if est.kind == EngineKind.VLLM and est.tune == "kv-cache-memory-bytes":
         # vLLM's start-up check still wants utilization × total free (vllm/v1/worker/utils.py request_memory runs
         # with --kv-cache-memory-bytes too): the utilization that passes it, then the KV bytes that fit the pool.
@@ -899,11 +900,13 @@ def _flag_search(
             if k is None:
                 return None
             base = (_util(k),)
-        return sized(_kv, 0, total_mib, base)
+        kv_mib = next((t.bytes for t in est.terms if t.name == "kv_cache"), 0) >> 20
+        return sized(_kv, 0, kv_mib, total_mib, base)
     if est.kind == EngineKind.SGLANG:
-        return sized(_frac, 1, _PERCENT - 1)  # (0, 1), as SGLang takes it
+        return sized(_frac, 1, now, _PERCENT - 1)  # (0, 1), as SGLang takes it
     if est.kind == EngineKind.LLAMA_CPP and est.tune_value is not None:
-        return sized(_ctx, 1, int(est.tune_value) // LLAMA_KV_PAD - 1)
+        top = int(est.tune_value) // LLAMA_KV_PAD - 1
+        return sized(_ctx, 1, top, top)
     return None
 
 
