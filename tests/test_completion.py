@@ -93,18 +93,45 @@ def test_a_chunked_answer_is_joined_and_an_answer_that_is_no_http_fails_by_name(
 
 
 def test_a_key_no_header_can_carry_is_never_sent_and_never_said() -> None:
-    """A key with a line break would have been sent raw (a second header of the key's making); now nothing is sent,
-    the probe counts as refused (never a failure toward a wedge), and its error does not carry the key."""
+    """A key with a line break would have been sent raw (a second header of the key's making); now the engine is
+    connected to (the probe knows it is up) and sent nothing, the probe counts as refused (never a failure toward a
+    wedge), and its error does not carry the key."""
     key = "sk-abc\r\nX-Injected: 1"
     srv = socket.socket()
     srv.bind(("127.0.0.1", 0))
     srv.listen(1)
     with srv:
         result = send_probe("127.0.0.1", srv.getsockname()[1], key=key, timeout_s=1.0)
-        srv.settimeout(0.2)
-        try:
-            srv.accept()[0].close()
-            connected = True
-        except TimeoutError:
-            connected = False
-    assert result.outcome == Outcome.UNAUTHORIZED and "sk-abc" not in result.error and not connected, result
+        conn, _addr = srv.accept()
+        with conn:
+            conn.settimeout(0.5)
+            sent = conn.recv(100)
+    assert result.outcome == Outcome.UNAUTHORIZED and result.connected and "sk-abc" not in result.error, result
+    assert sent == b""
+
+
+def test_the_landing_check_sees_the_connection_before_anything_is_sent() -> None:
+    """`check` gets our end of the connection once it is made: a refusal sends nothing (NOT_PROBED, connected); a
+    connection that never came is said as such (`connected` False), for the probe's word on a container's address."""
+    seen: list[tuple[str, int]] = []
+
+    def refuse(ours: tuple[str, int]) -> str:
+        seen.append(ours)
+        return "it landed elsewhere"
+
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(1)
+    with srv:
+        result = send_probe("127.0.0.1", srv.getsockname()[1], key="sk-x", timeout_s=1.0, check=refuse)
+        conn, _addr = srv.accept()
+        with conn:
+            conn.settimeout(0.5)
+            sent = conn.recv(100)
+    assert (result.outcome, result.error, result.connected) == (Outcome.NOT_PROBED, "it landed elsewhere", True)
+    assert sent == b"" and seen and seen[0][0] == "127.0.0.1"
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]  # bound, never listening: refused
+        refused = send_probe("127.0.0.1", port, timeout_s=1.0, check=refuse)
+    assert (refused.outcome, refused.connected) == (Outcome.FAILED, False) and refused.error == "connection refused"

@@ -55,6 +55,7 @@ from tests.helpers.scenario import (
     group_view,
     guard_stats,
     peer_view,
+    shm_leftovers,
     stranded_driver,
     zero_durations,
 )
@@ -133,7 +134,11 @@ def full_exposition(tmp_path: Path) -> list[Metric]:
     discrete GPU with a failing field."""
     settings: Settings = build_scenario(tmp_path)
     telemetry = Telemetry(
-        settings, gpu_source=TwoGpus(), wall_clock=lambda: FIXED_MTIME + 100.0, driver=stranded_driver
+        settings,
+        gpu_source=TwoGpus(),
+        wall_clock=lambda: FIXED_MTIME + 100.0,
+        driver=stranded_driver,
+        shm=shm_leftovers,
     )
     snap = zero_durations(telemetry.collect())
     boot = BootState(4242, "vllm", "Qwen/Qwen3-8B", "ready", FIXED_MTIME + 90.0, FIXED_MTIME, 61.5, 60 << 30, 58 << 30)

@@ -27,6 +27,7 @@ CHECK_IDS = [
     "max-jobs",
     "ray-memory-monitor",
     "floor",
+    "shm-leftovers",
     "guard",
     "kernel-log",
     "recent-xids",

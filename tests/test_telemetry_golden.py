@@ -29,6 +29,7 @@ from tests.helpers.scenario import (
     guard_stats,
     kernel_log_stats,
     peer_view,
+    shm_leftovers,
     stranded_driver,
     zero_durations,
 )
@@ -40,7 +41,11 @@ GOLDEN = Path(__file__).parent / "golden" / "telemetry.prom"
 def scenario_exposition(tmp_path: Path) -> bytes:
     settings = build_scenario(tmp_path)
     telemetry = Telemetry(
-        settings, gpu_source=StaticGpu(), wall_clock=lambda: FIXED_MTIME + 100.0, driver=stranded_driver
+        settings,
+        gpu_source=StaticGpu(),
+        wall_clock=lambda: FIXED_MTIME + 100.0,
+        driver=stranded_driver,
+        shm=shm_leftovers,
     )
     telemetry.page_size_bytes = 4096  # the H200's (and DGX OS's default arm64 kernel's); not this machine's
     snap = zero_durations(telemetry.collect())
@@ -91,7 +96,8 @@ def test_golden_names_follow_the_contract() -> None:
         assert family.samples, name
         for s in family.samples:
             assert set(s.labels) - {"le"} == set(spec.labels), (name, s.labels)
-    promised = {"always", "meminfo", "guard", "kill", "events", "telemetry", "psi", "gpu", "driver", "ray", "ray_group"}
+    promised = {"always", "meminfo", "guard", "kill", "events", "telemetry", "psi", "gpu", "driver", "ray", "ray_group",
+                "shm"}  # fmt: skip
     listed = {
         m.name.removesuffix("_total") if m.type == "counter" else m.name for m in METRICS if m.present in promised
     }
@@ -117,6 +123,8 @@ def test_golden_values_mean_the_scenario() -> None:
     assert sample(text, "sparkwatch_compile_processes", tool="ninja") == 2
     assert sample(text, "sparkwatch_compile_processes", tool="gcc") == 1  # gcc-13, outside any engine
     assert sample(text, "sparkwatch_compile_parallel_jobs") == 5
+    assert sample(text, "sparkwatch_shm_orphaned_bytes") == 640 * MiB + 4096  # the scenario's psm_ and sem.mp- files
+    assert sample(text, "sparkwatch_shm_orphaned_files") == 2
     assert sample(text, "sparkwatch_compile_arch_processes", arch="121a") == 5
     assert sample(text, "sparkwatch_compile_arch_processes", arch="90a") == 1
     assert sample(text, "sparkwatch_compile_outside_engine_processes") == 1

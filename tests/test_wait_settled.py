@@ -203,7 +203,8 @@ def test_progress_is_one_updating_line_on_a_terminal(tmp_path: Path) -> None:
     _write_meminfo(tmp_path / "meminfo", 20 * GiB)
     main, sub = pty.openpty()
     proc = subprocess.Popen(
-        [*CLI, "--proc-root", str(tmp_path), "--quiet-for", "1", "--interval", "0.1"],
+        # --root: a fixture root without dev/shm, so no file of this machine's /dev/shm adds a line
+        [*CLI, "--proc-root", str(tmp_path), "--root", str(tmp_path), "--quiet-for", "1", "--interval", "0.1"],
         stdin=subprocess.DEVNULL,
         stdout=subprocess.DEVNULL,
         stderr=sub,

@@ -1,4 +1,5 @@
-"""`sparkwatch doctor [--json] [--root DIR]`: a one-shot health report. Exit 0 no check fails, 1 one fails, 2 usage.
+"""`sparkwatch doctor [--json] [--fix] [--root DIR]`: a one-shot health report. Exit 0 no check fails, 1 one fails,
+2 usage. `--fix` applies the one fix that needs no guessing: a killed engine's files in /dev/shm (cli.shm_fix).
 
 With --root other than /, everything comes from files under DIR (DIR/proc included) and the live probes of this
 machine (NVML) are skipped, so a fixture root is judged the same on any machine.
@@ -34,13 +35,19 @@ def add_parser(sub: Any, parent: argparse.ArgumentParser) -> None:
     p = sub.add_parser(
         "doctor",
         parents=[parent],
-        help="one-shot health report: driver, swap, MAX_JOBS, Ray, floor, guard, kernel log, Xids",
+        help="one-shot health report: driver, swap, MAX_JOBS, Ray, floor, /dev/shm leftovers, guard, kernel log, Xids",
         description="A one-shot health report of this node: a stranded NVIDIA driver (with the commands that fix "
         "it), the kernel that boots next, swap, MAX_JOBS in the engines' environments, Ray's memory monitor, the "
-        "floor, whether a guard runs and is armed, whether the kernel log is readable, recent Xids. Exit 1 when a "
-        "check fails.",
+        "floor, the files a killed engine left in /dev/shm (--fix removes them), whether a guard runs and is armed, "
+        "whether the kernel log is readable, recent Xids. Exit 1 when a check fails.",
     )
     p.add_argument("--json", action="store_true", help='print {"ok": …, "checks": […]}')
+    p.add_argument(
+        "--fix",
+        action="store_true",
+        help="first remove the /dev/shm files a killed engine left (orphaned, yours or any as root, named like an "
+        "engine's); stderr says what went",
+    )
     p.set_defaults(handler=handle)
 
 
@@ -98,6 +105,7 @@ def run_checks(args: argparse.Namespace) -> tuple[list[Check], Path, bool]:
     checks.append(ray_monitor_check(targets, environ))
     in_use = config_file_in_use(args.config)
     checks.append(floor_check(settings.floor, settings.warn_headroom, mem, str(in_use or default_config_file())))
+    checks.append(shm_leftovers(root, proc_root, args.fix))
     # The running guard's own word (common.guardfile); only this machine's: a fixture root has no processes to ask.
     guards = read_guards(reader_paths(os.environ, settings.state_dir)) if live else None
     checks.append(guard_check(guards.states if guards else (), guards.notes if guards else (), live))
@@ -108,6 +116,22 @@ def run_checks(args: argparse.Namespace) -> tuple[list[Check], Path, bool]:
     checks.append(xid_check(records, why_not))
     checks += pair_checks(settings, proc_root, guards.states if guards else (), live)
     return checks, root, live
+
+
+def shm_leftovers(root: Path, proc_root: Path, fix: bool) -> Check:
+    """The files a killed engine left in DIR/dev/shm; with --fix the engine-named ones go first (stderr says which),
+    and the check tells what is left."""
+    from sparkwatch.cli import shm_fix
+    from sparkwatch.core.report.doctorchecks import shm_check
+    from sparkwatch.telemetry.sources.shmfiles import shm_dir
+
+    if fix:
+        shm_fix.say(root, proc_root, True, "sparkwatch doctor")
+    where = shm_dir(root)
+    try:
+        return shm_check(shm_fix.look(where, proc_root), str(where), None, os.geteuid())
+    except OSError as exc:
+        return shm_check(None, str(where), exc.strerror or str(exc), os.geteuid())
 
 
 def pair_checks(settings: Settings, proc_root: Path, guards: Sequence[GuardState], live: bool) -> list[Check]:

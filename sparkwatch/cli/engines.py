@@ -64,7 +64,7 @@ PROBE_TIMEOUT_S = 3.0  # a terminal command: each engine's one-token probe waits
 def serving_rows(settings: Settings, trees: Sequence[EngineTree]) -> dict[int, dict[str, object]]:
     """One serving probe per engine whose endpoint is known (telemetry/probewatch.py's, with a short timeout), all at
     once on threads: root pid -> {state, endpoint, latency_s, error}. An engine not listening on its port is said so,
-    never asked."""
+    never asked; one whose socket cannot be reached for certain is `not_probed`, the reason in `error`."""
     import threading
 
     from sparkwatch.core.engines.serving import Outcome, ServingParams
@@ -77,7 +77,12 @@ def serving_rows(settings: Settings, trees: Sequence[EngineTree]) -> dict[int, d
     def one(pid: int, target: Any) -> None:
         result = watch.probe(target)
         ep = target.endpoint
-        state = {Outcome.OK: "serving", Outcome.NOT_LISTENING: "not_listening", Outcome.UNAUTHORIZED: "unknown"}
+        state = {
+            Outcome.OK: "serving",
+            Outcome.NOT_LISTENING: "not_listening",
+            Outcome.UNAUTHORIZED: "unknown",
+            Outcome.NOT_PROBED: "not_probed",
+        }
         rows[pid] = {
             "state": state.get(result.outcome, "not_serving"),
             "endpoint": f"{ep.host}:{ep.port}",
@@ -104,6 +109,8 @@ def serving_text(row: Mapping[str, object]) -> str:
         return f"serving: unknown, nothing of the engine listens on {ep} (booting?)"
     if state == "unknown":
         return f"serving: unknown, {ep} refused the probe's key ({row.get('error')})"
+    if state == "not_probed":  # its own socket cannot be reached for certain (a container's loopback, no route)
+        return f"serving: not probed, {row.get('error')}"
     return f"NOT SERVING: a one-token completion to {ep} failed ({row.get('error')})"
 
 

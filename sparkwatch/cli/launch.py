@@ -8,7 +8,8 @@
 1. Settle: wait (up to --settle-timeout) while an engine tree is exiting, memory is still coming back (MemAvailable
    rising, Shmem falling) or orphaned engine workers hold the GPU (core.launch.settle), here and, for an engine that
    spans nodes, on every other node as its agent says (cli.launch_settle.settle_nodes). Steady engines are no reason
-   to wait: the plan counts them.
+   to wait: the plan counts them. Then the files a killed engine left in /dev/shm, which no process holds, are named
+   with their bytes (core.launch.shmleft); `--fix` removes those named like an engine's before the plan reads the pool.
 2. Plan (core.launch.plan): the footprint as named terms, held against MemAvailable - floor - margin, the engine's own
    start-up check (MemAvailable or MemFree), the free high-order blocks, and what running engines may still take.
    The measured peak of earlier runs with the same key (core.launch.peaks) replaces the estimate once two runs agree
@@ -63,7 +64,11 @@ def add_parser(sub: Any, parent: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--plan", action="store_true", help="print the plan and exit: 0 fits, 1 does not")
     p.add_argument("--json", action="store_true", help="with --plan: one JSON object")
-    p.add_argument("--fix", action="store_true", help="apply the fixes that need no guessing (drop caches, compact)")
+    p.add_argument(
+        "--fix",
+        action="store_true",
+        help="apply the fixes that need no guessing (a killed engine's /dev/shm files, drop caches, compact)",
+    )
     p.add_argument("--force", action="store_true", help="start even when the plan does not fit")
     from sparkwatch.core.launch.nodeplan import Role
 
@@ -149,6 +154,10 @@ def handle(args: argparse.Namespace) -> int:
         settle(settings, args.settle_timeout, quiet=args.quiet)
         if settings.peers and _spans(inputs):  # and every other node of the engine, as its agent says
             settled_peers = settle_nodes(settings, max(until - time.monotonic(), 0.1), quiet=args.quiet)
+    if not args.plan:  # what a killed engine left in /dev/shm; --fix removes it before the plan reads the pool
+        from sparkwatch.cli import shm_fix
+
+        shm_fix.say(settings.root, settings.proc_root, args.fix, "sparkwatch launch", quiet=args.quiet)
     try:
         plan, ctx = gather(settings, inputs)
     except ValueError as exc:

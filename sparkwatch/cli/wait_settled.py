@@ -8,6 +8,9 @@ a user who could never kill it) and MemAvailable has not
 risen by more than --tolerance for --quiet-for seconds (core/launch/settle.py says why those defaults). Exit 0 settled,
 1 timed out, 2 when meminfo cannot be read. Progress goes to stderr: one updating line on a terminal, a plain line
 whenever the situation changes (and every 5 s) otherwise, so logs stay short. It reads /proc only; it never signals.
+
+Then it names the files in /dev/shm that no process holds any more (a SIGKILLed engine's shared memory, out of the
+pool until removed: core.launch.shmleft), with their bytes; `--fix` removes those named like an engine's.
 """
 
 from __future__ import annotations
@@ -76,6 +79,12 @@ def add_parser(sub: Any, parent: argparse.ArgumentParser) -> None:
         help="seconds between looks (default %(default)g)",
     )
     p.add_argument("-q", "--quiet", action="store_true", help="no progress output")
+    p.add_argument(
+        "--fix",
+        action="store_true",
+        help="then remove the /dev/shm files a killed engine left (orphaned, yours or any as root, named like an "
+        "engine's: psm_, sem.mp-, nccl-, torch_, vllm, sglang)",
+    )
     p.set_defaults(handler=handle)
 
 
@@ -128,7 +137,7 @@ def _progress_key(verdict: SettleVerdict, params: SettleParams) -> object:
 
 
 def handle(args: argparse.Namespace) -> int:
-    from sparkwatch.cli import settings_from
+    from sparkwatch.cli import settings_from, shm_fix
     from sparkwatch.common.sources.enginetrees import EngineFinder, live_processes
     from sparkwatch.common.sources.meminfo import MeminfoError, MeminfoReader
 
@@ -141,6 +150,10 @@ def handle(args: argparse.Namespace) -> int:
     except OSError as exc:
         print(f"sparkwatch: cannot read {settings.proc_root / 'meminfo'}: {exc.strerror or exc}", file=sys.stderr)
         return 2
+
+    def leftovers() -> None:  # what a killed engine left in /dev/shm, said (and with --fix removed) once the wait ends
+        shm_fix.say(settings.root, settings.proc_root, args.fix, "sparkwatch wait-settled", quiet=args.quiet)
+
     start = time.monotonic()
     deadline = start + args.timeout
     state = SettleState()
@@ -157,9 +170,11 @@ def handle(args: argparse.Namespace) -> int:
             text = describe(verdict, params, left)
             if verdict.settled:
                 progress.finish(f"sparkwatch: {text} (waited {now - start:.1f} s)")
+                leftovers()
                 return 0
             if now >= deadline:
                 progress.finish(f"sparkwatch: timed out after {args.timeout:g} s: {text}")
+                leftovers()
                 return 1
             progress.update(f"sparkwatch: waiting {now - start:.0f}s: {text}", _progress_key(verdict, params), now)
             time.sleep(max(min(args.interval, deadline - now), 0.0))

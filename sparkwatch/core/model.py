@@ -350,6 +350,10 @@ class JitCacheState:
     modules_total: int = 0
     modules_built: int = 0  # modules whose <module>.so exists
     error: str | None = None  # part of the tree was unreadable or vanished mid-walk
+    # A container's own cache, read through its engine's /proc/PID/root (telemetry/sources/jitcache.py): that engine's
+    # root pid and where it is in words ("container 4f4f4f4f4f4f"); 0 and "" for a cache of the host's own.
+    root_pid: int = 0
+    where: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -403,6 +407,49 @@ class EngineServing:
 
 
 @dataclass(frozen=True, slots=True)
+class ShmFile:
+    """A regular file in /dev/shm (telemetry/sources/shmfiles.py): tmpfs pages, out of the pool until unlinked."""
+
+    name: str
+    dev: int  # st_dev and st_ino: what /proc/PID/maps and the fd links are matched on (a path differs per namespace)
+    ino: int
+    uid: int  # its owner
+    # Allocated: st_blocks * 512. A 1 GiB ftruncate never written holds nothing; its apparent size would lie.
+    held_bytes: int
+
+    @property
+    def key(self) -> tuple[int, int]:
+        return (self.dev, self.ino)
+
+
+@dataclass(frozen=True, slots=True)
+class ShmScan:
+    """One look at /dev/shm and at who holds its files (telemetry/sources/shmfiles.py)."""
+
+    files: tuple[ShmFile, ...]
+    used: frozenset[tuple[int, int]]  # (dev, ino) of the files a live process maps or holds open
+    # The owners (uids) of the live processes whose fds or maps could not be read: any of them may hold any file.
+    unreadable: tuple[int, ...] = ()
+    # This /proc does not show every process (another PID namespace, hidepid): a process unseen may hold any file.
+    partial_table: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class ShmLeft:
+    """The /dev/shm files no process holds (core.launch.shmleft.judge): what an engine killed left in the pool."""
+
+    orphans: tuple[ShmFile, ...]
+    # False: a process of another user could not be read by a user who is not root (or /proc does not show them
+    # all), so any orphan may be held after all; the files are named, never removed, and no metric claims them.
+    certain: bool = True
+    why_uncertain: str = ""
+
+    @property
+    def held_bytes(self) -> int:
+        return sum(f.held_bytes for f in self.orphans)
+
+
+@dataclass(frozen=True, slots=True)
 class Snapshot:
     ts: float  # wall-clock time the cycle finished
     mem: MemInfo | None = None
@@ -419,3 +466,4 @@ class Snapshot:
     gpu_unknown: tuple[GpuHolder, ...] = ()  # GPU holders no rule names: core.engines.identity.unknown_gpu_holders
     boots: tuple[BootState, ...] = ()  # engines `sparkwatch launch` declared, with their boot phase
     serving: tuple[EngineServing, ...] = ()  # per probed engine: telemetry/serving.py
+    shm: ShmLeft | None = None  # /dev/shm's orphans, from the shm watch's last scan (telemetry/shmwatch.py)

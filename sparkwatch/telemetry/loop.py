@@ -44,10 +44,11 @@ from sparkwatch.core.model import (
     JitEngineState,
     MemInfo,
     Proc,
+    ShmLeft,
     Snapshot,
 )
 from sparkwatch.telemetry.probewatch import ProbeWatch, Wedged
-from sparkwatch.telemetry.sources.jitcache import JitCacheSource
+from sparkwatch.telemetry.sources.jitcache import ForeignRoot, JitCacheSource, foreign_root
 from sparkwatch.telemetry.sources.nvml import NvmlSource
 from sparkwatch.telemetry.sources.procenv import EnvironReader, read_wchan
 
@@ -80,6 +81,7 @@ def quiet(snapshot: Snapshot) -> bool:
 
 
 _WCHAN_PROBES_MAX = 64  # members whose wchan is read per engine per cycle; engines have tens of processes
+FOREIGN_ROOTS_MAX = 16  # engine trees whose root is looked at per cycle for a container's own caches
 
 
 class _Failed(Exception):
@@ -93,9 +95,11 @@ class Telemetry:
         gpu_source: Any | None = None,
         wall_clock: Callable[[], float] = time.time,
         driver: Callable[[], DriverReport | None] | None = None,
+        shm: Callable[[], ShmLeft | None] | None = None,
     ) -> None:
         """`gpu_source`: anything with collect() -> GpuReport (default NvmlSource). `driver`: the drift watcher's
-        latest report (a reference read, no I/O), put in Snapshot.driver as it is."""
+        latest report, `shm`: the shm watch's last verdict (each a reference read, no I/O), put in the Snapshot as
+        they are."""
         self.settings = settings
         self.wall_clock = wall_clock
         self.rules = engine_rules(settings)
@@ -109,11 +113,15 @@ class Telemetry:
         # NvmlSource bounds every NVML call and never raises from collect(); pynvml is imported on its first cycle.
         self.gpu_source = gpu_source if gpu_source is not None else NvmlSource(proc_root=settings.proc_root)
         self.driver = driver
+        self.shm = shm
         self.page_size_bytes = page_size_bytes()  # buddyinfo counts pages: 4 KiB, or 64 KiB on some arm64 kernels
         self._meminfo: MeminfoReader | None = None
         self._jit_tracks: dict[tuple[int, int], jit_core.JitTrack] = {}
         self._burst = compile_core.BurstState()
         self._cache_sizes: dict[str, tuple[int, int]] = {}
+        self._cache_roots: frozenset[int] = frozenset()  # the engines whose own root the last cycle's caches came from
+        # Per engine tree (root pid, start ticks), looked at once: its caches when its root is not ours (a container's)
+        self._foreign: dict[tuple[int, int], ForeignRoot | None] = {}
         self._events: list[Event] = []
         self._lock = threading.Lock()  # collect() is one cycle at a time
         # (pid, start_ticks) of every process NVML listed last cycle: the guard reads it (a reference swap) when
@@ -212,7 +220,8 @@ class Telemetry:
             self._hot = {pid for tree in trees for pid in tree.pids}
             self._hot.update(p.pid for p in procs if compile_core.is_compiler(p))
         census = run("compile", lambda: self._census(procs, trees))
-        jit_result = run("jitcache", self.jitcache.collect)
+        foreign = self._foreign_roots(trees)
+        jit_result = run("jitcache", lambda: self.jitcache.collect(foreign=foreign))
         jit: tuple[JitCacheState, ...] = jit_result or ()
         partial = [j.error for j in jit if j.error]
         if jit_result is not None and partial:
@@ -250,6 +259,7 @@ class Telemetry:
             gpu_unknown=gpu_unknown,
             boots=boots,
             serving=serving,
+            shm=self.shm() if self.shm is not None else None,
         )
 
     _declared: tuple[tuple[BootState, int, int, int], ...] = ()  # (boot, start ticks, uid, launcher pid)
@@ -328,8 +338,15 @@ class Telemetry:
         if jit is not None:
             sizes = {j.path: (j.bytes, j.files) for j in jit}
             growing = any(self._cache_sizes.get(path, size) != size for path, size in sizes.items())
-            growing |= any(path not in self._cache_sizes for path in sizes) and bool(self._cache_sizes)
+            # A new cache is growth; a container's cache first seen with its engine is not (it was there already).
+            new = [
+                j
+                for j in jit
+                if j.path not in self._cache_sizes and (not j.root_pid or j.root_pid in self._cache_roots)
+            ]
+            growing |= bool(new) and bool(self._cache_sizes)
             self._cache_sizes = sizes
+            self._cache_roots = frozenset(j.root_pid for j in jit if j.root_pid)
         compilers = {e.root_pid: sum(e.tools.values()) for e in census.engines}
         observations = []
         for tree in trees:
@@ -371,6 +388,20 @@ class Telemetry:
                 )
             )
         return states
+
+    def _foreign_roots(self, trees: tuple[EngineTree, ...]) -> tuple[ForeignRoot, ...]:
+        """The caches of the engines whose root directory is not ours (containers), each engine looked at once."""
+        looked: dict[tuple[int, int], ForeignRoot | None] = {}
+        for tree in trees[:FOREIGN_ROOTS_MAX]:
+            key = tree.root.key
+            if key in self._foreign:
+                looked[key] = self._foreign[key]
+                continue
+            ref = tree.container
+            where = f"container {ref.short_id}" if ref is not None else f"pid {tree.root.pid}'s root"
+            looked[key] = foreign_root(self.settings.proc_root, tree.root.pid, tree.pids, tree.root.uid, where)
+        self._foreign = looked
+        return tuple(f for f in looked.values() if f is not None)
 
     def _burst_events(self, census: CompileCensus, now: float) -> None:
         self._burst, alerts = compile_core.burst_step(self._burst, census, self.settings.compile_jobs_alert, now)

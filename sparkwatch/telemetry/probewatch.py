@@ -7,9 +7,15 @@ thread its timeout and never the loop a cycle (core.engines.serving has the sche
 
 Before each probe the engine must own the port: a listening socket on it that one of the tree's processes holds open
 (telemetry/sources/listeners.py); otherwise nothing is sent (another process's server on that port is never asked).
-The probe connects to that socket's own address (a wildcard on loopback). The key, where the engine's command line
-or its environment names one, is read right before the probe and put in one header: never in a record, an event, a
-metric or a log line.
+The probe connects to that socket's own address (a wildcard on loopback). An engine in another network namespace
+than ours (a container on a bridge network) is dialled at its own address there, at its own port, and the request is
+sent only once its namespace shows our connection (listeners.dial_of, listeners.landed): our loopback is not its,
+and `-p 8001:8000` puts another engine, or nothing, at our port 8000. One it cannot reach for certain (loopback
+inside its namespace, no link of ours to its address, a first connection that failed or landed elsewhere) is
+`not_probed` with the reason, never failing nor wedged. After a connection once landed there, a later connection
+that fails counts as a failed probe, as on loopback. The key, where the engine's command line or its environment
+names one, is read right before the probe and put in one header: never in a record, an event, a metric or a log
+line.
 
 Busy is not wedged (core.engines.progress): after a failed probe, and only then, this thread reads the engine's own
 progress counters (`GET /metrics` on the same socket, telemetry/sources/enginecounters.py). Counters that moved since
@@ -43,7 +49,7 @@ from sparkwatch.core.model import BootState, EngineServing, EngineTree, Event
 from sparkwatch.telemetry.sources.completion import send_probe
 from sparkwatch.telemetry.sources.enginecounters import read_counters
 from sparkwatch.telemetry.sources.environ import read_environ
-from sparkwatch.telemetry.sources.listeners import Listener, owned_listener
+from sparkwatch.telemetry.sources.listeners import Dial, Unreachable, dial_of, landed
 
 log = logs.get("telemetry")
 TARGETS_MAX = 64  # engines probed: a box runs a handful
@@ -123,6 +129,10 @@ class ProbeWatch:
         self.counter_reads_total = 0  # reads of the engines' progress counters (one after each failed probe)
         self.errors_total = 0
         self._told_uncounted: set[tuple[int, int]] = set()  # engines whose lack of counters was logged
+        # Engines in another network namespace: the address a connection of ours was seen landing in theirs (after
+        # that, a connection that fails there is the engine's failure), and the address each was last dialled at.
+        self._proven: dict[tuple[int, int], str] = {}
+        self._dialled: dict[tuple[int, int], str] = {}
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -188,20 +198,24 @@ class ProbeWatch:
         for key in [k for k in self._tracks if k not in targets]:
             del self._tracks[key]  # the engine is gone: its track goes with it
         self._told_uncounted &= set(targets)
+        for seen in (self._proven, self._dialled):
+            for key in [k for k in seen if k not in targets]:
+                del seen[key]
         for key, target in targets.items():
             if self._stop.is_set():
                 break
             track = self._tracks.get(key, core.ServingTrack())
             if track.next_due > time.monotonic():
                 continue
-            result, listener, secret = self._probe(target)
-            self.probes_total += result.outcome != core.Outcome.NOT_LISTENING
+            result, dial, secret = self._probe(target)
+            self.probes_total += result.outcome not in (core.Outcome.NOT_LISTENING, core.Outcome.NOT_PROBED)
             counters = None
-            if result.outcome == core.Outcome.FAILED and listener is not None and not target.booting:
-                # Busy or wedged? Its own counters tell (core.engines.progress); read only after a failed probe.
+            if result.outcome == core.Outcome.FAILED and dial is not None and not target.booting:
+                # Busy or wedged? Its own counters tell (core.engines.progress); read only after a failed probe, on the
+                # socket the probe dialled.
                 counters = read_counters(
-                    listener.connect_host,
-                    listener.port,
+                    dial.host,
+                    dial.port,
                     prefix=target.endpoint.prefix,
                     key=secret,
                     timeout_s=self.params.timeout_s,
@@ -223,21 +237,51 @@ class ProbeWatch:
         """One probe of one engine, if it owns its port; never raises for what the engine or the network does."""
         return self._probe(target)[0]
 
-    def _probe(self, target: Target) -> tuple[core.ProbeResult, Listener | None, str | None]:
-        """The probe's result, the socket it dialled (None: the engine owns none on its port) and the key it sent
-        (for the counters' read right after; never kept)."""
+    def _probe(self, target: Target) -> tuple[core.ProbeResult, Dial | None, str | None]:
+        """The probe's result, the socket it dialled (None: the engine owns none on its port, or it was not probed) and
+        the key it sent (for the counters' read right after; never kept)."""
         ep = target.endpoint
-        listener = owned_listener(self.proc_root, target.root_pid, target.pids, ep.port)
-        if listener is None:
+        dial = dial_of(self.proc_root, target.root_pid, target.pids, ep.port)
+        if dial is None:
             return core.ProbeResult(core.Outcome.NOT_LISTENING, self.wall_clock()), None, None
+        if isinstance(dial, Unreachable):
+            return core.ProbeResult(core.Outcome.NOT_PROBED, self.wall_clock(), None, dial.reason), None, None
         key = None
         if ep.server != "url":
             environ = read_environ(self.proc_root, target.root_pid) or {}
             key = core.api_key_of(target.argv, environ, ep.server)
+        check = None
+        tree = (target.root_pid, target.start_ticks)
+        if dial.netns_pid:
+            self._dialled[tree] = dial.address
+            check = self._landing_check(dial)
         answer = send_probe(
-            listener.connect_host, listener.port, prefix=ep.prefix, key=key, timeout_s=self.params.timeout_s
+            dial.host, dial.port, prefix=ep.prefix, key=key, timeout_s=self.params.timeout_s, check=check
         )
-        return core.ProbeResult(answer.outcome, self.wall_clock(), answer.latency_s, answer.error), listener, key
+        if dial.netns_pid and answer.connected and answer.outcome != core.Outcome.NOT_PROBED:
+            self._proven[tree] = dial.address
+        elif dial.netns_pid and not answer.connected and self._proven.get(tree) != dial.address:
+            why = (
+                f"{dial.address}, its address in its own network namespace (a container's), could not be reached "
+                f"from the host ({answer.error})"
+            )
+            return core.ProbeResult(core.Outcome.NOT_PROBED, self.wall_clock(), None, why), None, None
+        result = core.ProbeResult(answer.outcome, self.wall_clock(), answer.latency_s, answer.error)
+        return result, (dial if answer.outcome != core.Outcome.NOT_PROBED else None), key
+
+    def _landing_check(self, dial: Dial) -> Callable[[tuple[str, int]], str]:
+        def check(ours: tuple[str, int]) -> str:
+            v6 = ":" in dial.listener.address
+            if landed(self.proc_root, dial.netns_pid, (dial.host, dial.port), (ours[0], ours[1]), v6_listener=v6):
+                return ""
+            return f"a connection to {dial.address} did not reach the engine's own network namespace"
+
+        return check
+
+    def _endpoint(self, target: Target) -> str:
+        """host:port as its command line names it, or the address it was dialled at in its own network namespace."""
+        dialled = self._dialled.get((target.root_pid, target.start_ticks))
+        return dialled if dialled is not None else f"{target.endpoint.host}:{target.endpoint.port}"
 
     def _publish(self) -> None:
         now = self.wall_clock()
@@ -246,12 +290,11 @@ class ProbeWatch:
             track = self._tracks.get(key)
             if track is None:
                 continue
-            ep = target.endpoint
             out.append(
                 EngineServing(
                     kind=target.kind,
                     root_pid=target.root_pid,
-                    endpoint=f"{ep.host}:{ep.port}",
+                    endpoint=self._endpoint(target),
                     state=str(track.state),
                     failures=track.failures,
                     latency_s=track.last.latency_s if track.last is not None else None,
@@ -266,7 +309,7 @@ class ProbeWatch:
         self.states = tuple(out)
 
     def _event(self, target: Target, track: core.ServingTrack, change: core.Change) -> None:
-        ep = f"{target.endpoint.host}:{target.endpoint.port}"
+        ep = self._endpoint(target)
         fields: dict[str, object] = {
             "engine": target.kind,
             "root_pid": target.root_pid,

@@ -63,6 +63,7 @@ from sparkwatch.telemetry.peerwatch import Peer, PeerWatch
 from sparkwatch.telemetry.postmortemtask import PostmortemWatch
 from sparkwatch.telemetry.raywatch import RayWatch
 from sparkwatch.telemetry.remote import EventErrors, RemoteGuard
+from sparkwatch.telemetry.shmwatch import ShmWatch
 from sparkwatch.telemetry.sources.nvml import NvmlSource
 from sparkwatch.telemetry.sources.nvml_preflight import NvmlOff, Preflight
 from sparkwatch.telemetry.sources.rayletfacts import local_facts
@@ -116,6 +117,7 @@ class TelemetryProcess:
                 settings,
                 gpu_source=None if nvml_off is None else NvmlOff(nvml_off),
                 driver=lambda: self.driver.report,
+                shm=lambda: self.shmwatch.latest,
             ),
             settings.telemetry_interval_s,
             on_event=self.events.append,
@@ -219,6 +221,9 @@ class TelemetryProcess:
             peers=peers,
         )
         out.append(Component("raywatch", raywatch, RayWatch.LIVE_KEYS, raywatch.apply, raywatch.counters))
+        # What killed engines left in /dev/shm, on a slow timer and soon after a tree ends (sparkwatch_shm_orphaned_*).
+        shmwatch = self.shmwatch = ShmWatch(settings.root, settings.proc_root, self._last_engines)
+        out.append(Component("shm", shmwatch, counters=shmwatch.counters))
         return out
 
     _relays: tuple[peerdoc.RayRelay, ...] = ()  # the Ray states the proven peers relayed at their last read

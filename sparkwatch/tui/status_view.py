@@ -188,7 +188,7 @@ def boot_text(boot: BootState, now: float) -> str:
     return text
 
 
-_SERVING_STYLE = {"serving": "green", "busy": "green", "failing": "yellow", "wedged": "bold red"}
+_SERVING_STYLE = {"serving": "green", "busy": "green", "failing": "yellow", "wedged": "bold red", "not_probed": "dim"}
 
 
 def serving_text(e: EngineServing) -> str:
@@ -196,6 +196,8 @@ def serving_text(e: EngineServing) -> str:
     s)`, `WEDGED for 1m30s: …`."""
     if e.state == "serving":
         return "serving" + (f" (token in {e.latency_s * 1000:.0f} ms)" if e.latency_s is not None else "")
+    if e.state == "not_probed":  # its own socket cannot be reached for certain: no word either way
+        return f"not probed: {e.error}" if e.error else "not probed"
     why = f" ({e.error})" if e.error else ""
     if e.state == "busy":  # core.engines.progress: the probe waited, its own counters moved
         running = f", {e.running:.0f} running" if e.running is not None else ""
@@ -291,7 +293,8 @@ def compile_lines(census: CompileCensus | None, jobs_alert: int) -> list[Text]:
 
 
 def _cache_name(cache: JitCacheState) -> str:
-    return " ".join(part for part in (cache.cache, cache.version, cache.arch) if part)
+    name = " ".join(part for part in (cache.cache, cache.version, cache.arch) if part)
+    return f"{name} ({cache.where})" if cache.where else name  # a container's own cache: whose
 
 
 def jit_lines(builds: Sequence[BuildView], now: float, width: int) -> list[Text]:

@@ -11,7 +11,7 @@ from sparkwatch.common.stats import GuardStats, KernelLogStats
 from sparkwatch.config.settings import Settings, load_settings
 from sparkwatch.core.enums import DriverVerdict
 from sparkwatch.core.kill import raygroup
-from sparkwatch.core.model import DriverReport, GpuDevice, GpuProcess, GpuReport, Snapshot
+from sparkwatch.core.model import DriverReport, GpuDevice, GpuProcess, GpuReport, ShmFile, ShmLeft, Snapshot
 from sparkwatch.telemetry.peerwatch import PeerState
 from sparkwatch.telemetry.raywatch import GroupView
 from tests.helpers.proctree import FIXED_MTIME, PSI_MEMORY, FakeProc, pin_mtimes, write_module, write_proc
@@ -228,6 +228,13 @@ def stranded_driver() -> DriverReport:
         reboot_required_pkgs=("linux-image-6.17.0-1008-nvidia",),
         dkms=False,
         open_modules=True,
+    )
+
+
+def shm_leftovers() -> ShmLeft:
+    """What a SIGKILLed vLLM left in /dev/shm: its shm_broadcast queue and a multiprocessing semaphore."""
+    return ShmLeft(
+        (ShmFile("psm_3f9a1c2e", 27, 101, 0, 640 * MiB), ShmFile("sem.mp-k2x8q1wz", 27, 102, 0, 4096)), certain=True
     )
 
 

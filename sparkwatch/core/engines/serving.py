@@ -21,7 +21,9 @@ within `timeout_s`. `failures_wedged` failures in a row while the process lives 
 event); the next good answer makes it serving again (one `engine_serving_again`). Failures count only once the
 engine's boot is over: a launched engine still in a boot phase, or one that listens on no port of its own yet, is
 booting, not wedged. An answer that refuses the key (401, 403) says the engine is up but not what it serves: it
-counts neither way.
+counts neither way. An engine whose own socket cannot be reached for certain (it listens on loopback inside a
+container's network namespace, or no link of the host reaches its address there: telemetry.sources.listeners) is
+`not_probed`, with the reason: never failing, never wedged, never killed as wedged.
 
 Busy is not wedged (core.engines.progress). After a failed probe telemetry reads the engine's own progress counters and
 hands `step` the read: counters that moved since the last look of the same failing run make it busy (the failures in
@@ -148,6 +150,7 @@ class Serving(StrEnum):
     FAILING = "failing"  # failures in a row, fewer than failures_wedged
     BUSY = "busy"  # the last probe failed, but the engine's own counters moved since the look before: not wedged
     WEDGED = "wedged"  # failures_wedged in a row, the process alive
+    NOT_PROBED = "not_probed"  # it owns a socket out of reach for certain (the reason: `last.error`)
 
 
 class Outcome(StrEnum):
@@ -155,6 +158,10 @@ class Outcome(StrEnum):
     FAILED = "failed"  # no answer within the timeout, refused, a non-200, or a 200 without a choice
     NOT_LISTENING = "not_listening"  # the engine's processes own no listening socket on the port: not probed
     UNAUTHORIZED = "unauthorized"  # 401/403: up, but the key is not one we know
+    NOT_PROBED = "not_probed"  # its socket cannot be reached for certain (another namespace's loopback, no route)
+
+
+_NOT_SENT = frozenset({Outcome.NOT_LISTENING, Outcome.NOT_PROBED})  # outcomes of a probe that asked nothing
 
 
 @dataclass(frozen=True, slots=True)
@@ -228,7 +235,23 @@ def step(
 ) -> tuple[ServingTrack, Change | None]:
     """A probe's result folded into the track: the new track, and the change worth an event (or None). `counters`:
     the read of the engine's progress counters made after this probe failed (None: none was made)."""
-    probes = track.probes + (result.outcome != Outcome.NOT_LISTENING)
+    probes = track.probes + (result.outcome not in _NOT_SENT)
+    if result.outcome == Outcome.NOT_PROBED:
+        # Nothing of the engine's could be asked for certain: no word on whether it serves, so no failure, no wedge
+        # (a wedge found before is dropped: it can no longer be shown, nor acted on). The reason stays in `last`.
+        new = replace(
+            track,
+            state=Serving.NOT_PROBED,
+            failures=0,
+            last=result,
+            wedged_since=None,
+            failing_since=None,
+            next_due=now_mono + params.interval_s,
+            counters=None,
+            look=None,
+            moved=None,
+        )
+        return new, None
     if result.outcome == Outcome.OK:
         new = replace(
             track,

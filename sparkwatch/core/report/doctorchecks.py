@@ -1,5 +1,5 @@
 """The non-driver checks of `sparkwatch doctor`: swap, MAX_JOBS and Ray's memory monitor in running engines, floor,
-the guard (running, armed or dry run), the kernel log and the Xids in it.
+/dev/shm's leftovers, the guard (running, armed or dry run), the kernel log and the Xids in it.
 
 Pure: processes, their environments and meminfo come in as data.
 """
@@ -13,7 +13,8 @@ from typing import Literal
 from sparkwatch.core.driver.nvrm import KmsgRecord, NvrmError, XidLine, is_from_kernel, parse_nvrm, xid_info
 from sparkwatch.core.engines.identity import EngineRules, engine_kind
 from sparkwatch.core.enums import CheckStatus
-from sparkwatch.core.model import Check, MemInfo, Proc
+from sparkwatch.core.launch.shmleft import file_line, fix_command, summary
+from sparkwatch.core.model import Check, MemInfo, Proc, ShmLeft
 from sparkwatch.core.redact import redact
 from sparkwatch.core.report.guardstate import GuardState, describe, describe_all
 from sparkwatch.core.words import plural
@@ -197,6 +198,23 @@ def floor_check(floor_bytes: int, warn_headroom_bytes: int, mem: MemInfo | None,
             "floor", CheckStatus.WARN, f"{shown}: floor + warn_headroom exceeds MemTotal; always warning", fix=fix
         )
     return Check("floor", CheckStatus.OK, shown)
+
+
+def shm_check(left: ShmLeft | None, where: str, why_not: str | None, euid: int) -> Check:
+    """Files in /dev/shm no process holds (core.launch.shmleft): a killed engine's shared memory, out of the pool until
+    removed or a reboot. A warning: the node works, with less memory."""
+    if left is None:
+        return Check("shm-leftovers", CheckStatus.SKIP, f"cannot read {where}: {why_not}")
+    if not left.orphans:
+        return Check("shm-leftovers", CheckStatus.OK, summary(left, where))
+    fix = fix_command(left, euid, "sparkwatch doctor")
+    return Check(
+        "shm-leftovers",
+        CheckStatus.WARN,
+        summary(left, where),
+        fix=f"{fix[0]}   # {fix[1]}" if fix else f"ls -l {where}   # no engine's names: remove one once you know whose",
+        detail="\n".join(file_line(f, left, euid) for f in left.orphans),
+    )
 
 
 def guard_check(states: Sequence[GuardState], notes: Sequence[str], live: bool) -> Check:

@@ -209,6 +209,9 @@ class SparkwatchCollector(Collector):
             for label, size in snap.free_contiguous:
                 contiguous.add_metric([label], size)
             yield contiguous
+        if snap is not None and snap.shm is not None and snap.shm.certain:  # an uncertain count is not known: absent
+            yield gauge("shm_orphaned_bytes", value=snap.shm.held_bytes)
+            yield gauge("shm_orphaned_files", value=len(snap.shm.orphans))
         if snap is not None and snap.psi is not None:
             psi = counter(
                 "memory_pressure_stalled_seconds",
@@ -389,9 +392,10 @@ def _boot_families(snap: Snapshot) -> Iterator[Metric]:
 
 
 def _serving_families(snap: Snapshot) -> Iterator[Metric]:
-    """Per probed engine: serving (1/0, absent while booting or not listening), the last good probe's latency, and
-    the failures in a row (telemetry/probewatch.py)."""
-    probed = [e for e in snap.serving if e.state != "unknown"]  # not probed yet, booting or not listening: absent
+    """Per probed engine: serving (1/0, absent while booting, not listening or not probed), the last good probe's
+    latency, and the failures in a row (telemetry/probewatch.py)."""
+    # not probed yet, booting, not listening, or its socket out of reach (not_probed): absent
+    probed = [e for e in snap.serving if e.state not in ("unknown", "not_probed")]
     if not probed:
         return
     serving = gauge("engine_serving", labels=["engine", "pid"])

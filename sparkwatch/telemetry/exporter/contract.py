@@ -22,7 +22,7 @@ MetricType = Literal["gauge", "counter", "histogram"]
 # When a family is present. A series that is not known is absent, never 0.
 Presence = Literal["always", "meminfo", "guard", "guard_loop", "kill", "events", "outbox", "delivered", "telemetry",
                    "psi", "gpu", "gpu_device", "gpu_field", "driver", "daemon", "launched", "budget",
-                   "postmortem", "ray", "ray_group", "peer", "probed"]  # fmt: skip
+                   "postmortem", "ray", "ray_group", "peer", "probed", "shm"]  # fmt: skip
 PRESENCE: dict[Presence, str] = {
     "always": "always",
     "meminfo": "once /proc/meminfo was read (the guard's read, else the telemetry's)",
@@ -45,7 +45,10 @@ PRESENCE: dict[Presence, str] = {
     "ray": "in the daemon while a raylet runs on this node and Ray's state API answered once",
     "ray_group": "per engine group over Ray (a live placement group) this node's Ray lists, node and role",
     "peer": "in the daemon, per configured peer (`peers`) once it answered",
-    "probed": "per engine whose endpoint the serving probe knows, once it was probed (`probe_interval_s` > 0)",
+    "probed": "per engine whose endpoint the serving probe knows, once it was probed (`probe_interval_s` > 0; an "
+    "engine whose socket is out of reach, `not_probed`, has none)",
+    "shm": "in the daemon once /dev/shm was scanned (at start, every 60 s, 10 s after an engine tree ended) and every "
+    "process could be read (root: the system unit); absent while a process of another user cannot be",
 }
 
 
@@ -513,7 +516,7 @@ METRICS: tuple[MetricSpec, ...] = (
         "engine pid",
         "probed",
         "1: the last one-token completion got a token, or it waited while the engine's own counters moved (busy); 0: "
-        "failing or wedged (absent while booting or not listening)",
+        "failing or wedged (absent while booting, not listening, or not probed: its socket out of reach)",
         help="1 if the engine's last one-token completion answered (the serving probe)",
     ),
     _m(
@@ -720,6 +723,24 @@ METRICS: tuple[MetricSpec, ...] = (
         "telemetry",
         "bytes free in blocks of at least min_block (2MiB|64KiB), from /proc/buddyinfo",
         help="Free memory in blocks of at least min_block (/proc/buddyinfo): what a large driver allocation can get",
+    ),
+    # what killed engines left in /dev/shm (core.launch.shmleft): tmpfs pages out of the pool until removed
+    _m(
+        "shm_orphaned_bytes",
+        "gauge",
+        "",
+        "shm",
+        "bytes (allocated blocks) of the files in /dev/shm no process maps or holds open: a killed engine's shared "
+        "memory, out of the pool until removed (sparkwatch doctor --fix) or a reboot",
+        help="Bytes of /dev/shm files no process maps or holds open: out of MemAvailable until removed",
+    ),
+    _m(
+        "shm_orphaned_files",
+        "gauge",
+        "",
+        "shm",
+        "files in /dev/shm no process maps or holds open (sparkwatch doctor names them)",
+        help="Files in /dev/shm no process maps or holds open (sparkwatch doctor names them)",
     ),
     _m(
         "kernel_log_readable",

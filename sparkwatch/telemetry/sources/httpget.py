@@ -54,6 +54,7 @@ class HttpGet:
         keep_alive: bool = False,
         headers: tuple[tuple[str, str], ...] = (),
         unix_path: str | None = None,
+        on_connect: Callable[[socket.socket], None] | None = None,
     ) -> None:
         self.host = host
         self.unix_path = unix_path
@@ -62,6 +63,9 @@ class HttpGet:
         self.keep_alive = keep_alive
         where = f"[{host}]" if ":" in host else host  # an IPv6 address
         self.headers = (("Host", f"{where}:{port}"), *headers, ("Connection", "keep-alive" if keep_alive else "close"))
+        # Called with each new plain connection before anything is sent on it; raising sends nothing and closes it
+        # (the serving probe's landing check: telemetry.sources.completion).
+        self.on_connect = on_connect
         self.last_headers: dict[str, str] = {}  # the last answer's headers, names lower-cased (a peer's proof)
         self._sock: socket.socket | None = None
         self._h11: h11.Connection | None = None
@@ -100,6 +104,9 @@ class HttpGet:
         except OSError as exc:
             self.close()
             raise HttpGetError("unreachable", str(exc) or type(exc).__name__) from None
+        except BaseException:  # on_connect's own reason to send nothing, or an interrupt: never reused
+            self.close()
+            raise
 
     def close(self) -> None:
         if self._sock is not None:
@@ -114,6 +121,8 @@ class HttpGet:
         if self._sock is None or self._h11 is None:
             self._sock = self._connect(deadline)
             self._h11 = h11.Connection(our_role=h11.CLIENT)
+            if self.on_connect is not None:
+                self.on_connect(self._sock)
         sock, conn = self._sock, self._h11
         sock.settimeout(_left(deadline))
         headers = [*self.headers, ("Content-Length", str(len(data)))] if method != "GET" else list(self.headers)

@@ -12,6 +12,16 @@ File contents are never read, except build.ninja files (a few KiB) when their mt
 
 Errors never raise out of `collect`: a directory that vanishes mid-walk is dropped (flashinfer deletes its tmp dirs),
 an unreadable one keeps its last totals and is reported in `JitCacheState.error`.
+
+A container's own caches. An engine in a container writes its JIT cache in its own file system (`/root/.cache/
+flashinfer` inside), which no host path names. For each engine whose root directory is not ours (`foreign_root`:
+/proc/PID/root is another directory than /proc/self/root), its caches are found where its own environment puts them
+(FLASHINFER_WORKSPACE_BASE, VLLM_CACHE_ROOT, HOME of the first member whose environment reads; else its user's home
+in the container's /etc/passwd) and read through /proc/PID/root, which resolves the container's own mounts: a cache
+that is a bind mount of a host directory is that directory. One that is the same directory (device and inode) as a
+cache already watched (a host path in `jit_cache_dirs`, another engine of the same container) is watched once. Same
+rules as the host's: a tree per cache, walked once, then hot and a slice of the cold directories each cycle; the
+first sight of one is a walk, while its engine runs; it is dropped with it.
 """
 
 from __future__ import annotations
@@ -24,6 +34,7 @@ from pathlib import Path
 from sparkwatch.core.engines.jit import ninja_object_targets
 from sparkwatch.core.enums import JitCacheKind
 from sparkwatch.core.model import JitCacheState
+from sparkwatch.telemetry.sources.environ import read_environ
 
 HOT_S = 120.0
 COLD_STATS_PER_CYCLE = 256
@@ -46,8 +57,11 @@ class _Dir:
 class CacheTree:
     """One cache root and the cached state of every directory under it."""
 
-    def __init__(self, cache: JitCacheKind, version: str, arch: str, path: str) -> None:
+    def __init__(
+        self, cache: JitCacheKind, version: str, arch: str, path: str, *, root_pid: int = 0, where: str = ""
+    ) -> None:
         self.cache, self.version, self.arch, self.path = cache, version, arch, path
+        self.root_pid, self.where = root_pid, where
         self._dirs: dict[str, _Dir] = {}
         self._ring: list[str] = []
         self._ring_pos = 0
@@ -215,6 +229,8 @@ class CacheTree:
             error="; ".join(sorted(errors)[:3]) + (f" (+{len(errors) - 3} more)" if len(errors) > 3 else "")
             if errors
             else None,
+            root_pid=self.root_pid,
+            where=self.where,
         )
 
     @property
@@ -230,36 +246,136 @@ def _subdirs(path: Path) -> list[Path]:
         return []
 
 
+ENVIRON_MEMBERS_MAX = 8  # members whose environment is read to find a container's caches (once per engine)
+PASSWD_MAX_BYTES = 1 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class ForeignRoot:
+    """An engine whose root directory is not ours (a container's): its caches, as paths that read them from here."""
+
+    root_pid: int
+    where: str  # "container 4f4f4f4f4f4f", or "pid 1234's root"
+    flashinfer: tuple[Path, ...]
+    vllm: tuple[Path, ...]
+
+
+def _passwd_home(passwd: str, uid: int) -> str | None:
+    try:
+        with open(passwd, encoding="utf-8", errors="replace") as fh:
+            text = fh.read(PASSWD_MAX_BYTES)
+    except OSError:
+        return None
+    for line in text.splitlines():
+        f = line.split(":")
+        if len(f) >= 6 and f[2] == str(uid) and f[5].startswith("/"):
+            return f[5]
+    return None
+
+
+def foreign_root(
+    proc_root: Path | str, root_pid: int, member_pids: tuple[int, ...], uid: int, where: str
+) -> ForeignRoot | None:
+    """The caches of an engine whose root directory is not ours, read through /proc/PID/root; None for an engine
+    that shares our root (its caches are the host's paths) or whose root cannot be looked at (another user's)."""
+    root = f"{proc_root}/{root_pid}/root"
+    try:
+        theirs, ours = os.stat(root), os.stat(f"{proc_root}/self/root")
+    except OSError:
+        return None
+    if (theirs.st_dev, theirs.st_ino) == (ours.st_dev, ours.st_ino):
+        return None
+    env: dict[str, str] = {}
+    for pid in member_pids[:ENVIRON_MEMBERS_MAX]:
+        read = read_environ(proc_root, pid) or {}  # a retitled process (setproctitle) has lost its environ area
+        if "HOME" in read or "FLASHINFER_WORKSPACE_BASE" in read or "VLLM_CACHE_ROOT" in read:
+            env = read
+            break
+    home = env.get("HOME") or _passwd_home(f"{root}/etc/passwd", uid)
+    flashinfer_base = env.get("FLASHINFER_WORKSPACE_BASE") or home
+    vllm_base = env.get("VLLM_CACHE_ROOT") or (f"{home}/.cache/vllm" if home else None)
+
+    def inside(path: str) -> Path:
+        """A path inside the container, as it is read from here."""
+        return Path(root + os.path.normpath("/" + path))
+
+    return ForeignRoot(
+        root_pid,
+        where,
+        (inside(f"{flashinfer_base}/.cache/flashinfer"),) if flashinfer_base else (),
+        (inside(f"{vllm_base}/torch_compile_cache"),) if vllm_base else (),
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class _Root:
+    cache: JitCacheKind
+    version: str
+    arch: str
+    path: str
+    root_pid: int = 0
+    where: str = ""
+
+
+def _dir_key(path: Path) -> tuple[int, int] | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return (st.st_dev, st.st_ino)
+
+
 class JitCacheSource:
-    """Finds every flashinfer <version>/<arch> under each base, plus vLLM cache dirs, and keeps a CacheTree each."""
+    """Finds every flashinfer <version>/<arch> under each base, plus vLLM cache dirs, and keeps a CacheTree each; also
+    those of the engines in containers it is handed (ForeignRoot)."""
 
     def __init__(self, flashinfer_dirs: list[Path], vllm_dirs: list[Path]) -> None:
         self.flashinfer_dirs = list(flashinfer_dirs)
         self.vllm_dirs = list(vllm_dirs)
         self._trees: dict[str, CacheTree] = {}
 
-    def _roots(self) -> list[tuple[JitCacheKind, str, str, str]]:
-        roots: list[tuple[JitCacheKind, str, str, str]] = []
-        for base in self.flashinfer_dirs:
+    def _roots(self, foreign: tuple[ForeignRoot, ...]) -> list[_Root]:
+        roots: list[_Root] = []
+        # A directory reached twice (a container's bind mount of a host cache, two engines of one container) is
+        # watched once, first as the host's. Without containers nothing is stat'ed for this.
+        seen: set[tuple[int, int]] = set()
+        flashinfer = [(b, 0, "") for b in self.flashinfer_dirs]
+        vllm = [(v, 0, "") for v in self.vllm_dirs]
+        for f in foreign:
+            flashinfer += [(b, f.root_pid, f.where) for b in f.flashinfer]
+            vllm += [(v, f.root_pid, f.where) for v in f.vllm]
+        for base, root_pid, where in flashinfer:
+            key = _dir_key(base) if foreign else None
+            if key is not None and key in seen:
+                continue
+            if key is not None:
+                seen.add(key)
             for version in _subdirs(base):
                 for arch in _subdirs(version):
-                    roots.append(("flashinfer", version.name, arch.name, str(arch)))
-        for vdir in self.vllm_dirs:
+                    roots.append(_Root("flashinfer", version.name, arch.name, str(arch), root_pid, where))
+        for vdir, root_pid, where in vllm:
+            key = _dir_key(vdir) if foreign else None
+            if key is not None and key in seen:
+                continue
+            if key is not None:
+                seen.add(key)
             if vdir.is_dir():
-                roots.append(("vllm", "", "", str(vdir)))
+                roots.append(_Root("vllm", "", "", str(vdir), root_pid, where))
         return roots
 
-    def collect(self, now: float | None = None) -> tuple[JitCacheState, ...]:
-        roots = self._roots()
-        live = {r[3] for r in roots}
+    def collect(self, now: float | None = None, foreign: tuple[ForeignRoot, ...] = ()) -> tuple[JitCacheState, ...]:
+        roots = self._roots(foreign)
+        live = {r.path for r in roots}
         for path in list(self._trees):
             if path not in live:
-                del self._trees[path]  # the cache was deleted (rm -rf ~/.cache/flashinfer): no stale series
+                del self._trees[path]  # the cache was deleted (rm -rf ~/.cache/flashinfer), its engine gone: no series
         out = []
-        for cache, version, arch, path in roots:
-            tree = self._trees.get(path)
+        for r in roots:
+            tree = self._trees.get(r.path)
             if tree is None:
-                tree = self._trees[path] = CacheTree(cache, version, arch, path)
+                tree = self._trees[r.path] = CacheTree(
+                    r.cache, r.version, r.arch, r.path, root_pid=r.root_pid, where=r.where
+                )
             tree.refresh(now)
             if tree.dir_count:
                 out.append(tree.state())

@@ -8,6 +8,17 @@ port (another user's server, a process that took the port after the engine died)
 Cost: one listdir and a readlink per open fd of each member, and two sock_diag dumps of the listening sockets (or
 two reads of the root's net tables); once per probe (every 30 s while serving). An unreadable fd directory (another
 user's process, hidepid) owns nothing we can prove: no probe.
+
+Where to dial it (`dial_of`). In our own network namespace: the socket's own address (a wildcard on loopback). In
+another one (an engine in a Docker bridge-network container): never our loopback, which is another namespace's
+socket (another engine, or nothing, on the same port number: a published `-p 8001:8000` is not 8000 here), but the
+engine's own IPv4 address in its namespace, at its own port: the namespace's local addresses from
+/proc/PID/net/fib_trie, one that our routing table (/proc/self/net/route) reaches on a link of ours (a bridge: no
+gateway, not loopback, not one of our own addresses), and on which no other process of that namespace listens on
+the same port. Once connected, the connection must be seen landing there (`landed`: a row of the engine's own
+/proc/PID/net/tcp with that address and port and our socket's address and port on the other end) before a byte is
+sent. An engine that listens only on loopback inside its namespace, or whose addresses no link of ours reaches, is
+`Unreachable` with the reason: not probed, never failed (core.engines.serving).
 """
 
 from __future__ import annotations
@@ -16,6 +27,7 @@ import ipaddress
 import os
 import socket
 import struct
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -24,6 +36,7 @@ from sparkwatch.common.sources.procs import same_netns
 
 _LISTEN = "0A"  # include/net/tcp_states.h: TCP_LISTEN
 _ESTABLISHED = "01"  # TCP_ESTABLISHED
+_SYN_RECV = "03"  # TCP_SYN_RECV: a connection the listener has not completed yet (a request sock)
 FDS_MAX = 65536  # open fds looked at per process: an engine holds hundreds
 LISTENERS_MAX = 4096  # LISTEN rows read per table
 
@@ -196,7 +209,10 @@ def socket_inodes(proc_root: Path | str, pids: Iterable[int]) -> set[int]:
 
 def owned_listener(proc_root: Path | str, root_pid: int, pids: Iterable[int], port: int) -> Listener | None:
     """The listening socket on `port` that one of `pids` holds open, or None."""
-    candidates = [lst for lst in listeners(proc_root, root_pid) if lst.port == port]
+    return _owned(proc_root, pids, [lst for lst in listeners(proc_root, root_pid) if lst.port == port])
+
+
+def _owned(proc_root: Path | str, pids: Iterable[int], candidates: list[Listener]) -> Listener | None:
     if not candidates:
         return None
     inodes = socket_inodes(proc_root, pids)
@@ -204,3 +220,157 @@ def owned_listener(proc_root: Path | str, root_pid: int, pids: Iterable[int], po
         if lst.inode in inodes:
             return lst
     return None
+
+
+# --- where to dial it: our namespace, or the engine's own (a container's), never a guess
+
+FIB_MAX_BYTES = 1 << 20  # a namespace's fib_trie: a few KiB (a router with a full table is no engine's namespace)
+_RTF_UP, _RTF_GATEWAY, _RTF_REJECT = 0x1, 0x2, 0x200  # include/uapi/linux/route.h
+LANDED_WAIT_S = 0.25  # how long the engine's namespace gets to show our connection (it is there when connect returns)
+
+
+@dataclass(frozen=True, slots=True)
+class Dial:
+    """Where the serving probe connects to reach a listening socket the engine owns."""
+
+    listener: Listener
+    host: str
+    port: int
+    netns_pid: int = 0  # not 0: the engine's network namespace is not ours; the connection must land in this pid's
+
+    @property
+    def address(self) -> str:
+        return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
+
+
+@dataclass(frozen=True, slots=True)
+class Unreachable:
+    """The engine owns a listening socket on its port that cannot be reached from here for certain: not probed."""
+
+    reason: str
+
+
+def parse_fib_local(text: str) -> list[str]:
+    """The local IPv4 addresses (`/32 host LOCAL` leaves) of a /proc/PID/net/fib_trie, loopback included, once each."""
+    out: list[str] = []
+    leaf = ""
+    for line in text.splitlines():
+        words = line.split()
+        if len(words) == 2 and words[0] in ("|--", "+--"):
+            leaf = words[1] if words[0] == "|--" else ""
+        elif words[:3] == ["/32", "host", "LOCAL"] and leaf and leaf not in out:
+            out.append(leaf)
+    return out
+
+
+def on_link(route_text: str, address: str) -> str | None:
+    """The interface through which a /proc/net/route table reaches `address` directly (its best route: the longest
+    prefix, then the lowest metric), or None: no route, a route through a gateway, a reject route, or loopback."""
+    want = int(ipaddress.IPv4Address(address))
+    best: tuple[int, int, str, int] | None = None  # (prefix length, -metric, interface, flags)
+    for line in route_text.splitlines()[1:]:
+        f = line.split()
+        if len(f) < 8:
+            continue
+        try:
+            dest = int.from_bytes(bytes.fromhex(f[1]), "little")
+            flags, metric = int(f[3], 16), int(f[6])
+            mask = int.from_bytes(bytes.fromhex(f[7]), "little")
+        except ValueError:
+            continue
+        if not flags & _RTF_UP or want & mask != dest & mask:
+            continue
+        rank = (bin(mask).count("1"), -metric, f[0], flags)
+        if best is None or rank[:2] > best[:2]:
+            best = rank
+    if best is None or best[3] & (_RTF_GATEWAY | _RTF_REJECT) or best[2] == "lo":
+        return None
+    return best[2]
+
+
+def _read(path: str, limit: int = FIB_MAX_BYTES) -> str:
+    with open(path, encoding="ascii", errors="replace") as fh:
+        return fh.read(limit)
+
+
+def dial_of(proc_root: Path | str, root_pid: int, pids: Iterable[int], port: int) -> Dial | Unreachable | None:
+    """Where to connect to the listening socket on `port` that one of `pids` holds open: None when they own none
+    (not listening), Unreachable when it cannot be reached from here for certain (the reason in words)."""
+    on_port = [lst for lst in listeners(proc_root, root_pid) if lst.port == port]
+    owned = _owned(proc_root, pids, on_port)
+    if owned is None:
+        return None
+    if same_netns(proc_root, root_pid):
+        return Dial(owned, owned.connect_host, owned.port)
+    where = f"{owned.address}:{port}" if ":" not in owned.address else f"[{owned.address}]:{port}"
+    ip = ipaddress.ip_address(owned.address)
+    if ip.is_loopback:
+        return Unreachable(
+            f"it listens on {where} in its own network namespace (a container's), out of the host's reach"
+        )
+    if owned.address == "::" or ip.version == 4:
+        try:
+            ours = parse_fib_local(_read(f"{proc_root}/self/net/fib_trie"))
+            routes = _read(f"{proc_root}/self/net/route")
+            theirs = [owned.address] if ip.version == 4 and not ip.is_unspecified else []
+            if not theirs:
+                theirs = parse_fib_local(_read(f"{proc_root}/{root_pid}/net/fib_trie"))
+        except OSError as exc:
+            return Unreachable(f"its network namespace's addresses could not be read ({exc.strerror or exc})")
+    else:
+        return Unreachable(f"it listens on {where} (IPv6) in its own network namespace: not probed there")
+    others = [lst for lst in on_port if lst.inode != owned.inode]
+    why: list[str] = []
+    for address in theirs:
+        if ipaddress.IPv4Address(address).is_loopback:
+            continue
+        if any(lst.address in (address, "0.0.0.0", "::") for lst in others):
+            why.append(f"another socket listens on {address}:{port} there")
+        elif address in ours:
+            why.append(f"{address} is also one of the host's own addresses")
+        elif on_link(routes, address) is None:
+            why.append(f"no route from the host reaches {address} on a link of its own")
+        else:
+            return Dial(owned, address, port, root_pid)
+    detail = "; ".join(why) if why else "its network namespace has no IPv4 address but loopback"
+    return Unreachable(f"it listens on {where} in its own network namespace (a container's): {detail}")
+
+
+def _connection_rows(proc_root: Path | str, pid: int, tables: tuple[str, ...]) -> list[Listener]:
+    """The established and half-open TCP connections of `pid`'s network namespace in `tables` (no cap: a busy engine
+    may hold thousands and ours must not be cut off)."""
+    out: list[Listener] = []
+    for table in tables:
+        try:
+            text = _read(f"{proc_root}/{pid}/net/{table}", 1 << 26)
+        except OSError:
+            continue
+        for line in text.splitlines()[1:]:
+            fields = line.split(maxsplit=4)
+            if len(fields) < 4 or fields[3] not in (_ESTABLISHED, _SYN_RECV):
+                continue
+            local, _c, lport = fields[1].partition(":")
+            remote, _c, rport = fields[2].partition(":")
+            try:
+                out.append(Listener(_address(local), int(lport, 16), 0, -1, _address(remote), int(rport, 16)))
+            except ValueError:
+                continue
+    return out
+
+
+def landed(
+    proc_root: Path | str, pid: int, dial: tuple[str, int], ours: tuple[str, int], *, v6_listener: bool = False
+) -> bool:
+    """Whether our connection from `ours` (our socket's address and port) to `dial` is one of `pid`'s network
+    namespace's connections: it reached that very namespace, where the engine owns the only listener on that
+    address and port (dial_of). `v6_listener`: the engine's socket is IPv6 (a dual-stack `::` takes IPv4 too, and its
+    connections are in tcp6); else only tcp is read (each read walks the kernel's whole table: ~4 ms on a busy host)."""
+    tables = ("tcp6",) if v6_listener else ("tcp",)
+    deadline = time.monotonic() + LANDED_WAIT_S
+    while True:
+        for row in _connection_rows(proc_root, pid, tables):
+            if (row.address, row.port, row.remote, row.remote_port) == (*dial, *ours):
+                return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.01)
