@@ -22,7 +22,7 @@ MetricType = Literal["gauge", "counter", "histogram"]
 # When a family is present. A series that is not known is absent, never 0.
 Presence = Literal["always", "meminfo", "guard", "guard_loop", "kill", "events", "outbox", "delivered", "telemetry",
                    "psi", "gpu", "gpu_device", "gpu_field", "driver", "daemon", "launched", "budget",
-                   "postmortem", "ray", "ray_group", "peer", "probed"]  # fmt: skip
+                   "postmortem", "ray", "ray_group", "peer", "probed", "gated"]  # fmt: skip
 PRESENCE: dict[Presence, str] = {
     "always": "always",
     "meminfo": "once /proc/meminfo was read (the guard's read, else the telemetry's)",
@@ -46,6 +46,7 @@ PRESENCE: dict[Presence, str] = {
     "ray_group": "per engine group over Ray (a live placement group) this node's Ray lists, node and role",
     "peer": "in the daemon, per configured peer (`peers`) once it answered",
     "probed": "per engine whose endpoint the serving probe knows, once it was probed (`probe_interval_s` > 0)",
+    "gated": "per container the after-kill gate holds paused (`container_after_kill = gate`), while it does",
 }
 
 
@@ -258,6 +259,15 @@ METRICS: tuple[MetricSpec, ...] = (
         "daemon",
         "how long another process held this agent's port (listen) before it bound it; 0 when bound at once. Meanwhile "
         "that process answered as this node (sparkwatch doctor names it)",
+    ),
+    _m(
+        "container_gated",
+        "gauge",
+        "name id",
+        "gated",
+        "1 while a container (its name, and its id's 12 digits) is held paused: its restart policy started it again "
+        "after the guard killed its engine, and it waits for the pool to settle and its peak to fit "
+        "(docs/containers.md)",
     ),
     _m(
         "previous_boot_end_timestamp_seconds",
