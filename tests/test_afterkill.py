@@ -16,7 +16,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import pytest
 
@@ -46,6 +46,9 @@ from tests.conftest import require, wait_until
 from tests.daemon import RunningDaemon, scrape, sparkwatch_run, wait_for_event
 from tests.dockerd import Dockerd, fake_engine_argv, run_args
 from tests.receiver import Receiver
+
+if TYPE_CHECKING:
+    from sparkwatch.telemetry.containerwatch import ContainerWatch
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -326,3 +329,51 @@ def test_allow_lets_the_restart_run_named_and_the_loop_still_stops_it(dockerd: D
         assert len(kinds(agent, "kill")) == 2
     finally:
         dockerd.remove(name)
+
+
+class StubWatch:
+    """The container watch as the after-kill worker reads it: up, and each container's facts."""
+
+    up = True
+
+    def __init__(self, *facts: ContainerFacts) -> None:
+        self.by_id = {f.id: f for f in facts}
+
+    def facts(self, cid: str) -> ContainerFacts | None:
+        return self.by_id.get(cid)
+
+    def running(self) -> tuple[ContainerFacts, ...]:
+        return tuple(self.by_id.values())
+
+
+def test_a_telemetry_that_starts_again_takes_up_the_gates_still_paused(tmp_path: Path) -> None:
+    """The event log says what a previous telemetry process held: a container still paused is held again (and
+    released by the gate's rule), one no longer paused is recorded as no longer held, so `status` stops showing it."""
+    settings = load_settings(None, {"state_dir": tmp_path / "state"})
+    events = EventLog(settings.events_path)
+    other = "ab" * 32
+    for cid, name in ((CID, "sw-still"), (other, "sw-gone")):
+        fields = {"container_id": cid, "container_name": name, "image": "img", "need_bytes": 1 * GiB,
+                  "need_source": "kill footprint", "error": None}  # fmt: skip
+        events.append(make_event(EventKind.CONTAINER_GATED, "paused", fields))
+    assert len(gated_now(read_events(settings.events_path))) == 2
+    still = ContainerFacts(CID, "sw-still", "img", "paused", 4242, "unless-stopped", restart_count=1)
+    gone = ContainerFacts(other, "sw-gone", "img", "running", 4343, "unless-stopped", restart_count=1)
+    watch = AfterKillWatch(
+        settings,
+        events,
+        watch=cast("ContainerWatch", StubWatch(still, gone)),
+        socket_path=None,
+        where="a test",
+    )
+    watch.start()
+    try:
+        assert wait_until(lambda: [g.container_id for g in watch.gated()] == [CID], 10)
+        [held] = watch.gated()
+        assert held.need == Need(1 * GiB, "kill footprint")
+        [view] = gated_now(read_events(settings.events_path))
+        assert view.container_id == CID
+        [released] = [e for e in read_events(settings.events_path) if e["kind"] == "container_released"]
+        assert (released["container_id"], released["by"]) == (other, "owner")
+    finally:
+        watch.stop()
