@@ -16,11 +16,21 @@ from pathlib import Path
 
 from tests.conftest import descendants
 
+# Binds port 0 on every address and prints what the kernel gave: run where the port will be bound.
+_PICK = "import socket; s = socket.socket(); s.bind(('0.0.0.0', 0)); print(s.getsockname()[1])"
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+
+def free_port(prefix: Sequence[str] = ()) -> int:
+    """A port free now where it will be bound: here, or (`prefix`: a command that execs the rest, `ip netns exec NS`)
+    where that command runs, picked there by the kernel. A port free in this network namespace may be held in
+    another one: node B's agent found its port, picked here, "in use by another process" (one of B's Ray processes,
+    in B's namespace), and never served its document."""
+    if not prefix:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return int(s.getsockname()[1])
+    out = subprocess.run([*prefix, sys.executable, "-c", _PICK], capture_output=True, text=True, timeout=30, check=True)
+    return int(out.stdout)
 
 
 class RunningDaemon:
@@ -101,7 +111,7 @@ def sparkwatch_run(
     """`sparkwatch run` with engines confined to this test process's descendants, a private state dir and port.
     `prefix`: a command that execs the rest (e.g. `unshare` into a mount namespace of the test's own)."""
     state_dir = tmp_path / "state"
-    port = free_port()
+    port = free_port(prefix)  # free in the namespace it runs in, where it binds it
     full_env = daemon_env(tmp_path, port)
     full_env.update(env or {})
     proc = subprocess.Popen(

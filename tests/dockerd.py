@@ -31,7 +31,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-SUBREAPER = REPO / "tests" / "helpers" / "subreaper.py"
 IMAGE_DIR = Path(os.environ.get("SPARKWATCH_DOCKER_IMAGE_DIR", "/var/tmp/sparkwatch-docker-image"))
 DATA_DIR = Path("/var/tmp/sparkwatch-dockerd")
 RUN_PREFIX = "/run/swd-"
@@ -216,6 +215,18 @@ def _make_bridge() -> tuple[str, int]:
     raise RuntimeError("no free bridge name swd10..swd249")
 
 
+# dockerd is exec'd by this one line, which first makes it the subreaper of what it starts (the flag survives execve):
+# a container's shim, which daemonizes, is then reparented to this session's dockerd rather than to PID 1. Each
+# container's processes are descendants of the test process, and a real guard confined to them (`ancestor_pid`, as
+# tests/daemon.py sets it) may kill this session's engines and no other's. (A preexec_fn would do it in the forked
+# child, where another thread of pytest's may hold a lock: PLW1509.)
+SUBREAPER_EXEC = (
+    "import ctypes, os, sys; libc = ctypes.CDLL(None, use_errno=True); "
+    "libc.prctl(36, 1, 0, 0, 0) == 0 or sys.exit(f'prctl(PR_SET_CHILD_SUBREAPER): {os.strerror(ctypes.get_errno())}'); "
+    "os.execvp(sys.argv[1], sys.argv[1:])"
+)
+
+
 def start(log: Path) -> Dockerd:
     """A daemon of this session's own, with the test image imported. Stop it with `stop`."""
     _reap_stale()
@@ -239,10 +250,8 @@ def start(log: Path) -> Dockerd:
         "--ip-masq=false",
     ]
     with open(log, "ab") as out:
-        # Under a subreaper of its own (tests/helpers/subreaper.py): the containers' shims then descend from the test
-        # process, where `ancestor_pid` confines a test's guard; handed to PID 1 they were no test's descendants.
         proc = subprocess.Popen(
-            [sys.executable, str(SUBREAPER), *argv],
+            [sys.executable, "-c", SUBREAPER_EXEC, *argv],
             stdout=out,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,

@@ -35,6 +35,7 @@ from typing import Any
 from sparkwatch.common import syscalls
 from sparkwatch.common.sources.procs import read_start_ticks
 from tests.conftest import alive, require, wait_until
+from tests.daemon import free_port
 
 RAY = Path(sys.executable).parent / "ray"
 OBJECT_STORE_BYTES = 100_000_000  # Ray's floor is 75 MB
@@ -86,6 +87,11 @@ class RayCluster:
 
     def in_ns(self, ns: str, argv: list[str]) -> list[str]:
         return ["ip", "netns", "exec", ns, *argv]
+
+    def free_port(self, ns: str) -> int:
+        """A port free in namespace `ns`, picked there: a port free in the test's own namespace may be held by one of
+        that node's Ray processes (tests.daemon.free_port)."""
+        return free_port(self.in_ns(ns, []))
 
     def get_in_a(self, url: str, timeout_s: float = 10) -> subprocess.CompletedProcess[str]:
         """One HTTP GET from inside node A (its loopback, or over the veth pair): the body on stdout."""

@@ -28,6 +28,7 @@ from sparkwatch.common.spool import AlertRouter
 from sparkwatch.common.stats import BudgetStat, KernelLogStats
 from sparkwatch.common.systemd import EVENT_PRIORITY, PRIORITY_NOTICE
 from sparkwatch.config.settings import Settings
+from sparkwatch.core.containerpolicy import Gate
 from sparkwatch.core.driver.nvmlcodes import NvmlReturn
 from sparkwatch.core.enums import CheckStatus, DriverVerdict
 from sparkwatch.core.eventkinds import EventKind
@@ -37,6 +38,7 @@ from sparkwatch.core.model import BootState, EngineServing, EngineTree, Event, G
 from sparkwatch.core.postmortem.verdict import BootEnd
 from sparkwatch.core.report.alerts import ALERT_MIN_INTERVAL_S
 from sparkwatch.telemetry.exporter.contract import BY_NAME, METRICS, MetricSpec, markdown_table, presence_table
+from sparkwatch.telemetry.exporter.gatemetric import GateCollector
 from sparkwatch.telemetry.exporter.groupmetric import GroupCollector
 from sparkwatch.telemetry.exporter.internal import InternalCollector
 from sparkwatch.telemetry.exporter.peermetric import PeerCollector
@@ -167,6 +169,9 @@ def full_exposition(tmp_path: Path) -> list[Metric]:
     registry.register(PostmortemCollector(lambda: Judged(BootEnd.DRIVER_NO_MEMORY, FIXED_MTIME, "a" * 32)))
     registry.register(GroupCollector(group_view))
     registry.register(PeerCollector(peer_view, lambda: 0.0))
+    registry.register(
+        GateCollector(lambda: (Gate("3f2a" * 16, "vllm-qwen", "nvcr.io/nvidia/vllm:25.09", 0.0, 0.0, 1),))
+    )
     return list(registry.collect())
 
 

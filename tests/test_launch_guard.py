@@ -238,6 +238,56 @@ def test_a_guard_that_does_not_read_this_runtime_dir_is_said_not_to_have_taken_i
                           "--serve-s", "7")  # fmt: skip
         _out, err = proc.communicate(timeout=60)
     assert proc.returncode == 0, err.decode()
-    line = f"sparkwatch: guard pid {d.proc.pid} has not taken it within 5 s (does it read this runtime dir?): the "
-    assert line + "budget is not enforced\n" in err.decode(), err.decode()
+    line = f"sparkwatch: guard pid {d.proc.pid} has not taken it within 5 s (it is outside the guard's ancestor_pid, "
+    assert line + "or the guard does not read this runtime dir): the budget is not enforced\n" in err.decode()
     assert "no guard is running" not in err.decode()
+
+
+def test_a_guard_says_it_took_only_the_declarations_its_ancestor_pid_holds(tmp_path: Path) -> None:
+    """A declaration outside the guard's `ancestor_pid` is still read (its events), never a tree of the guard's:
+    so it is not among those the guard publishes as taken, and launch never says "enforced" for it."""
+    directory = tmp_path / "launched"
+    engines = LaunchedEngines([directory], "/proc", lambda *_a: None)
+    me = os.getpid()
+    launched.write(directory, _decl(me, os.geteuid()))
+    outsider = subprocess.Popen(["sleep", "60"])  # no ancestor of this process
+    try:
+        engines.poll(time.monotonic())
+        key = (me, read_start_ticks("/proc", me))
+        assert [d.tree_key for d in engines.live()] == [key]  # no ancestor_pid: every tree is the guard's
+        engines.ancestor_pid = outsider.pid
+        assert engines.live() == () and [d.tree_key for d in engines.declarations()] == [key]
+        engines.ancestor_pid = os.getppid()  # this process descends from it
+        assert [d.tree_key for d in engines.live()] == [key]
+    finally:
+        outsider.kill()
+        outsider.wait()
+
+
+def test_launch_never_says_enforced_for_a_tree_outside_the_guard_s_ancestor_pid(box: Box, tmp_path: Path) -> None:
+    """The new owner's case: `ancestor_pid` in the guard's config, a launch outside it with `--budget 300MiB`. The
+    guard took the declaration, launch said "its budget 300 MiB is enforced", and the engine grew to 900 MiB
+    unkilled. Now the guard does not take it, and launch says the budget is not enforced."""
+    outsider = subprocess.Popen(["sleep", "120"])  # the guard's ancestor_pid: the launch does not descend from it
+    try:
+        env = {"XDG_RUNTIME_DIR": str(box.run_dir), "SPARKWATCH_ANCESTOR_PID": str(outsider.pid)}
+        with sparkwatch_run(tmp_path, "--floor", "1GiB", env=env) as d:
+            published = box.run_dir / "sparkwatch" / "guard.json"
+            model = small_model(tmp_path)
+            proc = box.launch("--budget", "300MiB", "--", *small_args(model, fitting_util()), "--phase-s", "0.05",
+                              "--serve-s", "7", "--pidfile", str(box.pidfile))  # fmt: skip
+            decl = wait_ready(box)
+            assert json.loads(published.read_text())["taken"] == [], published.read_text()
+            _out, err = proc.communicate(timeout=60)
+            pid = d.proc.pid
+    finally:
+        outsider.kill()
+        outsider.wait()
+    text = err.decode()
+    assert proc.returncode == 0, text
+    assert "is enforced" not in text, text
+    line = f"sparkwatch: guard pid {pid} has not taken it within 5 s (it is outside the guard's ancestor_pid, or the "
+    assert line + "guard does not read this runtime dir): the budget is not enforced\n" in text, text
+    # and the plan warned before the start: 300 MiB is under what the plan says this engine takes
+    assert "sparkwatch: WARNING: the budget 300 MiB is under the plan's estimate " in text, text
+    assert decl["budget_bytes"] == 300 << 20

@@ -16,6 +16,8 @@ import time
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from sparkwatch.core.engines.enginecli import recognise
 from sparkwatch.core.launch.nodeplan import (
@@ -29,7 +31,7 @@ from sparkwatch.core.launch.nodeplan import (
     rank_facts,
     span_of,
 )
-from sparkwatch.core.launch.plan import MemoryView, ModelFacts
+from sparkwatch.core.launch.plan import Fix, FixAction, MemoryView, ModelFacts
 from tests.conftest import wait_until
 from tests.daemon import sparkwatch_run
 from tests.planbox import GB10_TOTAL_KIB, model_dir, plan, proc_root
@@ -290,3 +292,107 @@ def test_worker_auto_is_one_budget_for_the_role_the_largest_share_plus_slack() -
     want = max(auto_budget(n, 1 << 30) for n in needs)
     assert [None if n.plan is None else n.plan.budget_bytes for n in budgeted] == [want, want, None]
     assert [n.plan.budget_bytes for n in _with_budget(workers, 60 << 30) if n.plan is not None] == [60 << 30] * 2
+
+
+def _applied(argv: tuple[str, ...], fix: Fix) -> tuple[tuple[str, ...], int | None]:
+    return (*argv, *(word for pair in fix.flags for word in pair)), fix.max_jobs
+
+
+def test_the_worker_fix_of_the_issue_fits_once_applied_its_ray_worker_term_included() -> None:
+    """A worker over Ray on a 24 GiB VM: the fix was the arithmetic's `--gpu-memory-utilization 0.84`, which left
+    out the worker's `ray_worker` term, and once applied the plan said "needs 20.1 GiB, 19.8 GiB free" and suggested
+    0.84 again (three times). The fix now comes from planning that node again with it applied: 0.82, which fits."""
+    facts = ModelFacts("m", weights_bytes=4 * GiB, files=1, format="safetensors", layers=28, kv_heads=8,
+                       head_dim=128, dtype_bytes=2, hidden_size=1024, intermediate_size=3072, vocab_size=151936,
+                       max_len=4096)  # fmt: skip
+    argv = ("vllm", "serve", "m", "-tp", "2", "--distributed-executor-backend", "ray",
+            "--gpu-memory-utilization", "0.9")  # fmt: skip
+    vm = MemoryView(24 * GiB, 22 * GiB, 22 * GiB, 0, 1 * GiB)
+    cmd = recognise(argv)
+    span = span_of(cmd, True)
+    assert span is not None
+    (worker,) = plan_nodes(cmd, facts, span, [NodeInput("vm", Role.WORKER, vm, ViewSource.AGENT)], jobs=1)
+    assert worker.plan is not None and worker.fits is False
+    (fix,) = worker.plan.fixes
+    assert fix.text == "--gpu-memory-utilization 0.82", fix.text
+    fixed_argv, _jobs = _applied(argv, fix)
+    (again,) = plan_nodes(recognise(fixed_argv), facts, span, [NodeInput("vm", Role.WORKER, vm, ViewSource.AGENT)],
+                          jobs=1)  # fmt: skip
+    assert again.fits, again.line()
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    shape=st.sampled_from([("-tp", "2", "--distributed-executor-backend", "ray"),
+                           ("-pp", "2", "--distributed-executor-backend", "ray"),
+                           ("-tp", "2", "--nnodes", "2", "--master-addr", "10.0.0.1")]),
+    util=st.sampled_from([None, "0.3", "0.6", "0.9"]),
+    total_gib=st.sampled_from([24, 119]),
+    head_free=st.floats(0.2, 1.0),
+    worker_free=st.floats(0.2, 1.0),
+    weights_gib=st.integers(0, 60),
+    jobs=st.sampled_from([None, 1, 3]),
+)  # fmt: skip
+def test_each_node_s_fix_fits_that_node_once_applied(
+    *,
+    shape: tuple[str, ...],
+    util: str | None,
+    total_gib: int,
+    head_free: float,
+    worker_free: float,
+    weights_gib: int,
+    jobs: int | None,
+) -> None:
+    """Each node of a two-node plan: every flag fix it suggests, applied (its flags appended, its MAX_JOBS), and
+    that node planned again, passes there; a node that misses always has a fix, and "no setting fits" is said only
+    where none does."""
+    facts = ModelFacts("m", weights_bytes=weights_gib * GiB, files=1, format="safetensors", layers=28, kv_heads=8,
+                       head_dim=128, dtype_bytes=2, hidden_size=1024, intermediate_size=3072, vocab_size=151936,
+                       max_len=4096)  # fmt: skip
+    argv = ("vllm", "serve", "m", *shape, *(("--gpu-memory-utilization", util) if util else ()))
+    cmd = recognise(argv)
+    span = span_of(cmd, "ray" in shape)
+    assert span is not None
+
+    def views() -> list[NodeInput]:
+        total = total_gib * GiB
+        return [
+            NodeInput("a", Role.HEAD, MemoryView(total, int(total * head_free), int(total * head_free), 0, GiB),
+                      ViewSource.LOCAL),
+            NodeInput("b", Role.WORKER, MemoryView(total, int(total * worker_free), int(total * worker_free), 0,
+                                                   GiB), ViewSource.AGENT),
+        ]  # fmt: skip
+
+    for i, node in enumerate(plan_nodes(cmd, facts, span, views(), jobs=jobs)):
+        assert node.plan is not None
+        assert node.fits or node.plan.fixes, node.line()
+        for fix in node.plan.fixes:
+            assert "free 0 B" not in fix.text, fix.text
+            if fix.action != FixAction.LOWER_FLAG:
+                continue
+            fixed_argv, fixed_jobs = _applied(argv, fix)
+            again = plan_nodes(recognise(fixed_argv), facts, span, views(), jobs=fixed_jobs or jobs)[i]
+            assert again.plan is not None
+            assert again.plan.short_bytes == 0 and not again.plan.estimate.problems, (node.line(), fix.text,
+                                                                                     again.line())  # fmt: skip
+
+
+def test_the_fix_a_worker_s_agent_is_told_fits_that_worker_once_applied(tmp_path: Path) -> None:
+    """With a real agent on the worker node: `--plan --json` names the worker's fix (its flags), and the same plan
+    with them appended says the worker fits, its role's `ray_worker` term included."""
+    model = model_dir(tmp_path / "model", 1 * GB)
+    (tmp_path / "peer").mkdir()
+    _root, peer_env = _peer(tmp_path, 100)
+    with sparkwatch_run(tmp_path / "peer", env=peer_env) as b:
+        assert wait_until(lambda: _served(b.port), 30)
+        env = {"SPARKWATCH_PEERS": json.dumps([f"127.0.0.1:{b.port}"]), "RAY_ADDRESS": "127.0.0.1:1",
+               "SPARKWATCH_RAY_DASHBOARD_URL": "http://127.0.0.1:1", "MAX_JOBS": "1"}  # fmt: skip
+        cmd = ("--", "vllm", "serve", str(model), "-tp", "2", "--distributed-executor-backend", "ray",
+               "--gpu-memory-utilization", "0.9")  # fmt: skip
+        worker = json.loads(plan(tmp_path, "--json", *cmd, env=env, available_gib=110).stdout)["nodes"][1]
+        assert worker["fits"] is False and "ray_worker" in {t["name"] for t in worker["terms"]}, worker
+        (fix,) = worker["fixes"]
+        assert fix["action"] == "lower_flag" and fix["flags"][0][0] == "--gpu-memory-utilization", fix
+        applied = [word for pair in fix["flags"] for word in pair]
+        again = json.loads(plan(tmp_path, "--json", *cmd, *applied, env=env, available_gib=110).stdout)["nodes"][1]
+    assert again["fits"] is True, (fix, again)

@@ -23,7 +23,7 @@ from sparkwatch.common.sources.checkpoint import (
     read_facts,
     resolve,
 )
-from sparkwatch.core.engines.enginecli import human_readable_int, recognise
+from sparkwatch.core.engines.enginecli import EngineCommand, human_readable_int, recognise
 from sparkwatch.core.launch.peaks import confirmed_peak, fold, forget, peak_key
 from sparkwatch.core.launch.plan import (
     FixAction,
@@ -539,24 +539,41 @@ def test_max_jobs_follows_what_running_engines_may_still_take() -> None:
         ["vllm", "serve", "m"],
         ["vllm", "serve", "m", "--gpu-memory-utilization", "0.6", "--max-model-len", "40960"],
         ["vllm", "serve", "m", "--kv-cache-memory-bytes", "30G"],
+        ["vllm", "serve", "m", "--gpu-memory-utilization", "0.05"],  # under the weights: vLLM would not load
         ["python", "-m", "sglang.launch_server", "--model-path", "m"],
+        ["python", "-m", "sglang.launch_server", "--model-path", "m", "--mem-fraction-static", "0.1"],
         ["llama-server", "-m", "m", "-c", "131072"],
     ]),
     jobs=st.sampled_from([None, 1, 4, 12]),
     reserved=st.integers(0, 40 * GiB),
     memfree=st.booleans(),
+    learned=st.one_of(st.none(), st.integers(1 * GiB, 120 * GiB)),
 )  # fmt: skip
 def test_every_suggested_flag_fix_fits_when_applied(
-    *, available: int, weights: int, argv: list[str], jobs: int | None, reserved: int, memfree: bool
+    *,
+    available: int,
+    weights: int,
+    argv: list[str],
+    jobs: int | None,
+    reserved: int,
+    memfree: bool,
+    learned: int | None,
 ) -> None:
     """No loop (a fix whose own plan suggests another), no fix that still misses ("0.58" short, fix "0.59"), no
-    "use a quantized model" while the weights would fit."""
+    "use a quantized model" while the weights would fit, and no plan that misses without a fix: a measured peak of
+    the command that fits while the engine would refuse its setting had none ("short by 0 B")."""
     facts = replace(QWEN3_8B, weights_bytes=weights)
     v = view(available, free=available // 2 if memfree else None, floor=8 * GiB)
     running = [booting(footprint=0, estimate=reserved)] if reserved else []
     reads = FreeSource.MEM_FREE if memfree else None
     cmd = recognise(argv)
-    plan = plan_launch(cmd, facts, v, running, jobs=jobs, engine_reads=reads)
+
+    def learned_for(command: EngineCommand) -> Learned | None:  # what two runs of this very command measured
+        return None if learned is None or command.argv != cmd.argv else Learned(learned, 0, 2)
+
+    plan = plan_launch(cmd, facts, v, running, jobs=jobs, engine_reads=reads, learned_for=learned_for)
+    assert plan.fits or plan.fixes, fix_line(plan)
+    assert "short by 0 B" not in fix_line(plan)
     for fix in plan.fixes:
         if fix.action == FixAction.LOWER_FLAG:
             fixed_cmd = recognise([*argv, *(word for pair in fix.flags for word in pair)])
@@ -564,7 +581,8 @@ def test_every_suggested_flag_fix_fits_when_applied(
             fixed = plan_launch(fixed_cmd, facts, v, running, jobs=run_jobs, engine_reads=reads)
             assert fixed.short_bytes == 0 and not fixed.estimate.problems, (fix.text, fix_line(fixed))
         if fix.action == FixAction.SMALLER_MODEL:
-            assert weights > plan.available_bytes, fix.text
+            assert weights > plan.available_bytes or "no setting cures it" in fix.text, fix.text
+        assert "free 0 B" not in fix.text, fix.text
 
 
 def test_the_suggested_fix_fits_when_applied_and_a_pool_that_fits_only_with_max_jobs_1_is_told_so(
@@ -593,3 +611,66 @@ def test_a_pool_no_setting_fits_says_how_much_to_free_and_never_loops(tmp_path: 
     fixes = json.loads(res.stdout)["fixes"]
     assert [f["action"] for f in fixes] == ["free_memory"], fixes
     assert "quantized" not in fixes[0]["text"] and "8.0 GiB" in fixes[0]["text"]
+
+
+def _learned(tmp_path: Path, argv: list[str], peak: int) -> None:
+    """Two runs of `argv` that reached ready and agree: the plan takes their peak for the estimate."""
+    record = None
+    for at in (1.0, 2.0):
+        record = fold(record, peak, phases={}, ready_s=5.0, estimate_bytes=5 * GiB, at=at)
+    assert record is not None
+    peakstore.save(tmp_path / "state", {peak_key(recognise(argv)): record})
+
+
+def test_a_learned_peak_that_fits_beside_a_setting_vllm_refuses_says_why_and_the_fix(tmp_path: Path) -> None:
+    """A measured peak that fits the pool while vLLM would refuse the setting (weights and activations over
+    utilization × total): the headline said "does NOT fit (short by 0 B)" with no fix, the reason only in a note.
+    It now says the reason and the fix, and the fix, applied, fits."""
+    model = planbox.model_dir(tmp_path / "m")
+    argv = ["vllm", "serve", str(model), "--gpu-memory-utilization", "0.03"]
+    (tmp_path / "state").mkdir()
+    _learned(tmp_path, argv, 3 * GiB)
+    res = planbox.plan(tmp_path, "--", *argv, available_gib=110)
+    assert res.returncode == 1, res.stdout + res.stderr
+    head = res.stdout.splitlines()[0]
+    assert "measured peak 3.0 GiB" in head and "short by 0 B" not in head, head
+    assert "does NOT fit: weights and activations (5.0 GiB) exceed gpu_memory_utilization 0.03" in head, head
+    assert head.endswith("; fix: --gpu-memory-utilization 0.05"), head  # the least setting vLLM starts at
+    again = planbox.plan(tmp_path, "--", *argv, "--gpu-memory-utilization", "0.05", available_gib=110)
+    assert again.returncode == 0, again.stdout
+    # where the pool does not hold that setting, it says how much to free, never a fix of "0 B"
+    small = planbox.plan(tmp_path, "--json", "--", *argv, available_gib=6)
+    (fix,) = json.loads(small.stdout)["fixes"]
+    assert fix["action"] == "free_memory" and fix["text"].startswith("free 8.0 GiB: vllm starts from "), fix
+
+
+def test_a_budget_under_the_estimate_warns_with_the_estimate(tmp_path: Path) -> None:
+    """`--budget 5GiB` for an engine estimated at tens of GiB said "fits … enforced by the guard": the guard would
+    kill it during its boot. The plan warns, with the estimate, in text and JSON; a budget over it does not."""
+    model = planbox.model_dir(tmp_path / "m")
+    argv = ("--", "vllm", "serve", str(model), "--gpu-memory-utilization", "0.4")
+    res = planbox.plan(tmp_path, "--budget", "5GiB", *argv, available_gib=110)
+    assert res.returncode == 0, res.stdout + res.stderr
+    doc = json.loads(planbox.plan(tmp_path, "--json", "--budget", "5GiB", *argv, available_gib=110).stdout)
+    need = doc["needs_bytes"]
+    assert need > 40 * GiB
+    warning = doc["budget_warning"]
+    assert warning.startswith(f"the budget 5.0 GiB is under the plan's estimate {need / GiB:.1f} GiB: the guard kills")
+    assert f"  WARNING: {warning}" in res.stdout.splitlines(), res.stdout
+    fine = json.loads(planbox.plan(tmp_path, "--json", "--budget", "auto", *argv, available_gib=110).stdout)
+    assert fine["budget_warning"] is None
+
+
+def test_a_fix_lowers_the_setting_and_raises_it_only_where_the_engine_would_refuse_it() -> None:
+    """A 1 GiB KV cache under one sequence, with vLLM's start-up check short: the fix keeps the user's 1 GiB (and
+    names the --max-model-len it holds), never the largest KV cache the pool would hold; a utilization too small to
+    load the model is raised to the least one that loads it, not to the most the pool holds."""
+    v = view(available=110 * GiB)
+    kv = plan_launch(recognise(["vllm", "serve", "m", "--kv-cache-memory-bytes", "1G"]), QWEN3_8B, v)
+    assert [f.text for f in kv.fixes] == [
+        "--gpu-memory-utilization 0.90 --kv-cache-memory-bytes 1024M --max-model-len 7168"
+    ]
+    small = plan_launch(recognise(["vllm", "serve", "m", "--gpu-memory-utilization", "0.05"]), QWEN3_8B, v)
+    assert [f.text for f in small.fixes] == ["--gpu-memory-utilization 0.22"]
+    fixed = plan_launch(recognise(["vllm", "serve", "m", "--gpu-memory-utilization", "0.21"]), QWEN3_8B, v)
+    assert fixed.estimate.problems  # 0.21 would not load it: 0.22 is the least

@@ -318,7 +318,7 @@ def test_a_launch_on_the_head_checks_node_b_s_raylet_through_b_s_agent(cluster: 
     """The ranks on node B start with B's raylet's environment, which node A cannot read: B's agent tells it
     (its peer document, the checked variables only), and a launch on A with B among its `peers` names B's lacks
     with B's fix, beside its own raylet's."""
-    listen_b = f"{cluster.ip_b}:{free_port()}"
+    listen_b = f"{cluster.ip_b}:{cluster.free_port(cluster.ns_b)}"
     (tmp_path / "b").mkdir()
     env_b = {"SPARKWATCH_LISTEN": listen_b, "SPARKWATCH_RAY_DASHBOARD_URL": cluster.dashboard_b}
     with sparkwatch_run(tmp_path / "b", prefix=cluster.in_ns(cluster.ns_b, []), env=env_b):

@@ -50,7 +50,7 @@ from sparkwatch.telemetry.mpwatch import ORPHAN_GRACE_S
 from sparkwatch.telemetry.peerwatch import PEER_LOST_AFTER, PEER_TIMEOUT_S
 from sparkwatch.telemetry.raywatch import RayWatch
 from sparkwatch.telemetry.sources.raystate import RayStateError, RayStateSource
-from tests.conftest import Spawner, alive, pids_in, wait_until
+from tests.conftest import Spawner, alive, pids_in, require, wait_until
 from tests.daemon import RunningDaemon, daemon_env, free_port, sparkwatch_run, wait_for_event
 from tests.helpers.peerkey import key_env, key_file
 from tests.raycluster import (
@@ -59,6 +59,7 @@ from tests.raycluster import (
     gone_within,
     key_of,
     netns,
+    netns_permitted,
     pg_state,
     read_line,
     required_cluster,
@@ -167,7 +168,7 @@ def test_a_budget_kill_on_b_is_named_in_node_a_teardown_by_b_s_own_agent(cluster
     """Node B runs its own agent, with a budget its rank goes over: B's guard kills the rank (trigger `budget`). Node
     A's agent, with B among its `peers`, stops A's members and its `group_teardown` event carries B's guard's own
     word, read from B's agent (telemetry.peerwatch): the cause on the other machine, said on the head."""
-    port_b = free_port()
+    port_b = cluster.free_port(cluster.ns_b)
     listen_b = f"{cluster.ip_b}:{port_b}"
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
@@ -214,7 +215,10 @@ def test_a_worker_budget_given_on_the_head_is_held_by_b_s_guard(cluster: RayClus
     """`sparkwatch launch --budget worker=64MiB` on node A, no budget configured on B: A's agent tells B's (its peer
     document's `budgets`, by placement group), B's telemetry names B's rank of that group to B's guard
     (PeerBudgetMsg), and B's guard kills it when it goes over (trigger `budget`), as a budget of its own."""
-    listen_a, listen_b = f"{cluster.ip_a}:{free_port()}", f"{cluster.ip_b}:{free_port()}"
+    listen_a, listen_b = (
+        f"{cluster.ip_a}:{cluster.free_port(cluster.ns_a)}",
+        f"{cluster.ip_b}:{cluster.free_port(cluster.ns_b)}",
+    )
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
     raylet_b = _ns_child(cluster, cluster.ns_b, "raylet")
@@ -273,11 +277,11 @@ def test_both_agents_a_wedged_driver_on_b_then_its_rank_dies(cluster: RayCluster
     (SIGSTOP), then B's rank dies: A stops its own rank and B its wedged driver and API server (a stopped process
     dies of SIGKILL all the same), each within 5 s; the driver's death removes the placement group; each agent's
     event says why. Then B's agent stops, and A records `peer_lost` with what B last said."""
-    port_b = free_port()
+    port_b = cluster.free_port(cluster.ns_b)
     listen_b = f"{cluster.ip_b}:{port_b}"
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
-    listen_a = f"{cluster.ip_a}:{free_port()}"
+    listen_a = f"{cluster.ip_a}:{cluster.free_port(cluster.ns_a)}"
     # Each lists the other: B learns from A that A's rank died of A's own teardown (Ray keeps no time of death, and
     # B may see both ranks dead at once), so B names the true first death too.
     env_a, env_b = _pair_envs(cluster, tmp_path, listen_a, listen_b)
@@ -334,10 +338,10 @@ def test_node_b_lost_raylet_killed_stops_node_a_members(cluster: RayCluster, tmp
     while Ray marks the node and the rank dead only after its GCS health check gives up, about 15 s later. B's agent
     sees its rank end and says so in its peer document (`ray_gone`); A's agent, with B among its peers, stops its
     half within the goal, from the raylet's death. Ray's own word, later, is the same group already torn down."""
-    listen_b = f"{cluster.ip_b}:{free_port()}"
+    listen_b = f"{cluster.ip_b}:{cluster.free_port(cluster.ns_b)}"
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
-    listen_a = f"{cluster.ip_a}:{free_port()}"
+    listen_a = f"{cluster.ip_a}:{cluster.free_port(cluster.ns_a)}"
     # B reads Ray's state as A's agent relays it (proven): the head's dashboard over plain HTTP moves nothing on B
     env_a, env_b = _pair_envs(cluster, tmp_path, listen_a, listen_b)
     with (
@@ -965,7 +969,7 @@ class MpEngine(NodeProcs):
         vllm = tmp_path / "bin-mp" / "vllm"
         vllm.parent.mkdir(exist_ok=True)
         shutil.copy(MP_ENGINE, vllm)
-        self.port = free_port()
+        self.port = cluster.free_port(cluster.ns_a)  # rank 0 binds it, on node A
         self.key = f"{cluster.ip_a}:{self.port}"
         try:
             for rank, ns in ((0, cluster.ns_a), (1, cluster.ns_b)):
@@ -995,7 +999,10 @@ class MpPair:
 def mp_pair(cluster: RayCluster, tmp_path: Path) -> Iterator[MpPair]:
     """One agent a node, each with the other among its `peers` (read every 0.5 s), each listening on its node's
     address; no Ray dashboard looked for."""
-    listen_a, listen_b = f"{cluster.ip_a}:{free_port()}", f"{cluster.ip_b}:{free_port()}"
+    listen_a, listen_b = (
+        f"{cluster.ip_a}:{cluster.free_port(cluster.ns_a)}",
+        f"{cluster.ip_b}:{cluster.free_port(cluster.ns_b)}",
+    )
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
     common = {"SPARKWATCH_PEER_POLL_S": "0.5", "SPARKWATCH_RAY_DASHBOARD_URL": "", **pair_key(tmp_path)}
@@ -1011,6 +1018,32 @@ def mp_pair(cluster: RayCluster, tmp_path: Path) -> Iterator[MpPair]:
 
 def _lists(cluster: RayCluster, listen: str, key: str, pid: int) -> bool:
     return any(g["key"] == key and g["pid"] == pid for g in _peer_doc(cluster, listen).get("groups", []))
+
+
+def test_a_node_s_port_is_picked_free_in_that_node_s_namespace() -> None:
+    """The mp test failed on a fresh clone: node B's agent found its port "in use by another process", a port picked
+    free in the test's namespace and bound in B's, where a Ray process held it. A node's port is now picked in its
+    namespace: there, with only two ports to give and one held, the picker gives the other, whatever is free here."""
+    why = netns_permitted()
+    require(why is None, why or "")
+    ns = f"swport{os.getpid()}"
+    subprocess.run(["ip", "netns", "add", ns], check=True, capture_output=True, timeout=10)
+    in_ns = ["ip", "netns", "exec", ns]
+    try:
+        subprocess.run([*in_ns, "ip", "link", "set", "lo", "up"], check=True, capture_output=True, timeout=10)
+        subprocess.run([*in_ns, "sysctl", "-qw", "net.ipv4.ip_local_port_range=40111 40112"], check=True,
+                       capture_output=True, timeout=10)  # fmt: skip
+        hold = "import socket, sys; s = socket.socket(); s.bind(('0.0.0.0', 40111)); s.listen(); print(1, flush=True)"
+        hold += "; sys.stdin.read()"  # held until the test closes its stdin
+        with subprocess.Popen([*in_ns, sys.executable, "-c", hold], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE) as holder:  # fmt: skip
+            assert holder.stdout is not None and holder.stdout.readline() == b"1\n"
+            try:
+                assert {free_port(in_ns) for _ in range(5)} == {40112}
+            finally:
+                holder.kill()
+    finally:
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=10)
 
 
 def test_mp_group_a_rank_killed_on_b_stops_node_a_s_member(cluster: RayCluster, tmp_path: Path) -> None:
@@ -1146,7 +1179,7 @@ class RpcEngine(NodeProcs):
         bin_dir.mkdir(exist_ok=True)
         for name in ("rpc-server", "llama-server"):
             (bin_dir / name).symlink_to(os.path.realpath(sys.executable))
-        self.port = free_port()
+        self.port = cluster.free_port(cluster.ns_b)  # the rpc-server binds it, on node B
         self.key = f"{cluster.ip_b}:{self.port}"
         try:
             server_argv = [str(bin_dir / "rpc-server"), "-c", RPC_SERVER, "-H", "0.0.0.0", "-p", str(self.port)]
@@ -1326,7 +1359,7 @@ def test_a_forged_rank_death_never_kills_another_user_s_engine(
                                                           "serve", "m"]), stdout=subprocess.PIPE)  # fmt: skip
         assert api.stdout is not None
         core = int(api.stdout.readline())
-        port = free_port()
+        port = cluster.free_port(cluster.ns_a)  # the forged dashboard binds it, on node A
         serve_as = as_nobody if served_by == "nobody" else []
         node_a, node_b = cluster.node_ids[cluster.ip_a], cluster.node_ids[cluster.ip_b]
         forged = spawner.popen(cluster.in_ns(cluster.ns_a, [*serve_as, "/usr/bin/python3", str(share / "forged.py"),

@@ -7,6 +7,7 @@ from datetime import UTC
 
 from rich.console import Console
 
+from sparkwatch.core.containerpolicy import GatedView
 from sparkwatch.core.enums import JitState, MaxJobsState
 from sparkwatch.core.model import (
     BootState,
@@ -278,3 +279,15 @@ def test_the_guard_row_and_a_launched_engines_boot_phase() -> None:
     assert "           /run/sparkwatch/guard.json is stale: …\n" in out
     none = text_of(render(_frame(), 160))
     assert "GUARD      no guard is running: nothing is killed before the pool runs out\n" in none
+
+
+def test_a_container_the_after_kill_gate_holds_is_its_own_row() -> None:
+    """A restart after a guard kill, paused until the pool can take it (telemetry.afterkill): named as `docker ps`
+    shows it, since when, and what it waits for; no row when none is held."""
+    held = GatedView("3f2a" * 16, "vllm-qwen", "nvcr.io/nvidia/vllm:25.09", "2026-11-18T11:06:00.000Z", 61 * GiB,
+                     "kill footprint")  # fmt: skip
+    out = text_of(render(_frame(gated=(held,)), 300, tz=UTC), width=300)
+    (row,) = [line for line in out.splitlines() if line.startswith("GATED")]
+    assert "vllm-qwen (nvcr.io/nvidia/vllm:25.09, 3f2a3f2a3f2a) paused since 2026-11-18 11:06:00 (40 s)" in row
+    assert "unpaused once the pool has settled and 61.0 GiB (kill footprint) fits" in row
+    assert "GATED" not in text_of(render(_frame(), 300, tz=UTC), width=300)

@@ -206,6 +206,7 @@ def handle(args: argparse.Namespace) -> int:
         return 0 if fits and not cluster_fix else 1
     if not args.quiet:
         print(plan_text(plan, ctx, short=True), file=out)
+    _warn_budget(plan)
     if not plan.fits and args.fix:
         from sparkwatch.cli.launch_fix import apply_fixes
 
@@ -314,6 +315,16 @@ def _ray_worker_budget(ctx: Any, nodes: Any) -> int | None:
     return max(sizes) if sizes else None
 
 
+def _warn_budget(plan: Any) -> None:
+    """A budget under the need, said before anything starts (quiet or not): the guard would kill the engine during
+    its boot. A worker node's is among its node lines."""
+    from sparkwatch.core.launch.plan import budget_warning
+
+    warning = budget_warning(plan)
+    if warning:
+        print(f"sparkwatch: WARNING: {warning}", file=sys.stderr)
+
+
 def _nodes_fit(nodes: Any) -> bool:
     """Every node whose memory is known holds its share (the head's plan is launch's own)."""
     return all(n.fits is not False for n in nodes)
@@ -321,15 +332,20 @@ def _nodes_fit(nodes: Any) -> bool:
 
 def _node_lines(nodes: Any, quiet: bool = False) -> list[str]:
     """One line a node of an engine that spans nodes: each that does not fit, and (unless quiet) the others."""
+    from sparkwatch.core.launch.plan import budget_warning
+
     if len(nodes) < 2:
         return []
     out = []
     for n in nodes[1:] if quiet else nodes:  # the head's own fix is launch's fix line
-        if quiet and n.fits is not False:
+        warning = budget_warning(n.plan) if n.plan is not None and n.role != "head" else None
+        if quiet and n.fits is not False and not warning:
             continue
         out.append(f"sparkwatch: {n.line()}")
         if n.fits is False and n.role != "head" and n.plan is not None:
             out += [f"sparkwatch: fix on {n.node}: {f.text}" for f in n.plan.fixes]
+        if warning:
+            out.append(f"sparkwatch: WARNING on {n.node}: {warning}")
     return out
 
 

@@ -117,6 +117,13 @@ def nodes_json(nodes: Sequence[NodePlan]) -> list[dict[str, Any]]:
             "terms": []
             if n.plan is None
             else [{"name": t.name, "bytes": t.bytes, "note": t.note} for t in n.plan.terms],
+            # what would fit there, planned again on that node with it applied (the head's: the plan's own `fixes`)
+            "fixes": []
+            if n.plan is None
+            else [
+                {"action": str(f.action), "text": f.text, "flags": [list(p) for p in f.flags], "max_jobs": f.max_jobs}
+                for f in n.plan.fixes
+            ],
             "env_problems": list(n.env_problems),
         }
         for n in nodes

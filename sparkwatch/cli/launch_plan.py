@@ -35,6 +35,9 @@ from sparkwatch.core.launch.plan import (
     ModelFacts,
     Plan,
     Reservation,
+    budget_warning,
+    fix_text,
+    miss_reasons,
     plan_launch,
 )
 from sparkwatch.core.launch.rayletenv import uses_ray
@@ -276,7 +279,10 @@ def _learned_line(plan: Plan, ctx: PlanContext) -> str | None:
 def plan_text(plan: Plan, ctx: PlanContext, short: bool = False) -> str:
     est = plan.estimate
     view = plan.view
-    verdict = "fits" if plan.fits else f"does NOT fit (short by {format_size(plan.short_bytes)})"
+    verdict = "fits"
+    if not plan.fits:  # the reason, never a bare "short by 0 B"; the fix here too, but where the gate's line follows
+        verdict = f"does NOT fit: {'; '.join(miss_reasons(plan, figures=False))}"
+        verdict += "" if short else f"; fix: {fix_text(plan)}"
     head = f"sparkwatch: plan for {est.kind}" + (f" {est.model}" if est.model else "")
     if ctx.span is not None:
         head += f" ({ctx.span.how}: this node's share, as the {ctx.role})"
@@ -315,7 +321,10 @@ def plan_text(plan: Plan, ctx: PlanContext, short: bool = False) -> str:
             f"{format_size(check.required_bytes)}: {ok} ({check.why})"
         )
     if plan.budget_bytes is not None:
-        lines.append(f"  budget: {format_size(plan.budget_bytes)} (enforced by the guard)")
+        lines.append(f"  budget: {format_size(plan.budget_bytes)} (declared to the guard: its kill limit for the tree)")
+    warning = budget_warning(plan)
+    if warning:
+        lines.append(f"  WARNING: {warning}")
     if ctx.facts.error and est.kind != EngineKind.OTHER:
         lines.append(f"  note: {ctx.facts.error}")
     for note in (*est.notes, *est.problems):
@@ -353,6 +362,7 @@ def plan_json(plan: Plan, ctx: PlanContext) -> dict[str, Any]:
         },
         "fragmented": plan.fragmented,
         "budget_bytes": plan.budget_bytes,
+        "budget_warning": budget_warning(plan),
         "learned": None
         if learned is None
         else {

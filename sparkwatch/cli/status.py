@@ -28,6 +28,7 @@ from sparkwatch.core.report.trend import build_rate, pool_trend
 
 if TYPE_CHECKING:
     from sparkwatch.config.settings import Settings
+    from sparkwatch.core.containerpolicy import GatedView
     from sparkwatch.core.model import DriverReport, GpuReport
     from sparkwatch.tui.status_view import StatusFrame
 
@@ -111,6 +112,7 @@ class StatusApp:
         self.objects_done: dict[str, deque[tuple[float, float]]] = {}
         self._events_key: tuple[int, int] | None = None
         self._last_kill: Mapping[str, Any] | None = None
+        self._gated: tuple[GatedView, ...] = ()
         self._driver: DriverReport | None = None
         self._driver_error: str | None = None
         self._driver_checked = -math.inf
@@ -159,6 +161,7 @@ class StatusApp:
             trend=pool_trend(list(self.available), self.settings.floor),
             builds=tuple(builds),
             last_kill=self._read_last_kill(),
+            gated=self._gated,
             events_path=str(self.settings.events_path),
             driver_error=self._driver_error,
             live=live,
@@ -172,14 +175,19 @@ class StatusApp:
         try:
             st = os.stat(path)
         except OSError:
-            self._events_key, self._last_kill = None, None
+            self._events_key, self._last_kill, self._gated = None, None, ()
             return None
         key = (st.st_mtime_ns, st.st_size)
         if key != self._events_key:  # re-read only when the file changed
+            from sparkwatch.core.containerpolicy import gated_now
+
             self._events_key = key
+            events = read_events(path, KILL_LOOKBACK_EVENTS)
             # A dry run's would_kill shows too (the view marks it "[dry run]"): it is the decision a kill would be.
-            kills = [e for e in read_events(path, KILL_LOOKBACK_EVENTS) if e.get("kind") in ("kill", "would_kill")]
+            kills = [e for e in events if e.get("kind") in ("kill", "would_kill")]
             self._last_kill = kills[-1] if kills else None
+            # Containers the after-kill gate paused and has not released (telemetry.afterkill records both).
+            self._gated = gated_now(events)
         return self._last_kill
 
     def _driver_report(self) -> DriverReport | None:

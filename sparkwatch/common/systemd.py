@@ -40,6 +40,8 @@ EVENT_PRIORITY: dict[str, int] = {
     EventKind.WOULD_KILL: PRIORITY_WARNING,  # a dry run's decision: nothing was signalled
     EventKind.NO_VICTIM: PRIORITY_ERR,
     EventKind.KILL_LOOP: PRIORITY_ERR,  # something restarts an engine into the same spike: a human must look
+    EventKind.CONTAINER_KILL_LOOP: PRIORITY_ERR,  # a container's restart policy undid two kills: it is stopped
+    EventKind.CONTAINER_STOPPED: PRIORITY_WARNING,  # a restart cancelled: the engine stays down until its owner acts
     EventKind.GROUP_TEARDOWN: PRIORITY_ERR,  # a kill too: this node's half of an engine whose rank died elsewhere
     EventKind.PEER_LOST: PRIORITY_WARNING,  # the other Spark went quiet: its last state is in the record
     EventKind.DRIVER_STRANDED: PRIORITY_ERR,

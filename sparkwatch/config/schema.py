@@ -14,7 +14,7 @@ import socket
 import sys
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     AnyHttpUrl,
@@ -232,6 +232,13 @@ class Settings(BaseModel, Derived):
         le=86400,
         description="the guard kills an engine wedged this long, trigger wedged, once its own progress counters prove "
         "the stall (0: never)",
+    )
+    # --- engines in containers (docs/containers.md)
+    container_after_kill: Literal["gate", "stop", "allow"] = Field(
+        "gate",
+        description="when a container's restart policy starts it again after the guard killed its engine: gate "
+        "(paused until the pool has settled and its peak fits, then unpaused), stop (the restart cancelled through "
+        "the API's kill), allow; the label io.sparkwatch.after-kill decides per container",
     )
 
     # --- records and alerts

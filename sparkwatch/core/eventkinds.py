@@ -46,6 +46,13 @@ class EventKind(StrEnum):
     PREVIOUS_BOOT = (
         "previous_boot"  # how the previous boot ended (core.postmortem.verdict), judged once per boot at start
     )
+    # Engines in containers: a restart policy starting a container again after the guard killed its engine
+    # (telemetry/afterkill.py, config container_after_kill, label io.sparkwatch.after-kill; docs/containers.md)
+    CONTAINER_GATED = "container_gated"  # restarted after a guard kill: paused until the pool has settled and it fits
+    CONTAINER_RELEASED = "container_released"  # a gated container unpaused (by sparkwatch, or by its owner)
+    CONTAINER_STOPPED = "container_stopped"  # its restart after a guard kill cancelled through the API's kill
+    CONTAINER_ALLOWED = "container_allowed"  # its restart after a guard kill let run (after-kill allow)
+    CONTAINER_KILL_LOOP = "container_kill_loop"  # killed twice within the loop window: stopped, whatever its policy
     # sparkwatch itself
     OUTBOX_DROPPED = "outbox_dropped"  # the alert outbox hit its cap and dropped its oldest alerts
     OUTBOX_QUARANTINED = "outbox_quarantined"  # an unreadable spool file was moved to outbox/bad/

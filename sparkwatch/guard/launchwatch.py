@@ -33,9 +33,9 @@ from pathlib import Path
 
 from sparkwatch.common import logs
 from sparkwatch.common.launched import Declaration, LaunchedWatch
-from sparkwatch.common.sources.procs import read_start_ticks
+from sparkwatch.common.sources.procs import read_ancestors, read_start_ticks
 from sparkwatch.common.threads import daemon_thread
-from sparkwatch.core.engines.identity import Declared, Launchers
+from sparkwatch.core.engines.identity import Declared, Launchers, within_ancestor
 from sparkwatch.core.eventkinds import EventKind
 from sparkwatch.core.launch.bootphase import BootPhase
 from sparkwatch.core.postmortem.flight import LaunchedEngine
@@ -73,9 +73,13 @@ class LaunchedEngines:
         now_wall: float | None = None,
         *,
         users_root: Path | None = None,
+        ancestor_pid: int = 0,
     ) -> None:
         self.watch = LaunchedWatch(dirs, users_root, proc_root)
         self.proc_root = proc_root
+        # The guard's `ancestor_pid` (applied live: the pool watch sets it on a reload): a declared tree outside it is
+        # never one of the guard's trees, so the guard never says it took it (`live`).
+        self.ancestor_pid = ancestor_pid
         self.record = record
         self.started_at = time.time() if now_wall is None else now_wall
         self._seen: dict[tuple[int, int], _Seen] = {}
@@ -94,9 +98,9 @@ class LaunchedEngines:
         self.poll_failures_total = 0
 
     @classmethod
-    def for_settings(cls, state_dir: Path, proc_root: Path, record: Recorder) -> LaunchedEngines:
+    def for_settings(cls, state_dir: Path, proc_root: Path, record: Recorder, ancestor_pid: int = 0) -> LaunchedEngines:
         watch = LaunchedWatch.of(os.environ, state_dir, proc_root)
-        return cls(watch.dirs, str(proc_root), record, users_root=watch.users_root)
+        return cls(watch.dirs, str(proc_root), record, users_root=watch.users_root, ancestor_pid=ancestor_pid)
 
     # --- the thread
     def start(self) -> None:
@@ -128,8 +132,24 @@ class LaunchedEngines:
         (core.engines.identity.adopt_launch_orphans)."""
         return self._launchers
 
-    def live(self) -> tuple[Declaration, ...]:
+    def declarations(self) -> tuple[Declaration, ...]:
+        """Every live declaration the kernel vouches for, whether or not the guard's scope holds its tree (the
+        budgets read these: a tree outside the scope is never found, so never held to its budget)."""
         return self._live
+
+    def live(self) -> tuple[Declaration, ...]:
+        """The live declared engines this guard guards, which it publishes as taken (guard.json): those whose root
+        its `ancestor_pid` holds. A tree outside it is never one of the guard's trees (core.engines.identity), so
+        its budget is never enforced, and launch must not be told "enforced": the guard took a declaration there,
+        never killed, and the engine reached 900 MiB over a budget of 300 MiB. Read on the caller's thread, a stat
+        file per ancestor of each declared root, only with `ancestor_pid` set."""
+        if not self.ancestor_pid:
+            return self._live
+        return tuple(
+            d
+            for d in self._live
+            if within_ancestor(self.ancestor_pid, d.root_pid, read_ancestors(self.proc_root, d.root_pid))
+        )
 
     def boot_phases(self) -> tuple[LaunchedEngine, ...]:
         """Each live launched engine as the flight recorder keeps it (safe from any thread): its kind and model's

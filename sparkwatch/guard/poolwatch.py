@@ -118,7 +118,9 @@ class PoolWatch:
         self.records = KillRecords(proc_root, events, self.stats, self.lock, config.kill_settle_s)
         # Engines declared by `sparkwatch launch` (guard.launchwatch) and per-engine budgets (guard.budgets): both on
         # this thread's tick; with nothing declared and no budget configured they cost one stat per directory.
-        self.launched = LaunchedEngines.for_settings(config.state_dir, proc_root, self.records.record)
+        self.launched = LaunchedEngines.for_settings(
+            config.state_dir, proc_root, self.records.record, config.ancestor_pid
+        )
         self.kills = KillPath(
             proc_root,
             records=self.records,
@@ -189,6 +191,7 @@ class PoolWatch:
             self.records.reaper.settle_s = config.kill_settle_s
             self.kernlog.enabled = config.kernel_log_corroboration
             self.kernlog.accept_injected = config.kernel_log_accept_injected
+            self.launched.ancestor_pid = config.ancestor_pid  # which launched engines it says it took
         self.wake()  # a new floor or poll interval takes effect now, not after the current sleep
         return self.LIVE_KEYS
 
@@ -359,7 +362,7 @@ class PoolWatch:
         self._tick_snap, self._tick_mem = snap, mem
         try:  # the declarations are read on their own thread (guard.launchwatch): here only its last result
             self._note_taken()
-            live = self.launched.live()
+            live = self.launched.declarations()
             peer = self.links.peer_budgets()
             wake = self.budgets.tick(
                 now,

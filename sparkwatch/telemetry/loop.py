@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from sparkwatch.common import logs, syscalls
 from sparkwatch.common.enginerules import engine_rules, engine_scope
 from sparkwatch.common.eventlog import make_event
-from sparkwatch.common.launched import LaunchedWatch
+from sparkwatch.common.launched import Declaration, LaunchedWatch
 from sparkwatch.common.sources.buddyinfo import page_size_bytes, read_contiguous_free
 from sparkwatch.common.sources.meminfo import MeminfoReader
 from sparkwatch.common.sources.procs import IncrementalScanner
@@ -263,6 +263,8 @@ class Telemetry:
         )
 
     _declared: tuple[tuple[BootState, int, int, int], ...] = ()  # (boot, start ticks, uid, launcher pid)
+    # The declarations whose root runs, as of the last cycle (their peak key and plan: telemetry.afterkill's gate)
+    declarations: tuple[Declaration, ...] = ()
 
     def _boots(self, procs: tuple[Proc, ...] | None) -> tuple[BootState, ...]:
         """The declared engines whose root runs (same pid, start time and uid as declared), with their phase."""
@@ -271,10 +273,12 @@ class Telemetry:
         by_pid = {p.pid: p for p in procs}
         out = []
         declared = []
+        running = []
         for d in self.launched.poll():
             p = by_pid.get(d.root_pid)
             if d.exited_at is not None or p is None or p.start_ticks != d.start_ticks or p.uid != d.uid:
                 continue
+            running.append(d)
             boot = BootState(
                 root_pid=d.root_pid,
                 kind=d.kind,
@@ -292,6 +296,7 @@ class Telemetry:
             out.append(boot)
             declared.append((boot, d.start_ticks, d.uid, d.launcher_pid))
         self._declared = tuple(declared)
+        self.declarations = tuple(running)
         return tuple(out)
 
     def drain_events(self) -> list[Event]:

@@ -49,6 +49,7 @@ from sparkwatch.core.launch.rayletenv import RayletFacts
 from sparkwatch.core.model import EngineTree, NvmlFacts, Snapshot
 from sparkwatch.telemetry import peerdoc
 from sparkwatch.telemetry.drivercheck import DriverWatcher
+from sparkwatch.telemetry.exporter.gatemetric import GateCollector
 from sparkwatch.telemetry.exporter.groupmetric import GroupCollector
 from sparkwatch.telemetry.exporter.internal import InternalCollector
 from sparkwatch.telemetry.exporter.peermetric import PeerCollector
@@ -71,6 +72,7 @@ from sparkwatch.telemetry.sources.udev import UdevWatcher
 
 if TYPE_CHECKING:
     from sparkwatch.config.settings import Settings
+    from sparkwatch.telemetry.afterkill import AfterKillWatch
 
 log = logs.get("telemetry")
 FIRST_SETTINGS_S = 30.0
@@ -96,6 +98,8 @@ def make_outbox(settings: Settings) -> Outbox | None:
 
 
 class TelemetryProcess:
+    afterkill: AfterKillWatch  # built by _containers
+
     def __init__(
         self, settings: Settings, channel: Channel | None, *, log_handler: Any = None, nvml_off: str | None = None
     ) -> None:
@@ -121,7 +125,7 @@ class TelemetryProcess:
             ),
             settings.telemetry_interval_s,
             on_event=self.events.append,
-            on_cycle=self.report,
+            on_cycle=self._cycle_done,
             is_quiet=lambda snap: quiet(snap) and not self._guard_near_floor(),
         )
         self.components.append(
@@ -154,6 +158,7 @@ class TelemetryProcess:
                 counters=lambda: {**fast.counters(), "nvml_call_errors": nvml.fast_errors_total if nvml else 0},
             )
         )
+        self.components += self._containers(settings)
         self.components += self._endpoint()
         self._apply_lock = threading.Lock()
         self._stop = threading.Event()
@@ -313,6 +318,35 @@ class TelemetryProcess:
             self._raylet_facts_at = now
         return self._raylet_facts_cache
 
+    def _containers(self, settings: Settings) -> list[Component[Settings]]:
+        """The containers (telemetry.containerwatch) and the after-kill policy subscribed to their events
+        (telemetry.afterkill): a restart policy never undoes a guard kill. Imported here: the Docker API's client
+        (h11) is no import of this module's (tests/test_telemetry_imports.py)."""
+        from sparkwatch.telemetry.afterkill import AfterKillWatch  # noqa: PLC0415 - h11 comes with it
+        from sparkwatch.telemetry.containerwatch import ContainerWatch  # noqa: PLC0415
+        from sparkwatch.telemetry.sources.dockerapi import docker_socket  # noqa: PLC0415
+
+        socket_path, where = docker_socket("")  # the ctnames branch: settings.docker_host
+        after = self.afterkill = AfterKillWatch(settings, self.events, watch=None, socket_path=socket_path, where=where)
+        watch = after.watch = ContainerWatch(socket_path, where, subscribers=[after.container_event])
+        return [
+            Component("afterkill", after, AfterKillWatch.LIVE_KEYS, after.apply, after.counters),
+            Component("containers", watch, counters=watch.counters),
+        ]
+
+    def _cycle_done(self) -> None:
+        self.report()
+        snap = self.loop.latest
+        if snap is not None:
+            self.afterkill.cycle(snap.engines, self.loop.telemetry.declarations, partial(self._pool_look, snap))
+
+    def _pool_look(self, snap: Snapshot) -> tuple[int | None, int | None, int]:
+        """MemAvailable, Shmem and the engine processes still letting go, as of a cycle (the after-kill gate)."""
+        mem = snap.mem
+        if mem is None:
+            return None, None, 0
+        return mem.available_bytes, mem.shmem_bytes, self._letting_go(snap.engines)
+
     def _endpoint(self) -> list[Component[Settings]]:
         loop = self.loop
         self.registry = build_registry(
@@ -323,6 +357,7 @@ class TelemetryProcess:
         )
         self.registry.register(PostmortemCollector(lambda: self.postmortem.result))
         self.registry.register(GroupCollector(self.raywatch.view))
+        self.registry.register(GateCollector(self.afterkill.gated))
         key = self.peers.key  # the pair's key (peer_key_file): each document answers a reader's nonce with its proof
         prover = None if key is None else partial(peerproof.prove, key, self.host)
         self.metrics = MetricsServer(
@@ -387,9 +422,11 @@ class TelemetryProcess:
     def handle(self, msg: Message) -> None:
         if isinstance(msg, StateMsg):
             self.remote.update(msg)
+            self.afterkill.guard_state(msg.guard.recent_kills)
             self.headroom.tick()
             self.gpu_fast.watch([key for b in msg.guard.budgets for key in b.gpu_watch])
         elif isinstance(msg, EventMsg):
+            self.afterkill.guard_event(msg.event)
             if self.router is not None:
                 self.router(msg.event)  # already durable in events.jsonl and in the journal: only the alert is left
             self._send(AckMsg((msg.event.id,)))  # the outbox has it (spooled, fsynced): the guard may forget it

@@ -20,6 +20,7 @@ from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
+from sparkwatch.core.containerpolicy import GatedView
 from sparkwatch.core.enums import DriverVerdict, JitState, MaxJobsState
 from sparkwatch.core.model import (
     BootState,
@@ -37,6 +38,7 @@ from sparkwatch.core.model import (
 from sparkwatch.core.redact import redact
 from sparkwatch.core.report.guardstate import GuardState, describe, describe_all
 from sparkwatch.core.report.trend import BuildRate, PoolTrend
+from sparkwatch.core.timestamps import parse_rfc3339
 from sparkwatch.core.units import GiB, MiB, format_size
 from sparkwatch.core.words import plural
 from sparkwatch.tui.events_view import local_time
@@ -75,6 +77,8 @@ class StatusFrame:
     # The running guards' published state (common.guardfile), and why any other state file found was not taken.
     guards: tuple[GuardState, ...] = ()
     guard_notes: tuple[str, ...] = ()
+    # Containers the after-kill gate holds paused, from the event log (core.containerpolicy.gated_now).
+    gated: tuple[GatedView, ...] = ()
 
 
 # --- small formatters
@@ -418,6 +422,25 @@ def kill_lines(
     return [Text(f"{when}{age}{dry}  {last_kill.get('summary', '')}", style="red")]
 
 
+def gated_lines(gated: Sequence[GatedView], now: float, tz: tzinfo | None = None) -> list[Text]:
+    """`vllm-qwen (nvcr.io/nvidia/vllm:25.09, 3f2a9c1b7d4e) paused since 14:02:11 (40 s): restarted after a guard
+    kill; unpaused once the pool has settled and 61.0 GiB (kill footprint) fits`"""
+    out = []
+    for g in gated:
+        image = f"{g.image}, " if g.image else ""
+        since = parse_rfc3339(g.since)
+        age = f" ({fmt_duration(now - since)})" if since is not None else ""
+        need = f" and {format_size(g.need_bytes)} ({g.need_source}) fits" if g.need_bytes else ""
+        out.append(
+            Text(
+                f"{g.name} ({image}{g.container_id[:12]}) paused since {local_time(g.since, tz)}{age}: restarted "
+                f"after a guard kill; unpaused once the pool has settled{need}",
+                style="yellow",
+            )
+        )
+    return out
+
+
 def collector_lines(snapshot: Snapshot) -> list[Text]:
     return [Text(f"{c.name}: {c.error or 'failed'}", style="red") for c in snapshot.collectors if not c.success]
 
@@ -443,6 +466,8 @@ def render(frame: StatusFrame, width: int, tz: tzinfo | None = None) -> Renderab
     section("GPU", gpu_lines(snap.gpu, snap.gpu_unknown))
     section("DRIVER", driver_lines(snap.driver, frame.driver_error))
     section("LAST KILL", kill_lines(frame.last_kill, frame.events_path, snap.ts, tz))
+    if frame.gated:
+        section("GATED", gated_lines(frame.gated, snap.ts, tz))
     errors = collector_lines(snap)
     if errors:
         section("ERRORS", errors)

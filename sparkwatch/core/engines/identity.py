@@ -529,6 +529,12 @@ def may_touch(proc: Proc, rules: EngineRules, scope: Scope, untouchable: Collect
     )
 
 
+def within_ancestor(ancestor_pid: int, pid: int, chain: Collection[int]) -> bool:
+    """The scope's `ancestor_pid` rule: every process when it is 0, else that PID and what descends from it
+    (`chain`: pid's ancestors). The scanner's trees and the launched engines the guard says it took both hold to it."""
+    return not ancestor_pid or ancestor_pid == pid or ancestor_pid in chain
+
+
 def _ancestors(pid: int, by_pid: Mapping[int, Proc]) -> list[int]:
     chain = []
     seen = {pid}
@@ -724,7 +730,7 @@ def find_engine_trees(
         chain = _ancestors(pid, by_pid)
         if any(a in rootable for a in chain):
             continue  # inside an outer engine's tree
-        if scope.ancestor_pid and scope.ancestor_pid != pid and scope.ancestor_pid not in chain:
+        if not within_ancestor(scope.ancestor_pid, pid, chain):
             continue
         root = by_pid[pid]
         members = [root]

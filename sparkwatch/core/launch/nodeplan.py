@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 from enum import StrEnum
 
 from sparkwatch.core.engines.enginecli import EngineCommand, EngineKind, flag_int, flag_set
-from sparkwatch.core.launch.plan import FreeSource, MemoryView, ModelFacts, Plan, Term, decide, estimate
+from sparkwatch.core.launch.plan import FreeSource, MemoryView, ModelFacts, Plan, Term, plan_launch
 from sparkwatch.core.units import GiB, MiB, format_size
 
 # Ray's own processes, measured on this project's two-node test cluster (Ray 2.60, `ray start` with the dashboard;
@@ -150,17 +150,19 @@ def plan_nodes(
     engine_version: tuple[int, ...] | None = None,
     engine_reads: FreeSource | None = None,
 ) -> tuple[NodePlan, ...]:
-    """Each node's share, decided on its own pool. The head's plan is launch's own (core.launch.plan.plan_launch,
-    with role_terms): the caller passes it in place of this one for the head where it has one."""
+    """Each node's share, planned on its own pool as launch plans its own (core.launch.plan.plan_launch, with
+    role_terms): a fix suggested for a node is planned again on that node with it applied, its role's terms
+    included (the arithmetic fix left out `ray_worker` and suggested 0.84 again on a worker it did not fit). The
+    caller passes launch's own plan in place of this one for the head where it has one."""
     per_rank = rank_facts(facts, span)
     out = []
     for node in nodes:
         if node.view is None:
             out.append(NodePlan(node.node, node.role, node.source, None, node.env_problems))
             continue
-        est = estimate(
+        plan = plan_launch(
             cmd, per_rank, node.view, jobs=jobs, engine_version=engine_version, engine_reads=engine_reads,
             extra=role_terms(node.role, span),
         )  # fmt: skip
-        out.append(NodePlan(node.node, node.role, node.source, decide(est, node.view), node.env_problems))
+        out.append(NodePlan(node.node, node.role, node.source, plan, node.env_problems))
     return tuple(out)

@@ -19,8 +19,10 @@ The terms, and the phase each one belongs to (the peak is the largest phase, not
   weights + overhead + activation + max(kv_cache + cuda_graphs, jit_workers);
 - runtime_overhead: CUDA context and the engine's host processes.
 
-A fix that changes the command (a lower utilization, context or MAX_JOBS) is planned again with it applied before
-it is suggested (plan_launch): the arithmetic alone suggested values that still missed, and could loop.
+A fix that changes the command (a lower utilization, context or MAX_JOBS; a higher one where the engine would refuse
+its setting as too small) is planned again with it applied before it is suggested (plan_launch, for this node and for
+each node of an engine that spans nodes, core.launch.nodeplan): the arithmetic alone suggested values that still
+missed, and could loop. A plan that misses always says why and what would fit (miss_reasons, fix_line).
 """
 
 from __future__ import annotations
@@ -745,6 +747,8 @@ def _lower_flag(est: Estimate, view: MemoryView, room: int, short: int) -> Fix |
 
 Learn = Callable[[EngineCommand], "Learned | None"]
 Replan = Callable[[EngineCommand, "int | None"], Plan]
+Flags = tuple[tuple[str, str], ...]
+Setting = Callable[[int], tuple[str, str]]  # a value of the engine's sizing flag (k hundredths, MiB, 256 tokens)
 _PERCENT = 100
 
 
@@ -780,7 +784,7 @@ def plan_launch(
         return decide(est, view, reservations, learned, limit)
 
     plan = replan(cmd, jobs)
-    if plan.fits or not any(f.action in _FLAG_ACTIONS for f in plan.fixes):
+    if plan.fits or not (plan.estimate.problems or any(f.action in _FLAG_ACTIONS for f in plan.fixes)):
         return plan
     kept = [f for f in plan.fixes if f.action not in _FLAG_ACTIONS]
     return replace(plan, fixes=(*kept, _fitting_fix(plan, cmd, replan, jobs)))
@@ -797,6 +801,19 @@ def _passes(plan: Plan) -> bool:
 def _with_flags(cmd: EngineCommand, flags: Sequence[tuple[str, str]]) -> EngineCommand:
     """`cmd` with `flags` appended: each engine's parser takes the last value of a flag given twice."""
     return recognise((*cmd.argv, *(part for pair in flags for part in pair)))
+
+
+def _smallest(lo: int, hi: int, ok: Callable[[int], bool]) -> int | None:
+    """The smallest k in [lo, hi] with ok(k), where ok holds from some k upward; None when ok(hi) does not hold."""
+    if hi < lo or not ok(hi):
+        return None
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if ok(mid):
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
 
 
 def _largest(lo: int, hi: int, ok: Callable[[int], bool]) -> int | None:
@@ -825,7 +842,8 @@ def _fitting_fix(plan: Plan, cmd: EngineCommand, replan: Replan, jobs: int | Non
         guess = max(1, (plan.available_bytes - rest) // JIT_JOB_BYTES)
         options += sorted({min(guess, est.jobs - 1), 1}, reverse=True)
     for run_jobs in options:
-        found = _flag_search(cmd, est, replan, run_jobs, try_as_is=run_jobs != jobs)
+        found = _flag_search(cmd, est, replan, run_jobs, try_as_is=run_jobs != jobs,
+                             total_mib=plan.view.total_bytes >> 20)  # fmt: skip
         if found is not None:
             flags, _fixed = found
             return _fix_text(flags, run_jobs if run_jobs != jobs else None)
@@ -833,12 +851,12 @@ def _fitting_fix(plan: Plan, cmd: EngineCommand, replan: Replan, jobs: int | Non
 
 
 def _flag_search(
-    cmd: EngineCommand, est: Estimate, replan: Replan, run_jobs: int | None, *, try_as_is: bool
-) -> tuple[tuple[tuple[str, str], ...], Plan] | None:
-    def plan_with(flags: tuple[tuple[str, str], ...]) -> Plan:
+    cmd: EngineCommand, est: Estimate, replan: Replan, run_jobs: int | None, *, try_as_is: bool, total_mib: int
+) -> tuple[Flags, Plan] | None:
+    def plan_with(flags: Flags) -> Plan:
         return replan(_with_flags(cmd, flags), run_jobs)
 
-    def complete(flags: tuple[tuple[str, str], ...]) -> tuple[tuple[tuple[str, str], ...], Plan] | None:
+    def complete(flags: Flags) -> tuple[Flags, Plan] | None:
         """`flags` when they pass; else with the flag that cures the engine's own refusal (KV under one sequence:
         --max-model-len), when that passes."""
         fixed = plan_with(flags)
@@ -851,34 +869,44 @@ def _flag_search(
                 return flags + extra, again
         return None
 
+    def sized(setting: Setting, lo: int, below: int, top: int, base: Flags = ()) -> tuple[Flags, Plan] | None:
+        """The engine's sizing flag: where the engine would refuse its setting as too small (weights and
+        activations over utilization × total, a KV cache under one sequence, weights that fill the fraction) and no
+        other flag cures it, the least value up to `top` at which it starts, if the pool holds that; else the
+        largest value up to `below` (the setting now: a fix lowers it) that the pool holds."""
+
+        def at(k: int) -> Plan:
+            return plan_with((*base, setting(k)))
+
+        if est.problems and not est.problem_fixes:
+            k = _smallest(lo, top, lambda k: not at(k).estimate.problems)
+            return None if k is None or at(k).short_bytes else complete((*base, setting(k)))
+        k = _largest(lo, below, lambda k: at(k).short_bytes == 0)
+        return None if k is None else complete((*base, setting(k)))
+
+    now = 0 if est.tune_value is None else math.ceil(est.tune_value * _PERCENT) - 1  # hundredths below the setting
     if try_as_is or est.problem_fixes:
         found = complete(())
         if found is not None:
             return found
-    if est.kind == EngineKind.VLLM and est.tune == "gpu-memory-utilization" and est.tune_value is not None:
-        top = math.ceil(est.tune_value * _PERCENT) - 1
-        k = _largest(1, top, lambda k: plan_with((_util(k),)).short_bytes == 0)
-        return None if k is None else complete((_util(k),))
+    if est.kind == EngineKind.VLLM and est.tune == "gpu-memory-utilization":
+        return sized(_util, 1, now, _PERCENT)
     if est.kind == EngineKind.VLLM and est.tune == "kv-cache-memory-bytes":
         # vLLM's start-up check still wants utilization × total free (vllm/v1/worker/utils.py request_memory runs
         # with --kv-cache-memory-bytes too): the utilization that passes it, then the KV bytes that fit the pool.
-        base: tuple[tuple[str, str], ...] = ()
+        base: Flags = ()
         if est.check is not None and not est.check.ok:
             k = _largest(1, _PERCENT, lambda k: _check_ok(plan_with((_util(k),))))
             if k is None:
                 return None
             base = (_util(k),)
         kv_mib = next((t.bytes for t in est.terms if t.name == "kv_cache"), 0) >> 20
-        m = _largest(0, kv_mib, lambda m: plan_with((*base, _kv(m))).short_bytes == 0)
-        return None if m is None else complete((*base, _kv(m)))
-    if est.kind == EngineKind.SGLANG and est.tune_value is not None:
-        top = math.ceil(est.tune_value * _PERCENT) - 1
-        k = _largest(1, top, lambda k: plan_with((_frac(k),)).short_bytes == 0)
-        return None if k is None else complete((_frac(k),))
+        return sized(_kv, 0, kv_mib, total_mib, base)
+    if est.kind == EngineKind.SGLANG:
+        return sized(_frac, 1, now, _PERCENT - 1)  # (0, 1), as SGLang takes it
     if est.kind == EngineKind.LLAMA_CPP and est.tune_value is not None:
         top = int(est.tune_value) // LLAMA_KV_PAD - 1
-        k = _largest(1, top, lambda k: plan_with((_ctx(k),)).short_bytes == 0)
-        return None if k is None else complete((_ctx(k),))
+        return sized(_ctx, 1, top, top)
     return None
 
 
@@ -929,6 +957,8 @@ def _no_fit(plan: Plan, cmd: EngineCommand, replan: Replan, jit: int) -> Fix:
             f"the weights alone take {format_size(weights)}, {format_size(free)} free: use a quantized or smaller "
             "model",
         )
+    if est.problems and not est.problem_fixes:
+        return _no_start(plan, cmd, replan, jit)
     smallest = {
         EngineKind.VLLM: (_util(1),) if est.tune == "gpu-memory-utilization" else (_kv(0),),
         EngineKind.SGLANG: (_frac(1),),
@@ -943,30 +973,89 @@ def _no_fit(plan: Plan, cmd: EngineCommand, replan: Replan, jit: int) -> Fix:
     )
 
 
-def fix_line(plan: Plan) -> str:
-    """The one line the gate prints: by how much it misses, and the fix."""
+def _no_start(plan: Plan, cmd: EngineCommand, replan: Replan, jit: int) -> Fix:
+    """The engine would refuse its setting as too small, and the pool holds no setting at which it starts (say a
+    learned peak fits the pool while the estimate's setting is one vLLM would refuse): the least setting at which it
+    starts, and how much more memory that needs; a smaller model when it starts at none."""
     est = plan.estimate
-    what = f"{est.kind}" + (f" {est.model}" if est.model else "")
-    basis = "measured peak" if plan.learned is not None else "needs"
-    parts = []
-    if est.problems:
-        parts.append(est.problems[0])
+    setting = {
+        EngineKind.VLLM: (_util, 1, _PERCENT) if est.tune == "gpu-memory-utilization" else
+        (_kv, 0, plan.view.total_bytes >> 20),
+        EngineKind.SGLANG: (_frac, 1, _PERCENT - 1),
+    }.get(est.kind)  # fmt: skip
+    jobs = 1 if jit else None
+    if setting is not None:
+        pair, bottom, top = setting
+
+        def at(k: int) -> Plan:
+            return replan(_with_flags(cmd, (pair(k),)), jobs)
+
+        k = _smallest(bottom, top, lambda k: not at(k).estimate.problems)
+        if k is not None:
+            least = at(k)
+            if least.short_bytes == 0:
+                return _fix_text((pair(k),), jobs)
+            flag, value = pair(k)
+            return Fix(
+                FixAction.FREE_MEMORY,
+                f"free {format_size(least.short_bytes)}: {est.kind} starts from {flag} {value}, which needs "
+                f"{format_size(least.needs_bytes)}" + (f", one compile job of up to {format_size(JIT_JOB_BYTES)} "
+                                                       "included" if jit else ""),
+            )  # fmt: skip
+    return Fix(FixAction.SMALLER_MODEL, f"no setting cures it ({est.problems[0]}): use a smaller or quantized model")
+
+
+def miss_reasons(plan: Plan, *, figures: bool = True) -> list[str]:
+    """Why `plan` does not fit, each in words, the engine's own refusal first: it would refuse the settings, its
+    start-up check would fail, the pool is short (`figures`: with the need and what is free), memory is fragmented.
+    The headline of the plan and the gate's line both say these, never a bare "short by 0 B"."""
+    est = plan.estimate
+    out = list(est.problems[:1])
     check = est.check
     if check is not None and not check.ok:
-        parts.append(
+        out.append(
             f"its own start-up check wants {format_size(check.required_bytes)} of {check.source}, "
             f"{format_size(check.value_bytes)} there"
         )
     pool_short = plan.needs_bytes - plan.available_bytes
-    if pool_short > 0:
-        parts.append(
+    if pool_short > 0 and figures:
+        basis = "measured peak" if plan.learned is not None else "needs"
+        out.append(
             f"{basis} {format_size(plan.needs_bytes)}, {format_size(max(plan.available_bytes, 0))} free above the "
             f"floor and margin: short by {format_size(pool_short)}"
         )
+    elif pool_short > 0:
+        out.append(f"short by {format_size(pool_short)}")
     if plan.fragmented and plan.view.contiguous_free_bytes is not None:
-        parts.append(
+        out.append(
             f"memory is fragmented ({format_size(plan.view.contiguous_free_bytes)} of "
             f"{format_size(plan.view.free_bytes)} free is in blocks of 2 MiB or more)"
         )
-    fix = "; ".join(f.text for f in plan.fixes) or "free memory"
-    return f"sparkwatch: {what} does not fit: {'; '.join(parts)}; fix: {fix}"
+    return out
+
+
+def budget_warning(plan: Plan) -> str | None:
+    """A budget under what the plan says the engine takes (its measured peak, else the estimate): the guard kills
+    the tree once it passes the budget, so such an engine is killed on its way up, most likely during its boot. None
+    when the budget holds the need (or there is no budget, or the command's need is the budget itself)."""
+    budget = plan.budget_bytes
+    if budget is None or budget >= plan.needs_bytes or plan.estimate.kind == EngineKind.OTHER:
+        return None
+    basis = "measured peak" if plan.learned is not None else "estimate"
+    return (
+        f"the budget {format_size(budget)} is under the plan's {basis} {format_size(plan.needs_bytes)}: the guard "
+        f"kills the engine once its tree passes {format_size(budget)}, most likely during its boot "
+        "(--budget auto: the need plus 10 %)"
+    )
+
+
+def fix_text(plan: Plan) -> str:
+    """The fixes of a plan that does not fit, in one phrase."""
+    return "; ".join(f.text for f in plan.fixes) or "free memory"
+
+
+def fix_line(plan: Plan) -> str:
+    """The one line the gate prints: why it misses, by how much, and the fix."""
+    est = plan.estimate
+    what = f"{est.kind}" + (f" {est.model}" if est.model else "")
+    return f"sparkwatch: {what} does not fit: {'; '.join(miss_reasons(plan))}; fix: {fix_text(plan)}"

@@ -27,6 +27,8 @@ ALERT_MIN_INTERVAL_S: Mapping[EventKind, float] = {
     EventKind.PEER_BACK: 0.0,
     # one event per loop is decided upstream (core.kill.killloop): something restarts the engine
     EventKind.KILL_LOOP: 0.0,
+    # one event per loop is decided upstream (core.containerpolicy): a restart policy undid two kills; it is stopped
+    EventKind.CONTAINER_KILL_LOOP: 0.0,
     EventKind.DRIVER_STRANDED: 0.0,  # episodes are cut upstream (driver_step): one event per episode
     EventKind.DRIVER_WILL_STRAND: 0.0,
     EventKind.DRIVER_VERSION_MISMATCH: 0.0,

@@ -40,7 +40,8 @@ class KillWord:
 @dataclass(frozen=True, slots=True)
 class GuardState:
     """What a running guard says of itself. `taken`: the (root pid, start ticks) of each launched engine's declaration
-    it trusts and guards (guard.launchwatch), `declared_budgets` how many of those carry a budget."""
+    it trusts and guards (guard.launchwatch: within its `ancestor_pid`), `declared_budgets` how many of those carry a
+    budget. Launch says a budget is enforced only when its declaration is taken by an armed guard."""
 
     pid: int
     start_ticks: int  # the guard's own: with the pid, a reader tells a live guard from a dead one's file
@@ -116,5 +117,8 @@ def taken_line(state: GuardState, budget_bytes: int | None) -> str:
 
 def not_taken_line(states: Sequence[GuardState], budget_bytes: int | None, waited_s: float) -> str:
     pids = ", ".join(str(s.pid) for s in states)
-    head = f"guard pid {pids} has not taken it within {waited_s:.0f} s (does it read this runtime dir?)"
+    head = (
+        f"guard pid {pids} has not taken it within {waited_s:.0f} s (it is outside the guard's ancestor_pid, or "
+        "the guard does not read this runtime dir)"
+    )
     return f"{head}: the budget is not enforced" if budget_bytes else head

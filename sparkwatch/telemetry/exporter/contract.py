@@ -22,7 +22,7 @@ MetricType = Literal["gauge", "counter", "histogram"]
 # When a family is present. A series that is not known is absent, never 0.
 Presence = Literal["always", "meminfo", "guard", "guard_loop", "kill", "events", "outbox", "delivered", "telemetry",
                    "psi", "gpu", "gpu_device", "gpu_field", "driver", "daemon", "launched", "budget",
-                   "postmortem", "ray", "ray_group", "peer", "probed", "shm"]  # fmt: skip
+                   "postmortem", "ray", "ray_group", "peer", "probed", "shm", "gated"]  # fmt: skip
 PRESENCE: dict[Presence, str] = {
     "always": "always",
     "meminfo": "once /proc/meminfo was read (the guard's read, else the telemetry's)",
@@ -49,6 +49,7 @@ PRESENCE: dict[Presence, str] = {
     "engine whose socket is out of reach, `not_probed`, has none)",
     "shm": "in the daemon once /dev/shm was scanned (at start, every 60 s, 10 s after an engine tree ended) and every "
     "process could be read (root: the system unit); absent while a process of another user cannot be",
+    "gated": "per container the after-kill gate holds paused (`container_after_kill = gate`), while it does",
 }
 
 
@@ -261,6 +262,15 @@ METRICS: tuple[MetricSpec, ...] = (
         "daemon",
         "how long another process held this agent's port (listen) before it bound it; 0 when bound at once. Meanwhile "
         "that process answered as this node (sparkwatch doctor names it)",
+    ),
+    _m(
+        "container_gated",
+        "gauge",
+        "name id",
+        "gated",
+        "1 while a container (its name, and its id's 12 digits) is held paused: its restart policy started it again "
+        "after the guard killed its engine, and it waits for the pool to settle and its peak to fit "
+        "(docs/containers.md)",
     ),
     _m(
         "previous_boot_end_timestamp_seconds",

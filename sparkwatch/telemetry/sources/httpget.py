@@ -1,5 +1,6 @@
 """The one HTTP client of telemetry's readers of other agents: the peers' documents (telemetry.peerwatch), Ray's
-state API (telemetry.sources.raystate), the engines' counters, and the Docker Engine API on its unix socket
+state API (telemetry.sources.raystate), the engines' counters, the serving probe's one-token completion
+(telemetry.sources.completion, a POST with a body), and the Docker Engine API on its unix socket
 (telemetry.sources.dockerapi: GETs, and the POSTs that pause, unpause or kill a container). Bounded in time (one
 deadline for the whole exchange, not per read: a peer that drips a byte a second is as late as one that says nothing)
 and in size (an answer past `max_bytes` is cut and its connection never reused).
@@ -39,7 +40,7 @@ class HttpGetError(Exception):
 
 
 class HttpGet:
-    """Requests to one host: `get(path)` -> (status, body, cut), `post(path)` the same for a POST with no body. With
+    """Requests to one host: `get(path)` -> (status, body, cut), `post(path, body=…)` the same for a POST. With
     `keep_alive` the connection is reused by the next call while the server keeps it open and the last answer was
     read whole; any failure closes it. With `unix_path` the host is a unix socket (the Docker API's): `host` is then
     only the Host header."""
@@ -53,6 +54,7 @@ class HttpGet:
         keep_alive: bool = False,
         headers: tuple[tuple[str, str], ...] = (),
         unix_path: str | None = None,
+        on_connect: Callable[[socket.socket], None] | None = None,
     ) -> None:
         self.host = host
         self.unix_path = unix_path
@@ -61,6 +63,9 @@ class HttpGet:
         self.keep_alive = keep_alive
         where = f"[{host}]" if ":" in host else host  # an IPv6 address
         self.headers = (("Host", f"{where}:{port}"), *headers, ("Connection", "keep-alive" if keep_alive else "close"))
+        # Called with each new plain connection before anything is sent on it; raising sends nothing and closes it
+        # (the serving probe's landing check: telemetry.sources.completion).
+        self.on_connect = on_connect
         self.last_headers: dict[str, str] = {}  # the last answer's headers, names lower-cased (a peer's proof)
         self._sock: socket.socket | None = None
         self._h11: h11.Connection | None = None
@@ -71,16 +76,19 @@ class HttpGet:
         `last_headers`."""
         return self._request("GET", path, timeout_s, max_bytes)
 
-    def post(self, path: str, timeout_s: float, max_bytes: int) -> tuple[int, bytes, bool]:
-        """A POST with an empty body (the Docker API's pause, unpause, kill), answered as `get`."""
-        return self._request("POST", path, timeout_s, max_bytes)
+    def post(self, path: str, timeout_s: float, max_bytes: int, body: bytes = b"") -> tuple[int, bytes, bool]:
+        """A POST of `body` (empty: the Docker API's pause, unpause, kill; the serving probe's one-token completion,
+        telemetry.sources.completion), answered as `get`."""
+        return self._request("POST", path, timeout_s, max_bytes, body)
 
-    def _request(self, method: str, path: str, timeout_s: float, max_bytes: int) -> tuple[int, bytes, bool]:
+    def _request(
+        self, method: str, path: str, timeout_s: float, max_bytes: int, body: bytes = b""
+    ) -> tuple[int, bytes, bool]:
         self.last_headers = {}
         try:
             if self.tls is not None:
-                return self._get_tls(method, path, timeout_s, max_bytes)
-            return self._get_plain(method, path, time.monotonic() + timeout_s, max_bytes)
+                return self._get_tls(method, path, timeout_s, max_bytes, body)
+            return self._get_plain(method, path, time.monotonic() + timeout_s, max_bytes, body)
         except HttpGetError:
             self.close()
             raise
@@ -96,6 +104,9 @@ class HttpGet:
         except OSError as exc:
             self.close()
             raise HttpGetError("unreachable", str(exc) or type(exc).__name__) from None
+        except BaseException:  # on_connect's own reason to send nothing, or an interrupt: never reused
+            self.close()
+            raise
 
     def close(self) -> None:
         if self._sock is not None:
@@ -104,14 +115,20 @@ class HttpGet:
             self._https.close()
         self._sock, self._h11, self._https = None, None, None
 
-    def _get_plain(self, method: str, path: str, deadline: float, max_bytes: int) -> tuple[int, bytes, bool]:
+    def _get_plain(
+        self, method: str, path: str, deadline: float, max_bytes: int, data: bytes = b""
+    ) -> tuple[int, bytes, bool]:
         if self._sock is None or self._h11 is None:
             self._sock = self._connect(deadline)
             self._h11 = h11.Connection(our_role=h11.CLIENT)
+            if self.on_connect is not None:
+                self.on_connect(self._sock)
         sock, conn = self._sock, self._h11
         sock.settimeout(_left(deadline))
-        headers = [*self.headers, ("Content-Length", "0")] if method != "GET" else list(self.headers)
+        headers = [*self.headers, ("Content-Length", str(len(data)))] if method != "GET" else list(self.headers)
         sock.sendall(conn.send(h11.Request(method=method, target=path, headers=headers)) or b"")
+        if data:
+            sock.sendall(conn.send(h11.Data(data=data)) or b"")
         sock.sendall(conn.send(h11.EndOfMessage()) or b"")
         status, body, cut, heard = 0, bytearray(), False, False
         while True:
@@ -153,7 +170,9 @@ class HttpGet:
             raise
         return sock
 
-    def _get_tls(self, method: str, path: str, timeout_s: float, max_bytes: int) -> tuple[int, bytes, bool]:
+    def _get_tls(
+        self, method: str, path: str, timeout_s: float, max_bytes: int, data: bytes = b""
+    ) -> tuple[int, bytes, bool]:
         """Through http.client, whose timeout is per read (not one deadline): TLS peers are the rare case."""
         import http.client  # noqa: PLC0415  (imports ssl: only for an https:// peer or dashboard)
         import ssl  # noqa: PLC0415
@@ -163,7 +182,7 @@ class HttpGet:
             self._https = http.client.HTTPSConnection(self.host, self.port, timeout=timeout_s, context=self.tls())
         conn = self._https
         try:
-            conn.request(method, path, headers=dict(self.headers[1:]))
+            conn.request(method, path, body=data if method != "GET" else None, headers=dict(self.headers[1:]))
             resp = conn.getresponse()
             body = resp.read(max_bytes + 1)
         except (http.client.HTTPException, ssl.SSLError) as exc:  # an answer, broken (or a handshake refused)
