@@ -4,8 +4,8 @@ engine a real guard holds to its budget, and Ctrl-C or a guard kill leaves no co
 
 The engine is tests/helpers/boot_engine.py in the test image behind a `vllm` script mounted at /opt/sw (the
 container's entrypoint): launch recognises `vllm serve /models/m` as vLLM, the stand-in prints vLLM's log lines and
-allocates real memory. The guard sees the containers because the session's dockerd runs under a subreaper of the test
-process (tests/helpers/subreaper.py): `ancestor_pid` confines it to them and to nothing else on the box.
+allocates real memory. The guard sees the containers because the session's dockerd is their subreaper, a descendant
+of the test process (tests/dockerd.py): `ancestor_pid` confines it to them and to nothing else on the box.
 """
 
 from __future__ import annotations
