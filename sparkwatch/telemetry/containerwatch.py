@@ -13,6 +13,8 @@ engine died still names its container.
 
 from __future__ import annotations
 
+import logging
+import os
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -44,7 +46,7 @@ class ContainerWatch:
         self.where = where
         self.subscribers = tuple(subscribers)
         self.retry_s = retry_s
-        self.api = DockerApi(socket_path) if socket_path else None
+        self.api: DockerApi | None = None  # built once the events stream connected: no Docker, no HTTP client
         self.errors: dict[str, int] = {"unreachable": 0, "refused": 0, "timeout": 0, "broken": 0, "status": 0}
         self.events_total = 0
         self.up = False  # the daemon answered and the events stream is open
@@ -59,7 +61,7 @@ class ContainerWatch:
     # --- lifecycle ---------------------------------------------------------------------------------------------
 
     def start(self) -> None:
-        if self.api is None:
+        if self.socket_path is None:
             log.info("containers: not read (%s)", self.where)
             return
         self._stop.clear()
@@ -101,7 +103,10 @@ class ContainerWatch:
                 self.errors[exc.kind] = self.errors.get(exc.kind, 0) + 1
                 self.error = str(exc)
                 if said != exc.kind:
-                    log.warning("containers: the Docker API at %s does not answer: %s", self.where, exc)
+                    # No socket at all is a node without Docker: said, not warned (it is looked for every retry_s)
+                    absent = exc.kind == "unreachable" and not os.path.exists(self.socket_path or "")
+                    level = logging.INFO if absent else logging.WARNING
+                    log.log(level, "containers: the Docker API at %s does not answer: %s", self.where, exc)
                     said = exc.kind
             except Exception as exc:  # a bug: counted, said, survived
                 self.errors["broken"] += 1
@@ -113,11 +118,13 @@ class ContainerWatch:
             self._stop.wait(self.retry_s)
 
     def _follow(self) -> None:
-        assert self.api is not None and self.socket_path is not None
+        assert self.socket_path is not None
         stream = self._stream = DockerEvents(self.socket_path)
         if self._stop.is_set():
             return
         stream.open()
+        if self.api is None:
+            self.api = DockerApi(self.socket_path)
         try:
             running: dict[str, ContainerFacts] = {}
             for cid in self.api.running_ids():

@@ -48,7 +48,10 @@ from sparkwatch.config.settings import ConfigError, wire_settings
 from sparkwatch.core.launch.rayletenv import RayletFacts
 from sparkwatch.core.model import EngineTree, NvmlFacts, Snapshot
 from sparkwatch.telemetry import peerdoc
+from sparkwatch.telemetry.containerboard import ContainerBoard
+from sparkwatch.telemetry.containerwatch import ContainerWatch, Subscriber
 from sparkwatch.telemetry.drivercheck import DriverWatcher
+from sparkwatch.telemetry.exporter.containermetric import ContainerCollector
 from sparkwatch.telemetry.exporter.groupmetric import GroupCollector
 from sparkwatch.telemetry.exporter.internal import InternalCollector
 from sparkwatch.telemetry.exporter.peermetric import PeerCollector
@@ -63,6 +66,7 @@ from sparkwatch.telemetry.peerwatch import Peer, PeerWatch
 from sparkwatch.telemetry.postmortemtask import PostmortemWatch
 from sparkwatch.telemetry.raywatch import RayWatch
 from sparkwatch.telemetry.remote import EventErrors, RemoteGuard
+from sparkwatch.telemetry.sources.dockerapi import docker_socket
 from sparkwatch.telemetry.sources.nvml import NvmlSource
 from sparkwatch.telemetry.sources.nvml_preflight import NvmlOff, Preflight
 from sparkwatch.telemetry.sources.rayletfacts import local_facts
@@ -152,6 +156,7 @@ class TelemetryProcess:
                 counters=lambda: {**fast.counters(), "nvml_call_errors": nvml.fast_errors_total if nvml else 0},
             )
         )
+        self.components += self._containers()
         self.components += self._endpoint()
         self._apply_lock = threading.Lock()
         self._stop = threading.Event()
@@ -308,6 +313,20 @@ class TelemetryProcess:
             self._raylet_facts_at = now
         return self._raylet_facts_cache
 
+    def _containers(self) -> list[Component[Settings]]:
+        """The containers on this node (docs/containers.md): the Docker API's facts kept current from its events
+        stream (telemetry.containerwatch), handed to each subscriber as they change. Built in dependency order, each
+        part given what it needs: the board (what the guard hears of containers, and the info metric) first, then the
+        watch with its subscribers. Without a Docker daemon: one connect attempt every 30 s, nothing sent."""
+        board = self.container_board = ContainerBoard(self._offer)
+        # Each part that acts on a container event adds itself here (the after-kill policy: container_after_kill).
+        subscribers: list[Subscriber] = [board.on_event]
+        path, where = docker_socket(self.settings.docker_host, os.environ)
+        watch = self.containers = ContainerWatch(path, where, subscribers=subscribers)
+        return [
+            Component("containers", watch, counters=lambda: {**watch.counters(), **board.counters()}),
+        ]
+
     def _endpoint(self) -> list[Component[Settings]]:
         loop = self.loop
         self.registry = build_registry(
@@ -318,6 +337,7 @@ class TelemetryProcess:
         )
         self.registry.register(PostmortemCollector(lambda: self.postmortem.result))
         self.registry.register(GroupCollector(self.raywatch.view))
+        self.registry.register(ContainerCollector(self.container_board.engine_containers))
         key = self.peers.key  # the pair's key (peer_key_file): each document answers a reader's nonce with its proof
         prover = None if key is None else partial(peerproof.prove, key, self.host)
         self.metrics = MetricsServer(
@@ -402,8 +422,11 @@ class TelemetryProcess:
             self._send(AppliedMsg(tuple(sorted(keys)), tuple(errors)))
 
     def _send(self, msg: Message) -> None:
-        if self.channel is not None:
-            self.channel.send(msg)
+        self._offer(msg)
+
+    def _offer(self, msg: Message) -> bool:
+        """Hand a message to the guard; False when the channel refused it (full), True otherwise."""
+        return self.channel.send(msg) if self.channel is not None else True
 
     def report(self) -> None:
         """The latest cycle's parts of the guard's STATUS= line, per-pid GPU memory and the GPU holders: when they
@@ -411,6 +434,8 @@ class TelemetryProcess:
         guard's supervisor hears telemetry alive)."""
         snap = self.loop.latest
         now = time.monotonic()
+        if snap is not None and snap is not self._last_sent:  # the containers its engine trees run in (names, labels)
+            self.container_board.observe(snap.engines, self.containers.running())
         if snap is None or snap is self._last_sent:
             msg = TelMsg()  # alive, nothing new
         else:
