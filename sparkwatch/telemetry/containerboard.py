@@ -62,6 +62,7 @@ class ContainerBoard:
         self._engine_ids: frozenset[str] = frozenset()  # the containers the last cycle's engine trees run in
         self._sent: tuple[ContainerNote, ...] = ()
         self._sent_at = -float("inf")
+        self._refused = False  # the last send was refused (a full channel): tried again at the next look
         self._said: set[str] = set()
         self.sent_total = 0
         self.bad_labels_total = 0
@@ -78,15 +79,20 @@ class ContainerBoard:
                 self._facts[event.id] = facts
             else:
                 self._facts.pop(event.id, None)
-        self._tell()
+        self._tell(changed=True)
 
     def observe(self, trees: Iterable[EngineTree], running: Iterable[ContainerFacts]) -> None:
-        """After a telemetry cycle (the loop's thread): its engine trees, and the containers the watch holds."""
+        """After a telemetry cycle (the loop's thread): its engine trees, and the containers the watch holds. Nothing
+        is built when neither changed (the watch keeps a container's facts as one object until its next event) and no
+        resend is due: a few comparisons a cycle."""
         engine_ids = engine_container_ids(trees)
+        facts = {f.id: f for f in running if f.state in LIVE_STATES}
         with self._lock:
-            self._facts = {f.id: f for f in running if f.state in LIVE_STATES}
-            self._engine_ids = engine_ids
-        self._tell()
+            old = self._facts
+            changed = engine_ids != self._engine_ids or facts.keys() != old.keys()
+            changed = changed or any(f is not old[i] for i, f in facts.items())
+            self._facts, self._engine_ids = facts, engine_ids
+        self._tell(changed=changed)
 
     # --- what the others read
 
@@ -112,14 +118,18 @@ class ContainerBoard:
 
     # --- the guard
 
-    def _tell(self) -> None:
-        notes = self.notes()
+    def _tell(self, *, changed: bool) -> None:
         now = self.clock()
+        if not (changed or self._refused) and (not self._sent or now - self._sent_at < self.resend_s):
+            return  # nothing new, and no resend due (or nothing to resend)
+        notes = self.notes()
         with self._lock:
             due = notes != self._sent or (notes and now - self._sent_at >= self.resend_s)
             if not due:
+                self._refused = False
                 return
-            if self.send(ContainersMsg(notes)) is False:
+            self._refused = self.send(ContainersMsg(notes)) is False
+            if self._refused:
                 return  # the channel is full: the next cycle tries again
             self._sent, self._sent_at = notes, now
             self.sent_total += 1
