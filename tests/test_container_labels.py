@@ -260,3 +260,13 @@ def test_engines_names_the_container_and_says_once_when_the_socket_cannot_be_rea
     [mine] = [e for e in blind["engines"] if e["root_pid"] == pid]
     assert mine["container"] == {"id": cid, "runtime": "docker"}
     assert "named by id only" in blind["containers_note"]
+    # `status` names it too, where the root's parent (the runtime's shim) would be
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SPARKWATCH_")}
+    env.update(DOCKER_HOST=dockerd.host, XDG_CONFIG_HOME=str(tmp_path / "xdg"), COLUMNS="400")
+    env.update(SPARKWATCH_STATE_DIR=str(tmp_path / "state"), SPARKWATCH_PROBE_INTERVAL_S="0")
+    frame = subprocess.run(
+        [sys.executable, "-m", "sparkwatch", "status", "--once"],
+        env=env, capture_output=True, text=True, timeout=60, check=True, cwd=REPO,
+    ).stdout  # fmt: skip
+    [line] = [x for x in frame.splitlines() if f"vllm {pid} ·" in x]
+    assert f"in container {name} ({IMAGE} spark/chat; {cid[:12]}), restart no" in line, line

@@ -7,8 +7,10 @@ The socket is the `docker_host` setting when set, else `DOCKER_HOST`'s when it n
 host's, or this one's without the socket's file permissions, and telemetry acts only on this node's containers.
 
 The client is telemetry's own HTTP client (telemetry.sources.httpget: h11 on a socket), not the `docker` SDK (7.2):
-the SDK's APIClient pulls in requests, urllib3 and ssl, +16.1 MiB of RSS in a process that already has h11, against
-+1.8 MiB for this module and the container watch (bench/containers_bench.py), for the five paths used. Paths are
+the SDK's APIClient pulls in requests, urllib3 and ssl, +18.1 MiB of RSS (list, inspect, events stream) in a process
+that already has h11, against +0.5 MiB for this module and the container watch; a whole idle telemetry process on a
+Docker host is 0.6 MiB larger than without the watch, h11 included (bench/RESULTS-containers.md), for the five paths
+used. Paths are
 unversioned: the daemon answers them at its own API version (dockerd 20.10's 1.41 here; podman 4's compat API too).
 
 The events stream is one long GET whose chunks are JSON lines; the reader blocks in recv with no timeout (an idle
