@@ -306,3 +306,54 @@ def run_args(daemon: Dockerd, name: str, *flags: str, src: bool = True) -> list[
 def fake_engine_argv(*args: str) -> Sequence[str]:
     """tests/helpers/fake_engine.py as the container sees it (the repository at /src)."""
     return ("python3", "/src/tests/helpers/fake_engine.py", *args)
+
+
+# --- containers whose processes descend from the test ---------------------------------------------------------------
+
+PR_SET_CHILD_SUBREAPER = 36
+
+
+def _subreaper(on: bool) -> None:
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_CHILD_SUBREAPER, 1 if on else 0, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_CHILD_SUBREAPER)")
+
+
+def run_here(daemon: Dockerd, *args: str) -> tuple[str, int]:
+    """`docker run -d ARGS…` with this process a child subreaper for the moment of the start: the container's shim
+    (containerd-shim-runc-v2 double-forks, and would be reparented to PID 1) becomes this process's child, so the
+    container's processes descend from the test and a daemon confined to it (`ancestor_pid`, tests/daemon.py) may see
+    and kill them as it would on a host. Returns (container id, the shim's pid); `reap_shim` it after `remove`."""
+    _subreaper(True)
+    try:
+        cid = daemon.docker(*args).stdout.strip()
+    finally:
+        _subreaper(False)
+    pid = daemon.container_pid(cid)
+    with open(f"/proc/{pid}/stat", "rb") as fh:
+        shim = int(fh.read().rsplit(b")", 1)[1].split()[1])
+    assert _parent(shim) == os.getpid(), f"the shim {shim} of {cid[:12]} is not this process's child"
+    return cid, shim
+
+
+def _parent(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            return int(fh.read().rsplit(b")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def reap_shim(shim: int, timeout_s: float = 30.0) -> None:
+    """Wait for a shim `run_here` adopted (it exits once its container is removed) and reap it."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            done, _status = os.waitpid(shim, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if done:
+            return
+        time.sleep(0.05)
