@@ -4,8 +4,8 @@ trees by the container id in their cgroup paths), and the kill line, the kill ev
 /metrics name the container as `docker ps` does. Memory stays bounded: budgets of 300 MiB, engines of at most
 800 MiB.
 
-Each container is started with this test process as the subreaper of its shim (tests/dockerd.run_here), so its
-processes descend from the test and the daemon, confined to the test's descendants, may kill them and nothing else."""
+The session's dockerd is the subreaper of its containers' shims (tests/dockerd.py), so their processes descend from the
+test and the daemon, confined to the test's descendants, may kill them and nothing else."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ from sparkwatch.common.eventlog import read_events
 from sparkwatch.common.sources.meminfo import MeminfoReader
 from tests.conftest import alive, require, wait_until
 from tests.daemon import RunningDaemon, scrape, sparkwatch_run, wait_for_event
-from tests.dockerd import IMAGE, Dockerd, fake_engine_argv, reap_shim, run_args, run_here
+from tests.dockerd import IMAGE, Dockerd, fake_engine_argv, run_args
 
 pytestmark = [pytest.mark.docker, pytest.mark.pressure]
 MiB = 1 << 20
@@ -42,25 +42,21 @@ def enough_memory(need: int) -> None:
 
 
 class Containers:
-    """The containers a test started (through run_here), removed and their shims reaped at the end."""
+    """The containers a test started, removed at the end."""
 
     def __init__(self, dockerd: Dockerd) -> None:
         self.dockerd = dockerd
         self.names: list[str] = []
-        self.shims: list[int] = []
 
     def run(self, name: str, *flags: str, engine: tuple[str, ...]) -> tuple[str, int]:
         """Start one: (its id, its PID 1 on the host)."""
         self.dockerd.remove(name)
         self.names.append(name)
-        cid, shim = run_here(self.dockerd, *run_args(self.dockerd, name, "--restart", "no", *flags), *engine)
-        self.shims.append(shim)
+        cid = self.dockerd.docker(*run_args(self.dockerd, name, "--restart", "no", *flags), *engine).stdout.strip()
         return cid, self.dockerd.container_pid(cid)
 
     def close(self) -> None:
         self.dockerd.remove(*self.names)
-        for shim in self.shims:
-            reap_shim(shim)
 
 
 @pytest.fixture
