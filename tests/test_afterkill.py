@@ -257,7 +257,7 @@ def test_gate_pauses_the_restart_releases_it_once_settled_and_a_second_kill_stop
         first: dict[str, Any] = wait_for_event(agent.events_path, "kill", timeout_s=60)
         # The kill line and event name the container
         assert first["trigger"] == "budget" and [c["id"] for c in first["containers"]] == [cid]
-        assert any(f"in container {cid[:12]}" in line and "KILL" in line for line in agent.stderr_lines)
+        assert any("in container " in line and cid[:12] in line and "KILL" in line for line in agent.stderr_lines)
         gated: dict[str, Any] = wait_for_event(agent.events_path, "container_gated", timeout_s=30)
         assert (gated["container_id"], gated["container_name"], gated["error"]) == (cid, name, None)
         assert gated["policy_source"] == "config" and gated["kill_trigger"] == "budget"
