@@ -8,7 +8,7 @@ Labels (docs/containers.md), set with `docker run --label` or compose `labels:`:
 | -------------------------- | --------------------- | ------------------------------------------------------------- |
 | `io.sparkwatch.after-kill` | gate, stop, allow     | after a guard kill of its engine (`container_after_kill`)     |
 | `io.sparkwatch.budget`     | a size (`60GiB`)      | the engine tree's budget, as `engine_budgets` gives one        |
-| `io.sparkwatch.protect`    | true / false          | never kill its processes, as `never_kill`                      |
+| `io.sparkwatch.protect`    | true / false          | never kill its processes, by any trigger (budgets included)    |
 | `io.sparkwatch.priority`   | an integer            | kill order, as `kill_priority` (higher dies earlier)           |
 | `io.sparkwatch.launch`     | a declaration id      | set by `sparkwatch launch -- docker run`                       |
 
