@@ -536,6 +536,23 @@ def boot_row() -> list[Json]:
             w=12,
             min_value=0,
         ),
+        table(
+            "Engines in containers",
+            "The containers engine trees run in, as `docker ps` names them: name, image, compose project and "
+            "service, restart policy (always, unless-stopped and on-failure start an engine the guard killed again) "
+            "and network mode, per node. Empty where every engine runs bare or no Docker API answers "
+            "(docs/containers.md).",
+            [
+                Target(
+                    f"max by (instance, name, image, compose_project, compose_service, restart_policy, network_mode, "
+                    f"id) ({m('container_info')})",
+                    "",
+                    instant=True,
+                    table=True,
+                )
+            ],
+            w=12,
+        ),
         state_timeline(
             "MAX_JOBS per engine tree",
             "For each engine tree that holds compilers: whether MAX_JOBS is set in the environment its compilers "

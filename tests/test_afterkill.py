@@ -16,7 +16,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any
 
 import pytest
 
@@ -40,15 +40,13 @@ from sparkwatch.core.containerpolicy import (
 from sparkwatch.core.eventkinds import EventKind
 from sparkwatch.core.kill.killloop import LOOP_WINDOW_S
 from sparkwatch.telemetry.afterkill import AfterKillWatch
+from sparkwatch.telemetry.containerwatch import ContainerStore
 from sparkwatch.telemetry.sources.dockerapi import DockerEvent
 from sparkwatch.tui.status_view import gated_lines
 from tests.conftest import require, wait_until
 from tests.daemon import RunningDaemon, scrape, sparkwatch_run, wait_for_event
 from tests.dockerd import Dockerd, fake_engine_argv, run_args
 from tests.receiver import Receiver
-
-if TYPE_CHECKING:
-    from sparkwatch.telemetry.containerwatch import ContainerWatch
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -157,7 +155,7 @@ def test_an_api_that_fails_is_counted_and_said_never_raised(tmp_path: Path) -> N
     counted, and the worker goes on to the next input."""
     settings = load_settings(None, {"state_dir": tmp_path / "state"})
     events = EventLog(tmp_path / "events.jsonl")
-    watch = AfterKillWatch(settings, events, watch=None, socket_path=str(tmp_path / "absent.sock"), where="a test")
+    watch = AfterKillWatch(settings, events, containers=None, socket_path=str(tmp_path / "absent.sock"), where="a test")
     watch.start()
     try:
         now = time.time()
@@ -259,7 +257,7 @@ def test_gate_pauses_the_restart_releases_it_once_settled_and_a_second_kill_stop
         first: dict[str, Any] = wait_for_event(agent.events_path, "kill", timeout_s=60)
         # The kill line and event name the container
         assert first["trigger"] == "budget" and [c["id"] for c in first["containers"]] == [cid]
-        assert any(f"in container {cid[:12]}" in line and "KILL" in line for line in agent.stderr_lines)
+        assert any("in container " in line and cid[:12] in line and "KILL" in line for line in agent.stderr_lines)
         gated: dict[str, Any] = wait_for_event(agent.events_path, "container_gated", timeout_s=30)
         assert (gated["container_id"], gated["container_name"], gated["error"]) == (cid, name, None)
         assert gated["policy_source"] == "config" and gated["kill_trigger"] == "budget"
@@ -331,19 +329,12 @@ def test_allow_lets_the_restart_run_named_and_the_loop_still_stops_it(dockerd: D
         dockerd.remove(name)
 
 
-class StubWatch:
-    """The container watch as the after-kill worker reads it: up, and each container's facts."""
-
-    up = True
-
-    def __init__(self, *facts: ContainerFacts) -> None:
-        self.by_id = {f.id: f for f in facts}
-
-    def facts(self, cid: str) -> ContainerFacts | None:
-        return self.by_id.get(cid)
-
-    def running(self) -> tuple[ContainerFacts, ...]:
-        return tuple(self.by_id.values())
+def store_of(*facts: ContainerFacts) -> ContainerStore:
+    """The containers as the watch would have them once up: each container's facts."""
+    store = ContainerStore()
+    store.replace({f.id: f for f in facts})
+    store.up = True
+    return store
 
 
 def test_a_telemetry_that_starts_again_takes_up_the_gates_still_paused(tmp_path: Path) -> None:
@@ -362,7 +353,7 @@ def test_a_telemetry_that_starts_again_takes_up_the_gates_still_paused(tmp_path:
     watch = AfterKillWatch(
         settings,
         events,
-        watch=cast("ContainerWatch", StubWatch(still, gone)),
+        containers=store_of(still, gone),
         socket_path=None,
         where="a test",
     )

@@ -28,6 +28,7 @@ from sparkwatch.common.spool import AlertRouter
 from sparkwatch.common.stats import BudgetStat, KernelLogStats
 from sparkwatch.common.systemd import EVENT_PRIORITY, PRIORITY_NOTICE
 from sparkwatch.config.settings import Settings
+from sparkwatch.core.container import ContainerFacts
 from sparkwatch.core.containerpolicy import Gate
 from sparkwatch.core.driver.nvmlcodes import NvmlReturn
 from sparkwatch.core.enums import CheckStatus, DriverVerdict
@@ -37,6 +38,7 @@ from sparkwatch.core.kill.triggers import TRIGGERS, Recovery, Trigger
 from sparkwatch.core.model import BootState, EngineServing, EngineTree, Event, GpuDevice, GpuReport, MemInfo, Proc
 from sparkwatch.core.postmortem.verdict import BootEnd
 from sparkwatch.core.report.alerts import ALERT_MIN_INTERVAL_S
+from sparkwatch.telemetry.exporter.containermetric import ContainerCollector
 from sparkwatch.telemetry.exporter.contract import BY_NAME, METRICS, MetricSpec, markdown_table, presence_table
 from sparkwatch.telemetry.exporter.gatemetric import GateCollector
 from sparkwatch.telemetry.exporter.groupmetric import GroupCollector
@@ -131,6 +133,18 @@ class TwoGpus:
         return dataclasses.replace(report, devices=(*report.devices, h200(1)))
 
 
+ENGINE_CONTAINER = ContainerFacts(
+    id="4f" * 32,
+    name="vllm-main",
+    image="nvcr.io/nvidia/vllm:25.09-py3",
+    state="running",
+    pid=4242,
+    restart_policy="unless-stopped",
+    network_mode="host",
+    labels={"com.docker.compose.project": "spark", "com.docker.compose.service": "vllm"},
+)
+
+
 def full_exposition(tmp_path: Path) -> list[Metric]:
     """Everything the exporter can publish at once: the golden scenario plus an outbox, a guard loop that ran and a
     discrete GPU with a failing field."""
@@ -172,6 +186,7 @@ def full_exposition(tmp_path: Path) -> list[Metric]:
     registry.register(
         GateCollector(lambda: (Gate("3f2a" * 16, "vllm-qwen", "nvcr.io/nvidia/vllm:25.09", 0.0, 0.0, 1),))
     )
+    registry.register(ContainerCollector(lambda: [ENGINE_CONTAINER]))
     return list(registry.collect())
 
 

@@ -83,7 +83,7 @@ def test_engines_draws_root_workers_and_compilers(tmp_path: Path) -> None:
     # --json keeps its keys and lists the same members.
     data = json.loads(js.stdout)
     (tree,) = data["engines"]
-    assert set(tree) == {"root_pid", "engine", "rss_bytes", "members", "budget", "serving"}
+    assert set(tree) == {"root_pid", "engine", "rss_bytes", "container", "members", "budget", "serving"}
     assert tree["budget"] is None  # no declaration and no engine_budgets entry names it
     assert tree["root_pid"] == root and tree["engine"] == "vllm"
     assert set(tree["members"][0]) == {"pid", "ppid", "name", "rss_bytes", "cmdline"}

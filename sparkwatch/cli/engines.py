@@ -8,6 +8,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from sparkwatch.cli import argtypes
+from sparkwatch.core.container import container_line
 from sparkwatch.core.kill.mpgroup import member_role
 from sparkwatch.core.model import EngineTree, GpuHolder
 from sparkwatch.core.redact import redact, safe_cmdline
@@ -15,6 +16,7 @@ from sparkwatch.core.redact import redact, safe_cmdline
 if TYPE_CHECKING:
     from sparkwatch.common.sources.enginetrees import EngineFinder
     from sparkwatch.config.settings import Settings
+    from sparkwatch.core.container import ContainerFacts, ContainerNotes
     from sparkwatch.core.kill.mpgroup import Member
     from sparkwatch.core.kill.policy import Candidate
     from sparkwatch.core.kill.raygroup import GroupRow
@@ -114,11 +116,37 @@ def serving_text(row: Mapping[str, object]) -> str:
     return f"NOT SERVING: a one-token completion to {ep} failed ({row.get('error')})"
 
 
-def tree_json(tree: EngineTree) -> dict[str, object]:
+def container_json(tree: EngineTree, facts: Mapping[str, ContainerFacts]) -> dict[str, object] | None:
+    """The container a tree runs in: its id and runtime from the cgroup path, and what the Docker API says of it
+    (name, image, compose service, restart policy, network mode) where it answered; None for a bare tree."""
+    ref = tree.container
+    if ref is None:
+        return None
+    out: dict[str, object] = {"id": ref.id, "runtime": ref.runtime}
+    f = facts.get(ref.id)
+    if f is not None:
+        out.update(
+            name=redact(f.name),
+            image=redact(f.image),
+            compose_project=f.compose_project,
+            compose_service=f.compose_service,
+            restart_policy=f.restart_policy,
+            network_mode=f.network_mode,
+        )
+    return out
+
+
+def container_text(tree: EngineTree, facts: Mapping[str, ContainerFacts]) -> str | None:
+    ref = tree.container
+    return None if ref is None else container_line(ref, facts.get(ref.id))
+
+
+def tree_json(tree: EngineTree, containers: Mapping[str, ContainerFacts] | None = None) -> dict[str, object]:
     return {
         "root_pid": tree.root.pid,
         "engine": tree.kind,
         "rss_bytes": tree.rss_bytes,
+        "container": container_json(tree, containers or {}),
         "members": [
             {
                 "pid": p.pid,
@@ -182,8 +210,8 @@ def handle(args: argparse.Namespace) -> int:
         keys = frozenset(p.key for p in procs if p.pid in used)
         procs, holder_trees = finder.scan(keys)
         holders = unknown_gpu_holders(procs, holder_trees, used, finder.rules)
-    trees, ranking = kill_order_now(finder, settings, args.window)
-    budgets = budget_rows(settings, finder, trees, used if args.all else None)
+    trees, ranking, containers, containers_note = kill_order_now(finder, settings, args.window)
+    budgets = budget_rows(settings, finder, trees, used if args.all else None, containers)
     serving = {} if args.no_probe else serving_rows(settings, trees)
     groups, group_note = ray_groups(settings, finder.scan()[0])
     local = local_groups(settings, trees)
@@ -191,9 +219,11 @@ def handle(args: argparse.Namespace) -> int:
 
     if args.json:
         engines = [
-            {**tree_json(t), "budget": budgets.get(t.root.pid), "serving": serving.get(t.root.pid)} for t in trees
+            {**tree_json(t, containers), "budget": budgets.get(t.root.pid), "serving": serving.get(t.root.pid)}
+            for t in trees
         ]
         out: dict[str, object] = {"engines": engines, "kill_order": kill_order_json(ranking)}
+        out["containers_note"] = containers_note
         out["groups"] = [group_json(g) for g in groups]
         out["groups_note"] = group_note
         out["groups_without_ray"] = [local_group_json(m) for m in local]
@@ -217,6 +247,8 @@ def handle(args: argparse.Namespace) -> int:
                 note,
                 {pid: budget_text(b) for pid, b in budgets.items()},
                 serving={pid: serving_text(row) for pid, row in serving.items()},
+                containers={t.root.pid: text for t in trees if (text := container_text(t, containers))},
+                containers_note=containers_note,
             ),
             *((Text(""), kill_order_view(ranking)) if trees else ()),
             *((Text(""), groups_view(groups, group_note)) if groups or group_note else ()),
@@ -288,12 +320,17 @@ def group_json(group: GroupRow) -> dict[str, object]:
 
 
 def budget_rows(
-    settings: Settings, finder: EngineFinder, trees: list[EngineTree], gpu_used: dict[int, int | None] | None
+    settings: Settings,
+    finder: EngineFinder,
+    trees: list[EngineTree],
+    gpu_used: dict[int, int | None] | None,
+    containers: Mapping[str, ContainerFacts] | None = None,
 ) -> dict[int, dict[str, object]]:
-    """Per tree with a budget (its declaration's, or the config's engine_budgets): the budget, the footprint now as
-    this command can count it (core.kill.footprint: RSS or the scope's memory.current, plus NVML's bytes with --all) and
-    the peak launch measured."""
+    """Per tree with a budget (its declaration's, its container's io.sparkwatch.budget label, or the config's
+    engine_budgets): the budget, the footprint now as this command can count it (core.kill.footprint: RSS or the
+    scope's memory.current, plus NVML's bytes with --all) and the peak launch measured."""
     from sparkwatch.common.sources.cgroupmem import read_memory_current
+    from sparkwatch.core.container import label_asks
     from sparkwatch.core.kill.footprint import FootprintInputs, footprint, owned_scope
     from sparkwatch.core.kill.policy import first_match, parse_engine_budgets
 
@@ -303,6 +340,10 @@ def budget_rows(
     for tree in trees:
         decl = by_root.get(tree.root.key)
         budget, source = (decl.budget_bytes, "launch") if decl is not None and decl.budget_bytes else (None, "")
+        ref = tree.container
+        facts = (containers or {}).get(ref.id) if ref is not None else None
+        if budget is None and facts is not None:
+            budget, source = label_asks(facts.labels).budget_bytes, "label"
         if budget is None:
             budget, source = first_match(tree, patterns), "config"
         if budget is None and decl is None:
@@ -346,11 +387,32 @@ def budget_text(row: dict[str, object]) -> str:
     return "  ".join(parts)
 
 
+def engine_containers(settings: Settings, trees: Sequence[EngineTree]) -> tuple[dict[str, ContainerFacts], str | None]:
+    """What the Docker API says of the containers the trees run in (read here: no daemon needed), and a note when it
+    could not be read (the trees are then named by container id only); nothing asked when no tree is in one."""
+    from sparkwatch.telemetry.sources.dockerapi import ContainerLookup
+
+    ids = {ref.id for t in trees if (ref := t.container) is not None}
+    if not ids:
+        return {}, None
+    lookup = ContainerLookup(settings.docker_host)
+    facts = lookup.lookup(ids)
+    return facts, lookup.note
+
+
+def container_notes(facts: Mapping[str, ContainerFacts]) -> ContainerNotes:
+    """The containers' io.sparkwatch.* labels as the guard holds them (core.container), for the ranking."""
+    from sparkwatch.core.container import ContainerNotes, note_of
+
+    return ContainerNotes.of(note_of(f) for f in facts.values())
+
+
 def kill_order_now(
     finder: EngineFinder, settings: Settings, window_s: float
-) -> tuple[list[EngineTree], tuple[Candidate, ...]]:
+) -> tuple[list[EngineTree], tuple[Candidate, ...], dict[str, ContainerFacts], str | None]:
     """Two scans `window_s` apart, ranked as the guard ranks (core.kill.policy; no GPU bytes: this command has no
-    NVML)."""
+    NVML; the containers' protect and priority labels as the Docker API gives them), with the containers' facts and a
+    note when the API could not be read."""
     import time
 
     from sparkwatch.core.kill import policy
@@ -363,4 +425,10 @@ def kill_order_now(
     now = time.monotonic()
     trees = finder.find()
     history = policy.observe(history, now, trees, None)
-    return trees, policy.rank(trees, history, now, None, params)
+    containers, note = engine_containers(settings, trees)
+    return (
+        trees,
+        policy.rank(trees, history, now, None, params, containers=container_notes(containers)),
+        containers,
+        note,
+    )

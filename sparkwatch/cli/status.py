@@ -19,7 +19,7 @@ import socket
 import sys
 import time
 from collections import deque
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -29,7 +29,7 @@ from sparkwatch.core.report.trend import build_rate, pool_trend
 if TYPE_CHECKING:
     from sparkwatch.config.settings import Settings
     from sparkwatch.core.containerpolicy import GatedView
-    from sparkwatch.core.model import DriverReport, GpuReport
+    from sparkwatch.core.model import DriverReport, EngineTree, GpuReport
     from sparkwatch.tui.status_view import StatusFrame
 
 # History kept for the rates: 5 s of MemAvailable (the span a Spark's ~100 MiB noise was measured over); 60 s of
@@ -117,6 +117,7 @@ class StatusApp:
         self._driver_error: str | None = None
         self._driver_checked = -math.inf
         self._started_ts: float | None = None
+        self._containers: Any = None  # telemetry.sources.dockerapi.ContainerLookup, built at the first container
         self._peers_note: tuple[str, ...] = ()  # the one line on the peers (issue 37), under the guard's
         if settings.peers:
             from sparkwatch.common.peerproof import settings_line
@@ -150,7 +151,10 @@ class StatusApp:
         from sparkwatch.common.guardfile import read_guards, reader_paths
 
         guards = read_guards(reader_paths(os.environ, self.settings.state_dir))
+        containers, containers_note = self._container_lines(snap.engines)
         return StatusFrame(
+            containers=containers,
+            containers_note=containers_note,
             guards=guards.states,
             guard_notes=guards.notes + self._peers_note,
             snapshot=snap,
@@ -167,6 +171,22 @@ class StatusApp:
             live=live,
             started_ts=self._started_ts,
         )
+
+    def _container_lines(self, trees: Sequence[EngineTree]) -> tuple[dict[int, str], str | None]:
+        """Root pid -> the line naming its container, read through the Docker API here (kept 10 s; no daemon
+        needed), and why the containers are named by id only when the socket could not be read (said once)."""
+        from sparkwatch.core.container import container_line
+
+        refs = {t.root.pid: ref for t in trees if (ref := t.container) is not None}
+        if not refs:
+            return {}, None
+        if self._containers is None:
+            from sparkwatch.telemetry.sources.dockerapi import ContainerLookup
+
+            self._containers = ContainerLookup(self.settings.docker_host)
+        facts = self._containers.lookup(ref.id for ref in refs.values())
+        lines = {pid: container_line(ref, facts.get(ref.id)) for pid, ref in refs.items()}
+        return lines, self._containers.note
 
     def _read_last_kill(self) -> Mapping[str, Any] | None:
         from sparkwatch.common.eventlog import read_events

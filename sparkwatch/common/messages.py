@@ -37,6 +37,13 @@ telemetry → guard
   state's budgets, `BudgetStat.gpu_watch`), sent when they changed. The guard overlays them on the last `tel`
   reading and looks at the budget at once (guard.budgets): a GPU runaway that grows in steps is seen within one
   fast period, not the telemetry cycle's second.
+- `ContainersMsg` (telemetry/containernotes.py): the containers that hold an engine tree or carry `io.sparkwatch.*`
+  labels, at most NOTES_MAX (core.container.ContainerNote: id, name, image, compose service, and the budget,
+  protection and kill priority their labels ask), the whole set each time it changes and every CONTAINERS_RESEND_S.
+  The guard never talks to Docker: it names a killed tree's container from it, and matches each of its own trees to
+  a note by the container id in the tree's own cgroup path (core.containerid), never by anything telemetry names.
+  A label is trusted as the Docker socket is (root-equivalent); a note only ever adds a budget, a protection or a
+  priority to a tree the guard itself found.
 """
 
 from __future__ import annotations
@@ -49,6 +56,7 @@ from typing import Any, ClassVar
 
 from sparkwatch.common.stats import GuardStats, KernelLogStats
 from sparkwatch.common.wiretypes import WireError, from_json, to_json
+from sparkwatch.core.container import NOTE_TEXT_MAX, NOTES_MAX, ContainerNote
 from sparkwatch.core.eventkinds import EventKind
 from sparkwatch.core.model import Event
 
@@ -74,6 +82,7 @@ class Kind(StrEnum):
     GPU_SAMPLE = "gpu_sample"
     WEDGED = "wedged"
     PEER_BUDGET = "peer_budget"
+    CONTAINERS = "containers"
 
 
 class BadMessage(ValueError):
@@ -188,6 +197,16 @@ class WedgedMsg:
     counter_value: float = 0.0  # its value, as it stayed
 
 
+# An unchanged set of containers is sent again this often: a datagram the full channel refused is not the end of it.
+CONTAINERS_RESEND_S = 30.0
+
+
+@dataclass(frozen=True, slots=True)
+class ContainersMsg:
+    KIND: ClassVar[Kind] = Kind.CONTAINERS
+    containers: tuple[ContainerNote, ...] = ()
+
+
 Message = (
     SettingsMsg
     | StateMsg
@@ -199,6 +218,7 @@ Message = (
     | GroupTeardownMsg
     | WedgedMsg
     | PeerBudgetMsg
+    | ContainersMsg
 )
 _BY_KIND: dict[str, type[Any]] = {
     cls.KIND: cls
@@ -213,6 +233,7 @@ _BY_KIND: dict[str, type[Any]] = {
         GroupTeardownMsg,
         WedgedMsg,
         PeerBudgetMsg,
+        ContainersMsg,
     )
 }
 
@@ -261,10 +282,22 @@ def _check_sizes(msg: Message) -> None:
         sizes = [len(msg.members)]
     elif isinstance(msg, PeerBudgetMsg):
         sizes = [len(msg.budgets)]
+    elif isinstance(msg, ContainersMsg):
+        _check_notes(msg.containers)
     elif isinstance(msg, StateMsg):
         sizes = [len(msg.counters), *(len(c) for c in msg.counters.values())]
     if any(n > MAX_ITEMS for n in sizes):
         raise BadMessage(f"{msg.KIND}: more than {MAX_ITEMS} items")
+
+
+def _check_notes(notes: tuple[ContainerNote, ...]) -> None:
+    if len(notes) > NOTES_MAX:
+        raise BadMessage(f"{Kind.CONTAINERS}: more than {NOTES_MAX} containers")
+    for n in notes:
+        if len(n.id) != 64 or any(len(t) > NOTE_TEXT_MAX for t in (n.name, n.image, n.project, n.service)):
+            raise BadMessage(f"{Kind.CONTAINERS}: a container id of other than 64 digits, or a name past the limit")
+        if n.budget_bytes is not None and n.budget_bytes <= 0:
+            raise BadMessage(f"{Kind.CONTAINERS}: a budget of {n.budget_bytes} bytes")
 
 
 _EVENT_HEAD = ("id", "ts", "kind", "node", "summary")

@@ -93,6 +93,7 @@ STATIC: dict[str, object] = {
     "probe_timeout_s": 10.0,
     "probe_failures_wedged": 3,
     "kill_wedged_after_s": 0.0,
+    "docker_host": "",
     "container_after_kill": "gate",
     "webhook_url": None,
     "webhook_secret": None,

@@ -234,11 +234,17 @@ class Settings(BaseModel, Derived):
         "the stall (0: never)",
     )
     # --- engines in containers (docs/containers.md)
+    docker_host: str = Field(
+        "",
+        description="the Docker Engine API's unix socket telemetry reads container names and io.sparkwatch.* labels "
+        "from (unix:///path or /path; podman's compatible socket too); empty: DOCKER_HOST when it names a unix socket, "
+        "else /var/run/docker.sock",
+    )
     container_after_kill: Literal["gate", "stop", "allow"] = Field(
         "gate",
-        description="when a container's restart policy starts it again after the guard killed its engine: gate "
-        "(paused until the pool has settled and its peak fits, then unpaused), stop (the restart cancelled through "
-        "the API's kill), allow; the label io.sparkwatch.after-kill decides per container",
+        description="when a restart policy starts a container whose engine the guard killed: gate (pause it until "
+        "the pool settled and its peak fits), stop (cancel the restart through the API), allow (let it restart); "
+        "a container's io.sparkwatch.after-kill label overrides it",
     )
 
     # --- records and alerts
@@ -335,6 +341,17 @@ class Settings(BaseModel, Derived):
             read_regular(value, 1, follow_symlinks=True)  # a FIFO here would hang the validator, then the exporter
         except OSError as exc:
             raise ValueError(f"{value}: {exc.strerror or exc}") from None
+        return value
+
+    @field_validator("docker_host")
+    @classmethod
+    def _check_docker_host(cls, value: str) -> str:
+        path = value.removeprefix("unix://")
+        if value and not path.startswith("/"):
+            raise ValueError(
+                "expected this node's Docker socket, unix:///var/run/docker.sock or a path (a tcp:// host is another "
+                "machine's API, or this one's without the socket's permissions: sparkwatch reads only its own node's)"
+            )
         return value
 
     @field_validator("events_group")

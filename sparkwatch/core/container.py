@@ -8,7 +8,7 @@ Labels (docs/containers.md), set with `docker run --label` or compose `labels:`:
 | -------------------------- | --------------------- | ------------------------------------------------------------- |
 | `io.sparkwatch.after-kill` | gate, stop, allow     | after a guard kill of its engine (`container_after_kill`)     |
 | `io.sparkwatch.budget`     | a size (`60GiB`)      | the engine tree's budget, as `engine_budgets` gives one        |
-| `io.sparkwatch.protect`    | true / false          | never kill its processes, as `never_kill`                      |
+| `io.sparkwatch.protect`    | true / false          | never kill its processes, by any trigger (budgets included)    |
 | `io.sparkwatch.priority`   | an integer            | kill order, as `kill_priority` (higher dies earlier)           |
 | `io.sparkwatch.launch`     | a declaration id      | set by `sparkwatch launch -- docker run`                       |
 
@@ -18,10 +18,12 @@ named in `problems` and ignored: never a reason to kill, never a budget.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 
+from sparkwatch.core.containerid import ContainerRef
+from sparkwatch.core.redact import redact
 from sparkwatch.core.units import parse_size
 
 LABEL_PREFIX = "io.sparkwatch."
@@ -97,8 +99,26 @@ class ContainerFacts:
 
     def label(self) -> str:
         """How an owner finds it in `docker ps`: its name, image and compose service."""
-        service = f" {self.compose_project}/{self.compose_service}" if self.compose_service else ""
-        return f"container {self.name} ({self.image}{service})"
+        return container_words(self.name, self.image, self.compose_project or "", self.compose_service or "")
+
+
+def container_words(name: str, image: str, project: str = "", service: str = "", short_id: str = "") -> str:
+    """`container vllm-main (nvcr.io/nvidia/vllm:25.09-py3 spark/vllm)`: the one wording of a container in kill lines,
+    events, views and logs (with `short_id`: `…; 4f4f4f4f4f4f)`, the id `docker ps` shows)."""
+    where = f" {project}/{service}" if service else ""
+    ident = f"; {short_id}" if short_id else ""
+    return f"container {name} ({image}{where}{ident})"
+
+
+def container_line(ref: ContainerRef, facts: ContainerFacts | None) -> str:
+    """How a view names a tree's container in place of its root's parent (the runtime's shim): `in container vllm-main
+    (nvcr.io/nvidia/vllm:25.09-py3 spark/vllm; 4f4f4f4f4f4f), restart unless-stopped`, or by id alone when the API
+    did not say (`in container 4f4f4f4f4f4f (docker)`). Redacted: an image may name a registry's user:token@."""
+    if facts is None or facts.id != ref.id:
+        return f"in container {ref.short_id} ({ref.runtime})"
+    project, service = facts.compose_project or "", facts.compose_service or ""
+    words = container_words(facts.name, facts.image, project, service, facts.short_id)
+    return redact(f"in {words}, restart {facts.restart_policy}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -213,3 +233,90 @@ def facts_from_inspect(doc: Mapping[str, object]) -> ContainerFacts | None:
         exit_code=exit_code if isinstance(exit_code, int) and not isinstance(exit_code, bool) else None,
         started_at=str(state.get("StartedAt", "")),
     )
+
+
+# --- what telemetry tells the guard (common.messages.ContainersMsg) --------------------------------------------------
+
+NOTE_TEXT_MAX = 200  # a container's name, image or service as the guard holds them (docker caps names at 255 anyway)
+NOTES_MAX = 64  # containers told to the guard at once: those holding an engine tree first, then the labelled ones
+
+
+@dataclass(frozen=True, slots=True)
+class ContainerNote:
+    """One container as the guard knows it, by full id: how an owner names it, and what its io.sparkwatch.* labels ask
+    (a label that did not parse is absent here: telemetry named it in its log). A container's labels are fixed when it
+    is created, so a note is never stale for its id; the name alone may change (`docker rename`)."""
+
+    id: str  # 64 hex digits: matched against the id in an engine tree's cgroup path (core.containerid)
+    name: str
+    image: str
+    project: str = ""  # com.docker.compose.project
+    service: str = ""  # com.docker.compose.service
+    budget_bytes: int | None = None  # io.sparkwatch.budget
+    protect: bool = False  # io.sparkwatch.protect
+    priority: int | None = None  # io.sparkwatch.priority
+
+    @property
+    def short_id(self) -> str:
+        return self.id[:12]
+
+    def label(self, with_id: bool = False) -> str:
+        return container_words(self.name, self.image, self.project, self.service, self.short_id if with_id else "")
+
+    def fields(self) -> dict[str, object]:
+        """The names a kill event's `containers` entry and a kill_loop's `container` add to the id."""
+        out: dict[str, object] = {"name": self.name, "image": self.image}
+        if self.service:
+            out["compose_project"] = self.project or None
+            out["compose_service"] = self.service
+        return out
+
+
+def _cut(text: str) -> str:
+    return text if len(text) <= NOTE_TEXT_MAX else text[: NOTE_TEXT_MAX - 1] + "…"
+
+
+def note_of(facts: ContainerFacts, asks: LabelAsks | None = None) -> ContainerNote:
+    """The note telemetry sends for a container (its labels parsed by `label_asks` unless given)."""
+    asks = label_asks(facts.labels) if asks is None else asks
+    return ContainerNote(
+        id=facts.id,
+        name=_cut(facts.name),
+        image=_cut(facts.image),
+        project=_cut(facts.compose_project or ""),
+        service=_cut(facts.compose_service or ""),
+        budget_bytes=asks.budget_bytes,
+        protect=asks.protect is True,
+        priority=asks.priority,
+    )
+
+
+def has_sparkwatch_labels(facts: ContainerFacts) -> bool:
+    return any(key.startswith(LABEL_PREFIX) for key in facts.labels)
+
+
+@dataclass(frozen=True)
+class ContainerNotes:
+    """Telemetry's last word on the containers, as the guard holds it: the notes by id, with what the guard's tick
+    asks of them worked out once when the word comes (the tick reads them without building anything)."""
+
+    by_id: Mapping[str, ContainerNote] = field(default_factory=dict)
+    budgets: Mapping[str, int] = field(default_factory=dict)  # id -> io.sparkwatch.budget
+    protected: frozenset[str] = frozenset()  # ids with io.sparkwatch.protect=true
+    priorities: Mapping[str, int] = field(default_factory=dict)  # id -> io.sparkwatch.priority
+
+    @classmethod
+    def of(cls, notes: Iterable[ContainerNote]) -> ContainerNotes:
+        by_id = {n.id: n for n in notes}
+        return cls(
+            by_id=by_id,
+            budgets={i: n.budget_bytes for i, n in by_id.items() if n.budget_bytes},
+            protected=frozenset(i for i, n in by_id.items() if n.protect),
+            priorities={i: n.priority for i, n in by_id.items() if n.priority is not None},
+        )
+
+    def __bool__(self) -> bool:
+        return bool(self.by_id)
+
+
+NO_NOTES = ContainerNotes()

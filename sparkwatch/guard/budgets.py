@@ -3,8 +3,11 @@
 Which trees have a budget: a launched engine's declaration (`sparkwatch launch --budget`, trusted through
 guard.launchwatch); this node's Ray ranks of an engine launched on another node with `--budget worker=SIZE`, as
 telemetry names them by pid, start time and uid (common.messages.PeerBudgetMsg: the tree whose root is that very
-process, its own user's); or the config's `engine_budgets` ('SIZE=regex', matched like kill_priority:
-core.kill.policy owns the syntax). Only those trees are looked at, and only as often as their distance to the budget
+process, its own user's); a container's `io.sparkwatch.budget` label, as telemetry tells the guard the labels
+(common.messages.ContainersMsg), matched by the container id in the tree's own cgroup path (budget source `label`);
+or the config's `engine_budgets` ('SIZE=regex', matched like kill_priority: core.kill.policy owns the syntax). A tree
+in a container labelled `io.sparkwatch.protect=true` has no budget, whatever its source: the guard never kills it
+(said once in the log). Only those trees are looked at, and only as often as their distance to the budget
 asks (core.kill.budget):
 - discovery: a /proc scan (the guard's own scanner, its argv cache warm) finds the budgeted trees and their members,
   every DISCOVER_EVERY_S, every NEAR_DISCOVER_EVERY_S while a tree is within WARN_RATIO of its budget, and at once
@@ -37,6 +40,7 @@ from sparkwatch.common.messages import MAX_GPU_WATCH_PIDS
 from sparkwatch.common.sources.cgroupmem import read_memory_current
 from sparkwatch.common.sources.procs import ProcScanner, parse_stat
 from sparkwatch.common.stats import BudgetStat
+from sparkwatch.core.container import LABEL_PROTECT, NO_NOTES, ContainerNotes
 from sparkwatch.core.engines.identity import EngineRules, Scope, find_engine_trees
 from sparkwatch.core.eventkinds import EventKind
 from sparkwatch.core.kill import budget as core
@@ -57,7 +61,7 @@ class Tracked:
     key: TreeKey
     tree: EngineTree
     budget_bytes: int
-    source: str  # "launch" | "config" | "peer"
+    source: str  # "launch" | "peer" | "label" | "config"
     decl: Declaration | None = None
     state: core.BudgetState = field(default_factory=core.BudgetState)
     next_t: float = 0.0
@@ -120,12 +124,17 @@ class BudgetWatch:
         scanner: ProcScanner,
         kill: KillFn,
         event: EventFn,
+        line: Callable[[int, str], None] | None = None,
     ) -> None:
+        """`line`: a log line, written off the guard's thread (guard.killpath.KillRecords.line)."""
         self.proc_root = proc_root
         self.scanner = scanner
         self.kill = kill
         self.event = event
+        self.line = line
         self.tracked: dict[TreeKey, Tracked] = {}
+        self._seen_containers: ContainerNotes = NO_NOTES
+        self._said_protected: set[TreeKey] = set()  # protected trees whose budget was said to be off
         self._next_discovery = 0.0
         self._seen_declared: frozenset[TreeKey] = frozenset()
         self._seen_engines: int | None = None
@@ -137,8 +146,15 @@ class BudgetWatch:
         config_budgets: Sequence[tuple[int, re.Pattern[str]]],
         launched: Sequence[Declaration],
         peer_budgets: Mapping[TreeKey, tuple[int, int]] | None = None,
+        containers: ContainerNotes = NO_NOTES,
     ) -> bool:
-        return bool(config_budgets) or any(d.budget_bytes for d in launched) or bool(peer_budgets) or bool(self.tracked)
+        return (
+            bool(config_budgets)
+            or any(d.budget_bytes for d in launched)
+            or bool(peer_budgets)
+            or bool(containers.budgets)
+            or bool(self.tracked)
+        )
 
     def stats(self) -> list[BudgetStat]:
         out = []
@@ -177,19 +193,25 @@ class BudgetWatch:
         gpu: GpuBytes | None,
         engines_hint: int | None = None,
         peer_budgets: Mapping[TreeKey, tuple[int, int]] | None = None,
+        containers: ContainerNotes = NO_NOTES,
     ) -> float | None:
         """One look at whatever budgeted tree is due. Returns the seconds until the next is due (None: no budgets).
         `engines_hint`: telemetry's count of engine trees, whose change means a tree may have appeared.
-        `peer_budgets`: {(pid, start ticks): (uid, bytes)} of this node's Ray ranks, from another node's launch."""
+        `peer_budgets`: {(pid, start ticks): (uid, bytes)} of this node's Ray ranks, from another node's launch.
+        `containers`: telemetry's word on the containers' labels (a new word is a new object: discovery at once)."""
         peer = peer_budgets or {}
-        if not self.active(config_budgets, launched, peer):
+        if not self.active(config_budgets, launched, peer, containers):
             return None
         budgeted = frozenset(d.tree_key for d in launched if d.budget_bytes) | frozenset(peer)
-        if budgeted - self._seen_declared or (engines_hint is not None and engines_hint != self._seen_engines):
+        if (
+            budgeted - self._seen_declared
+            or (engines_hint is not None and engines_hint != self._seen_engines)
+            or containers is not self._seen_containers
+        ):
             self._next_discovery = now
-        self._seen_declared, self._seen_engines = budgeted, engines_hint
+        self._seen_declared, self._seen_engines, self._seen_containers = budgeted, engines_hint, containers
         if now >= self._next_discovery:
-            self._discover(now, rules, scope, config_budgets, launched, peer=peer)
+            self._discover(now, rules, scope, config_budgets, launched, peer=peer, containers=containers)
         booting = [d for d in launched if d.booting]
         for t in list(self.tracked.values()):
             if t.killed or (now < t.next_t and not _gpu_moved(t, gpu, now)):
@@ -226,6 +248,7 @@ class BudgetWatch:
         launched: Sequence[Declaration],
         *,
         peer: Mapping[TreeKey, tuple[int, int]],
+        containers: ContainerNotes = NO_NOTES,
     ) -> None:
         self._next_discovery = now + DISCOVER_EVERY_S
         by_key = {d.tree_key: d for d in launched}
@@ -243,9 +266,15 @@ class BudgetWatch:
             told = peer.get(key)
             if budget is None and told is not None and told[0] == tree.root.uid:  # that very process, its own user's
                 budget, source = told[1], "peer"
+            ref = tree.container if containers else None  # the id in its own cgroup path, never telemetry's word
+            if budget is None and ref is not None and ref.id in containers.budgets:
+                budget, source = containers.budgets[ref.id], "label"
             if budget is None:
                 budget, source = first_match(tree, config_budgets), "config"
             if budget is None:
+                continue
+            if ref is not None and ref.id in containers.protected:
+                self._say_protected(tree, containers.by_id[ref.id].label(with_id=True), source)
                 continue
             seen.add(key)
             old = self.tracked.get(key)
@@ -303,6 +332,19 @@ class BudgetWatch:
             "budget_source": t.source,
         }
         self.event(EventKind.BUDGET_NEAR, summary, fields, logging.WARNING, f"sparkwatch: WARNING {summary}")
+
+    def _say_protected(self, tree: EngineTree, container: str, source: str) -> None:
+        key = tree.root.key
+        if key in self._said_protected or self.line is None:
+            return
+        if len(self._said_protected) >= 256:
+            self._said_protected.clear()
+        self._said_protected.add(key)
+        self.line(
+            logging.WARNING,
+            f"sparkwatch: budget: {tree.kind} tree root={tree.root.pid} in {container} is protected "
+            f"({LABEL_PROTECT}=true): its budget ({source}) is not enforced, and the guard never kills it",
+        )
 
     def forget(self, key: TreeKey) -> None:
         self.tracked.pop(key, None)

@@ -44,6 +44,7 @@ from sparkwatch.common.guardconfig import GuardSnapshot
 from sparkwatch.common.sources.meminfo import MeminfoError, MeminfoReader
 from sparkwatch.common.sources.procs import ProcScanner
 from sparkwatch.common.stats import GuardStats, RecentKill
+from sparkwatch.core.container import NO_NOTES, ContainerNotes
 from sparkwatch.core.engines.identity import find_engine_trees
 from sparkwatch.core.eventkinds import EventKind
 from sparkwatch.core.kill import policy
@@ -54,6 +55,8 @@ from sparkwatch.core.kill.killrecord import (
     GroupLoss,
     KillFacts,
     WedgeStall,
+    container_entry,
+    in_container,
     kill_fields,
     kill_line,
     kill_reason,
@@ -220,12 +223,20 @@ class KillRecords:
 
     def loop(self, tree: EngineTree, count: int, facts: KillFacts) -> None:
         name = tree.root.display_name
+        note = facts.note_of(tree)
+        container = container_entry(tree, note)
+        if container is None:
+            restarter = "something restarts it into the same memory spike (a supervisor or Restart=)"
+            fix = "stop its supervisor"
+        else:  # its parent is the runtime's shim: the container is what restarts it
+            restarter = "its container's restart policy (or a supervisor in it) restarts it into the same memory spike"
+            fix = "stop the container or change its restart policy"
         summary = (
-            f"Kill loop: {tree.kind} {name!r} was killed {count} times within {LOOP_WINDOW_S / 60:.0f} minutes; "
-            f"something restarts it into the same memory spike (a supervisor or Restart=). Each kill was made under "
-            f"the floor; fix the engine's memory settings or stop its supervisor."
+            f"Kill loop: {tree.kind} {name!r}{in_container(tree, note)} was killed {count} times within "
+            f"{LOOP_WINDOW_S / 60:.0f} minutes; {restarter}. Each kill was made under the floor; fix the engine's "
+            f"memory settings or {fix}."
         )
-        fields = {
+        fields: dict[str, object] = {
             "engine": tree.kind,
             "name": name,
             "root_pid": tree.root.pid,
@@ -235,6 +246,8 @@ class KillRecords:
             "mem_available_bytes": facts.mem.available_bytes,
             "floor_bytes": facts.floor_bytes,
         }
+        if container is not None:
+            fields["container"] = {k: v for k, v in container.items() if k != "root_pid"}
         self.record(EventKind.KILL_LOOP, summary, fields, logging.ERROR, f"KILL LOOP: {summary}")
 
 
@@ -296,8 +309,11 @@ class KillPath:
         gpu_holders: Callable[[], Collection[tuple[int, int]]],
         on_taken: Callable[[], None] | None,
         snapshot: GuardSnapshot,
+        containers: Callable[[], ContainerNotes] = lambda: NO_NOTES,
     ) -> None:
+        """`containers`: telemetry's last word on the containers (names, io.sparkwatch.* labels), a reference read."""
         self.records = records
+        self._containers = containers
         self.meminfo = meminfo
         self.scanner = scanner
         self.launched = launched
@@ -329,7 +345,7 @@ class KillPath:
     def ranking(self, trees: list[EngineTree], now: float, snap: GuardSnapshot) -> tuple[policy.Candidate, ...]:
         """The order in which the guard would kill these trees now, with its reasons."""
         gpu = self.observe(now, trees, snap)
-        return policy.rank(trees, self.history, now, gpu, snap.policy)
+        return policy.rank(trees, self.history, now, gpu, snap.policy, containers=self._containers())
 
     # --- the episode
     def rearmed(self) -> None:
@@ -370,6 +386,14 @@ class KillPath:
             choice, facts = named
             if choice.key in exclude:
                 return state  # already this episode's victim: that kill is under way and recorded
+            spared = policy.protected_by_label(choice.tree, self._containers())
+            if spared is not None:  # a wedge or a group teardown (a budget never tracks one): protected all the same
+                self.records.line(
+                    logging.WARNING,
+                    f"sparkwatch: not killing {choice.tree.kind} tree root={choice.tree.root.pid} ({req.trigger}): "
+                    f"io.sparkwatch.protect=true on {spared}",
+                )
+                return state
         else:
             picked, ranking = self._choose(req, exclude, snap)
             facts = replace(
@@ -435,9 +459,12 @@ class KillPath:
         victims, signaled_at, notes, method = self.killer.kill(
             [tree], dry_run=dry_run, rules=snap.rules, scope=snap.scope
         )
+        ref = tree.container
+        named_by = self._containers() if ref is not None else NO_NOTES
         facts = replace(
             facts,
             trees=(tree,),
+            container_notes=(named_by.by_id[ref.id],) if ref is not None and ref.id in named_by.by_id else (),
             victims=victims_of([tree]) if dry_run else tuple((v.proc, v.engine) for v in victims),
             method=method,
             victim_rss_bytes=choice.rss_bytes,

@@ -35,6 +35,7 @@ from sparkwatch.common.sources.meminfo import MeminfoError, MeminfoReader
 from sparkwatch.common.sources.procs import ProcScanner
 from sparkwatch.common.stats import GuardStats, KernelLogStats
 from sparkwatch.common.threads import daemon_thread
+from sparkwatch.core.container import NO_NOTES, ContainerNotes
 from sparkwatch.core.engines.identity import find_engine_trees
 from sparkwatch.core.kill import policy
 from sparkwatch.core.kill import trigger as core
@@ -77,6 +78,10 @@ def _no_peer_budgets() -> Mapping[tuple[int, int], tuple[int, int]]:
     return _NONE
 
 
+def _no_containers() -> ContainerNotes:
+    return NO_NOTES
+
+
 @dataclass(frozen=True)
 class GuardLinks:
     """What the pool watch is given by the process around it (guard.process), all at construction. Each is called on
@@ -95,6 +100,9 @@ class GuardLinks:
     recorder: FlightRecorder | None = None  # offered each tick's reading; its own thread writes
     # Budgets another node's launch gave this node's Ray ranks ({(pid, start ticks): (uid, bytes)}: guard.budgets)
     peer_budgets: Callable[[], Mapping[tuple[int, int], tuple[int, int]]] = _no_peer_budgets
+    # What telemetry last told of the containers (names, io.sparkwatch.* labels: budgets, protection, priority), by
+    # container id; the guard matches its own trees to them by the id in each tree's cgroup path (core.containerid).
+    containers: Callable[[], ContainerNotes] = _no_containers
 
 
 log = logs.get("guard")
@@ -133,6 +141,7 @@ class PoolWatch:
             gpu_holders=links.gpu_holders,
             on_taken=links.on_taken,
             snapshot=self.snapshot,
+            containers=links.containers,
         )
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._poller = select.poll()
@@ -159,7 +168,9 @@ class PoolWatch:
         )
         self.budget_errors_total = 0  # a budget look that raised: the floor loop went on (counted, said once a minute)
         self._last_budget_error_logged = -math.inf
-        self.budgets = BudgetWatch(str(proc_root), self.scanner, self._budget_kill, self.records.record)
+        self.budgets = BudgetWatch(
+            str(proc_root), self.scanner, self._budget_kill, self.records.record, line=self.records.line
+        )
         self._taken: frozenset[policy.TreeKey] = frozenset()
         # Group teardowns the group watch checked (on the supervisor's thread), for the next tick's kill path:
         # (monotonic time of the request, its tree and loss). deque append and popleft are atomic.
@@ -364,6 +375,7 @@ class PoolWatch:
             self._note_taken()
             live = self.launched.declarations()
             peer = self.links.peer_budgets()
+            containers = self.links.containers()
             wake = self.budgets.tick(
                 now,
                 mem.available_bytes,
@@ -372,9 +384,10 @@ class PoolWatch:
                 params=snap.budget_params,
                 config_budgets=snap.engine_budgets,
                 launched=live,
-                gpu=self._gpu() if self.budgets.active(snap.engine_budgets, live, peer) else None,
+                gpu=self._gpu() if self.budgets.active(snap.engine_budgets, live, peer, containers) else None,
                 engines_hint=self.links.engines_hint(),
                 peer_budgets=peer,
+                containers=containers,
             )
         except Exception as exc:  # never let a budget stop the floor loop
             self.budget_errors_total += 1

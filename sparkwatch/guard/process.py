@@ -206,6 +206,7 @@ class GuardProcess:
                 on_taken=self.request_publish,  # the launched engines it guards changed: guard.json says so
                 recorder=self.recorder,
                 peer_budgets=self.supervisor.peer_budgets,  # this node's Ray ranks' budgets from another's launch
+                containers=self.supervisor.containers,  # containers' names and io.sparkwatch.* labels (telemetry)
             ),
         )
         self._groupwatch: GroupWatch | None = None  # built at the first group's teardown (_group_teardown)

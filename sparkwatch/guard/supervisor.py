@@ -35,6 +35,7 @@ from sparkwatch.common.messages import (
     PEER_BUDGET_TTL_S,
     AckMsg,
     AppliedMsg,
+    ContainersMsg,
     EventMsg,
     GpuSampleMsg,
     GroupTeardownMsg,
@@ -47,6 +48,7 @@ from sparkwatch.common.messages import (
 )
 from sparkwatch.common.selfwatch import GUARD_RSS_CAP_BYTES
 from sparkwatch.common.threads import daemon_thread
+from sparkwatch.core.container import NO_NOTES, ContainerNote, ContainerNotes
 from sparkwatch.core.eventkinds import EventKind
 from sparkwatch.core.model import Event
 from sparkwatch.guard.gpuboard import GpuBoard
@@ -136,6 +138,10 @@ class TelemetrySupervisor:
         self.engine_roots: tuple[tuple[str, int], ...] | None = None  # telemetry's engine trees (kind, root pid)
         # The last PeerBudgetMsg's budgets, {(pid, start ticks): (uid, bytes)}, and when it came (monotonic)
         self._peer_budgets: tuple[float, dict[tuple[int, int], tuple[int, int]]] = (0.0, {})
+        # Telemetry's last word on the containers (names, io.sparkwatch.* labels), replaced whole when it changes and
+        # kept across a telemetry restart: a container's labels never change, and its id is never reused.
+        self._container_notes: tuple[ContainerNote, ...] = ()
+        self._containers: ContainerNotes = NO_NOTES
         self.restarts_total = 0
         self.stalls_total = 0
         self.floods_total = 0
@@ -403,6 +409,10 @@ class TelemetrySupervisor:
         elif isinstance(msg, PeerBudgetMsg):
             budgets = {(pid, ticks): (uid, size) for pid, ticks, uid, size, _group in msg.budgets if size > 0}
             self._peer_budgets = (time.monotonic(), budgets)
+        elif isinstance(msg, ContainersMsg):
+            if msg.containers != self._container_notes:  # a resend changes nothing: the budgets' discovery stays put
+                self._container_notes = msg.containers
+                self._containers = ContainerNotes.of(msg.containers)
         elif isinstance(msg, AckMsg):
             for event_id in msg.ids:
                 self._unacked.pop(event_id, None)
@@ -426,6 +436,10 @@ class TelemetrySupervisor:
         if not budgets:  # nearly always: no clock read on the guard's tick
             return budgets
         return budgets if time.monotonic() - at <= PEER_BUDGET_TTL_S else {}
+
+    def containers(self) -> ContainerNotes:
+        """What telemetry last said of the containers (a reference read, on the guard's tick)."""
+        return self._containers
 
     def _record_restart(self, reason: str, backoff_s: float) -> None:
         event = make_event(

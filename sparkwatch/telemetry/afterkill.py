@@ -52,7 +52,7 @@ from sparkwatch.telemetry.sources.dockerapi import DockerApi, DockerApiError, Do
 
 if TYPE_CHECKING:
     from sparkwatch.config.settings import Settings
-    from sparkwatch.telemetry.containerwatch import ContainerWatch
+    from sparkwatch.telemetry.containerwatch import ContainerStore
 
 log = logs.get("afterkill")
 
@@ -116,7 +116,7 @@ class AfterKillWatch:
         settings: Settings,
         events: EventLog,
         *,
-        watch: ContainerWatch | None,
+        containers: ContainerStore | None,
         socket_path: str | None,
         where: str,
         clock: Callable[[], float] = time.time,
@@ -124,7 +124,7 @@ class AfterKillWatch:
         self.settings = settings
         self.configured = AfterKill(settings.container_after_kill)
         self.events = events
-        self.watch = watch
+        self.containers = containers
         self.where = where
         self.clock = clock
         self.api = DockerApi(socket_path) if socket_path else None
@@ -219,9 +219,9 @@ class AfterKillWatch:
     def _run(self) -> None:
         # Until the watch is up (or RECOVER_WAIT_S passed) the worker looks once a second for the gates a previous
         # telemetry process left held; then it sleeps until an input comes.
-        recover_until = time.monotonic() + RECOVER_WAIT_S if self.watch is not None else 0.0
+        recover_until = time.monotonic() + RECOVER_WAIT_S if self.containers is not None else 0.0
         while True:
-            if not self._recovered and self.watch is not None and self.watch.up:
+            if not self._recovered and self.containers is not None and self.containers.up:
                 self._recovered = True
                 self._recover()
             waiting = not self._recovered and time.monotonic() < recover_until
@@ -280,9 +280,9 @@ class AfterKillWatch:
                     self._note(ContainerKill(owner[0], owner[1], kill.ts, kill.trigger))
 
     def _init_owner(self, pid: int) -> tuple[str, int] | None:
-        if self.watch is None:
+        if self.containers is None:
             return None
-        for facts in self.watch.running():
+        for facts in self.containers.running():
             if facts.pid == pid:
                 return facts.id, pid
         return None
@@ -441,7 +441,9 @@ class AfterKillWatch:
             # no daemon, or it failed: tried again at the next cycle (counted and logged each time); a 404 (gone) or
             # a 409 (not paused) leaves nothing to hold
             return
-        self._end_gate(gate, self.watch.facts(gate.container_id) if self.watch else None, by="sparkwatch", error=error)
+        self._end_gate(
+            gate, self.containers.facts(gate.container_id) if self.containers else None, by="sparkwatch", error=error
+        )
 
     def _end_gate(
         self, gate: Gate, facts: ContainerFacts | None, *, by: str, why: str = "", error: str | None = None
@@ -481,9 +483,9 @@ class AfterKillWatch:
         except (OSError, ValueError) as exc:
             log.warning("after-kill: could not read the event log for gates left held: %s", exc)
             return
-        assert self.watch is not None
+        assert self.containers is not None
         for view in policy.gated_now(events):
-            facts = self.watch.facts(view.container_id)
+            facts = self.containers.facts(view.container_id)
             need = policy.Need(view.need_bytes, view.need_source or "") if view.need_bytes else None
             gate = Gate(view.container_id, view.name, view.image or "", self.clock(), 0.0, 0, need)
             if facts is not None and facts.state == "paused":

@@ -13,6 +13,8 @@ engine died still names its container.
 
 from __future__ import annotations
 
+import logging
+import os
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -30,6 +32,44 @@ RETRY_S = 30.0
 Subscriber = Callable[[DockerEvent, ContainerFacts | None], object]
 
 
+class ContainerStore:
+    """What the watch knows, for its readers in any thread: the running containers' facts by id, the lately stopped
+    ones, and whether the daemon answers. Built first and handed to the watch (which writes it) and to the parts that
+    read it (the after-kill policy), so construction goes one way: store, readers, then the watch with them as its
+    subscribers."""
+
+    def __init__(self) -> None:
+        self.up = False  # the daemon answered and the events stream is open
+        self._lock = threading.Lock()
+        self._running: dict[str, ContainerFacts] = {}
+        self._recent: OrderedDict[str, ContainerFacts] = OrderedDict()
+
+    def facts(self, container_id: str) -> ContainerFacts | None:
+        """A container's last known facts (running, or stopped lately), by full id."""
+        with self._lock:
+            return self._running.get(container_id) or self._recent.get(container_id)
+
+    def running(self) -> tuple[ContainerFacts, ...]:
+        with self._lock:
+            return tuple(self._running.values())
+
+    def replace(self, running: dict[str, ContainerFacts]) -> None:
+        with self._lock:
+            self._running = running
+
+    def record(self, container_id: str, facts: ContainerFacts | None) -> None:
+        """A container's facts after an event (None: removed)."""
+        with self._lock:
+            old = self._running.pop(container_id, None)
+            if facts is not None and facts.state in ("running", "paused", "restarting"):
+                self._running[container_id] = facts
+            elif facts is not None or old is not None:
+                self._recent[container_id] = facts or old  # type: ignore[assignment]
+                self._recent.move_to_end(container_id)
+                while len(self._recent) > RECENT_MAX:
+                    self._recent.popitem(last=False)
+
+
 class ContainerWatch:
     def __init__(
         self,
@@ -37,21 +77,20 @@ class ContainerWatch:
         where: str,
         subscribers: Sequence[Subscriber] = (),
         retry_s: float = RETRY_S,
+        store: ContainerStore | None = None,
     ) -> None:
         """`socket_path`: the API's socket (None: none to read, `where` says why). `subscribers`: called from the
-        watch's thread with each event and the container's facts after it (None once removed)."""
+        watch's thread with each event and the container's facts after it (None once removed). `store`: where the
+        facts are kept for readers built before the watch (a new one when none is given)."""
+        self.store = store if store is not None else ContainerStore()
         self.socket_path = socket_path
         self.where = where
         self.subscribers = tuple(subscribers)
         self.retry_s = retry_s
-        self.api = DockerApi(socket_path) if socket_path else None
+        self.api: DockerApi | None = None  # built once the events stream connected: no Docker, no HTTP client
         self.errors: dict[str, int] = {"unreachable": 0, "refused": 0, "timeout": 0, "broken": 0, "status": 0}
         self.events_total = 0
-        self.up = False  # the daemon answered and the events stream is open
         self.error: str | None = None if socket_path else where
-        self._lock = threading.Lock()
-        self._running: dict[str, ContainerFacts] = {}
-        self._recent: OrderedDict[str, ContainerFacts] = OrderedDict()
         self._stream: DockerEvents | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -59,7 +98,7 @@ class ContainerWatch:
     # --- lifecycle ---------------------------------------------------------------------------------------------
 
     def start(self) -> None:
-        if self.api is None:
+        if self.socket_path is None:
             log.info("containers: not read (%s)", self.where)
             return
         self._stop.clear()
@@ -81,14 +120,15 @@ class ContainerWatch:
 
     # --- what the others read (any thread) ---------------------------------------------------------------------
 
+    @property
+    def up(self) -> bool:
+        return self.store.up
+
     def facts(self, container_id: str) -> ContainerFacts | None:
-        """A container's last known facts (running, or stopped lately), by full id."""
-        with self._lock:
-            return self._running.get(container_id) or self._recent.get(container_id)
+        return self.store.facts(container_id)
 
     def running(self) -> tuple[ContainerFacts, ...]:
-        with self._lock:
-            return tuple(self._running.values())
+        return self.store.running()
 
     # --- the thread --------------------------------------------------------------------------------------------
 
@@ -101,7 +141,10 @@ class ContainerWatch:
                 self.errors[exc.kind] = self.errors.get(exc.kind, 0) + 1
                 self.error = str(exc)
                 if said != exc.kind:
-                    log.warning("containers: the Docker API at %s does not answer: %s", self.where, exc)
+                    # No socket at all is a node without Docker: said, not warned (it is looked for every retry_s)
+                    absent = exc.kind == "unreachable" and not os.path.exists(self.socket_path or "")
+                    level = logging.INFO if absent else logging.WARNING
+                    log.log(level, "containers: the Docker API at %s does not answer: %s", self.where, exc)
                     said = exc.kind
             except Exception as exc:  # a bug: counted, said, survived
                 self.errors["broken"] += 1
@@ -109,24 +152,25 @@ class ContainerWatch:
                 log.error("containers: watch failed: %s", self.error)
             else:
                 said = None
-            self.up = False
+            self.store.up = False
             self._stop.wait(self.retry_s)
 
     def _follow(self) -> None:
-        assert self.api is not None and self.socket_path is not None
+        assert self.socket_path is not None
         stream = self._stream = DockerEvents(self.socket_path)
         if self._stop.is_set():
             return
         stream.open()
+        if self.api is None:
+            self.api = DockerApi(self.socket_path)
         try:
             running: dict[str, ContainerFacts] = {}
             for cid in self.api.running_ids():
                 facts = self.api.inspect(cid)
                 if facts is not None:
                     running[cid] = facts
-            with self._lock:
-                self._running = running
-            self.up, self.error = True, None
+            self.store.replace(running)
+            self.store.up, self.error = True, None
             log.info("containers: following the Docker API at %s (%d running)", self.where, len(running))
             for event in stream:
                 self._on_event(event)
@@ -137,15 +181,7 @@ class ContainerWatch:
     def _on_event(self, event: DockerEvent) -> None:
         self.events_total += 1
         facts = None if event.action == "destroy" else self.api.inspect(event.id) if self.api else None
-        with self._lock:
-            old = self._running.pop(event.id, None)
-            if facts is not None and facts.state in ("running", "paused", "restarting"):
-                self._running[event.id] = facts
-            elif facts is not None or old is not None:
-                self._recent[event.id] = facts or old  # type: ignore[assignment]
-                self._recent.move_to_end(event.id)
-                while len(self._recent) > RECENT_MAX:
-                    self._recent.popitem(last=False)
+        self.store.record(event.id, facts)
         for subscriber in self.subscribers:
             try:
                 subscriber(event, facts)

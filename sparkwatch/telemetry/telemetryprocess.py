@@ -48,7 +48,10 @@ from sparkwatch.config.settings import ConfigError, wire_settings
 from sparkwatch.core.launch.rayletenv import RayletFacts
 from sparkwatch.core.model import EngineTree, NvmlFacts, Snapshot
 from sparkwatch.telemetry import peerdoc
+from sparkwatch.telemetry.containerboard import ContainerBoard
+from sparkwatch.telemetry.containerwatch import ContainerStore, ContainerWatch
 from sparkwatch.telemetry.drivercheck import DriverWatcher
+from sparkwatch.telemetry.exporter.containermetric import ContainerCollector
 from sparkwatch.telemetry.exporter.gatemetric import GateCollector
 from sparkwatch.telemetry.exporter.groupmetric import GroupCollector
 from sparkwatch.telemetry.exporter.internal import InternalCollector
@@ -65,6 +68,7 @@ from sparkwatch.telemetry.postmortemtask import PostmortemWatch
 from sparkwatch.telemetry.raywatch import RayWatch
 from sparkwatch.telemetry.remote import EventErrors, RemoteGuard
 from sparkwatch.telemetry.shmwatch import ShmWatch
+from sparkwatch.telemetry.sources.dockerapi import docker_socket
 from sparkwatch.telemetry.sources.nvml import NvmlSource
 from sparkwatch.telemetry.sources.nvml_preflight import NvmlOff, Preflight
 from sparkwatch.telemetry.sources.rayletfacts import local_facts
@@ -319,19 +323,24 @@ class TelemetryProcess:
         return self._raylet_facts_cache
 
     def _containers(self, settings: Settings) -> list[Component[Settings]]:
-        """The containers (telemetry.containerwatch) and the after-kill policy subscribed to their events
-        (telemetry.afterkill): a restart policy never undoes a guard kill. Imported here: the Docker API's client
-        (h11) is no import of this module's (tests/test_telemetry_imports.py)."""
+        """The containers on this node (docs/containers.md), built in one direction, each part given what it needs:
+        the store of the containers' facts; the board (what the guard hears of containers, and the info metric) and
+        the after-kill policy (a restart policy never undoes a guard kill), which read the store; then the watch, which
+        writes the store from the Docker API's events and hands each event to them. Without a Docker daemon: one
+        connect attempt every 30 s, nothing sent. The after-kill policy is imported here: it is no import of this
+        module's (tests/test_telemetry_imports.py)."""
         from sparkwatch.telemetry.afterkill import AfterKillWatch  # noqa: PLC0415 - h11 comes with it
-        from sparkwatch.telemetry.containerwatch import ContainerWatch  # noqa: PLC0415
-        from sparkwatch.telemetry.sources.dockerapi import docker_socket  # noqa: PLC0415
 
-        socket_path, where = docker_socket("")  # the ctnames branch: settings.docker_host
-        after = self.afterkill = AfterKillWatch(settings, self.events, watch=None, socket_path=socket_path, where=where)
-        watch = after.watch = ContainerWatch(socket_path, where, subscribers=[after.container_event])
+        path, where = docker_socket(settings.docker_host, os.environ)
+        store = ContainerStore()
+        board = self.container_board = ContainerBoard(self._offer)
+        after = self.afterkill = AfterKillWatch(settings, self.events, containers=store, socket_path=path, where=where)
+        watch = self.containers = ContainerWatch(
+            path, where, subscribers=[board.on_event, after.container_event], store=store
+        )
         return [
             Component("afterkill", after, AfterKillWatch.LIVE_KEYS, after.apply, after.counters),
-            Component("containers", watch, counters=watch.counters),
+            Component("containers", watch, counters=lambda: {**watch.counters(), **board.counters()}),
         ]
 
     def _cycle_done(self) -> None:
@@ -358,6 +367,7 @@ class TelemetryProcess:
         self.registry.register(PostmortemCollector(lambda: self.postmortem.result))
         self.registry.register(GroupCollector(self.raywatch.view))
         self.registry.register(GateCollector(self.afterkill.gated))
+        self.registry.register(ContainerCollector(self.container_board.engine_containers))
         key = self.peers.key  # the pair's key (peer_key_file): each document answers a reader's nonce with its proof
         prover = None if key is None else partial(peerproof.prove, key, self.host)
         self.metrics = MetricsServer(
@@ -444,8 +454,11 @@ class TelemetryProcess:
             self._send(AppliedMsg(tuple(sorted(keys)), tuple(errors)))
 
     def _send(self, msg: Message) -> None:
-        if self.channel is not None:
-            self.channel.send(msg)
+        self._offer(msg)
+
+    def _offer(self, msg: Message) -> bool:
+        """Hand a message to the guard; False when the channel refused it (full), True otherwise."""
+        return self.channel.send(msg) if self.channel is not None else True
 
     def report(self) -> None:
         """The latest cycle's parts of the guard's STATUS= line, per-pid GPU memory and the GPU holders: when they
@@ -453,6 +466,8 @@ class TelemetryProcess:
         guard's supervisor hears telemetry alive)."""
         snap = self.loop.latest
         now = time.monotonic()
+        if snap is not None and snap is not self._last_sent:  # the containers its engine trees run in (names, labels)
+            self.container_board.observe(snap.engines, self.containers.running())
         if snap is None or snap is self._last_sent:
             msg = TelMsg()  # alive, nothing new
         else:

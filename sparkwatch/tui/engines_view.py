@@ -68,14 +68,22 @@ def engines_view(
     budgets: Mapping[int, str] | None = None,
     *,
     serving: Mapping[int, str] | None = None,
+    containers: Mapping[int, str] | None = None,
+    containers_note: str | None = None,
 ) -> RenderableType:
+    """`containers`: root pid -> the line naming the tree's container (its root's parent is the runtime's shim);
+    `containers_note`: why they are named by id only (the Docker socket could not be read), said once."""
     parts: list[RenderableType] = []
     if not trees:
         parts.append(Text("no engine processes"))
+    if containers_note:
+        parts.append(Text(containers_note, style="dim"))
     for i, tree in enumerate(trees):
         if i:
             parts.append(Text(""))
         parts.append(Text(tree_heading(tree), style="bold"))
+        if containers and tree.root.pid in containers:
+            parts.append(Text(containers[tree.root.pid], style="cyan"))
         if budgets and tree.root.pid in budgets:
             parts.append(Text(budgets[tree.root.pid]))
         if serving and tree.root.pid in serving:

@@ -12,7 +12,7 @@ and in a bug report, and costs a few KiB a second over SSH.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, tzinfo
 from typing import Any
 
@@ -79,6 +79,10 @@ class StatusFrame:
     guard_notes: tuple[str, ...] = ()
     # Containers the after-kill gate holds paused, from the event log (core.containerpolicy.gated_now).
     gated: tuple[GatedView, ...] = ()
+    # Root pid -> the line naming the engine's container (the Docker API's names; its parent is the runtime's shim),
+    # and why they are named by id only (the socket could not be read), said once.
+    containers: Mapping[int, str] = field(default_factory=dict)
+    containers_note: str | None = None
 
 
 # --- small formatters
@@ -239,6 +243,9 @@ def engine_lines(frame: StatusFrame) -> list[Text]:
         serving = next((e for e in snap.serving if e.root_pid == tree.root.pid), None)
         if serving is not None and serving.state != "unknown":
             line.append(f" · {serving_text(serving)}", style=_SERVING_STYLE.get(serving.state, ""))
+        container = frame.containers.get(tree.root.pid)
+        if container is not None:
+            line.append(f" · {container}", style="cyan")
         state = _jit_state_for(tree, snap.jit_states)
         if state is not None:
             style = {JitState.COMPILING: "cyan", JitState.STALLED: "bold red"}.get(state.state, "")
@@ -252,6 +259,8 @@ def engine_lines(frame: StatusFrame) -> list[Text]:
             if state.state != JitState.IDLE and state.reason:
                 line.append(f": {state.reason}", style="dim")
         out.append(line)
+    if frame.containers_note:
+        out.append(Text(frame.containers_note, style="dim"))
     for boot in snap.boots:
         if boot.root_pid not in roots:  # declared, but not (yet) an engine tree in this cycle's scan
             out.append(Text(f"{boot.kind} {boot.root_pid} · {redact(boot.model)} · {boot_text(boot, snap.ts)}"))

@@ -40,6 +40,7 @@ class FakeProc:
     start_ticks: int = 1000
     environ: Mapping[str, str] | None = field(default_factory=dict)  # None: unreadable
     wchan: str = "0"
+    cgroup: str | None = None  # its cgroup v2 path (a `0::` line); None: no cgroup file
 
 
 def write_proc(
@@ -64,6 +65,8 @@ def write_proc(
         else:
             (d / "environ").write_bytes(b"".join(f"{k}={v}\0".encode() for k, v in p.environ.items()))
         (d / "wchan").write_text(p.wchan)
+        if p.cgroup is not None:
+            (d / "cgroup").write_text(f"0::{p.cgroup}\n")
     return root
 
 

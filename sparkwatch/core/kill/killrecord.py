@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import assert_never
 
+from sparkwatch.core.container import ContainerNote
 from sparkwatch.core.engines.progress import COUNTER_WORDS
 from sparkwatch.core.kill.triggers import Trigger
 from sparkwatch.core.model import EngineTree, MemInfo, Proc
@@ -99,6 +100,15 @@ class KillFacts:
     budget_source: str | None = None
     group: GroupLoss | None = None  # trigger "group_teardown"
     wedge: WedgeStall | None = None  # trigger "wedged"
+    # What telemetry last told the guard of the killed trees' containers (name, image, compose service), by id; a
+    # container it did not name is recorded by its id alone (core.containerid).
+    container_notes: tuple[ContainerNote, ...] = ()
+
+    def note_of(self, tree: EngineTree) -> ContainerNote | None:
+        ref = tree.container
+        if ref is None:
+            return None
+        return next((n for n in self.container_notes if n.id == ref.id), None)
 
 
 def kill_reason(facts: KillFacts) -> str:
@@ -153,7 +163,8 @@ def kill_line(facts: KillFacts) -> str:
     if not facts.trees:
         return f"sparkwatch: NO ENGINE TO KILL: {kill_reason(facts)}"
     parts = [
-        f"{t.kind} tree root={t.root.pid}{_in_container(t)} ({plural(len(t.members), 'process')})" for t in facts.trees
+        f"{t.kind} tree root={t.root.pid}{in_container(t, facts.note_of(t))} ({plural(len(t.members), 'process')})"
+        for t in facts.trees
     ]
     why = f" [{'; '.join(facts.why_this_tree)}]" if facts.why_this_tree else ""
     return f"sparkwatch: {verb} {', '.join(parts)}: {kill_reason(facts)}{why}"
@@ -178,7 +189,10 @@ def kill_summary(facts: KillFacts) -> str:
         return f"group {g.label}: {g.death}; {verb} {plural(len(facts.victims), 'local member')}: {members}"
     if not facts.trees:
         return f"Memory ran low ({kill_reason(facts)}) but no engine process was found to kill."
-    names = ", ".join(f"{t.kind} (root pid {t.root.pid}, {plural(len(t.members), 'process')})" for t in facts.trees)
+    names = ", ".join(
+        f"{t.kind} (root pid {t.root.pid}, {plural(len(t.members), 'process')}){in_container(t, facts.note_of(t))}"
+        for t in facts.trees
+    )
     head = "Would have killed" if facts.dry_run else "Killed"
     tail = ""
     if facts.victim_rss_bytes is not None:
@@ -232,7 +246,7 @@ def kill_fields(facts: KillFacts) -> dict[str, object]:
             else {}
         ),
         **(_group_fields(facts.group, facts.victims) if facts.group is not None else {}),
-        **({"containers": containers} if (containers := _container_fields(facts.trees)) else {}),
+        **({"containers": containers} if (containers := _container_fields(facts)) else {}),
         **(
             {
                 "failures": facts.wedge.failures,
@@ -260,20 +274,33 @@ def _group_fields(g: GroupLoss, victims: Sequence[tuple[Proc, str]]) -> dict[str
     }
 
 
-def _in_container(tree: EngineTree) -> str:
-    """` in container 4f4f4f4f4f4f` (the id `docker ps` shows) for a tree in a container; "" for a bare one."""
+def in_container(tree: EngineTree, note: ContainerNote | None = None) -> str:
+    """` in container vllm-main (nvcr.io/nvidia/vllm:25.09-py3 spark/vllm; 4f4f4f4f4f4f)` for a tree in a container
+    telemetry named, ` in container 4f4f4f4f4f4f` (the id `docker ps` shows) for one it did not, "" for a bare one."""
     ref = tree.container
-    return f" in container {ref.short_id}" if ref is not None else ""
+    if ref is None:
+        return ""
+    if note is not None and note.id == ref.id:
+        return f" in {note.label(with_id=True)}"
+    return f" in container {ref.short_id}"
 
 
-def _container_fields(trees: Sequence[EngineTree]) -> list[dict[str, object]]:
+def container_entry(tree: EngineTree, note: ContainerNote | None) -> dict[str, object] | None:
+    """A tree's container as events carry it: {root_pid, runtime, id} from the cgroup path, and the name, image and
+    compose service (`compose_project`, `compose_service`) when telemetry named it; None for a bare tree."""
+    ref = tree.container
+    if ref is None:
+        return None
+    entry: dict[str, object] = {"root_pid": tree.root.pid, "runtime": ref.runtime, "id": ref.id}
+    if note is not None and note.id == ref.id:
+        entry.update(note.fields())
+    return entry
+
+
+def _container_fields(facts: KillFacts) -> list[dict[str, object]]:
     """The event's `containers`: each killed tree's container by its full id (telemetry's after-kill policy and the
-    views find it by that id), from the cgroup path alone."""
-    return [
-        {"root_pid": t.root.pid, "runtime": ref.runtime, "id": ref.id}
-        for t in trees
-        if (ref := t.container) is not None
-    ]
+    views find it by that id), from the cgroup path, with its names where telemetry gave them."""
+    return [entry for t in facts.trees if (entry := container_entry(t, facts.note_of(t))) is not None]
 
 
 def _ms(value: float | None) -> float | None:

@@ -12,6 +12,10 @@ The default order (`kill_order = ["priority", "growth", "youngest", "largest"]`)
 4. largest: more RSS + GPU bytes first.
 Always, whatever the order: idle Ray workers (`ray::IDLE`) come after every other tree, and `never_kill` trees are
 never chosen (they are listed last, with the pattern that spared them).
+
+A tree in a container (its root's cgroup path names one: core.containerid) whose labels telemetry told the guard
+(core.container.ContainerNotes) is also spared by `io.sparkwatch.protect=true`, and ranked by `io.sparkwatch.priority`
+instead of `kill_priority` (the container's own word is the more specific one). Without notes no cgroup path is read.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
 
+from sparkwatch.core.container import LABEL_PRIORITY, LABEL_PROTECT, NO_NOTES, ContainerNotes
 from sparkwatch.core.engines.identity import compile_regexes
 from sparkwatch.core.model import EngineTree
 from sparkwatch.core.units import MiB, format_size, parse_size
@@ -239,21 +244,44 @@ def _never_kill(tree: EngineTree, params: PolicyParams) -> str | None:
     return None
 
 
+def protected_by_label(tree: EngineTree, containers: ContainerNotes) -> str | None:
+    """`container x (image; id)`: the container whose io.sparkwatch.protect label spares this tree; None when none."""
+    if not containers.protected:
+        return None
+    ref = tree.container
+    if ref is None or ref.id not in containers.protected:
+        return None
+    return containers.by_id[ref.id].label(with_id=True)
+
+
 def _candidate(
-    tree: EngineTree, history: GrowthHistory, now: float, by_pid: Mapping[int, int] | None, params: PolicyParams
+    tree: EngineTree,
+    history: GrowthHistory,
+    now: float,
+    by_pid: Mapping[int, int] | None,
+    params: PolicyParams,
+    *,
+    containers: ContainerNotes,
 ) -> Candidate:
     gained, span = growth(history.trees.get(tree.root.key, ()), now, params.growth_window_s)
     gpu = tree_gpu_bytes(tree, by_pid)
     growing = gained is not None and gained >= params.growing_min_bytes
     idle = _is_idle_ray(tree)
     spared = _never_kill(tree, params)
-    priority = _priority(tree, params)
     reasons: list[str] = []
     if spared is not None:
         reasons.append(f"never_kill matches {spared!r}")
+    ref = tree.container if containers else None
+    if spared is None and ref is not None and ref.id in containers.protected:
+        spared = f"{LABEL_PROTECT}=true"
+        reasons.append(f"{LABEL_PROTECT}=true on {containers.by_id[ref.id].label(with_id=True)}")
+    labelled = containers.priorities.get(ref.id) if ref is not None else None
+    priority = labelled if labelled is not None else _priority(tree, params)
     if idle:
         reasons.append("idle Ray worker: killed after every other tree")
-    if priority:
+    if labelled is not None and priority:
+        reasons.append(f"kill_priority {priority:+d} ({LABEL_PRIORITY})")
+    elif priority:
         reasons.append(f"kill_priority {priority:+d}")
     if gained is None:
         reasons.append("no growth measured yet (seen in one scan)")
@@ -298,12 +326,19 @@ GONE_STATES = frozenset({"Z", "X"})
 
 
 def rank(
-    trees: Sequence[EngineTree], history: GrowthHistory, now: float, gpu: GpuBytes | None, params: PolicyParams
+    trees: Sequence[EngineTree],
+    history: GrowthHistory,
+    now: float,
+    gpu: GpuBytes | None,
+    params: PolicyParams,
+    *,
+    containers: ContainerNotes = NO_NOTES,
 ) -> tuple[Candidate, ...]:
-    """Every live tree in the order the guard would kill them now (never_kill trees last, never chosen)."""
+    """Every live tree in the order the guard would kill them now (never_kill trees last, never chosen).
+    `containers`: telemetry's word on the containers' labels (protection, priority), matched by container id."""
     by_pid = fresh_gpu(gpu, now)
     live = [t for t in trees if any(p.state not in GONE_STATES for p in t.members)]
-    candidates = [_candidate(t, history, now, by_pid, params) for t in live]
+    candidates = [_candidate(t, history, now, by_pid, params, containers=containers) for t in live]
     return tuple(sorted(candidates, key=lambda c: _sort_key(c, params.kill_order)))
 
 

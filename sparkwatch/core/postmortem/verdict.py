@@ -46,6 +46,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 
+from sparkwatch.core.container import container_words
 from sparkwatch.core.driver.nvrm import NvrmError, XidLine, parse_nvrm, xid_info
 from sparkwatch.core.postmortem.flight import FlightSample, PoolTrend, pool_trend
 from sparkwatch.core.timestamps import rfc3339
@@ -153,6 +154,32 @@ class SparkwatchEvent:
     summary: str
     dry_run: bool = False
     page: bool = False  # an Xid a human must act on
+    containers: tuple[str, ...] = ()  # a kill's containers in words, from its `containers` fields (event_containers)
+
+
+def event_containers(fields: object) -> tuple[str, ...]:
+    """The containers a kill event names (its `containers` entries: docs/contract.md), in the kill line's words:
+    `container NAME (IMAGE PROJECT/SERVICE)` where the guard knew the names, `container <12 digits>` otherwise."""
+    if not isinstance(fields, list):
+        return ()
+    out = []
+    for entry in fields[:8]:
+        if not isinstance(entry, dict) or not isinstance(entry.get("id"), str):
+            continue
+        name, image = entry.get("name"), entry.get("image")
+        if isinstance(name, str) and isinstance(image, str):
+            project, service = entry.get("compose_project"), entry.get("compose_service")
+            out.append(
+                container_words(
+                    name,
+                    image,
+                    project if isinstance(project, str) else "",
+                    service if isinstance(service, str) else "",
+                )
+            )
+        else:
+            out.append(f"container {entry['id'][:12]}")
+    return tuple(out)
 
 
 @dataclass(frozen=True, slots=True)
@@ -289,7 +316,12 @@ def _event_causes(events: Sequence[SparkwatchEvent], since: float) -> list[_Caus
         elif event.kind == "xid" and event.page:
             klass = BootEnd.XID
         if klass is not None:
-            out.append(_Cause(event.t, klass, f"{stamp(event.t)} sparkwatch {event.kind}: {event.summary}", True))
+            line = f"{stamp(event.t)} sparkwatch {event.kind}: {event.summary}"
+            # named in the summary already (a record of this version), else from its fields
+            missing = [c for c in event.containers if c.split(" (", 1)[0] not in event.summary]
+            if missing:
+                line += f" [{'; '.join(missing)}]"
+            out.append(_Cause(event.t, klass, line, True))
     return out
 
 

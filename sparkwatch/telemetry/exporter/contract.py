@@ -22,7 +22,7 @@ MetricType = Literal["gauge", "counter", "histogram"]
 # When a family is present. A series that is not known is absent, never 0.
 Presence = Literal["always", "meminfo", "guard", "guard_loop", "kill", "events", "outbox", "delivered", "telemetry",
                    "psi", "gpu", "gpu_device", "gpu_field", "driver", "daemon", "launched", "budget",
-                   "postmortem", "ray", "ray_group", "peer", "probed", "shm", "gated"]  # fmt: skip
+                   "postmortem", "ray", "ray_group", "peer", "probed", "shm", "gated", "container"]  # fmt: skip
 PRESENCE: dict[Presence, str] = {
     "always": "always",
     "meminfo": "once /proc/meminfo was read (the guard's read, else the telemetry's)",
@@ -40,7 +40,8 @@ PRESENCE: dict[Presence, str] = {
     "driver": "once the drift watcher has checked",
     "daemon": "in the daemon (`sparkwatch run`), from both of its processes",
     "launched": "per engine `sparkwatch launch` declared, while its root runs",
-    "budget": "per budgeted engine tree, as the guard last measured it (launch --budget or engine_budgets)",
+    "budget": "per budgeted engine tree, as the guard last measured it (launch --budget, io.sparkwatch.budget or "
+    "engine_budgets)",
     "postmortem": "in the daemon once the previous boot was judged (`postmortem = true`, the default)",
     "ray": "in the daemon while a raylet runs on this node and Ray's state API answered once",
     "ray_group": "per engine group over Ray (a live placement group) this node's Ray lists, node and role",
@@ -50,6 +51,7 @@ PRESENCE: dict[Presence, str] = {
     "shm": "in the daemon once /dev/shm was scanned (at start, every 60 s, 10 s after an engine tree ended) and every "
     "process could be read (root: the system unit); absent while a process of another user cannot be",
     "gated": "per container the after-kill gate holds paused (`container_after_kill = gate`), while it does",
+    "container": "per container holding an engine tree, while the Docker API answers (`docker_host`)",
 }
 
 
@@ -501,7 +503,7 @@ METRICS: tuple[MetricSpec, ...] = (
         "gauge",
         "engine pid name source",
         "budget",
-        "the tree's memory budget (source=launch|peer|config)",
+        "the tree's memory budget (source=launch|peer|label|config; label: its container's io.sparkwatch.budget)",
         help="A budgeted engine tree's memory budget",
     ),
     _m(
@@ -553,6 +555,16 @@ METRICS: tuple[MetricSpec, ...] = (
         "1: the engine served progress counters at the look after a failed probe (a wedge is proven by them before "
         "kill_wedged_after_s acts); 0: it serves none, it is never killed as wedged (absent until a probe failed)",
         help="1 if the engine serves the progress counters that tell busy from wedged",
+    ),
+    _m(
+        "container_info",
+        "gauge",
+        "id name image compose_project compose_service restart_policy network_mode",
+        "container",
+        "a container an engine tree runs in, as `docker ps` names it; always 1. id: the full id; compose_project, "
+        "compose_service: empty outside compose; restart_policy: no, always, unless-stopped, on-failure "
+        "(docs/containers.md)",
+        help="A container an engine tree runs in (name, image, compose service, restart policy); always 1",
     ),
     _m("collector_success", "gauge", "collector", "telemetry", "1 if the source worked this cycle"),
     _m(

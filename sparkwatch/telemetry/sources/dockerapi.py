@@ -7,12 +7,17 @@ The socket is the `docker_host` setting when set, else `DOCKER_HOST`'s when it n
 host's, or this one's without the socket's file permissions, and telemetry acts only on this node's containers.
 
 The client is telemetry's own HTTP client (telemetry.sources.httpget: h11 on a socket), not the `docker` SDK (7.2):
-the SDK's APIClient pulls in requests, urllib3 and ssl, +16.1 MiB of RSS in a process that already has h11, against
-+1.8 MiB for this module and the container watch (bench/containers_bench.py), for the five paths used. Paths are
+the SDK's APIClient pulls in requests, urllib3 and ssl, +18.1 MiB of RSS (list, inspect, events stream) in a process
+that already has h11, against +0.5 MiB for this module and the container watch; a whole idle telemetry process on a
+Docker host is 0.6 MiB larger than without the watch, h11 included (bench/RESULTS-containers.md), for the five paths
+used. Paths are
 unversioned: the daemon answers them at its own API version (dockerd 20.10's 1.41 here; podman 4's compat API too).
 
 The events stream is one long GET whose chunks are JSON lines; the reader blocks in recv with no timeout (an idle
 box costs no wake-up), and `close` from another thread ends it (shutdown of the socket).
+
+h11 (and httpget with it) is imported at the first exchange, after a connect succeeded: a node without Docker never
+loads it, as a node without peers or Ray does not (tests/test_telemetry_imports.py).
 """
 
 from __future__ import annotations
@@ -20,14 +25,15 @@ from __future__ import annotations
 import json
 import os
 import socket
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 from urllib.parse import quote
 
-import h11
-
 from sparkwatch.core.container import ContainerFacts, facts_from_inspect
-from sparkwatch.telemetry.sources.httpget import HttpGet, HttpGetError
+
+if TYPE_CHECKING:
+    import h11
 
 DEFAULT_SOCKET = "/var/run/docker.sock"
 ANSWER_MAX_BYTES = 4 << 20  # a host with a few hundred containers lists well under 1 MiB
@@ -94,6 +100,8 @@ class DockerApi:
     """Requests to one daemon. Each call is one bounded exchange (`timeout_s`); a failure raises DockerApiError."""
 
     def __init__(self, socket_path: str, timeout_s: float = 3.0) -> None:
+        from sparkwatch.telemetry.sources.httpget import HttpGet  # noqa: PLC0415 - h11: a node with Docker only
+
         self.socket_path = socket_path
         self.timeout_s = timeout_s
         self._client = HttpGet("docker", 80, unix_path=socket_path, keep_alive=True)
@@ -102,6 +110,8 @@ class DockerApi:
         self._client.close()
 
     def _call(self, method: str, path: str) -> tuple[int, bytes]:
+        from sparkwatch.telemetry.sources.httpget import HttpGetError  # noqa: PLC0415 - loaded by __init__ already
+
         try:
             if method == "GET":
                 status, body, cut = self._client.get(path, self.timeout_s, ANSWER_MAX_BYTES)
@@ -201,6 +211,8 @@ class DockerEvents:
         try:
             sock.settimeout(self.connect_timeout_s)
             sock.connect(self.socket_path)
+            import h11  # noqa: PLC0415 - only once a daemon answered the connect
+
             conn = h11.Connection(our_role=h11.CLIENT)
             request = h11.Request(method="GET", target=f"/events?filters={filters}", headers=[("Host", "docker")])
             sock.sendall((conn.send(request) or b"") + (conn.send(h11.EndOfMessage()) or b""))
@@ -218,6 +230,8 @@ class DockerEvents:
         sock, conn = self._sock, self._conn
         if sock is None or conn is None:
             return
+        import h11  # noqa: PLC0415 - loaded by open already
+
         pending = b""
         try:
             while not self._closed:
@@ -249,3 +263,38 @@ class DockerEvents:
         finally:
             self._sock, self._conn = None, None
             sock.close()
+
+
+class ContainerLookup:
+    """The facts of the containers a command's engine trees run in, read through the API itself (`sparkwatch engines`,
+    `status`): no daemon needed. A container once read is kept for `fresh_s`; a socket that cannot be read (absent,
+    permission denied: the socket is root's and the docker group's) leaves the containers named by id only, and `note`
+    says why in one line; it is tried again after `fresh_s`."""
+
+    def __init__(self, configured: str, environ: Mapping[str, str] = os.environ, fresh_s: float = 10.0) -> None:
+        self.path, self.where = docker_socket(configured, environ)
+        self.fresh_s = fresh_s
+        self.note: str | None = None if self.path else f"containers named by id only: {self.where}"
+        self._facts: dict[str, tuple[float, ContainerFacts | None]] = {}
+        self._failed_at: float | None = None
+
+    def lookup(self, ids: Iterable[str]) -> dict[str, ContainerFacts]:
+        """The facts of these containers (by full id) that the API gave; the others are left out."""
+        import time  # noqa: PLC0415 - the daemon never builds one
+
+        now = time.monotonic()
+        wanted = sorted(set(ids))
+        stale = [i for i in wanted if i not in self._facts or now - self._facts[i][0] >= self.fresh_s]
+        can_ask = self.path is not None and (self._failed_at is None or now - self._failed_at >= self.fresh_s)
+        if stale and can_ask and self.path is not None:
+            api = DockerApi(self.path, timeout_s=2.0)
+            try:
+                for cid in stale:
+                    self._facts[cid] = (now, api.inspect(cid))
+                self.note, self._failed_at = None, None
+            except DockerApiError as exc:
+                self._failed_at = now
+                self.note = f"containers named by id only: the Docker API at {self.where} does not answer ({exc})"
+            finally:
+                api.close()
+        return {i: facts for i in wanted if (got := self._facts.get(i)) is not None and (facts := got[1]) is not None}

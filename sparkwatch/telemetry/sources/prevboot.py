@@ -48,6 +48,7 @@ from sparkwatch.core.postmortem.verdict import (
     PreviousBoot,
     PstoreRecord,
     SparkwatchEvent,
+    event_containers,
 )
 from sparkwatch.core.timestamps import parse_rfc3339
 
@@ -369,7 +370,12 @@ def boot_events(events_path: Path, since: float | None, until: float | None) -> 
             continue
         out.append(
             SparkwatchEvent(
-                t, kind, str(item.get("summary", "")), item.get("dry_run") is True, item.get("page") is True
+                t,
+                kind,
+                str(item.get("summary", "")),
+                item.get("dry_run") is True,
+                item.get("page") is True,
+                event_containers(item.get("containers")),
             )
         )
     return tuple(out)
