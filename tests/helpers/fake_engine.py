@@ -90,6 +90,17 @@ def hog(
         time.sleep(60)
 
 
+def shm_file(spec: str) -> mmap.mmap:
+    """/dev/shm/NAME with MIB written, mapped (its fd closed: held by the mapping alone, as sem_open leaves it)."""
+    name, _, mib = spec.partition(":")
+    fd = os.open(f"/dev/shm/{name}", os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.write(fd, b"\1" * (int(mib or "1") * MiB))
+        return mmap.mmap(fd, 0)
+    finally:
+        os.close(fd)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--role", default="root")
@@ -105,6 +116,9 @@ def main() -> None:
     ap.add_argument("--hog-title", default="sw-hog")
     ap.add_argument("--pidfile")
     ap.add_argument("--depth", type=int, default=0)
+    # NAME:MIB, repeatable: a named shared memory file in /dev/shm, written and mapped by the root (vLLM's `psm_*`
+    # message queues, multiprocessing's `sem.mp-*`), which a SIGKILL leaves behind.
+    ap.add_argument("--shm-file", action="append", default=[])
     args, _compiler_args = ap.parse_known_args()  # compiler-shaped argv after '--' is only for show
 
     setproctitle.setproctitle(args.title)
@@ -114,6 +128,7 @@ def main() -> None:
     term = ["--ignore-term"] if args.ignore_term else []
 
     if args.role == "root":
+        _held_shm = [shm_file(spec) for spec in args.shm_file]  # mapped while the engine lives
         for title in args.worker:
             spawn(["worker", *term], title, args.pidfile)
         if args.compiler:
