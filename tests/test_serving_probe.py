@@ -661,12 +661,12 @@ def test_the_guard_checks_a_wedge_itself_before_its_kill_path_kills(tmp_path: Pa
         ticks = read_start_ticks("/proc", engine.proc.pid) or 0
         msg = WedgedMsg("vllm", engine.proc.pid, ticks, 120.0, 3, "HTTP 500", "vllm:generation_tokens_total", 1234.0)
         off = guard(0.0)
-        watch = WedgeWatch(lambda: off.snapshot, off.request_wedged_kill)
+        watch = WedgeWatch(lambda: off.snapshot, off.inbox.submit)
         assert not watch.handle(msg) and watch.off_total == 1
         pool = guard(60.0)
         pool.reaper.start()
         try:
-            watch = WedgeWatch(lambda: pool.snapshot, pool.request_wedged_kill)
+            watch = WedgeWatch(lambda: pool.snapshot, pool.inbox.submit)
             assert not watch.handle(WedgedMsg("vllm", engine.proc.pid, ticks + 1, 120.0, 3))  # a reused pid
             assert not watch.handle(WedgedMsg("vllm", engine.proc.pid, ticks, 30.0, 3))  # not wedged long enough
             other_ticks = read_start_ticks("/proc", other.proc.pid) or 0

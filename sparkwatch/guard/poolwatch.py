@@ -15,7 +15,6 @@ snapshot whole, and each tick reads it once.
 
 from __future__ import annotations
 
-import collections
 import logging
 import math
 import os
@@ -39,14 +38,14 @@ from sparkwatch.core.container import NO_NOTES, ContainerNotes
 from sparkwatch.core.engines.identity import find_engine_trees
 from sparkwatch.core.kill import policy
 from sparkwatch.core.kill import trigger as core
-from sparkwatch.core.kill.footprint import Footprint
 from sparkwatch.core.kill.triggers import Trigger
 from sparkwatch.core.model import EngineTree, MemInfo
 from sparkwatch.core.units import format_size
-from sparkwatch.guard.budgets import BudgetWatch, Tracked
+from sparkwatch.guard.budgets import BudgetWatch
+from sparkwatch.guard.inbox import KillInbox
 from sparkwatch.guard.kernlog import KernelLogWatch
 from sparkwatch.guard.killer import Reaper
-from sparkwatch.guard.killpath import BudgetFacts, GroupFacts, KillPath, KillRecords, KillRequest, WedgedFacts
+from sparkwatch.guard.killpath import KillPath, KillRecords, KillRequest
 from sparkwatch.guard.launchwatch import LaunchedEngines
 from sparkwatch.guard.recorder import FlightRecorder, Tick
 
@@ -112,7 +111,12 @@ class PoolWatch:
     # Settings applied on SIGHUP without a restart: those GuardConfig marks LIVE (the one declaration).
     LIVE_KEYS = GuardConfig.live_keys()
 
-    def __init__(self, config: GuardConfig, events: EventLog, links: GuardLinks = GuardLinks()) -> None:
+    def __init__(
+        self, config: GuardConfig, events: EventLog, links: GuardLinks = GuardLinks(), inbox: KillInbox | None = None
+    ) -> None:
+        """`inbox`: the guard's one way in for the requests of the budgets, the kernel log, the group watch and the
+        wedge watch (guard.inbox); drained on each tick, and its pipe wakes this thread."""
+        self.inbox = KillInbox() if inbox is None else inbox
         self.snapshot = GuardSnapshot.of(config)  # swapped whole by reconfigure; a tick reads it once
         self.events = events
         self.links = links
@@ -143,9 +147,8 @@ class PoolWatch:
             snapshot=self.snapshot,
             containers=links.containers,
         )
-        self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._poller = select.poll()
-        self._poller.register(self._wake_r, select.POLLIN)
+        self._poller.register(self.inbox.fd, select.POLLIN)
         self._psi_fd = self._open_psi_trigger(proc_root)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -169,16 +172,9 @@ class PoolWatch:
         self.budget_errors_total = 0  # a budget look that raised: the floor loop went on (counted, said once a minute)
         self._last_budget_error_logged = -math.inf
         self.budgets = BudgetWatch(
-            str(proc_root), self.scanner, self._budget_kill, self.records.record, line=self.records.line
+            str(proc_root), self.scanner, self.inbox.put, self.records.record, line=self.records.line
         )
         self._taken: frozenset[policy.TreeKey] = frozenset()
-        # Group teardowns the group watch checked (on the supervisor's thread), for the next tick's kill path:
-        # (monotonic time of the request, its tree and loss). deque append and popleft are atomic.
-        self._group_requests: collections.deque[tuple[float, GroupFacts]] = collections.deque()
-        self._wedged_requests: collections.deque[tuple[float, WedgedFacts]] = collections.deque()
-        # The tick in progress (its snapshot and sample), for the budgets' kill callback: set by tick, never by reload.
-        self._tick_snap = self.snapshot
-        self._tick_mem: MemInfo | None = None
 
     @property
     def config(self) -> GuardConfig:
@@ -237,23 +233,8 @@ class PoolWatch:
         self._thread = daemon_thread(self.run, "sparkwatch-guard")
         self._thread.start()
 
-    def request_group_teardown(self, group: GroupFacts) -> None:
-        """A group's members to stop (guard.groupwatch, on the supervisor's thread): the guard's next tick, woken now,
-        hands them to the kill path like any other kill."""
-        self._group_requests.append((time.monotonic(), group))
-        self.wake()
-
-    def request_wedged_kill(self, wedged: WedgedFacts) -> None:
-        """An engine up but not serving, checked by guard.wedgewatch (on the supervisor's thread): the guard's next
-        tick, woken now, hands it to the kill path, trigger `wedged`."""
-        self._wedged_requests.append((time.monotonic(), wedged))
-        self.wake()
-
     def wake(self) -> None:
-        try:
-            os.write(self._wake_w, b"x")
-        except OSError:
-            pass
+        self.inbox.wake()
 
     def stop(self) -> None:
         self._stop.set()
@@ -323,16 +304,10 @@ class PoolWatch:
         if decision.rearmed:
             kills.rearmed()
             self.records.line(logging.INFO, f"sparkwatch: re-armed: MemAvailable {format_size(mem.available_bytes)}")
-        if decision.trigger is not None:
-            request = KillRequest(decision.trigger, mem, now, growing_only=decision.growing_only)
-            self.state = kills.fire(request, self.state, snap)
-        while self._group_requests:  # a group spanning nodes lost a member: this node's members of it (groupwatch)
-            detected_at, group = self._group_requests.popleft()
-            request = KillRequest(Trigger.GROUP_TEARDOWN, mem, detected_at, group=group)
-            self.state = kills.fire(request, self.state, snap)
-        while self._wedged_requests:  # an engine up but not serving for kill_wedged_after_s (wedgewatch)
-            detected_at, wedged = self._wedged_requests.popleft()
-            self.state = kills.fire(KillRequest(Trigger.WEDGED, mem, detected_at, wedged=wedged), self.state, snap)
+        if decision.trigger is not None:  # the pool's own trigger first, then what came in since the last tick
+            request = KillRequest(decision.trigger, now, growing_only=decision.growing_only)
+            self.state = kills.fire(request, mem, self.state, snap)
+        self._drain(mem, snap)
         wake = self._engines_tick(now, mem, snap)
         with self.lock:
             self.stats.mem = mem
@@ -369,8 +344,8 @@ class PoolWatch:
 
     def _engines_tick(self, now: float, mem: MemInfo, snap: GuardSnapshot) -> float | None:
         """Launched engines' declarations and per-engine budgets: the seconds until a budget wants a look (None: no
-        budget anywhere). Never raises: a budget is a refinement; the floor stays the last line."""
-        self._tick_snap, self._tick_mem = snap, mem
+        budget anywhere); a budget's kill is put in the inbox and fired here, on this tick. Never raises: a budget is a
+        refinement; the floor stays the last line."""
         try:  # the declarations are read on their own thread (guard.launchwatch): here only its last result
             self._note_taken()
             live = self.launched.declarations()
@@ -389,6 +364,7 @@ class PoolWatch:
                 peer_budgets=peer,
                 containers=containers,
             )
+            self._drain(mem, snap)  # a tree over its budget: killed alone, whatever the pool
         except Exception as exc:  # never let a budget stop the floor loop
             self.budget_errors_total += 1
             if now - self._last_budget_error_logged > 60:  # counted every time, said once a minute
@@ -407,14 +383,10 @@ class PoolWatch:
             if self.links.on_taken is not None:
                 self.links.on_taken()
 
-    def _budget_kill(self, tracked: Tracked, fp: Footprint) -> None:
-        """A tree over its budget (guard.budgets, during this tick): one request, killed alone whatever the pool."""
-        mem = self._tick_mem
-        if mem is None:
-            return
-        budget = BudgetFacts(tracked.tree, tracked.budget_bytes, tracked.source, fp)
-        request = KillRequest(Trigger.BUDGET, mem, time.monotonic(), budget=budget)
-        self.state = self.kills.fire(request, self.state, self._tick_snap)
+    def _drain(self, mem: MemInfo, snap: GuardSnapshot) -> None:
+        """The inbox's requests, in the order they came, each through the one kill path with this tick's sample."""
+        for request in self.inbox.drain():
+            self.state = self.kills.fire(request, mem, self.state, snap)
 
     def _kernel_log(self, now: float, mem: MemInfo, snap: GuardSnapshot) -> bool:
         """The kernel-log hook: a driver allocation failure near the floor fires like a crossing (core.driver.nvrm),
@@ -424,7 +396,8 @@ class PoolWatch:
         )
         if trigger is None:
             return False
-        self.state = self.kills.fire(KillRequest(Trigger(trigger), mem, now), self.state, snap)
+        self.inbox.put(KillRequest(Trigger(trigger), now))
+        self._drain(mem, snap)
         return True
 
     def _near_floor(self, available_bytes: int, decision: core.Decision, snap: GuardSnapshot) -> bool:
@@ -460,11 +433,8 @@ class PoolWatch:
 
     def _sleep(self, seconds: float) -> None:
         for fd, _ev in self._poller.poll(seconds * 1000):
-            if fd == self._wake_r:
-                try:
-                    os.read(self._wake_r, 64)
-                except BlockingIOError:
-                    pass
+            if fd == self.inbox.fd:
+                self.inbox.clear_wakeups()
 
     def _gpu(self) -> policy.GpuBytes | None:
         source = self.links.gpu_bytes_by_pid

@@ -42,7 +42,7 @@ from sparkwatch.common.daemonargv import parse_daemon_argv
 from sparkwatch.common.eventlog import make_event
 from sparkwatch.common.guardconfig import GuardConfig, describe_wire_changes
 from sparkwatch.common.lifecycle import Component, CountersOnly, apply_all, start_all, stop_all
-from sparkwatch.common.messages import GroupTeardownMsg, StateMsg
+from sparkwatch.common.messages import GroupTeardownMsg, StateMsg, WedgedMsg
 from sparkwatch.common.recording import open_recording
 from sparkwatch.common.selfwatch import rss_bytes
 from sparkwatch.common.sharing import events_gid
@@ -172,10 +172,12 @@ class GuardProcess:
             command=telemetry or telemetry_command,
             near_floor=lambda: self.guard.near_floor,
             on_over_cap=self._over_cap_seen,
-            # a group spanning nodes lost a member: this node's members of it are checked and killed (groupwatch)
-            on_group_teardown=self._group_teardown,
-            # an engine up but not serving for kill_wedged_after_s: checked and killed, trigger wedged (wedgewatch)
-            on_wedged=lambda msg: self.wedgewatch.handle(msg),  # noqa: PLW0108 - late-bound: built below
+            verifiers={
+                # a group spanning nodes lost a member: this node's members of it are checked and killed (groupwatch)
+                GroupTeardownMsg: self._group_teardown,
+                # an engine up but not serving for kill_wedged_after_s: checked and killed, trigger wedged (wedgewatch)
+                WedgedMsg: lambda msg: self.wedgewatch.handle(msg),  # noqa: PLW0108 - late-bound: built below
+            },
             # a near-budget engine's GPU bytes moved: its budget is looked at now
             on_gpu_sample=lambda: self.guard.wake(),  # noqa: PLW0108 - late-bound: the guard is built after this
         )
@@ -214,7 +216,7 @@ class GuardProcess:
         launched = self.guard.launched
         self.wedgewatch = WedgeWatch(
             lambda: self.guard.snapshot,
-            self.guard.request_wedged_kill,
+            self.guard.inbox.submit,
             declared=launched.declared,
             launchers=launched.launchers,
         )
@@ -457,7 +459,7 @@ class GuardProcess:
         if self._groupwatch is None:
             from sparkwatch.guard.groupwatch import GroupWatch  # noqa: PLC0415
 
-            self._groupwatch = GroupWatch(lambda: self.guard.snapshot, self.guard.request_group_teardown)
+            self._groupwatch = GroupWatch(lambda: self.guard.snapshot, self.guard.inbox.submit)
         self._groupwatch.handle(msg)
 
     def _group_counters(self) -> dict[str, int]:
