@@ -724,7 +724,7 @@ def guard_with_groups(tmp_path: Path, **overrides: object) -> Iterator[tuple[Poo
             **overrides,
         },
     )
-    pool = PoolWatch(guard_config(settings), EventLog(tmp_path / "events.jsonl"))
+    pool = PoolWatch.build(guard_config(settings), EventLog(tmp_path / "events.jsonl"))
     pool.reaper.start()
     try:
         yield pool, GroupWatch(lambda: pool.snapshot, pool.inbox.submit)

@@ -655,7 +655,7 @@ def test_the_guard_checks_a_wedge_itself_before_its_kill_path_kills(tmp_path: Pa
                 "kill_wedged_after_s": after_s,
             },
         )
-        return PoolWatch(guard_config(settings), EventLog(tmp_path / "events.jsonl"))
+        return PoolWatch.build(guard_config(settings), EventLog(tmp_path / "events.jsonl"))
 
     with stand_in(tmp_path, "vllm", "serve", "/models/m") as engine, stand_in(tmp_path, "python3", "train.py") as other:
         ticks = read_start_ticks("/proc", engine.proc.pid) or 0

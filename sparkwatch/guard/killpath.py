@@ -342,6 +342,10 @@ class KillPath:
         self._episode_victims: set[policy.TreeKey] = set()
         self._hunt_recorded = False  # one no_victim event per stretch of hunting, not one per look
 
+    def last_scan(self) -> tuple[float, tuple[EngineTree, ...]] | None:
+        """The trees of the last own scan (monotonic time, trees), for the flight recorder (a reference read)."""
+        return self.seen_trees
+
     # --- the growth history (the scout's warm scans and the kill path's own)
     def observe(self, now: float, trees: list[EngineTree], snap: GuardSnapshot) -> policy.GpuBytes | None:
         gpu = self._gpu()

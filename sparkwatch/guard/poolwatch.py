@@ -28,7 +28,7 @@ from types import MappingProxyType
 
 from sparkwatch.common import logs
 from sparkwatch.common.eventlog import EventLog
-from sparkwatch.common.guardconfig import GuardConfig, GuardSnapshot
+from sparkwatch.common.guardconfig import GuardConfig, GuardSnapshot, SnapshotCell
 from sparkwatch.common.sources.kmsg import KmsgSource
 from sparkwatch.common.sources.meminfo import MeminfoError, MeminfoReader
 from sparkwatch.common.sources.procs import ProcScanner
@@ -102,54 +102,133 @@ class GuardLinks:
     # What telemetry last told of the containers (names, io.sparkwatch.* labels: budgets, protection, priority), by
     # container id; the guard matches its own trees to them by the id in each tree's cgroup path (core.containerid).
     containers: Callable[[], ContainerNotes] = _no_containers
+    # Set while the pool watch is near the floor (the supervisor then sends the state four times a second)
+    near_floor: threading.Event | None = None
 
 
 log = logs.get("guard")
+
+
+@dataclass(frozen=True)
+class Ledger:
+    """What the guard keeps of its kills and of the engines `launch` declared: built first, since the wedge watch (the
+    declared engines), the kill path and the pool watch all read it."""
+
+    stats: GuardStats
+    lock: threading.Lock
+    records: KillRecords
+    launched: LaunchedEngines
+
+    @classmethod
+    def of(cls, config: GuardConfig, events: EventLog) -> Ledger:
+        stats, lock = GuardStats(), threading.Lock()
+        records = KillRecords(config.proc_root, events, stats, lock, config.kill_settle_s)
+        # Engines declared by `sparkwatch launch` (guard.launchwatch): on the pool watch's tick; with nothing declared
+        # they cost one stat per directory.
+        launched = LaunchedEngines.for_settings(config.state_dir, config.proc_root, records.record, config.ancestor_pid)
+        return cls(stats, lock, records, launched)
+
+
+@dataclass(frozen=True)
+class PoolParts:
+    """The pool watch's collaborators, built before it (PoolParts.of) and handed to it whole: everything the kill path
+    needs exists before the first poll (fds open, threads started, code imported)."""
+
+    cell: SnapshotCell
+    inbox: KillInbox
+    ledger: Ledger
+    meminfo: MeminfoReader
+    scanner: ProcScanner
+    kills: KillPath
+    kernlog: KernelLogWatch
+    budgets: BudgetWatch
+    gpu: GpuBytesSource
+
+    @classmethod
+    def of(
+        cls,
+        config: GuardConfig,
+        events: EventLog,
+        links: GuardLinks,
+        *,
+        ledger: Ledger | None = None,
+        inbox: KillInbox | None = None,
+        cell: SnapshotCell | None = None,
+    ) -> PoolParts:
+        cell = SnapshotCell(config) if cell is None else cell
+        inbox = KillInbox() if inbox is None else inbox
+        ledger = Ledger.of(config, events) if ledger is None else ledger
+        proc_root, records = config.proc_root, ledger.records
+        meminfo, scanner, gpu = MeminfoReader(proc_root), ProcScanner(proc_root), _gpu_reading(links.gpu_bytes_by_pid)
+        kills = KillPath(
+            proc_root,
+            records=records,
+            meminfo=meminfo,
+            scanner=scanner,
+            launched=ledger.launched,
+            stats=ledger.stats,
+            lock=ledger.lock,
+            gpu=gpu,
+            gpu_holders=links.gpu_holders,
+            on_taken=links.on_taken,
+            snapshot=cell.current,
+            containers=links.containers,
+        )
+        # NVRM/Xid lines from /dev/kmsg, read non-blocking each tick (PoolWatch._kernel_log); a budget's kill goes to
+        # the inbox, drained on the same tick.
+        kernlog = KernelLogWatch(
+            events,
+            proc_root,
+            lambda: (cell.current.rules, cell.current.scope),
+            enabled=config.kernel_log_corroboration,
+            accept_injected=config.kernel_log_accept_injected,
+            source=KmsgSource(config.kernel_log_path),
+        )
+        budgets = BudgetWatch(str(proc_root), scanner, inbox.put, records.record, line=records.line)
+        return cls(cell, inbox, ledger, meminfo, scanner, kills, kernlog, budgets, gpu)
+
+
+def _gpu_reading(source: GpuBytesSource | None) -> GpuBytesSource:
+    """Telemetry's per-pid GPU bytes, or None: a failing source only costs the ranking its GPU figures."""
+
+    def read() -> policy.GpuBytes | None:
+        if source is None:
+            return None
+        try:
+            return source()
+        except Exception as exc:  # a GPU figure only refines the ranking: never let it stop a kill
+            log.warning("GPU bytes unavailable: %r", exc)
+            return None
+
+    return read
 
 
 class PoolWatch:
     # Settings applied on SIGHUP without a restart: those GuardConfig marks LIVE (the one declaration).
     LIVE_KEYS = GuardConfig.live_keys()
 
+    @classmethod
+    def build(
+        cls, config: GuardConfig, events: EventLog, links: GuardLinks = GuardLinks(), inbox: KillInbox | None = None
+    ) -> PoolWatch:
+        """A pool watch with its own collaborators (a bench, a test); the guard process builds them itself."""
+        return cls(config, events, PoolParts.of(config, events, links, inbox=inbox), links)
+
     def __init__(
-        self, config: GuardConfig, events: EventLog, links: GuardLinks = GuardLinks(), inbox: KillInbox | None = None
+        self, config: GuardConfig, events: EventLog, parts: PoolParts, links: GuardLinks = GuardLinks()
     ) -> None:
-        """`inbox`: the guard's one way in for the requests of the budgets, the kernel log, the group watch and the
-        wedge watch (guard.inbox); drained on each tick, and its pipe wakes this thread."""
-        self.inbox = KillInbox() if inbox is None else inbox
-        self.snapshot = GuardSnapshot.of(config)  # swapped whole by reconfigure; a tick reads it once
-        self.events = events
-        self.links = links
-        self.lock = threading.Lock()
-        self.stats = GuardStats()
+        """`parts`: its collaborators, built first (PoolParts.of). `parts.inbox`: the guard's one way in for the
+        requests of the budgets, the kernel log, the group watch and the wedge watch (guard.inbox), drained on each
+        tick; its pipe wakes this thread."""
+        self.cell, self.inbox, self.events, self.links = parts.cell, parts.inbox, events, links
+        self.stats, self.lock = parts.ledger.stats, parts.ledger.lock
+        self.records, self.launched = parts.ledger.records, parts.ledger.launched
+        self.meminfo, self.scanner, self.kills = parts.meminfo, parts.scanner, parts.kills
+        self.kernlog, self.budgets, self._gpu = parts.kernlog, parts.budgets, parts.gpu
         self.state = core.GuardState()
-        proc_root = config.proc_root
-        # Everything the kill path needs exists before the first poll: fds open, threads started, code imported.
-        self.meminfo = MeminfoReader(proc_root)
-        self.scanner = ProcScanner(proc_root)
-        self.records = KillRecords(proc_root, events, self.stats, self.lock, config.kill_settle_s)
-        # Engines declared by `sparkwatch launch` (guard.launchwatch) and per-engine budgets (guard.budgets): both on
-        # this thread's tick; with nothing declared and no budget configured they cost one stat per directory.
-        self.launched = LaunchedEngines.for_settings(
-            config.state_dir, proc_root, self.records.record, config.ancestor_pid
-        )
-        self.kills = KillPath(
-            proc_root,
-            records=self.records,
-            meminfo=self.meminfo,
-            scanner=self.scanner,
-            launched=self.launched,
-            stats=self.stats,
-            lock=self.lock,
-            gpu=self._gpu,
-            gpu_holders=links.gpu_holders,
-            on_taken=links.on_taken,
-            snapshot=self.snapshot,
-            containers=links.containers,
-        )
         self._poller = select.poll()
         self._poller.register(self.inbox.fd, select.POLLIN)
-        self._psi_fd = self._open_psi_trigger(proc_root)
+        self._psi_fd = self._open_psi_trigger(config.proc_root)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._last_error_logged = 0.0
@@ -158,23 +237,15 @@ class PoolWatch:
         self._warm = threading.Event()
         self._scout: threading.Thread | None = None
         self.warm_scans_total = 0
-        self.near_floor = False  # read by the supervisor: state goes to telemetry four times a second near the floor
+        self.near_floor = False  # mirrored in links.near_floor for the supervisor: state goes out 4 times a second
         self.ticks = 0
-        # NVRM/Xid lines from /dev/kmsg, read non-blocking each tick: see _kernel_log.
-        self.kernlog = KernelLogWatch(
-            events,
-            proc_root,
-            lambda: (self.snapshot.rules, self.snapshot.scope),
-            enabled=config.kernel_log_corroboration,
-            accept_injected=config.kernel_log_accept_injected,
-            source=KmsgSource(config.kernel_log_path),
-        )
         self.budget_errors_total = 0  # a budget look that raised: the floor loop went on (counted, said once a minute)
         self._last_budget_error_logged = -math.inf
-        self.budgets = BudgetWatch(
-            str(proc_root), self.scanner, self.inbox.put, self.records.record, line=self.records.line
-        )
         self._taken: frozenset[policy.TreeKey] = frozenset()
+
+    @property
+    def snapshot(self) -> GuardSnapshot:
+        return self.cell.current
 
     @property
     def config(self) -> GuardConfig:
@@ -194,7 +265,7 @@ class PoolWatch:
         guard's thread, and swapped whole: the tick in progress finishes under the one it read."""
         snap = GuardSnapshot.of(config)
         with self.lock:
-            self.snapshot = snap
+            self.cell.current = snap
             self.records.reaper.settle_s = config.kill_settle_s
             self.kernlog.enabled = config.kernel_log_corroboration
             self.kernlog.accept_injected = config.kernel_log_accept_injected
@@ -322,6 +393,8 @@ class PoolWatch:
         on_news = self.links.on_news
         if (first or (near and not self.near_floor)) and on_news is not None:
             on_news()  # the supervisor tells telemetry now (a pipe write), not at its next heartbeat
+        if near != self.near_floor and self.links.near_floor is not None:
+            (self.links.near_floor.set if near else self.links.near_floor.clear)()
         self.near_floor = near
         if decision.trigger is None and not self._kernel_log(now, mem, snap) and near:
             self._warm.set()  # the scout rescans (at most once a second); this thread never waits for it
@@ -435,16 +508,6 @@ class PoolWatch:
         for fd, _ev in self._poller.poll(seconds * 1000):
             if fd == self.inbox.fd:
                 self.inbox.clear_wakeups()
-
-    def _gpu(self) -> policy.GpuBytes | None:
-        source = self.links.gpu_bytes_by_pid
-        if source is None:
-            return None
-        try:
-            return source()
-        except Exception as exc:  # a GPU figure only refines the ranking: never let it stop a kill
-            log.warning("GPU bytes unavailable: %r", exc)
-            return None
 
     def ranking(self, trees: list[EngineTree], now: float) -> tuple[policy.Candidate, ...]:
         """The order in which the guard would kill these trees now, with its reasons (guard.killpath)."""
