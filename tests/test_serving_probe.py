@@ -481,8 +481,7 @@ def test_a_busy_batch1_engine_is_never_wedged_and_a_frozen_one_is_handed_to_the_
     and again. Its own counters move: busy, never engine_wedged, never handed to the guard. Then its generation
     stops (counters frozen, requests hang): wedged, and handed over with the counter that stayed."""
     handed: list[Wedged] = []
-    telemetry = Telemetry(fast_settings(tmp_path, kill_wedged_after_s=0.5))
-    telemetry.on_wedged = handed.append
+    telemetry = Telemetry(fast_settings(tmp_path, kill_wedged_after_s=0.5), on_wedged=handed.append)
     try:
         with stand_in(tmp_path, "vllm", "serve", "/models/m", batch1_tok_s=40) as engine:
             run_until(telemetry, lambda ev: any(s.state == "serving" for s in telemetry.collect().serving))
@@ -516,8 +515,7 @@ def test_an_engine_without_counters_is_shown_wedged_and_never_handed_to_the_guar
     """No /metrics (404, as llama-cpp-python's server answers): a wedge cannot be told from busy there. It is shown
     wedged, says why, once in the log, and is never handed to the guard whatever kill_wedged_after_s says."""
     handed: list[Wedged] = []
-    telemetry = Telemetry(fast_settings(tmp_path, kill_wedged_after_s=0.3))
-    telemetry.on_wedged = handed.append
+    telemetry = Telemetry(fast_settings(tmp_path, kill_wedged_after_s=0.3), on_wedged=handed.append)
     caplog.set_level("WARNING", logger=logs.get("telemetry").name)
     try:
         with stand_in(tmp_path, "vllm", "serve", "/models/m") as engine:
