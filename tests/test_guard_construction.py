@@ -40,3 +40,13 @@ def test_the_pool_watch_builds_none_of_its_collaborators() -> None:
     built = {"MeminfoReader", "ProcScanner", "KillRecords", "KillPath", "KernelLogWatch", "BudgetWatch", "KillInbox"}
     assert not calls & built
     assert "LaunchedEngines" not in ast.unparse(_init(poolwatch.PoolWatch))
+
+
+def test_the_config_schema_never_imports_the_loader() -> None:
+    """config.settings imports the schema (lazily, for pydantic's sake); the schema imports config.errors and
+    config.defaults, never the loader back: schema ↔ settings is no cycle."""
+    import grimp
+
+    graph = grimp.build_graph("sparkwatch", cache_dir=None)
+    assert graph.find_shortest_chain(importer="sparkwatch.config.schema", imported="sparkwatch.config.settings") is None
+    assert graph.find_shortest_chain(importer="sparkwatch.config.settings", imported="sparkwatch.config.schema")
