@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import collections
 import os
-from collections.abc import Iterator
 
 from sparkwatch.guard.killpath import KillRequest
 
@@ -39,11 +38,10 @@ class KillInbox:
         self._queue.append(request)
         self.wake()
 
-    def drain(self) -> Iterator[KillRequest]:
-        """The requests waiting, oldest first (one popleft at a time: one submitted meanwhile comes too)."""
+    def take(self) -> KillRequest | None:
+        """The oldest request waiting, or None (no allocation and no exception when empty: the idle tick's case)."""
         queue = self._queue
-        while queue:
-            yield queue.popleft()
+        return queue.popleft() if queue else None
 
     def wake(self) -> None:
         """Make the pool watch look now (from any thread, never blocking)."""

@@ -8,9 +8,12 @@ waits on NVML, HTTP, disk sync or a webhook. Between samples it sleeps in poll(2
 kernel lets us create one) and a wake-up pipe, so pressure or shutdown wake it early. The scout thread keeps the
 scanner's argv cache warm near the floor.
 
-Its dependencies (telemetry's GPU readings, the supervisor's wake-up, the flight recorder, …) arrive in the
-constructor as GuardLinks, and its config as one GuardConfig, compiled into a GuardSnapshot: a reload swaps the
-snapshot whole, and each tick reads it once.
+Its collaborators (the meminfo reader, the scanner, the ledger of kills and launched engines, the kill path, the
+kernel-log hook, the budgets, the inbox) are built before it and arrive whole as PoolParts; what it reads of the
+process around it (telemetry's GPU readings, the supervisor's wake-up, the flight recorder, …) as GuardLinks; its
+config as one GuardConfig, compiled into a GuardSnapshot held in a SnapshotCell: a reload swaps the snapshot whole,
+and each tick reads it once. Requests other than the pool's own come through the inbox (guard.inbox), drained on
+the tick: the budgets' and the kernel log's on the tick that made them, the group and wedge watches' on the next.
 """
 
 from __future__ import annotations
@@ -458,7 +461,8 @@ class PoolWatch:
 
     def _drain(self, mem: MemInfo, snap: GuardSnapshot) -> None:
         """The inbox's requests, in the order they came, each through the one kill path with this tick's sample."""
-        for request in self.inbox.drain():
+        take = self.inbox.take
+        while (request := take()) is not None:  # one submitted meanwhile comes too
             self.state = self.kills.fire(request, mem, self.state, snap)
 
     def _kernel_log(self, now: float, mem: MemInfo, snap: GuardSnapshot) -> bool:
