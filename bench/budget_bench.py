@@ -99,7 +99,7 @@ def guard(tmp: Path, budgets: list[str], floor: int) -> tuple[PoolWatch, list[fl
             "kernel_log_path": tmp / "no-kmsg",
         }
     )
-    pool = PoolWatch(guard_config(settings), EventLog(settings.events_path))
+    pool = PoolWatch.build(guard_config(settings), EventLog(settings.events_path))
     signals: list[float] = []
     killer = pool.kills.killer
     kill = killer.kill

@@ -47,7 +47,7 @@ def main() -> None:
                 "kernel_log_path": Path(tmp) / "no-kmsg",
             },
         )
-        guard = PoolWatch(guard_config(settings), EventLog(settings.events_path))
+        guard = PoolWatch.build(guard_config(settings), EventLog(settings.events_path))
         for _ in range(2000):  # warm: caches, the first tick's news
             guard.tick()
         rounds_us = []

@@ -240,7 +240,7 @@ def test_the_budget_watch_takes_a_containers_label_and_a_protected_one_is_never_
     watch = BudgetWatch(
         str(root),
         ProcScanner(root),
-        kill=lambda t, fp: killed.append((t.key[0], t.source, t.budget_bytes)),
+        kill=lambda r: killed.append((r.target.tree.root.pid, r.target.source, r.target.budget_bytes)),  # type: ignore[union-attr]
         event=lambda *e: None,
         line=lambda level, text: lines.append(text),
     )

@@ -207,7 +207,7 @@ def test_low_headroom_alerts_on_entering_the_band(tmp_path: Path) -> None:
         },
     )
     events = EventLog(settings.events_path)
-    guard = PoolWatch(guard_config(settings), events)
+    guard = PoolWatch.build(guard_config(settings), events)
     watch = HeadroomWatcher(
         settings, lambda: None if guard.stats.mem is None else guard.stats.mem.available_bytes, events
     )

@@ -132,7 +132,9 @@ def test_a_near_budget_engine_is_watched_and_a_gpu_step_is_killed_on_the_next_lo
     )
     woken: list[int] = []
     board = GpuBoard(on_sample=lambda: woken.append(1))
-    guard = PoolWatch(guard_config(settings), EventLog(settings.events_path), GuardLinks(gpu_bytes_by_pid=board.latest))
+    guard = PoolWatch.build(
+        guard_config(settings), EventLog(settings.events_path), GuardLinks(gpu_bytes_by_pid=board.latest)
+    )
     fake, source = nvml_for(root, 5 * GiB)
     guard_end, tel_end = (Channel(s) for s in socketpair())
     guard.reaper.start()

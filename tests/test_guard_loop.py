@@ -32,7 +32,7 @@ def make_guard(proc_root: Path, state_dir: Path, links: GuardLinks | None = None
     settings = load_settings(
         overrides={"proc_root": proc_root, "state_dir": state_dir, "floor": "8GiB", "mlock": False, **overrides}
     )
-    return PoolWatch(guard_config(settings), EventLog(settings.events_path), links or GuardLinks())
+    return PoolWatch.build(guard_config(settings), EventLog(settings.events_path), links or GuardLinks())
 
 
 def test_garbled_meminfo_is_reported_never_a_kill(proc_root: Path, tmp_path: Path) -> None:

@@ -52,7 +52,7 @@ def make_guard(proc_root: Path, state_dir: Path, gpu: GpuBytesSource | None = No
             "ancestor_pid": os.getpid(),
         }
     )
-    return PoolWatch(guard_config(settings), EventLog(settings.events_path), GuardLinks(gpu_bytes_by_pid=gpu))
+    return PoolWatch.build(guard_config(settings), EventLog(settings.events_path), GuardLinks(gpu_bytes_by_pid=gpu))
 
 
 def test_memory_recovered_while_choosing_cancels_the_kill(spawner: Spawner, proc_root: Path, tmp_path: Path) -> None:
@@ -171,7 +171,7 @@ def make_budget_guard(proc_root: Path, state_dir: Path, **overrides: object) -> 
             **overrides,
         }
     )
-    return PoolWatch(guard_config(settings), EventLog(settings.events_path))
+    return PoolWatch.build(guard_config(settings), EventLog(settings.events_path))
 
 
 def ticked(guard: PoolWatch, done: Callable[[], bool]) -> Callable[[], bool]:
@@ -244,7 +244,9 @@ def test_a_reload_lands_between_ticks_whole(proc_root: Path, tmp_path: Path) -> 
             applied.append(guard.reconfigure(lower))  # SIGHUP's reload thread, mid-tick
         return None
 
-    guard = PoolWatch(guard_config(settings), EventLog(settings.events_path), GuardLinks(engines_hint=engines_hint))
+    guard = PoolWatch.build(
+        guard_config(settings), EventLog(settings.events_path), GuardLinks(engines_hint=engines_hint)
+    )
     try:
         guard.tick()
         assert applied and "floor" in applied[0] and guard.config.floor == 6 * GiB

@@ -427,3 +427,31 @@ def test_a_guard_over_its_rss_cap_says_so_and_restarts(tmp_path: Path) -> None:
     events = [e for e in read_events(tmp_path / "s" / "events.jsonl") if e["kind"] == "component_restarted"]
     assert events and events[-1]["component"] == "guard" and "over its 1 MiB cap" in str(events[-1]["reason"])
     assert not gp.guard._thread or not gp.guard._thread.is_alive()  # the pool watch was stopped first
+
+
+def test_every_kill_asking_message_has_its_verifier_in_the_supervisor_s_table(tmp_path: Path) -> None:
+    """One way in: each telemetry → guard message that asks for a kill (common.messages.KILL_ASKS) maps to its
+    verifier in the supervisor's one table, and the supervisor hands it there without a branch of its own."""
+    from sparkwatch.common import messages
+    from sparkwatch.config.schema import guard_config
+    from sparkwatch.config.settings import load_settings
+    from sparkwatch.guard.process import GuardProcess
+
+    asks = messages.KILL_ASKS
+    assert {cls.ASKS for cls in asks} == {"group_teardown", "wedged"}
+    settings = load_settings(
+        None,
+        {"state_dir": tmp_path / "s", "mlock": False, "floor": "1GiB", "kernel_log_path": str(tmp_path / "no-kmsg")},
+    )
+    gp = GuardProcess(guard_config(settings), telemetry=None)
+    assert set(gp.supervisor.verifiers) == set(asks)
+    seen: list[object] = []
+    gp.supervisor.verifiers = dict.fromkeys(asks, seen.append)
+    for cls in asks:
+        msg = next(
+            m
+            for m in (messages.GroupTeardownMsg("g", "rank_died", "n", None), messages.WedgedMsg("vllm", 1, 1, 9.0, 3))
+            if type(m) is cls
+        )
+        gp.supervisor._handle(msg)
+    assert [type(m) for m in seen] == list(asks)

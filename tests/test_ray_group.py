@@ -724,10 +724,10 @@ def guard_with_groups(tmp_path: Path, **overrides: object) -> Iterator[tuple[Poo
             **overrides,
         },
     )
-    pool = PoolWatch(guard_config(settings), EventLog(tmp_path / "events.jsonl"))
+    pool = PoolWatch.build(guard_config(settings), EventLog(tmp_path / "events.jsonl"))
     pool.reaper.start()
     try:
-        yield pool, GroupWatch(lambda: pool.snapshot, pool.request_group_teardown)
+        yield pool, GroupWatch(lambda: pool.snapshot, pool.inbox.submit)
     finally:
         pool.reaper.stop()
 
@@ -807,8 +807,7 @@ def test_the_guard_process_honours_group_teardown_itself(tmp_path: Path, on: boo
         msg = GroupTeardownMsg(
             "pg1", raygroup.RANK_DIED, "10.0.0.2", 300, ((rank.pid, ticks, raygroup.RANK),), 1.0, owner_uid=os.getuid()
         )
-        assert gp.supervisor.on_group_teardown is not None
-        gp.supervisor.on_group_teardown(msg)
+        gp.supervisor.verifiers[GroupTeardownMsg](msg)
         gp.guard.reaper.start()
         try:
             gp.guard.tick()
@@ -1293,7 +1292,7 @@ def test_the_guard_holds_a_rank_to_a_peer_budget_only_for_that_very_process_and_
     rules, scope = engine_rules(settings), engine_scope(settings)
 
     def tracked(peer: dict[tuple[int, int], tuple[int, int]]) -> dict[tuple[int, int], str]:
-        watch = BudgetWatch("/proc", ProcScanner(Path("/proc")), kill=lambda t, fp: None, event=lambda *e: None)
+        watch = BudgetWatch("/proc", ProcScanner(Path("/proc")), kill=lambda r: None, event=lambda *e: None)
         watch.tick(time.monotonic(), 1 << 40, rules=rules, scope=scope, params=BudgetParams(), config_budgets=(),
                    launched=(), gpu=None, peer_budgets=peer)  # fmt: skip
         return {k: t.source for k, t in watch.tracked.items()}

@@ -481,8 +481,7 @@ def test_a_busy_batch1_engine_is_never_wedged_and_a_frozen_one_is_handed_to_the_
     and again. Its own counters move: busy, never engine_wedged, never handed to the guard. Then its generation
     stops (counters frozen, requests hang): wedged, and handed over with the counter that stayed."""
     handed: list[Wedged] = []
-    telemetry = Telemetry(fast_settings(tmp_path, kill_wedged_after_s=0.5))
-    telemetry.on_wedged = handed.append
+    telemetry = Telemetry(fast_settings(tmp_path, kill_wedged_after_s=0.5), on_wedged=handed.append)
     try:
         with stand_in(tmp_path, "vllm", "serve", "/models/m", batch1_tok_s=40) as engine:
             run_until(telemetry, lambda ev: any(s.state == "serving" for s in telemetry.collect().serving))
@@ -516,8 +515,7 @@ def test_an_engine_without_counters_is_shown_wedged_and_never_handed_to_the_guar
     """No /metrics (404, as llama-cpp-python's server answers): a wedge cannot be told from busy there. It is shown
     wedged, says why, once in the log, and is never handed to the guard whatever kill_wedged_after_s says."""
     handed: list[Wedged] = []
-    telemetry = Telemetry(fast_settings(tmp_path, kill_wedged_after_s=0.3))
-    telemetry.on_wedged = handed.append
+    telemetry = Telemetry(fast_settings(tmp_path, kill_wedged_after_s=0.3), on_wedged=handed.append)
     caplog.set_level("WARNING", logger=logs.get("telemetry").name)
     try:
         with stand_in(tmp_path, "vllm", "serve", "/models/m") as engine:
@@ -655,18 +653,18 @@ def test_the_guard_checks_a_wedge_itself_before_its_kill_path_kills(tmp_path: Pa
                 "kill_wedged_after_s": after_s,
             },
         )
-        return PoolWatch(guard_config(settings), EventLog(tmp_path / "events.jsonl"))
+        return PoolWatch.build(guard_config(settings), EventLog(tmp_path / "events.jsonl"))
 
     with stand_in(tmp_path, "vllm", "serve", "/models/m") as engine, stand_in(tmp_path, "python3", "train.py") as other:
         ticks = read_start_ticks("/proc", engine.proc.pid) or 0
         msg = WedgedMsg("vllm", engine.proc.pid, ticks, 120.0, 3, "HTTP 500", "vllm:generation_tokens_total", 1234.0)
         off = guard(0.0)
-        watch = WedgeWatch(lambda: off.snapshot, off.request_wedged_kill)
+        watch = WedgeWatch(lambda: off.snapshot, off.inbox.submit)
         assert not watch.handle(msg) and watch.off_total == 1
         pool = guard(60.0)
         pool.reaper.start()
         try:
-            watch = WedgeWatch(lambda: pool.snapshot, pool.request_wedged_kill)
+            watch = WedgeWatch(lambda: pool.snapshot, pool.inbox.submit)
             assert not watch.handle(WedgedMsg("vllm", engine.proc.pid, ticks + 1, 120.0, 3))  # a reused pid
             assert not watch.handle(WedgedMsg("vllm", engine.proc.pid, ticks, 30.0, 3))  # not wedged long enough
             other_ticks = read_start_ticks("/proc", other.proc.pid) or 0

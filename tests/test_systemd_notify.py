@@ -175,7 +175,7 @@ def test_status_line() -> None:
 @pytest.mark.usefixtures("no_sparkwatch_env")
 def test_guard_reconfigure_applies_live(tmp_path: Path) -> None:
     settings = load_settings(None, {"state_dir": tmp_path, "floor": "8GiB", "dry_run": True, "mlock": False})
-    guard = PoolWatch(guard_config(settings), EventLog(settings.events_path))
+    guard = PoolWatch.build(guard_config(settings), EventLog(settings.events_path))
     try:
         new = load_settings(
             None,

@@ -184,7 +184,7 @@ def test_scrape_during_a_kill(spawner: Spawner, tmp_path: Path) -> None:
     spawner.engine("--worker", "VLLM::Worker_TP0", "--worker", "VLLM::Worker_TP1", pidfile=pidfile, wait_for=3)
     members = pids_in(pidfile)
     events = EventLog(settings.events_path)
-    guard = PoolWatch(guard_config(settings), events)
+    guard = PoolWatch.build(guard_config(settings), events)
     loop = TelemetryLoop(Telemetry(settings), 0.05)
     loop.run_once()
     registry = build_registry(settings, lambda: loop.latest, guard, events)

@@ -47,7 +47,7 @@ def test_reload_applies_between_cycles(tmp_path: Path) -> None:
 def test_exporter_follows_the_guards_live_floor(tmp_path: Path) -> None:
     settings = build_scenario(tmp_path)
     events = EventLog(settings.events_path)
-    guard = PoolWatch(guard_config(settings), events)
+    guard = PoolWatch.build(guard_config(settings), events)
     registry = build_registry(settings, lambda: None, guard, events)
     assert value(render(registry), "sparkwatch_memory_floor_bytes") == 8 << 30
     assert value(render(registry), "sparkwatch_guard_dry_run") == 0

@@ -145,3 +145,17 @@ class GuardSnapshot:
             scope=engine_scope(config),
             engine_budgets=tuple(parse_engine_budgets(config.engine_budgets)),
         )
+
+
+class SnapshotCell:
+    """The guard's config snapshot in force: swapped whole on SIGHUP (guard.poolwatch.PoolWatch.reconfigure), read by
+    whatever needs the rules of the moment (the pool watch's tick, the kernel-log hook, the group and wedge watches).
+    Built before all of them, so none needs the pool watch built first. Calling it reads it (a reference read)."""
+
+    __slots__ = ("current",)
+
+    def __init__(self, config: GuardConfig) -> None:
+        self.current = GuardSnapshot.of(config)
+
+    def __call__(self) -> GuardSnapshot:
+        return self.current

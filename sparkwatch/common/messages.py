@@ -58,6 +58,7 @@ from sparkwatch.common.stats import GuardStats, KernelLogStats
 from sparkwatch.common.wiretypes import WireError, from_json, to_json
 from sparkwatch.core.container import NOTE_TEXT_MAX, NOTES_MAX, ContainerNote
 from sparkwatch.core.eventkinds import EventKind
+from sparkwatch.core.kill.triggers import Trigger
 from sparkwatch.core.model import Event
 
 VERSION = 2
@@ -148,6 +149,7 @@ TEARDOWN_RESEND_S = 2.0
 @dataclass(frozen=True, slots=True)
 class GroupTeardownMsg:
     KIND: ClassVar[Kind] = Kind.GROUP_TEARDOWN
+    ASKS: ClassVar[Trigger] = Trigger.GROUP_TEARDOWN  # a kill request: guard.groupwatch verifies it
     group: str  # the group's id (Ray: its placement group; without Ray: the rendezvous, core.kill.mpgroup)
     cause: str  # core.kill.raygroup: rank_died, node_dead; core.kill.mpgroup: rank_died, peer_lost
     first_node: str  # where the first member died (Ray: its node's address)
@@ -187,6 +189,7 @@ class GpuSampleMsg:
 @dataclass(frozen=True, slots=True)
 class WedgedMsg:
     KIND: ClassVar[Kind] = Kind.WEDGED
+    ASKS: ClassVar[Trigger] = Trigger.WEDGED  # a kill request: guard.wedgewatch verifies it
     kind: str  # the engine's kind, as telemetry named it
     root_pid: int
     start_ticks: int
@@ -236,6 +239,13 @@ _BY_KIND: dict[str, type[Any]] = {
         ContainersMsg,
     )
 }
+
+# The telemetry → guard messages that ask for a kill (an `ASKS` trigger each): the guard's supervisor hands each to its
+# verifier (guard.supervisor's `verifiers` table, built in guard.process), which checks it in the guard's own reads of
+# /proc and hands what passes to the guard's inbox. A test holds that table covering every one of these.
+KILL_ASKS: tuple[type[GroupTeardownMsg | WedgedMsg], ...] = tuple(
+    cls for cls in _BY_KIND.values() if hasattr(cls, "ASKS")
+)
 
 
 def encode(msg: Message) -> bytes:

@@ -44,7 +44,7 @@ from sparkwatch.config.defaults import (
     default_state_dir,
     default_vllm_cache_dirs,
 )
-from sparkwatch.config.settings import ENV_PREFIX, TEST_ENV_PREFIX, ConfigError
+from sparkwatch.config.errors import ENV_PREFIX, TEST_ENV_PREFIX, ConfigError
 from sparkwatch.core import bounded
 from sparkwatch.core.engines.identity import compile_engine_patterns, compile_protect_patterns
 from sparkwatch.core.kill.policy import (

@@ -23,6 +23,7 @@ from sparkwatch.config.defaults import (
     default_state_dir,
     default_vllm_cache_dirs,
 )
+from sparkwatch.config.errors import ENV_PREFIX, TEST_ENV_PREFIX, ConfigError
 from sparkwatch.core.units import format_size
 
 if TYPE_CHECKING:
@@ -43,9 +44,6 @@ __all__ = [
     "wire_settings",
 ]
 
-ENV_PREFIX = "SPARKWATCH_"
-# Names under this prefix belong to the test suite (SPARKWATCH_TEST_REQUIRE_TOOLS), not to the daemon.
-TEST_ENV_PREFIX = ENV_PREFIX + "TEST_"
 CONFIG_FILE_MAX_BYTES = 1 << 20  # a config file is a few hundred bytes; a bigger one is not a config file
 
 _SCHEMA_NAMES = frozenset({"Settings", "settings_to_wire", "settings_from_wire"})
@@ -58,10 +56,6 @@ def __getattr__(name: str) -> Any:
 
         return getattr(schema, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-class ConfigError(Exception):
-    """A configuration mistake, already phrased for a human in one line."""
 
 
 def _read_toml(path: Path) -> dict[str, Any]:

@@ -31,6 +31,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -46,8 +47,10 @@ from sparkwatch.core.eventkinds import EventKind
 from sparkwatch.core.kill import budget as core
 from sparkwatch.core.kill.footprint import Footprint, FootprintInputs, FootprintSource, footprint, owned_scope
 from sparkwatch.core.kill.policy import GPU_STALE_S, GpuBytes, TreeKey, first_match
+from sparkwatch.core.kill.triggers import Trigger
 from sparkwatch.core.model import EngineTree, Proc
 from sparkwatch.core.units import format_size
+from sparkwatch.guard.killpath import BudgetFacts, KillRequest
 
 log = logs.get("guard")
 
@@ -75,9 +78,9 @@ class Tracked:
         return self.tree.root.display_name
 
 
-# What a budget kill hands to the pool watch: (tree, trigger facts) -> None. The pool watch owns the killer, the reaper
-# and the stats, and records the kill as it records every other.
-KillFn = Callable[[Tracked, Footprint], None]
+# Where a budget kill goes: the guard's inbox (guard.inbox.KillInbox.put), drained into the one kill path on this same
+# tick. The kill path owns the killer, the reaper and the stats, and records the kill as it records every other.
+KillFn = Callable[[KillRequest], None]
 EventFn = Callable[[EventKind, str, dict[str, object], int, str], None]
 
 
@@ -234,7 +237,9 @@ class BudgetWatch:
                 self._next_discovery = min(self._next_discovery, now + NEAR_DISCOVER_EVERY_S)
             if decision.kill:
                 t.killed = True
-                self.kill(t, fp)
+                self.kill(
+                    KillRequest(Trigger.BUDGET, time.monotonic(), BudgetFacts(t.tree, t.budget_bytes, t.source, fp))
+                )
         due = [t.next_t for t in self.tracked.values() if not t.killed]
         wake = min([*due, self._next_discovery]) if due else self._next_discovery
         return max(wake - now, 0.0)

@@ -14,9 +14,10 @@ reads of /proc:
   `VLLM::EngineCore`), and the guard's own rules let it be touched (core.engines.identity.may_touch: its
   uid, never a protected or system process, never the guard's ancestors).
 The members that pass are one tree (the API server first), handed to the guard's one kill path as a request
-(guard.killpath, trigger `group_teardown`): the pool watch's next tick, woken at once, kills it (pin by pidfd,
-SIGSTOP, sweep children, SIGKILL), counts it and tracks its teardown like any other kill, and the reaper records one
-`group_teardown` event: the group, the cause, the node and pid of the first death, this node's members.
+(guard.killpath, trigger `group_teardown`) through the guard's inbox (guard.inbox): the pool watch's next tick, woken
+at once, kills it (pin by pidfd, SIGSTOP, sweep children, SIGKILL), counts it and tracks its teardown like any other
+kill, and the reaper records one `group_teardown` event: the group, the cause, the node and pid of the first death,
+this node's members.
 
 Runs on the supervisor's thread (it receives the message): the checks read a few small /proc files per member.
 """
@@ -24,6 +25,7 @@ Runs on the supervisor's thread (it receives the message): the checks read a few
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable
 
 from sparkwatch.common.guardconfig import GuardSnapshot
@@ -32,8 +34,9 @@ from sparkwatch.common.sources.procs import ProcParseError, ProcScanner
 from sparkwatch.core.engines.identity import engine_kind, may_touch
 from sparkwatch.core.kill import mpgroup, raygroup
 from sparkwatch.core.kill.killrecord import GroupLoss
+from sparkwatch.core.kill.triggers import Trigger
 from sparkwatch.core.model import EngineTree, Proc
-from sparkwatch.guard.killpath import GROUP_COUNTERS, GroupFacts
+from sparkwatch.guard.killpath import GROUP_COUNTERS, GroupFacts, KillRequest
 
 # the tree's order: the API server first (it is the root); a group without Ray has one member a node, its engine's root
 ROLES = (mpgroup.MP_RANK, mpgroup.MP_ORPHAN, raygroup.API, raygroup.DRIVER, raygroup.RANK)
@@ -41,10 +44,10 @@ MP_ROLES = frozenset({mpgroup.MP_RANK, mpgroup.MP_ORPHAN})
 
 
 class GroupWatch:
-    def __init__(self, snapshot: Callable[[], GuardSnapshot], submit: Callable[[GroupFacts], None]) -> None:
+    def __init__(self, snapshot: Callable[[], GuardSnapshot], submit: Callable[[KillRequest], None]) -> None:
         """`snapshot`: the guard's config snapshot now (the pool watch's, swapped whole on SIGHUP): the rules and scope
-        of each check are those in force when it comes. `submit`: hands the checked members to the kill path
-        (guard.poolwatch.PoolWatch.request_group_teardown)."""
+        of each check are those in force when it comes. `submit`: hands the checked members to the kill path (the
+        guard's inbox, guard.inbox.KillInbox.submit)."""
         self.snapshot = snapshot
         self.submit = submit
         first = snapshot()
@@ -103,7 +106,8 @@ class GroupWatch:
             peer_word=msg.peer_word,
         )
         kind = "mp-group" if members[0][1] in MP_ROLES else "ray-group"
-        self.submit(GroupFacts(EngineTree(kind=kind, root=procs[0], members=procs), loss))
+        target = GroupFacts(EngineTree(kind=kind, root=procs[0], members=procs), loss)
+        self.submit(KillRequest(Trigger.GROUP_TEARDOWN, time.monotonic(), target))
         self.teardowns_total += 1
         return len(members)
 

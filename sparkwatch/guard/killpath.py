@@ -4,8 +4,10 @@ The detectors only decide: the pool watch's floor and prediction (core.kill.trig
 `hunt`), the kernel-log hook (`driver_alloc_failed`, guard.kernlog), the budgets (`budget`, guard.budgets) and the
 group watch (`group_teardown`, guard.groupwatch: a group spanning nodes lost a member) and the wedge watch (`wedged`,
 guard.wedgewatch: an engine up but not serving for kill_wedged_after_s). Each builds one frozen
-KillRequest (its trigger, the MemInfo sample it decided on, when, and for a budget or a group the tree it chose with
-its facts) and hands it to `KillPath.fire` on the guard's own thread. That one owner:
+KillRequest (its trigger, when, and for a trigger that names its own tree the target it checked, with its facts). The
+pool watch fires its own on its tick; every other detector hands its request to the guard's one inbox (guard.inbox),
+which the pool watch drains on its tick. Either way `KillPath.fire` gets it on the guard's own thread, with the tick's
+MemInfo sample. That one owner:
 1. chooses: a /proc scan ranked by core.kill.policy (growth history, GPU bytes, kill order), never a tree already
    signalled in this episode or still tearing down; a budget's, a group's or a wedge's request names its tree, chosen
    unless it is such a tree (its kill is then the one under way: nothing more is signalled or recorded);
@@ -113,19 +115,23 @@ class WedgedFacts:
     counter_value: float
 
 
+# The tree a request names, with its facts as its detector or verifier found them (a budget's, a group's, a wedge's);
+# a pool trigger names none: the kill path chooses the tree itself.
+Target = BudgetFacts | GroupFacts | WedgedFacts
+
+
 @dataclass(frozen=True, slots=True)
 class KillRequest:
-    """One trigger's word to the kill path. `mem`: the sample it decided on; `detected_at`: monotonic time of it;
-    `growing_only`: during a teardown only a tree that is itself growing may die; `budget`: set for trigger `budget`;
-    `group`: set for trigger `group_teardown`; `wedged`: set for trigger `wedged`."""
+    """One trigger's word to the kill path: its trigger, `detected_at` (monotonic time of the decision), and for a
+    trigger that names its own tree (TRIGGERS[trigger].names_tree) the `target` it checked; `growing_only`: during a
+    teardown only a tree that is itself growing may die. The MemInfo sample it is weighed against is the tick's that
+    hands it to `KillPath.fire`. Pool triggers come from the pool watch's tick; every other comes through its inbox
+    (guard.inbox)."""
 
     trigger: Trigger
-    mem: MemInfo
     detected_at: float
+    target: Target | None = None
     growing_only: bool = False
-    budget: BudgetFacts | None = None
-    group: GroupFacts | None = None
-    wedged: WedgedFacts | None = None
 
 
 # Per-pid GPU bytes as the guard last heard them from telemetry, or None (the policy ranks without them).
@@ -262,10 +268,11 @@ class _Choice:
 
 
 def _named(req: KillRequest, facts: KillFacts) -> tuple[_Choice, KillFacts] | None:
-    """The tree a budget's or a group's request names, with what its record says of it; None for the pool's triggers,
-    whose tree the kill path chooses itself."""
-    if req.budget is not None:
-        b, fp, tree = req.budget, req.budget.footprint, req.budget.tree
+    """The tree a request names (its target), with what its record says of it; None for the pool's triggers, whose
+    tree the kill path chooses itself."""
+    target = req.target
+    if isinstance(target, BudgetFacts):
+        b, fp, tree = target, target.footprint, target.tree
         reasons = (f"over its budget {format_size(b.budget_bytes)} ({b.source})",)
         facts = replace(
             facts,
@@ -275,12 +282,12 @@ def _named(req: KillRequest, facts: KillFacts) -> tuple[_Choice, KillFacts] | No
             footprint_source=str(fp.source),
         )
         return _Choice(tree, tree.root.key, fp.bytes, tree.rss_bytes, fp.gpu_bytes, reasons), facts
-    if req.group is not None:
-        loss, tree = req.group.loss, req.group.tree
+    if isinstance(target, GroupFacts):
+        loss, tree = target.loss, target.tree
         reasons = (f"its group lost a member: {loss.death}",)
         return _Choice(tree, tree.root.key, tree.rss_bytes, tree.rss_bytes, None, reasons), replace(facts, group=loss)
-    if req.wedged is not None:
-        w, tree = req.wedged, req.wedged.tree
+    if isinstance(target, WedgedFacts):
+        w, tree = target, target.tree
         stall = WedgeStall(w.failures, w.wedged_for_s, w.error, w.counter, w.counter_value)
         reasons = (
             f"wedged: up but not serving for {w.wedged_for_s:.0f} s ({w.failures} one-token probes failed in a row"
@@ -335,6 +342,10 @@ class KillPath:
         self._episode_victims: set[policy.TreeKey] = set()
         self._hunt_recorded = False  # one no_victim event per stretch of hunting, not one per look
 
+    def last_scan(self) -> tuple[float, tuple[EngineTree, ...]] | None:
+        """The trees of the last own scan (monotonic time, trees), for the flight recorder (a reference read)."""
+        return self.seen_trees
+
     # --- the growth history (the scout's warm scans and the kill path's own)
     def observe(self, now: float, trees: list[EngineTree], snap: GuardSnapshot) -> policy.GpuBytes | None:
         gpu = self._gpu()
@@ -368,13 +379,14 @@ class KillPath:
         return state
 
     # --- the kill
-    def fire(self, req: KillRequest, state: core.GuardState, snap: GuardSnapshot) -> core.GuardState:
-        """Act on one request; returns core.kill.trigger's state with what came of it."""
+    def fire(self, req: KillRequest, mem: MemInfo, state: core.GuardState, snap: GuardSnapshot) -> core.GuardState:
+        """Act on one request, weighed against `mem` (the sample of the tick that hands it over); returns
+        core.kill.trigger's state with what came of it."""
         config = snap.config
         exclude = self._episode_victims.union(self._outstanding)
         facts = KillFacts(
             trigger=req.trigger,
-            mem=req.mem,
+            mem=mem,
             floor_bytes=config.floor,
             fill_rate_bytes_per_s=state.fill_rate_bytes_per_s,
             dry_run=config.dry_run,
@@ -403,7 +415,7 @@ class KillPath:
                 state = core.fired(state, time.monotonic(), core.Outcome.NONE)
                 if not req.growing_only and not self._hunt_recorded:
                     self._hunt_recorded = True  # one no_victim event; the guard keeps looking while under the floor
-                    self.records.reaper.submit(KillJob(facts, [], req.detected_at, None, req.mem.available_bytes))
+                    self.records.reaper.submit(KillJob(facts, [], req.detected_at, None, mem.available_bytes))
                 return state
             held = picked.rss_bytes + (picked.gpu_bytes or 0)
             choice = _Choice(picked.tree, picked.key, held, picked.rss_bytes, picked.gpu_bytes, picked.reasons)
@@ -411,8 +423,8 @@ class KillPath:
         try:
             available_now = self.meminfo.read().available_bytes
         except MeminfoError:
-            available_now = req.mem.available_bytes  # the decision stands on the last good sample
-        decided = req.mem.available_bytes
+            available_now = mem.available_bytes  # the decision stands on the last good sample
+        decided = mem.available_bytes
         rate = state.fill_rate_bytes_per_s
         if core.should_cancel(
             req.trigger, decided, available_now, rate, floor=config.floor, kill_budget_s=config.kill_budget_s

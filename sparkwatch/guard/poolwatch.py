@@ -8,14 +8,16 @@ waits on NVML, HTTP, disk sync or a webhook. Between samples it sleeps in poll(2
 kernel lets us create one) and a wake-up pipe, so pressure or shutdown wake it early. The scout thread keeps the
 scanner's argv cache warm near the floor.
 
-Its dependencies (telemetry's GPU readings, the supervisor's wake-up, the flight recorder, …) arrive in the
-constructor as GuardLinks, and its config as one GuardConfig, compiled into a GuardSnapshot: a reload swaps the
-snapshot whole, and each tick reads it once.
+Its collaborators (the meminfo reader, the scanner, the ledger of kills and launched engines, the kill path, the
+kernel-log hook, the budgets, the inbox) are built before it and arrive whole as PoolParts; what it reads of the
+process around it (telemetry's GPU readings, the supervisor's wake-up, the flight recorder, …) as GuardLinks; its
+config as one GuardConfig, compiled into a GuardSnapshot held in a SnapshotCell: a reload swaps the snapshot whole,
+and each tick reads it once. Requests other than the pool's own come through the inbox (guard.inbox), drained on
+the tick: the budgets' and the kernel log's on the tick that made them, the group and wedge watches' on the next.
 """
 
 from __future__ import annotations
 
-import collections
 import logging
 import math
 import os
@@ -29,7 +31,7 @@ from types import MappingProxyType
 
 from sparkwatch.common import logs
 from sparkwatch.common.eventlog import EventLog
-from sparkwatch.common.guardconfig import GuardConfig, GuardSnapshot
+from sparkwatch.common.guardconfig import GuardConfig, GuardSnapshot, SnapshotCell
 from sparkwatch.common.sources.kmsg import KmsgSource
 from sparkwatch.common.sources.meminfo import MeminfoError, MeminfoReader
 from sparkwatch.common.sources.procs import ProcScanner
@@ -39,14 +41,14 @@ from sparkwatch.core.container import NO_NOTES, ContainerNotes
 from sparkwatch.core.engines.identity import find_engine_trees
 from sparkwatch.core.kill import policy
 from sparkwatch.core.kill import trigger as core
-from sparkwatch.core.kill.footprint import Footprint
 from sparkwatch.core.kill.triggers import Trigger
 from sparkwatch.core.model import EngineTree, MemInfo
 from sparkwatch.core.units import format_size
-from sparkwatch.guard.budgets import BudgetWatch, Tracked
+from sparkwatch.guard.budgets import BudgetWatch
+from sparkwatch.guard.inbox import KillInbox
 from sparkwatch.guard.kernlog import KernelLogWatch
 from sparkwatch.guard.killer import Reaper
-from sparkwatch.guard.killpath import BudgetFacts, GroupFacts, KillPath, KillRecords, KillRequest, WedgedFacts
+from sparkwatch.guard.killpath import KillPath, KillRecords, KillRequest
 from sparkwatch.guard.launchwatch import LaunchedEngines
 from sparkwatch.guard.recorder import FlightRecorder, Tick
 
@@ -103,50 +105,133 @@ class GuardLinks:
     # What telemetry last told of the containers (names, io.sparkwatch.* labels: budgets, protection, priority), by
     # container id; the guard matches its own trees to them by the id in each tree's cgroup path (core.containerid).
     containers: Callable[[], ContainerNotes] = _no_containers
+    # Set while the pool watch is near the floor (the supervisor then sends the state four times a second)
+    near_floor: threading.Event | None = None
 
 
 log = logs.get("guard")
+
+
+@dataclass(frozen=True)
+class Ledger:
+    """What the guard keeps of its kills and of the engines `launch` declared: built first, since the wedge watch (the
+    declared engines), the kill path and the pool watch all read it."""
+
+    stats: GuardStats
+    lock: threading.Lock
+    records: KillRecords
+    launched: LaunchedEngines
+
+    @classmethod
+    def of(cls, config: GuardConfig, events: EventLog) -> Ledger:
+        stats, lock = GuardStats(), threading.Lock()
+        records = KillRecords(config.proc_root, events, stats, lock, config.kill_settle_s)
+        # Engines declared by `sparkwatch launch` (guard.launchwatch): on the pool watch's tick; with nothing declared
+        # they cost one stat per directory.
+        launched = LaunchedEngines.for_settings(config.state_dir, config.proc_root, records.record, config.ancestor_pid)
+        return cls(stats, lock, records, launched)
+
+
+@dataclass(frozen=True)
+class PoolParts:
+    """The pool watch's collaborators, built before it (PoolParts.of) and handed to it whole: everything the kill path
+    needs exists before the first poll (fds open, threads started, code imported)."""
+
+    cell: SnapshotCell
+    inbox: KillInbox
+    ledger: Ledger
+    meminfo: MeminfoReader
+    scanner: ProcScanner
+    kills: KillPath
+    kernlog: KernelLogWatch
+    budgets: BudgetWatch
+    gpu: GpuBytesSource
+
+    @classmethod
+    def of(
+        cls,
+        config: GuardConfig,
+        events: EventLog,
+        links: GuardLinks,
+        *,
+        ledger: Ledger | None = None,
+        inbox: KillInbox | None = None,
+        cell: SnapshotCell | None = None,
+    ) -> PoolParts:
+        cell = SnapshotCell(config) if cell is None else cell
+        inbox = KillInbox() if inbox is None else inbox
+        ledger = Ledger.of(config, events) if ledger is None else ledger
+        proc_root, records = config.proc_root, ledger.records
+        meminfo, scanner, gpu = MeminfoReader(proc_root), ProcScanner(proc_root), _gpu_reading(links.gpu_bytes_by_pid)
+        kills = KillPath(
+            proc_root,
+            records=records,
+            meminfo=meminfo,
+            scanner=scanner,
+            launched=ledger.launched,
+            stats=ledger.stats,
+            lock=ledger.lock,
+            gpu=gpu,
+            gpu_holders=links.gpu_holders,
+            on_taken=links.on_taken,
+            snapshot=cell.current,
+            containers=links.containers,
+        )
+        # NVRM/Xid lines from /dev/kmsg, read non-blocking each tick (PoolWatch._kernel_log); a budget's kill goes to
+        # the inbox, drained on the same tick.
+        kernlog = KernelLogWatch(
+            events,
+            proc_root,
+            lambda: (cell.current.rules, cell.current.scope),
+            enabled=config.kernel_log_corroboration,
+            accept_injected=config.kernel_log_accept_injected,
+            source=KmsgSource(config.kernel_log_path),
+        )
+        budgets = BudgetWatch(str(proc_root), scanner, inbox.put, records.record, line=records.line)
+        return cls(cell, inbox, ledger, meminfo, scanner, kills, kernlog, budgets, gpu)
+
+
+def _gpu_reading(source: GpuBytesSource | None) -> GpuBytesSource:
+    """Telemetry's per-pid GPU bytes, or None: a failing source only costs the ranking its GPU figures."""
+
+    def read() -> policy.GpuBytes | None:
+        if source is None:
+            return None
+        try:
+            return source()
+        except Exception as exc:  # a GPU figure only refines the ranking: never let it stop a kill
+            log.warning("GPU bytes unavailable: %r", exc)
+            return None
+
+    return read
 
 
 class PoolWatch:
     # Settings applied on SIGHUP without a restart: those GuardConfig marks LIVE (the one declaration).
     LIVE_KEYS = GuardConfig.live_keys()
 
-    def __init__(self, config: GuardConfig, events: EventLog, links: GuardLinks = GuardLinks()) -> None:
-        self.snapshot = GuardSnapshot.of(config)  # swapped whole by reconfigure; a tick reads it once
-        self.events = events
-        self.links = links
-        self.lock = threading.Lock()
-        self.stats = GuardStats()
+    @classmethod
+    def build(
+        cls, config: GuardConfig, events: EventLog, links: GuardLinks = GuardLinks(), inbox: KillInbox | None = None
+    ) -> PoolWatch:
+        """A pool watch with its own collaborators (a bench, a test); the guard process builds them itself."""
+        return cls(config, events, PoolParts.of(config, events, links, inbox=inbox), links)
+
+    def __init__(
+        self, config: GuardConfig, events: EventLog, parts: PoolParts, links: GuardLinks = GuardLinks()
+    ) -> None:
+        """`parts`: its collaborators, built first (PoolParts.of). `parts.inbox`: the guard's one way in for the
+        requests of the budgets, the kernel log, the group watch and the wedge watch (guard.inbox), drained on each
+        tick; its pipe wakes this thread."""
+        self.cell, self.inbox, self.events, self.links = parts.cell, parts.inbox, events, links
+        self.stats, self.lock = parts.ledger.stats, parts.ledger.lock
+        self.records, self.launched = parts.ledger.records, parts.ledger.launched
+        self.meminfo, self.scanner, self.kills = parts.meminfo, parts.scanner, parts.kills
+        self.kernlog, self.budgets, self._gpu = parts.kernlog, parts.budgets, parts.gpu
         self.state = core.GuardState()
-        proc_root = config.proc_root
-        # Everything the kill path needs exists before the first poll: fds open, threads started, code imported.
-        self.meminfo = MeminfoReader(proc_root)
-        self.scanner = ProcScanner(proc_root)
-        self.records = KillRecords(proc_root, events, self.stats, self.lock, config.kill_settle_s)
-        # Engines declared by `sparkwatch launch` (guard.launchwatch) and per-engine budgets (guard.budgets): both on
-        # this thread's tick; with nothing declared and no budget configured they cost one stat per directory.
-        self.launched = LaunchedEngines.for_settings(
-            config.state_dir, proc_root, self.records.record, config.ancestor_pid
-        )
-        self.kills = KillPath(
-            proc_root,
-            records=self.records,
-            meminfo=self.meminfo,
-            scanner=self.scanner,
-            launched=self.launched,
-            stats=self.stats,
-            lock=self.lock,
-            gpu=self._gpu,
-            gpu_holders=links.gpu_holders,
-            on_taken=links.on_taken,
-            snapshot=self.snapshot,
-            containers=links.containers,
-        )
-        self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._poller = select.poll()
-        self._poller.register(self._wake_r, select.POLLIN)
-        self._psi_fd = self._open_psi_trigger(proc_root)
+        self._poller.register(self.inbox.fd, select.POLLIN)
+        self._psi_fd = self._open_psi_trigger(config.proc_root)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._last_error_logged = 0.0
@@ -155,30 +240,15 @@ class PoolWatch:
         self._warm = threading.Event()
         self._scout: threading.Thread | None = None
         self.warm_scans_total = 0
-        self.near_floor = False  # read by the supervisor: state goes to telemetry four times a second near the floor
+        self.near_floor = False  # mirrored in links.near_floor for the supervisor: state goes out 4 times a second
         self.ticks = 0
-        # NVRM/Xid lines from /dev/kmsg, read non-blocking each tick: see _kernel_log.
-        self.kernlog = KernelLogWatch(
-            events,
-            proc_root,
-            lambda: (self.snapshot.rules, self.snapshot.scope),
-            enabled=config.kernel_log_corroboration,
-            accept_injected=config.kernel_log_accept_injected,
-            source=KmsgSource(config.kernel_log_path),
-        )
         self.budget_errors_total = 0  # a budget look that raised: the floor loop went on (counted, said once a minute)
         self._last_budget_error_logged = -math.inf
-        self.budgets = BudgetWatch(
-            str(proc_root), self.scanner, self._budget_kill, self.records.record, line=self.records.line
-        )
         self._taken: frozenset[policy.TreeKey] = frozenset()
-        # Group teardowns the group watch checked (on the supervisor's thread), for the next tick's kill path:
-        # (monotonic time of the request, its tree and loss). deque append and popleft are atomic.
-        self._group_requests: collections.deque[tuple[float, GroupFacts]] = collections.deque()
-        self._wedged_requests: collections.deque[tuple[float, WedgedFacts]] = collections.deque()
-        # The tick in progress (its snapshot and sample), for the budgets' kill callback: set by tick, never by reload.
-        self._tick_snap = self.snapshot
-        self._tick_mem: MemInfo | None = None
+
+    @property
+    def snapshot(self) -> GuardSnapshot:
+        return self.cell.current
 
     @property
     def config(self) -> GuardConfig:
@@ -198,7 +268,7 @@ class PoolWatch:
         guard's thread, and swapped whole: the tick in progress finishes under the one it read."""
         snap = GuardSnapshot.of(config)
         with self.lock:
-            self.snapshot = snap
+            self.cell.current = snap
             self.records.reaper.settle_s = config.kill_settle_s
             self.kernlog.enabled = config.kernel_log_corroboration
             self.kernlog.accept_injected = config.kernel_log_accept_injected
@@ -237,23 +307,8 @@ class PoolWatch:
         self._thread = daemon_thread(self.run, "sparkwatch-guard")
         self._thread.start()
 
-    def request_group_teardown(self, group: GroupFacts) -> None:
-        """A group's members to stop (guard.groupwatch, on the supervisor's thread): the guard's next tick, woken now,
-        hands them to the kill path like any other kill."""
-        self._group_requests.append((time.monotonic(), group))
-        self.wake()
-
-    def request_wedged_kill(self, wedged: WedgedFacts) -> None:
-        """An engine up but not serving, checked by guard.wedgewatch (on the supervisor's thread): the guard's next
-        tick, woken now, hands it to the kill path, trigger `wedged`."""
-        self._wedged_requests.append((time.monotonic(), wedged))
-        self.wake()
-
     def wake(self) -> None:
-        try:
-            os.write(self._wake_w, b"x")
-        except OSError:
-            pass
+        self.inbox.wake()
 
     def stop(self) -> None:
         self._stop.set()
@@ -323,16 +378,10 @@ class PoolWatch:
         if decision.rearmed:
             kills.rearmed()
             self.records.line(logging.INFO, f"sparkwatch: re-armed: MemAvailable {format_size(mem.available_bytes)}")
-        if decision.trigger is not None:
-            request = KillRequest(decision.trigger, mem, now, growing_only=decision.growing_only)
-            self.state = kills.fire(request, self.state, snap)
-        while self._group_requests:  # a group spanning nodes lost a member: this node's members of it (groupwatch)
-            detected_at, group = self._group_requests.popleft()
-            request = KillRequest(Trigger.GROUP_TEARDOWN, mem, detected_at, group=group)
-            self.state = kills.fire(request, self.state, snap)
-        while self._wedged_requests:  # an engine up but not serving for kill_wedged_after_s (wedgewatch)
-            detected_at, wedged = self._wedged_requests.popleft()
-            self.state = kills.fire(KillRequest(Trigger.WEDGED, mem, detected_at, wedged=wedged), self.state, snap)
+        if decision.trigger is not None:  # the pool's own trigger first, then what came in since the last tick
+            request = KillRequest(decision.trigger, now, growing_only=decision.growing_only)
+            self.state = kills.fire(request, mem, self.state, snap)
+        self._drain(mem, snap)
         wake = self._engines_tick(now, mem, snap)
         with self.lock:
             self.stats.mem = mem
@@ -347,6 +396,8 @@ class PoolWatch:
         on_news = self.links.on_news
         if (first or (near and not self.near_floor)) and on_news is not None:
             on_news()  # the supervisor tells telemetry now (a pipe write), not at its next heartbeat
+        if near != self.near_floor and self.links.near_floor is not None:
+            (self.links.near_floor.set if near else self.links.near_floor.clear)()
         self.near_floor = near
         if decision.trigger is None and not self._kernel_log(now, mem, snap) and near:
             self._warm.set()  # the scout rescans (at most once a second); this thread never waits for it
@@ -369,8 +420,8 @@ class PoolWatch:
 
     def _engines_tick(self, now: float, mem: MemInfo, snap: GuardSnapshot) -> float | None:
         """Launched engines' declarations and per-engine budgets: the seconds until a budget wants a look (None: no
-        budget anywhere). Never raises: a budget is a refinement; the floor stays the last line."""
-        self._tick_snap, self._tick_mem = snap, mem
+        budget anywhere); a budget's kill is put in the inbox and fired here, on this tick. Never raises: a budget is a
+        refinement; the floor stays the last line."""
         try:  # the declarations are read on their own thread (guard.launchwatch): here only its last result
             self._note_taken()
             live = self.launched.declarations()
@@ -389,6 +440,7 @@ class PoolWatch:
                 peer_budgets=peer,
                 containers=containers,
             )
+            self._drain(mem, snap)  # a tree over its budget: killed alone, whatever the pool
         except Exception as exc:  # never let a budget stop the floor loop
             self.budget_errors_total += 1
             if now - self._last_budget_error_logged > 60:  # counted every time, said once a minute
@@ -407,14 +459,11 @@ class PoolWatch:
             if self.links.on_taken is not None:
                 self.links.on_taken()
 
-    def _budget_kill(self, tracked: Tracked, fp: Footprint) -> None:
-        """A tree over its budget (guard.budgets, during this tick): one request, killed alone whatever the pool."""
-        mem = self._tick_mem
-        if mem is None:
-            return
-        budget = BudgetFacts(tracked.tree, tracked.budget_bytes, tracked.source, fp)
-        request = KillRequest(Trigger.BUDGET, mem, time.monotonic(), budget=budget)
-        self.state = self.kills.fire(request, self.state, self._tick_snap)
+    def _drain(self, mem: MemInfo, snap: GuardSnapshot) -> None:
+        """The inbox's requests, in the order they came, each through the one kill path with this tick's sample."""
+        take = self.inbox.take
+        while (request := take()) is not None:  # one submitted meanwhile comes too
+            self.state = self.kills.fire(request, mem, self.state, snap)
 
     def _kernel_log(self, now: float, mem: MemInfo, snap: GuardSnapshot) -> bool:
         """The kernel-log hook: a driver allocation failure near the floor fires like a crossing (core.driver.nvrm),
@@ -424,7 +473,8 @@ class PoolWatch:
         )
         if trigger is None:
             return False
-        self.state = self.kills.fire(KillRequest(Trigger(trigger), mem, now), self.state, snap)
+        self.inbox.put(KillRequest(Trigger(trigger), now))
+        self._drain(mem, snap)
         return True
 
     def _near_floor(self, available_bytes: int, decision: core.Decision, snap: GuardSnapshot) -> bool:
@@ -460,21 +510,8 @@ class PoolWatch:
 
     def _sleep(self, seconds: float) -> None:
         for fd, _ev in self._poller.poll(seconds * 1000):
-            if fd == self._wake_r:
-                try:
-                    os.read(self._wake_r, 64)
-                except BlockingIOError:
-                    pass
-
-    def _gpu(self) -> policy.GpuBytes | None:
-        source = self.links.gpu_bytes_by_pid
-        if source is None:
-            return None
-        try:
-            return source()
-        except Exception as exc:  # a GPU figure only refines the ranking: never let it stop a kill
-            log.warning("GPU bytes unavailable: %r", exc)
-            return None
+            if fd == self.inbox.fd:
+                self.inbox.clear_wakeups()
 
     def ranking(self, trees: list[EngineTree], now: float) -> tuple[policy.Candidate, ...]:
         """The order in which the guard would kill these trees now, with its reasons (guard.killpath)."""

@@ -20,6 +20,12 @@ budgets, the launched engines taken, the latest kills of them for their launch) 
 the pool watch says the set of launched engines it took changed or it killed one; it removes it on a clean stop. No
 heartbeat: a reader checks that the pid still has the start time the file gives, so a dead guard's file reads as
 stale without the guard writing every tick.
+
+Construction goes one way (gpud's New()): the recording; the guard's inbox (guard.inbox), its config snapshot cell
+and the near-floor flag; the ledger (kill records, launched engines); the verifiers of telemetry's kill requests (the
+group and wedge watches, which submit to the inbox); the supervisor, given them in its one table; the pool watch's
+parts (guard.poolwatch.PoolParts), the flight recorder, the pool watch. Each is handed what it reads in its
+constructor: no lambda reaches back to something built later, and nothing is assigned after construction.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any
@@ -40,10 +47,10 @@ from typing import TYPE_CHECKING, Any
 from sparkwatch.common import guardfile, logs, syscalls
 from sparkwatch.common.daemonargv import parse_daemon_argv
 from sparkwatch.common.eventlog import make_event
-from sparkwatch.common.guardconfig import GuardConfig, describe_wire_changes
+from sparkwatch.common.guardconfig import GuardConfig, SnapshotCell, describe_wire_changes
 from sparkwatch.common.lifecycle import Component, CountersOnly, apply_all, start_all, stop_all
-from sparkwatch.common.messages import GroupTeardownMsg, StateMsg
-from sparkwatch.common.recording import open_recording
+from sparkwatch.common.messages import GroupTeardownMsg, StateMsg, WedgedMsg
+from sparkwatch.common.recording import Recording, open_recording
 from sparkwatch.common.selfwatch import rss_bytes
 from sparkwatch.common.sharing import events_gid
 from sparkwatch.common.signals import DAEMON_SIGNALS
@@ -52,12 +59,12 @@ from sparkwatch.common.spool import FileSpool
 from sparkwatch.common.systemd import Notifier, ServiceNotifier
 from sparkwatch.common.threads import daemon_thread
 from sparkwatch.core.eventkinds import EventKind
-from sparkwatch.core.postmortem.flight import LaunchedEngine
 from sparkwatch.core.redact import remember_secrets
 from sparkwatch.core.report.guardstate import GuardState
 from sparkwatch.core.report.statusline import status_line
-from sparkwatch.guard.killpath import GROUP_COUNTERS
-from sparkwatch.guard.poolwatch import GuardLinks, PoolWatch
+from sparkwatch.guard.inbox import KillInbox
+from sparkwatch.guard.killpath import GROUP_COUNTERS, KillRequest
+from sparkwatch.guard.poolwatch import GuardLinks, Ledger, PoolParts, PoolWatch
 from sparkwatch.guard.recorder import FlightRecorder
 from sparkwatch.guard.start import exec_guard
 from sparkwatch.guard.supervisor import TelemetrySupervisor, telemetry_command
@@ -134,6 +141,33 @@ def _parse_validated(returncode: int, out: bytes, err: bytes) -> tuple[GuardConf
         raise ReloadError(f"validator output unusable: {exc}") from None
 
 
+class GroupTeardowns:
+    """The group watch's door (the verifier of GroupTeardownMsg): with group_teardown on, guard.groupwatch checks this
+    node's members itself and submits those that pass to the guard's inbox. Its module (and core.kill.raygroup) is
+    imported at the first group: a node without Ray never loads them."""
+
+    def __init__(self, snapshot: SnapshotCell, submit: Callable[[KillRequest], None]) -> None:
+        self.snapshot, self.submit = snapshot, submit
+        self.watch: GroupWatch | None = None
+        self.refused_off_total = 0  # teardowns refused because group_teardown is off
+
+    def handle(self, msg: GroupTeardownMsg) -> None:
+        """A group spanning nodes lost a member (telemetry's word, on the supervisor's thread)."""
+        if not self.snapshot.current.config.group_teardown:
+            self.refused_off_total += 1
+            log.warning("group %s lost a member: group_teardown is off, its members here are left alone", msg.group)
+            return
+        if self.watch is None:
+            from sparkwatch.guard.groupwatch import GroupWatch  # noqa: PLC0415
+
+            self.watch = GroupWatch(self.snapshot, self.submit)
+        self.watch.handle(msg)
+
+    def counters(self) -> dict[str, int]:
+        counters = self.watch.counters() if self.watch is not None else dict.fromkeys(GROUP_COUNTERS, 0)
+        return {**counters, "refused_off": self.refused_off_total}
+
+
 class GuardProcess:
     def __init__(
         self,
@@ -144,120 +178,59 @@ class GuardProcess:
         telemetry: Callable[[int, bool], list[str]] | None = telemetry_command,
         restart: Callable[[], None] | None = None,
     ) -> None:
-        self.config = config
-        self.validate = validate  # None: SIGHUP is logged and ignored
-        self.restart = restart  # how to start afresh when over the RSS cap (None: exit 1, and systemd restarts)
-        # With a webhook, the guard spools its own alerts (kills, kernel-log events) before each event is written, so
-        # a guard that dies between the event and the hand-over to telemetry loses none: telemetry's outbox finds the
-        # file when it starts (common.spool).
-        self.spool = FileSpool(config.state_dir / "outbox") if config.wire.get("webhook_url") else None
-        # The journal and sd_notify through their own few lines (common.systemd), never systemd-python: libsystemd and
-        # its Python modules were 1.0 MiB of this process's mlocked RSS (22.2 -> 21.1 MiB measured here).
-        self.recording = open_recording(
-            config.events_path,
-            config.events_max_bytes,
-            self.spool,
-            log_handler,
-            events_gid(config.events_group),
-            journal_backend="builtin",
-        )
+        """Built in one direction, each part given those before it (module docstring). `validate`: None, SIGHUP is
+        ignored; `restart`: how to start afresh when over the RSS cap (None: exit 1, and systemd restarts)."""
+        self.config, self.validate, self.restart = config, validate, restart
+        self.spool, self.recording = _recording(config, log_handler)
         self.events, self.journal, self.router = self.recording.events, self.recording.journal, self.recording.router
         self.sd = ServiceNotifier(Notifier(backend="builtin"), self.status_line, poll_max_s=config.poll_max_s)
-        # Built in dependency order, each given what it needs in its constructor; the late-bound lambdas are read only
-        # once the threads run (after __init__).
-        self.supervisor = TelemetrySupervisor(
+        inbox, cell, near, ledger = KillInbox(), SnapshotCell(config), threading.Event(), Ledger.of(config, self.events)
+        self.groups = GroupTeardowns(cell, inbox.submit)
+        launched = ledger.launched
+        self.wedgewatch = WedgeWatch(cell, inbox.submit, declared=launched.declared, launchers=launched.launchers)
+        self.supervisor = sup = TelemetrySupervisor(
             config,
             self.events,
             self.state,
             command=telemetry or telemetry_command,
-            near_floor=lambda: self.guard.near_floor,
+            near_floor=near.is_set,
             on_over_cap=self._over_cap_seen,
-            # a group spanning nodes lost a member: this node's members of it are checked and killed (groupwatch)
-            on_group_teardown=self._group_teardown,
-            # an engine up but not serving for kill_wedged_after_s: checked and killed, trigger wedged (wedgewatch)
-            on_wedged=lambda msg: self.wedgewatch.handle(msg),  # noqa: PLW0108 - late-bound: built below
-            # a near-budget engine's GPU bytes moved: its budget is looked at now
-            on_gpu_sample=lambda: self.guard.wake(),  # noqa: PLW0108 - late-bound: the guard is built after this
+            on_gpu_sample=inbox.wake,  # a near-budget engine's GPU bytes moved: its budget is looked at now
+            verifiers={GroupTeardownMsg: self.groups.handle, WedgedMsg: self.wedgewatch.handle},
         )
-        gpu = self.supervisor.gpu
-        # The flight recorder: fed by the pool watch's tick (no wake-up of its own), written on its own thread, with
-        # what the guard already knows (its last scan, telemetry's engine trees and GPU bytes); the next boot judges it.
-        self.recorder = FlightRecorder(
-            config.state_dir,
-            config.recorder_window_s,
-            config.proc_root,
-            trees=lambda: self.guard.seen_trees,
-            roots=lambda: self.supervisor.engine_roots,
-            engines=lambda: self.supervisor.engines,
-            gpu=gpu.latest,
-            launched=self._boot_phases,
-        )
-        self.guard = PoolWatch(
-            config,
-            self.events,
-            GuardLinks(
-                heartbeat=self.sd.beat,
-                # From telemetry's last cycle, over the channel: NVML's GPU holders and per-pid GPU bytes (the guard
-                # never loads NVML itself; a stale or missing reading never delays a kill: the policy ranks without it).
-                gpu_bytes_by_pid=gpu.latest,
-                gpu_holders=gpu.holder_keys,
-                on_news=self.supervisor.wake,  # the first sample, and each entry into the floor's band
-                engines_hint=lambda: self.supervisor.engines,  # a new engine tree: budgets look at once
-                on_taken=self.request_publish,  # the launched engines it guards changed: guard.json says so
-                recorder=self.recorder,
-                peer_budgets=self.supervisor.peer_budgets,  # this node's Ray ranks' budgets from another's launch
-                containers=self.supervisor.containers,  # containers' names and io.sparkwatch.* labels (telemetry)
-            ),
-        )
-        self._groupwatch: GroupWatch | None = None  # built at the first group's teardown (_group_teardown)
-        self._groups_refused_total = 0  # teardowns refused because group_teardown is off
-        launched = self.guard.launched
-        self.wedgewatch = WedgeWatch(
-            lambda: self.guard.snapshot,
-            self.guard.request_wedged_kill,
-            declared=launched.declared,
-            launchers=launched.launchers,
-        )
-        self.events.subscribe(self.supervisor.forward)
-        self.components: list[Component[GuardConfig]] = [
-            # Before the guard: it stops after the pool watch, so its last sample (marked `stopping`) is the last tick.
-            Component("recorder", self.recorder, counters=self.recorder.counters),
-            Component(
-                "guard",
-                self.guard,
-                PoolWatch.LIVE_KEYS,
-                self.guard.reconfigure,
-                self.guard.counters,
-            ),
-            Component(
-                "sd_notify",
-                self.sd,
-                frozenset(),
-                self.sd.reconfigure,
-                lambda: {"notify_send_errors": self.sd.notifier.send_errors_total},
-            ),
-            Component("events", CountersOnly(), counters=self._event_counters),
-            Component("groupwatch", CountersOnly(), counters=self._group_counters),
-            Component("wedgewatch", CountersOnly(), counters=self.wedgewatch.counters),
-        ]
-        if telemetry is not None:
-            self.components.append(Component("telemetry", self.supervisor, counters=self.supervisor.counters))
+        links = _links(self.sd, sup, near, self.request_publish)
+        parts = PoolParts.of(config, self.events, links, ledger=ledger, inbox=inbox, cell=cell)
+        self.recorder = _recorder(config, parts, sup)
+        self.guard = PoolWatch(config, self.events, parts, replace(links, recorder=self.recorder))
+        self.events.subscribe(sup.forward)
+        self.components = self._components(with_telemetry=telemetry is not None)
         self._over_cap_rss: int | None = None
-        self._stop = threading.Event()
-        self._reload = threading.Event()
-        # The main thread sleeps in select() on this pipe, never on a lock: a signal the kernel hands to another of
-        # our threads (it may: each one has the daemon's signals unblocked) writes its number here through
-        # signal.set_wakeup_fd and wakes it, where a lock wait in the main thread slept through it. Seen: a SIGTERM
-        # right after a reload's validator ended left the daemon running, 1 run in 7-12.
-        self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self._stop, self._reload, self._publish = threading.Event(), threading.Event(), threading.Event()
+        self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)  # the main thread's wake-ups (_poke)
         self._reloading: threading.Thread | None = None
-        # The published state (common.guardfile): written by the main thread only, never by the guard's.
-        self._publish = threading.Event()
-        self._state_path: Path | None = None
+        self._state_path: Path | None = None  # guard.json (common.guardfile): written by the main thread only
         self._state_error_logged = False
 
-    def _boot_phases(self) -> tuple[LaunchedEngine, ...]:
-        return self.guard.launched.boot_phases()  # the guard is built after the recorder it feeds
+    def _components(self, *, with_telemetry: bool) -> list[Component[GuardConfig]]:
+        sd, guard = self.sd, self.guard
+        components: list[Component[GuardConfig]] = [
+            # Before the guard: it stops after the pool watch, so its last sample (marked `stopping`) is the last tick.
+            Component("recorder", self.recorder, counters=self.recorder.counters),
+            Component("guard", guard, PoolWatch.LIVE_KEYS, guard.reconfigure, guard.counters),
+            Component(
+                "sd_notify",
+                sd,
+                frozenset(),
+                sd.reconfigure,
+                lambda: {"notify_send_errors": sd.notifier.send_errors_total},
+            ),
+            Component("events", CountersOnly(), counters=self._event_counters),
+            Component("groupwatch", CountersOnly(), counters=self.groups.counters),
+            Component("wedgewatch", CountersOnly(), counters=self.wedgewatch.counters),
+        ]
+        if with_telemetry:
+            components.append(Component("telemetry", self.supervisor, counters=self.supervisor.counters))
+        return components
 
     def _event_counters(self) -> dict[str, int]:
         router = self.router
@@ -305,7 +278,10 @@ class GuardProcess:
             pass  # the pipe is full: the main thread has wake-ups enough waiting
 
     def wakeup_fd(self) -> int:
-        """For signal.set_wakeup_fd: the C-level handler writes each signal's number here, on whatever thread."""
+        """For signal.set_wakeup_fd: the C-level handler writes each signal's number here, on whatever thread. The main
+        thread sleeps in select() on this pipe, never on a lock: a signal the kernel hands to another of our threads
+        (it may: each one has the daemon's signals unblocked) wakes it, where a lock wait in the main thread slept
+        through it. Seen: a SIGTERM right after a reload's validator ended left the daemon running, 1 run in 7-12."""
         return self._wake_w
 
     def _sleep_until_woken(self) -> None:
@@ -446,24 +422,6 @@ class GuardProcess:
             self._state_path = None
 
     # --- run
-    def _group_teardown(self, msg: GroupTeardownMsg) -> None:
-        """A group spanning nodes lost a member (telemetry's word, on the supervisor's thread): with group_teardown
-        on, guard.groupwatch checks this node's members itself and hands those that pass to the kill path. Its
-        module (and core.kill.raygroup) is imported here, at the first group: a node without Ray never loads them."""
-        if not self.guard.snapshot.config.group_teardown:
-            self._groups_refused_total += 1
-            log.warning("group %s lost a member: group_teardown is off, its members here are left alone", msg.group)
-            return
-        if self._groupwatch is None:
-            from sparkwatch.guard.groupwatch import GroupWatch  # noqa: PLC0415
-
-            self._groupwatch = GroupWatch(lambda: self.guard.snapshot, self.guard.request_group_teardown)
-        self._groupwatch.handle(msg)
-
-    def _group_counters(self) -> dict[str, int]:
-        counters = self._groupwatch.counters() if self._groupwatch is not None else dict.fromkeys(GROUP_COUNTERS, 0)
-        return {**counters, "refused_off": self._groups_refused_total}
-
     def _protect_self(self) -> None:
         """Lock our memory so the guard is not paged out under the very pressure it watches (earlyoom does too)."""
         syscalls.limit_malloc_arenas(2)  # before the threads start: one arena per thread costs RSS for nothing
@@ -554,6 +512,59 @@ class GuardProcess:
                 self.restart()  # does not return when it works
             return 1
         return 0
+
+
+def _recording(config: GuardConfig, log_handler: Any) -> tuple[FileSpool | None, Recording]:
+    # With a webhook, the guard spools its own alerts (kills, kernel-log events) before each event is written, so
+    # a guard that dies between the event and the hand-over to telemetry loses none: telemetry's outbox finds the
+    # file when it starts (common.spool).
+    spool = FileSpool(config.state_dir / "outbox") if config.wire.get("webhook_url") else None
+    # The journal and sd_notify through their own few lines (common.systemd), never systemd-python: libsystemd and
+    # its Python modules were 1.0 MiB of this process's mlocked RSS (22.2 -> 21.1 MiB measured here).
+    recording = open_recording(
+        config.events_path,
+        config.events_max_bytes,
+        spool,
+        log_handler,
+        events_gid(config.events_group),
+        journal_backend="builtin",
+    )
+    return spool, recording
+
+
+def _recorder(config: GuardConfig, parts: PoolParts, sup: TelemetrySupervisor) -> FlightRecorder:
+    """The flight recorder: fed by the pool watch's tick (no wake-up of its own), written on its own thread, with what
+    the guard already knows (its last scan, telemetry's engine trees and GPU bytes); the next boot judges it."""
+    return FlightRecorder(
+        config.state_dir,
+        config.recorder_window_s,
+        config.proc_root,
+        trees=parts.kills.last_scan,
+        roots=lambda: sup.engine_roots,
+        engines=lambda: sup.engines,
+        gpu=sup.gpu.latest,
+        launched=parts.ledger.launched.boot_phases,
+    )
+
+
+def _links(
+    sd: ServiceNotifier, sup: TelemetrySupervisor, near: threading.Event, on_taken: Callable[[], None]
+) -> GuardLinks:
+    """What the pool watch reads of the process around it (the flight recorder is added once built)."""
+    gpu = sup.gpu
+    return GuardLinks(
+        heartbeat=sd.beat,
+        # From telemetry's last cycle, over the channel: NVML's GPU holders and per-pid GPU bytes (the guard never
+        # loads NVML itself; a stale or missing reading never delays a kill: the policy ranks without it).
+        gpu_bytes_by_pid=gpu.latest,
+        gpu_holders=gpu.holder_keys,
+        on_news=sup.wake,  # the first sample, and each entry into the floor's band
+        engines_hint=lambda: sup.engines,  # a new engine tree: budgets look at once
+        on_taken=on_taken,  # the launched engines it guards changed: guard.json says so
+        peer_budgets=sup.peer_budgets,  # this node's Ray ranks' budgets from another's launch
+        containers=sup.containers,  # containers' names and io.sparkwatch.* labels (telemetry)
+        near_floor=near,  # the supervisor sends the state four times a second near the floor
+    )
 
 
 def read_settings_fd(fd: int) -> Mapping[str, Any]:

@@ -25,6 +25,7 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Mapping
 from dataclasses import replace
+from typing import Any
 
 from sparkwatch.common import logs
 from sparkwatch.common.channel import Channel, ChannelClosed, socketpair
@@ -38,13 +39,11 @@ from sparkwatch.common.messages import (
     ContainersMsg,
     EventMsg,
     GpuSampleMsg,
-    GroupTeardownMsg,
     Message,
     PeerBudgetMsg,
     SettingsMsg,
     StateMsg,
     TelMsg,
-    WedgedMsg,
 )
 from sparkwatch.common.selfwatch import GUARD_RSS_CAP_BYTES
 from sparkwatch.common.threads import daemon_thread
@@ -121,12 +120,12 @@ class TelemetrySupervisor:
         near_floor: Callable[[], bool] = lambda: False,
         on_over_cap: Callable[[int], None] | None = None,
         on_gpu_sample: Callable[[], None] = lambda: None,
-        on_group_teardown: Callable[[GroupTeardownMsg], object] | None = None,
-        on_wedged: Callable[[WedgedMsg], object] | None = None,
+        verifiers: Mapping[type[Message], Callable[[Any], object]] | None = None,
     ) -> None:
         """`on_gpu_sample`: wakes the pool watch when a fast GPU sample of a near-budget engine came (guard.budgets).
-        `on_group_teardown`: a group spanning nodes lost a member (guard.groupwatch checks and kills this node's).
-        `on_wedged`: an engine failed the serving probe for kill_wedged_after_s (guard.wedgewatch checks and kills)."""
+        `verifiers`: the one table from each kill-asking message type (common.messages.KILL_ASKS: a group that lost a
+        member, a wedged engine) to the guard's verifier of it (guard.groupwatch, guard.wedgewatch), which checks it
+        itself and hands what passes to the guard's inbox. A new telemetry trigger is one row here, no branch."""
         self.config = config
         self.events = events
         self.state = state
@@ -170,8 +169,7 @@ class TelemetrySupervisor:
         # The guard process's RSS cap, checked on the state each look builds (its RSS is in it already).
         self.rss_cap_bytes = GUARD_RSS_CAP_BYTES
         self.on_over_cap = on_over_cap
-        self.on_group_teardown = on_group_teardown
-        self.on_wedged = on_wedged
+        self.verifiers: Mapping[type[Message], Callable[[Any], object]] = dict(verifiers or {})
         self._last_state_at = 0.0
 
     # --- component interface
@@ -394,16 +392,13 @@ class TelemetrySupervisor:
             self._pending.appendleft(event)
 
     def _handle(self, msg: Message) -> None:
-        if isinstance(msg, TelMsg):
+        verify = self.verifiers.get(type(msg))
+        if verify is not None:  # a kill request (KILL_ASKS): its verifier checks it on this thread
+            verify(msg)
+        elif isinstance(msg, TelMsg):
             self.engines, self.compile_jobs = msg.engines, msg.compile_jobs
             self.engine_roots = msg.engine_roots if msg.engines is not None else None
             self.gpu.update(msg)
-        elif isinstance(msg, GroupTeardownMsg):
-            if self.on_group_teardown is not None:
-                self.on_group_teardown(msg)
-        elif isinstance(msg, WedgedMsg):
-            if self.on_wedged is not None:
-                self.on_wedged(msg)
         elif isinstance(msg, GpuSampleMsg):
             self.gpu.update_fast(msg)
         elif isinstance(msg, PeerBudgetMsg):

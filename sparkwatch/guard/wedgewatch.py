@@ -19,6 +19,7 @@ Runs on the supervisor's thread (it receives the message): one /proc scan per me
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 from sparkwatch.common.guardconfig import GuardSnapshot
@@ -26,7 +27,8 @@ from sparkwatch.common.messages import WedgedMsg
 from sparkwatch.common.sources.procs import ProcScanner
 from sparkwatch.core.engines.identity import Declared, Launchers, find_engine_trees
 from sparkwatch.core.engines.progress import PROGRESS_COUNTERS
-from sparkwatch.guard.killpath import WedgedFacts
+from sparkwatch.core.kill.triggers import Trigger
+from sparkwatch.guard.killpath import KillRequest, WedgedFacts
 
 PROGRESS_NAMES = frozenset(name for names in PROGRESS_COUNTERS.values() for name in names)
 
@@ -35,13 +37,13 @@ class WedgeWatch:
     def __init__(
         self,
         snapshot: Callable[[], GuardSnapshot],
-        submit: Callable[[WedgedFacts], None],
+        submit: Callable[[KillRequest], None],
         *,
         declared: Callable[[], Declared] | None = None,
         launchers: Callable[[], Launchers] | None = None,
     ) -> None:
-        """`snapshot`: the guard's config snapshot now. `submit`: hands the checked tree to the kill path
-        (guard.poolwatch.PoolWatch.request_wedged_kill). `declared`, `launchers`: the engines `launch` declared, as
+        """`snapshot`: the guard's config snapshot now. `submit`: hands the checked tree to the kill path (the
+        guard's inbox, guard.inbox.KillInbox.submit). `declared`, `launchers`: the engines `launch` declared, as
         the guard took them (guard.launchwatch): their roots are engine trees here as on the kill path."""
         self.snapshot = snapshot
         self.submit = submit
@@ -85,6 +87,7 @@ class WedgeWatch:
         if tree is None:
             self.refused_total += 1
             return False
-        self.submit(WedgedFacts(tree, msg.wedged_for_s, msg.failures, msg.error[:200], msg.counter, msg.counter_value))
+        facts = WedgedFacts(tree, msg.wedged_for_s, msg.failures, msg.error[:200], msg.counter, msg.counter_value)
+        self.submit(KillRequest(Trigger.WEDGED, time.monotonic(), facts))
         self.kills_total += 1
         return True

@@ -96,10 +96,13 @@ class Telemetry:
         wall_clock: Callable[[], float] = time.time,
         driver: Callable[[], DriverReport | None] | None = None,
         shm: Callable[[], ShmLeft | None] | None = None,
+        *,
+        on_wedged: Callable[[Wedged], None] | None = None,
     ) -> None:
         """`gpu_source`: anything with collect() -> GpuReport (default NvmlSource). `driver`: the drift watcher's
         latest report, `shm`: the shm watch's last verdict (each a reference read, no I/O), put in the Snapshot as
-        they are."""
+        they are. `on_wedged`: the hand-over of an engine wedged for kill_wedged_after_s to the guard (the telemetry
+        process's WedgedMsg), given here like every other collaborator: never assigned after construction."""
         self.settings = settings
         self.wall_clock = wall_clock
         self.rules = engine_rules(settings)
@@ -133,13 +136,12 @@ class Telemetry:
         # The serving probe, on a thread of its own (a probe may take its timeout): its events join this loop's.
         self._probe_events: list[Event] = []
         self._probe_lock = threading.Lock()
-        self.on_wedged: Callable[[Wedged], None] | None = None  # the telemetry process hands these to the guard
         self.probes = ProbeWatch(
             str(settings.proc_root),
             serving_params(settings),
             kill_wedged_after_s=settings.kill_wedged_after_s,
             on_event=self._probe_event,
-            on_wedged=lambda w: self.on_wedged(w) if self.on_wedged is not None else None,
+            on_wedged=on_wedged,
             wall_clock=wall_clock,
         )
 

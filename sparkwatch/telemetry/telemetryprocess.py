@@ -65,6 +65,7 @@ from sparkwatch.telemetry.mpwatch import MpGroupWatch
 from sparkwatch.telemetry.outbox import Outbox
 from sparkwatch.telemetry.peerwatch import Peer, PeerWatch
 from sparkwatch.telemetry.postmortemtask import PostmortemWatch
+from sparkwatch.telemetry.probewatch import Wedged
 from sparkwatch.telemetry.raywatch import RayWatch
 from sparkwatch.telemetry.remote import EventErrors, RemoteGuard
 from sparkwatch.telemetry.shmwatch import ShmWatch
@@ -126,6 +127,7 @@ class TelemetryProcess:
                 gpu_source=None if nvml_off is None else NvmlOff(nvml_off),
                 driver=lambda: self.driver.report,
                 shm=lambda: self.shmwatch.latest,
+                on_wedged=self._wedged,  # named to the guard, which checks it again before any signal
             ),
             settings.telemetry_interval_s,
             on_event=self.events.append,
@@ -139,12 +141,6 @@ class TelemetryProcess:
                 Telemetry.LIVE_KEYS | {"telemetry_interval_s"},
                 loop.reconfigure,
                 lambda: {"cycle_errors": loop.errors_total, "launched_errors": loop.telemetry.launched.errors_total},
-            )
-        )
-        # An engine wedged for kill_wedged_after_s: named to the guard, which checks it again before any signal.
-        loop.telemetry.on_wedged = lambda w: self._send(
-            WedgedMsg(
-                w.kind, w.root_pid, w.start_ticks, w.wedged_for_s, w.failures, w.error, w.counter, w.counter_value
             )
         )
         probes = loop.telemetry.probes
@@ -452,6 +448,14 @@ class TelemetryProcess:
             if took_s > 1.0:
                 log.warning("reload: applying took %.1f s (a telemetry cycle was running)", took_s)
             self._send(AppliedMsg(tuple(sorted(keys)), tuple(errors)))
+
+    def _wedged(self, w: Wedged) -> None:
+        """An engine wedged for kill_wedged_after_s (the serving probe's thread): named to the guard."""
+        self._send(
+            WedgedMsg(
+                w.kind, w.root_pid, w.start_ticks, w.wedged_for_s, w.failures, w.error, w.counter, w.counter_value
+            )
+        )
 
     def _send(self, msg: Message) -> None:
         self._offer(msg)

@@ -43,7 +43,7 @@ def run_guard(state_dir: Path) -> None:
     recorder = FlightRecorder(
         settings.state_dir, settings.recorder_window_s, settings.proc_root, trees=lambda: guard.seen_trees
     )
-    guard = PoolWatch(guard_config(settings), EventLog(settings.events_path), GuardLinks(recorder=recorder))
+    guard = PoolWatch.build(guard_config(settings), EventLog(settings.events_path), GuardLinks(recorder=recorder))
     recorder.start()
     guard.start()
     while True:
