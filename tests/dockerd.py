@@ -17,7 +17,6 @@ with its containerd and runc), started by the tests on a socket, data root, exec
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hashlib
 import json
 import os
@@ -26,9 +25,11 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+
+from tests.nspawn import flock, host_sources
 
 REPO = Path(__file__).resolve().parent.parent
 IMAGE_DIR = Path(os.environ.get("SPARKWATCH_DOCKER_IMAGE_DIR", "/var/tmp/sparkwatch-docker-image"))
@@ -62,32 +63,17 @@ def _image_tar() -> Path:
     return IMAGE_DIR / f"rootfs-{IMAGE_KEY}.tar"
 
 
-@contextlib.contextmanager
-def _flock(path: Path) -> Iterator[None]:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        yield
-
-
-def _host_sources() -> str:
-    for f in (Path("/etc/apt/sources.list.d/debian.sources"), Path("/etc/apt/sources.list")):
-        if f.is_file() and f.stat().st_size > 0:
-            return str(f)
-    return "deb http://deb.debian.org/debian bookworm main"
-
-
 def build_image_tar() -> Path:
     """The cached root file system as a tar, built if absent. Parallel callers build it once."""
     tar = _image_tar()
     if tar.is_file():
         return tar
-    with _flock(IMAGE_DIR / ".lock"):
+    with flock(IMAGE_DIR / ".lock"):
         if tar.is_file():
             return tar
         tmp = tar.with_name(f"{tar.name}.tmp.{os.getpid()}")
         argv = ["mmdebstrap", "--variant=minbase", f"--include={','.join(PACKAGES)}", "--format=tar"]
-        argv += ["bookworm", str(tmp), _host_sources()]
+        argv += ["bookworm", str(tmp), host_sources()]
         done = subprocess.run(argv, capture_output=True, text=True, timeout=900, check=False)
         if done.returncode != 0:
             tmp.unlink(missing_ok=True)

@@ -76,7 +76,7 @@ def _root_is_current(root: Path) -> bool:
     return stamp.is_file() and stamp.read_text().strip() == ",".join(PACKAGES)
 
 
-def _host_sources() -> str:
+def host_sources() -> str:
     """The host's own apt sources, passed to mmdebstrap as they are, so the container uses the host's mirror."""
     for f in (Path("/etc/apt/sources.list.d/debian.sources"), Path("/etc/apt/sources.list")):
         if f.is_file() and f.stat().st_size > 0:
@@ -85,7 +85,7 @@ def _host_sources() -> str:
 
 
 @contextlib.contextmanager
-def _flock(path: Path) -> Iterator[None]:
+def flock(path: Path) -> Iterator[None]:
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w") as fh:
         fcntl.flock(fh, fcntl.LOCK_EX)
@@ -96,7 +96,7 @@ def build_root(root: Path = ROOT_DIR) -> Path:
     """The cached root, built if absent or built from another package list. Parallel callers build it once."""
     if _root_is_current(root):
         return root
-    with _flock(root.with_name(root.name + ".lock")):
+    with flock(root.with_name(root.name + ".lock")):
         if _root_is_current(root):
             return root
         tmp = root.with_name(f"{root.name}.tmp.{os.getpid()}")
@@ -109,7 +109,7 @@ def build_root(root: Path = ROOT_DIR) -> Path:
         ]
         argv = ["mmdebstrap", "--variant=minbase", f"--include={','.join(PACKAGES)}"]
         argv += [f"--customize-hook={h}" for h in hooks]
-        argv += ["bookworm", str(tmp), _host_sources()]
+        argv += ["bookworm", str(tmp), host_sources()]
         done = subprocess.run(argv, capture_output=True, text=True, timeout=900, check=False)
         if done.returncode != 0:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -158,7 +158,7 @@ def build_wheels(repo: Path = REPO, cache: Path = WHEEL_CACHE) -> Wheels:
     reqs = _requirements(repo)
     deps_key = hashlib.sha256(json.dumps([reqs, CT_PYTHON, CT_GLIBC_MINOR, machine]).encode()).hexdigest()[:16]
     deps = cache / f"deps-{deps_key}"
-    with _flock(cache / ".lock"):
+    with flock(cache / ".lock"):
         if not (deps / ".done").exists():
             shutil.rmtree(deps, ignore_errors=True)
             # Every manylinux tag bookworm's glibc accepts: pip does not widen a --platform by itself.
