@@ -255,24 +255,12 @@ class PeerWatch:
     def _read(self, peer: Peer, timeout_s: float) -> bool:
         with peer.lock:
             proof = self.proof(peer)
-            nonce = peerproof.new_nonce() if proof == KEY else None
+            last = (peer.body, peer.doc) if peer.body is not None and peer.doc is not None else None
             try:
-                body, headers = self._get(peer, timeout_s, nonce)
-                node = None
-                if nonce is not None:
-                    assert self.key is not None
-                    node = peerproof.check(self.key, nonce, body, headers)
-                doc = peer.doc if peer.doc is not None and body == peer.body else peerdoc.parse(body)
-                if node is not None and node != doc.node:
-                    raise peerproof.ProofError("its proof is for another node than its document names")
+                doc, body = fetch(peer.scheme, peer.host, peer.port, timeout_s, key=self.key, tls=self._tls,
+                                  last=last)  # fmt: skip
             except PeerError as exc:
                 self._failed(peer, exc.kind, str(exc))
-                return False
-            except peerproof.ProofError as exc:
-                self._failed(peer, "bad_proof", f"not proven, refused: {exc}")
-                return False
-            except ValueError as exc:
-                self._failed(peer, "bad_answer", str(exc))
                 return False
             was_lost = peer.lost
             peer.doc, peer.body, peer.proven = doc, body, proof is not None
@@ -299,35 +287,75 @@ class PeerWatch:
             self.lost_total += 1
             self.record(lost_event(peer, self.wall_clock()))
 
-    def _get(self, peer: Peer, timeout_s: float, nonce: str | None = None) -> tuple[bytes, dict[str, str]]:
-        from sparkwatch.telemetry.sources.httpget import HttpGet, HttpGetError  # noqa: PLC0415  (a node with peers)
-
-        client = HttpGet(peer.host, peer.port, tls=self._tls if peer.scheme == "https" else None, headers=ACCEPT)
-        path = peerdoc.PATH if nonce is None else f"{peerdoc.PATH}?{peerproof.NONCE_PARAM}={nonce}"
-        try:
-            status, body, cut = client.get(path, timeout_s, peerdoc.MAX_DOC_BYTES)
-        except HttpGetError as exc:
-            if exc.kind == "refused":
-                raise PeerError("refused", f"{exc}: its host answers, no agent") from None
-            if exc.kind == "broken":  # something answered: a certificate it refused is not a silent node
-                raise PeerError("bad_answer", str(exc)) from None
-            raise PeerError(exc.kind, str(exc)) from None
-        if status != 200:
-            raise PeerError("http", f"HTTP {status} (an agent older than peers, or not sparkwatch?)")
-        if cut:
-            raise PeerError("bad_answer", f"larger than {peerdoc.MAX_DOC_BYTES} bytes")
-        return body, client.last_headers
-
     def _tls(self) -> ssl.SSLContext:
         if self._context is None:
-            import ssl  # noqa: PLC0415
-
-            s = self.settings
-            context = ssl.create_default_context(cafile=str(s.tls_client_ca_file) if s.tls_client_ca_file else None)
-            if s.tls_cert_file is not None and s.tls_key_file is not None:
-                context.load_cert_chain(str(s.tls_cert_file), str(s.tls_key_file))
-            self._context = context
+            self._context = tls_context(self.settings)
         return self._context
+
+
+def fetch(
+    scheme: str,
+    host: str,
+    port: int,
+    timeout_s: float,
+    *,
+    key: bytes | None,
+    tls: Callable[[], ssl.SSLContext],
+    last: tuple[bytes, peerdoc.PeerDoc] | None = None,
+) -> tuple[peerdoc.PeerDoc, bytes]:
+    """One read of a peer's document and its body: with the pair's `key`, a fresh nonce sent and the answer's proof
+    over it checked (common.peerproof); `tls` makes the context of an https:// peer (tls_context). A body equal to
+    `last`'s is not parsed again. Raises PeerError (its kind one of ERROR_KINDS). The peer watch's read, and the
+    commands' (cli.peerread)."""
+    nonce = peerproof.new_nonce() if key is not None else None
+    body, headers = _get(scheme, host, port, timeout_s, tls, nonce)
+    try:
+        node = None
+        if nonce is not None:
+            assert key is not None
+            node = peerproof.check(key, nonce, body, headers)
+        doc = last[1] if last is not None and body == last[0] else peerdoc.parse(body)
+        if node is not None and node != doc.node:
+            raise peerproof.ProofError("its proof is for another node than its document names")
+    except peerproof.ProofError as exc:
+        raise PeerError("bad_proof", f"not proven, refused: {exc}") from None
+    except ValueError as exc:
+        raise PeerError("bad_answer", str(exc)) from None
+    return doc, body
+
+
+def _get(
+    scheme: str, host: str, port: int, timeout_s: float, tls: Callable[[], ssl.SSLContext], nonce: str | None
+) -> tuple[bytes, dict[str, str]]:
+    from sparkwatch.telemetry.sources.httpget import HttpGet, HttpGetError  # noqa: PLC0415  (a node with peers)
+
+    client = HttpGet(host, port, tls=tls if scheme == "https" else None, headers=ACCEPT)
+    path = peerdoc.PATH if nonce is None else f"{peerdoc.PATH}?{peerproof.NONCE_PARAM}={nonce}"
+    try:
+        status, body, cut = client.get(path, timeout_s, peerdoc.MAX_DOC_BYTES)
+    except HttpGetError as exc:
+        if exc.kind == "refused":
+            raise PeerError("refused", f"{exc}: its host answers, no agent") from None
+        if exc.kind == "broken":  # something answered: a certificate it refused is not a silent node
+            raise PeerError("bad_answer", str(exc)) from None
+        raise PeerError(exc.kind, str(exc)) from None
+    if status != 200:
+        raise PeerError("http", f"HTTP {status} (an agent older than peers, or not sparkwatch?)")
+    if cut:
+        raise PeerError("bad_answer", f"larger than {peerdoc.MAX_DOC_BYTES} bytes")
+    return body, client.last_headers
+
+
+def tls_context(settings: Settings) -> ssl.SSLContext:
+    """The context an https:// peer is read under: verified against `tls_client_ca_file`, this node's certificate
+    shown where it has one (the peer may require it: mTLS)."""
+    import ssl  # noqa: PLC0415
+
+    s = settings
+    context = ssl.create_default_context(cafile=str(s.tls_client_ca_file) if s.tls_client_ca_file else None)
+    if s.tls_cert_file is not None and s.tls_key_file is not None:
+        context.load_cert_chain(str(s.tls_cert_file), str(s.tls_key_file))
+    return context
 
 
 def load_key(settings: Settings) -> bytes | None:
