@@ -308,7 +308,7 @@ def fetch(
     `last`'s is not parsed again. Raises PeerError (its kind one of ERROR_KINDS). The peer watch's read, and the
     commands' (cli.peerread)."""
     nonce = peerproof.new_nonce() if key is not None else None
-    body, headers = _get(scheme, host, port, timeout_s, tls, nonce)
+    body, headers = _get(scheme, host, port, timeout_s, tls=tls, nonce=nonce)
     try:
         node = None
         if nonce is not None:
@@ -325,7 +325,7 @@ def fetch(
 
 
 def _get(
-    scheme: str, host: str, port: int, timeout_s: float, tls: Callable[[], ssl.SSLContext], nonce: str | None
+    scheme: str, host: str, port: int, timeout_s: float, *, tls: Callable[[], ssl.SSLContext], nonce: str | None
 ) -> tuple[bytes, dict[str, str]]:
     from sparkwatch.telemetry.sources.httpget import HttpGet, HttpGetError  # noqa: PLC0415  (a node with peers)
 
