@@ -1,7 +1,7 @@
 """The other nodes of an engine that spans nodes, as `sparkwatch launch` plans them (core.launch.nodeplan).
 
 Each worker node's pool comes from its own agent (`peers`: the peer document's `memory`, read once with its
-raylets, cli.launch_ray.read_peers), held above that node's own floor; where no agent answers, from Ray's dashboard
+raylets, cli.peerread.read_peers), held above that node's own floor; where no agent answers, from Ray's dashboard
 (its reporter's MemAvailable, marked `ray`, held above this node's floor); else the node's share is not checked, and
 the plan says so. The head is this node: its plan is launch's own.
 """
@@ -19,7 +19,8 @@ from sparkwatch.core.launch.plan import FreeSource, MemoryView, Plan, auto_budge
 
 if TYPE_CHECKING:
     from sparkwatch.cli.launch_plan import PlanContext
-    from sparkwatch.cli.launch_ray import PeerReading, RayletCheck
+    from sparkwatch.cli.launch_ray import RayletCheck
+    from sparkwatch.cli.peerread import PeerReading
     from sparkwatch.config.settings import Settings
 
 

@@ -15,7 +15,6 @@ import subprocess
 import sys
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -42,37 +41,19 @@ from sparkwatch.telemetry.sources.raystate import (
 )
 
 if TYPE_CHECKING:
+    from sparkwatch.cli.peerread import PeerReading
     from sparkwatch.config.settings import Settings
-    from sparkwatch.telemetry.peerwatch import PeerWatch
 
 REMOVE_TIMEOUT_S = 30.0  # the helper connects as a Ray driver: 2-3 s on the 2-core test box
 GONE_WAIT_S = 10.0  # after the removal, how long Ray may take to list the group REMOVED
 
 
-@dataclass(frozen=True)
-class PeerReading:
-    """One peer's agent as launch read it once: its document, or why there is none."""
-
-    label: str
-    doc: peerdoc.PeerDoc | None
-    error: str | None = None
-
-
 def read_peers(settings: Settings) -> list[PeerReading]:
-    """One read of each peer's agent (`peers`), at most a second each and all at once (telemetry.peerwatch): what
-    launch checks of the other nodes (their raylets, their pools) comes from this one read."""
-    if not settings.peers:
-        return []
-    from sparkwatch.telemetry.peerwatch import PeerWatch
+    """One read of each peer's agent (`peers`), at most a second each and all at once (cli.peerread): what launch
+    checks of the other nodes (their raylets, their pools) comes from this one read."""
+    from sparkwatch.cli.peerread import read_peers as read
 
-    watch = PeerWatch(settings, lambda event: None)
-    watch.poll_once()
-    return readings(watch)
-
-
-def readings(watch: PeerWatch) -> list[PeerReading]:
-    """What `watch`'s last poll read of each peer."""
-    return [PeerReading(p.label, p.doc, None if p.doc is not None else p.last_error) for p in watch.peers]
+    return read(settings)
 
 
 # Where a raylet was seen: HERE (this node's /proc) or the label of the peer whose agent named it.

@@ -20,7 +20,7 @@ from sparkwatch.common.sources.meminfo import MeminfoError, MeminfoReader
 from sparkwatch.core.launch.settle import SettleParams, SettleState, SettleVerdict, describe, settle_step
 
 if TYPE_CHECKING:
-    from sparkwatch.cli.launch_ray import PeerReading
+    from sparkwatch.cli.peerread import PeerReading
     from sparkwatch.config.settings import Settings
 
 
@@ -51,22 +51,23 @@ def settle_nodes(settings: Settings, timeout_s: float, quiet: bool = False) -> l
     as its agent (`peers`) says: engine processes exiting or orphaned workers holding its GPU, MemAvailable rising,
     Shmem falling (the same rule, core.launch.settle, over the agent's last cycle). A node whose agent does not
     answer is not waited for (the plan says its share is not checked). Returns the last reading of every peer: the
-    plan's read of the other nodes (cli.launch_ray.read_peers), taken at the end of the wait."""
-    from sparkwatch.cli.launch_ray import readings
-    from sparkwatch.telemetry.peerwatch import PeerWatch
+    plan's read of the other nodes (cli.peerread.read_peers), taken at the end of the wait."""
+    from sparkwatch.cli.peerread import PeerReading, read_peers
 
-    watch = PeerWatch(settings, lambda event: None)
+    last: dict[str, PeerReading] = {}  # each peer's last reading, or the last that took a document
 
     def look() -> list[Look]:
-        watch.poll_once()
+        for r in read_peers(settings):
+            if r.doc is not None or last.get(r.label) is None or last[r.label].doc is None:
+                last[r.label] = r
         return [
-            (p.doc.node, p.doc.memory.letting_go, p.doc.memory.available_bytes, p.doc.memory.shmem_bytes)
-            for p in watch.peers
-            if p.doc is not None and p.doc.memory is not None
+            (r.doc.node, r.doc.memory.letting_go, r.doc.memory.available_bytes, r.doc.memory.shmem_bytes)
+            for r in last.values()
+            if r.doc is not None and r.doc.memory is not None
         ]
 
     _wait(look, timeout_s, quiet)
-    return readings(watch)
+    return [last.get(p, PeerReading(p, None, "not read")) for p in settings.peers]
 
 
 def _wait(look: Callable[[], list[Look] | str], timeout_s: float, quiet: bool) -> bool:
