@@ -21,6 +21,7 @@ from sparkwatch.core.model import Check
 if TYPE_CHECKING:
     from sparkwatch.config.settings import Settings
     from sparkwatch.core.report.guardstate import GuardState
+    from sparkwatch.core.report.peerchecks import PeerView
 
 _STATUS_STYLE: dict[CheckStatus, tuple[str, str]] = {
     CheckStatus.OK: ("ok", "32"),
@@ -135,12 +136,18 @@ def shm_leftovers(root: Path, proc_root: Path, fix: bool) -> Check:
 
 
 def pair_checks(settings: Settings, proc_root: Path, guards: Sequence[GuardState], live: bool) -> list[Check]:
-    """The peers' trust in one line, and whether the agent's port is its agent's (issue 37; docs/multinode.md)."""
+    """The peers' trust in one line and each peer's state, read once now (cli.peerread: each within a second, all at
+    once), and whether the agent's port is its agent's (issues 37, 39; docs/multinode.md)."""
     from sparkwatch.common.peerproof import settings_line
     from sparkwatch.core.report.peerchecks import listen_check, listen_skipped, peers_check
     from sparkwatch.telemetry.sources.portholder import describe, port_holders
 
-    out = [peers_check(*settings_line(settings))]
+    peers: tuple[PeerView, ...] = ()
+    if settings.peers:
+        from sparkwatch.cli.peerread import read_peers, views
+
+        peers = views(read_peers(settings))
+    out = [peers_check(*settings_line(settings), peers)]
     if not live:
         out.append(listen_skipped(settings.listen))
     else:

@@ -37,6 +37,7 @@ if TYPE_CHECKING:
 POOL_WINDOW_S = 5.0
 BUILD_WINDOW_S = 60.0
 ONCE_PROBE_S = 3.0  # `status --once` waits this long at most for each engine's first serving probe
+ONCE_PEERS_S = 2.0  # `status --once` waits this long at most for the peers' read (each within a second, all at once)
 # The driver verdict reads dpkg's status file (hundreds of KiB): once a minute is plenty, as in the daemon.
 DRIVER_CHECK_S = 60.0
 # How far back in the events file to look for the last kill.
@@ -124,8 +125,13 @@ class StatusApp:
 
             line, _display_only = settings_line(settings)
             self._peers_note = (line,) if line else ()
+        self._peers: Any = None  # cli.peerread.PeerBoard: the peers read on a thread of their own (PEERS)
+        if settings.peers:
+            from sparkwatch.cli.peerread import PeerBoard
 
-    def frame(self, live: bool = False) -> StatusFrame:
+            self._peers = PeerBoard(settings, max(settings.peer_poll_s, 1.0))
+
+    def frame(self, live: bool = False, peers_wait_s: float = 0.0) -> StatusFrame:
         from sparkwatch.tui.status_view import BuildView, StatusFrame  # rich: only when there is a frame to draw
 
         snap = self.telemetry.collect()
@@ -170,6 +176,7 @@ class StatusApp:
             driver_error=self._driver_error,
             live=live,
             started_ts=self._started_ts,
+            peers=None if self._peers is None else self._peers.views(peers_wait_s),
         )
 
     def _container_lines(self, trees: Sequence[EngineTree]) -> tuple[dict[int, str], str | None]:
@@ -227,6 +234,8 @@ class StatusApp:
         return self._driver
 
     def close(self) -> None:
+        if self._peers is not None:
+            self._peers.close()
         self.telemetry.close()
 
 
@@ -243,7 +252,7 @@ def handle(args: argparse.Namespace) -> int:
             # One frame: the engines' serving word too, each probed once first (at most 3 s: the probe's thread).
             app.telemetry.collect()
             app.telemetry.probes.settle(min(settings.probe_timeout_s, ONCE_PROBE_S) + 0.5)
-            emit(render(app.frame(), console.width))
+            emit(render(app.frame(peers_wait_s=ONCE_PEERS_S), console.width))
             return 0
         console = make_console()
         if not console.is_terminal:

@@ -37,6 +37,7 @@ from sparkwatch.core.model import (
 )
 from sparkwatch.core.redact import redact
 from sparkwatch.core.report.guardstate import GuardState, describe, describe_all
+from sparkwatch.core.report.peerchecks import PeerView, peer_line
 from sparkwatch.core.report.trend import BuildRate, PoolTrend
 from sparkwatch.core.timestamps import parse_rfc3339
 from sparkwatch.core.units import GiB, MiB, format_size
@@ -83,6 +84,8 @@ class StatusFrame:
     # and why they are named by id only (the socket could not be read), said once.
     containers: Mapping[int, str] = field(default_factory=dict)
     containers_note: str | None = None
+    # The other nodes' agents as this viewer read them (cli.peerread): None without peers (no section).
+    peers: tuple[PeerView, ...] | None = None
 
 
 # --- small formatters
@@ -450,6 +453,18 @@ def gated_lines(gated: Sequence[GatedView], now: float, tz: tzinfo | None = None
     return out
 
 
+def peer_lines(peers: Sequence[PeerView]) -> list[Text]:
+    """One line a peer (core.report.peerchecks.peer_line): proven and answering in green, display-only in yellow,
+    silent in red."""
+    if not peers:
+        return [Text("reading…", style="dim")]
+    out = []
+    for v in peers:
+        style = "red" if v.error is not None else ("green" if v.proof is not None else "yellow")
+        out.append(Text(peer_line(v), style=style))
+    return out
+
+
 def collector_lines(snapshot: Snapshot) -> list[Text]:
     return [Text(f"{c.name}: {c.error or 'failed'}", style="red") for c in snapshot.collectors if not c.success]
 
@@ -469,6 +484,8 @@ def render(frame: StatusFrame, width: int, tz: tzinfo | None = None) -> Renderab
     header = Text(f"sparkwatch status · {frame.host} · {stamp}{hint}", style="bold")
     section("POOL", pool_lines(frame, width))
     section("GUARD", guard_lines(frame.guards, frame.guard_notes))
+    if frame.peers is not None:
+        section("PEERS", peer_lines(frame.peers))
     section("ENGINES", engine_lines(frame))
     section("COMPILERS", compile_lines(snap.compile, frame.compile_jobs_alert))
     section("JIT", jit_lines(frame.builds, snap.ts, width))
