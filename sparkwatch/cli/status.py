@@ -2,8 +2,8 @@
 
 It runs the daemon's own snapshot code (`Telemetry(settings).collect()`) in this process, so it needs no daemon, and
 like the telemetry it only reads: /proc, the JIT caches, NVML, the events file, launch's declarations (their boot
-phases) and the running guard's published state (common.guardfile: a few stats and one small read a frame). It
-never signals and never writes.
+phases), the running guard's published state (common.guardfile: a few stats and one small read a frame) and, with
+`peers`, each peer's document (cli.peerread, on a thread of its own). It never signals and never writes.
 
 Light over a slow SSH link: one redraw a second (rich Live with auto-refresh off, updated once per cycle, in the
 normal screen, not the alternate one), a frame of about 25 lines; on a pipe, frames are printed one after another.
