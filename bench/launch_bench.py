@@ -115,7 +115,7 @@ def env_for(tmp: Path, bin_dir: Path) -> dict[str, str]:
 
 
 def bench_plan(tmp: Path, env: dict[str, str], plans: int) -> tuple[list[float], list[float]]:
-    from sparkwatch.cli.launch_plan import PlanInputs, gather
+    from sparkwatch.cli.launch.gather import PlanInputs, gather
     from sparkwatch.config.settings import load_settings
 
     model = make_model(tmp)

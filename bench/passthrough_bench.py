@@ -12,7 +12,7 @@ there) and this tree, A B then B A, each booting (anchors searched) and after re
 own share). Medians over the rounds.
 
 The search alone, in process: the same chatter fed to core.launch.bootphase in 200 KB chunks (what 10 MB/s brings in 20
-ms), anchor by anchor (no screen) and screened by cli/anchorsearch.py, in ms per MB.
+ms), anchor by anchor (no screen) and screened by cli/launch/anchorsearch.py, in ms per MB.
 """
 
 from __future__ import annotations
@@ -134,7 +134,7 @@ def run_launch(tmp: Path, env: dict[str, str], mode: str, rate_mb: float, second
 
 
 def search_ms_per_mb(any_of: bool, chunk_bytes: int = 200_000, megabytes: int = 50) -> float:
-    from sparkwatch.cli.anchorsearch import any_anchor
+    from sparkwatch.cli.launch.anchorsearch import any_anchor
     from sparkwatch.core.launch.bootphase import BootPhase, PhaseRecognizer
 
     chunk = (CHATTER * (chunk_bytes // len(CHATTER) + 1))[:chunk_bytes]
@@ -220,9 +220,10 @@ def main() -> None:
         f"{plain:.2f} ms per MB anchor by anchor (bytes.find each), {screened:.2f} ms per MB screened by one "
         f"ahocorasick-rs automaton ({plain / screened:.0f}x less).",
         "",
-        "What changed: each chunk is screened by one ahocorasick-rs pass over the live anchors (cli/anchorsearch.py) "
-        "and searched anchor by anchor only when the screen finds one (core.launch.bootphase); under a stream launch "
-        "wakes at most every 50 ms instead of 20 (COALESCE_S, now in cli/launch_supervisor.py): a wake-up's poll, "
+        "What changed: each chunk is screened by one ahocorasick-rs pass over the live anchors "
+        "(cli/launch/anchorsearch.py) and searched anchor by anchor only when the screen finds one "
+        "(core.launch.bootphase); under a stream launch wakes at most every 50 ms instead of 20 (COALESCE_S, now in "
+        "cli/launch/supervise.py): a wake-up's poll, "
         "read, write and loop cost about as much as a 200 KB read itself, so the copy at 10 MB/s went from 50 wake-ups "
         "a second to 20. "
         "The ready row is the coalescing alone, the booting row both. Launch with no output costs 0.04 % of a core.",

@@ -1,6 +1,6 @@
-"""The boot-phase recogniser as launch runs it (core.launch.bootphase with cli/anchorsearch.py's one-pass screen): over
-the engines' own boot logs, cut into chunks anywhere, it enters the same phases at the same bytes as a plain reference
-search that walks the whole stream byte by byte, and as the anchor-by-anchor search alone.
+"""The boot-phase recogniser as launch runs it (core.launch.bootphase with cli/launch/anchorsearch.py's one-pass
+screen): over the engines' own boot logs, cut into chunks anywhere, it enters the same phases at the same bytes as a
+plain reference search that walks the whole stream byte by byte, and as the anchor-by-anchor search alone.
 
 The streams are tests/helpers/boot_engine.py's lines (the engines' real ones) in boot order, or drawn in any order
 with the chatter a boot writes between them (tqdm bars with carriage returns, NCCL and warning lines).
@@ -14,7 +14,7 @@ from pathlib import Path
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sparkwatch.cli.anchorsearch import any_anchor
+from sparkwatch.cli.launch.anchorsearch import any_anchor
 from sparkwatch.core.launch.bootphase import BOOTING, BootPhase, PhaseRecognizer, anchors_for
 from tests.helpers.boot_engine import script
 

@@ -1,4 +1,4 @@
-"""`sparkwatch launch` plans an engine that spans nodes node by node (core.launch.nodeplan, cli.launch_nodes): each
+"""`sparkwatch launch` plans an engine that spans nodes node by node (core.launch.nodeplan, cli.launch.nodes): each
 node's share against that node's own pool, read from its own agent, and a refusal that names the node.
 
 The other node is a real `sparkwatch run` whose /proc is a fixture meminfo (its pool is what the test says; it holds
@@ -273,7 +273,7 @@ def test_a_role_budget_that_is_not_one_is_refused_by_name(tmp_path: Path, text: 
 def test_worker_auto_is_one_budget_for_the_role_the_largest_share_plus_slack() -> None:
     """Over Ray the workers' guards are told one size for the group: `worker=auto` is the largest worker share plus
     10 %, the same on every worker node whose share is known."""
-    from sparkwatch.cli.launch_nodes import _with_budget
+    from sparkwatch.cli.launch.nodes import _with_budget
     from sparkwatch.core.launch.plan import auto_budget
 
     facts = ModelFacts("m", weights_bytes=40 * GB, files=8, format="safetensors", layers=64, kv_heads=8,

@@ -392,7 +392,7 @@ def test_small_sizes_dont_lose_precision() -> None:
 
 
 def test_fix_applies_only_what_needs_no_guessing_and_says_what_it_did(tmp_path: Path) -> None:
-    from sparkwatch.cli.launch_fix import apply_fixes
+    from sparkwatch.cli.launch.fix import apply_fixes
 
     proc_root = tmp_path / "proc"
     (proc_root / "sys" / "vm").mkdir(parents=True)

@@ -1,5 +1,5 @@
 """`sparkwatch launch` for an engine over Ray holds the raylets on its node to what the ranks read (issue 30;
-core.launch.rayletenv, cli.launch_ray): the ranks start with their raylet's environment, not the serve command's.
+core.launch.rayletenv, cli.launch.raycheck): the ranks start with their raylet's environment, not the serve command's.
 
 Pure: what is checked and the `ray start` line that fixes it, and the RoCEv2 GID index from a sysfs tree shaped as a
 ConnectX-7's (the Spark's NIC: `rocep1s0f1`, types "IB/RoCE v1" and "RoCE v2", IPv4-mapped GIDs). Real: a two-node

@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 # Command name -> its module under sparkwatch.cli, in the order `--help` shows them.
 COMMANDS: dict[str, str] = {
     "run": "run",
-    "launch": "launch",
+    "launch": "launch.command",
     "engines": "engines",
     "doctor": "doctor",
     "events": "events",

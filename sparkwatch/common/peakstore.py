@@ -1,9 +1,11 @@
 """The learned peaks file, `<state_dir>/peaks.json` (core.launch.peaks decides what goes in it): bounded, atomic,
-strict. `forget` is `sparkwatch launch --forget KEY` / `--forget-all`."""
+strict. `learn` folds a finished run in; `forget` is `sparkwatch launch --forget KEY` / `--forget-all`."""
 
 from __future__ import annotations
 
 import json
+import time
+from collections.abc import Mapping
 from pathlib import Path
 
 from sparkwatch.common.durable import private_dir, read_regular, write_atomic
@@ -27,6 +29,23 @@ def load(state_dir: Path) -> dict[str, PeakRecord]:
     except (OSError, ValueError, WireError, AttributeError, RecursionError):  # nested beyond reason: no records
         return {}
     return records
+
+
+def learn(
+    state_dir: Path,
+    key: str,
+    peak_bytes: int,
+    *,
+    phases: Mapping[str, int],
+    ready_s: float | None,
+    estimate_bytes: int | None,
+) -> None:
+    """One more run of `key` folded into its record (core.launch.peaks.fold) and saved. Raises OSError."""
+    records = load(state_dir)
+    records[key] = peaks.fold(
+        records.get(key), peak_bytes, phases=phases, ready_s=ready_s, estimate_bytes=estimate_bytes, at=time.time()
+    )
+    save(state_dir, records)
 
 
 def forget(state_dir: Path, key: str | None) -> bool:

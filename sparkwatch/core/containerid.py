@@ -21,7 +21,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-# The token `sparkwatch launch` puts in the environment of a container it starts (cli.launch_docker), as in its label
+# The token `sparkwatch launch` puts in the environment of a container it starts (cli.launch.docker), as in its label
 # (core.container.LABEL_LAUNCH): the guard reads it in /proc to believe a declaration of that container
 # (common.launched.in_container).
 LAUNCH_ENV = "SPARKWATCH_LAUNCH"

@@ -596,7 +596,7 @@ Declared = Mapping[tuple[int, int], tuple[str, int]]
 # The launcher of each declared root: (pid, start_ticks) of the root -> the pid of the `sparkwatch launch` that started
 # it (the declaration's launcher_pid).
 Launchers = Mapping[tuple[int, int], int]
-# The scope `sparkwatch launch` runs a command in: `…/sparkwatch-launch-<launcher pid>.scope` (cli.launch_run).
+# The scope `sparkwatch launch` runs a command in: `…/sparkwatch-launch-<launcher pid>.scope` (cli.launch.runner).
 LAUNCH_SCOPE_RE = re.compile(r"/sparkwatch-launch-\d+\.scope$")
 
 

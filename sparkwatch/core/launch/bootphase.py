@@ -24,8 +24,8 @@ Cost: the launcher scans every chunk of output it passes through, so only the an
 are searched, and nothing once the engine is ready. An anchor split across two reads is found: the tail of the
 previous chunk is kept. One bytes.find per live anchor (17 for vLLM) cost 3.3 ms per MB; the caller may pass
 `any_of`, a factory of one compiled multi-pattern test over the live anchors (launch passes ahocorasick-rs's, 0.1 ms
-per MB, cli/anchorsearch.py: core stays pure), that screens each chunk; only a chunk it says may hold an anchor is
-searched anchor by anchor, so the phases found and where are the same with or without it.
+per MB, cli/launch/anchorsearch.py: core stays pure), that screens each chunk; only a chunk it says may hold an anchor
+is searched anchor by anchor, so the phases found and where are the same with or without it.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """`docker run …` and `docker compose up …` as `sparkwatch launch` reads and writes them: the options, the image, the
 command, the services; and the command lines launch starts. Pure: argv in, records out (core.launch.containerspec
-says what the container runs and reads; cli.launch_docker asks docker and runs it).
+says what the container runs and reads; cli.launch.docker asks docker and runs it).
 
 Options are read as docker's flag parser (spf13/pflag) reads them: `--name value`, `--name=value`, a boolean `--rm` or
 `--rm=false`, short booleans grouped (`-dit`), a short option's value attached (`-p8000:8000`, `-e=K=V`) or in the

@@ -4,7 +4,7 @@ The environment that matters to an engine's ranks is the raylet's, not the serve
 with the environment its raylet was started with, and vLLM's Ray executor copies the driver's variables into its
 workers with `setdefault`, so the raylet's value wins (measured with a real Ray: a driver with MAX_JOBS=999 gave its
 actors the 4 and 8 their raylets were started with; ray#38891). Ray workers do flashinfer's JIT compile. Pure: the
-facts are read by cli.launch_ray.
+facts are read by cli.launch.raycheck.
 
 Checked, for each raylet on this node:
 - MAX_JOBS set, and not over what this node's memory holds (the plan's count, core.launch.launchenv): unset, ninja

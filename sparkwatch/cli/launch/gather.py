@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import re
-import shlex
 import shutil
 import time
 from collections.abc import Mapping
@@ -35,14 +34,11 @@ from sparkwatch.core.launch.plan import (
     ModelFacts,
     Plan,
     Reservation,
-    budget_warning,
-    fix_text,
-    miss_reasons,
     plan_launch,
 )
 from sparkwatch.core.launch.rayletenv import uses_ray
 from sparkwatch.core.redact import redact
-from sparkwatch.core.units import MiB, format_size
+from sparkwatch.core.units import MiB
 
 if TYPE_CHECKING:
     from sparkwatch.config.settings import Settings
@@ -58,7 +54,7 @@ class PlanInputs:
     margin_bytes: int | None = None
     engine_reads: str | None = None
     env: Mapping[str, str] = field(default_factory=dict)
-    view: Any = None  # an engine in a container (cli.launch_docker.Container): its checkpoint seen through its mounts
+    view: Any = None  # an engine in a container (cli.launch.docker.Container): its checkpoint seen through its mounts
 
 
 @dataclass(frozen=True)
@@ -254,156 +250,3 @@ def replan(settings: Settings, inputs: PlanInputs, ctx: PlanContext) -> tuple[Pl
     """The plan again after a fix (the pool changed; the checkpoint did not)."""
     plan, new = gather(settings, inputs)
     return plan, replace(new, facts=ctx.facts)
-
-
-# --- printing
-
-
-def _learned_line(plan: Plan, ctx: PlanContext) -> str | None:
-    learned = plan.learned
-    record = ctx.record
-    if learned is None and record is not None and record.recent:
-        runs = ", ".join(format_size(b) for b in record.recent)
-        return (
-            f"measured {runs} in {len(record.recent)} run(s), not used yet: the estimate stands until two runs agree "
-            f"within {peaks.AGREE_RATIO:.0%} (sparkwatch launch --forget {shlex.quote(ctx.key)} drops them)"
-        )
-    if learned is None:
-        return None
-    err = peaks.error_ratio(plan.estimate.needs_bytes, learned.peak_bytes)
-    err_text = "" if err is None else f", estimate {format_size(plan.estimate.needs_bytes)} ({err:+.0%})"
-    ready = "" if learned.ready_s is None else f", ready in {learned.ready_s:.0f} s"
-    return f"measured peak {format_size(learned.peak_bytes)} over {learned.runs} run(s){err_text}{ready}"
-
-
-def plan_text(plan: Plan, ctx: PlanContext, short: bool = False) -> str:
-    est = plan.estimate
-    view = plan.view
-    verdict = "fits"
-    if not plan.fits:  # the reason, never a bare "short by 0 B"; the fix here too, but where the gate's line follows
-        verdict = f"does NOT fit: {'; '.join(miss_reasons(plan, figures=False))}"
-        verdict += "" if short else f"; fix: {fix_text(plan)}"
-    head = f"sparkwatch: plan for {est.kind}" + (f" {est.model}" if est.model else "")
-    if ctx.span is not None:
-        head += f" ({ctx.span.how}: this node's share, as the {ctx.role})"
-    basis = "measured peak" if plan.learned is not None else "estimate"
-    summary = (
-        f"{head}: {basis} {format_size(plan.needs_bytes)}, {format_size(max(plan.available_bytes, 0))} free above "
-        f"floor {format_size(view.floor_bytes)} + margin {format_size(view.margin_bytes)}: {verdict}"
-    )
-    if short:
-        learned = _learned_line(plan, ctx)
-        return summary + (f"\nsparkwatch: {learned}" if learned else "")
-    lines = [summary, ""]
-    width = max(len(t.name) for t in est.terms)
-    for term in est.terms:
-        lines.append(f"  {term.name:<{width}}  {format_size(term.bytes):>10}  {term.note}")
-    lines.append(f"  {'needs':<{width}}  {format_size(est.needs_bytes):>10}  the peak phase")
-    learned = _learned_line(plan, ctx)
-    if learned:
-        lines.append(f"  {learned}")
-    lines.append("")
-    lines.append(
-        f"  MemAvailable {format_size(view.available_bytes)}, MemFree {format_size(view.free_bytes)}, "
-        f"page cache {format_size(view.cached_bytes)}, total {format_size(view.total_bytes)}"
-    )
-    if view.contiguous_free_bytes is not None:
-        lines.append(f"  free in blocks of 2 MiB or more: {format_size(view.contiguous_free_bytes)}")
-    reserved = [r for r in plan.reservations if r.reserved_bytes]
-    for r in reserved:
-        whose = "" if r.other_uid is None else f", another user's: uid {r.other_uid}"
-        lines.append(f"  reserved for {r.name} (pid {r.root_pid}{whose}): {format_size(r.reserved_bytes)}, {r.why}")
-    check = est.check
-    if check is not None and check.required_bytes:
-        ok = "ok" if check.ok else "FAILS"
-        lines.append(
-            f"  engine check: {check.source} {format_size(check.value_bytes)} >= "
-            f"{format_size(check.required_bytes)}: {ok} ({check.why})"
-        )
-    if plan.budget_bytes is not None:
-        lines.append(f"  budget: {format_size(plan.budget_bytes)} (declared to the guard: its kill limit for the tree)")
-    warning = budget_warning(plan)
-    if warning:
-        lines.append(f"  WARNING: {warning}")
-    if ctx.facts.error and est.kind != EngineKind.OTHER:
-        lines.append(f"  note: {ctx.facts.error}")
-    for note in (*est.notes, *est.problems):
-        lines.append(f"  note: {note}")
-    for fix in plan.fixes:
-        lines.append(f"  fix: {fix.text}" + (" (--fix applies it)" if fix.automatic else ""))
-    return "\n".join(lines)
-
-
-def plan_json(plan: Plan, ctx: PlanContext) -> dict[str, Any]:
-    est = plan.estimate
-    view = plan.view
-    check = est.check
-    learned = plan.learned
-    return {
-        "fits": plan.fits,
-        "needs_bytes": plan.needs_bytes,
-        "available_bytes": plan.available_bytes,
-        "short_bytes": plan.short_bytes,
-        "terms": [{"name": t.name, "bytes": t.bytes, "note": t.note} for t in est.terms],
-        "estimate_bytes": est.needs_bytes,
-        "kind": str(est.kind),
-        "model": est.model,
-        "model_source": ctx.facts.source,
-        "weight_files": ctx.facts.files,
-        "key": ctx.key,
-        "engine_version": ".".join(map(str, ctx.engine_version)) if ctx.engine_version else None,
-        "engine_check": None
-        if check is None
-        else {
-            "reads": str(check.source),
-            "required_bytes": check.required_bytes,
-            "value_bytes": check.value_bytes,
-            "ok": check.ok,
-        },
-        "fragmented": plan.fragmented,
-        "budget_bytes": plan.budget_bytes,
-        "budget_warning": budget_warning(plan),
-        "learned": None
-        if learned is None
-        else {
-            "peak_bytes": learned.peak_bytes,
-            "estimate_bytes": learned.estimate_bytes,
-            "runs": learned.runs,
-            "ready_s": learned.ready_s,
-            "estimate_error": peaks.error_ratio(est.needs_bytes, learned.peak_bytes),
-        },
-        "measured_peaks_bytes": list(ctx.record.recent) if ctx.record is not None else [],
-        "memory": {
-            "total_bytes": view.total_bytes,
-            "available_bytes": view.available_bytes,
-            "free_bytes": view.free_bytes,
-            "cached_bytes": view.cached_bytes,
-            "floor_bytes": view.floor_bytes,
-            "margin_bytes": view.margin_bytes,
-            "contiguous_free_bytes": view.contiguous_free_bytes,
-        },
-        "reserved": [
-            {
-                "kind": r.kind,
-                "root_pid": r.root_pid,
-                "name": r.name,
-                "reserved_bytes": r.reserved_bytes,
-                "why": r.why,
-                "uid": r.other_uid,  # another user's declaration; null: the planning user's own, or undeclared
-            }
-            for r in plan.reservations
-        ],
-        "fixes": [
-            {
-                "action": str(f.action),
-                "text": f.text,
-                "automatic": f.automatic,
-                "flags": [list(pair) for pair in f.flags],
-                "max_jobs": f.max_jobs,
-            }
-            for f in plan.fixes
-        ],
-        "notes": list(est.notes),
-        "problems": list(est.problems),
-        "plan_seconds": round(ctx.took_s, 4),
-    }

@@ -1,5 +1,5 @@
-"""Running an engine in a container for `sparkwatch launch` (cli.launch_docker prepared it): the hooks of
-cli.launch_run.Launch where the engine is a container's processes, and launch's child only the docker client.
+"""Running an engine in a container for `sparkwatch launch` (cli.launch.docker prepared it): the hooks of
+cli.launch.runner.Launch where the engine is a container's processes, and launch's child only the docker client.
 
 - launch runs the client attached (`docker run` without `-d`, `compose up SERVICE` without `-d`): its output is the
   container's, passed through and searched for boot phases as a bare engine's.
@@ -14,7 +14,7 @@ cli.launch_run.Launch where the engine is a container's processes, and launch's 
 - Ctrl-C (and SIGTERM, SIGHUP) stops the container by its id (`docker stop`, the image's stop signal then SIGKILL
   after its timeout); a second one `docker kill`s it; a third kills the client. Before the container is known, they
   go to the client as for any command.
-- The end: the container runs with no restart policy while launch watches it (cli.launch_docker leaves `--restart`
+- The end: the container runs with no restart policy while launch watches it (cli.launch.docker leaves `--restart`
   out, or sets `restart: "no"` in launch's compose file): when its top process is gone (the guard killed it, or it
   ended) it stays stopped, however `--restart` read. A container still running when its client ended is stopped
   (`docker stop`): nothing launch started runs on unwatched. The exit code is the container's first (`docker wait`;
@@ -35,9 +35,9 @@ import threading
 import time
 from typing import TYPE_CHECKING
 
-from sparkwatch.cli.launch_docker import Container, docker_out
-from sparkwatch.cli.launch_run import Launch
-from sparkwatch.cli.launch_supervisor import Supervisor
+from sparkwatch.cli.launch.docker import Container, docker_out
+from sparkwatch.cli.launch.runner import Launch
+from sparkwatch.cli.launch.supervise import Supervisor
 from sparkwatch.common.sources.procs import read_cgroup, read_descendants, read_start_ticks
 from sparkwatch.common.threads import daemon_thread
 from sparkwatch.core.container import LABEL_LAUNCH
@@ -47,7 +47,7 @@ from sparkwatch.core.launch import launchenv
 from sparkwatch.core.launch.bootphase import BootPhase
 
 if TYPE_CHECKING:
-    from sparkwatch.cli.launch_plan import PlanContext
+    from sparkwatch.cli.launch.gather import PlanContext
     from sparkwatch.config.settings import Settings
     from sparkwatch.core.launch.plan import Plan
 
@@ -122,7 +122,7 @@ def _running_pid(out: str) -> int | None:
 
 
 class ContainerSupervisor(Supervisor):
-    """cli.launch_supervisor's run, with the signals going to the container once launch knows it."""
+    """cli.launch.supervise's run, with the signals going to the container once launch knows it."""
 
     def __init__(self, launch: ContainerLaunch, env: dict[str, str], proc_root: str, quiet: bool) -> None:
         super().__init__([], env, proc_root, quiet=quiet, use_scope=False)

@@ -1,5 +1,5 @@
 """`sparkwatch launch -- docker run …` and `-- docker compose up SERVICE`: what launch asks docker before it plans,
-and the command it then starts (core.launch.dockerargv reads the command lines; cli.launch_container runs it).
+and the command it then starts (core.launch.dockerargv reads the command lines; cli.launch.incontainer runs it).
 
 - The image's own entrypoint, command and environment: `docker image inspect` (an image not pulled yet: the table of
   known images, core.launch.dockerargv.KNOWN_IMAGES; else the command must name the engine).
@@ -7,7 +7,7 @@ and the command it then starts (core.launch.dockerargv reads the command lines; 
   prints YAML only, read with PyYAML where it is installed), over the files compose itself would read: the `-f`
   given, else COMPOSE_FILE, else the first of compose.yaml, compose.yml, docker-compose.yaml, docker-compose.yml in
   the project directory or above it, with its `.override` file. launch adds its own file after them (`-f`).
-- The checkpoint on the host (`facts`, which launch_plan.gather asks instead of reading the container's paths on the
+- The checkpoint on the host (`facts`, which plan.gather asks instead of reading the container's paths on the
   host): the engine's model path, its `--download-dir` and the container's Hugging Face cache (HF_HUB_CACHE,
   HF_HOME, …, as the container's environment sets them, else under its HOME), each through the bind mounts.
 - The token (`<uid>-<16 hex digits>`, os.urandom) goes in the container's label and environment: the guard believes

@@ -1,4 +1,4 @@
-"""The boot-phase anchors searched in one pass, for `sparkwatch launch`'s pass-through (cli/launch_run.py).
+"""The boot-phase anchors searched in one pass, for `sparkwatch launch`'s pass-through (cli/launch/runner.py).
 
 core.launch.bootphase searches a chunk anchor by anchor (one bytes.find each: 17 for vLLM, 3.3 ms per MB on a 2-core x86
 VM, 4.4 % of a core at 10 MB/s of logs). Here the live anchors are compiled into one leftmost-first Aho-Corasick

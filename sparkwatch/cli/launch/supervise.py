@@ -1,12 +1,12 @@
 """The supervisor of `sparkwatch launch`: runs the engine as launch's child and lets nothing of it outlive launch.
 
-cli.launch_run drives it and hands it its hooks (`Hooks`: the declaration at start, each chunk of output for the
+cli.launch.runner drives it and hands it its hooks (`Hooks`: the declaration at start, each chunk of output for the
 boot-phase recogniser, a periodic tick for the footprint and the guard's word, the exit); this module knows nothing
 of plans, declarations or guards.
 
-- launch is the engine's parent and a child subreaper (prctl, set by launch_run before the start): workers orphaned
-  by a dying root come back to it, so Ctrl-C leaves no process behind. The command runs in its own process group
-  (and, where a systemd user manager answers, in its own scope, `systemd-run --user --scope -p MemoryHigh=…`, one
+- launch is the engine's parent and a child subreaper (prctl, set by cli.launch.runner before the start): workers
+  orphaned by a dying root come back to it, so Ctrl-C leaves no process behind. The command runs in its own process
+  group (and, where a systemd user manager answers, in its own scope, `systemd-run --user --scope -p MemoryHigh=…`, one
   margin above the guard's kill limit (core.kill.budget.memory_high_bytes): host-side growth past it is throttled by the
   kernel if the guard is not there to kill first; CUDA allocations are not seen by the cgroup on a GB10, which the
   guard's budget covers).
@@ -87,7 +87,7 @@ class Supervisor:
         self._signals: list[int] = []
         self.sent: list[int] = []  # the signals launch sent the tree (a SIGKILL not among them came from elsewhere)
         self._stderr_at_line_start = True
-        self.stdout_fd = 1  # where the command's stdout is copied (2: a detached container's, cli.launch_container)
+        self.stdout_fd = 1  # where the command's stdout is copied (2: a detached container's, cli.launch.incontainer)
 
     # --- output
     def note(self, text: str) -> None:

@@ -1,23 +1,20 @@
 """Running the engine for `sparkwatch launch`: its declaration, boot phases, footprint, the guard's word, its end.
 
-- the engine runs under cli.launch_supervisor (fork/exec in its own process group and scope, signal forwarding,
+- the engine runs under cli.launch.supervise (fork/exec in its own process group and scope, signal forwarding,
   reaping, the pass-through); this module is its hooks. launch is a child subreaper (prctl, set here before the
   start: NVML's check is a child of ours and must be reaped first).
 - the phase recogniser (core.launch.bootphase) searches each chunk of output the supervisor copied for the anchors that
   can still come.
 - the declaration (common.launched) is written at start, on every phase, when the measured peak grew, and at exit.
-- the measured peak is what the tree itself holds (core.kill.footprint): its RSS (the root's descendants and whatever
-  was reparented to launch: a worker that double-forked with setsid), its scope's memory.current, and NVML's per-process
-  bytes where NVML loads (checked in a throwaway child first, as `status` does). The pool's drop is never a peak:
-  everything else on the box is in it.
-- one line says where it went; then, from the guard's published state (common.guardfile), whether a guard took it
-  (within GUARD_WORD_WAIT_S), or at once and only once that no guard is running (with a budget: that it is not
-  enforced).
+- the measured peak is what the tree itself holds (cli.launch.treesample): its RSS (the root's descendants and
+  whatever was reparented to launch: a worker that double-forked with setsid), its scope's memory.current, and NVML's
+  per-process bytes. The pool's drop is never a peak: everything else on the box is in it.
+- ready comes with the first token (cli.launch.firsttoken), else the log line.
+- one line says where the declaration went; then the guard's word on it (cli.launch.guardword).
 - the exit code passes through (128+N for signal N). A SIGKILL that launch did not send is looked up in the guard's
-  published state (common.guardfile: its word on the launched engines it killed, keyed by the declaration), waited
-  for up to KILL_WORD_WAIT_S while a guard runs and not at all when none does: the guard's word is printed in one
-  line, and launch exits 137. The guard writes no line of its own on the terminal of an engine whose launch tells
-  it (guard.launchwatch.told_by_launch), so the owner reads one.
+  published state (cli.launch.guardword): the guard's word is printed in one line, and launch exits 137. The guard
+  writes no line of its own on the terminal of an engine whose launch tells it (guard.launchwatch.told_by_launch),
+  so the owner reads one.
 - the tree is read from /proc by common.sources.procs (children lists, stat, cgroup): no parser of its own here.
 """
 
@@ -26,36 +23,32 @@ from __future__ import annotations
 import os
 import signal
 import sys
-import threading
 import time
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-from sparkwatch.cli.anchorsearch import any_anchor
-from sparkwatch.cli.launch_plan import PlanContext
-from sparkwatch.cli.launch_ranks import RankWatch
-from sparkwatch.cli.launch_supervisor import Supervisor
-from sparkwatch.common import guardfile, launched, peakstore, syscalls
+from sparkwatch.cli.launch import treesample
+from sparkwatch.cli.launch.anchorsearch import any_anchor
+from sparkwatch.cli.launch.firsttoken import FirstToken
+from sparkwatch.cli.launch.gather import PlanContext
+from sparkwatch.cli.launch.guardword import AWAIT_POLL_S, GuardWord
+from sparkwatch.cli.launch.ranks import RankWatch
+from sparkwatch.cli.launch.supervise import Supervisor
+from sparkwatch.common import launched, peakstore, syscalls
 from sparkwatch.common.launched import Declaration
-from sparkwatch.common.sources.cgroupmem import read_memory_current
 from sparkwatch.common.sources.meminfo import MeminfoError, MeminfoReader
 from sparkwatch.common.sources.procs import (
     read_cgroup,
     read_children,
     read_descendants,
-    read_rss_bytes,
     read_start_ticks,
 )
-from sparkwatch.common.threads import daemon_thread
-from sparkwatch.core.engines.serving import Endpoint, Outcome, api_key_of, endpoint_of, endpoint_of_url
-from sparkwatch.core.kill.footprint import FootprintInputs, footprint
-from sparkwatch.core.launch import launchenv, peaks
+from sparkwatch.core.engines.serving import api_key_of, endpoint_of, endpoint_of_url
+from sparkwatch.core.launch import launchenv
 from sparkwatch.core.launch.bootphase import BootPhase, PhaseRecognizer
 from sparkwatch.core.launch.plan import Plan
-from sparkwatch.core.report.guardstate import KillWord, no_guard_line, not_taken_line, taken_line
+from sparkwatch.core.report.guardstate import KillWord
 from sparkwatch.core.units import MiB, format_size
-from sparkwatch.telemetry.sources.completion import send_probe
-from sparkwatch.telemetry.sources.listeners import Unreachable, dial_of, landing_check
 
 if TYPE_CHECKING:
     from sparkwatch.config.settings import Settings
@@ -63,41 +56,11 @@ if TYPE_CHECKING:
 # After its ready line, an engine that owns no listening socket on its port within this long is ready by that line.
 READY_LISTEN_GRACE_S = 1.0
 SAMPLE_EVERY_S = 1.0  # footprint samples while the engine runs (a /proc walk of the tree and, with NVML, one read)
-# How long launch looks for a guard to take its declaration: the guard reads the declarations each tick (at most
-# poll_max_s, 1 s, apart) and republishes guard.json at once when it took a new one.
-GUARD_WORD_WAIT_S = 5.0
-# How long launch looks for a running guard's word on a SIGKILL it did not send: the guard asks its main thread to
-# republish guard.json right after its signals, and launch looks only after its own reap, leftovers and drain.
-KILL_WORD_WAIT_S = 3.0
 PEAK_WRITE_MIN_BYTES = 256 * MiB  # rewrite the declaration when the peak grew by this much (or 5 %)
 
 
-def gpu_reader(settings: Settings) -> Any | None:
-    """NVML's per-process bytes for the footprint, or None where it would hang (nvml_preflight) or fails to build."""
-    from sparkwatch.telemetry.sources.nvml import NvmlSource
-    from sparkwatch.telemetry.sources.nvml_preflight import nvml_hang_reason
-
-    if nvml_hang_reason() is not None:
-        return None
-    return NvmlSource(proc_root=settings.proc_root)
-
-
-def gpu_bytes_of(source: Any | None, pids: list[int]) -> int | None:
-    """The GPU bytes NVML lists for `pids`, summed; None when NVML is not up (no reading: the footprint then has no
-    GPU part, core.kill.footprint)."""
-    from sparkwatch.core.model import GpuReport
-
-    if source is None:
-        return None
-    report = source.collect()
-    if not isinstance(report, GpuReport) or not report.up:
-        return None
-    wanted = set(pids)
-    return sum(p.used_gpu_memory_bytes or 0 for p in report.processes if p.pid in wanted)
-
-
 class Launch:
-    """The hooks of one run under the supervisor (cli.launch_supervisor.Hooks), and what launch says around it."""
+    """The hooks of one run under the supervisor (cli.launch.supervise.Hooks), and what launch says around it."""
 
     def __init__(
         self,
@@ -135,7 +98,7 @@ class Launch:
         self.killed_by: KillWord | None = None
         self.unit = self.supervisor.unit
         self.gpu: Any | None = None
-        self._guard_wait_until: float | None = None  # monotonic; None: nothing (more) to say about the guard
+        self.guard = GuardWord(self.env, settings.state_dir, plan.budget_bytes, self.note)
         self._baseline = 0  # MemAvailable just before the start (the pool-drop baseline)
         self._started_wall = 0.0
         self._scoped = False
@@ -182,37 +145,15 @@ class Launch:
         else:
             self.note(f"phase {phase} after {now - self.decl.launched_at:.0f} s")
 
-    # --- the guard's word (common.guardfile): where the declaration went, and whether a guard took it
     def _declared_to_guard(self) -> None:
-        """One line saying where the declaration went; at once when no guard runs, else once one took it (or
-        GUARD_WORD_WAIT_S passed), from `_guard_word`."""
+        """One line saying where the declaration went; then the guard's word on it (cli.launch.guardword)."""
         if self.decl is None:
             return
         path = self.directory / self.decl.file_name
         if not path.exists():
             return  # _write_decl said why
         self.note(f"declared in {path}")
-        seen = guardfile.read_guards(guardfile.reader_paths(self.env, self.settings.state_dir))
-        if not seen.running:
-            self.note(no_guard_line(self.plan.budget_bytes))
-            return
-        self._guard_wait_until = time.monotonic() + GUARD_WORD_WAIT_S
-        self._guard_word()
-
-    def _guard_word(self) -> None:
-        if self._guard_wait_until is None or self.decl is None:
-            return
-        seen = guardfile.read_guards(guardfile.reader_paths(self.env, self.settings.state_dir))
-        state = seen.taken_by(self.decl.tree_key)
-        if state is not None:
-            self.note(taken_line(state, self.plan.budget_bytes))
-        elif not seen.running:
-            self.note(no_guard_line(self.plan.budget_bytes))  # it stopped meanwhile
-        elif time.monotonic() >= self._guard_wait_until:
-            self.note(not_taken_line(seen.states, self.plan.budget_bytes, GUARD_WORD_WAIT_S))
-        else:
-            return
-        self._guard_wait_until = None
+        self.guard.declared(self.decl.tree_key)
 
     # --- the run
     def _environment(self) -> dict[str, str]:
@@ -225,7 +166,9 @@ class Launch:
     def run(self) -> int:
         plan = self.plan
         env = self._environment()
-        self.gpu = gpu_reader(self.settings)  # before the subreaper: its check is a child of ours, reaped by it
+        self.gpu = treesample.gpu_reader(
+            self.settings
+        )  # before the subreaper: its check is a child of ours, reaped by it
         syscalls.set_child_subreaper()
         try:  # the pool-drop baseline the guard's budget warning reads (never a kill's nor a peak's)
             with MeminfoReader(self.settings.proc_root) as reader:
@@ -250,7 +193,7 @@ class Launch:
                 close()
         return self._finish(pid, status, self.peak)
 
-    # --- the supervisor's hooks (cli.launch_supervisor.Hooks)
+    # --- the supervisor's hooks (cli.launch.supervise.Hooks)
     def started(self, pid: int) -> None:
         """The declaration, written at once; the line saying where it went."""
         self._started_wall = time.time()
@@ -350,8 +293,9 @@ class Launch:
 
     def tick(self, pid: int) -> float:
         """The guard's word while awaited, and a footprint sample (the declaration rewritten when the peak grew)."""
-        every = min(SAMPLE_EVERY_S, self._guard_poll_s())
-        self._guard_word()
+        every = AWAIT_POLL_S if self.guard.awaited else SAMPLE_EVERY_S
+        if self.decl is not None:
+            self.guard.poll(self.decl.tree_key)
         self._first_token_word()
         self._ranks_word()
         if self._scoped and self._cgroup is None:
@@ -375,10 +319,6 @@ class Launch:
         if self.ranks is not None:
             self.ranks.stop()
         self._declare_exit(status, self.peak)  # at once: the guard's engine_exited carries the exit code
-
-    def _guard_poll_s(self) -> float:
-        """While waiting for a guard's word, look four times a second: the line comes when the guard took it."""
-        return SAMPLE_EVERY_S if self._guard_wait_until is None else 0.25
 
     def _declare_exit(self, status: int | None, peak: int) -> None:
         sig = os.WTERMSIG(status) if status is not None and os.WIFSIGNALED(status) else None
@@ -409,16 +349,7 @@ class Launch:
     def _sample(self, pid: int, cgroup: str | None) -> int:
         """What the tree holds now (core.kill.footprint, without the pool's drop): its processes' RSS
         (`_tree_pids`) or the scope's memory.current, and NVML's bytes for them."""
-        pids = self._tree_pids(pid)
-        gpu = gpu_bytes_of(self.gpu, pids)
-        return footprint(
-            FootprintInputs(
-                rss_bytes=read_rss_bytes(self.proc_root, pids),
-                gpu_bytes=gpu,
-                gpu_age_s=None if gpu is None else 0.0,
-                cgroup_bytes=read_memory_current(cgroup),
-            )
-        ).bytes
+        return treesample.sample(self.proc_root, self._tree_pids(pid), self.gpu, cgroup)
 
     def _finish(self, pid: int, status: int | None, peak: int) -> int:
         code, sig = 0, None
@@ -432,7 +363,7 @@ class Launch:
         if self.decl is not None and self.decl.ready_s is not None and peak > 0:
             self._learn(peak)
         if sig == signal.SIGKILL and signal.SIGKILL not in self.supervisor.sent:
-            word = self._guard_kill_word()
+            word = self.guard.kill_word(self.decl.tree_key) if self.decl is not None else None
             self.killed_by = word
             if word is not None:
                 print(
@@ -450,82 +381,13 @@ class Launch:
             return 128 + signal.SIGKILL
         return code
 
-    def _guard_kill_word(self) -> KillWord | None:
-        """A running guard's word that it killed this engine, keyed by its declaration (common.guardfile), looked
-        for until KILL_WORD_WAIT_S passed; at once None when no guard runs. A dry run's decision is not a kill."""
-        if self.decl is None:
-            return None
-        paths = guardfile.reader_paths(self.env, self.settings.state_dir)
-        deadline = time.monotonic() + KILL_WORD_WAIT_S
-        while True:
-            seen = guardfile.read_guards(paths)
-            word = seen.killed(self.decl.tree_key)
-            if word is not None and not word.dry_run:
-                return word
-            if not seen.running or time.monotonic() >= deadline:
-                return None
-            time.sleep(0.1)
-
     def _learn(self, peak: int) -> None:
         assert self.decl is not None
         try:
-            records = peakstore.load(self.settings.state_dir)
-            records[self.ctx.key] = peaks.fold(
-                records.get(self.ctx.key),
-                peak,
-                phases=self.phase_peaks,
-                ready_s=self.decl.ready_s,
-                estimate_bytes=self.plan.estimate.needs_bytes,
-                at=time.time(),
-            )
-            peakstore.save(self.settings.state_dir, records)
+            peakstore.learn(self.settings.state_dir, self.ctx.key, peak, phases=self.phase_peaks,
+                            ready_s=self.decl.ready_s, estimate_bytes=self.plan.estimate.needs_bytes)  # fmt: skip
         except OSError as exc:
             self.note(f"could not record the measured peak: {exc.strerror or exc}")
-
-
-class FirstToken:
-    """launch's own probe, on a thread of its own: once a second, while the engine's processes own a listening socket
-    on its port, a one-token completion (telemetry/sources/completion.py) until one answers. The key goes in its
-    header only; nothing here prints or records it."""
-
-    EVERY_S = 1.0  # a probe a second once the engine listens
-    LOOK_EVERY_S = 0.25  # a look for its listening socket until then (a few small /proc reads)
-    TIMEOUT_S = 10.0
-
-    def __init__(self, proc_root: str, pid: int, endpoint: Endpoint, key: str | None) -> None:
-        self.proc_root, self.pid, self.endpoint, self._key = proc_root, pid, endpoint, key
-        self.answered_at: float | None = None  # wall clock
-        self.latency_s: float | None = None
-        self.probes = 0
-        self.listening_seen = False
-        self.unreachable = ""  # why its socket cannot be reached from here (a container's, telemetry.sources.listeners)
-        self._stop = threading.Event()
-
-    def start(self) -> None:
-        daemon_thread(self._run, "sparkwatch-first-token").start()
-
-    def stop(self) -> None:
-        self._stop.set()
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.EVERY_S if self.listening_seen else self.LOOK_EVERY_S):
-            pids = read_descendants(self.proc_root, [self.pid])
-            dial = dial_of(self.proc_root, self.pid, pids, self.endpoint.port)  # in a container: its own address
-            if dial is None:
-                continue
-            self.listening_seen = True
-            if isinstance(dial, Unreachable):
-                self.unreachable = dial.reason
-                return
-            self.probes += 1
-            check = landing_check(self.proc_root, dial) if dial.netns_pid else None
-            answer = send_probe(
-                dial.host, dial.port, prefix=self.endpoint.prefix, key=self._key, timeout_s=self.TIMEOUT_S, check=check
-            )
-            if answer.outcome == Outcome.OK:
-                self.latency_s = answer.latency_s
-                self.answered_at = time.time()
-                return
 
 
 def _with_peak(decl: Declaration, peak: int) -> Declaration:

@@ -11,15 +11,15 @@ from __future__ import annotations
 import socket
 from collections.abc import Sequence
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from sparkwatch.cli.launch_ray import HERE
+from sparkwatch.cli.launch.raycheck import HERE
 from sparkwatch.core.launch.nodeplan import NodeInput, NodePlan, Role, ViewSource, plan_nodes
 from sparkwatch.core.launch.plan import FreeSource, MemoryView, Plan, auto_budget
 
 if TYPE_CHECKING:
-    from sparkwatch.cli.launch_plan import PlanContext
-    from sparkwatch.cli.launch_ray import RayletCheck
+    from sparkwatch.cli.launch.gather import PlanContext
+    from sparkwatch.cli.launch.raycheck import RayletCheck
     from sparkwatch.cli.peerread import PeerReading
     from sparkwatch.config.settings import Settings
 
@@ -103,29 +103,3 @@ def _ray_view(
                           plan.view.margin_bytes, cpus=n.cpus)  # fmt: skip
         out.append(NodeInput(n.node_ip, Role.WORKER, view, ViewSource.RAY))
     return out
-
-
-def nodes_json(nodes: Sequence[NodePlan]) -> list[dict[str, Any]]:
-    return [
-        {
-            "node": n.node,
-            "role": str(n.role),
-            "source": str(n.source),
-            "fits": n.fits,
-            "needs_bytes": None if n.plan is None else n.plan.needs_bytes,
-            "available_bytes": None if n.plan is None else n.plan.available_bytes,
-            "budget_bytes": None if n.plan is None else n.plan.budget_bytes,
-            "terms": []
-            if n.plan is None
-            else [{"name": t.name, "bytes": t.bytes, "note": t.note} for t in n.plan.terms],
-            # what would fit there, planned again on that node with it applied (the head's: the plan's own `fixes`)
-            "fixes": []
-            if n.plan is None
-            else [
-                {"action": str(f.action), "text": f.text, "flags": [list(p) for p in f.flags], "max_jobs": f.max_jobs}
-                for f in n.plan.fixes
-            ],
-            "env_problems": list(n.env_problems),
-        }
-        for n in nodes
-    ]

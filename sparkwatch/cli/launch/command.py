@@ -7,7 +7,7 @@
 
 1. Settle: wait (up to --settle-timeout) while an engine tree is exiting, memory is still coming back (MemAvailable
    rising, Shmem falling) or orphaned engine workers hold the GPU (core.launch.settle), here and, for an engine that
-   spans nodes, on every other node as its agent says (cli.launch_settle.settle_nodes). Steady engines are no reason
+   spans nodes, on every other node as its agent says (cli.launch.settlewait.settle_nodes). Steady engines are no reason
    to wait: the plan counts them. Then the files a killed engine left in /dev/shm, which no process holds, are named
    with their bytes (core.launch.shmleft); `--fix` removes those named like an engine's before the plan reads the pool.
 2. Plan (core.launch.plan): the footprint as named terms, held against MemAvailable - floor - margin, the engine's own
@@ -22,10 +22,10 @@
    does not start (exit 78). `--fix` removes such groups through Ray.
    `--fix` applies the fixes that need no guessing (drop caches, compact memory) where the user may, `--force`
    starts anyway, `--plan` prints the plan and exits 0 (fits) or 1 (does not).
-4. Environment (core.launch.launchenv), declaration (common.launched), run (cli.launch_run): the command's output passes
-   through unchanged, its boot phases are recognised (core.launch.bootphase), Ctrl-C goes to the whole tree, and the
-   exit code comes back; a guard kill is reported in one line and exits 137. A container (`docker run …`, `docker
-   compose up SERVICE`) is planned by the engine inside (cli.launch_docker) and run by cli.launch_container.
+4. Environment (core.launch.launchenv), declaration (common.launched), run (cli.launch.runner): the command's output
+   passes through unchanged, its boot phases are recognised (core.launch.bootphase), Ctrl-C goes to the whole tree, and
+   the exit code comes back; a guard kill is reported in one line and exits 137. A container (`docker run …`, `docker
+   compose up SERVICE`) is planned by the engine inside (cli.launch.docker) and run by cli.launch.incontainer.
 
 Exit codes: the command's own; 128+N when it died of signal N (137: killed, by the guard when the line says so);
 75 the plan does not fit (nothing started); 78 the Ray cluster needs a fix first: a raylet here lacks what the
@@ -126,7 +126,8 @@ def _command(args: argparse.Namespace) -> list[str]:
 
 def handle(args: argparse.Namespace) -> int:
     from sparkwatch.cli import settings_from
-    from sparkwatch.cli.launch_plan import PlanInputs, gather, plan_json, plan_text, replan
+    from sparkwatch.cli.launch import planview as view
+    from sparkwatch.cli.launch.gather import PlanInputs, gather, replan
     from sparkwatch.core.engines.serving import endpoint_of_url
 
     if args.forget is not None or args.forget_all:
@@ -139,7 +140,7 @@ def handle(args: argparse.Namespace) -> int:
         print("sparkwatch: launch needs a command: sparkwatch launch -- vllm serve MODEL", file=sys.stderr)
         return 2
     settings = settings_from(args)
-    from sparkwatch.cli.launch_docker import prepared
+    from sparkwatch.cli.launch.docker import prepared
 
     box = prepared(cmd, os.environ)  # `docker run …`, `docker compose up SERVICE`: the engine inside; int: exit code
     if isinstance(box, int):
@@ -155,7 +156,7 @@ def handle(args: argparse.Namespace) -> int:
     out = sys.stderr if not args.plan else sys.stdout
     settled_peers: list[Any] | None = None
     if not args.plan and args.settle_timeout > 0:
-        from sparkwatch.cli.launch_settle import settle, settle_nodes
+        from sparkwatch.cli.launch.settlewait import settle, settle_nodes
 
         until = time.monotonic() + args.settle_timeout
         settle(settings, args.settle_timeout, quiet=args.quiet)
@@ -178,7 +179,7 @@ def handle(args: argparse.Namespace) -> int:
     raylets, stale, stale_note = _cluster(settings, plan.estimate.jobs, peers) if ray else ([], (), None)
     serve, serve_fix = _serve_command(inputs.env, raylets)
     if stale and args.fix and not args.plan:
-        from sparkwatch.cli.launch_ray import remove
+        from sparkwatch.cli.launch.raycheck import remove
 
         lines, (stale, stale_note) = remove(settings, stale)
         for line in lines:
@@ -188,27 +189,29 @@ def handle(args: argparse.Namespace) -> int:
     worker_budget = args.budget.get("worker") if isinstance(args.budget, dict) else None
     nodes = _nodes(settings, plan, ctx, peers=peers, raylets=raylets, reads=inputs.engine_reads, worker=worker_budget)
     if args.plan:
-        fits = plan.fits and _nodes_fit(nodes)
+        fits = plan.fits and view.nodes_fit(nodes)
         if args.json:
-            doc = plan_json(plan, ctx)
-            from sparkwatch.cli.launch_nodes import nodes_json
-
+            doc = view.plan_json(plan, ctx)
             doc["fits"] = fits
-            doc["nodes"] = nodes_json(nodes)
-            doc["raylets"] = [_raylet_json(*r) for r in raylets]
-            doc["stale_placement_groups"] = [_stale_json(g) for g in stale]
-            doc["serve_command"] = {"problems": [_problem_json(p) for p in serve], "fix": serve_fix}
+            doc["nodes"] = view.nodes_json(nodes)
+            doc["raylets"] = [view.raylet_json(*r) for r in raylets]
+            doc["stale_placement_groups"] = [view.stale_json(g) for g in stale]
+            doc["serve_command"] = {"problems": [view.problem_json(p) for p in serve], "fix": serve_fix}
             print(json.dumps(doc, indent=None, separators=(",", ":")))
         else:
-            print(plan_text(plan, ctx))
-            for line in _node_lines(nodes) + _raylet_lines(raylets, serve, serve_fix) + _stale_lines(stale, stale_note):
+            print(view.plan_text(plan, ctx))
+            for line in (
+                view.node_lines(nodes)
+                + view.raylet_lines(raylets, serve, serve_fix)
+                + view.stale_lines(stale, stale_note)
+            ):
                 print(line)
         return 0 if fits and not cluster_fix else 1
     if not args.quiet:
-        print(plan_text(plan, ctx, short=True), file=out)
+        print(view.plan_text(plan, ctx, short=True), file=out)
     _warn_budget(plan)
     if not plan.fits and args.fix:
-        from sparkwatch.cli.launch_fix import apply_fixes
+        from sparkwatch.cli.launch.fix import apply_fixes
 
         for line in apply_fixes(plan, settings.proc_root):
             print(f"sparkwatch: fix: {line}", file=out)
@@ -217,16 +220,16 @@ def handle(args: argparse.Namespace) -> int:
             settings, plan, ctx, peers=peers, raylets=raylets, reads=inputs.engine_reads, worker=worker_budget
         )
         if not args.quiet:
-            print(plan_text(plan, ctx, short=True), file=out)
+            print(view.plan_text(plan, ctx, short=True), file=out)
     # what the cluster lacks is said whether or not the memory fits
-    cluster = _raylet_lines(raylets, serve, serve_fix) + _stale_lines(stale, stale_note)
-    for line in _node_lines(nodes, quiet=args.quiet) + cluster:
+    cluster = view.raylet_lines(raylets, serve, serve_fix) + view.stale_lines(stale, stale_note)
+    for line in view.node_lines(nodes, quiet=args.quiet) + cluster:
         print(line, file=sys.stderr)
     if not plan.fits:
         from sparkwatch.core.launch.plan import fix_line
 
         print(fix_line(plan), file=sys.stderr)
-    fits = plan.fits and _nodes_fit(nodes)
+    fits = plan.fits and view.nodes_fit(nodes)
     if (cluster_fix or not fits) and not args.force:
         return EXIT_CLUSTER if cluster_fix else EXIT_DOES_NOT_FIT  # the cluster's fix first: a `ray start`, --fix
     if cluster_fix or not fits:
@@ -234,11 +237,11 @@ def handle(args: argparse.Namespace) -> int:
     if shutil.which(cmd[0]) is None and not Path(cmd[0]).exists():
         print(f"sparkwatch: {cmd[0]}: command not found", file=sys.stderr)
         return EXIT_NOT_FOUND
-    from sparkwatch.cli.launch_run import Launch
+    from sparkwatch.cli.launch.runner import Launch
 
     started = time.time()
     if box is not None:
-        from sparkwatch.cli.launch_container import ContainerLaunch
+        from sparkwatch.cli.launch.incontainer import ContainerLaunch
 
         launch: Launch = ContainerLaunch(settings, plan, ctx, box, quiet=args.quiet, probe=args.probe)
     else:
@@ -267,15 +270,16 @@ def _spans(inputs: Any) -> bool:
 
 
 def _peers(settings: Any) -> list[Any]:
-    from sparkwatch.cli.launch_ray import read_peers
+    from sparkwatch.cli.launch.raycheck import read_peers
 
     return read_peers(settings)
 
 
 def _cluster(settings: Any, jobs: int, peers: list[Any]) -> tuple[list[Any], Any, str | None]:
-    """For an engine over Ray: each raylet with where it was seen and what it lacks (cli.launch_ray.problems), the
-    placement groups the engine would wait behind, and why those could not be checked, if so (cli.launch_ray.stale)."""
-    from sparkwatch.cli.launch_ray import problems, stale
+    """For an engine over Ray: each raylet with where it was seen and what it lacks (cli.launch.raycheck.problems),
+    the placement groups the engine would wait behind, and why those could not be checked, if so
+    (cli.launch.raycheck.stale)."""
+    from sparkwatch.cli.launch.raycheck import problems, stale
 
     return problems(settings, max(1, jobs), peers), *stale(settings)
 
@@ -283,7 +287,7 @@ def _cluster(settings: Any, jobs: int, peers: list[Any]) -> tuple[list[Any], Any
 def _serve_command(env: Any, raylets: list[Any]) -> tuple[Any, str | None]:
     if not raylets:
         return (), None
-    from sparkwatch.cli.launch_ray import serve_command
+    from sparkwatch.cli.launch.raycheck import serve_command
 
     return serve_command(env, raylets)
 
@@ -291,14 +295,14 @@ def _serve_command(env: Any, raylets: list[Any]) -> tuple[Any, str | None]:
 def _nodes(
     settings: Any, plan: Any, ctx: Any, *, peers: list[Any], raylets: list[Any], reads: str | None, worker: Any = None
 ) -> Any:
-    """Each node's share of an engine that spans nodes (cli.launch_nodes); this node alone otherwise."""
+    """Each node's share of an engine that spans nodes (cli.launch.nodes); this node alone otherwise."""
     from sparkwatch.core.launch.nodeplan import NodePlan, Role, ViewSource
 
     if ctx.span is None or ctx.role != Role.HEAD:  # a worker's launch plans its own share (its head plans the rest)
         import socket
 
         return (NodePlan(socket.gethostname(), ctx.role, ViewSource.LOCAL, plan),)
-    from sparkwatch.cli.launch_nodes import node_plans
+    from sparkwatch.cli.launch.nodes import node_plans
     from sparkwatch.core.launch.plan import FreeSource
 
     return node_plans(settings, plan, ctx, peers=peers, raylets=raylets,
@@ -323,75 +327,6 @@ def _warn_budget(plan: Any) -> None:
     warning = budget_warning(plan)
     if warning:
         print(f"sparkwatch: WARNING: {warning}", file=sys.stderr)
-
-
-def _nodes_fit(nodes: Any) -> bool:
-    """Every node whose memory is known holds its share (the head's plan is launch's own)."""
-    return all(n.fits is not False for n in nodes)
-
-
-def _node_lines(nodes: Any, quiet: bool = False) -> list[str]:
-    """One line a node of an engine that spans nodes: each that does not fit, and (unless quiet) the others."""
-    from sparkwatch.core.launch.plan import budget_warning
-
-    if len(nodes) < 2:
-        return []
-    out = []
-    for n in nodes[1:] if quiet else nodes:  # the head's own fix is launch's fix line
-        warning = budget_warning(n.plan) if n.plan is not None and n.role != "head" else None
-        if quiet and n.fits is not False and not warning:
-            continue
-        out.append(f"sparkwatch: {n.line()}")
-        if n.fits is False and n.role != "head" and n.plan is not None:
-            out += [f"sparkwatch: fix on {n.node}: {f.text}" for f in n.plan.fixes]
-        if warning:
-            out.append(f"sparkwatch: WARNING on {n.node}: {warning}")
-    return out
-
-
-def _stale_lines(stale: Any, note: str | None) -> list[str]:
-    out = [f"sparkwatch: {note}: placement groups not checked"] if note else []
-    for g in stale:
-        out.append(f"sparkwatch: {g.line()}: the engine would wait behind it (vLLM: up to 1800 s)")
-    if stale:
-        out.append(
-            "sparkwatch: fix: sparkwatch launch --fix … removes it through Ray (or `ray stop --force` on every node)"
-        )
-    return out
-
-
-def _stale_json(g: Any) -> dict[str, Any]:
-    return {"group": g.group, "state": g.state, "job_id": g.job_id, "driver_pid": g.driver_pid,
-            "driver_ip": g.driver_ip, "why": g.why}  # fmt: skip
-
-
-def _raylet_lines(raylets: list[Any], serve: Any = (), serve_fix: str | None = None) -> list[str]:
-    out = []
-    for _where, raylet, lacks, fix in raylets:
-        if raylet.environ is None:
-            out.append(f"sparkwatch: raylet on {raylet.node} (pid {raylet.pid}): its environment is not ours to read")
-        out += [f"sparkwatch: {p.line()}" for p in lacks]
-        if fix is not None:
-            out.append(f"sparkwatch: fix: {fix}")
-    out += [f"sparkwatch: {p.line()}" for p in serve]
-    if serve_fix is not None:
-        out.append(f"sparkwatch: fix: {serve_fix}")
-    return out
-
-
-def _problem_json(p: Any) -> dict[str, Any]:
-    return {"variable": p.variable, "have": p.have, "want": p.want, "why": p.why}
-
-
-def _raylet_json(_where: str, raylet: Any, lacks: Any, fix: str | None) -> dict[str, Any]:
-    return {
-        "node": raylet.node,
-        "pid": raylet.pid,
-        "head": raylet.head,
-        "environment_read": raylet.environ is not None,
-        "problems": [_problem_json(p) for p in lacks],
-        "fix": fix,
-    }
 
 
 def _forget(settings: Any, key: str | None) -> int:
