@@ -10,9 +10,10 @@ from pathlib import Path
 import pytest
 
 from sparkwatch.config import defaults, schema
-from sparkwatch.config.defaults import FACTORIES, SNAPSHOT_BEGIN, SNAPSHOT_END, DefaultSettings
+from sparkwatch.config.defaults import FACTORIES, SNAPSHOT_BEGIN, SNAPSHOT_END
 from sparkwatch.config.schema import Settings
 from sparkwatch.config.settings import ConfigError, load_settings
+from sparkwatch.config.standins import DefaultSettings
 
 
 @pytest.fixture(autouse=True)

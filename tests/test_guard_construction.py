@@ -44,9 +44,58 @@ def test_the_pool_watch_builds_none_of_its_collaborators() -> None:
 
 def test_the_config_schema_never_imports_the_loader() -> None:
     """config.settings imports the schema (lazily, for pydantic's sake); the schema imports config.errors and
-    config.defaults, never the loader back: schema ↔ settings is no cycle."""
+    config.defaults, never the loader back: schema ↔ settings is no cycle. Nor defaults ↔ schema: the stand-ins that
+    build a real Settings on demand are config.standins, which the schema never imports."""
     import grimp
 
     graph = grimp.build_graph("sparkwatch", cache_dir=None)
     assert graph.find_shortest_chain(importer="sparkwatch.config.schema", imported="sparkwatch.config.settings") is None
     assert graph.find_shortest_chain(importer="sparkwatch.config.settings", imported="sparkwatch.config.schema")
+    assert graph.find_shortest_chain(importer="sparkwatch.config.defaults", imported="sparkwatch.config.schema") is None
+    assert graph.find_shortest_chain(importer="sparkwatch.config.schema", imported="sparkwatch.config.standins") is None
+
+
+def test_no_module_imports_itself_back() -> None:
+    """The package's import graph, lazy imports included, has no cycle: each strongly connected component (Tarjan's,
+    iterative) is one module."""
+    import grimp
+
+    graph = grimp.build_graph("sparkwatch", cache_dir=None)
+    edges = {m: sorted(graph.find_modules_directly_imported_by(m)) for m in sorted(graph.modules)}
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles: list[list[str]] = []
+    for root in edges:
+        if root in index:
+            continue
+        work = [(root, 0)]
+        while work:
+            node, at = work.pop()
+            if at == 0:
+                index[node] = low[node] = len(index)
+                stack.append(node)
+                on_stack.add(node)
+            for pos in range(at, len(edges[node])):
+                nxt = edges[node][pos]
+                if nxt not in index:
+                    work += [(node, pos + 1), (nxt, 0)]
+                    break
+                if nxt in on_stack:
+                    low[node] = min(low[node], index[nxt])
+            else:
+                if low[node] == index[node]:
+                    component = []
+                    while True:
+                        top = stack.pop()
+                        on_stack.discard(top)
+                        component.append(top)
+                        if top == node:
+                            break
+                    if len(component) > 1:
+                        cycles.append(sorted(component))
+                if work:
+                    parent = work[-1][0]
+                    low[parent] = min(low[parent], low[node])
+    assert cycles == []

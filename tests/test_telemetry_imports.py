@@ -1,6 +1,6 @@
 """The telemetry process runs on the guard's validated settings as the wire carries them, without pydantic: the
 schema validates once, in the process that loads the config (config/schema.validate), and telemetry's settings are
-config.defaults.WireSettings, held here to the schema key by key. Measured on an H200 host: bench/RESULTS-rss-gpu.md.
+config.standins.WireSettings, held here to the schema key by key. Measured on an H200 host: bench/RESULTS-rss-gpu.md.
 """
 
 from __future__ import annotations

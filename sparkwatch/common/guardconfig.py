@@ -6,7 +6,7 @@ never imports them: `sparkwatch run` validates the whole config once with Settin
 (`config.settings_to_wire`: plain JSON types, sizes in bytes) and execs into the guard process, which rebuilds them
 here as a frozen dataclass without validating anything again. A reload (SIGHUP) runs the same validation in a short
 child process (`sparkwatch run --print-settings`) and hands back the same wire form. The telemetry process turns
-the wire form into a WireSettings (config.defaults) the same way, so both processes hold the same values.
+the wire form into a WireSettings (config.standins) the same way, so both processes hold the same values.
 """
 
 from __future__ import annotations

@@ -107,7 +107,7 @@ class Settings(BaseModel, Derived):
 
     A plain pydantic model: the layering of file, environment and flags (pydantic-settings, 188 modules) is
     `validate`'s alone, in the one process that loads a config; a Settings validated from wire values does without it.
-    The telemetry process takes the guard's wire values without pydantic at all (config.defaults.WireSettings,
+    The telemetry process takes the guard's wire values without pydantic at all (config.standins.WireSettings,
     bench/RESULTS-rss-gpu.md)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)

@@ -4,7 +4,7 @@ loader; `schema.Settings` (pydantic) is the one schema and validation owner.
 Every mistake becomes a `ConfigError` whose one-line message names the key and what was expected; the CLI prints it
 and exits 2. Defaults are safe with no file at all. With no file, no SPARKWATCH_* variable and no flag there is
 nothing to validate: the read-only commands then get the schema's defaults from its generated snapshot
-(`defaults.DefaultSettings`) and never import pydantic, which was 0.2 s of their 0.5 s start-up on a 2-core VM
+(`standins.DefaultSettings`) and never import pydantic, which was 0.2 s of their 0.5 s start-up on a 2-core VM
 (bench/RESULTS-startup.md). This module imports no pydantic; `Settings`, `settings_to_wire` and `settings_from_wire`
 are the schema module's, imported from here on first use.
 """
@@ -17,13 +17,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 from sparkwatch.config.defaults import (
-    DefaultSettings,
     default_config_file,
     default_jit_cache_dirs,
     default_state_dir,
     default_vllm_cache_dirs,
 )
 from sparkwatch.config.errors import ENV_PREFIX, TEST_ENV_PREFIX, ConfigError
+from sparkwatch.config.standins import DefaultSettings
 from sparkwatch.core.units import format_size
 
 if TYPE_CHECKING:
@@ -98,9 +98,10 @@ def _sets_a_key(name: str) -> bool:
 
 def wire_settings(wire: Mapping[str, Any]) -> Settings:
     """The telemetry process's settings: the guard's validated values (`settings_to_wire`) as they are, without
-    pydantic (config.defaults.WireSettings). Raises ConfigError when the keys are not this schema's (a guard of
+    pydantic (config.standins.WireSettings). Raises ConfigError when the keys are not this schema's (a guard of
     another version)."""
-    from sparkwatch.config.defaults import FACTORIES, STATIC, WireSettings  # noqa: PLC0415
+    from sparkwatch.config.defaults import FACTORIES, STATIC  # noqa: PLC0415
+    from sparkwatch.config.standins import WireSettings  # noqa: PLC0415
     from sparkwatch.core.redact import remember_secrets  # noqa: PLC0415
 
     known = set(STATIC) | set(FACTORIES)

@@ -9,7 +9,7 @@ bench/RESULTS-startup.md); `launch --plan` for an engine across two nodes, which
 everything validation read: this sparkwatch's version and schema files, the config file's path and bytes, every
 SPARKWATCH_* variable, the flags, the defaults that follow the environment (the state dir under XDG_STATE_HOME, the
 cache dirs); and the files the settings name that validation opened (the TLS files) must be as they were. Any change
-misses, and the schema validates again. A hit is rebuilt without pydantic (config.defaults.WireSettings, as the
+misses, and the schema validates again. A hit is rebuilt without pydantic (config.standins.WireSettings, as the
 telemetry process runs).
 
 Never kept: settings holding a secret (a webhook's secret, a token in a URL), and what the daemon and check-config
