@@ -29,6 +29,17 @@ def test_no_lambda_in_the_guard_process_init_reads_the_process_itself() -> None:
         assert "self" not in names, ast.unparse(lam)
 
 
+def test_each_part_is_built_once() -> None:
+    """No part is built and then rebuilt with one more field (`replace(links, recorder=…)`): each constructor call in
+    GuardProcess.__init__ makes a part that is final."""
+    calls = [
+        ast.unparse(n.func)
+        for n in ast.walk(_init(process.GuardProcess))
+        if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)
+    ]
+    assert "replace" not in calls
+
+
 def test_the_pool_watch_builds_none_of_its_collaborators() -> None:
     """Its meminfo reader, scanner, records, launched engines, kill path, kernel-log hook and budgets come in
     PoolParts, built before it."""

@@ -9,11 +9,12 @@ kernel lets us create one) and a wake-up pipe, so pressure or shutdown wake it e
 scanner's argv cache warm near the floor.
 
 Its collaborators (the meminfo reader, the scanner, the ledger of kills and launched engines, the kill path, the
-kernel-log hook, the budgets, the inbox) are built before it and arrive whole as PoolParts; what it reads of the
-process around it (telemetry's GPU readings, the supervisor's wake-up, the flight recorder, …) as GuardLinks; its
-config as one GuardConfig, compiled into a GuardSnapshot held in a SnapshotCell: a reload swaps the snapshot whole,
-and each tick reads it once. Requests other than the pool's own come through the inbox (guard.inbox), drained on
-the tick: the budgets' and the kernel log's on the tick that made them, the group and wedge watches' on the next.
+kernel-log hook, the budgets, the inbox) are built before it and arrive whole as PoolParts; what it reads of the process
+around it (telemetry's GPU readings, the supervisor's wake-up, …) as GuardLinks, and the flight recorder, built after
+the parts (it reads the kill path's last scan) and offered each tick's reading; its config as one GuardConfig, compiled
+into a GuardSnapshot held in a SnapshotCell: a reload swaps the snapshot whole, and each tick reads it once. Requests
+other than the pool's own come through the inbox (guard.inbox), drained on the tick: the budgets' and the kernel log's
+on the tick that made them, the group and wedge watches' on the next.
 """
 
 from __future__ import annotations
@@ -99,7 +100,6 @@ class GuardLinks:
     engines_hint: Callable[[], int | None] = _no_hint  # telemetry's count of engine trees: a change starts discovery
     # The set of launched engines the guard took changed, or it killed one: guard.json is republished.
     on_taken: Callable[[], None] | None = None
-    recorder: FlightRecorder | None = None  # offered each tick's reading; its own thread writes
     # Budgets another node's launch gave this node's Ray ranks ({(pid, start ticks): (uid, bytes)}: guard.budgets)
     peer_budgets: Callable[[], Mapping[tuple[int, int], tuple[int, int]]] = _no_peer_budgets
     # What telemetry last told of the containers (names, io.sparkwatch.* labels: budgets, protection, priority), by
@@ -212,18 +212,30 @@ class PoolWatch:
 
     @classmethod
     def build(
-        cls, config: GuardConfig, events: EventLog, links: GuardLinks = GuardLinks(), inbox: KillInbox | None = None
+        cls,
+        config: GuardConfig,
+        events: EventLog,
+        links: GuardLinks = GuardLinks(),
+        inbox: KillInbox | None = None,
+        recorder: FlightRecorder | None = None,
     ) -> PoolWatch:
         """A pool watch with its own collaborators (a bench, a test); the guard process builds them itself."""
-        return cls(config, events, PoolParts.of(config, events, links, inbox=inbox), links)
+        return cls(config, events, PoolParts.of(config, events, links, inbox=inbox), links, recorder)
 
     def __init__(
-        self, config: GuardConfig, events: EventLog, parts: PoolParts, links: GuardLinks = GuardLinks()
+        self,
+        config: GuardConfig,
+        events: EventLog,
+        parts: PoolParts,
+        links: GuardLinks = GuardLinks(),
+        recorder: FlightRecorder | None = None,
     ) -> None:
         """`parts`: its collaborators, built first (PoolParts.of). `parts.inbox`: the guard's one way in for the
         requests of the budgets, the kernel log, the group watch and the wedge watch (guard.inbox), drained on each
-        tick; its pipe wakes this thread."""
+        tick; its pipe wakes this thread. `recorder`: the flight recorder, offered each tick's reading (its own thread
+        writes); built after the parts, since it reads the kill path's last scan."""
         self.cell, self.inbox, self.events, self.links = parts.cell, parts.inbox, events, links
+        self.recorder = recorder
         self.stats, self.lock = parts.ledger.stats, parts.ledger.lock
         self.records, self.launched = parts.ledger.records, parts.ledger.launched
         self.meminfo, self.scanner, self.kills = parts.meminfo, parts.scanner, parts.kills
@@ -401,7 +413,7 @@ class PoolWatch:
         self.near_floor = near
         if decision.trigger is None and not self._kernel_log(now, mem, snap) and near:
             self._warm.set()  # the scout rescans (at most once a second); this thread never waits for it
-        recorder = self.links.recorder
+        recorder = self.recorder
         if recorder is not None:  # a queue put at most, never a write: the recorder's thread writes
             recorder.offer(
                 Tick(

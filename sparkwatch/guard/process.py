@@ -39,7 +39,6 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import replace
 from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any
@@ -201,7 +200,7 @@ class GuardProcess:
         links = _links(self.sd, sup, near, self.request_publish)
         parts = PoolParts.of(config, self.events, links, ledger=ledger, inbox=inbox, cell=cell)
         self.recorder = _recorder(config, parts, sup)
-        self.guard = PoolWatch(config, self.events, parts, replace(links, recorder=self.recorder))
+        self.guard = PoolWatch(config, self.events, parts, links, self.recorder)
         self.events.subscribe(sup.forward)
         self.components = self._components(with_telemetry=telemetry is not None)
         self._over_cap_rss: int | None = None
@@ -550,7 +549,7 @@ def _recorder(config: GuardConfig, parts: PoolParts, sup: TelemetrySupervisor) -
 def _links(
     sd: ServiceNotifier, sup: TelemetrySupervisor, near: threading.Event, on_taken: Callable[[], None]
 ) -> GuardLinks:
-    """What the pool watch reads of the process around it (the flight recorder is added once built)."""
+    """What the pool watch reads of the process around it."""
     gpu = sup.gpu
     return GuardLinks(
         heartbeat=sd.beat,

@@ -21,7 +21,7 @@ from pathlib import Path
 from sparkwatch.common.eventlog import EventLog
 from sparkwatch.config.schema import guard_config
 from sparkwatch.config.settings import load_settings
-from sparkwatch.guard.poolwatch import GuardLinks, PoolWatch
+from sparkwatch.guard.poolwatch import PoolWatch
 from sparkwatch.guard.recorder import FlightRecorder
 
 
@@ -43,7 +43,7 @@ def run_guard(state_dir: Path) -> None:
     recorder = FlightRecorder(
         settings.state_dir, settings.recorder_window_s, settings.proc_root, trees=lambda: guard.seen_trees
     )
-    guard = PoolWatch.build(guard_config(settings), EventLog(settings.events_path), GuardLinks(recorder=recorder))
+    guard = PoolWatch.build(guard_config(settings), EventLog(settings.events_path), recorder=recorder)
     recorder.start()
     guard.start()
     while True:
