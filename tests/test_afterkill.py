@@ -32,13 +32,13 @@ from sparkwatch.core.containerpolicy import (
     answered_kill,
     decide,
     gate_step,
-    gated_now,
     kill_footprint,
     need_of,
     note_kill,
 )
 from sparkwatch.core.eventkinds import EventKind
 from sparkwatch.core.kill.killloop import LOOP_WINDOW_S
+from sparkwatch.core.report.gates import gated_now
 from sparkwatch.telemetry.afterkill import AfterKillWatch
 from sparkwatch.telemetry.containerwatch import ContainerStore
 from sparkwatch.telemetry.sources.dockerapi import DockerEvent

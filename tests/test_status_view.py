@@ -7,7 +7,6 @@ from datetime import UTC
 
 from rich.console import Console
 
-from sparkwatch.core.containerpolicy import GatedView
 from sparkwatch.core.enums import JitState, MaxJobsState
 from sparkwatch.core.model import (
     BootState,
@@ -23,6 +22,7 @@ from sparkwatch.core.model import (
     Proc,
     Snapshot,
 )
+from sparkwatch.core.report.gates import GatedView
 from sparkwatch.core.report.guardstate import GuardState
 from sparkwatch.core.report.trend import BuildRate, PoolTrend, build_rate, pool_trend, slope_per_s
 from sparkwatch.core.units import GiB, MiB

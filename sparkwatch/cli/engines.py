@@ -261,7 +261,10 @@ def handle(args: argparse.Namespace) -> int:
 def local_groups(settings: Settings, trees: Sequence[EngineTree]) -> tuple[Member, ...]:
     """This node's members of groups without Ray (telemetry.mpwatch, as the agent lists them for its peers): the
     engine trees whose root names a rendezvous (`--nnodes`) or rpc-servers (a llama.cpp head), and the rpc-servers
-    a head reached. The other nodes' members are theirs to list: `sparkwatch engines` there."""
+    a head reached. The other nodes' members are theirs to list: `sparkwatch engines` there. No engine tree, no
+    import of the group watch's modules (a box without engines pays nothing for them)."""
+    if not trees:
+        return ()
     from pathlib import Path
 
     from sparkwatch.telemetry.mpwatch import local_members, rpc_workers
@@ -279,12 +282,13 @@ def ray_groups(settings: Settings, procs: tuple[Proc, ...]) -> tuple[tuple[Group
     asked), and a note when Ray's state API did not answer (the groups are then unknown, never guessed)."""
     from pathlib import Path
 
-    from sparkwatch.core.kill.raygroup import group_rows
     from sparkwatch.telemetry.sources.raystate import RayStateError, RayStateSource, local_raylets
 
     raylets = local_raylets(procs, Path(settings.proc_root))
     if not raylets or not settings.ray_dashboard_url:
         return (), None
+    from sparkwatch.core.kill.raygroup import group_rows
+
     source = RayStateSource(settings.ray_dashboard_url)
     try:
         state = source.poll()

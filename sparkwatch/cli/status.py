@@ -28,8 +28,8 @@ from sparkwatch.core.report.trend import build_rate, pool_trend
 
 if TYPE_CHECKING:
     from sparkwatch.config.settings import Settings
-    from sparkwatch.core.containerpolicy import GatedView
     from sparkwatch.core.model import DriverReport, EngineTree, GpuReport
+    from sparkwatch.core.report.gates import GatedView
     from sparkwatch.tui.status_view import StatusFrame
 
 # History kept for the rates: 5 s of MemAvailable (the span a Spark's ~100 MiB noise was measured over); 60 s of
@@ -206,7 +206,7 @@ class StatusApp:
             return None
         key = (st.st_mtime_ns, st.st_size)
         if key != self._events_key:  # re-read only when the file changed
-            from sparkwatch.core.containerpolicy import gated_now
+            from sparkwatch.core.report.gates import gated_now
 
             self._events_key = key
             events = read_events(path, KILL_LOOKBACK_EVENTS)

@@ -21,11 +21,10 @@ container stopped by its owner and cancels a pending restart: that is `stop`.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 from sparkwatch.core.container import AfterKill, ContainerFacts, label_asks
-from sparkwatch.core.eventkinds import EventKind
 from sparkwatch.core.kill.killloop import LOOP_WINDOW_S
 from sparkwatch.core.launch.settle import SettleParams, SettleState, settle_step
 from sparkwatch.core.units import format_size
@@ -39,10 +38,6 @@ CONTAINER_LOOP_KILLS = 2
 SETTLE = SettleParams()  # wait-settled's and launch's own quiet period and tolerance
 KILLS_KEPT = 8  # per container, the newest
 CONTAINERS_KEPT = 64  # containers whose kills are remembered, the most recent kept
-
-GATE_EVENTS = (EventKind.CONTAINER_GATED,)
-# Events after which a container is no longer held paused.
-UNGATE_EVENTS = (EventKind.CONTAINER_RELEASED, EventKind.CONTAINER_STOPPED, EventKind.CONTAINER_KILL_LOOP)
 
 
 @dataclass(frozen=True, slots=True)
@@ -270,39 +265,3 @@ def gated_summary(fields: Mapping[str, object], kill: ContainerKill, need: Need 
         f"{named(fields)} restarted after a guard kill ({kill.trigger}): paused until the pool has settled{wants}, "
         "then unpaused"
     )
-
-
-@dataclass(frozen=True, slots=True)
-class GatedView:
-    """A container held paused, as `status` shows it from the event log."""
-
-    container_id: str
-    name: str
-    image: str | None
-    since: str  # the gate event's ts (RFC 3339)
-    need_bytes: int | None
-    need_source: str | None
-
-
-def gated_now(events: Iterable[Mapping[str, object]]) -> tuple[GatedView, ...]:
-    """The containers a `container_gated` event (that paused it) left paused and no later release, stop or loop
-    freed, oldest first: what `status` shows. Events oldest first."""
-    held: dict[str, GatedView] = {}
-    for e in events:
-        kind, cid = e.get("kind"), e.get("container_id")
-        if not isinstance(cid, str):
-            continue
-        if kind in GATE_EVENTS and not e.get("error"):
-            need = e.get("need_bytes")
-            source = e.get("need_source")
-            held[cid] = GatedView(
-                cid,
-                str(e.get("container_name") or cid[:12]),
-                str(e["image"]) if e.get("image") else None,
-                str(e.get("ts", "")),
-                need if isinstance(need, int) and not isinstance(need, bool) else None,
-                str(source) if source else None,
-            )
-        elif kind in UNGATE_EVENTS:
-            held.pop(cid, None)
-    return tuple(held.values())

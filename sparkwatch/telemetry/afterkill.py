@@ -21,7 +21,7 @@ after the start, past the 500 ms target. A failure of the API (no daemon, 409 co
 guard runs on.
 
 A gate is recorded (`container_gated`) and so is its end (`container_released`): `status` shows the gated containers
-from the event log (core.containerpolicy.gated_now), and a telemetry process that restarts takes up the gates the log
+from the event log (core.report.gates.gated_now), and a telemetry process that restarts takes up the gates the log
 shows on a container still paused.
 """
 
@@ -46,6 +46,7 @@ from sparkwatch.core.containerpolicy import ContainerKill, Gate
 from sparkwatch.core.eventkinds import EventKind
 from sparkwatch.core.kill.killloop import LOOP_WINDOW_S
 from sparkwatch.core.model import EngineTree, Event
+from sparkwatch.core.report.gates import gated_now
 from sparkwatch.core.timestamps import parse_rfc3339
 from sparkwatch.core.units import format_size
 from sparkwatch.telemetry.sources.dockerapi import DockerApi, DockerApiError, DockerEvent
@@ -484,7 +485,7 @@ class AfterKillWatch:
             log.warning("after-kill: could not read the event log for gates left held: %s", exc)
             return
         assert self.containers is not None
-        for view in policy.gated_now(events):
+        for view in gated_now(events):
             facts = self.containers.facts(view.container_id)
             need = policy.Need(view.need_bytes, view.need_source or "") if view.need_bytes else None
             gate = Gate(view.container_id, view.name, view.image or "", self.clock(), 0.0, 0, need)

@@ -20,7 +20,6 @@ from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
-from sparkwatch.core.containerpolicy import GatedView
 from sparkwatch.core.enums import DriverVerdict, JitState, MaxJobsState
 from sparkwatch.core.model import (
     BootState,
@@ -36,6 +35,7 @@ from sparkwatch.core.model import (
     Snapshot,
 )
 from sparkwatch.core.redact import redact
+from sparkwatch.core.report.gates import GatedView
 from sparkwatch.core.report.guardstate import GuardState, describe, describe_all
 from sparkwatch.core.report.peerchecks import PeerView, peer_line
 from sparkwatch.core.report.trend import BuildRate, PoolTrend
@@ -78,7 +78,7 @@ class StatusFrame:
     # The running guards' published state (common.guardfile), and why any other state file found was not taken.
     guards: tuple[GuardState, ...] = ()
     guard_notes: tuple[str, ...] = ()
-    # Containers the after-kill gate holds paused, from the event log (core.containerpolicy.gated_now).
+    # Containers the after-kill gate holds paused, from the event log (core.report.gates.gated_now).
     gated: tuple[GatedView, ...] = ()
     # Root pid -> the line naming the engine's container (the Docker API's names; its parent is the runtime's shim),
     # and why they are named by id only (the socket could not be read), said once.
