@@ -1,4 +1,4 @@
-"""The few syscalls no library wraps: process_mrelease and mlockall, through ctypes; pidfds through os/signal.
+"""The few syscalls no library wraps: process_mrelease, mlockall and inotify, through ctypes; pidfds through os/signal.
 
 Syscall numbers 424 (pidfd_send_signal), 434 (pidfd_open) and 448 (process_mrelease) are the same on x86-64 and
 aarch64: they came after the kernel unified new syscall numbers across architectures.
@@ -132,3 +132,49 @@ def set_child_subreaper() -> bool:
         return int(_libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)) == 0
     except AttributeError:
         return False
+
+
+# inotify (inotify(7)): the kernel says when a directory changed, so a watch of a few directories needs no timer.
+# Through libc, as the rest of this module: inotify_simple, the library, finds libc with ctypes.util.find_library,
+# which runs ldconfig in a child at import.
+IN_ATTRIB = 0x00000004
+IN_CLOSE_WRITE = 0x00000008
+IN_MOVED_FROM = 0x00000040
+IN_MOVED_TO = 0x00000080
+IN_CREATE = 0x00000100
+IN_DELETE = 0x00000200
+IN_DELETE_SELF = 0x00000400
+IN_MOVE_SELF = 0x00000800
+IN_IGNORED = 0x00008000  # in an event: the kernel dropped the watch (its directory went)
+IN_ONLYDIR = 0x01000000
+IN_DONT_FOLLOW = 0x02000000
+_libc.inotify_init1.argtypes = [ctypes.c_int]
+_libc.inotify_init1.restype = ctypes.c_int
+_libc.inotify_add_watch.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_uint32]
+_libc.inotify_add_watch.restype = ctypes.c_int
+_libc.inotify_rm_watch.argtypes = [ctypes.c_int, ctypes.c_int]
+_libc.inotify_rm_watch.restype = ctypes.c_int
+
+
+def inotify_init() -> int:
+    """A non-blocking, close-on-exec inotify fd. Raises OSError (EMFILE: the user's instance limit)."""
+    fd = int(_libc.inotify_init1(os.O_NONBLOCK | os.O_CLOEXEC))
+    if fd < 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"inotify_init1: {os.strerror(err)}")
+    return fd
+
+
+def inotify_add_watch(fd: int, path: str, mask: int) -> int:
+    """The watch descriptor of `path` with `mask` (replacing an earlier mask on the same inode). Raises OSError:
+    ENOENT gone, ENOTDIR not a directory (IN_ONLYDIR), ENOSPC the user's watch limit, EACCES not ours to read."""
+    wd = int(_libc.inotify_add_watch(fd, os.fsencode(path), mask))
+    if wd < 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err), path)
+    return wd
+
+
+def inotify_rm_watch(fd: int, wd: int) -> None:
+    """Remove a watch; one the kernel already dropped (its directory is gone) is no error."""
+    _libc.inotify_rm_watch(fd, wd)

@@ -1,6 +1,7 @@
 """The engines `sparkwatch launch` declared (common.launched), as the guard knows them: who they are, and their events.
 
-The declarations are read on a thread of their own (`start()`: "sparkwatch-decl", every POLL_EVERY_S), never on the
+The declarations are read on a thread of their own (`start()`: "sparkwatch-decl", when a directory changed, as
+inotify says through common.dirwatch, at most every POLL_EVERY_S; without inotify every POLL_EVERY_S), never on the
 pool watch's tick: the files are other users' to write, so however many they make, or however they make them, the
 guard loop's latency does not depend on them. The pool watch, the budgets and the scout read the last result
 (`live()`, `declared()`: replaced whole after each poll, never mutated). Each poll is one stat per declarations
@@ -24,6 +25,7 @@ Liveness of declared roots is checked at most once a second (a stat read per dec
 from __future__ import annotations
 
 import logging
+import math
 import os
 import threading
 import time
@@ -32,6 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from sparkwatch.common import logs
+from sparkwatch.common.dirwatch import DirWatch
 from sparkwatch.common.launched import Declaration, LaunchedWatch
 from sparkwatch.common.sources.procs import read_ancestors, read_start_ticks
 from sparkwatch.common.threads import daemon_thread
@@ -45,7 +48,11 @@ from sparkwatch.core.units import format_size
 log = logs.get("guard")
 
 LIVENESS_EVERY_S = 1.0
-POLL_EVERY_S = 0.2  # a new declaration counts within this (a budget's first look follows at once)
+# Polls stay this far apart, whatever the directories' changes (they are other users' to make), and without inotify
+# this is the polling period: a new declaration counts within it (a budget's first look follows at once).
+POLL_EVERY_S = 0.2
+# With inotify and nothing declared, a look this often all the same: the backstop of a missed event.
+IDLE_LOOK_S = 60.0
 # A declaration made this long before the guard started is taken as already recorded by an earlier guard.
 STARTED_BEFORE_US_S = 5.0
 KILLS_REMEMBERED = 64
@@ -95,7 +102,9 @@ class LaunchedEngines:
         self._live: tuple[Declaration, ...] = ()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._stop_r = self._stop_w = -1  # the stop's wake-up of the thread's inotify wait (start, stop)
         self.poll_failures_total = 0
+        self.polls_total = 0
 
     @classmethod
     def for_settings(cls, state_dir: Path, proc_root: Path, record: Recorder, ancestor_pid: int = 0) -> LaunchedEngines:
@@ -104,23 +113,53 @@ class LaunchedEngines:
 
     # --- the thread
     def start(self) -> None:
+        self._stop_r, self._stop_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._thread = daemon_thread(self._run, "sparkwatch-decl")
         self._thread.start()
 
     def stop(self) -> None:
         self._stop.set()
+        if self._stop_w >= 0:
+            os.close(self._stop_w)  # the wait sees the pipe's end and returns
+            self._stop_w = -1
         if self._thread is not None:
             self._thread.join(1)  # a daemon thread: never wait on a slow filesystem long
 
     def _run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                self.poll(time.monotonic())
-            except Exception as exc:  # never let one bad poll end the thread: the next one reads again
-                self.poll_failures_total += 1
-                if self.poll_failures_total == 1:
-                    log.warning("launched engines: poll failed: %r", exc)
-            self._stop.wait(POLL_EVERY_S)
+        """Poll, then sleep until a declarations directory changes (common.dirwatch): with nothing declared the
+        thread does not wake (IDLE_LOOK_S apart, a backstop); while a declared root lives, once a second for its
+        liveness. However often other users' files change, polls stay POLL_EVERY_S apart. Where the kernel refuses
+        the watches, every POLL_EVERY_S as before."""
+        waker = self._waker()
+        last = -math.inf
+        try:
+            while not self._stop.is_set():
+                if self._stop.wait(max(POLL_EVERY_S - (time.monotonic() - last), 0.0)):
+                    return
+                last = time.monotonic()
+                self.polls_total += 1
+                try:
+                    self.poll(last)
+                except Exception as exc:  # never let one bad poll end the thread: the next one reads again
+                    self.poll_failures_total += 1
+                    if self.poll_failures_total == 1:
+                        log.warning("launched engines: poll failed: %r", exc)
+                roots = [self.watch.users_root] if self.watch.users_root is not None else []
+                if waker is None or not waker.arm(self.watch.all_dirs(), roots):
+                    continue  # polled again POLL_EVERY_S on
+                living = any(not seen.exited for seen in self._seen.values())
+                waker.wait(LIVENESS_EVERY_S if living else IDLE_LOOK_S, self._stop_r)
+        finally:
+            if waker is not None:
+                waker.close()
+            os.close(self._stop_r)
+
+    def _waker(self) -> DirWatch | None:
+        try:
+            return DirWatch()
+        except OSError as exc:
+            log.warning("launched engines: no inotify (%s): declarations looked at every %g s", exc, POLL_EVERY_S)
+            return None
 
     # --- what the guard uses
     def declared(self) -> Declared:
