@@ -182,11 +182,11 @@ class StatusApp:
     def _container_lines(self, trees: Sequence[EngineTree]) -> tuple[dict[int, str], str | None]:
         """Root pid -> the line naming its container, read through the Docker API here (kept 10 s; no daemon
         needed), and why the containers are named by id only when the socket could not be read (said once)."""
-        from sparkwatch.core.container import container_line
-
         refs = {t.root.pid: ref for t in trees if (ref := t.container) is not None}
         if not refs:
             return {}, None
+        from sparkwatch.core.container import container_line
+
         if self._containers is None:
             from sparkwatch.telemetry.sources.dockerapi import ContainerLookup
 

@@ -145,9 +145,8 @@ class Container:
 
 
 def prepared(argv: list[str], env: Mapping[str, str]) -> Container | int | None:
-    """`prepare`, for launch: the exit code after one line on stderr where the container cannot be planned."""
-    if not argv or Path(argv[0]).name not in ("docker", "docker-compose"):
-        return None
+    """`prepare`, for launch (for a command that names a container client, cli.launch.command.CONTAINER_CLIENTS):
+    the exit code after one line on stderr where the container cannot be planned."""
     try:
         return prepare(argv, env)
     except ContainerError as exc:
