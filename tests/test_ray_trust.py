@@ -28,15 +28,8 @@ from sparkwatch.core.kill import raygroup
 from sparkwatch.telemetry import peerdoc
 from sparkwatch.telemetry.raywatch import NoPeers, RayWatch
 from sparkwatch.telemetry.sources.listeners import connected_to
-from sparkwatch.telemetry.sources.raystate import (
-    RAYLET_EXE_SUFFIX,
-    LocalRaylet,
-    cluster_owner,
-    dashboard_owner,
-    local_dashboard_url,
-    local_raylets,
-    start_remove_pg,
-)
+from sparkwatch.telemetry.sources.raylets import RAYLET_EXE_SUFFIX, LocalRaylet, local_raylets
+from sparkwatch.telemetry.sources.raystate import cluster_owner, dashboard_owner, local_dashboard_url, start_remove_pg
 from tests.conftest import require, wait_until
 
 NOBODY = 65534

@@ -8,8 +8,6 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from sparkwatch.cli import argtypes
-from sparkwatch.core.container import container_line
-from sparkwatch.core.kill.mpgroup import member_role
 from sparkwatch.core.model import EngineTree, GpuHolder
 from sparkwatch.core.redact import redact, safe_cmdline
 
@@ -67,6 +65,8 @@ def serving_rows(settings: Settings, trees: Sequence[EngineTree]) -> dict[int, d
     """One serving probe per engine whose endpoint is known (telemetry/probewatch.py's, with a short timeout), all at
     once on threads: root pid -> {state, endpoint, latency_s, error}. An engine not listening on its port is said so,
     never asked; one whose socket cannot be reached for certain is `not_probed`, the reason in `error`."""
+    if not trees:
+        return {}
     import threading
 
     from sparkwatch.core.engines.serving import Outcome, ServingParams
@@ -138,7 +138,11 @@ def container_json(tree: EngineTree, facts: Mapping[str, ContainerFacts]) -> dic
 
 def container_text(tree: EngineTree, facts: Mapping[str, ContainerFacts]) -> str | None:
     ref = tree.container
-    return None if ref is None else container_line(ref, facts.get(ref.id))
+    if ref is None:
+        return None
+    from sparkwatch.core.container import container_line
+
+    return container_line(ref, facts.get(ref.id))
 
 
 def tree_json(tree: EngineTree, containers: Mapping[str, ContainerFacts] | None = None) -> dict[str, object]:
@@ -274,6 +278,8 @@ def local_groups(settings: Settings, trees: Sequence[EngineTree]) -> tuple[Membe
 
 
 def local_group_json(m: Member) -> dict[str, object]:
+    from sparkwatch.core.kill.mpgroup import member_role
+
     return {"group": m.key, "node_rank": m.node_rank, "pid": m.pid, "role": member_role(m)}
 
 
@@ -282,12 +288,13 @@ def ray_groups(settings: Settings, procs: tuple[Proc, ...]) -> tuple[tuple[Group
     asked), and a note when Ray's state API did not answer (the groups are then unknown, never guessed)."""
     from pathlib import Path
 
-    from sparkwatch.telemetry.sources.raystate import RayStateError, RayStateSource, local_raylets
+    from sparkwatch.telemetry.sources.raylets import local_raylets
 
     raylets = local_raylets(procs, Path(settings.proc_root))
     if not raylets or not settings.ray_dashboard_url:
-        return (), None
+        return (), None  # no raylet: Ray's state API and its records are never loaded
     from sparkwatch.core.kill.raygroup import group_rows
+    from sparkwatch.telemetry.sources.raystate import RayStateError, RayStateSource
 
     source = RayStateSource(settings.ray_dashboard_url)
     try:
@@ -333,6 +340,8 @@ def budget_rows(
     """Per tree with a budget (its declaration's, its container's io.sparkwatch.budget label, or the config's
     engine_budgets): the budget, the footprint now as this command can count it (core.kill.footprint: RSS or the
     scope's memory.current, plus NVML's bytes with --all) and the peak launch measured."""
+    if not trees:
+        return {}
     from sparkwatch.common.sources.cgroupmem import read_memory_current
     from sparkwatch.core.container import label_asks
     from sparkwatch.core.kill.footprint import FootprintInputs, footprint, owned_scope
@@ -394,11 +403,11 @@ def budget_text(row: dict[str, object]) -> str:
 def engine_containers(settings: Settings, trees: Sequence[EngineTree]) -> tuple[dict[str, ContainerFacts], str | None]:
     """What the Docker API says of the containers the trees run in (read here: no daemon needed), and a note when it
     could not be read (the trees are then named by container id only); nothing asked when no tree is in one."""
-    from sparkwatch.telemetry.sources.dockerapi import ContainerLookup
-
     ids = {ref.id for t in trees if (ref := t.container) is not None}
     if not ids:
         return {}, None
+    from sparkwatch.telemetry.sources.dockerapi import ContainerLookup
+
     lookup = ContainerLookup(settings.docker_host)
     facts = lookup.lookup(ids)
     return facts, lookup.note

@@ -46,15 +46,14 @@ from sparkwatch.core.kill import raygroup
 from sparkwatch.core.model import Proc
 from sparkwatch.telemetry import peerdoc
 from sparkwatch.telemetry.sources.listeners import connected_to
+from sparkwatch.telemetry.sources.raylets import LocalRaylet, local_raylets
 from sparkwatch.telemetry.sources.raystate import (
     Connection,
-    LocalRaylet,
     RayStateError,
     RayStateSource,
     cluster_owner,
     is_local_url,
     local_dashboard_url,
-    local_raylets,
     start_remove_pg,
 )
 

@@ -4,6 +4,7 @@ holders no rule names (what the guard would not kill); the groups over Ray that 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
 
 from rich.console import Group, RenderableType
 from rich.table import Table
@@ -11,12 +12,14 @@ from rich.text import Text
 
 from sparkwatch.core.engines.identity import EngineRules
 from sparkwatch.core.engines.proctree import tree_rows
-from sparkwatch.core.kill.mpgroup import Member, member_role
-from sparkwatch.core.kill.raygroup import GroupRow
 from sparkwatch.core.model import EngineTree, GpuHolder
 from sparkwatch.core.redact import redact
 from sparkwatch.core.units import format_size
 from sparkwatch.core.words import plural
+
+if TYPE_CHECKING:  # the groups' records: loaded by whoever found a group, never for a node without one
+    from sparkwatch.core.kill.mpgroup import Member
+    from sparkwatch.core.kill.raygroup import GroupRow
 
 ROLE_STYLE = {"root": "bold", "worker": "cyan", "compiler": "yellow", "process": "dim"}
 
@@ -130,6 +133,8 @@ def groups_view(groups: Sequence[GroupRow], note: str | None) -> RenderableType:
 
 def local_groups_view(members: Sequence[Member]) -> RenderableType:
     """This node's members of groups without Ray, one line each (the other nodes list theirs)."""
+    from sparkwatch.core.kill.mpgroup import member_role  # noqa: PLC0415 - only with a group to draw
+
     lines = [Text("Groups without Ray (this node's members; the other nodes list theirs)", style="bold")]
     for m in members:
         rank = "rpc-server" if member_role(m) == "rpc-server" else f"node rank {m.node_rank}"

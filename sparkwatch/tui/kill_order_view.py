@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
-from sparkwatch.core.kill.policy import Candidate
 from sparkwatch.core.redact import redact
+
+if TYPE_CHECKING:
+    from sparkwatch.core.kill.policy import Candidate
 
 
 def kill_order_json(ranking: Sequence[Candidate]) -> list[dict[str, object]]:

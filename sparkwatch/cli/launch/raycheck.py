@@ -31,14 +31,8 @@ from sparkwatch.core.launch.rayletenv import (
 from sparkwatch.core.launch.stalepg import StaleGroup, stale_groups
 from sparkwatch.telemetry import peerdoc
 from sparkwatch.telemetry.sources.rayletfacts import local_facts
-from sparkwatch.telemetry.sources.raystate import (
-    LocalRaylet,
-    RayStateError,
-    RayStateSource,
-    cluster_owner,
-    local_raylets,
-    start_remove_pg,
-)
+from sparkwatch.telemetry.sources.raylets import LocalRaylet, local_raylets
+from sparkwatch.telemetry.sources.raystate import RayStateError, RayStateSource, cluster_owner, start_remove_pg
 
 if TYPE_CHECKING:
     from sparkwatch.cli.peerread import PeerReading

@@ -18,7 +18,7 @@ from pathlib import Path
 from sparkwatch.common.sources.environ import read_environ
 from sparkwatch.common.sources.procs import ProcScanner
 from sparkwatch.core.launch.rayletenv import CHECKED_VARS, UNLIMITED, RayletFacts, roce_v2_gid_index
-from sparkwatch.telemetry.sources.raystate import LocalRaylet, local_raylets
+from sparkwatch.telemetry.sources.raylets import LocalRaylet, local_raylets
 
 TOOLS = ("ninja", "nvcc")
 

@@ -30,6 +30,7 @@ from sparkwatch.common.sources.procs import same_netns
 from sparkwatch.core.kill.raygroup import RayActor, RayJob, RayNode, RayPlacementGroup, RayState
 from sparkwatch.core.model import Proc
 from sparkwatch.core.redact import safe_text
+from sparkwatch.telemetry.sources.raylets import LocalRaylet, flag
 
 if TYPE_CHECKING:
     import ssl
@@ -277,61 +278,6 @@ class RayStateSource:
         return value
 
 
-RAYLET_COMM = "raylet"
-# Ray's own raylet executable, as every Ray wheel installs it (site-packages/ray/core/src/ray/raylet/raylet): a process
-# that only calls itself `raylet` (its comm, which any user sets with prctl or by naming a script) is not one.
-RAYLET_EXE_SUFFIX = "/ray/core/src/ray/raylet/raylet"
-DELETED = " (deleted)"  # the kernel's mark on an executable replaced since (a pip upgrade under a running raylet)
-
-
-@dataclass(frozen=True, slots=True)
-class LocalRaylet:
-    """A raylet in our network namespace, from its command line: the node it serves, its cluster's GCS, and the
-    interpreter its Python workers run (the engine's own: Ray runs every worker with the driver's environment). Its
-    `uid` owns the cluster it serves on this node (core.kill.raygroup.Cluster): only that user's processes are its
-    members, and only that user's interpreter is ever run for it (start_remove_pg)."""
-
-    pid: int
-    node_id: str
-    gcs_address: str
-    python: str
-    node_ip: str = ""  # --node_ip_address
-    head: bool = False  # started by `ray start --head`
-    uid: int = -1  # the user it runs as
-
-
-def _flag(argv: tuple[str, ...], name: str) -> str:
-    prefix = f"--{name}="
-    return next((a[len(prefix) :] for a in argv if a.startswith(prefix)), "")
-
-
-def is_raylet_exe(proc_root: Path | str, pid: int) -> bool:
-    """Whether `pid` runs Ray's own raylet executable (/proc/PID/exe, which the kernel sets at exec)."""
-    try:
-        exe = os.readlink(f"{proc_root}/{pid}/exe")
-    except OSError:
-        return False
-    return exe.removesuffix(DELETED).endswith(RAYLET_EXE_SUFFIX)
-
-
-def local_raylets(procs: Iterable[Proc], proc_root: Path) -> tuple[LocalRaylet, ...]:
-    """The raylets in our own network namespace: Ray's raylet executable, not a name (a few readlinks: processes
-    named raylet only)."""
-    out = []
-    for p in procs:
-        if p.comm != RAYLET_COMM:
-            continue
-        node_id = _flag(p.argv, "node_id")
-        if not node_id or not same_netns(proc_root, p.pid) or not is_raylet_exe(proc_root, p.pid):
-            continue
-        worker = _flag(p.argv, "python_worker_command").split(" ", 1)[0]
-        node_ip = _flag(p.argv, "node_ip_address")
-        out.append(
-            LocalRaylet(p.pid, node_id, _flag(p.argv, "gcs-address"), worker, node_ip, "--head" in p.argv, p.uid)
-        )
-    return tuple(out)
-
-
 @dataclass(frozen=True, slots=True)
 class DashboardOwner:
     """Whose Ray state a dashboard URL serves: the uid whose process holds its listening socket on this node (the
@@ -421,7 +367,7 @@ def local_dashboard_url(procs: Iterable[Proc], uid: int, proc_root: Path | str) 
     for p in procs:
         if p.uid != uid or not any(a.endswith(DASHBOARD_SCRIPT) for a in p.argv[:4]):
             continue
-        port, host = _flag(p.argv, "port"), _flag(p.argv, "host")
+        port, host = flag(p.argv, "port"), flag(p.argv, "host")
         if not port.isdigit() or not same_netns(proc_root, p.pid):
             continue
         host = "127.0.0.1" if host in ("", "0.0.0.0", "localhost") else host
