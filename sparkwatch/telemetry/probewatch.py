@@ -37,6 +37,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from sparkwatch.common import logs
 from sparkwatch.common.eventlog import make_event
@@ -47,9 +48,9 @@ from sparkwatch.core.engines.progress import stall_words
 from sparkwatch.core.eventkinds import EventKind
 from sparkwatch.core.launch.bootphase import BOOTING
 from sparkwatch.core.model import BootState, EngineServing, EngineTree, Event
-from sparkwatch.telemetry.sources.completion import send_probe
-from sparkwatch.telemetry.sources.enginecounters import read_counters
-from sparkwatch.telemetry.sources.listeners import Dial, Unreachable, dial_of, landing_check
+
+if TYPE_CHECKING:
+    from sparkwatch.telemetry.sources.listeners import Dial
 
 log = logs.get("telemetry")
 TARGETS_MAX = 64  # engines probed: a box runs a handful
@@ -213,6 +214,8 @@ class ProbeWatch:
             if result.outcome == core.Outcome.FAILED and dial is not None and not target.booting:
                 # Busy or wedged? Its own counters tell (core.engines.progress); read only after a failed probe, on the
                 # socket the probe dialled.
+                from sparkwatch.telemetry.sources.enginecounters import read_counters  # noqa: PLC0415
+
                 counters = read_counters(
                     dial.host,
                     dial.port,
@@ -239,7 +242,11 @@ class ProbeWatch:
 
     def _probe(self, target: Target) -> tuple[core.ProbeResult, Dial | None, str | None]:
         """The probe's result, the socket it dialled (None: the engine owns none on its port, or it was not probed) and
-        the key it sent (for the counters' read right after; never kept)."""
+        the key it sent (for the counters' read right after; never kept). The socket tables' parser and the HTTP
+        client are loaded at the first engine to probe: `status` and `engines` on a box without engines load neither."""
+        from sparkwatch.telemetry.sources.completion import send_probe  # noqa: PLC0415
+        from sparkwatch.telemetry.sources.listeners import Unreachable, dial_of, landing_check  # noqa: PLC0415
+
         ep = target.endpoint
         dial = dial_of(self.proc_root, target.root_pid, target.pids, ep.port)
         if dial is None:
