@@ -322,9 +322,10 @@ class TelemetryProcess:
         """The containers on this node (docs/containers.md), built in one direction, each part given what it needs:
         the store of the containers' facts; the board (what the guard hears of containers, and the info metric) and
         the after-kill policy (a restart policy never undoes a guard kill), which read the store; then the watch, which
-        writes the store from the Docker API's events and hands each event to them. Without a Docker daemon: one
-        connect attempt every 30 s, nothing sent. The after-kill policy is imported here: it is no import of this
-        module's (tests/test_telemetry_imports.py)."""
+        writes the store from the Docker API's events and hands each event to them, and tells the after-kill policy
+        when the API answers (the gates a previous telemetry process left). Without a Docker daemon: one connect
+        attempt every 30 s, nothing sent, no other thread woken. The after-kill policy is imported here: it is no
+        import of this module's (tests/test_telemetry_imports.py)."""
         from sparkwatch.telemetry.afterkill import AfterKillWatch  # noqa: PLC0415 - h11 comes with it
 
         path, where = docker_socket(settings.docker_host, os.environ)
@@ -332,7 +333,7 @@ class TelemetryProcess:
         board = self.container_board = ContainerBoard(self._offer)
         after = self.afterkill = AfterKillWatch(settings, self.events, containers=store, socket_path=path, where=where)
         watch = self.containers = ContainerWatch(
-            path, where, subscribers=[board.on_event, after.container_event], store=store
+            path, where, subscribers=[board.on_event, after.container_event], store=store, on_up=[after.containers_up]
         )
         return [
             Component("afterkill", after, AfterKillWatch.LIVE_KEYS, after.apply, after.counters),
