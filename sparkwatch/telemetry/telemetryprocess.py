@@ -226,8 +226,9 @@ class TelemetryProcess:
             peers=peers,
         )
         out.append(Component("raywatch", raywatch, RayWatch.LIVE_KEYS, raywatch.apply, raywatch.counters))
-        # What killed engines left in /dev/shm, on a slow timer and soon after a tree ends (sparkwatch_shm_orphaned_*).
-        shmwatch = self.shmwatch = ShmWatch(settings.root, settings.proc_root, self._last_engines)
+        # What killed engines left in /dev/shm, on a slow timer and soon after a tree ends (sparkwatch_shm_orphaned_*):
+        # each cycle's trees are handed to it (_cycle_done), so it never wakes to look for an end itself.
+        shmwatch = self.shmwatch = ShmWatch(settings.root, settings.proc_root)
         out.append(Component("shm", shmwatch, counters=shmwatch.counters))
         return out
 
@@ -344,6 +345,7 @@ class TelemetryProcess:
         self.report()
         snap = self.loop.latest
         if snap is not None:
+            self.shmwatch.observe(snap.engines)
             self.afterkill.cycle(snap.engines, self.loop.telemetry.declarations, partial(self._pool_look, snap))
 
     def _pool_look(self, snap: Snapshot) -> tuple[int | None, int | None, int]:
