@@ -5,7 +5,7 @@ much for every telemetry cycle, and needless between kills, since an orphan stay
 scans at start, every SCAN_EVERY_S, and AFTER_END_S after an engine tree the telemetry loop saw is gone: the settle
 time of a kill. On a thread of its own: a /proc read that blocks holds up this watch only, never a cycle.
 
-The telemetry loop tells it of each cycle's engine trees (`observe`, on the loop's thread: a set of roots compared),
+The telemetry process hands it each cycle's engine trees (`observe`, on the loop's thread: a set of roots compared),
 and only the end of one wakes the thread early: between scans it sleeps, engines or none (it woke every 2 s to
 compare the roots itself before).
 """

@@ -219,12 +219,8 @@ class TelemetryProcess:
         self.mpwatch = MpGroupWatch(settings, self._send, self._last_engines, node=self.host)
         peers = self.peers = PeerWatch(settings, self.events.append, after_poll=self._after_peers)
         out.append(Component("peers", peers, self.PEERS_LIVE_KEYS, self._apply_peers, peers.counters))
-        raywatch = self.raywatch = RayWatch(
-            settings,
-            self._send,
-            procs=lambda: self.loop.telemetry.last_procs,
-            peers=peers,
-        )
+        # Each cycle's process table is handed to it (_cycle_done): a raylet that starts wakes it, none never does.
+        raywatch = self.raywatch = RayWatch(settings, self._send, peers=peers)
         out.append(Component("raywatch", raywatch, RayWatch.LIVE_KEYS, raywatch.apply, raywatch.counters))
         # What killed engines left in /dev/shm, on a slow timer and soon after a tree ends (sparkwatch_shm_orphaned_*):
         # each cycle's trees are handed to it (_cycle_done), so it never wakes to look for an end itself.
@@ -346,6 +342,7 @@ class TelemetryProcess:
         snap = self.loop.latest
         if snap is not None:
             self.shmwatch.observe(snap.engines)
+            self.raywatch.observe(self.loop.telemetry.last_procs)
             self.afterkill.cycle(snap.engines, self.loop.telemetry.declarations, partial(self._pool_look, snap))
 
     def _pool_look(self, snap: Snapshot) -> tuple[int | None, int | None, int]:
