@@ -97,6 +97,15 @@ def wait_until(predicate: Callable[[], bool], timeout_s: float = 10.0, step_s: f
     return predicate()
 
 
+def wakeups(thread: threading.Thread | None) -> int:
+    """How many times the kernel has run one of this process's threads so far (the run periods in
+    /proc/self/task/TID/schedstat): a thread asleep adds none, each wake-up adds one, whatever the box's load."""
+    assert thread is not None and thread.native_id is not None and thread.is_alive()
+    path = Path(f"/proc/self/task/{thread.native_id}/schedstat")
+    require(path.exists(), "no schedstat in /proc (a kernel without CONFIG_SCHED_INFO)")
+    return int(path.read_text().split()[2])
+
+
 def settled_available_bytes(timeout_s: float = 30.0, span_bytes: int = 128 << 20) -> int:
     """MemAvailable once it has held still (within span_bytes over 2 s), for a floor set relative to it.
 

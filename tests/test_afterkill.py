@@ -43,7 +43,7 @@ from sparkwatch.telemetry.afterkill import AfterKillWatch
 from sparkwatch.telemetry.containerwatch import ContainerStore
 from sparkwatch.telemetry.sources.dockerapi import DockerEvent
 from sparkwatch.tui.status_view import gated_lines
-from tests.conftest import require, wait_until
+from tests.conftest import require, wait_until, wakeups
 from tests.daemon import RunningDaemon, scrape, sparkwatch_run, wait_for_event
 from tests.dockerd import Dockerd, fake_engine_argv, run_args
 from tests.receiver import Receiver
@@ -366,5 +366,31 @@ def test_a_telemetry_that_starts_again_takes_up_the_gates_still_paused(tmp_path:
         assert view.container_id == CID
         [released] = [e for e in read_events(settings.events_path) if e["kind"] == "container_released"]
         assert (released["container_id"], released["by"]) == (other, "owner")
+    finally:
+        watch.stop()
+
+
+def test_without_docker_the_worker_sleeps_and_takes_up_the_gates_once_the_api_answers(tmp_path: Path) -> None:
+    """A node without Docker never wakes the worker (it looked once a second for the watch, two minutes after each
+    start); the container watch's word that the API answers (`containers_up`) brings the gates left held."""
+    settings = load_settings(None, {"state_dir": tmp_path / "state"})
+    events = EventLog(settings.events_path)
+    fields = {"container_id": CID, "container_name": "sw-still", "image": "img", "need_bytes": 1 * GiB,
+              "need_source": "kill footprint", "error": None}  # fmt: skip
+    events.append(make_event(EventKind.CONTAINER_GATED, "paused", fields))
+    store = ContainerStore()  # as the watch has it while no daemon answers
+    watch = AfterKillWatch(settings, events, containers=store, socket_path=None, where="a test")
+    watch.start()
+    try:
+        time.sleep(0.3)  # started, and asleep
+        before = wakeups(watch._thread)
+        time.sleep(3.0)
+        assert wakeups(watch._thread) - before <= 1  # looking once a second it woke 3 times
+        assert watch.gated() == ()
+        still = ContainerFacts(CID, "sw-still", "img", "paused", 4242, "unless-stopped", restart_count=1)
+        store.replace({CID: still})
+        store.up = True
+        watch.containers_up()  # the watch's on_up (telemetry/telemetryprocess.py wires it)
+        assert wait_until(lambda: [g.container_id for g in watch.gated()] == [CID], 10)
     finally:
         watch.stop()

@@ -48,7 +48,10 @@ def test_labels_parse_and_bad_values_are_named_and_ignored() -> None:
 
 
 def test_no_daemon_is_counted_and_said_never_raised(tmp_path: Path) -> None:
-    watch = ContainerWatch(str(tmp_path / "absent.sock"), "a test socket", retry_s=0.05)
+    ups: list[bool] = []
+    watch = ContainerWatch(
+        str(tmp_path / "absent.sock"), "a test socket", retry_s=0.05, on_up=[lambda: ups.append(True)]
+    )
     watch.start()
     try:
         deadline = time.monotonic() + 5
@@ -57,6 +60,7 @@ def test_no_daemon_is_counted_and_said_never_raised(tmp_path: Path) -> None:
     finally:
         watch.stop()
     assert watch.errors["unreachable"] >= 2 and not watch.up and watch.error is not None
+    assert ups == []  # nobody told of an API that never answered
     with pytest.raises(DockerApiError) as err:
         DockerApi(str(tmp_path / "absent.sock")).ping()
     assert err.value.kind == "unreachable"
@@ -103,13 +107,15 @@ def test_watch_follows_a_container_and_the_apis_kill_cancels_its_restart(dockerd
             if event.action == "start":
                 started.set()
 
-    watch = ContainerWatch(str(dockerd.socket), "the test daemon", subscribers=[on_event])
+    came_up = threading.Event()
+    watch = ContainerWatch(str(dockerd.socket), "the test daemon", subscribers=[on_event], on_up=[came_up.set])
     watch.start()
     try:
         deadline = time.monotonic() + 10
         while not watch.up and time.monotonic() < deadline:
             time.sleep(0.02)
         assert watch.up, watch.error
+        assert came_up.wait(5)  # told, for the after-kill policy's gates left held (it no longer looks)
         cid = dockerd.docker(*run_args(dockerd, name, "--restart", "unless-stopped", src=False), *SLEEP).stdout.strip()
         assert started.wait(10), seen
         facts = watch.facts(cid)

@@ -45,12 +45,13 @@ from sparkwatch.guard.budgets import BudgetWatch
 from sparkwatch.guard.groupwatch import GroupWatch
 from sparkwatch.guard.poolwatch import PoolWatch
 from sparkwatch.guard.process import GuardProcess
-from sparkwatch.telemetry import peerdoc
+from sparkwatch.telemetry import peerdoc, raywatch
 from sparkwatch.telemetry.mpwatch import ORPHAN_GRACE_S
 from sparkwatch.telemetry.peerwatch import PEER_LOST_AFTER, PEER_TIMEOUT_S
 from sparkwatch.telemetry.raywatch import RayWatch
+from sparkwatch.telemetry.sources.raylets import RAYLET_COMM, RAYLET_EXE_SUFFIX
 from sparkwatch.telemetry.sources.raystate import RayStateError, RayStateSource
-from tests.conftest import Spawner, alive, pids_in, require, wait_until
+from tests.conftest import Spawner, alive, pids_in, require, wait_until, wakeups
 from tests.daemon import RunningDaemon, daemon_env, free_port, sparkwatch_run, wait_for_event
 from tests.helpers.peerkey import key_env, key_file
 from tests.raycluster import (
@@ -901,6 +902,53 @@ def test_no_raylet_here_no_request(tmp_path: Path) -> None:
     watch = RayWatch(settings, sent.append)
     assert watch.poll_once() == [] and sent == []
     assert watch.source.polls_total == 0 and not any(watch.source.errors.values())
+
+
+def test_without_a_raylet_the_watch_sleeps_and_a_raylet_started_later_is_found_at_the_next_cycle(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Telemetry's cycles hand the watch their process table (observe): with no raylet in it the thread never wakes
+    and never looks (it looked every RAYLET_LOOK_S), and the cycle that first shows a raylet wakes it, which finds it
+    at once; the cycle that no longer shows it has it forgotten. Other raylets on this box (another suite's Ray) are
+    left out of the tables handed over."""
+    monkeypatch.setattr(raywatch, "RAYLET_LOOK_S", 0.3)  # a watch that looked on a timer would look ten times here
+    settings = load_settings(
+        None, {"state_dir": str(tmp_path / "state"), "ray_dashboard_url": "http://127.0.0.1:9"}, check_memory=False
+    )
+    scanner = ProcScanner(Path("/proc"))
+
+    def cycle(*pids: int) -> tuple[Proc, ...]:
+        return tuple(p for p in scanner.scan().procs if p.comm != RAYLET_COMM or p.pid in pids)
+
+    shaped = tmp_path / RAYLET_EXE_SUFFIX.lstrip("/")  # a program at Ray's own path: a raylet by its executable
+    shaped.parent.mkdir(parents=True)
+    shutil.copy("/bin/sh", shaped)
+    watch = RayWatch(settings, lambda msg: None)
+    watch.start()
+    raylet: subprocess.Popen[bytes] | None = None
+    try:
+        quiet = cycle()
+        watch.observe(quiet)
+        time.sleep(0.3)
+        before = wakeups(watch._thread)
+        for _ in range(30):  # 3 s of telemetry cycles without a raylet
+            watch.observe(quiet)
+            time.sleep(0.1)
+        assert wakeups(watch._thread) - before <= 1 and watch.looks_total == 0
+        argv = [str(shaped), "-c", "sleep 60; exit 0", "raylet", f"--node_id={NODE_A}", "--gcs-address=127.0.0.1:9"]
+        raylet = subprocess.Popen(argv)
+        assert wait_until(lambda: Path(f"/proc/{raylet.pid}/comm").read_text().strip() == RAYLET_COMM, 5)
+        watch.observe(cycle(raylet.pid))  # the first cycle that sees it
+        assert wait_until(lambda: watch.node_ids == {NODE_A}, 5), watch.looks_total
+        raylet.kill()
+        raylet.wait()
+        watch.observe(cycle())
+        assert wait_until(lambda: not watch.node_ids, 5)
+    finally:
+        watch.stop()
+        if raylet is not None and raylet.poll() is None:
+            raylet.kill()
+            raylet.wait()
 
 
 def test_a_placement_group_outliving_its_teardown_is_leaked() -> None:

@@ -324,8 +324,8 @@ def test_a_driver_is_one_only_while_it_holds_a_connection_to_its_cluster_s_gcs(
 def test_a_box_without_a_raylet_asks_nothing_of_who_holds_the_dashboard_s_port(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The group watch looks for raylets every few seconds; with none, it ties no cluster and asks the kernel nothing
-    (no sock_diag dump, no route lookup): a watch with nothing to watch costs nothing."""
+    """The group watch looks for raylets when telemetry's table shows one; finding none, it ties no cluster and asks
+    the kernel nothing (no sock_diag dump, no route lookup): a watch with nothing to watch costs nothing."""
     from sparkwatch.telemetry import raywatch
 
     asked: list[str] = []

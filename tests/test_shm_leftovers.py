@@ -22,12 +22,12 @@ import pytest
 
 from sparkwatch.core.enums import CheckStatus
 from sparkwatch.core.launch.shmleft import fix_command, judge, kept_why, removable, summary
-from sparkwatch.core.model import EngineTree, Proc, ShmFile, ShmScan
+from sparkwatch.core.model import EngineTree, Proc, ShmFile, ShmLeft, ShmScan
 from sparkwatch.core.report.doctorchecks import shm_check
 from sparkwatch.core.units import MiB, format_size
 from sparkwatch.telemetry import shmwatch
 from sparkwatch.telemetry.sources.shmfiles import scan
-from tests.conftest import wait_until
+from tests.conftest import wait_until, wakeups
 from tests.daemon import scrape, sparkwatch_run
 from tests.dockerd import Dockerd, run_args
 
@@ -346,26 +346,61 @@ def test_doctor_fix_removes_only_an_engines_orphan(tmp_path: Path, scratch: tupl
 # --- the metric's watch ---------------------------------------------------------------------------------------------
 
 
+def names(left: ShmLeft | None) -> set[str]:
+    return {f.name for f in left.orphans} if left is not None else set()
+
+
 def test_the_watch_scans_again_soon_after_an_engine_tree_ends(
     scratch: tuple[Path, Files], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     root, files = scratch
     monkeypatch.setattr(shmwatch, "SCAN_EVERY_S", 3600.0)  # only the end of the tree can bring the next scan
     monkeypatch.setattr(shmwatch, "AFTER_END_S", 0.3)
-    monkeypatch.setattr(shmwatch, "LOOK_EVERY_S", 0.05)
     engine = Proc(4242, 1, 0, "python3", "S", 99, 0, ("VLLM::EngineCore",))
-    trees: list[tuple[EngineTree, ...]] = [(EngineTree("vllm", engine, (engine,)),)]
-    watch = shmwatch.ShmWatch(root, Path("/proc"), lambda: trees[0])
+    trees = (EngineTree("vllm", engine, (engine,)),)
+    watch = shmwatch.ShmWatch(root, Path("/proc"))
     files.orphan.unlink()
     watch.start()
     try:
+        watch.observe(trees)  # telemetry's cycles, as the telemetry process hands them on
         assert wait_until(lambda: watch.latest is not None, 10)
-        assert watch.latest is not None and files.orphan.name not in {f.name for f in watch.latest.orphans}
+        assert watch.latest is not None and files.orphan.name not in names(watch.latest)
         write(files.orphan, 3 * MiB)  # the tree's leftover
-        time.sleep(0.3)
-        assert files.orphan.name not in {f.name for f in watch.latest.orphans}  # no scan while the tree runs
-        trees[0] = ()
-        assert wait_until(lambda: watch.latest is not None and watch.latest.held_bytes >= 3 * MiB, 5)
+        for _ in range(6):
+            watch.observe(trees)
+            time.sleep(0.1)
+        assert files.orphan.name not in names(watch.latest)  # no scan while the tree runs
+        assert watch.scans_total == 1
+        watch.observe(())  # the cycle that no longer sees it
+        assert wait_until(lambda: watch.latest is not None and files.orphan.name in names(watch.latest), 5)
+        assert watch.scans_total == 2
+    finally:
+        watch.stop()
+
+
+def test_with_no_engine_the_watch_sleeps_between_its_scans(
+    scratch: tuple[Path, Files], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Cycles with no engine tree wake nothing: the thread sleeps until its next scan (it woke every 2 s to compare
+    the engine roots itself), and a tree's end is told, not looked for."""
+    root, _files = scratch
+    monkeypatch.setattr(shmwatch, "SCAN_EVERY_S", 3600.0)
+    monkeypatch.setattr(shmwatch, "AFTER_END_S", 0.3)
+    watch = shmwatch.ShmWatch(root, Path("/proc"))
+    watch.start()
+    try:
+        assert wait_until(lambda: watch.scans_total == 1, 10)  # the scan at start
+        time.sleep(0.2)
+        before = wakeups(watch._thread)
+        for _ in range(45):  # 4.5 s of telemetry cycles, none with an engine
+            watch.observe(())
+            time.sleep(0.1)
+        assert wakeups(watch._thread) - before <= 1  # looking every 2 s it woke twice or more
+        assert watch.scans_total == 1
+        engine = Proc(4242, 1, 0, "python3", "S", 99, 0, ("VLLM::EngineCore",))
+        watch.observe((EngineTree("vllm", engine, (engine,)),))
+        watch.observe(())  # it ended: a scan AFTER_END_S later
+        assert wait_until(lambda: watch.scans_total == 2, 10)
     finally:
         watch.stop()
 

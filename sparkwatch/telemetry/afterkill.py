@@ -10,10 +10,13 @@ The guard's kill stays the guard's: dockerd is never on its path. What this modu
 - the container watch (telemetry.containerwatch): each container's `start` (a restart when its restart count is
   above 0), `die`, `unpause`, …, and the init pid of each running container (a killed pid's container);
 - telemetry's cycle: the engine trees in containers (their pids, and a launch declaration's peak key and plan), and,
-  while a gate holds, MemAvailable, Shmem and the engine processes still letting go (core.launch.settle's inputs).
+  while a gate holds, MemAvailable, Shmem and the engine processes still letting go (core.launch.settle's inputs);
+- the container watch's word that the API answers (`containers_up`): the gates a previous telemetry process left.
 
 One worker thread does everything in order, the Docker API calls included, so no caller blocks: the inputs come from
-the watch's thread, the channel's and the telemetry loop's, through a queue. A restart is answered as soon as both the
+the watch's thread, the channel's and the telemetry loop's, through a queue. Between inputs it sleeps without a
+timeout: a node without Docker never wakes it (it looked once a second for the watch to come up, for two minutes
+after each start, before the watch said so itself). A restart is answered as soon as both the
 kill and the start are known: dockerd starts a container again 0.3-0.4 s after its PID 1 died (its 100 ms delay and
 runc), and the guard's state with the kill comes before that, so the pause follows the `start` event by one inspect
 and one POST: 15 ms median, 48 ms worst of 20 (bench/RESULTS-afterkill.md). The kill event alone would come ~0.6 s
@@ -57,7 +60,6 @@ if TYPE_CHECKING:
 
 log = logs.get("afterkill")
 
-RECOVER_WAIT_S = 120.0  # how long the worker looks for the Docker API to come up, for gates left held
 PIDS_KEPT = 4096  # pid -> container of engine trees and init processes seen lately
 PLANS_KEPT = 256  # root pid -> a launch declaration's peak key and estimate
 RECOVER_EVENTS = 500  # events read back at start for gates a previous telemetry process left
@@ -89,7 +91,12 @@ class _Cycle:
     plans: Mapping[int, tuple[str, int | None]]  # root pid -> (peak key, plan estimate)
 
 
-_Item = _Docker | _Recent | _Killed | _Cycle | None
+@dataclass(frozen=True, slots=True)
+class _Up:
+    """The container watch's word that the Docker API answers."""
+
+
+_Item = _Docker | _Recent | _Killed | _Cycle | _Up | None
 # After a cycle, while a gate holds: (MemAvailable, Shmem, engine processes still letting go) from its snapshot.
 Look = Callable[[], tuple[int | None, int | None, int]]
 
@@ -107,7 +114,7 @@ def container_pids(trees: Sequence[EngineTree]) -> dict[int, tuple[str, int]]:
 
 class AfterKillWatch:
     """A component of the telemetry process (common.lifecycle): `start`, `stop`, `apply`, `counters`; the inputs
-    (`container_event`, `guard_state`, `guard_event`, `cycle`) never block."""
+    (`container_event`, `containers_up`, `guard_state`, `guard_event`, `cycle`) never block."""
 
     name = "afterkill"
     LIVE_KEYS = frozenset({"container_after_kill"})
@@ -189,6 +196,10 @@ class AfterKillWatch:
         """A subscriber of the container watch (its thread)."""
         self._inbox.put(_Docker(event, facts))
 
+    def containers_up(self) -> None:
+        """The container watch's word that the API answers (its thread, on_up): the gates left held are taken up."""
+        self._inbox.put(_Up())
+
     def guard_state(self, recent: Sequence[RecentKill]) -> None:
         """The guard's last kills, from each state it sends (the channel's thread): only new ones are handed on."""
         if recent and recent[-1].ts > self._recent_seen:
@@ -218,20 +229,18 @@ class AfterKillWatch:
     # --- the worker --------------------------------------------------------------------------------------------
 
     def _run(self) -> None:
-        # Until the watch is up (or RECOVER_WAIT_S passed) the worker looks once a second for the gates a previous
-        # telemetry process left held; then it sleeps until an input comes.
-        recover_until = time.monotonic() + RECOVER_WAIT_S if self.containers is not None else 0.0
+        # The gates a previous telemetry process left held are taken up once the container watch is up: at once when
+        # it already is, else at its word (`containers_up`, queued like any input) or at the first input after it
+        # came up. Then the worker sleeps until an input comes, with no timeout: no Docker, no wake-up.
         while True:
             if not self._recovered and self.containers is not None and self.containers.up:
                 self._recovered = True
                 self._recover()
-            waiting = not self._recovered and time.monotonic() < recover_until
-            try:
-                item = self._inbox.get(timeout=1.0) if waiting else self._inbox.get()
-            except queue.Empty:
-                continue
+            item = self._inbox.get()
             if item is None:
                 return
+            if isinstance(item, _Up):
+                continue
             try:
                 self._handle(item)
             except Exception as exc:  # a bug: counted and said; the worker and the guard run on

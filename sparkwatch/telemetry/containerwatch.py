@@ -1,6 +1,7 @@
 """The containers on this node, kept current from the Docker Engine API (telemetry.sources.dockerapi): the facts of
 every running container by id, and each container event handed on as it comes, to the parts that act on one (the
-after-kill policy) through `subscribers`, passed in at construction.
+after-kill policy) through `subscribers`, and the word that the API answers through `on_up`, both passed in at
+construction.
 
 One thread: it opens the events stream, then lists the running containers (so none that starts in between is
 missed), then reads events until the stream ends. Each event of a container is followed by one inspect of it. An idle
@@ -75,17 +76,22 @@ class ContainerWatch:
         self,
         socket_path: str | None,
         where: str,
+        *,
         subscribers: Sequence[Subscriber] = (),
         retry_s: float = RETRY_S,
         store: ContainerStore | None = None,
+        on_up: Sequence[Callable[[], object]] = (),
     ) -> None:
         """`socket_path`: the API's socket (None: none to read, `where` says why). `subscribers`: called from the
         watch's thread with each event and the container's facts after it (None once removed). `store`: where the
-        facts are kept for readers built before the watch (a new one when none is given)."""
+        facts are kept for readers built before the watch (a new one when none is given). `on_up`: called from the
+        watch's thread each time the API answers (the store is `up`, the running containers listed), before any
+        event: a reader that waits for the API is told, never left to look."""
         self.store = store if store is not None else ContainerStore()
         self.socket_path = socket_path
         self.where = where
         self.subscribers = tuple(subscribers)
+        self.on_up = tuple(on_up)
         self.retry_s = retry_s
         self.api: DockerApi | None = None  # built once the events stream connected: no Docker, no HTTP client
         self.errors: dict[str, int] = {"unreachable": 0, "refused": 0, "timeout": 0, "broken": 0, "status": 0}
@@ -172,6 +178,11 @@ class ContainerWatch:
             self.store.replace(running)
             self.store.up, self.error = True, None
             log.info("containers: following the Docker API at %s (%d running)", self.where, len(running))
+            for told in self.on_up:
+                try:
+                    told()
+                except Exception as exc:  # one part's bug never stops the watch
+                    log.error("containers: telling of the API up failed: %s: %s", type(exc).__name__, exc)
             for event in stream:
                 self._on_event(event)
         finally:

@@ -208,7 +208,7 @@ class Telemetry:
         contiguous = run("buddyinfo", lambda: read_contiguous_free(self.settings.proc_root, self.page_size_bytes))
         procs = run("procs", lambda: self.scanner.scan(self._hot).procs)
         if procs is not None:
-            self.last_procs = procs  # telemetry.raywatch looks for raylets here (a reference, read on its thread)
+            self.last_procs = procs  # the telemetry process reads it after the cycle (the group watch's raylets)
         trees: tuple[EngineTree, ...] = ()
         boots = run("launched", lambda: self._boots(procs)) or ()
         declared = {(b.root_pid, s): (b.kind, u) for b, s, u, _l in self._declared}

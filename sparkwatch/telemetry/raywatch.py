@@ -1,8 +1,11 @@
 """The group watch: engines that span nodes over Ray, learned from Ray's own state, and their teardown handed to the
 guard (issue 29; docs/multinode.md).
 
-On its own thread, every `ray_poll_s` (2 s) while a raylet runs in this node's network namespace (looked for in the
-telemetry loop's own process table every `RAYLET_LOOK_S`: a box without Ray pays that and nothing else):
+On its own thread, every `ray_poll_s` (2 s) while a raylet runs in this node's network namespace. The raylets are
+looked for in the telemetry loop's own process table, which each cycle hands over (`observe`: the processes named
+raylet compared on the loop's thread, no read); the thread is woken when those change, and while raylets run it looks
+again every `RAYLET_LOOK_S`. A box without Ray pays that comparison and nothing else: the thread never wakes (it
+looked every 5 s before).
 1. read the actors from the dashboard's state API (telemetry.sources.raystate), the nodes every `FULL_EVERY_S`, and
    jobs and placement groups with them as soon as an actor not known yet appears, while a teardown is under way,
    and at least every `FULL_MAX_S`; an answer like the last one decides nothing again;
@@ -33,7 +36,7 @@ from __future__ import annotations
 import subprocess
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
@@ -46,7 +49,7 @@ from sparkwatch.core.kill import raygroup
 from sparkwatch.core.model import Proc
 from sparkwatch.telemetry import peerdoc
 from sparkwatch.telemetry.sources.listeners import connected_to
-from sparkwatch.telemetry.sources.raylets import LocalRaylet, local_raylets
+from sparkwatch.telemetry.sources.raylets import LocalRaylet, local_raylets, raylets_named
 from sparkwatch.telemetry.sources.raystate import (
     Connection,
     RayStateError,
@@ -61,7 +64,9 @@ if TYPE_CHECKING:
     from sparkwatch.config.settings import Settings
 
 log = logs.get("raywatch")
-RAYLET_LOOK_S = 5.0  # a raylet started later is found within this (a look goes over telemetry's last table)
+# While raylets run, the table is looked at again this often (another user's raylet, the dashboard their user
+# started); a raylet started or gone is told at the telemetry cycle that sees it (observe).
+RAYLET_LOOK_S = 5.0
 # The nodes this often, all four listings at least every FULL_MAX_S (and at once for a new actor, or while a teardown
 # is under way); in between only the actors (a death shows there first), without Ray's detail.
 # Measured on the two-node test cluster: polling all four every second and re-reading the members' /proc entries,
@@ -139,14 +144,13 @@ class RayWatch:
         self,
         settings: Settings,
         send: Callable[[GroupTeardownMsg | PeerBudgetMsg], None],
-        procs: Callable[[], Iterable[Proc]] = lambda: (),
         peers: PeerWords | None = None,
     ) -> None:
-        """`procs`: the telemetry loop's last process table (where the raylets are looked for). `peers`: what the
-        other nodes' agents say (telemetry.peerwatch.PeerWatch), text and reasons to look, never reasons to kill."""
+        """`peers`: what the other nodes' agents say (telemetry.peerwatch.PeerWatch), text and reasons to look, never
+        reasons to kill. The process table where the raylets are looked for comes from each telemetry cycle
+        (`observe`)."""
         self.settings = settings
         self.send = send
-        self.procs = procs
         self.peers: PeerWords = peers or NoPeers()
         self.proc_root = Path(settings.proc_root)
         self.source = RayStateSource(settings.ray_dashboard_url)
@@ -179,10 +183,16 @@ class RayWatch:
         self._remove_tried: set[str] = set()
         self.pg_removed_total = 0
         self.pg_remove_errors_total = 0
-        self._next_look = 0.0  # the next look for raylets in the process table
-        self._looked = False  # a look went over a process table (telemetry's first cycle has run)
+        self._next_look = 0.0  # the next look for raylets in the process table, while raylets run
+        # Written on the telemetry loop's thread (observe): its last table, the processes named raylet in it, and how
+        # often those changed; this thread looks when that count is not the one it last looked at.
+        self._table: tuple[Proc, ...] = ()
+        self._named: frozenset[tuple[int, int]] = frozenset()
+        self._named_changes = 0
+        self._looked_changes = 0  # (this thread's)
+        self.looks_total = 0  # looks over a table for raylets
         self._stop = threading.Event()
-        self._wake = threading.Event()  # set by nudge(): poll now
+        self._wake = threading.Event()  # set by nudge() (poll now) and observe() (a raylet started or gone)
         self._thread: threading.Thread | None = None
         self._said: str | None = None
 
@@ -217,6 +227,16 @@ class RayWatch:
     def nudge(self) -> None:
         """Poll now (a peer says one of its ranks ended), not at the next `ray_poll_s`."""
         self._wake.set()
+
+    def observe(self, table: tuple[Proc, ...]) -> None:
+        """A telemetry cycle's process table (the loop's thread; never blocks): kept for the next look, and the
+        thread woken when the processes named raylet in it changed (a raylet started, or gone)."""
+        self._table = table
+        named = raylets_named(table)
+        if named != self._named:
+            self._named = named
+            self._named_changes += 1  # after the table: a look that sees this count reads this table or a newer one
+            self._wake.set()
 
     def published_node_ids(self) -> frozenset[str]:
         """The node ids this node's raylets serve, and those of the ranks still told of after a raylet went."""
@@ -255,22 +275,23 @@ class RayWatch:
             except Exception as exc:  # a bug: reported, counted, survived
                 self.source.errors["internal"] = self.source.errors.get("internal", 0) + 1
                 log.error("group watch failed: %s: %s", type(exc).__name__, exc)
-            # Without a raylet here the thread wakes only to look for one (a quiet box stays quiet); before telemetry's
-            # first process table it looks again at the poll interval.
-            self._wake.wait(self.settings.ray_poll_s if self.node_ids or not self._looked else RAYLET_LOOK_S)
+            # Without a raylet here the thread sleeps until a telemetry cycle tells it of one (observe), or a peer
+            # nudges it: a quiet box stays quiet.
+            self._wake.wait(self.settings.ray_poll_s if self.node_ids else None)
             self._wake.clear()
 
     def poll_once(self) -> list[GroupTeardownMsg]:
         now = time.monotonic()
-        if now >= self._next_look or (self.raylets and not self._raylets_alive()):
+        changes = self._named_changes
+        if changes != self._looked_changes or (self.raylets and (now >= self._next_look or not self._raylets_alive())):
             # telemetry's own process table (its last cycle): no /proc scan of ours
-            table = tuple(self.procs())
+            self._looked_changes = changes
+            table = self._table
+            self.looks_total += 1
             self.raylets = local_raylets(table, self.proc_root)
             self.node_ids = frozenset(r.node_id for r in self.raylets)
             self._trust(table)
-            if table:  # before telemetry's first cycle there is no table yet: look again at the next poll
-                self._next_look = now + RAYLET_LOOK_S
-                self._looked = True
+            self._next_look = now + RAYLET_LOOK_S
         if not self.node_ids:
             self.groups, self._state = (), None
             return []

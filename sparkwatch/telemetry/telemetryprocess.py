@@ -219,15 +219,12 @@ class TelemetryProcess:
         self.mpwatch = MpGroupWatch(settings, self._send, self._last_engines, node=self.host)
         peers = self.peers = PeerWatch(settings, self.events.append, after_poll=self._after_peers)
         out.append(Component("peers", peers, self.PEERS_LIVE_KEYS, self._apply_peers, peers.counters))
-        raywatch = self.raywatch = RayWatch(
-            settings,
-            self._send,
-            procs=lambda: self.loop.telemetry.last_procs,
-            peers=peers,
-        )
+        # Each cycle's process table is handed to it (_cycle_done): a raylet that starts wakes it, none never does.
+        raywatch = self.raywatch = RayWatch(settings, self._send, peers=peers)
         out.append(Component("raywatch", raywatch, RayWatch.LIVE_KEYS, raywatch.apply, raywatch.counters))
-        # What killed engines left in /dev/shm, on a slow timer and soon after a tree ends (sparkwatch_shm_orphaned_*).
-        shmwatch = self.shmwatch = ShmWatch(settings.root, settings.proc_root, self._last_engines)
+        # What killed engines left in /dev/shm, on a slow timer and soon after a tree ends (sparkwatch_shm_orphaned_*):
+        # each cycle's trees are handed to it (_cycle_done), so it never wakes to look for an end itself.
+        shmwatch = self.shmwatch = ShmWatch(settings.root, settings.proc_root)
         out.append(Component("shm", shmwatch, counters=shmwatch.counters))
         return out
 
@@ -322,9 +319,10 @@ class TelemetryProcess:
         """The containers on this node (docs/containers.md), built in one direction, each part given what it needs:
         the store of the containers' facts; the board (what the guard hears of containers, and the info metric) and
         the after-kill policy (a restart policy never undoes a guard kill), which read the store; then the watch, which
-        writes the store from the Docker API's events and hands each event to them. Without a Docker daemon: one
-        connect attempt every 30 s, nothing sent. The after-kill policy is imported here: it is no import of this
-        module's (tests/test_telemetry_imports.py)."""
+        writes the store from the Docker API's events and hands each event to them, and tells the after-kill policy
+        when the API answers (the gates a previous telemetry process left). Without a Docker daemon: one connect
+        attempt every 30 s, nothing sent, no other thread woken. The after-kill policy is imported here: it is no
+        import of this module's (tests/test_telemetry_imports.py)."""
         from sparkwatch.telemetry.afterkill import AfterKillWatch  # noqa: PLC0415 - h11 comes with it
 
         path, where = docker_socket(settings.docker_host, os.environ)
@@ -332,7 +330,7 @@ class TelemetryProcess:
         board = self.container_board = ContainerBoard(self._offer)
         after = self.afterkill = AfterKillWatch(settings, self.events, containers=store, socket_path=path, where=where)
         watch = self.containers = ContainerWatch(
-            path, where, subscribers=[board.on_event, after.container_event], store=store
+            path, where, subscribers=[board.on_event, after.container_event], store=store, on_up=[after.containers_up]
         )
         return [
             Component("afterkill", after, AfterKillWatch.LIVE_KEYS, after.apply, after.counters),
@@ -343,6 +341,8 @@ class TelemetryProcess:
         self.report()
         snap = self.loop.latest
         if snap is not None:
+            self.shmwatch.observe(snap.engines)
+            self.raywatch.observe(self.loop.telemetry.last_procs)
             self.afterkill.cycle(snap.engines, self.loop.telemetry.declarations, partial(self._pool_look, snap))
 
     def _pool_look(self, snap: Snapshot) -> tuple[int | None, int | None, int]:

@@ -51,6 +51,12 @@ def is_raylet_exe(proc_root: Path | str, pid: int) -> bool:
     return exe.removesuffix(DELETED).endswith(RAYLET_EXE_SUFFIX)
 
 
+def raylets_named(procs: Iterable[Proc]) -> frozenset[tuple[int, int]]:
+    """The processes that call themselves raylet, by (pid, start ticks): a comparison of names and no read, for the
+    telemetry loop to tell the group watch when they change (local_raylets then decides which are raylets)."""
+    return frozenset(p.key for p in procs if p.comm == RAYLET_COMM)
+
+
 def local_raylets(procs: Iterable[Proc], proc_root: Path) -> tuple[LocalRaylet, ...]:
     """The raylets in our own network namespace: Ray's raylet executable, not a name (a few readlinks: processes
     named raylet only)."""
