@@ -186,13 +186,6 @@ def enough_memory() -> None:
 
 
 @pytest.fixture
-def receiver() -> Iterator[Receiver]:
-    r = Receiver().start()
-    yield r
-    r.stop()
-
-
-@pytest.fixture
 def agent(
     tmp_path: Path, dockerd: Dockerd, receiver: Receiver, request: pytest.FixtureRequest
 ) -> Iterator[RunningDaemon]:
