@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import io
 import shutil
+import tempfile
 from collections.abc import Iterable
 from dataclasses import replace
 from pathlib import Path
@@ -309,3 +311,63 @@ def test_dpkg_status_is_parsed_again_only_when_it_changes(tmp_path: Path, monkey
         )
     changed = system.read_dpkg_status(status, [])
     assert len(parsed) == 1 and len(changed[0]) == 2
+
+
+# --- the dpkg scan: a clean stanza without nvidia is settled by one regex, and nothing else changes
+
+_CLEAN_HEADS = [b"Package: libc6", b"Package: nvidia-dkms-580-open", b"Package: caf\xc3\xa9"]
+_HEADS = st.sampled_from(
+    _CLEAN_HEADS * 4
+    + [b"Package: linux-modules-nvidia-580-open-6.17.0-1008-nvidia", b"Package:", b"Package: \xc2\xa0", b"garbled",
+       b" x", b"Status: install ok installed"]
+)  # fmt: skip
+_CLEAN_LINES = [b"Version: 2.39-0ubuntu8", b"Depends: libnvidia-compute-580", b"Description: a package", b" more text",
+                b"\tmore", b"Conffiles:", b" /etc/x 0123abcd", b"Status: deinstall ok config-files\r"]  # fmt: skip
+_LINES = st.sampled_from(
+    _CLEAN_LINES * 3
+    + [b"Status:", b" ", b"  \t", b"\r", b"garbled line", b"bad name: x", b":", b"\xff\xfe broken utf-8", b"\x0b",
+       b"", b" \xc2\xa0", b"\t\x0c"]
+)  # fmt: skip
+_STATUS = st.sampled_from([b"Status: install ok installed", b"Status: install ok installed", b"Status:", None])
+_SEPARATORS = st.sampled_from([b"\n\n", b"\n\n", b"\n\n", b"\n\n\n", b"\n \n", b"\n\r\n", b"\n"])
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    stanzas=st.lists(st.tuples(_HEADS, _STATUS, st.lists(_LINES, max_size=5), _SEPARATORS), max_size=12),
+    trailing=st.sampled_from([b"", b"\n", b"\n\n"]),
+    chunk=st.integers(1, 96),
+)
+def test_the_dpkg_scan_reads_what_the_line_parser_reads(
+    stanzas: list[tuple[bytes, bytes | None, list[bytes], bytes]], trailing: bytes, chunk: int
+) -> None:
+    """Any file of dpkg-like stanzas (clean or torn, with blank or whitespace-only lines between them, CRs, bad
+    UTF-8), read in chunks of any size: the same packages and the same description of damage as line by line."""
+    from sparkwatch.telemetry.sources import driverfacts as system
+
+    data = b"".join(
+        b"\n".join([head, *lines[:1], *([status] if status else []), *lines[1:]]) + sep
+        for head, status, lines, sep in stanzas
+    )
+    data = data.removesuffix(b"\n") + trailing
+    path = Path("/status")
+    plain = system.parse_dpkg_lines(system._bounded_lines(io.BytesIO(data), 1 << 20, path, []))
+    with tempfile.TemporaryFile() as fh:  # a real file: the scan asks its size first
+        fh.write(data)
+        fh.seek(0)
+        scanned = system.parse_dpkg_lines(system._dpkg_lines(fh, 1 << 20, path, [], chunk_bytes=chunk))
+    assert scanned == plain
+
+
+def test_the_dpkg_scan_settles_clean_stanzas_and_keeps_nvidia(tmp_path: Path) -> None:
+    from sparkwatch.telemetry.sources import driverfacts as system
+
+    clean = b"Package: libc6\nStatus: install ok installed\nVersion: 2.39\nDescription: C library\n more\n\n"
+    nvidia = b"Package: nvidia-dkms-580-open\nStatus: install ok installed\nVersion: 580.95.05-0ubuntu1\n\n"
+    status = tmp_path / "status"
+    status.write_bytes(clean * 3000 + nvidia + clean)
+    with status.open("rb") as fh:
+        items = list(system._dpkg_lines(fh, 1 << 26, status, []))
+    assert sum(1 for i in items if i is system.CLEAN_STANZA) == 3001  # no line of theirs reaches the parser
+    pkgs, err = system.read_dpkg_status(status, [])
+    assert err is None and [(p.name, p.version) for p in pkgs] == [("nvidia-dkms-580-open", "580.95.05-0ubuntu1")]
