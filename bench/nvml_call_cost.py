@@ -25,9 +25,16 @@ def main() -> None:
         "ComputeRunningProcesses": lambda: n.nvmlDeviceGetComputeRunningProcesses(h),
         "GraphicsRunningProcesses": lambda: n.nvmlDeviceGetGraphicsRunningProcesses(h),
         "TotalEnergyConsumption": lambda: n.nvmlDeviceGetTotalEnergyConsumption(h),
+        # the same counter through the field-values API, and the power draw as a field
+        "FieldValues(TOTAL_ENERGY)": lambda: n.nvmlDeviceGetFieldValues(h, [n.NVML_FI_DEV_TOTAL_ENERGY_CONSUMPTION]),
+        "FieldValues(ENERGY)": lambda: n.nvmlDeviceGetFieldValues(h, [n.NVML_FI_DEV_ENERGY]),
     }
     for name, fn in calls.items():
-        fn()
+        try:
+            print(f"{name:28s} = {fn()!r:.120}")
+        except n.NVMLError as exc:
+            print(f"{name:28s} fails: {exc}")
+            continue
         cpu, wall = time.process_time(), time.perf_counter()
         for _ in range(CALLS):
             fn()
