@@ -51,7 +51,6 @@ EXIT_DOES_NOT_FIT = 75  # sysexits' EX_TEMPFAIL: try again when memory is back
 EXIT_CLUSTER = 78  # sysexits' EX_CONFIG: the Ray cluster needs a fix first (a raylet, a stale group)
 EXIT_NOT_FOUND = 127
 DEFAULT_SETTLE_TIMEOUT_S = 60.0
-CONTAINER_CLIENTS = ("docker", "docker-compose")  # a command run by one of these is planned by the engine inside
 
 
 def add_parser(sub: Any, parent: argparse.ArgumentParser) -> None:
@@ -141,6 +140,8 @@ def handle(args: argparse.Namespace) -> int:
         print("sparkwatch: launch needs a command: sparkwatch launch -- vllm serve MODEL", file=sys.stderr)
         return 2
     settings = settings_from(args)
+    from sparkwatch.core.engines.enginecli import CONTAINER_CLIENTS
+
     box = None
     if Path(cmd[0]).name in CONTAINER_CLIENTS:  # a bare engine's plan loads none of docker's parsing
         from sparkwatch.cli.launch.docker import prepared

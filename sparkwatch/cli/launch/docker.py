@@ -145,7 +145,7 @@ class Container:
 
 
 def prepared(argv: list[str], env: Mapping[str, str]) -> Container | int | None:
-    """`prepare`, for launch (for a command that names a container client, cli.launch.command.CONTAINER_CLIENTS):
+    """`prepare`, for launch (for a command that names a container client, core.engines.enginecli.CONTAINER_CLIENTS):
     the exit code after one line on stderr where the container cannot be planned."""
     try:
         return prepare(argv, env)

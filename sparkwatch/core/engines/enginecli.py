@@ -28,6 +28,11 @@ from sparkwatch.core.bounded import shown, whole, within
 from sparkwatch.core.engines.identity import entry_point
 from sparkwatch.core.units import SIZE_MAX_BYTES
 
+# The clients whose command runs a container (`docker run`, `docker compose up`, `docker-compose up`): launch plans the
+# engine inside (core.launch.dockerargv reads their argv), never the client itself.
+DOCKER_CLIENT, COMPOSE_V1_CLIENT = "docker", "docker-compose"
+CONTAINER_CLIENTS = (DOCKER_CLIENT, COMPOSE_V1_CLIENT)
+
 
 class EngineKind(StrEnum):
     VLLM = "vllm"

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 from sparkwatch.core.container import LABEL_LAUNCH as LABEL
 from sparkwatch.core.containerid import LAUNCH_ENV as ENV
+from sparkwatch.core.engines.enginecli import COMPOSE_V1_CLIENT, DOCKER_CLIENT
 
 # pflag's booleans (strconv.ParseBool): what `--rm=VALUE` may say.
 _TRUE = frozenset({"1", "t", "T", "true", "TRUE", "True"})
@@ -208,9 +209,9 @@ def parse(argv: Sequence[str]) -> DockerRun | ComposeUp | None:
     if not argv:
         return None
     base = posixpath.basename(argv[0])
-    if base == "docker-compose":
+    if base == COMPOSE_V1_CLIENT:
         return _compose(tuple(argv[:1]), tuple(argv[:1]), argv[1:], v1=True)
-    if base != "docker":
+    if base != DOCKER_CLIENT:
         return None
     _opts, rest = parse_options(argv[1:], DOCKER, "docker")
     docker = tuple(argv[: len(argv) - len(rest)])
