@@ -1,4 +1,4 @@
-"""A box with nothing to watch is cycled QUIET_FACTOR times slower (telemetry.loop.quiet), and the first engine,
+"""A box with nothing to watch is cycled once per QUIET_INTERVAL_S (telemetry.loop.quiet), and the first engine,
 compiler or GPU process brings the configured cadence back at the next cycle."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import threading
 from dataclasses import replace
 
 from sparkwatch.core.model import CompileCensus, EngineTree, GpuDevice, GpuProcess, GpuReport, Proc, Snapshot
-from sparkwatch.telemetry.loop import QUIET_FACTOR, TelemetryLoop, quiet
+from sparkwatch.telemetry.loop import QUIET_INTERVAL_S, TelemetryLoop, quiet
 
 NO_COMPILERS = CompileCensus(tools={"nvcc": 0}, rss_bytes=0, parallel_jobs=0, archs={})
 IDLE = Snapshot(ts=1.0, compile=NO_COMPILERS)
@@ -64,4 +64,21 @@ def test_the_loop_waits_longer_after_a_quiet_cycle_and_not_after_a_busy_one() ->
     loop._run()
     # The wait never sleeps, so each delay is the schedule so far: its steps are the differences.
     steps = [round(b - a, 1) for a, b in zip([0.0, *waits], waits, strict=False)]
-    assert steps == [0.5 * QUIET_FACTOR, 0.5 * QUIET_FACTOR, 0.5, 0.5 * QUIET_FACTOR]
+    assert steps == [QUIET_INTERVAL_S, QUIET_INTERVAL_S, 0.5, QUIET_INTERVAL_S]
+
+
+def test_an_interval_longer_than_the_quiet_one_is_kept() -> None:
+    loop = TelemetryLoop(Scripted([IDLE]), QUIET_INTERVAL_S * 2, is_quiet=quiet)  # type: ignore[arg-type]
+    waits: list[float] = []
+    stop = threading.Event()
+
+    def wait(delay: float | None = None) -> bool:
+        waits.append(delay or 0.0)
+        if len(waits) == 2:
+            stop.set()
+        return stop.is_set()
+
+    loop._stop = stop
+    stop.wait = wait  # type: ignore[method-assign,assignment]
+    loop._run()
+    assert [round(b - a, 1) for a, b in zip([0.0, *waits], waits, strict=False)] == [QUIET_INTERVAL_S * 2] * 2

@@ -59,10 +59,11 @@ log = logs.get("telemetry")
 T = TypeVar("T")
 TRIM_EVERY_CYCLES = 60  # malloc_trim once a minute at the default 1 s interval
 # A box with nothing to watch (no engine, no compiler, no GPU process, no launched boot, the guard far from the
-# floor) is cycled this many times slower. Measured on an H200 host (183 processes): the cycle's own thread took
-# 0.27 % of a core at 1 s. The guard does not wait on telemetry for any kill; the first engine, compiler or GPU
-# process seen brings the configured interval back at the next cycle.
-QUIET_FACTOR = 2
+# floor) is cycled once per QUIET_INTERVAL_S, the shipped scrape interval (data/grafana/prometheus.yml): each scrape
+# still sees a fresh snapshot. Measured on an H100 host (bench/RESULTS-idle.md): the cycle's own thread took 42.7 ms
+# per 30 s idle at 2 s, about 2.8 ms a cycle with NVML. The guard does not wait on telemetry for any kill; the first
+# engine, compiler or GPU process seen brings the configured interval back at the next cycle.
+QUIET_INTERVAL_S = 5.0
 
 
 def quiet(snapshot: Snapshot) -> bool:
@@ -477,7 +478,7 @@ class TelemetryLoop:
     ) -> None:
         self.telemetry = telemetry
         self.interval_s = interval_s
-        self.is_quiet = is_quiet  # a quiet cycle waits QUIET_FACTOR intervals for the next
+        self.is_quiet = is_quiet  # a quiet cycle waits QUIET_INTERVAL_S (or the interval, if longer) for the next
         self.on_event = on_event
         self.on_cycle = on_cycle  # after each cycle, on this thread (the telemetry process reports to the guard)
         self.latest: Snapshot | None = None
@@ -533,7 +534,7 @@ class TelemetryLoop:
                 log.error("telemetry cycle failed: %s: %s", type(exc).__name__, exc)
             latest, is_quiet = self.latest, self.is_quiet
             slow = latest is not None and is_quiet is not None and is_quiet(latest)
-            next_at += self.interval_s * (QUIET_FACTOR if slow else 1)
+            next_at += max(self.interval_s, QUIET_INTERVAL_S) if slow else self.interval_s
             delay = next_at - time.monotonic()
             if delay < 0:  # a slow cycle: start the next one now rather than bunching up to catch up
                 next_at = time.monotonic()
