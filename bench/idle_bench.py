@@ -6,8 +6,9 @@ Episodes alternate A B A B: the daemon (`sparkwatch run`, both processes, its me
 Prometheus would), then earlyoom 1.7 on the same box, `--rounds` times each. Every episode lets the process settle
 for 10 s (telemetry imports prometheus_client and pynvml, and its first cycles warm its caches), then
 measures `--seconds`: CPU time (each thread's time on a CPU, in ns, from /proc/PID/task/TID/schedstat) over wall
-time, in % of one core, and the largest RSS seen in 1 s samples; at the episode's end, each process's PSS (smaps_rollup) and its RSS split
-into anonymous, file and locked pages (/proc/PID/status). Medians over the rounds; these VMs are noisy.
+time, in % of one core, and the largest RSS seen in 1 s samples; at the episode's end, each process's PSS
+(smaps_rollup) and its RSS split into anonymous, file and locked pages (/proc/PID/status). Medians over the
+rounds; these VMs are noisy.
 
 On a GPU machine (where libnvidia-ml loads) the telemetry process polls NVML every cycle, as it does on a Spark;
 `--nvml` in the table says whether it did. Run as root so mlockall applies as in the unit.
