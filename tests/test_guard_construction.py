@@ -1,5 +1,6 @@
-"""The guard process is built in one direction (gpud's New()): each part from those built before it, given in its
-constructor. No late-bound lambda closes a cycle back to the GuardProcess, and its constructor stays short."""
+"""The guard process (and the telemetry process) is built in one direction (gpud's New()): each part from those built
+before it, given in its constructor. No late-bound lambda closes a cycle back to the process object, and the guard's
+constructor stays short."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import inspect
 import textwrap
 
 from sparkwatch.guard import poolwatch, process
+from sparkwatch.telemetry import telemetryprocess
 
 
 def _init(cls: type) -> ast.FunctionDef:
@@ -110,3 +112,12 @@ def test_no_module_imports_itself_back() -> None:
                     parent = work[-1][0]
                     low[parent] = min(low[parent], low[node])
     assert cycles == []
+
+
+def test_no_lambda_in_the_telemetry_process_reads_the_process_itself() -> None:
+    """The telemetry process is built the same way: each watch is given the parts built before it (the loop's
+    `latest_engines`, the remote guard's `near_floor`), never a lambda that reads the process back."""
+    source = textwrap.dedent(inspect.getsource(telemetryprocess.TelemetryProcess))
+    for lam in (n for n in ast.walk(ast.parse(source)) if isinstance(n, ast.Lambda)):
+        names = {n.id for n in ast.walk(lam.body) if isinstance(n, ast.Name)}
+        assert "self" not in names, ast.unparse(lam)

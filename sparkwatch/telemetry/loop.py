@@ -504,6 +504,11 @@ class TelemetryLoop:
         self.interval_s = settings.telemetry_interval_s
         return self.telemetry.reconfigure(settings) | {"telemetry_interval_s"}
 
+    def latest_engines(self) -> tuple[EngineTree, ...] | None:
+        """The engine trees of the last cycle; None before the first."""
+        latest = self.latest
+        return None if latest is None else latest.engines
+
     def run_once(self) -> Snapshot:
         snapshot = self.telemetry.collect()
         self.latest = snapshot

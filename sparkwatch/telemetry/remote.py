@@ -51,6 +51,13 @@ class RemoteGuard:
         with self.lock:
             return None if self.stats.mem is None else self.stats.mem.available_bytes
 
+    def near_floor(self) -> bool:
+        """Whether the guard's last MemAvailable is within warn_headroom of the floor: then GPU readings go to it each
+        cycle (its kill policy ranks by them), and telemetry keeps its configured cadence (telemetry.loop.quiet)."""
+        available = self.available_bytes()
+        settings = self.settings
+        return available is not None and available <= settings.floor + settings.warn_headroom
+
 
 class EventErrors:
     """events.jsonl write errors of both processes, for `sparkwatch_event_log_write_errors`."""

@@ -120,20 +120,22 @@ class TelemetryProcess:
         gid = events_gid(settings.events_group)
         self.recording = open_recording(settings.events_path, settings.events_max_bytes, self.outbox, log_handler, gid)
         self.events, self.journal, self.router = self.recording.events, self.recording.journal, self.recording.router
-        self.components: list[Component[Settings]] = [*self._alerting(), *self._watchers()]
+        host = self._host_watchers()
+        driver, shmwatch, remote = self.driver, self.shmwatch, self.remote
         loop = self.loop = TelemetryLoop(
             Telemetry(
                 settings,
                 gpu_source=None if nvml_off is None else NvmlOff(nvml_off),
-                driver=lambda: self.driver.report,
-                shm=lambda: self.shmwatch.latest,
+                driver=lambda: driver.report,
+                shm=lambda: shmwatch.latest,
                 on_wedged=self._wedged,  # named to the guard, which checks it again before any signal
             ),
             settings.telemetry_interval_s,
             on_event=self.events.append,
             on_cycle=self._cycle_done,
-            is_quiet=lambda snap: quiet(snap) and not self._guard_near_floor(),
+            is_quiet=lambda snap: quiet(snap) and not remote.near_floor(),
         )
+        self.components: list[Component[Settings]] = [*self._alerting(), *host, *self._group_watchers(loop)]
         self.components.append(
             Component(
                 "telemetry",
@@ -179,7 +181,9 @@ class TelemetryProcess:
         }
         return [Component("outbox", box, counters=lambda: {name: read() for name, read in counters.items()})]
 
-    def _watchers(self) -> list[Component[Settings]]:
+    def _host_watchers(self) -> list[Component[Settings]]:
+        """What this node's own files say: the driver check (and the uevents that poke it), how the previous boot
+        ended, the pool's headroom, and what killed engines left in /dev/shm."""
         settings = self.settings
         nvml_off = self.nvml_off
         driver = self.driver = DriverWatcher(
@@ -211,22 +215,27 @@ class TelemetryProcess:
                 lambda: {"event_errors": headroom.event_errors_total},
             )
         )
-        # Engines spanning nodes over Ray: their groups from Ray's state API, a teardown to the guard when one loses a
-        # member (telemetry.raywatch; the guard checks each member itself before any signal).
-        # The other nodes' agents (`peers`): their guard's word on a group member it killed, and peer_lost.
-        # Groups without Ray (`--nnodes` over the multiprocessing backends): this node's members from its own trees,
-        # a peer's member that vanished (or the peer lost) ends the group here (telemetry.mpwatch).
-        self.mpwatch = MpGroupWatch(settings, self._send, self._last_engines, node=self.host)
-        peers = self.peers = PeerWatch(settings, self.events.append, after_poll=self._after_peers)
-        out.append(Component("peers", peers, self.PEERS_LIVE_KEYS, self._apply_peers, peers.counters))
-        # Each cycle's process table is handed to it (_cycle_done): a raylet that starts wakes it, none never does.
-        raywatch = self.raywatch = RayWatch(settings, self._send, peers=peers)
-        out.append(Component("raywatch", raywatch, RayWatch.LIVE_KEYS, raywatch.apply, raywatch.counters))
         # What killed engines left in /dev/shm, on a slow timer and soon after a tree ends (sparkwatch_shm_orphaned_*):
         # each cycle's trees are handed to it (_cycle_done), so it never wakes to look for an end itself.
         shmwatch = self.shmwatch = ShmWatch(settings.root, settings.proc_root)
         out.append(Component("shm", shmwatch, counters=shmwatch.counters))
         return out
+
+    def _group_watchers(self, loop: TelemetryLoop) -> list[Component[Settings]]:
+        settings = self.settings
+        # Engines spanning nodes over Ray: their groups from Ray's state API, a teardown to the guard when one loses a
+        # member (telemetry.raywatch; the guard checks each member itself before any signal).
+        # The other nodes' agents (`peers`): their guard's word on a group member it killed, and peer_lost.
+        # Groups without Ray (`--nnodes` over the multiprocessing backends): this node's members from its own trees,
+        # a peer's member that vanished (or the peer lost) ends the group here (telemetry.mpwatch).
+        self.mpwatch = MpGroupWatch(settings, self._send, loop.latest_engines, node=self.host)
+        peers = self.peers = PeerWatch(settings, self.events.append, after_poll=self._after_peers)
+        # Each cycle's process table is handed to it (_cycle_done): a raylet that starts wakes it, none never does.
+        raywatch = self.raywatch = RayWatch(settings, self._send, peers=peers)
+        return [
+            Component("peers", peers, self.PEERS_LIVE_KEYS, self._apply_peers, peers.counters),
+            Component("raywatch", raywatch, RayWatch.LIVE_KEYS, raywatch.apply, raywatch.counters),
+        ]
 
     _relays: tuple[peerdoc.RayRelay, ...] = ()  # the Ray states the proven peers relayed at their last read
 
@@ -240,11 +249,6 @@ class TelemetryProcess:
         if any(doc.ray_gone for doc in proven) or relays != self._relays:
             self._relays = relays
             self.raywatch.nudge()
-
-    def _last_engines(self) -> tuple[EngineTree, ...] | None:
-        """The engine trees of telemetry's last cycle; None before its first."""
-        snap = self.loop.latest
-        return None if snap is None else snap.engines
 
     PEERS_LIVE_KEYS = PeerWatch.LIVE_KEYS | {"group_teardown"}
 
@@ -360,7 +364,8 @@ class TelemetryProcess:
         self.registry.register(
             InternalCollector(self.all_counters, self.rss, self.psi_trigger, self.telemetry_restarts)
         )
-        self.registry.register(PostmortemCollector(lambda: self.postmortem.result))
+        postmortem = self.postmortem
+        self.registry.register(PostmortemCollector(lambda: postmortem.result))
         self.registry.register(GroupCollector(self.raywatch.view))
         self.registry.register(GateCollector(self.afterkill.gated))
         self.registry.register(ContainerCollector(self.container_board.engine_containers))
@@ -486,17 +491,10 @@ class TelemetryProcess:
                 engine_roots=tuple(sorted((tree.kind, tree.root.pid) for tree in snap.engines)),
             )
         key = replace(msg, gpu_ts=None)
-        if key == self._last_tel and now - self._last_tel_at < TEL_HEARTBEAT_S and not self._guard_near_floor():
+        if key == self._last_tel and now - self._last_tel_at < TEL_HEARTBEAT_S and not self.remote.near_floor():
             return
         self._send(msg)
         self._last_tel, self._last_tel_at = key, now
-
-    def _guard_near_floor(self) -> bool:
-        """Whether the guard's last MemAvailable is within warn_headroom of the floor: then GPU readings go to it each
-        cycle (its kill policy ranks by them)."""
-        available = self.remote.available_bytes()
-        settings = self.settings
-        return available is not None and available <= settings.floor + settings.warn_headroom
 
     def request_stop(self) -> None:
         self._stop.set()
