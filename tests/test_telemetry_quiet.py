@@ -6,7 +6,10 @@ from __future__ import annotations
 import threading
 from dataclasses import replace
 
+import pytest
+
 from sparkwatch.core.model import CompileCensus, EngineTree, GpuDevice, GpuProcess, GpuReport, Proc, Snapshot
+from sparkwatch.telemetry import loop as loop_module
 from sparkwatch.telemetry.loop import QUIET_INTERVAL_S, TelemetryLoop, quiet
 
 NO_COMPILERS = CompileCensus(tools={"nvcc": 0}, rss_bytes=0, parallel_jobs=0, archs={})
@@ -82,3 +85,19 @@ def test_an_interval_longer_than_the_quiet_one_is_kept() -> None:
     stop.wait = wait  # type: ignore[method-assign,assignment]
     loop._run()
     assert [round(b - a, 1) for a, b in zip([0.0, *waits], waits, strict=False)] == [QUIET_INTERVAL_S * 2] * 2
+
+
+def test_the_heap_is_trimmed_after_the_first_cycle_then_once_a_minute(monkeypatch: pytest.MonkeyPatch) -> None:
+    """By cycle count (every 60th) a quiet box trimmed first after five minutes: what start-up left free (imports,
+    NVML's init) stayed resident until then."""
+    trims: list[int] = []
+    monkeypatch.setattr(loop_module.syscalls, "trim_heap", lambda: trims.append(1))
+    loop = TelemetryLoop(Scripted([IDLE]), 1.0, is_quiet=quiet)  # type: ignore[arg-type]
+    for _ in range(3):
+        loop.run_once()
+    assert len(trims) == 1
+    assert loop._trimmed_at is not None
+    loop._trimmed_at -= loop_module.TRIM_EVERY_S
+    loop.run_once()
+    loop.run_once()
+    assert len(trims) == 2

@@ -57,7 +57,10 @@ if TYPE_CHECKING:
 
 log = logs.get("telemetry")
 T = TypeVar("T")
-TRIM_EVERY_CYCLES = 60  # malloc_trim once a minute at the default 1 s interval
+# malloc_trim after the first cycle (what start-up left free: the imports, NVML's init, the first process table), then
+# at most once a minute. By cycles it was every 60th, which a quiet box (a cycle per QUIET_INTERVAL_S) reaches after
+# five minutes, and the first came only then.
+TRIM_EVERY_S = 60.0
 # A box with nothing to watch (no engine, no compiler, no GPU process, no launched boot, the guard far from the
 # floor) is cycled once per QUIET_INTERVAL_S, the shipped scrape interval (data/grafana/prometheus.yml): each scrape
 # still sees a fresh snapshot. Measured on an H100 host (bench/RESULTS-idle.md): the cycle's own thread took 42.7 ms
@@ -484,6 +487,7 @@ class TelemetryLoop:
         self.latest: Snapshot | None = None
         self.cycles = 0
         self.errors_total = 0
+        self._trimmed_at: float | None = None  # monotonic time of the last malloc_trim
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -513,7 +517,9 @@ class TelemetryLoop:
         snapshot = self.telemetry.collect()
         self.latest = snapshot
         self.cycles += 1
-        if self.cycles % TRIM_EVERY_CYCLES == 0:
+        now = time.monotonic()
+        if self._trimmed_at is None or now - self._trimmed_at >= TRIM_EVERY_S:
+            self._trimmed_at = now
             # Each cycle allocates and frees a process table; glibc keeps the freed pages in its arenas, and under
             # pid churn that showed as slow RSS growth. Handing them back once a minute costs well under 1 ms.
             syscalls.trim_heap()
