@@ -8,6 +8,7 @@ from dataclasses import replace
 
 import pytest
 
+from sparkwatch.common import syscalls
 from sparkwatch.core.model import CompileCensus, EngineTree, GpuDevice, GpuProcess, GpuReport, Proc, Snapshot
 from sparkwatch.telemetry import loop as loop_module
 from sparkwatch.telemetry.loop import QUIET_INTERVAL_S, TelemetryLoop, quiet
@@ -91,7 +92,7 @@ def test_the_heap_is_trimmed_after_the_first_cycle_then_once_a_minute(monkeypatc
     """By cycle count (every 60th) a quiet box trimmed first after five minutes: what start-up left free (imports,
     NVML's init) stayed resident until then."""
     trims: list[int] = []
-    monkeypatch.setattr(loop_module.syscalls, "trim_heap", lambda: trims.append(1))
+    monkeypatch.setattr(syscalls, "trim_heap", lambda: trims.append(1))
     loop = TelemetryLoop(Scripted([IDLE]), 1.0, is_quiet=quiet)  # type: ignore[arg-type]
     for _ in range(3):
         loop.run_once()
