@@ -18,7 +18,7 @@ submodule is asked for. So:
 from __future__ import annotations
 
 from collections.abc import Callable
-from functools import partial
+from functools import lru_cache, partial
 from typing import TYPE_CHECKING
 
 from prometheus_client.openmetrics import exposition as om
@@ -42,6 +42,13 @@ Encoder = Callable[["Collector"], bytes]
 _go_float: Callable[[float], str] = floatToGoString  # untyped upstream
 
 
+# A scrape escapes a metric and a label name per sample (about 400 samples, a few dozen distinct names, all the
+# exporter's own): each is escaped once and remembered. The regex checks behind them were a fifth of a render's time
+# (1.7 ms on the 2-core VM for the golden scenario's 407 lines).
+_metric_name = lru_cache(maxsize=1024)(om.escape_metric_name)
+_label_name = lru_cache(maxsize=1024)(om.escape_label_name)
+
+
 def _escape_value(value: str) -> str:
     return str(om._escape(value, om.ALLOWUTF8, False))  # type: ignore[arg-type] # as upstream calls it
 
@@ -57,7 +64,7 @@ def generate_text(registry: Collector, escaping: str = "underscores") -> bytes:
         if samples.labels:
             # Label values always support UTF-8
             labelstr = ",".join(
-                f'{om.escape_label_name(k, escaping)}="{_escape_value(v)}"' for k, v in sorted(samples.labels.items())
+                f'{_label_name(k, escaping)}="{_escape_value(v)}"' for k, v in sorted(samples.labels.items())
             )
         else:
             labelstr = ""
@@ -68,12 +75,12 @@ def generate_text(registry: Collector, escaping: str = "underscores") -> bytes:
         if escaping != om.ALLOWUTF8 or _is_valid_legacy_metric_name(samples.name):
             if labelstr:
                 labelstr = f"{{{labelstr}}}"
-            return f"{om.escape_metric_name(samples.name, escaping)}{labelstr} {_go_float(samples.value)}{timestamp}\n"
+            return f"{_metric_name(samples.name, escaping)}{labelstr} {_go_float(samples.value)}{timestamp}\n"
         maybe_comma = ""
         if labelstr:
             maybe_comma = ","
         return (
-            f"{{{om.escape_metric_name(samples.name, escaping)}{maybe_comma}{labelstr}}} "
+            f"{{{_metric_name(samples.name, escaping)}{maybe_comma}{labelstr}}} "
             f"{_go_float(samples.value)}{timestamp}\n"
         )
 
@@ -97,8 +104,8 @@ def generate_text(registry: Collector, escaping: str = "underscores") -> bytes:
             elif mtype == "unknown":
                 mtype = "untyped"
 
-            output.append(f"# HELP {om.escape_metric_name(mname, escaping)} {_escape_help(metric.documentation)}\n")
-            output.append(f"# TYPE {om.escape_metric_name(mname, escaping)} {mtype}\n")
+            output.append(f"# HELP {_metric_name(mname, escaping)} {_escape_help(metric.documentation)}\n")
+            output.append(f"# TYPE {_metric_name(mname, escaping)} {mtype}\n")
 
             om_samples: dict[str, list[str]] = {}
             for s in metric.samples:
@@ -114,7 +121,7 @@ def generate_text(registry: Collector, escaping: str = "underscores") -> bytes:
             raise
 
         for suffix, lines in sorted(om_samples.items()):
-            name = om.escape_metric_name(metric.name + suffix, escaping)
+            name = _metric_name(metric.name + suffix, escaping)
             output.append(f"# HELP {name} {_escape_help(metric.documentation)}\n")
             output.append(f"# TYPE {name} gauge\n")
             output.extend(lines)
