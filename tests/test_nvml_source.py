@@ -16,7 +16,13 @@ import pynvml
 import pytest
 
 from sparkwatch.core.model import GpuProcess
-from sparkwatch.telemetry.sources.nvml import NO_LIBRARY_RETRY_S, UNIFIED_TOLERANCE, NvmlSource, is_unified
+from sparkwatch.telemetry.sources.nvml import (
+    ENERGY_EVERY_S,
+    NO_LIBRARY_RETRY_S,
+    UNIFIED_TOLERANCE,
+    NvmlSource,
+    is_unified,
+)
 from tests.helpers.fake_nvml import NOT_SUPPORTED, Err, FakeNvml, gb10
 
 FIXTURES = Path(__file__).parent / "fixtures" / "gpu"
@@ -129,6 +135,9 @@ def test_identity_is_read_once_and_each_cycle_costs_seven_calls_and_energy_every
     now[0] += 1.0  # t = 105: due again
     src.collect()
     assert fake.calls["nvmlDeviceGetTotalEnergyConsumption"] == energy + 1
+    now[0] += ENERGY_EVERY_S - 0.01  # a cycle of the 5 s quiet cadence, a touch early: due all the same
+    src.collect()
+    assert fake.calls["nvmlDeviceGetTotalEnergyConsumption"] == energy + 2
 
 
 @pytest.mark.skipif(ctypes.util.find_library("nvidia-ml") is not None, reason="this machine has libnvidia-ml")

@@ -47,6 +47,10 @@ _MHZ = 1_000_000.0
 # cost. The energy counter is read at most this often (the default scrape interval: each scrape still sees a new
 # value, and rate() over Grafana's 4-scrape window has 3-4 of them); between reads the last value is kept.
 ENERGY_EVERY_S = 5.0
+# A quiet box is cycled every 5 s too (telemetry.loop.QUIET_INTERVAL_S), and a cycle reaches this read a few ms
+# earlier or later than the last one did: without this slack half of them found it not yet due, and the counter moved
+# every 10 s.
+ENERGY_SLACK_S = 0.5
 # With no libnvidia-ml at all (a box without the driver's user space), nvmlInit is a failed dlopen: 0.44 ms a cycle
 # measured here, 0.04 % of a core for nothing. It is tried again only this often; in between the same report stands.
 NO_LIBRARY_RETRY_S = 30.0
@@ -495,7 +499,7 @@ class NvmlSource:
         errors = dict(ident.errors)
 
         now = self.clock()
-        energy_due = now - ident.energy_read_at >= ENERGY_EVERY_S
+        energy_due = now - ident.energy_read_at >= ENERGY_EVERY_S - ENERGY_SLACK_S
         wanted: list[tuple[str, str, tuple[Any, ...]]] = [
             ("power", "nvmlDeviceGetPowerUsage", (h,)),
             ("utilization", "nvmlDeviceGetUtilizationRates", (h,)),
