@@ -80,8 +80,7 @@ def generate_text(registry: Collector, escaping: str = "underscores") -> bytes:
         if labelstr:
             maybe_comma = ","
         return (
-            f"{{{_metric_name(samples.name, escaping)}{maybe_comma}{labelstr}}} "
-            f"{_go_float(samples.value)}{timestamp}\n"
+            f"{{{_metric_name(samples.name, escaping)}{maybe_comma}{labelstr}}} {_go_float(samples.value)}{timestamp}\n"
         )
 
     output = []
