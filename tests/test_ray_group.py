@@ -951,6 +951,38 @@ def test_without_a_raylet_the_watch_sleeps_and_a_raylet_started_later_is_found_a
             raylet.wait()
 
 
+def test_a_process_named_raylet_in_another_network_namespace_wakes_no_watch(tmp_path: Path) -> None:
+    """Another node's raylet on this box (a container's, the two-node tests') is named raylet too: the cycle that
+    first shows it costs one readlink of its namespace, and the watch's thread sleeps on. A raylet in ours wakes it."""
+    require(os.geteuid() == 0 and shutil.which("unshare") is not None, "needs root and unshare for a network namespace")
+    settings = load_settings(
+        None, {"state_dir": str(tmp_path / "state"), "ray_dashboard_url": "http://127.0.0.1:9"}, check_memory=False
+    )
+    named_raylet = tmp_path / RAYLET_COMM  # a sleep whose comm is raylet
+    shutil.copy("/bin/sleep", named_raylet)
+    scanner = ProcScanner(Path("/proc"))
+
+    def cycle(*pids: int) -> tuple[Proc, ...]:
+        return tuple(p for p in scanner.scan().procs if p.comm != RAYLET_COMM or p.pid in pids)
+
+    watch = RayWatch(settings, lambda msg: None)
+    with ExitStack() as stack:
+        foreign = subprocess.Popen(["unshare", "--net", str(named_raylet), "60"])
+        stack.callback(foreign.wait)
+        stack.callback(foreign.kill)
+        assert wait_until(lambda: Path(f"/proc/{foreign.pid}/comm").read_text().strip() == RAYLET_COMM, 5)
+        watch.observe(cycle())
+        changes = watch._named_changes
+        watch.observe(cycle(foreign.pid))
+        assert watch._named_changes == changes and not watch._wake.is_set()
+        ours = subprocess.Popen([str(named_raylet), "60"])
+        stack.callback(ours.wait)
+        stack.callback(ours.kill)
+        assert wait_until(lambda: Path(f"/proc/{ours.pid}/comm").read_text().strip() == RAYLET_COMM, 5)
+        watch.observe(cycle(foreign.pid, ours.pid))
+        assert watch._named_changes == changes + 1 and watch._wake.is_set()
+
+
 def test_a_placement_group_outliving_its_teardown_is_leaked() -> None:
     live = raygroup.groups(_state(rank_b_state="DEAD"))
     assert raygroup.leaked_groups(live, {}, 100.0) == ()  # not torn down here: not ours to remove

@@ -187,7 +187,8 @@ class RayWatch:
         # Written on the telemetry loop's thread (observe): its last table, the processes named raylet in it, and how
         # often those changed; this thread looks when that count is not the one it last looked at.
         self._table: tuple[Proc, ...] = ()
-        self._named: frozenset[tuple[int, int]] = frozenset()
+        self._named: frozenset[tuple[int, int]] = frozenset()  # the processes named raylet, by (pid, start ticks)
+        self._local_named: frozenset[tuple[int, int]] = frozenset()  # those of them in our network namespace
         self._named_changes = 0
         self._looked_changes = 0  # (this thread's)
         self.looks_total = 0  # looks over a table for raylets
@@ -230,13 +231,20 @@ class RayWatch:
 
     def observe(self, table: tuple[Proc, ...]) -> None:
         """A telemetry cycle's process table (the loop's thread; never blocks): kept for the next look, and the
-        thread woken when the processes named raylet in it changed (a raylet started, or gone)."""
+        thread woken when the processes named raylet in this network namespace changed (a raylet started, or
+        gone). One named raylet in another namespace (another node's on this box: a container's, the two-node tests')
+        costs a readlink when it appears, and wakes nothing."""
         self._table = table
         named = raylets_named(table)
-        if named != self._named:
-            self._named = named
-            self._named_changes += 1  # after the table: a look that sees this count reads this table or a newer one
-            self._wake.set()
+        if named == self._named:
+            return
+        self._named = named
+        local = frozenset(key for key in named if same_netns(self.proc_root, key[0]))
+        if local == self._local_named:
+            return
+        self._local_named = local
+        self._named_changes += 1  # after the table: a look that sees this count reads this table or a newer one
+        self._wake.set()
 
     def published_node_ids(self) -> frozenset[str]:
         """The node ids this node's raylets serve, and those of the ranks still told of after a raylet went."""
