@@ -10,7 +10,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from sparkwatch.core.driver import drift
@@ -337,6 +337,15 @@ _SEPARATORS = st.sampled_from([b"\n\n", b"\n\n", b"\n\n", b"\n\n\n", b"\n \n", b
     stanzas=st.lists(st.tuples(_HEADS, _STATUS, st.lists(_LINES, max_size=5), _SEPARATORS), max_size=12),
     trailing=st.sampled_from([b"", b"\n", b"\n\n"]),
     chunk=st.integers(1, 96),
+)
+@example(  # two stanzas with no blank line between: the second Package field, empty, makes the first incomplete
+    stanzas=[
+        (b"Package: libc6", b"Status: install ok installed", [], b"\n"),
+        (b"Package:", b"Status: install ok installed", [], b"\n\n"),
+        (b"Package: libc6", b"Status: install ok installed", [], b"\n\n"),
+    ],
+    trailing=b"",
+    chunk=1,
 )
 def test_the_dpkg_scan_reads_what_the_line_parser_reads(
     stanzas: list[tuple[bytes, bytes | None, list[bytes], bytes]], trailing: bytes, chunk: int

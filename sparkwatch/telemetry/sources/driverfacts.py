@@ -161,8 +161,10 @@ def read_dpkg_status(path: Path, errors: list[str]) -> tuple[tuple[DpkgPackage, 
 # A stanza with nothing to keep and nothing wrong, as dpkg writes 3,000 of them: a Package field with a value, then
 # fields of plain names and continuation lines that are not blank (bytes: a blank line, or one that str.strip()
 # empties, never matches). Such a stanza without "nvidia" and with a Status field is one CLEAN_STANZA to the parser.
+# A second Package field is left to the parser: the last one counts there, and an empty one makes the stanza incomplete
+# (found by tests/test_drift.py's property test).
 _CLEAN_STANZA_RE = re.compile(
-    rb"Package:[ \t]*[!-~][^\n]*(?:\n(?:[A-Za-z0-9][A-Za-z0-9_.-]*:[^\n]*|[ \t][^\n]*[!-~][^\n]*))*"
+    rb"Package:[ \t]*[!-~][^\n]*(?:\n(?:(?!Package:)[A-Za-z0-9][A-Za-z0-9_.-]*:[^\n]*|[ \t][^\n]*[!-~][^\n]*))*"
 )
 _DPKG_CHUNK_BYTES = 1 << 20
 
