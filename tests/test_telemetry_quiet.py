@@ -3,15 +3,18 @@ compiler or GPU process brings the configured cadence back at the next cycle."""
 
 from __future__ import annotations
 
-import threading
+import time
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
 from sparkwatch.common import syscalls
+from sparkwatch.common.launched import LaunchedWatch
 from sparkwatch.core.model import CompileCensus, EngineTree, GpuDevice, GpuProcess, GpuReport, Proc, Snapshot
 from sparkwatch.telemetry import loop as loop_module
 from sparkwatch.telemetry.loop import QUIET_INTERVAL_S, TelemetryLoop, quiet
+from tests.conftest import wait_until
 
 NO_COMPILERS = CompileCensus(tools={"nvcc": 0}, rss_bytes=0, parallel_jobs=0, archs={})
 IDLE = Snapshot(ts=1.0, compile=NO_COMPILERS)
@@ -51,41 +54,72 @@ class Scripted:
         pass
 
 
+def record_waits(loop: TelemetryLoop, count: int) -> list[float]:
+    """Run the loop for `count` waits through its one sleep, recorded and never slept: each delay is then the
+    schedule so far."""
+    waits: list[float] = []
+
+    def sleep(delay_s: float, quiet: bool, waker: object) -> bool:
+        waits.append(delay_s)
+        if len(waits) == count:
+            loop._stop.set()
+        return False
+
+    loop._sleep = sleep  # type: ignore[method-assign]
+    loop._run()
+    return [round(b - a, 1) for a, b in zip([0.0, *waits], waits, strict=False)]
+
+
 def test_the_loop_waits_longer_after_a_quiet_cycle_and_not_after_a_busy_one() -> None:
     busy = replace(IDLE, compile=replace(NO_COMPILERS, parallel_jobs=2))
     loop = TelemetryLoop(Scripted([IDLE, IDLE, busy, IDLE]), 0.5, is_quiet=quiet)  # type: ignore[arg-type]
-    waits: list[float] = []
-    stop = threading.Event()
-
-    def wait(delay: float | None = None) -> bool:  # the loop's only sleep: recorded, never slept
-        waits.append(delay or 0.0)
-        if len(waits) == 4:
-            stop.set()
-        return stop.is_set()
-
-    loop._stop = stop
-    stop.wait = wait  # type: ignore[method-assign,assignment]
-    loop._run()
-    # The wait never sleeps, so each delay is the schedule so far: its steps are the differences.
-    steps = [round(b - a, 1) for a, b in zip([0.0, *waits], waits, strict=False)]
-    assert steps == [QUIET_INTERVAL_S, QUIET_INTERVAL_S, 0.5, QUIET_INTERVAL_S]
+    assert record_waits(loop, 4) == [QUIET_INTERVAL_S, QUIET_INTERVAL_S, 0.5, QUIET_INTERVAL_S]
 
 
 def test_an_interval_longer_than_the_quiet_one_is_kept() -> None:
     loop = TelemetryLoop(Scripted([IDLE]), QUIET_INTERVAL_S * 2, is_quiet=quiet)  # type: ignore[arg-type]
-    waits: list[float] = []
-    stop = threading.Event()
+    assert record_waits(loop, 2) == [QUIET_INTERVAL_S * 2] * 2
 
-    def wait(delay: float | None = None) -> bool:
-        waits.append(delay or 0.0)
-        if len(waits) == 2:
-            stop.set()
-        return stop.is_set()
 
-    loop._stop = stop
-    stop.wait = wait  # type: ignore[method-assign,assignment]
-    loop._run()
-    assert [round(b - a, 1) for a, b in zip([0.0, *waits], waits, strict=False)] == [QUIET_INTERVAL_S * 2] * 2
+def cycles_after(loop: TelemetryLoop, seconds: float) -> int:
+    start = loop.cycles
+    time.sleep(seconds)
+    return loop.cycles - start
+
+
+def test_hurry_ends_a_quiet_wait_and_leaves_a_busy_one() -> None:
+    """The guard near the floor, or a kill, ends a quiet wait at once; a wait at the configured interval stays."""
+    busy = replace(IDLE, compile=replace(NO_COMPILERS, parallel_jobs=2))
+    for snapshot, interval_s, expected in ((IDLE, 1.0, 1), (busy, 3.0, 0)):
+        loop = TelemetryLoop(Scripted([snapshot]), interval_s, is_quiet=quiet)  # type: ignore[arg-type]
+        loop.start()
+        try:
+            assert wait_until(lambda loop=loop: loop.cycles == 1, 5)  # type: ignore[misc]
+            time.sleep(0.2)  # in its wait
+            assert cycles_after(loop, 0.5) == 0
+            loop.hurry()
+            assert cycles_after(loop, 1.0) == expected, snapshot
+        finally:
+            loop.stop()
+
+
+def test_a_launch_declaration_ends_a_quiet_wait(tmp_path: Path) -> None:
+    """A declaration written while the loop waits quietly starts a cycle at once (the kernel's word through
+    inotify): a launched engine's first boot phases are exported, not missed for QUIET_INTERVAL_S."""
+    launched_dir = tmp_path / "launched"
+    launched_dir.mkdir()
+    scripted = Scripted([IDLE])
+    scripted.launched = LaunchedWatch((launched_dir,), None, "/proc")  # type: ignore[attr-defined]
+    loop = TelemetryLoop(scripted, 1.0, is_quiet=quiet)  # type: ignore[arg-type]
+    loop.start()
+    try:
+        assert wait_until(lambda: loop.cycles == 1, 5)
+        time.sleep(0.2)
+        assert cycles_after(loop, 0.5) == 0
+        (launched_dir / "123.json").write_text("{}")
+        assert wait_until(lambda: loop.cycles == 2, 1.0)
+    finally:
+        loop.stop()
 
 
 def test_the_heap_is_trimmed_after_the_first_cycle_then_once_a_minute(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -12,6 +12,7 @@ other parts of the Snapshot intact.
 from __future__ import annotations
 
 import os
+import select
 import threading
 import time
 from collections.abc import Callable
@@ -53,6 +54,7 @@ from sparkwatch.telemetry.sources.nvml import NvmlSource
 from sparkwatch.telemetry.sources.procenv import EnvironReader, read_wchan
 
 if TYPE_CHECKING:
+    from sparkwatch.common.dirwatch import DirWatch
     from sparkwatch.config.settings import Settings
 
 log = logs.get("telemetry")
@@ -490,6 +492,9 @@ class TelemetryLoop:
         self._trimmed_at: float | None = None  # monotonic time of the last malloc_trim
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)  # stop() and hurry() end a wait
+        self._quiet_wait = False  # the loop is waiting QUIET_INTERVAL_S (hurry() ends it)
+        self._hurried = False  # hurry() was called since the last cycle began: the next quiet wait is skipped
 
     def start(self) -> None:
         self._stop.clear()
@@ -498,10 +503,16 @@ class TelemetryLoop:
 
     def stop(self) -> None:
         self._stop.set()
+        self._poke()
         if self._thread is not None:
             # A cycle blocked in a /proc read (a process whose mmap lock is held) must not hold up shutdown: the
             # thread is a daemon thread, and the guard never waits on it.
             self._thread.join(5)
+        if self._thread is None or not self._thread.is_alive():  # a thread still in its cycle keeps its pipe
+            for fd in (self._wake_r, self._wake_w):
+                if fd >= 0:
+                    os.close(fd)
+            self._wake_r = self._wake_w = -1
         self.telemetry.close()
 
     def reconfigure(self, settings: Settings) -> frozenset[str]:
@@ -514,6 +525,7 @@ class TelemetryLoop:
         return None if latest is None else latest.engines
 
     def run_once(self) -> Snapshot:
+        self._hurried = False  # this cycle is what a hurry() asked for
         snapshot = self.telemetry.collect()
         self.latest = snapshot
         self.cycles += 1
@@ -533,21 +545,78 @@ class TelemetryLoop:
                 log.error("could not record %s event: %s", event.kind, exc)
         return snapshot
 
+    def hurry(self) -> None:
+        """End a quiet wait now (the guard came near the floor, or told of a kill); a wait at the configured interval
+        is left as it is. Safe from any thread: the flag is set before the wait is looked at, and the loop marks its
+        wait before it looks at the flag, so one of the two sees the other."""
+        self._hurried = True
+        if self._quiet_wait:
+            self._poke()
+
+    def _poke(self) -> None:
+        try:
+            os.write(self._wake_w, b"x")
+        except OSError:  # the pipe is full (a wake-up is pending already) or closed (the loop has ended)
+            pass
+
     def _run(self) -> None:
+        waker = self._waker()
         next_at = time.monotonic()
-        while not self._stop.is_set():
-            try:
-                self.run_once()
-                if self.on_cycle is not None:
-                    self.on_cycle()
-            except Exception as exc:  # collect() wraps its sources; this is a bug, reported and survived
-                self.errors_total += 1
-                log.error("telemetry cycle failed: %s: %s", type(exc).__name__, exc)
-            latest, is_quiet = self.latest, self.is_quiet
-            slow = latest is not None and is_quiet is not None and is_quiet(latest)
-            next_at += max(self.interval_s, QUIET_INTERVAL_S) if slow else self.interval_s
-            delay = next_at - time.monotonic()
-            if delay < 0:  # a slow cycle: start the next one now rather than bunching up to catch up
-                next_at = time.monotonic()
-                delay = 0
-            self._stop.wait(delay)
+        try:
+            while not self._stop.is_set():
+                try:
+                    self.run_once()
+                    if self.on_cycle is not None:
+                        self.on_cycle()
+                except Exception as exc:  # collect() wraps its sources; this is a bug, reported and survived
+                    self.errors_total += 1
+                    log.error("telemetry cycle failed: %s: %s", type(exc).__name__, exc)
+                latest, is_quiet = self.latest, self.is_quiet
+                slow = latest is not None and is_quiet is not None and is_quiet(latest)
+                next_at += max(self.interval_s, QUIET_INTERVAL_S) if slow else self.interval_s
+                delay = next_at - time.monotonic()
+                if delay < 0:  # a slow cycle: start the next one now rather than bunching up to catch up
+                    next_at = time.monotonic()
+                    delay = 0
+                if self._sleep(delay, slow, waker):
+                    next_at = time.monotonic()  # woken early: this cycle is the schedule's new start
+        finally:
+            if waker is not None:
+                waker.close()
+
+    def _waker(self) -> DirWatch | None:
+        """What wakes a quiet wait when a launch declaration is written: without it the first cycle of a launched
+        engine's boot came up to QUIET_INTERVAL_S late, and its first phases were never exported."""
+        if getattr(self.telemetry, "launched", None) is None:
+            return None
+        from sparkwatch.common.dirwatch import DirWatch  # noqa: PLC0415 - the daemon's loop only, not `status`
+
+        try:
+            return DirWatch()
+        except OSError as exc:
+            log.warning("telemetry: no inotify (%s): a quiet cycle waits its whole %g s", exc, QUIET_INTERVAL_S)
+            return None
+
+    def _sleep(self, delay_s: float, quiet: bool, waker: DirWatch | None) -> bool:
+        """The loop's one wait: `delay_s`, or less when stop() is called, or (a quiet wait) hurry() is or a
+        declarations directory changes (`waker`). True when it ended early."""
+        launched = getattr(self.telemetry, "launched", None)
+        self._quiet_wait = quiet
+        try:
+            if self._stop.is_set() or (quiet and self._hurried):
+                return True
+            if quiet and waker is not None and launched is not None:
+                roots = [launched.users_root] if launched.users_root is not None else []
+                if waker.arm(launched.all_dirs(), roots):
+                    changed = waker.wait(delay_s, self._wake_r)
+                    return self._drain() or changed
+            ready, _, _ = select.select([self._wake_r], [], [], max(delay_s, 0.0))
+            return self._drain() or bool(ready)
+        finally:
+            self._quiet_wait = False
+
+    def _drain(self) -> bool:
+        try:
+            return bool(os.read(self._wake_r, 4096))
+        except BlockingIOError:
+            return False

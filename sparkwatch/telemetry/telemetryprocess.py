@@ -44,9 +44,10 @@ from sparkwatch.common.recording import open_recording
 from sparkwatch.common.selfwatch import rss_bytes
 from sparkwatch.common.sharing import events_gid
 from sparkwatch.common.sources.enginetrees import still_letting_go
+from sparkwatch.common.sources.meminfo import MeminfoError, MeminfoReader
 from sparkwatch.config.settings import ConfigError, wire_settings
 from sparkwatch.core.launch.rayletenv import RayletFacts
-from sparkwatch.core.model import EngineTree, NvmlFacts, Snapshot
+from sparkwatch.core.model import EngineTree, MemInfo, NvmlFacts, Snapshot
 from sparkwatch.telemetry import peerdoc
 from sparkwatch.telemetry.containerboard import ContainerBoard
 from sparkwatch.telemetry.containerwatch import ContainerStore, ContainerWatch
@@ -266,7 +267,7 @@ class TelemetryProcess:
         return peerdoc.build(
             self.host,
             self.raywatch.published_node_ids(),
-            None if snap is None else snap.mem,
+            self._pool_now(snap),
             () if snap is None else snap.engines,
             peerdoc.kills_from_guard(recent),
             groups=self.mpwatch.published(),
@@ -278,6 +279,16 @@ class TelemetryProcess:
             budgets=() if snap is None else self._worker_budgets(snap),
             ray=self.raywatch.relay(),
         )
+
+    def _pool_now(self, snap: Snapshot | None) -> MemInfo | None:
+        """This node's meminfo as of the request: a launch on another node judges by it whether this pool has settled,
+        and on a box with nothing to watch the last cycle can be QUIET_INTERVAL_S old. The last cycle's when meminfo
+        cannot be read now."""
+        try:
+            with MeminfoReader(Path(self.settings.proc_root)) as reader:
+                return reader.read()
+        except (MeminfoError, OSError):
+            return None if snap is None else snap.mem
 
     def _worker_budgets(self, snap: Snapshot) -> list[peerdoc.PeerBudget]:
         """The worker budgets of the engines launched here over Ray (`--budget worker=SIZE`, in their declarations):
@@ -433,10 +444,13 @@ class TelemetryProcess:
     def handle(self, msg: Message) -> None:
         if isinstance(msg, StateMsg):
             self.remote.update(msg)
+            if self.remote.near_floor():
+                self.loop.hurry()  # a quiet wait ends: the configured cadence from the next cycle on
             self.afterkill.guard_state(msg.guard.recent_kills)
             self.headroom.tick()
             self.gpu_fast.watch([key for b in msg.guard.budgets for key in b.gpu_watch])
         elif isinstance(msg, EventMsg):
+            self.loop.hurry()  # a kill: the next cycle sees what it left (the after-kill gate, /dev/shm, the peers)
             self.afterkill.guard_event(msg.event)
             if self.router is not None:
                 self.router(msg.event)  # already durable in events.jsonl and in the journal: only the alert is left
