@@ -145,10 +145,12 @@ class RayWatch:
         settings: Settings,
         send: Callable[[GroupTeardownMsg | PeerBudgetMsg], None],
         peers: PeerWords | None = None,
+        wake: threading.Event | None = None,
     ) -> None:
         """`peers`: what the other nodes' agents say (telemetry.peerwatch.PeerWatch), text and reasons to look, never
         reasons to kill. The process table where the raylets are looked for comes from each telemetry cycle
-        (`observe`)."""
+        (`observe`). `wake`: the event that makes the thread poll now, given where the peers' news sets it (the
+        telemetry process's PeerNews, built before the peer watch that this watch asks)."""
         self.settings = settings
         self.send = send
         self.peers: PeerWords = peers or NoPeers()
@@ -193,7 +195,8 @@ class RayWatch:
         self._looked_changes = 0  # (this thread's)
         self.looks_total = 0  # looks over a table for raylets
         self._stop = threading.Event()
-        self._wake = threading.Event()  # set by nudge() (poll now) and observe() (a raylet started or gone)
+        # set by nudge() and the peers' news (poll now), and by observe() (a raylet started or gone)
+        self._wake = wake if wake is not None else threading.Event()
         self._thread: threading.Thread | None = None
         self._said: str | None = None
 

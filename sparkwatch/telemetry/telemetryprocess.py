@@ -103,6 +103,26 @@ def make_outbox(settings: Settings) -> Outbox | None:
     )
 
 
+class PeerNews:
+    """What each read of the peers tells this node's group watches: groups without Ray decide (telemetry.mpwatch),
+    and a proven peer that says a Ray rank of its node ended, or whose relayed Ray state changed (a rank died on the
+    head's node), wakes the Ray group watch now: a second sooner than its poll, as Ray would say so only after its
+    health check. Built before the peer watch, which calls it, and the Ray group watch, which asks the peer watch."""
+
+    def __init__(self, mpwatch: MpGroupWatch, ray_wake: threading.Event) -> None:
+        self.mpwatch = mpwatch
+        self.ray_wake = ray_wake
+        self._relays: tuple[peerdoc.RayRelay, ...] = ()  # the Ray states the proven peers relayed at their last read
+
+    def after_poll(self, peers: list[Peer]) -> None:
+        self.mpwatch.observe(peers)
+        proven = [p.doc for p in peers if p.proven and p.doc is not None]
+        relays = tuple(doc.ray for doc in proven if doc.ray is not None)
+        if any(doc.ray_gone for doc in proven) or relays != self._relays:
+            self._relays = relays
+            self.ray_wake.set()
+
+
 class TelemetryProcess:
     afterkill: AfterKillWatch  # built by _containers
 
@@ -229,27 +249,16 @@ class TelemetryProcess:
         # The other nodes' agents (`peers`): their guard's word on a group member it killed, and peer_lost.
         # Groups without Ray (`--nnodes` over the multiprocessing backends): this node's members from its own trees,
         # a peer's member that vanished (or the peer lost) ends the group here (telemetry.mpwatch).
-        self.mpwatch = MpGroupWatch(settings, self._send, loop.latest_engines, node=self.host)
-        peers = self.peers = PeerWatch(settings, self.events.append, after_poll=self._after_peers)
+        mpwatch = self.mpwatch = MpGroupWatch(settings, self._send, loop.latest_engines, node=self.host)
+        ray_wake = threading.Event()
+        news = PeerNews(mpwatch, ray_wake)
+        peers = self.peers = PeerWatch(settings, self.events.append, after_poll=news.after_poll)
         # Each cycle's process table is handed to it (_cycle_done): a raylet that starts wakes it, none never does.
-        raywatch = self.raywatch = RayWatch(settings, self._send, peers=peers)
+        raywatch = self.raywatch = RayWatch(settings, self._send, peers=peers, wake=ray_wake)
         return [
             Component("peers", peers, self.PEERS_LIVE_KEYS, self._apply_peers, peers.counters),
             Component("raywatch", raywatch, RayWatch.LIVE_KEYS, raywatch.apply, raywatch.counters),
         ]
-
-    _relays: tuple[peerdoc.RayRelay, ...] = ()  # the Ray states the proven peers relayed at their last read
-
-    def _after_peers(self, peers: list[Peer]) -> None:
-        """After each read of the peers: groups without Ray decide; a peer that says a Ray rank of its node ended
-        wakes the group watch now (a second sooner than its poll: Ray would say so only after its health check)."""
-        self.mpwatch.observe(peers)
-        proven = [p.doc for p in peers if p.proven and p.doc is not None]
-        relays = tuple(doc.ray for doc in proven if doc.ray is not None)
-        # and one whose relayed Ray state changed (a rank died on the head's node): the group watch reads it now
-        if any(doc.ray_gone for doc in proven) or relays != self._relays:
-            self._relays = relays
-            self.raywatch.nudge()
 
     PEERS_LIVE_KEYS = PeerWatch.LIVE_KEYS | {"group_teardown"}
 
