@@ -498,6 +498,8 @@ class TelemetryLoop:
 
     def start(self) -> None:
         self._stop.clear()
+        if self._wake_r < 0:  # stopped before: a new pipe for the new thread
+            self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._thread = daemon_thread(self._run, "sparkwatch-telemetry")
         self._thread.start()
 
