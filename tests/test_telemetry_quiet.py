@@ -59,7 +59,7 @@ def record_waits(loop: TelemetryLoop, count: int) -> list[float]:
     schedule so far."""
     waits: list[float] = []
 
-    def sleep(delay_s: float, quiet: bool, waker: object) -> bool:
+    def sleep(delay_s: float, quiet: bool, waker: object, not_before: float = 0.0) -> bool:
         waits.append(delay_s)
         if len(waits) == count:
             loop._stop.set()
@@ -118,6 +118,27 @@ def test_a_launch_declaration_ends_a_quiet_wait(tmp_path: Path) -> None:
         assert cycles_after(loop, 0.5) == 0
         (launched_dir / "123.json").write_text("{}")
         assert wait_until(lambda: loop.cycles == 2, 1.0)
+    finally:
+        loop.stop()
+
+
+def test_a_directory_changing_over_and_over_costs_a_cycle_per_interval_at_most(tmp_path: Path) -> None:
+    """Another user's files changing every 50 ms in a declarations directory wake a quiet wait, but the cycles stay
+    the configured interval apart (here 1 s): 2 s of churn cost 2-3 cycles, not 40."""
+    launched_dir = tmp_path / "launched"
+    launched_dir.mkdir()
+    scripted = Scripted([IDLE])
+    scripted.launched = LaunchedWatch((launched_dir,), None, "/proc")  # type: ignore[attr-defined]
+    loop = TelemetryLoop(scripted, 1.0, is_quiet=quiet)  # type: ignore[arg-type]
+    loop.start()
+    try:
+        assert wait_until(lambda: loop.cycles == 1, 5)
+        start = loop.cycles
+        deadline = time.monotonic() + 2.0
+        while time.monotonic() < deadline:
+            (launched_dir / "churn").write_text(str(time.monotonic()))
+            time.sleep(0.05)
+        assert 1 <= loop.cycles - start <= 3, loop.cycles - start
     finally:
         loop.stop()
 

@@ -566,6 +566,7 @@ class TelemetryLoop:
         next_at = time.monotonic()
         try:
             while not self._stop.is_set():
+                started = time.monotonic()
                 try:
                     self.run_once()
                     if self.on_cycle is not None:
@@ -580,7 +581,7 @@ class TelemetryLoop:
                 if delay < 0:  # a slow cycle: start the next one now rather than bunching up to catch up
                     next_at = time.monotonic()
                     delay = 0
-                if self._sleep(delay, slow, waker):
+                if self._sleep(delay, slow, waker, not_before=started + self.interval_s):
                     next_at = time.monotonic()  # woken early: this cycle is the schedule's new start
         finally:
             if waker is not None:
@@ -599,9 +600,11 @@ class TelemetryLoop:
             log.warning("telemetry: no inotify (%s): a quiet cycle waits its whole %g s", exc, QUIET_INTERVAL_S)
             return None
 
-    def _sleep(self, delay_s: float, quiet: bool, waker: DirWatch | None) -> bool:
+    def _sleep(self, delay_s: float, quiet: bool, waker: DirWatch | None, not_before: float = 0.0) -> bool:
         """The loop's one wait: `delay_s`, or less when stop() is called, or (a quiet wait) hurry() is or a
-        declarations directory changes (`waker`). True when it ended early."""
+        declarations directory changes (`waker`). True when it ended early. A directory change ends it no sooner
+        than `not_before` (monotonic: a cycle's start plus the configured interval), however often other users'
+        files change there."""
         launched = getattr(self.telemetry, "launched", None)
         self._quiet_wait = quiet
         try:
@@ -611,7 +614,13 @@ class TelemetryLoop:
                 roots = [launched.users_root] if launched.users_root is not None else []
                 if waker.arm(launched.all_dirs(), roots):
                     changed = waker.wait(delay_s, self._wake_r)
-                    return self._drain() or changed
+                    if self._drain():
+                        return True
+                    early_s = not_before - time.monotonic()
+                    if changed and early_s > 0:
+                        select.select([self._wake_r], [], [], early_s)
+                        self._drain()
+                    return changed
             ready, _, _ = select.select([self._wake_r], [], [], max(delay_s, 0.0))
             return self._drain() or bool(ready)
         finally:
