@@ -4,6 +4,8 @@ compiler or GPU process brings the configured cadence back at the next cycle."""
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 
@@ -87,60 +89,56 @@ def cycles_after(loop: TelemetryLoop, seconds: float) -> int:
     return loop.cycles - start
 
 
+@contextmanager
+def running(snapshot: Snapshot, interval_s: float, launched_dir: Path | None = None) -> Iterator[TelemetryLoop]:
+    """A loop on its own thread that hands out `snapshot` every cycle, past its first cycle; with `launched_dir`,
+    that directory is its declarations directory (as the daemon's Telemetry has one). Stopped on the way out."""
+    scripted = Scripted([snapshot])
+    if launched_dir is not None:
+        launched_dir.mkdir()
+        scripted.launched = LaunchedWatch((launched_dir,), None, "/proc")  # type: ignore[attr-defined]
+    loop = TelemetryLoop(scripted, interval_s, is_quiet=quiet)  # type: ignore[arg-type]
+    loop.start()
+    try:
+        assert wait_until(lambda: loop.cycles == 1, 5)
+        yield loop
+    finally:
+        loop.stop()
+
+
 def test_hurry_ends_a_quiet_wait_and_leaves_a_busy_one() -> None:
     """The guard near the floor, or a kill, ends a quiet wait at once; a wait at the configured interval stays."""
     busy = replace(IDLE, compile=replace(NO_COMPILERS, parallel_jobs=2))
     for snapshot, interval_s, expected in ((IDLE, 1.0, 1), (busy, 6.0, 0)):
-        loop = TelemetryLoop(Scripted([snapshot]), interval_s, is_quiet=quiet)  # type: ignore[arg-type]
-        loop.start()
-        try:
-            assert wait_until(lambda loop=loop: loop.cycles == 1, 5)  # type: ignore[misc]
+        with running(snapshot, interval_s) as loop:
             time.sleep(0.2)  # in its wait
             assert cycles_after(loop, 0.5) == 0
             loop.hurry()
             assert cycles_after(loop, 1.0) == expected, snapshot
-        finally:
-            loop.stop()
 
 
 def test_a_launch_declaration_ends_a_quiet_wait(tmp_path: Path) -> None:
     """A declaration written while the loop waits quietly starts a cycle at once (the kernel's word through
     inotify): a launched engine's first boot phases are exported, not missed for QUIET_INTERVAL_S."""
     launched_dir = tmp_path / "launched"
-    launched_dir.mkdir()
-    scripted = Scripted([IDLE])
-    scripted.launched = LaunchedWatch((launched_dir,), None, "/proc")  # type: ignore[attr-defined]
-    loop = TelemetryLoop(scripted, 1.0, is_quiet=quiet)  # type: ignore[arg-type]
-    loop.start()
-    try:
-        assert wait_until(lambda: loop.cycles == 1, 5)
+    with running(IDLE, 1.0, launched_dir) as loop:
         time.sleep(0.2)
         assert cycles_after(loop, 0.5) == 0
         (launched_dir / "123.json").write_text("{}")
         assert wait_until(lambda: loop.cycles == 2, 1.0)
-    finally:
-        loop.stop()
 
 
 def test_a_directory_changing_over_and_over_costs_a_cycle_per_interval_at_most(tmp_path: Path) -> None:
     """Another user's files changing every 50 ms in a declarations directory wake a quiet wait, but the cycles stay
     the configured interval apart (here 1 s): 2 s of churn cost 2-3 cycles, not 40."""
     launched_dir = tmp_path / "launched"
-    launched_dir.mkdir()
-    scripted = Scripted([IDLE])
-    scripted.launched = LaunchedWatch((launched_dir,), None, "/proc")  # type: ignore[attr-defined]
-    loop = TelemetryLoop(scripted, 1.0, is_quiet=quiet)  # type: ignore[arg-type]
-    loop.start()
-    try:
-        assert wait_until(lambda: loop.cycles == 1, 5)
+    with running(IDLE, 1.0, launched_dir) as loop:
         start = loop.cycles
         deadline = time.monotonic() + 2.0
         while time.monotonic() < deadline:
             (launched_dir / "churn").write_text(str(time.monotonic()))
             time.sleep(0.05)
         assert 1 <= loop.cycles - start <= 3, loop.cycles - start
-    finally:
-        loop.stop()
 
 
 def test_the_heap_is_trimmed_after_the_first_cycle_then_once_a_minute(monkeypatch: pytest.MonkeyPatch) -> None:
