@@ -495,6 +495,8 @@ class TelemetryLoop:
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)  # stop() and hurry() end a wait
         self._quiet_wait = False  # the loop is waiting QUIET_INTERVAL_S (hurry() ends it)
         self._hurried = False  # hurry() was called since the last cycle began: the next quiet wait is skipped
+        # the launch declarations' directories, which end a quiet wait when written (the daemon's Telemetry has them)
+        self._launched: LaunchedWatch | None = getattr(telemetry, "launched", None)
 
     def start(self) -> None:
         self._stop.clear()
@@ -590,7 +592,7 @@ class TelemetryLoop:
     def _waker(self) -> DirWatch | None:
         """What wakes a quiet wait when a launch declaration is written: without it the first cycle of a launched
         engine's boot came up to QUIET_INTERVAL_S late, and its first phases were never exported."""
-        if getattr(self.telemetry, "launched", None) is None:
+        if self._launched is None:
             return None
         from sparkwatch.common.dirwatch import DirWatch  # noqa: PLC0415 - the daemon's loop only, not `status`
 
@@ -605,7 +607,7 @@ class TelemetryLoop:
         declarations directory changes (`waker`). True when it ended early. A directory change ends it no sooner
         than `not_before` (monotonic: a cycle's start plus the configured interval), however often other users'
         files change there."""
-        launched = getattr(self.telemetry, "launched", None)
+        launched = self._launched
         self._quiet_wait = quiet
         try:
             if self._stop.is_set() or (quiet and self._hurried):
